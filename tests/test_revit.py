@@ -1,0 +1,375 @@
+"""reViT core: gates, merge, fold, cache, elastic depth, baselines, aux losses, errors.
+
+Each behaviour is checked against a slow, obviously-correct reference (loops over images,
+steps and experts) or a direct formula, over random shapes with Hypothesis.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import revit
+
+FAST = settings(max_examples=12, deadline=None)
+
+
+def tiny(name="revit-mini", **overrides):
+    cfg = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, heads=2, ffn_dim=24, depth=4)
+    cfg.update(overrides)
+    return revit.create_model(name, **cfg)
+
+
+def randomise(model, seed=0):
+    """Random weights everywhere (including the zero-initialised router output) so checks are not trivial."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def images(batch, model, seed=0):
+    c = model.config
+    return torch.randn(batch, c.in_channels, c.image_size, c.image_size, generator=torch.Generator().manual_seed(seed))
+
+
+# --- reference implementation: one image at a time, one step at a time, experts summed by hand ---
+
+def reference_forward(model, x, keep):
+    """keep (B, L) bool. Slow path: Python loop over images and steps, Eq. 1-3 written out."""
+    ffn, block = model.block.mlp, model.block
+    outs = []
+    for b in range(x.shape[0]):
+        h = model.embed(x[b:b + 1])
+        kept = [t for t in range(keep.shape[1]) if keep[b, t]]
+        for k, _ in enumerate(kept):
+            s = 0.0 if len(kept) == 1 else k / (len(kept) - 1)
+            z = ffn.router(torch.tensor([[s]]))[0]
+            g = torch.softmax(z / ffn.temperature, -1)
+            W1 = sum(g[e] * ffn.fc1_weight[e] for e in range(ffn.num_experts))
+            b1 = sum(g[e] * ffn.fc1_bias[e] for e in range(ffn.num_experts))
+            W2 = sum(g[e] * ffn.fc2_weight[e] for e in range(ffn.num_experts))
+            b2 = sum(g[e] * ffn.fc2_bias[e] for e in range(ffn.num_experts))
+            h = h + block.attn(block.norm1(h))
+            h = h + F.gelu(block.norm2(h) @ W1.T + b1) @ W2.T + b2
+        outs.append(model.head(model.norm(h)[:, 0]))
+    return torch.cat(outs)
+
+
+# --- gates (Eq. 1) ---
+
+@FAST
+@given(depth=st.integers(2, 40), experts=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_gates_are_a_distribution(depth, experts, seed):
+    model = randomise(tiny(num_experts=experts), seed)
+    G = model.gate_matrix(depth)
+    assert G.shape == (depth, experts)
+    assert (G >= 0).all()
+    torch.testing.assert_close(G.sum(1), torch.ones(depth))
+
+
+@FAST
+@given(depth=st.integers(2, 40), experts=st.integers(2, 9))
+def test_zero_initialised_router_gives_uniform_gates(depth, experts):
+    model = tiny(num_experts=experts)
+    torch.testing.assert_close(model.gate_matrix(depth), torch.full((depth, experts), 1.0 / experts))
+
+
+def test_gate_depends_on_normalised_depth_only():
+    model = randomise(tiny(num_experts=4), 1)
+    G12, G23 = model.gate_matrix(12), model.gate_matrix(23)
+    torch.testing.assert_close(G12[0], G23[0])    # s = 0
+    torch.testing.assert_close(G12[-1], G23[-1])  # s = 1
+    assert not torch.allclose(G12[0], G12[-1])
+
+
+# --- the dynamic model equals the slow reference, and folds into a plain ViT ---
+
+@FAST
+@given(depth=st.integers(2, 12), experts=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_forward_matches_reference(depth, experts, seed):
+    model = randomise(tiny(num_experts=experts), seed).eval()
+    if experts == 1:
+        return  # E = 1 has no router; covered by test_e1_is_a_tied_block
+    x = images(3, model, seed)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, depth=depth),
+                                   reference_forward(model, x, torch.ones(3, depth, dtype=torch.bool)),
+                                   rtol=1e-4, atol=1e-4)
+
+
+@FAST
+@given(depth=st.integers(2, 32), experts=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_fold_equals_dynamic(depth, experts, seed):
+    model = randomise(tiny(num_experts=experts), seed).eval()
+    vit = revit.fold(model, depth)
+    assert isinstance(vit, revit.VisionTransformer) and len(vit.blocks) == depth
+    assert not any("router" in n or "fc1_weight" in n for n, _ in vit.named_parameters())
+    x = images(2, model, seed)
+    with torch.no_grad():
+        torch.testing.assert_close(vit(x), model(x, depth=depth), rtol=1e-4, atol=1e-5)
+
+
+def test_fold_raptor_and_errors():
+    model = randomise(tiny("raptor-mini", depth=6, raptor_blocks=3), 2).eval()
+    x = images(2, model)
+    with torch.no_grad():
+        torch.testing.assert_close(revit.fold(model, 9)(x), model(x, depth=9))
+    with pytest.raises(ValueError, match="already folded"):
+        revit.fold(tiny("vit-mini"))
+    with pytest.raises(ValueError, match="depth"):
+        revit.fold(tiny(), 1)
+
+
+# --- merged-weight cache ---
+
+def test_cache_reused_and_equal_to_uncached():
+    model = randomise(tiny(num_experts=3), 3).eval()
+    uncached = randomise(tiny(num_experts=3, merge_cache=False), 3).eval()
+    x = images(4, model)
+    with torch.no_grad():
+        a = model(x, depth=7)
+        cached = model.block.mlp._cache
+        b = model(x, depth=7)
+        assert model.block.mlp._cache is cached  # reused, not recomputed
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, uncached(x, depth=7))
+        model(x, depth=5)
+        assert model.block.mlp._cache_key[0] == 5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw-foreach-off"])
+def test_cache_invalidated_by_optimizer_step_and_load(optimizer):
+    model = randomise(tiny(num_experts=3), 4)
+    x = images(4, model)
+    model.eval()
+    with torch.no_grad():
+        before = model(x)
+    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.5),
+           "adamw": lambda p: torch.optim.AdamW(p, lr=0.05),
+           "adamw-foreach-off": lambda p: torch.optim.AdamW(p, lr=0.05, foreach=False)}[optimizer](model.parameters())
+    model.train()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    model.eval()
+    fresh = randomise(tiny(num_experts=3, merge_cache=False), 0).eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        after = model(x)
+        assert not torch.allclose(after, before)
+        torch.testing.assert_close(after, fresh(x))
+        # load_state_dict writes in place: the cache must follow
+        model.load_state_dict(randomise(tiny(num_experts=3), 9).state_dict())
+        torch.testing.assert_close(model(x), randomise(tiny(num_experts=3, merge_cache=False), 9).eval()(x))
+
+
+def test_no_cache_when_gradients_are_needed():
+    model = randomise(tiny(num_experts=3), 5).eval()
+    model(images(2, model)).sum().backward()  # eval mode but grad enabled: the bank must get a gradient
+    assert model.block.mlp.fc1_weight.grad is not None and model.block.mlp.fc1_weight.grad.abs().sum() > 0
+    assert model.block.mlp._cache is None
+
+
+# --- elastic depth (§3.2, SPEC §1.6) ---
+
+@FAST
+@given(batch=st.integers(1, 5), depth=st.integers(2, 9), seed=st.integers(0, 2**16))
+def test_elastic_coordinates_are_the_renumbered_grid(batch, depth, seed):
+    keep = torch.rand(batch, depth, generator=torch.Generator().manual_seed(seed)) > 0.4
+    coords = revit.elastic_plan(keep)
+    for b in range(batch):
+        kept = keep[b].nonzero().flatten().tolist()
+        expected = [0.0] if len(kept) == 1 else [k / (len(kept) - 1) for k in range(len(kept))]
+        torch.testing.assert_close(coords[b, kept], torch.tensor(expected[:len(kept)]))
+
+
+@FAST
+@given(batch=st.integers(1, 6), depth=st.integers(2, 8), experts=st.integers(2, 4), seed=st.integers(0, 2**16))
+def test_elastic_forward_matches_per_image_reference(batch, depth, experts, seed):
+    model = randomise(tiny(num_experts=experts), seed).train()
+    keep = torch.rand(batch, depth, generator=torch.Generator().manual_seed(seed)) > 0.35
+    x = images(batch, model, seed)
+    torch.testing.assert_close(model(x, depth=depth, keep=keep), reference_forward(model, x, keep),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_dropped_step_is_identity_and_all_dropped_image_unchanged():
+    model = randomise(tiny(num_experts=3, depth=4), 6).train()
+    x = images(3, model)
+    keep = torch.tensor([[True, False, True, True], [False] * 4, [True] * 4])
+    out = model(x, keep=keep, return_states=True)
+    states = out["states"]
+    torch.testing.assert_close(states[2][0], states[1][0])      # step 1 dropped for image 0
+    for t in range(5):
+        torch.testing.assert_close(states[t][1], states[0][1])  # image 1 never changes
+    assert not torch.allclose(states[1][2], states[0][2])
+
+
+def test_elastic_training_samples_masks_and_keeps_gradients():
+    model = randomise(tiny(num_experts=3, depth=6, depth_drop=0.3), 7).train()
+    out = model(images(16, model), return_states=True)
+    loss = out["logits"].pow(2).mean() + sum(out["aux_losses"].values())
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    model.eval()  # depth_drop is a training-only behaviour
+    with torch.no_grad():
+        torch.testing.assert_close(model(images(2, model)), model(images(2, model)))
+
+
+# --- baselines ---
+
+def test_e1_is_a_tied_block():
+    model = randomise(tiny(num_experts=1, depth=5), 8).eval()
+    assert not hasattr(model.block.mlp, "router")
+    vit = revit.create_model("vit-mini", **{k: v for k, v in vars(model.config).items() if k not in ("arch", "layer_scale_init")},
+                             layer_scale_init=None)
+    state = {k: v for k, v in vit.state_dict().items() if not k.startswith("blocks.")}
+    state.update({k: v for k, v in model.state_dict().items() if not k.startswith("block.")})
+    for t in range(5):
+        state.update({f"blocks.{t}.{k}": v for k, v in model.block.state_dict().items()})
+    vit.load_state_dict(state)
+    x = images(2, model)
+    with torch.no_grad():
+        torch.testing.assert_close(vit.eval()(x), model(x))
+
+
+@FAST
+@given(depth=st.integers(1, 16), k=st.integers(1, 6))
+def test_raptor_schedule_is_contiguous_and_covers_all_blocks(depth, k):
+    if k > depth:
+        return
+    schedule = revit.raptor_schedule(k, depth)
+    assert len(schedule) == depth and schedule[0] == 0 and schedule[-1] == k - 1
+    assert all(b - a in (0, 1) for a, b in zip(schedule, schedule[1:]))
+
+
+def test_raptor_segments_match_the_reference_implementation():
+    # Raptor's thresholds at L=12 (1-based steps t <= threshold): k=4 -> [4, 7, 10]
+    assert revit.raptor_schedule(4, 12) == [0] * 4 + [1] * 3 + [2] * 3 + [3] * 2
+    assert revit.raptor_schedule(3, 12) == [0] * 7 + [1] * 3 + [2] * 2
+    assert revit.raptor_schedule(2, 12) == [0] * 7 + [1] * 5
+
+
+def test_raptor_with_k_equal_l_is_an_untied_vit():
+    raptor = randomise(tiny("raptor-mini", depth=5, raptor_blocks=5), 9).eval()
+    vit = tiny("vit-mini", depth=5, layer_scale_init=None).eval()
+    assert {k: v.shape for k, v in raptor.state_dict().items()} == {k: v.shape for k, v in vit.state_dict().items()}
+    vit.load_state_dict(raptor.state_dict())
+    x = images(2, raptor)
+    with torch.no_grad():
+        torch.testing.assert_close(vit(x), raptor(x))
+
+
+def test_deit3_numerics():
+    vit = tiny("vit-mini")
+    assert vit.blocks[0].ls1.gamma.eq(1e-4).all() and vit.norm.eps == 1e-6
+    assert vit.blocks[0].attn.qkv.bias is not None and vit.pos_embed.shape[1] == vit.config.num_patches
+    x = images(2, vit)
+    with torch.no_grad():  # the class token carries no position embedding
+        out = vit(x, return_states=True)
+        torch.testing.assert_close(out["states"][0][:, 0], vit.cls_token[:, 0].expand(2, -1))
+
+
+@pytest.mark.parametrize("name", ["vit-mini", "raptor-mini", "revit-mini", "revit-mini-e1"])
+def test_every_parameter_gets_a_gradient_and_outputs_are_named(name):
+    model = randomise(tiny(name), 10).train()
+    out = model(images(3, model), return_states=True)
+    assert out["logits"].shape == (3, 5) and out["tokens"].shape == (3, 5, 16)
+    assert out["pre_logits"].shape == (3, 16) and len(out["states"]) == model.config.depth + 1
+    assert torch.isfinite(out["logits"]).all()
+    (out["logits"].pow(2).mean() + sum(out["aux_losses"].values())).backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
+
+
+# --- auxiliary losses (Eq. 6, 8, 9) against direct formulas ---
+
+def set_router_output(model, bias):
+    ffn = model.block.mlp
+    with torch.no_grad():
+        ffn.router[2].weight.zero_()
+        ffn.router[2].bias.copy_(torch.tensor(bias))
+
+
+def test_aux_losses_match_direct_formulas():
+    model = tiny(num_experts=4)
+    out = model(images(2, model), return_states=True)
+    assert out["aux_losses"]["balance"].item() == pytest.approx(0.0, abs=1e-7)  # uniform gates
+    assert out["aux_losses"]["z_loss"].item() == pytest.approx(1e-3 * math.log(4) ** 2, rel=1e-5)
+
+    bias = [2.0, -1.0, 0.5, 0.0]
+    set_router_output(model, bias)
+    g = torch.softmax(torch.tensor(bias), 0)
+    entropy = -(g * g.log()).sum()
+    out = model(images(2, model), return_states=True)
+    assert out["aux_losses"]["balance"].item() == pytest.approx(1e-2 * (1 - entropy / math.log(4)).item(), rel=1e-5)
+    assert out["aux_losses"]["z_loss"].item() == pytest.approx(1e-3 * torch.logsumexp(torch.tensor(bias), 0).item() ** 2, rel=1e-5)
+
+
+def test_diversity_loss_on_hand_built_experts():
+    model = tiny(num_experts=3)
+    ffn = model.block.mlp
+    with torch.no_grad():
+        for p in ffn.bank():
+            p.copy_(p[0:1].expand_as(p))
+            p.add_(0.0)
+    assert ffn.diversity().item() == pytest.approx(1.0, rel=1e-5)  # identical experts
+    with torch.no_grad():  # disjoint supports: orthogonal parameter vectors
+        for p in ffn.bank():
+            p.zero_()
+        ffn.fc1_weight[0, 0, 0] = 1.0
+        ffn.fc1_weight[1, 0, 1] = 2.0
+        ffn.fc2_bias[2, 3] = -1.0
+    assert ffn.diversity().item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_no_aux_losses_for_one_expert_or_plain_vit():
+    for name in ("revit-mini-e1", "vit-mini", "raptor-mini"):
+        model = tiny(name)
+        assert model(images(1, model), return_states=True)["aux_losses"] == {}
+
+
+# --- presets and parameter counts (SPEC §1.9, ImageNet 224², 1000 classes) ---
+
+@pytest.mark.parametrize("name,millions", [
+    ("vit-s", 22.1), ("vit-b", 86.6), ("vit-l", 304.4),
+    ("raptor-s", 7.9), ("raptor-b", 29.9), ("raptor-l", 52.4),
+    ("revit-s", 6.1), ("revit-b", 22.8), ("revit-l", 39.8),  # paper: 23.6 / 40.9 for B / L (see README)
+])
+def test_parameter_counts_match_the_paper(name, millions):
+    with torch.device("meta"):
+        model = revit.create_model(name)
+    assert round(model.num_params() / 1e6, 1) == millions
+
+
+def test_preset_names():
+    for name in ("vit-s", "vit-b14", "raptor-s-k2", "raptor-l-k3", "revit-s-e8", "revit-b14", "revit-mini", "vit-mini32"):
+        assert name in revit.PRESETS
+    assert revit.PRESETS["revit-s-e8"]["num_experts"] == 8
+
+
+# --- bad input ---
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(depth=1), "depth"), (dict(num_experts=0), "num_experts"), (dict(image_size=10), "image_size"),
+    (dict(arch="cnn"), "arch"), (dict(depth_drop=1.0), "depth_drop"), (dict(heads=5), "dim"),
+    (dict(colour=1), "unknown config field"),
+])
+def test_bad_config_names_the_argument(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**overrides)
+
+
+def test_bad_input_names_the_argument():
+    model = tiny()
+    with pytest.raises(ValueError, match="unknown preset name='revit-xl'.*revit-s"):
+        revit.create_model("revit-xl")
+    with pytest.raises(ValueError, match="depth must be an integer >= 2"):
+        model(images(1, model), depth=1)
+    with pytest.raises(ValueError, match="in_channels=1"):
+        model(torch.randn(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="image_size=8"):
+        model(torch.randn(1, 1, 12, 12))
+    with pytest.raises(ValueError, match="untied ViT runs only its own depth"):
+        tiny("vit-mini")(images(1, model), depth=6)
