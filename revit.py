@@ -167,21 +167,26 @@ class MergedExpertFFN(nn.Module):
         if ctx["elastic"]:
             return  # images have their own coordinates: merged per coordinate group in forward
         depth = ctx["depth"]
-        # Cache only for inference: a cached tensor carries no graph back to the bank.
+        # Inference without gradients: merge all L FFNs once and reuse them across calls until
+        # the weights change. Otherwise merge step by step in forward, so that without a cache
+        # only one merged FFN is alive at a time (the bank stays the only large weight).
         cacheable = self.merge_cache and not self.training and not torch.is_grad_enabled()
-        key = (depth, torch.is_autocast_enabled(), self._version())
-        if cacheable and self._cache_key == key:
-            ctx["merged"] = self._cache
+        if not cacheable:
+            ctx["grid_gates"] = self.gates(depth_grid(depth, self.fc1_weight.device))  # (L, E)
             return
-        merged = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))
-        if cacheable:
-            self._cache_key, self._cache = key, merged
-        ctx["merged"] = merged
+        key = (depth, torch.is_autocast_enabled(), self._version())
+        if self._cache_key != key:
+            self._cache_key, self._cache = None, None  # free the old cache before building the new one
+            self._cache = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))
+            self._cache_key = key
+        ctx["merged"] = self._cache
 
     def forward(self, u: torch.Tensor, coords: torch.Tensor, ctx: dict) -> torch.Tensor:
-        if "merged" in ctx:  # every image is at grid step t: one dense FFN for the whole batch
-            t = ctx["step"]
+        t = ctx["step"]
+        if "merged" in ctx:  # cached: every image is at grid step t
             return apply_ffn(u, *(w[t] for w in ctx["merged"]))
+        if "grid_gates" in ctx:  # every image is at grid step t: merge once for the whole batch
+            return apply_ffn(u, *(w[0] for w in self.merge(ctx["grid_gates"][t:t + 1])))
         # Elastic depth: images at this step may sit at different coordinates. Group them by
         # coordinate and run one merged FFN per group, never one weight copy per image.
         values, group = torch.unique(coords, return_inverse=True)
