@@ -1,0 +1,622 @@
+"""Tests for alternet.py: the vectorised model against slow Python-loop references.
+
+Tiny widths throughout so the whole file runs in well under a minute on 2 CPU cores.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import alternet
+
+SMALL = dict(vocab_size=50, seq_len=16, dim=32, heads=2, ffn_dim=64, num_experts=4, top_k=2, max_depth=4, depth_dim=8)
+
+
+def small_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return alternet.create_model("alternet-tiny", **{**SMALL, **overrides})
+
+
+def spread_halting(model, seed=1, halting=True):
+    """Larger random router (state columns) and halt heads, so that sequences take different
+    experts and halt at different steps (at init all of them look alike)."""
+    g = torch.Generator().manual_seed(seed)
+    heads = [e.halt_head for e in model.experts if e.halt_head is not None] + [model.halt_head]
+    with torch.no_grad():
+        H = model.config.dim
+        model.router.weight[:, :H] = torch.randn(model.router.weight[:, :H].shape, generator=g) * 20
+        for head in filter(None, heads if halting else []):
+            head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 100)
+            head.bias.zero_()
+    return model
+
+
+def tokens_for(model, B=3, T=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+
+
+# --- slow references ------------------------------------------------------------
+
+
+def loop_halting_distribution(lambdas):
+    """Eq. 4-5 with Python loops: lambdas (B, D) nested lists."""
+    out = []
+    for row in lambdas:
+        p, unhalted = [], 1.0
+        for d, lam in enumerate(row):
+            lam = 1.0 if d == len(row) - 1 else lam
+            p.append(unhalted * lam)
+            unhalted *= 1 - lam
+        out.append(p)
+    return out
+
+
+def loop_depth_encoding(t, dim):
+    enc = []
+    for i in range(dim // 2):
+        freq = 10000 ** (-2 * i / dim)
+        enc += [math.sin(t * freq), math.cos(t * freq)]
+    return torch.tensor(enc)
+
+
+def loop_expert_update(expert, x):
+    """One pre-norm block with attention written out; returns block(x) - x. x: (T, H)."""
+    T, H = x.shape
+    heads = expert.attn.heads
+    hd = H // heads
+    q, k, v = expert.attn.qkv(expert.norm1(x)).split(H, dim=-1)
+    attn_out = torch.zeros(T, H)
+    for h in range(heads):
+        sl = slice(h * hd, (h + 1) * hd)
+        for i in range(T):
+            scores = torch.stack([q[i, sl] @ k[j, sl] / math.sqrt(hd) for j in range(i + 1)])  # causal: j <= i
+            weights = scores.softmax(0)
+            attn_out[i, sl] = sum(weights[j] * v[j, sl] for j in range(i + 1))
+    h_state = x + expert.attn.proj(attn_out)
+    out = h_state + expert.ffn.fc2(F.gelu(expert.ffn.fc1(expert.norm2(h_state))))
+    return out - x
+
+
+@torch.no_grad()
+def reference_forward(model, tokens, lengths=None, max_depth=None):
+    """Per sequence, per step, per selected expert; no batching, no grouping."""
+    cfg = model.config
+    steps = max_depth or cfg.max_depth
+    B, T = tokens.shape
+    result = dict(step_logits=[], router_logits=[], lambdas=[], states=[])
+    for b in range(B):
+        last = (lengths[b].item() if lengths is not None else T) - 1
+        x = model.tok_emb.weight[tokens[b]] + model.pos_emb.weight[:T]
+        seq = dict(step_logits=[], router_logits=[], lambdas=[], states=[x])
+        for d in range(steps):
+            t = d / (cfg.max_depth - 1) if cfg.max_depth > 1 else 0.0
+            enc = [loop_depth_encoding(t, cfg.depth_dim)]
+            if cfg.budget_signal:
+                enc.append(loop_depth_encoding(1 - t, cfg.depth_dim))
+            logits = model.router.weight @ torch.cat([x[last], *enc])
+            if cfg.logit_clamp is not None:
+                logits = logits.clamp(-cfg.logit_clamp, cfg.logit_clamp)
+            chosen = sorted(range(cfg.num_experts), key=lambda e: -logits[e].item())[: cfg.top_k]
+            norm = sum(math.exp(logits[e].item()) for e in chosen)
+            update, lam = torch.zeros_like(x), 0.0
+            for e in chosen:
+                gate = math.exp(logits[e].item()) / norm
+                y = loop_expert_update(model.experts[e], x)
+                update = update + gate * y
+                if cfg.halting and cfg.halt_head == "per_expert":
+                    lam += gate * torch.sigmoid(model.experts[e].halt_head(y[last])).item()
+            x = x + update
+            if cfg.halting and cfg.halt_head == "global":
+                lam = torch.sigmoid(model.halt_head(x[last])).item()
+            seq["states"].append(x)
+            seq["step_logits"].append(model.norm(x) @ model.tok_emb.weight.T)
+            seq["router_logits"].append(logits)
+            seq["lambdas"].append(lam)
+        for key in result:
+            result[key].append(seq[key])
+    result["p"] = torch.tensor(loop_halting_distribution(result["lambdas"]))
+    return result
+
+
+# --- halting distribution, prior, KL ------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 3), D=st.integers(1, 9), k=st.integers(1, 3), scale=st.floats(0.1, 20.0),
+       seed=st.integers(0, 10_000))
+def test_halting_distribution_matches_loop_and_sums_to_one(B, D, k, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    gates = torch.randn(B, D, k, generator=g, dtype=torch.float64).softmax(-1)
+    halt_logits = torch.randn(B, D, k, generator=g, dtype=torch.float64) * scale
+    lambdas = alternet.halting_probability(gates, halt_logits)  # (B, D)
+    loop_lambdas = [[sum(gates[b, d, j].item() / (1 + math.exp(-halt_logits[b, d, j].item())) for j in range(k))
+                     for d in range(D)] for b in range(B)]
+    torch.testing.assert_close(lambdas, torch.tensor(loop_lambdas, dtype=torch.float64))
+    p = alternet.halting_distribution(lambdas)
+    assert p.shape == (B, D)
+    assert (p >= 0).all()
+    torch.testing.assert_close(p.sum(1), torch.ones(B, dtype=torch.float64))
+    torch.testing.assert_close(p, torch.tensor(loop_halting_distribution(loop_lambdas), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("D", [1, 2, 5, 8, 12, 24])
+def test_depth_priors_are_normalised_over_the_steps(D):
+    q = alternet.depth_prior(D, D, "gaussian")
+    assert q.shape == (D,) and (q > 0).all()
+    torch.testing.assert_close(q.sum(), torch.tensor(1.0))
+    density = torch.tensor([math.exp(-0.5 * ((d - D / 2) / (D / 4)) ** 2) for d in range(D)])
+    torch.testing.assert_close(q, density / density.sum())
+    geo = alternet.depth_prior(D, D, "geometric", geometric_p=0.12)
+    torch.testing.assert_close(geo.sum(), torch.tensor(1.0))
+    torch.testing.assert_close(geo[1:] / geo[:-1], torch.full((D - 1,), 0.88))
+    capped = alternet.depth_prior(3, D, "gaussian") if D >= 3 else None  # inference cap: truncate, renormalise
+    if capped is not None:
+        torch.testing.assert_close(capped, q[:3] / q[:3].sum())
+
+
+@settings(max_examples=30, deadline=None)
+@given(D=st.integers(1, 10), B=st.integers(1, 3), seed=st.integers(0, 10_000),
+       kind=st.sampled_from(["gaussian", "geometric"]))
+def test_kl_is_zero_at_the_prior_and_positive_elsewhere(D, B, seed, kind):
+    q = alternet.depth_prior(D, D, kind).double()
+    assert alternet.kl_divergence(q.expand(B, D), q).abs() < 1e-12
+    g = torch.Generator().manual_seed(seed)
+    p = (torch.randn(B, D, generator=g, dtype=torch.float64) * 2).softmax(-1)
+    loop = sum(sum(p[b, d] * math.log(p[b, d] / q[d]) for d in range(D)) for b in range(B)) / B
+    kl = alternet.kl_divergence(p, q)
+    torch.testing.assert_close(kl, torch.as_tensor(loop, dtype=torch.float64))
+    if D > 1 and (p - q).abs().max() > 1e-6:
+        assert kl > 0
+    one_hot = torch.zeros(1, D, dtype=torch.float64)
+    one_hot[0, -1] = 1  # zeros in p contribute 0 log 0 = 0
+    torch.testing.assert_close(alternet.kl_divergence(one_hot, q), -q[-1].log())
+
+
+# --- router: gates, z-loss, load balance -------------------------------------------
+
+
+def test_topk_gates_and_router_losses_equal_direct_formulas():
+    model = small_model(num_experts=5, top_k=3)
+    with torch.no_grad():
+        model.router.weight.mul_(200)  # spread the logits, some past the clamp
+    out = model(tokens_for(model, B=4))
+    logits, idx, gates = out["router_logits"], out["expert_indices"], out["gates"]  # (D, B, E), (D, B, k)
+    assert logits.abs().max() <= 10 + 1e-6 and logits.abs().max() > 9
+    torch.testing.assert_close(gates.sum(-1), torch.ones(gates.shape[:2]))
+    D, B, E = logits.shape
+    decisions = [(d, b) for d in range(D) for b in range(B)]
+    z = 0.0
+    counts, probs = [0.0] * E, [0.0] * E
+    for d, b in decisions:
+        row = logits[d, b].tolist()
+        chosen = sorted(range(E), key=lambda e: -row[e])[:3]
+        assert set(chosen) == set(idx[d, b].tolist())
+        norm = sum(math.exp(row[e]) for e in chosen)
+        for j, e in enumerate(idx[d, b].tolist()):
+            assert abs(gates[d, b, j].item() - math.exp(row[e]) / norm) < 1e-5
+        total = sum(math.exp(v) for v in row)
+        z += math.log(total) ** 2
+        for e in range(E):
+            counts[e] += e in chosen
+            probs[e] += math.exp(row[e]) / total
+    z /= len(decisions)
+    lb_counts = E * sum(counts[e] / len(decisions) * probs[e] / len(decisions) for e in range(E))
+    cfg = model.config
+    assert abs(out["aux_losses"]["z"].item() - cfg.z_loss_weight * z) < 1e-5 * cfg.z_loss_weight * z
+    assert abs(out["aux_losses"]["balance"].item() - cfg.balance_weight * lb_counts) < 1e-6
+
+
+def test_logit_clamp_switch():
+    model = small_model(logit_clamp=None)
+    with torch.no_grad():
+        model.router.weight.mul_(500)
+    assert model(tokens_for(model))["router_logits"].abs().max() > 10
+
+
+# --- the whole forward against the loop reference -------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),
+    dict(halt_head="global", budget_signal=False, logit_clamp=None),
+    dict(num_experts=3, top_k=1, max_depth=3),
+    dict(halting=False),
+])
+def test_forward_matches_loop_reference(overrides):
+    model = spread_halting(small_model(**overrides))
+    tokens = tokens_for(model, B=3, T=7)
+    lengths = torch.tensor([7, 4, 1])
+    out = model(tokens, lengths=lengths, return_states=True)
+    ref = reference_forward(model, tokens, lengths)
+    D = model.config.max_depth
+    for b, L in enumerate(lengths.tolist()):
+        for d in range(D):
+            torch.testing.assert_close(out["states"][d + 1][b, :L], ref["states"][b][d + 1][:L], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(out["step_logits"][d, b, :L], ref["step_logits"][b][d][:L], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(out["router_logits"][d, b], ref["router_logits"][b][d], atol=1e-5, rtol=1e-4)
+    if model.config.halting:
+        torch.testing.assert_close(out["halting_distribution"], ref["p"].float(), atol=1e-5, rtol=1e-4)
+    else:
+        assert (out["halting_distribution"][:, -1] == 1).all() and (out["halting_distribution"][:, :-1] == 0).all()
+    assert (out["iterations"] == D).all()
+    torch.testing.assert_close(out["logits"], out["step_logits"][-1])
+
+
+def test_depth_encodings_never_enter_the_residual_stream(monkeypatch):
+    model = small_model()
+    tokens = tokens_for(model)
+    out = model(tokens, return_states=True)
+    torch.testing.assert_close(out["states"][0], model.tok_emb(tokens) + model.pos_emb.weight[: tokens.shape[1]])
+    # with the router blind to the encodings, replacing them by noise changes nothing anywhere
+    with torch.no_grad():
+        model.router.weight[:, model.config.dim:] = 0
+    clean = model(tokens, return_states=True)
+    monkeypatch.setattr(alternet, "depth_encoding", lambda t, dim: torch.randn(dim) * 100)
+    noisy = model(tokens, return_states=True)
+    for a, b in zip(clean["states"], noisy["states"]):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(clean["halting_distribution"], noisy["halting_distribution"])
+    # and the encodings do reach the router when it looks at them
+    with torch.no_grad():
+        model.router.weight[:, model.config.dim:] = 1.0
+    assert not torch.allclose(model(tokens)["router_logits"], noisy["router_logits"])
+
+
+def test_router_reads_the_last_valid_token_with_right_padding():
+    model = spread_halting(small_model())
+    model.eval()
+    lengths = torch.tensor([9, 3, 6])
+    tokens = tokens_for(model, B=3, T=9)
+    padded = model(tokens, lengths=lengths, halt_threshold=0.5)
+    assert padded["iterations"].unique().numel() > 1, "test needs sequences that halt at different depths"
+    for b, L in enumerate(lengths.tolist()):
+        alone = model(tokens[b : b + 1, :L], halt_threshold=0.5)
+        assert padded["iterations"][b] == alone["iterations"][0]
+        n = alone["iterations"][0].item()
+        torch.testing.assert_close(padded["router_logits"][:n, b], alone["router_logits"][:n, 0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(padded["logits"][b, :L], alone["logits"][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(padded["halting_distribution"][b, :n], alone["halting_distribution"][0, :n])
+    # the padding content is irrelevant
+    garbage = tokens.clone()
+    garbage[1, 3:] = (garbage[1, 3:] + 7) % model.config.vocab_size
+    again = model(garbage, lengths=lengths, halt_threshold=0.5)
+    torch.testing.assert_close(again["logits"][1, :3], padded["logits"][1, :3])
+    # the last-token fast path reads the same position
+    fast = model(tokens, lengths=lengths, halt_threshold=0.5, last_token_only=True)
+    torch.testing.assert_close(fast["logits"][:, 0], padded["logits"][torch.arange(3), lengths - 1])
+
+
+def test_padding_is_ignored_by_the_loss():
+    model = small_model()
+    tokens = tokens_for(model, B=2, T=8)
+    lengths = torch.tensor([8, 5])
+    targets = torch.roll(tokens, -1, 1)
+    a = model(tokens, targets=targets, lengths=lengths)
+    masked = targets.clone()
+    masked[1, 5:] = -1
+    b = model(tokens, targets=masked)  # same positions ignored through -1 instead
+    assert torch.isclose(a["step_losses"], model(tokens, targets=masked, lengths=lengths)["step_losses"]).all()
+    assert not torch.isclose(a["task_loss"], b["task_loss"])  # b routes on the padding: different model path
+    changed = targets.clone()
+    changed[1, 5:] = 0
+    torch.testing.assert_close(model(tokens, targets=changed, lengths=lengths)["loss"], a["loss"])
+
+
+# --- losses ----------------------------------------------------------------------------
+
+
+def test_task_loss_is_p_weighted_step_cross_entropy():
+    model = spread_halting(small_model(rir_weight=0.3))
+    tokens = tokens_for(model, B=3, T=6)
+    targets = torch.roll(tokens, -1, 1)
+    targets[0, :4] = -1  # ignored: sequence 0 averages over its 2 valid targets
+    out = model(tokens, targets=targets)
+    p, D = out["halting_distribution"], model.config.max_depth
+    ce = torch.stack([torch.stack([F.cross_entropy(out["step_logits"][d, b], targets[b], ignore_index=-1)
+                                   for d in range(D)]) for b in range(3)])  # (B, D) per-sequence mean CE
+    torch.testing.assert_close(out["task_loss"], (p * ce).sum(1).mean())
+    token_mean = [F.cross_entropy(out["step_logits"][d].flatten(0, 1), targets.flatten(), ignore_index=-1)
+                  for d in range(D)]
+    torch.testing.assert_close(out["step_losses"], torch.stack(token_mean).detach())
+    # L_RIR, Eq. 9-10, with loops
+    rir = 0.0
+    for b in range(3):
+        for d in range(1, D):
+            w = 1 / (1 + math.exp(-50 * (max(ce[b, d - 1].item() - ce[b, d].item(), 0) - 0.005)))
+            lam = out["halt_lambdas"][b, d].item()
+            rir -= ((1 - w) * math.log(lam) + w * math.log(1 - lam)) / (D - 1)
+    assert abs(out["aux_losses"]["rir"].item() - 0.3 * rir / 3) < 1e-5
+    prior = alternet.depth_prior(D, D, "gaussian")
+    kl = alternet.kl_divergence(p, prior)
+    torch.testing.assert_close(out["aux_losses"]["kl"], model.config.kl_weight * kl)
+    torch.testing.assert_close(out["loss"], out["task_loss"] + sum(out["aux_losses"].values()))
+
+
+@pytest.mark.parametrize("halt_head", ["per_expert", "global"])
+def test_rir_loss_changes_only_halt_head_gradients(halt_head):
+    grads = {}
+    for weight in (0.0, 5.0):
+        model = spread_halting(small_model(halt_head=halt_head, rir_weight=weight))
+        tokens = tokens_for(model, B=4, T=8)
+        out = model(tokens, targets=torch.roll(tokens, -1, 1))
+        assert out["aux_losses"]["rir"].item() > 0 or weight == 0
+        model.zero_grad()
+        out["loss"].backward()
+        grads[weight] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[0.0].keys() == grads[5.0].keys()
+    halt_names = [n for n in grads[0.0] if "halt_head" in n]
+    assert halt_names
+    for name in grads[0.0]:
+        if "halt_head" in name:
+            continue
+        torch.testing.assert_close(grads[0.0][name], grads[5.0][name], msg=name)
+    assert any(not torch.allclose(grads[0.0][n], grads[5.0][n]) for n in halt_names)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(halt_head="global"), dict(halting=False)])
+def test_every_parameter_gets_a_gradient(overrides):
+    model = spread_halting(small_model(**overrides, num_experts=3), halting=False)
+    tokens = tokens_for(model, B=8, T=8)
+    out = model(tokens, targets=torch.roll(tokens, -1, 1))
+    assert out["expert_indices"].unique().numel() == 3, "every expert should be routed to"
+    out["loss"].backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    if not model.config.halting:
+        assert not any("halt" in n for n, _ in model.named_parameters())
+
+
+def test_fixed_depth_model_one():
+    model = small_model(halting=False)
+    tokens = tokens_for(model)
+    targets = torch.roll(tokens, -1, 1)
+    out = model(tokens, targets=targets, max_depth=3)
+    assert out["aux_losses"].keys() == {"balance", "z"}
+    assert (out["iterations"] == 3).all() and out["step_logits"].shape[0] == 3
+    last_ce = F.cross_entropy(out["step_logits"][-1].flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(out["task_loss"], last_ce)
+    with pytest.raises(ValueError, match="halting=False"):
+        model(tokens, halt_threshold=0.5)
+    model.eval()
+    assert model.generate(tokens, 2).shape == (3, 14)  # generate's default threshold is ignored
+
+
+# --- curriculum, a_KL ramp ---------------------------------------------------------------
+
+
+def test_curriculum_forces_full_depth_then_releases():
+    model = spread_halting(small_model(min_depth_warmup=10, kl_ramp_steps=100, kl_weight=1.0))
+    tokens = tokens_for(model)
+    targets = torch.roll(tokens, -1, 1)
+    D = model.config.max_depth
+    model.train()
+    model.set_step(0)
+    out = model(tokens, targets=targets, halt_threshold=0.5)  # the curriculum overrides early exit
+    assert (out["iterations"] == D).all()
+    torch.testing.assert_close(out["halting_distribution"], F.one_hot(torch.full((3,), D - 1), D).float())
+    torch.testing.assert_close(out["task_loss"], out["step_losses"][-1])
+    assert out["aux_losses"]["kl"] == 0  # a_KL ramp starts at 0
+    assert out["aux_losses"]["rir"] > 0  # the halt heads keep learning
+    model.set_step(9)
+    assert model(tokens)["halting_distribution"][:, -1].eq(1).all()
+    model.set_step(10)
+    released = model(tokens)
+    assert (released["halting_distribution"][:, :-1] > 0).all()
+    model.set_step(50)
+    half = model(tokens)["aux_losses"]["kl"]
+    prior = alternet.depth_prior(D, D, "gaussian")
+    p = model(tokens)["halting_distribution"]
+    torch.testing.assert_close(half, 0.5 * alternet.kl_divergence(p, prior))
+    model.eval()
+    model.set_step(0)  # no curriculum at evaluation
+    assert (model(tokens)["halting_distribution"][:, :-1] > 0).all()
+
+
+# --- inference: threshold, cap, sampling -----------------------------------------------
+
+
+@pytest.mark.parametrize("threshold", [0.2, 0.5, 0.9])
+def test_threshold_and_cap_stop_where_they_should(threshold):
+    model = spread_halting(small_model(max_depth=6)).eval()
+    tokens = tokens_for(model, B=6, T=5)
+    full = model(tokens)  # every sequence runs D steps
+    D = model.config.max_depth
+    for cap in (D, 3, 1):
+        out = model(tokens, max_depth=cap, halt_threshold=threshold)
+        for b in range(6):
+            cumulative, expected = 0.0, cap
+            for d in range(cap):
+                cumulative += full["halting_distribution"][b, d].item()
+                if cumulative >= threshold:
+                    expected = d + 1
+                    break
+            assert out["iterations"][b].item() == expected
+        assert out["step_logits"].shape[0] == out["iterations"].max()
+        capped = model(tokens, max_depth=cap)
+        assert (capped["iterations"] == cap).all()
+        torch.testing.assert_close(capped["halting_distribution"].sum(1), torch.ones(6))
+        torch.testing.assert_close(capped["halting_distribution"][:, :-1], full["halting_distribution"][:, : cap - 1])
+    assert model(tokens, halt_threshold=threshold)["iterations"].unique().numel() > 1 or threshold != 0.5
+
+
+def test_early_halt_equals_a_run_capped_at_that_depth():
+    model = spread_halting(small_model(max_depth=6)).eval()
+    tokens = tokens_for(model, B=6, T=5)
+    targets = torch.roll(tokens, -1, 1)
+    out = model(tokens, targets=targets, halt_threshold=0.5)
+    assert out["iterations"].unique().numel() > 1
+    capped_rir = []
+    for b in range(6):
+        n = out["iterations"][b].item()
+        capped = model(tokens[b : b + 1], targets=targets[b : b + 1], max_depth=n)
+        if n > 1:
+            capped_rir.append(capped["aux_losses"]["rir"])
+        torch.testing.assert_close(out["logits"][b], capped["logits"][0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out["halting_distribution"][b, :n], capped["halting_distribution"][0])
+        assert (out["halting_distribution"][b, n:] == 0).all()
+        # halted outputs are frozen: later rows repeat the halted logits
+        for d in range(n, out["step_logits"].shape[0]):
+            assert torch.equal(out["step_logits"][d, b], out["step_logits"][n - 1, b])
+        assert (out["expert_indices"][n:, b] == -1).all()
+    # L_RIR of an early-halted batch covers only the steps each sequence ran
+    torch.testing.assert_close(out["aux_losses"]["rir"], torch.stack(capped_rir).mean())
+
+
+def test_sampled_halting_uses_the_conditional_lambda():
+    model = small_model(max_depth=4).eval()
+    with torch.no_grad():
+        for e in model.experts:
+            e.halt_head.weight.zero_()
+            e.halt_head.bias.zero_()  # lambda_d = 0.5 at every step
+    tokens = tokens_for(model, B=600, T=3)
+    torch.manual_seed(0)
+    it = model(tokens, sample_halting=True)["iterations"]
+    freq = [(it == n).float().mean().item() for n in (1, 2, 3, 4)]
+    # halting with lambda: 1/2, 1/4, 1/8, 1/8; with p_d it would be 1/2, 1/8, ...
+    for f, expected in zip(freq, (0.5, 0.25, 0.125, 0.125)):
+        assert abs(f - expected) < 0.06
+    with torch.no_grad():
+        for e in model.experts:
+            e.halt_head.bias.fill_(30.0)
+    assert (model(tokens[:5], sample_halting=True)["iterations"] == 1).all()
+
+
+# --- causality, determinism, generation ---------------------------------------------------
+
+
+def test_causality():
+    model = small_model()
+    tokens = tokens_for(model, B=2, T=10)
+    i = 4
+    changed = tokens.clone()
+    changed[:, i + 1:] = (changed[:, i + 1:] + 3) % model.config.vocab_size
+    # routing on a valid-length prefix: everything up to i ignores the tokens after it
+    lengths = torch.full((2,), i + 1)
+    a, b = model(tokens, lengths=lengths), model(changed, lengths=lengths)
+    torch.testing.assert_close(a["step_logits"][:, :, : i + 1], b["step_logits"][:, :, : i + 1])
+    # routing on the last token is the only path from later tokens: blind it and position i is causal
+    assert not torch.allclose(model(tokens)["logits"][:, : i + 1], model(changed)["logits"][:, : i + 1])
+    with torch.no_grad():
+        model.router.weight[:, : model.config.dim] = 0
+        for e in model.experts:
+            e.halt_head.weight.zero_()
+    blind, blind_changed = model(tokens), model(changed)
+    torch.testing.assert_close(blind["step_logits"][:, :, : i + 1], blind_changed["step_logits"][:, :, : i + 1])
+
+
+def test_determinism():
+    a, b = small_model(seed=3), small_model(seed=3)
+    tokens = tokens_for(a)
+    torch.testing.assert_close(a(tokens, targets=tokens)["loss"], b(tokens, targets=tokens)["loss"])
+    a.eval(), b.eval()
+    torch.manual_seed(5)
+    ga = a.generate(tokens[:, :4], 6, top_k=5)
+    torch.manual_seed(5)
+    gb = b.generate(tokens[:, :4], 6, top_k=5)
+    assert torch.equal(ga, gb)
+
+
+def test_generate_uses_halting_and_crops_context():
+    model = spread_halting(small_model(max_depth=6)).eval()
+    prompt = tokens_for(model, B=3, T=20)  # longer than seq_len = 16
+    ids, iters = model.generate(prompt, 4, temperature=0, halt_threshold=0.5, return_iterations=True)
+    assert ids.shape == (3, 24) and torch.equal(ids[:, :20], prompt) and iters.shape == (3, 4)
+    context = ids[:, 20 - 16 + 1 : 20 + 1]  # the window that produced the second new token
+    ref = model(context, halt_threshold=0.5)
+    torch.testing.assert_close(ids[:, 21], ref["logits"][:, -1].argmax(-1))
+    torch.testing.assert_close(iters[:, 1], ref["iterations"])
+    _, capped = model.generate(prompt, 2, temperature=0, halt_threshold=0.5, max_depth=2, return_iterations=True)
+    assert (capped <= 2).all()
+
+
+# --- presets and configuration ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, target, exact", [
+    ("alternet-50m", 50e6, 51_222_536),
+    ("alternet-350m", 350e6, 355_884_298),
+])
+def test_paper_presets_have_the_paper_sizes(name, target, exact):
+    with torch.device("meta"):
+        model = alternet.create_model(name)
+        fixed = alternet.create_model(name + "-fixed")
+    n = model.num_params()
+    print(f"{name}: {n:,} parameters")
+    assert abs(n - target) / target < 0.05  # the paper: "≈50M", "≈350M"
+    assert n == exact  # pins the layout; update deliberately
+    cfg = model.config
+    assert fixed.num_params() == n - cfg.num_experts * (cfg.dim + 1)  # Model I: same network minus halt heads
+
+
+def test_all_presets_build_and_run():
+    for name in alternet.PRESETS:
+        if name.startswith("alternet-tiny"):
+            model = alternet.create_model(name)
+            out = model(torch.randint(0, 256, (1, 8)))
+            assert out["logits"].shape == (1, 8, 256)
+
+
+def test_initialisation():
+    model = small_model(halt_bias_init=-3.0)
+    assert all(e.halt_head.bias.item() == -3.0 for e in model.experts)
+    assert small_model(halt_head="global").halt_head.bias.item() == -3.0
+    assert model.lm_head.weight is model.tok_emb.weight  # tied LM head
+    assert small_model(tie_embeddings=False).lm_head.weight is not small_model().tok_emb.weight
+    lam = model(tokens_for(model))["halt_lambdas"]
+    assert (lam - torch.sigmoid(torch.tensor(-3.0))).abs().max() < 0.02  # starts by (almost) never halting
+
+
+def test_ablation_switches():
+    assert small_model(budget_signal=False).router.in_features == 32 + 8
+    assert small_model().router.in_features == 32 + 16
+    g = small_model(halt_head="global")
+    assert g.halt_head is not None and all(e.halt_head is None for e in g.experts)
+    assert small_model(num_experts=6, ffn_dim=16).experts[5].ffn.fc1.out_features == 16
+    geo = small_model(prior="geometric", geometric_p=0.3)
+    out = geo(tokens_for(geo))
+    torch.testing.assert_close(out["aux_losses"]["kl"], 0.1 * alternet.kl_divergence(
+        out["halting_distribution"], alternet.depth_prior(4, 4, "geometric", 0.3)))
+    assert small_model(z_loss_weight=0.0)(tokens_for(geo))["aux_losses"]["z"] == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(halt_head="central"), "halt_head must be one of 'per_expert', 'global'"),
+    (dict(prior="uniform"), "prior must be one of 'gaussian', 'geometric'"),
+    (dict(top_k=5), "top_k must be in 1..num_experts=4"),
+    (dict(heads=3), "divisible by heads"),
+    (dict(logit_clamp=0.0), "logit_clamp"),
+    (dict(max_depth=0), "max_depth"),
+    (dict(geometric_p=1.0), "geometric_p"),
+    (dict(kl_weight=-1.0), "kl_weight"),
+    (dict(nonsense=1), "unknown config field"),
+])
+def test_bad_config_raises_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        small_model(**kwargs)
+
+
+def test_bad_inputs_raise_value_error():
+    with pytest.raises(ValueError, match="alternet-50m"):
+        alternet.create_model("alternet-5m")
+    model = small_model()
+    tokens = tokens_for(model)
+    cases = [
+        (dict(tokens=torch.zeros(1, 17, dtype=torch.long)), "seq_len=16"),
+        (dict(tokens=tokens.float()), "long tensor"),
+        (dict(max_depth=0), "max_depth"),
+        (dict(halt_threshold=1.5), "halt_threshold"),
+        (dict(halt_threshold=0.5, sample_halting=True), "alternatives"),
+        (dict(lengths=torch.tensor([0, 1, 2])), "lengths"),
+        (dict(lengths=torch.tensor([13, 1, 2])), "lengths"),
+        (dict(targets=tokens[:, :3]), "targets"),
+    ]
+    for kwargs, match in cases:
+        kwargs = {"tokens": tokens, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            model(**kwargs)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(tokens, 1, temperature=-1)
