@@ -14,6 +14,12 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eq. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); DeiT III's untied baseline keeps it.
 
+The paper's comparison of FFN mechanisms under the same single-block recurrence (§4.3,
+Tables 3, 4, 8-10, Fig. 2, Appendix B) plugs into the same block through the FFN interface:
+weight merges (Lory, SMEAR, the feature-only control of Fig. 2), token dispatch (DeepSeek-V3,
+Qwen3, MoEUT), output mixtures (ReMoE, Soft-MoE), the dense tied block (E = 1), and
+layer-wise LoRA (per-depth low-rank updates of attention and FFN). `ViTConfig.ffn` selects one.
+
 Read in build order: building blocks -> FFNs behind one interface -> config -> the plain
 ViT / Raptor -> reViT -> presets -> fold.
 """
@@ -24,6 +30,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
@@ -41,6 +48,15 @@ def init_linear(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
+def linear_with_lora(linear: nn.Linear, x: torch.Tensor, lora: dict | None, name: str) -> torch.Tensor:
+    """linear(x), plus the low-rank update B_t A_t x of layer-wise LoRA when this step has one."""
+    y = linear(x)
+    if lora is not None:
+        down, up = lora[name]  # A_t (r, in), B_t (out, r)
+        y = y + F.linear(F.linear(x, down), up)
+    return y
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -48,10 +64,11 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "b t (three h c) -> three b h t c", three=3, h=self.heads)
+    def forward(self, x: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
+        qkv = linear_with_lora(self.qkv, x, lora, "qkv")
+        q, k, v = rearrange(qkv, "b t (three h c) -> three b h t c", three=3, h=self.heads)
         x = F.scaled_dot_product_attention(q, k, v)  # (B, h, T, c), flash/efficient kernels where available
-        return self.proj(rearrange(x, "b h t c -> b t (h c)"))
+        return linear_with_lora(self.proj, rearrange(x, "b h t c -> b t (h c)"), lora, "proj")
 
 
 class LayerScale(nn.Module):
@@ -81,13 +98,26 @@ class DropPath(nn.Module):
 # Every FFN of the shared block takes (u, coords, ctx) and returns tokens of the same shape:
 #   u       (b, T, d)  LayerNorm'd tokens of the images that run this step
 #   coords  (b,)       each image's normalised depth coordinate s in [0, 1] (None for a plain ViT)
-#   ctx     dict       per-forward scratch space: "depth" L, "step" t, "elastic" flag, ...
+#   ctx     dict       per-forward scratch space: "depth" L, "step" t, "elastic" flag, "batch" B,
+#                      "index" (rows of the batch that run this step; None = all), "lora" (LoRA factors)
 # prepare(ctx) runs once before the steps and aux_losses(ctx) once after them; this is where a
-# mechanism precomputes per-forward state and reports its weighted auxiliary losses.
+# mechanism precomputes per-forward state and reports its weighted auxiliary losses. Statistics
+# pooled over the steps of one forward live in ctx; statistics for a non-gradient update after
+# the optimizer step (DeepSeek-V3's bias, ReMoE's L1 controller) live on the module, recorded by
+# training forwards only. active_flops_per_token(T) -> {"experts", "routing"}: FLOPs per token
+# and step for one image of T tokens (2 per multiply-add of the matmuls; biases, GELU, softmax and
+# norms not counted). "experts" is the FFN arithmetic the nominal budget U counts (paper §4.3:
+# U = expert FLOPs / one dense FFN's); "routing" is the rest (router matmuls, merges, Soft-MoE
+# dispatch/combine).
+
+
+def ffn_flops(dim: int, hidden: int) -> int:
+    """FLOPs of one FFN on one token: two matmuls d x h, 2 FLOPs per multiply-add."""
+    return 4 * dim * hidden
 
 
 class Mlp(nn.Module):
-    """The dense FFN of a ViT block: fc2(GELU(fc1(u)))."""
+    """The dense FFN of a ViT block: fc2(GELU(fc1(u))), with layer-wise LoRA updates when ctx has them."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -98,10 +128,16 @@ class Mlp(nn.Module):
         pass
 
     def forward(self, u: torch.Tensor, coords=None, ctx=None) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(u)))
+        lora = ctx.get("lora") if ctx is not None else None
+        if lora is None:
+            return self.fc2(F.gelu(self.fc1(u)))
+        return linear_with_lora(self.fc2, F.gelu(linear_with_lora(self.fc1, u, lora, "fc1")), lora, "fc2")
 
     def aux_losses(self, ctx: dict) -> dict:
         return {}
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        return {"experts": ffn_flops(self.fc1.in_features, self.fc1.out_features), "routing": 0}
 
 
 def depth_grid(depth: int, device=None) -> torch.Tensor:
@@ -113,7 +149,119 @@ def apply_ffn(u, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     return F.linear(F.gelu(F.linear(u, fc1_weight, fc1_bias)), fc2_weight, fc2_bias)
 
 
-class MergedExpertFFN(nn.Module):
+def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+    """n FFNs on n row sets at once: x (n, m, d), weights stacked (n, ...) -> (n, m, d)."""
+    h = F.gelu(torch.baddbmm(fc1_bias.unsqueeze(1), x, fc1_weight.transpose(1, 2)))  # (n, m, h)
+    return torch.baddbmm(fc2_bias.unsqueeze(1), h, fc2_weight.transpose(1, 2))       # (n, m, d)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Router math in fp32 (as Switch, Qwen3 and DeepSeek-V3 do), whatever the autocast dtype."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def pool_over_steps(ctx: dict, **stats) -> None:
+    """Sum router statistics over all recurrent steps of this forward: the experts are the same at
+    every step (one shared block), so balance is measured over all of them (SPEC Part 4)."""
+    pooled = ctx.setdefault("router_stats", {})
+    for name, value in stats.items():
+        pooled[name] = pooled[name] + value if name in pooled else value
+
+
+def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
+    """Sums over the rows of z (n, E) of 1 - H(g)/log E (Eq. 6) and logsumexp(z)^2 (Eq. 8)."""
+    z = z.float()
+    g = torch.softmax(z / temperature, dim=-1)
+    entropy = -(g * torch.log(g.clamp_min(1e-12))).sum(-1)
+    return (1.0 - entropy / math.log(z.shape[-1])).sum(), torch.logsumexp(z, dim=-1).pow(2).sum()
+
+
+def merge_regularisers(ffn: "ExpertBank", balance_sum, z_sum, rows, weights: tuple) -> dict:
+    """Eq. 6 and 8 as means over `rows` gate vectors (from their sums), and Eq. 9 on the bank."""
+    balance_weight, z_weight, diversity_weight = weights
+    return {"balance": balance_weight * balance_sum / rows,                     # Eq. 6
+            "z_loss": z_weight * z_sum / rows,                                  # Eq. 8
+            "diversity": diversity_weight * ffn.diversity()}                    # Eq. 9
+
+
+class ExpertBank(nn.Module):
+    """E expert FFNs stored as stacked tensors, theta_e = (W1_e, b1_e, W2_e, b2_e) (SPEC §1.3).
+
+    Each expert is initialised like a ViT FFN, independently (App. A.1). The bank knows the three
+    ways the mechanisms here use experts: merge them in weight space (Eq. 2), run all of them on
+    the same rows (output mixtures, shared experts, Soft-MoE slots), or dispatch each token to its
+    K experts (token routing). Table 8 counts exactly these tensors (`expert_ffn_params`).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, hidden, dim))  # (E, d_ff, d)
+        self.fc1_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, dim, hidden))  # (E, d, d_ff)
+        self.fc2_bias = nn.Parameter(torch.zeros(num_experts, dim))
+        nn.init.trunc_normal_(self.fc1_weight, std=0.02)
+        nn.init.trunc_normal_(self.fc2_weight, std=0.02)
+
+    def bank(self) -> tuple:
+        return self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
+
+    def params_per_expert(self) -> int:
+        """P(d, r) = 2 r d^2 + (r + 1) d for hidden width r d (App. B)."""
+        return 2 * self.dim * self.hidden + self.hidden + self.dim
+
+    def merge(self, gates: torch.Tensor) -> tuple:
+        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...)."""
+        n = gates.shape[0]
+        return tuple((gates.to(p.dtype) @ p.flatten(1)).view(n, *p.shape[1:]) for p in self.bank())
+
+    def run_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on its own rows: x (E, m, d) -> (E, m, d)."""
+        return apply_ffn_batched(x, *self.bank())
+
+    def mixture(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Every expert on every token, outputs summed with weights (n, E) (None: all weights 1)."""
+        y = self.run_all(x.expand(self.num_experts, *x.shape))  # (E, n, d)
+        if weights is None:
+            return y.sum(0)
+        return (y * weights.T.unsqueeze(-1).to(y.dtype)).sum(0)  # (n, d)
+
+    def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Token dispatch: token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K).
+
+        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous
+        chunk (a loop over experts, never over tokens), and results are scattered back with index_add.
+        """
+        n, k = expert_index.shape
+        flat = expert_index.flatten()                                   # (n K,)
+        order = torch.argsort(flat, stable=True)
+        token = order // k                                              # token of each sorted pair
+        sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
+        chunks = x[token].split(sizes)
+        y = torch.cat([apply_ffn(chunk, *(p[e] for p in self.bank())) for e, chunk in enumerate(chunks)])
+        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)       # (n K, d)
+        return y.new_zeros(n, x.shape[1]).index_add_(0, token, y)
+
+    def diversity(self) -> torch.Tensor:
+        """Eq. 9: mean over pairs e < e' of cos^2(vec(theta_e), vec(theta_e')). Pair-mean is our default."""
+        theta = torch.cat([p.flatten(1) for p in self.bank()], dim=1).float()  # (E, P)
+        theta = F.normalize(theta, dim=1)
+        cos = theta @ theta.T
+        i, j = torch.triu_indices(self.num_experts, self.num_experts, offset=1, device=cos.device)
+        return cos[i, j].pow(2).mean()
+
+    def prepare(self, ctx: dict) -> None:
+        pass
+
+    def aux_losses(self, ctx: dict) -> dict:
+        return {}
+
+
+# --- weight merge: depth-programmed (reViT), and content-conditioned (SMEAR, Lory, feature-only) ---
+
+
+class MergedExpertFFN(ExpertBank):
     """reViT's FFN (paper §3.1): E expert FFNs merged in weight space by a depth router.
 
     Eq. 1: z_t = psi(s_t), g_t = softmax(z_t / tau), psi = Linear(1,16) -> SiLU -> Linear(16,E).
@@ -123,18 +271,10 @@ class MergedExpertFFN(nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int, router_hidden: int = 16,
                  router_temperature: float = 1.0, aux_weights: tuple = (1e-2, 1e-3, 1e-3),
                  merge_cache: bool = True):
-        super().__init__()
-        self.num_experts, self.temperature = num_experts, router_temperature
-        self.balance_weight, self.z_weight, self.diversity_weight = aux_weights
+        super().__init__(dim, hidden, num_experts)
+        self.temperature, self.aux_weights = router_temperature, aux_weights
         self.merge_cache = merge_cache
         self.router = nn.Sequential(nn.Linear(1, router_hidden), nn.SiLU(), nn.Linear(router_hidden, num_experts))
-        # the expert bank: E complete FFNs, each initialised like a ViT FFN, independently
-        self.fc1_weight = nn.Parameter(torch.empty(num_experts, hidden, dim))  # (E, d_ff, d)
-        self.fc1_bias = nn.Parameter(torch.zeros(num_experts, hidden))
-        self.fc2_weight = nn.Parameter(torch.empty(num_experts, dim, hidden))  # (E, d, d_ff)
-        self.fc2_bias = nn.Parameter(torch.zeros(num_experts, dim))
-        nn.init.trunc_normal_(self.fc1_weight, std=0.02)
-        nn.init.trunc_normal_(self.fc2_weight, std=0.02)
         self._cache_key, self._cache = None, None
 
     def reset_parameters(self) -> None:
@@ -143,9 +283,6 @@ class MergedExpertFFN(nn.Module):
         nn.init.zeros_(self.router[2].weight)
         nn.init.zeros_(self.router[2].bias)
 
-    def bank(self) -> tuple:
-        return self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
-
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
         """(n,) coordinates -> (n, E) router logits z."""
         return self.router(coords.to(self.router[0].weight.dtype).unsqueeze(-1))
@@ -153,12 +290,7 @@ class MergedExpertFFN(nn.Module):
     def gates(self, coords: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.gate_logits(coords).float() / self.temperature, dim=-1)
 
-    def merge(self, gates: torch.Tensor) -> tuple:
-        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...)."""
-        n = gates.shape[0]
-        return tuple((gates.to(p.dtype) @ p.flatten(1)).view(n, *p.shape[1:]) for p in self.bank())
-
-    def _version(self) -> tuple:
+    def weights_version(self) -> tuple:
         # In-place updates (optimizer steps, load_state_dict, .copy_) bump a tensor's version
         # counter; moving the module changes data_ptr. Either invalidates the cache.
         return tuple((p._version, p.data_ptr(), p.dtype) for p in self.parameters())
@@ -174,7 +306,7 @@ class MergedExpertFFN(nn.Module):
         if not cacheable:
             ctx["grid_gates"] = self.gates(depth_grid(depth, self.fc1_weight.device))  # (L, E)
             return
-        key = (depth, torch.is_autocast_enabled(), self._version())
+        key = (depth, torch.is_autocast_enabled(), self.weights_version())
         if self._cache_key != key:
             self._cache_key, self._cache = None, None  # free the old cache before building the new one
             self._cache = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))
@@ -203,22 +335,385 @@ class MergedExpertFFN(nn.Module):
         """Eq. 6, 8, 9 on the gates of this forward's grid; all zero-cost to skip for E = 1."""
         if self.num_experts == 1:
             return {}
-        z = self.gate_logits(depth_grid(ctx["depth"], self.fc1_weight.device)).float()  # (L, E)
-        g = torch.softmax(z / self.temperature, dim=-1)
-        entropy = -(g * torch.log(g.clamp_min(1e-12))).sum(-1)
-        balance = (1.0 - entropy / math.log(self.num_experts)).mean()          # Eq. 6
-        z_loss = torch.logsumexp(z, dim=-1).pow(2).mean()                        # Eq. 8
-        return {"balance": self.balance_weight * balance,
-                "z_loss": self.z_weight * z_loss,
-                "diversity": self.diversity_weight * self.diversity()}
+        z = self.gate_logits(depth_grid(ctx["depth"], self.fc1_weight.device))  # (L, E)
+        return merge_regularisers(self, *gate_penalties(z, self.temperature), z.shape[0], self.aux_weights)
 
-    def diversity(self) -> torch.Tensor:
-        """Eq. 9: mean over pairs e < e' of cos^2(vec(theta_e), vec(theta_e')). Pair-mean is our default."""
-        theta = torch.cat([p.flatten(1) for p in self.bank()], dim=1).float()  # (E, P)
-        theta = F.normalize(theta, dim=1)
-        cos = theta @ theta.T
-        i, j = torch.triu_indices(self.num_experts, self.num_experts, offset=1, device=cos.device)
-        return cos[i, j].pow(2).mean()
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        # routing, for one image: psi on s_t (1 -> 16 -> E) and the Eq. 2 merge (E * P multiply-adds)
+        router = 2 * (self.router[0].out_features + self.router[2].in_features * self.num_experts)
+        merge = 2 * self.num_experts * self.params_per_expert()
+        return {"experts": ffn_flops(self.dim, self.hidden), "routing": (router + merge) / num_tokens}
+
+
+class ContentMergedFFN(ExpertBank):
+    """Eq. 2 merge with per-image gates from a pooled token state instead of the depth coordinate.
+
+    Shared by SMEAR, Lory and the feature-only control: gates g = softmax(W_r pool + b_r) (b, E),
+    one merged FFN per image (b weight copies, run with batched matmuls). The router input is what
+    the subclasses change. Elastic depth needs nothing extra: an image's gate comes from its own state.
+    """
+
+    normalise_router_input = True
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__(dim, hidden, num_experts)
+        self.router_norm = nn.LayerNorm(dim, eps=1e-6) if self.normalise_router_input else nn.Identity()
+        self.router = nn.Linear(dim, num_experts)
+
+    def router_input(self, u: torch.Tensor, ctx: dict) -> torch.Tensor:
+        return u.mean(1)  # (b, d): the pooled current state
+
+    def forward(self, u: torch.Tensor, coords, ctx: dict) -> torch.Tensor:
+        z = router_logits(self.router_norm(self.router_input(u, ctx)), self.router.weight, self.router.bias)  # (b, E)
+        self.record_gates(z, ctx)
+        merged = self.merge(torch.softmax(z, dim=-1))   # per image: (b, d_ff, d), (b, d_ff), (b, d, d_ff), (b, d)
+        return apply_ffn_batched(u, *merged)            # (b, T, d)
+
+    def record_gates(self, z: torch.Tensor, ctx: dict) -> None:
+        pass
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        routing = 2 * self.dim * self.num_experts + 2 * self.num_experts * self.params_per_expert()
+        return {"experts": ffn_flops(self.dim, self.hidden), "routing": routing / num_tokens}
+
+
+class SmearFFN(ContentMergedFFN):
+    """SMEAR (Muqeeth et al., 2024; r-three/smear): soft merging of experts with a content router.
+
+    The reference routes on the mean over tokens, LayerNorm'd, with a plain softmax (no temperature),
+    merges per example and uses no balance loss (App. B: "no auxiliary losses"). Here the experts are
+    full FFNs of the shared block and the pooled state is this step's FFN input.
+    """
+
+
+class FeatureOnlyFFN(ContentMergedFFN):
+    """The feature-only control of Fig. 2: SMEAR's gate (pooled current state, no depth signal).
+
+    It replaces reViT's depth coordinate by content and keeps everything else of reViT, including
+    the Eq. 6, 8, 9 regularisers (balance and z-loss over every per-image gate of every step), so
+    the comparison isolates the conditioning signal. The gate is recomputed at every step, which is
+    what lets it run under per-image depth dropout (App. A.2) and at any inference depth.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, aux_weights: tuple = (1e-2, 1e-3, 1e-3)):
+        super().__init__(dim, hidden, num_experts)
+        self.aux_weights = aux_weights
+
+    def record_gates(self, z: torch.Tensor, ctx: dict) -> None:
+        balance_sum, z_sum = gate_penalties(z, 1.0)
+        pool_over_steps(ctx, balance_sum=balance_sum, z_sum=z_sum, rows=z.shape[0])
+
+    def aux_losses(self, ctx: dict) -> dict:
+        stats = ctx.get("router_stats")
+        if self.num_experts == 1 or stats is None:
+            return {}
+        return merge_regularisers(self, stats["balance_sum"], stats["z_sum"], stats["rows"], self.aux_weights)
+
+
+class LoryFFN(ContentMergedFFN):
+    """Lory (Zhong et al., 2024; no public code): a linear softmax router on the pooled representation
+    of the previous segment picks the merged FFN of the next one (causal routing).
+
+    App. B reinterprets segments as recurrent steps: the pooled FFN input of an image's previous
+    (retained) step routes step t. At an image's first step there is no previous one; it routes on
+    its own pooled input (our default). No LayerNorm on the router input (the pooled tokens are
+    already LayerNorm'd) and no auxiliary loss; similarity-based batching has no image analogue.
+    """
+
+    normalise_router_input = False
+
+    def router_input(self, u: torch.Tensor, ctx: dict) -> torch.Tensor:
+        pooled = u.mean(1)  # (b, d)
+        rows = ctx.get("index")
+        if rows is None:
+            rows = torch.arange(u.shape[0], device=u.device)
+        if "lory_prev" not in ctx:  # per-image memory over the whole batch (B, d), set before step 0
+            ctx["lory_prev"] = pooled.new_zeros(ctx.get("batch", u.shape[0]), u.shape[-1])
+            ctx["lory_seen"] = torch.zeros(ctx.get("batch", u.shape[0]), dtype=torch.bool, device=u.device)
+        previous = torch.where(ctx["lory_seen"][rows].unsqueeze(1), ctx["lory_prev"][rows], pooled)
+        ctx["lory_prev"] = ctx["lory_prev"].index_copy(0, rows, pooled)
+        ctx["lory_seen"] = ctx["lory_seen"].index_fill(0, rows, True)
+        return previous
+
+
+# --- token dispatch: DeepSeek-V3, Qwen3, MoEUT (each token runs its top-K experts) ---
+
+
+class TokenRoutedFFN(ExpertBank):
+    """Common part of the token-dispatch FFNs: a linear router (no bias) over E experts, top-K per
+    token, grouped dispatch; subclasses choose scores, selection and gate values (`route`)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int):
+        super().__init__(dim, hidden, num_experts)
+        self.top_k = top_k
+        self.router = nn.Linear(dim, num_experts, bias=False)
+
+    def route(self, logits: torch.Tensor, ctx: dict) -> tuple:
+        """(n, E) fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
+        raise NotImplementedError
+
+    def forward(self, u: torch.Tensor, coords, ctx: dict) -> torch.Tensor:
+        x = rearrange(u, "b t d -> (b t) d")
+        expert_index, weights = self.route(router_logits(x, self.router.weight), ctx)
+        y = self.dispatch(x, expert_index, weights) + self.shared_output(x)
+        return rearrange(y, "(b t) d -> b t d", b=u.shape[0])
+
+    def shared_output(self, x: torch.Tensor):
+        return 0.0
+
+    def active_experts(self) -> int:
+        return self.top_k
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        return {"experts": self.active_experts() * ffn_flops(self.dim, self.hidden),
+                "routing": 2 * self.dim * self.num_experts}
+
+
+class DeepSeekV3FFN(TokenRoutedFFN):
+    """DeepSeek-V3 (Liu et al., 2024; deepseek-ai/DeepSeek-V3 inference/model.py), App. B adaptation.
+
+    Sigmoid affinities s = sigmoid(x W_r); top-K selection on s + b with a per-expert bias b that is
+    never added to the gate value; gates = s of the selected experts renormalised over them; plus
+    `shared` always-active experts whose outputs are added. b is the auxiliary-loss-free balancer:
+    a buffer (no gradient, not trained) updated after each optimizer step by
+    b += rate * sign(mean(load) - load_e), re-centred to zero mean, from the token loads of the
+    training forwards since the last update. The sequence-wise balance loss, node-limited group
+    routing and the 2.5 route scale of the 671B model are omitted. With K = 1 the renormalised gate
+    is always 1, so the router learns only through which expert it picks (as in the original rule).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int,
+                 bias_update_rate: float = 1e-3):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.shared = ExpertBank(dim, hidden, shared_experts) if shared_experts else None
+        self.bias_update_rate = bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self._load = None  # (E,) tokens routed to each expert since the last optimizer step
+
+    def route(self, logits: torch.Tensor, ctx: dict) -> tuple:
+        scores = torch.sigmoid(logits)                                                     # (n, E)
+        expert_index = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices  # selection only
+        gates = scores.gather(1, expert_index)
+        if self.training:
+            load = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
+            self._load = load if self._load is None else self._load + load
+        return expert_index, gates / gates.sum(-1, keepdim=True)
+
+    def shared_output(self, x: torch.Tensor):
+        return 0.0 if self.shared is None else self.shared.mixture(x)
+
+    def active_experts(self) -> int:
+        return self.top_k + (self.shared.num_experts if self.shared is not None else 0)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        if self._load is None:
+            return
+        load, self._load = self._load, None
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)  # every rank applies the same update from the global load
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.expert_bias -= self.expert_bias.mean()
+
+
+class Qwen3FFN(TokenRoutedFFN):
+    """Qwen3 (Yang et al., 2025; HF transformers qwen3_moe), App. B adaptation.
+
+    Softmax over all experts in fp32, top-K, renormalised by the top-K sum; no shared expert.
+    Global-batch load balancing (Qiu et al., 2025): L = w * E * sum_e f_e P_e, P_e the mean router
+    probability of this forward, f_e the fraction of (token, slot) selections of expert e counted over
+    the global batch: all recurrent steps of the forward (the block is shared) and, under
+    torch.distributed, all ranks (all_reduce of the counts, no gradient). With gradient accumulation
+    each micro-batch's loss uses the counts of its own forward (over all ranks), not of the whole
+    accumulated batch: a loss that waited for later micro-batches could not be backpropagated per
+    micro-batch. App. B uses w = 1e-3 at U > 1 and no balance loss at U = 1 (the presets do).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-3):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.balance_weight = balance_weight
+
+    def route(self, logits: torch.Tensor, ctx: dict) -> tuple:
+        probs = torch.softmax(logits, dim=-1)                                   # (n, E) fp32
+        top, expert_index = torch.topk(probs, self.top_k, dim=-1)
+        counts = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
+        pool_over_steps(ctx, prob_sum=probs.sum(0), counts=counts, tokens=probs.shape[0])
+        return expert_index, top / top.sum(-1, keepdim=True)
+
+    def aux_losses(self, ctx: dict) -> dict:
+        stats = ctx.get("router_stats")
+        if not self.balance_weight or stats is None:
+            return {}
+        counts = stats["counts"].detach().clone()
+        tokens = torch.tensor(float(stats["tokens"]), device=counts.device)
+        if self.training and dist.is_available() and dist.is_initialized():  # (evaluation may run on one rank)
+            dist.all_reduce(counts)
+            dist.all_reduce(tokens)
+        f = counts / tokens                                  # global: sums to K
+        P = stats["prob_sum"] / stats["tokens"]              # local, differentiable
+        return {"balance": self.balance_weight * self.num_experts * (f * P).sum()}
+
+
+class MoEUTFFN(TokenRoutedFFN):
+    """MoEUT (Csordás et al., 2024; RobertCsordas/moeut), App. B adaptation.
+
+    sigma-MoE routing: sigmoid scores, top-K, expert outputs summed with the sigmoid scores (no
+    renormalisation). Balance regulariser: minus the entropy of the mean softmax selection
+    distribution, pooled over tokens and all recurrent applications, weight 0.01. SwitchHead,
+    peri-LayerNorm and expert dropout are omitted (dense attention is kept).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-2):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.balance_weight = balance_weight
+
+    def route(self, logits: torch.Tensor, ctx: dict) -> tuple:
+        pool_over_steps(ctx, prob_sum=torch.softmax(logits, dim=-1).sum(0), tokens=logits.shape[0])
+        scores, expert_index = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
+        return expert_index, scores
+
+    def aux_losses(self, ctx: dict) -> dict:
+        stats = ctx.get("router_stats")
+        if not self.balance_weight or stats is None:
+            return {}
+        mean_selection = stats["prob_sum"] / stats["tokens"]  # (E,)
+        neg_entropy = (mean_selection * torch.log(mean_selection.clamp_min(1e-12))).sum()
+        return {"balance": self.balance_weight * neg_entropy}
+
+
+# --- output mixtures: ReMoE (every expert, ReLU gates), Soft-MoE (slots) ---
+
+
+class ReMoEFFN(ExpertBank):
+    """ReMoE (Wang et al., 2025; thu-ml/ReMoE), App. B adaptation: a dense output mixture.
+
+    Gates g = relu(x W_r) (no softmax, no top-K); every expert runs on every token and the outputs
+    are summed with g, so a token whose gates are all zero keeps only its residual. Sparsity comes
+    from the load-balanced L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e
+    (count_e: tokens with g_e > 0; n tokens pooled over all steps; K = E (1 - target)), with lambda
+    set by the controller after each optimizer step: lambda *= 1.2 while the measured sparsity is
+    below the target 0.75, else lambda /= 1.2; lambda starts at 1e-8 and is an fp32 buffer.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, target_sparsity: float = 0.75,
+                 l1_init: float = 1e-8, l1_step: float = 1.2):
+        super().__init__(dim, hidden, num_experts)
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.target_sparsity, self.l1_step = target_sparsity, l1_step
+        self.register_buffer("l1_weight", torch.tensor(l1_init, dtype=torch.float32))
+        self._active, self._total = None, 0  # nonzero gates and gates seen since the last update
+
+    def forward(self, u: torch.Tensor, coords, ctx: dict) -> torch.Tensor:
+        x = rearrange(u, "b t d -> (b t) d")
+        gates = F.relu(router_logits(x, self.router.weight))                     # (n, E) fp32
+        active = (gates > 0).float()
+        pool_over_steps(ctx, gate_sum=gates.sum(0), counts=active.sum(0), tokens=gates.shape[0])
+        if self.training:
+            nonzero = active.sum().detach()
+            self._active = nonzero if self._active is None else self._active + nonzero
+            self._total += active.numel()
+        return rearrange(self.mixture(x, gates), "(b t) d -> b t d", b=u.shape[0])
+
+    def aux_losses(self, ctx: dict) -> dict:
+        stats = ctx.get("router_stats")
+        if stats is None:
+            return {}
+        k = self.num_experts * (1.0 - self.target_sparsity)
+        scale = self.l1_weight.float() * self.num_experts / (stats["tokens"] ** 2 * k)
+        return {"l1": scale * (stats["gate_sum"] * stats["counts"].detach()).sum()}
+
+    def sparsity(self) -> float:
+        return 1.0 - float(self._active) / self._total
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        if self._active is None:
+            return
+        active = torch.stack([self._active.float(), torch.tensor(float(self._total), device=self._active.device)])
+        self._active, self._total = None, 0
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(active)
+        sparsity = 1.0 - (active[0] / active[1]).item()
+        self.l1_weight.mul_(self.l1_step if sparsity < self.target_sparsity else 1.0 / self.l1_step)
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        return {"experts": self.num_experts * ffn_flops(self.dim, self.hidden),
+                "routing": 2 * self.dim * self.num_experts}
+
+
+class SoftMoEFFN(ExpertBank):
+    """Soft-MoE (Puigcerver et al., 2024; google-research/vmoe), App. B adaptation.
+
+    S = E * p slots with parameters Phi (d, S). Logits = l2norm(x) . (scale * l2norm(Phi)) over d
+    (the normalisation is for the logits only; experts see the un-normalised tokens), with a
+    learnable scalar scale (init 1). Dispatch weights: softmax over the tokens of an image, per slot;
+    combine weights: softmax over all slots, per token. Expert e runs on its p slots. No aux loss.
+    Per token the experts cost S / T dense FFNs, so U = S / T (the paper sizes S from the patch count).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, slots_per_expert: int):
+        super().__init__(dim, hidden, num_experts)
+        self.slots_per_expert = slots_per_expert
+        self.slot_embed = nn.Parameter(torch.empty(dim, num_experts * slots_per_expert))  # Phi (d, S)
+        self.scale = nn.Parameter(torch.ones(()))
+        nn.init.trunc_normal_(self.slot_embed, std=0.02)
+
+    def routing_weights(self, u: torch.Tensor) -> tuple:
+        """(b, T, d) -> dispatch (b, T, S), normalised over T; combine (b, T, S), normalised over S."""
+        with torch.autocast(u.device.type, enabled=False):
+            slots = self.scale.float() * F.normalize(self.slot_embed.float(), dim=0)
+            logits = F.normalize(u.float(), dim=-1) @ slots          # (b, T, S)
+        return torch.softmax(logits, dim=1), torch.softmax(logits, dim=2)
+
+    def forward(self, u: torch.Tensor, coords, ctx: dict) -> torch.Tensor:
+        dispatch, combine = self.routing_weights(u)
+        slots = dispatch.transpose(1, 2).to(u.dtype) @ u                                       # (b, S, d)
+        slots = rearrange(slots, "b (e p) d -> e (b p) d", e=self.num_experts)
+        out = rearrange(self.run_all(slots), "e (b p) d -> b (e p) d", b=u.shape[0])          # (b, S, d)
+        return combine.to(out.dtype) @ out                                                      # (b, T, d)
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        slots = self.num_experts * self.slots_per_expert
+        # logits, dispatch and combine: three (T x d x S) products per image
+        return {"experts": slots * ffn_flops(self.dim, self.hidden) / num_tokens, "routing": 6 * self.dim * slots}
+
+
+# --- layer-wise LoRA (Relaxed Recursive Transformers), a depth-specific update of the whole block ---
+
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+
+
+class LayerwiseLoRA(nn.Module):
+    """Layer-wise LoRA (Bae et al., 2025a; no public code), App. B.1 / Table 10.
+
+    The shared block gets an independent rank-r update W_t = W + B_t A_t per step t on the fused qkv,
+    the attention output, fc1 and fc2; biases and norms stay shared. A_t starts random (PEFT's
+    uniform(+-1/sqrt(fan_in))), B_t at zero, so training starts from the tied block; no alpha/r
+    scaling (the paper writes W + B_t A_t). One adapter per trained step: the model runs only at
+    its own depth. Parameters: 16 L r d for d_ff = 4d (4.72M for S/16, r = 64).
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, depth: int, rank: int):
+        super().__init__()
+        shapes = {"qkv": (dim, 3 * dim), "proj": (dim, dim), "fc1": (dim, ffn_dim), "fc2": (ffn_dim, dim)}
+        for name, (fan_in, fan_out) in shapes.items():
+            down = nn.Parameter(torch.empty(depth, rank, fan_in))   # A_t (L, r, in)
+            nn.init.uniform_(down, -1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
+            setattr(self, f"{name}_down", down)
+            setattr(self, f"{name}_up", nn.Parameter(torch.zeros(depth, fan_out, rank)))  # B_t (L, out, r)
+
+    def step(self, t: int) -> dict:
+        """The factors of step t: name -> (A_t, B_t)."""
+        return {name: (getattr(self, f"{name}_down")[t], getattr(self, f"{name}_up")[t]) for name in LORA_TARGETS}
+
+    def delta(self, t: int, name: str) -> torch.Tensor:
+        """B_t A_t (out, in): what fold adds to the shared weight."""
+        return getattr(self, f"{name}_up")[t] @ getattr(self, f"{name}_down")[t]
+
+    def flops_per_token(self) -> int:
+        return sum(2 * getattr(self, f"{n}_down").shape[1] * (getattr(self, f"{n}_down").shape[2]
+                                                               + getattr(self, f"{n}_up").shape[1])
+                   for n in LORA_TARGETS)
 
 
 class Block(nn.Module):
@@ -240,13 +735,18 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, coords=None, ctx=None) -> torch.Tensor:
-        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
+        lora = ctx.get("lora") if ctx is not None else None
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), lora)))
         return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), coords, ctx)))
 
 
 # --- config ---
 
 ARCHS = ("vit", "raptor", "revit")
+# FFN mechanisms of the shared reViT block (paper §4.3, App. B); "merge" with num_experts=1 is the
+# dense tied block, "lora" a dense tied block with layer-wise LoRA on attention and FFN.
+FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
+TOP_K_FFNS = ("deepseek", "qwen3", "moeut")
 
 
 @dataclass
@@ -271,6 +771,15 @@ class ViTConfig:
     z_loss_weight: float = 1e-3   # lambda_z
     diversity_weight: float = 1e-3  # lambda_div
     merge_cache: bool = True      # reuse merged FFNs across inference calls at the same depth
+    # the FFN mechanism of reViT's shared block and its expert layout (App. B, Table 8; see MOE_TABLE)
+    ffn: str = "merge"            # one of FFNS; "merge" is reViT's depth-programmed merge
+    top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
+    shared_experts: int = 0       # DeepSeek-V3's always-active experts
+    expert_ffn_fraction: float = 1.0  # expert hidden width / ffn_dim (the paper's ehr / 4)
+    slots_per_expert: int = 0     # Soft-MoE; 0: round(num_patches / 4) (49 for S/16, 64 for B/14)
+    bias_update_rate: float = 1e-3  # DeepSeek-V3's aux-loss-free balancing step
+    remoe_target_sparsity: float = 0.75  # ReMoE: 1 - K/E
+    lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
 
     def __post_init__(self):
         def need(ok, name, allowed):
@@ -286,14 +795,34 @@ class ViTConfig:
         need(self.depth >= (2 if self.arch == "revit" else 1), "depth",
              ">= 2 for reViT (s_t = t/(L-1) needs two steps)" if self.arch == "revit" else ">= 1")
         need(self.num_experts >= 1, "num_experts", ">= 1")
-        need(1 <= self.raptor_blocks <= self.depth, "raptor_blocks", f"between 1 and depth={self.depth}")
+        need(self.arch != "raptor" or 1 <= self.raptor_blocks <= self.depth, "raptor_blocks", f"between 1 and depth={self.depth}")
         need(0.0 <= self.depth_drop < 1.0, "depth_drop", "in [0, 1)")
         need(0.0 <= self.drop_path < 1.0, "drop_path", "in [0, 1)")
         need(self.router_temperature > 0, "router_temperature", "> 0")
+        need(self.ffn in FFNS, "ffn", f"one of {FFNS}")
+        need(self.ffn == "merge" or self.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
+             "replace the FFN of reViT's shared block)")
+        need(1 <= self.top_k <= self.num_experts, "top_k", f"between 1 and num_experts={self.num_experts}")
+        need(self.shared_experts >= 0, "shared_experts", ">= 0")
+        need(self.shared_experts == 0 or self.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
+        need(self.expert_ffn_fraction > 0 and round(self.expert_ffn_fraction * self.ffn_dim) >= 1,
+             "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={self.ffn_dim})")
+        need(self.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
+        need(0.0 < self.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
+        need(self.lora_rank >= 1, "lora_rank", ">= 1")
 
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return round(self.expert_ffn_fraction * self.ffn_dim)
+
+    @property
+    def depth_programmed(self) -> bool:
+        """The FFN of step t depends on the depth only: a gate matrix exists and the model folds."""
+        return self.ffn in ("merge", "lora")
 
 
 # --- shared stem and head ---
@@ -364,10 +893,11 @@ def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
     k=4 -> [4, 7, 10]. At another depth the thresholds scale with L; other k split evenly.
     """
     known = {2: [7], 3: [7, 10], 4: [4, 7, 10]}
+    ends = [round((i + 1) * depth / num_blocks) for i in range(num_blocks)]
     if num_blocks in known and depth >= num_blocks:
-        ends = [round(th * depth / 12) for th in known[num_blocks]] + [depth]
-    else:
-        ends = [round((i + 1) * depth / num_blocks) for i in range(num_blocks)]
+        scaled = [round(th * depth / 12) for th in known[num_blocks]] + [depth]
+        if all(a < b for a, b in zip([0] + scaled, scaled)):  # too shallow to scale: even split
+            ends = scaled
     schedule, block = [], 0
     for step in range(1, depth + 1):
         while step > ends[block]:
@@ -421,16 +951,35 @@ def elastic_plan(keep: torch.Tensor) -> torch.Tensor:
     return rank.clamp_min(0).float() / (retained - 1).clamp_min(1).float()
 
 
+def build_ffn(c: ViTConfig) -> nn.Module:
+    """The FFN of reViT's shared block for config.ffn (hidden width of each expert: expert_ffn_dim)."""
+    hidden, aux = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
+    if c.ffn == "lora" or (c.ffn == "merge" and c.num_experts == 1):
+        return Mlp(c.dim, c.ffn_dim)  # the plain tied block, no router (LoRA adds its updates via ctx)
+    if c.ffn == "merge":
+        return MergedExpertFFN(c.dim, hidden, c.num_experts, c.router_hidden, c.router_temperature, aux,
+                               c.merge_cache)
+    slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
+    return {
+        "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
+        "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
+        "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, aux),
+        "deepseek": lambda: DeepSeekV3FFN(c.dim, hidden, c.num_experts, c.top_k, c.shared_experts,
+                                          c.bias_update_rate),
+        "qwen3": lambda: Qwen3FFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
+        "moeut": lambda: MoEUTFFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
+        "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
+        "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
+    }[c.ffn]()
+
+
 class ReViT(ViTBase):
     def __init__(self, config: ViTConfig):
         super().__init__(config)
         c = config
-        if c.num_experts == 1:
-            ffn = Mlp(c.dim, c.ffn_dim)  # E = 1: the plain tied block, no router
-        else:
-            ffn = MergedExpertFFN(c.dim, c.ffn_dim, c.num_experts, c.router_hidden, c.router_temperature,
-                                  (c.balance_weight, c.z_loss_weight, c.diversity_weight), c.merge_cache)
+        ffn = build_ffn(c)
         self.block = Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
+        self.lora = LayerwiseLoRA(c.dim, c.ffn_dim, c.depth, c.lora_rank) if c.ffn == "lora" else None
         self.init_weights()
         if isinstance(ffn, MergedExpertFFN):
             ffn.reset_parameters()
@@ -443,10 +992,20 @@ class ReViT(ViTBase):
             names.add("block.mlp.router.2.weight")
         return names
 
+    def after_optimizer_step(self) -> None:
+        """Non-gradient updates of the FFN (DeepSeek-V3's bias, ReMoE's L1 controller); the training
+        loop calls this after optimizer.step()."""
+        update = getattr(self.block.mlp, "after_optimizer_step", None)
+        if update is not None:
+            update()
+
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
         """G [L, E]: the gates of every step at depth L (rows sum to 1). E = 1 gives ones."""
         depth = self.check_depth(depth)
         ffn = self.block.mlp
+        if not self.config.depth_programmed:
+            raise ValueError(f"ffn={self.config.ffn!r} routes on content: its gates depend on the input, "
+                             "so there is no depth-only gate matrix")
         if not isinstance(ffn, MergedExpertFFN):
             return torch.ones(depth, 1)
         return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
@@ -459,32 +1018,66 @@ class ReViT(ViTBase):
                 keep: torch.Tensor | None = None):
         """keep: optional (B, L) bool mask of retained steps; sampled in training when depth_drop > 0."""
         depth = self.check_depth(depth)
+        if self.lora is not None and depth != self.config.depth:
+            raise ValueError(f"depth={depth}: layer-wise LoRA has one adapter per trained step, so it runs only "
+                             f"at its own depth ({self.config.depth})")
         x = self.embed(images)
         if keep is None and self.training and self.config.depth_drop > 0:
             keep = self.sample_keep_mask(x.shape[0], depth, x.device)
         if keep is not None and keep.shape != (x.shape[0], depth):
             raise ValueError(f"keep must have shape (batch, depth) = {(x.shape[0], depth)}; got {tuple(keep.shape)}")
         elastic = keep is not None and not bool(keep.all())
-        ctx = {"depth": depth, "elastic": elastic}
+        ctx = {"depth": depth, "elastic": elastic, "batch": x.shape[0], "index": None}
         self.block.mlp.prepare(ctx)
         grid = depth_grid(depth, x.device)
         coords = elastic_plan(keep) if elastic else None
         states = [x]
         for t in range(depth):
             ctx["step"] = t
+            if self.lora is not None:
+                ctx["lora"] = self.lora.step(t)
             if not elastic:
                 x = self.block(x, grid[t].expand(x.shape[0]), ctx)
             else:
                 # run only the images that keep step t: a dropped step costs nothing (identity)
                 idx = keep[:, t].nonzero().squeeze(1)
                 if len(idx) == x.shape[0]:
+                    ctx["index"] = None
                     x = self.block(x, coords[:, t], ctx)
                 elif len(idx):
+                    ctx["index"] = idx  # rows of the batch in x[idx], for per-image state (Lory)
                     x = x.index_copy(0, idx, self.block(x[idx], coords[idx, t], ctx))
             states.append(x)
         aux = self.block.mlp.aux_losses(ctx)
-        extra = {"gates": self.gate_matrix(depth)} if return_states else None
+        extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.depth_programmed else None
         return self.finish(x, states, aux, return_states, extra)
+
+
+def expert_ffn_params(model: nn.Module) -> int:
+    """Table 8's count: parameters of every stored expert FFN, routed and shared, P(d, r) each
+    (App. B); routers, Soft-MoE slot parameters, LoRA factors and the backbone are not counted.
+    A dense FFN (the tied block, a ViT's blocks) counts as one expert."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, ExpertBank):
+            total += sum(p.numel() for p in module.bank())
+        elif isinstance(module, Mlp):
+            total += sum(p.numel() for p in module.parameters())
+    return total
+
+
+def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
+    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's.
+
+    Measured from the module's own FLOP count (`active_flops_per_token`) for images of
+    num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
+    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class
+    token its U is the paper's (slots / patches) times N / (N + 1).
+    """
+    c = model.config
+    ffn = model.block.mlp if isinstance(model, ReViT) else model.blocks[0].mlp
+    flops = ffn.active_flops_per_token(num_tokens or 1 + c.num_patches)
+    return flops["experts"] / ffn_flops(c.dim, c.ffn_dim)
 
 
 # --- presets (paper Table 1; ImageNet 224²) and small CPU presets of our own ---
@@ -520,7 +1113,43 @@ def _build_presets() -> dict:
     return presets
 
 
-PRESETS = _build_presets()
+# The paper's MoE comparison (App. B, Table 8): mechanism -> {U: (E routed experts, K active per
+# token (0: not a top-K router), shared experts, ehr)}, ehr = expert hidden width / d. A ViT FFN has
+# ehr 4, so the experts get expert_ffn_fraction = ehr / 4 of the preset's ffn_dim at every size.
+MOE_TABLE = {
+    "lory": {1: (4, 0, 0, 4)},
+    "smear": {1: (4, 0, 0, 4)},
+    "feature": {1: (4, 0, 0, 4)},  # Fig. 2's feature-only control (SMEAR-style gate, reViT's aux losses)
+    "deepseek": {1: (4, 1, 1, 2), 1.5: (8, 2, 1, 2), 2: (16, 6, 2, 1), 4: (32, 12, 4, 1)},
+    "qwen3": {1: (4, 1, 0, 4), 1.5: (48, 6, 0, 1), 2: (64, 8, 0, 1), 4: (128, 16, 0, 1)},
+    "moeut": {1: (4, 1, 0, 4), 1.5: (8, 2, 0, 3), 2: (16, 4, 0, 2), 4: (32, 16, 0, 1)},
+    "remoe": {1: (4, 0, 0, 1), 1.5: (6, 0, 0, 1), 2: (8, 0, 0, 1), 4: (16, 0, 0, 1)},   # all experts run
+    "softmoe": {1: (4, 0, 0, 4), 1.5: (6, 0, 0, 4), 2: (8, 0, 0, 4), 4: (16, 0, 0, 4)},  # N/4 slots each
+}
+MOE_SIZES = {"s": WIDTHS["s"], "b": WIDTHS["b"], "b14": dict(WIDTHS["b"], patch_size=14),
+             "mini": MINI, "mini32": MINI32}
+
+
+def _moe_presets() -> dict:
+    """revit-{size}-{mechanism}-u{U} for every cell of MOE_TABLE, revit-{size}-{mechanism} for U = 1,
+    and revit-{size}-lora (Table 10: r = 64 at S/16, i.e. r = d / 6)."""
+    presets = {}
+    for size, width in MOE_SIZES.items():
+        for mechanism, budgets in MOE_TABLE.items():
+            for budget, (experts, top_k, shared, ehr) in budgets.items():
+                preset = dict(width, arch="revit", ffn=mechanism, num_experts=experts, shared_experts=shared,
+                              expert_ffn_fraction=ehr / 4, **({"top_k": top_k} if top_k else {}))
+                if mechanism == "qwen3":  # App. B: global-batch balance loss 1e-3 at higher U only
+                    preset["balance_weight"] = 1e-3 if budget > 1 else 0.0
+                presets[f"revit-{size}-{mechanism}-u{budget:g}"] = preset
+                if budget == 1:
+                    presets[f"revit-{size}-{mechanism}"] = preset
+        presets[f"revit-{size}-lora"] = dict(width, arch="revit", ffn="lora", num_experts=1,
+                                             lora_rank=width["dim"] // 6)
+    return presets
+
+
+PRESETS = {**_build_presets(), **_moe_presets()}
 
 
 def create_model(name: str, **overrides) -> nn.Module:
@@ -543,16 +1172,45 @@ def config_dict(model: nn.Module) -> dict:
 
 
 @torch.no_grad()
-def fold(model: nn.Module, depth: int | None = None) -> VisionTransformer:
+@torch.no_grad()
+def load_merged_ffns(vit: VisionTransformer, merged: tuple) -> None:
+    """Block t of a plain ViT gets merged FFN t; `merged` is MergedExpertFFN.merge's four stacks (L, ...)."""
+    for block, (fc1_weight, fc1_bias, fc2_weight, fc2_bias) in zip(vit.blocks, zip(*merged)):
+        block.mlp.fc1.weight.copy_(fc1_weight)
+        block.mlp.fc1.bias.copy_(fc1_bias)
+        block.mlp.fc2.weight.copy_(fc2_weight)
+        block.mlp.fc2.bias.copy_(fc2_bias)
+
+
+@torch.no_grad()
+def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None = None) -> VisionTransformer:
     """Return a plain untied ViT of `depth` blocks with the same outputs as `model` at that depth.
 
+    gates: optional [L, E] matrix that replaces the router's gates (reViT only; depth = L) — the
+    analysis tools use it for expert ablation and permutation (paper §5).
+
     Works for reViT (shared attention copied into every block, merged FFN t in block t; the
-    router and the bank disappear) and for Raptor (block j copied into each step it serves).
+    router and the bank disappear), for layer-wise LoRA (W + B_t A_t in block t) and for Raptor
+    (block j copied into each step it serves). Content-routed FFNs cannot fold: their weights
+    depend on the input.
     """
     if not isinstance(model, ReViT) and not (isinstance(model, VisionTransformer) and model.config.arch == "raptor"):
         raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
+    if not model.config.depth_programmed:
+        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "
+                         "so it has no fixed per-depth weights to fold; only ffn='merge' (reViT, any E) and "
+                         "ffn='lora' fold into a plain ViT")
+    if gates is not None:
+        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
+            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
+        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
+            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
+        depth = gates.shape[0]
     depth = model.check_depth(depth)
-    config = replace(model.config, arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1)
+    lora = getattr(model, "lora", None)
+    if lora is not None and depth != model.config.depth:
+        raise ValueError(f"fold: depth={depth}, but layer-wise LoRA has adapters for depth {model.config.depth} only")
+    config = replace(model.config, arch="vit", ffn="merge", depth=depth, depth_drop=0.0, raptor_blocks=1)
     vit = VisionTransformer(config).to(next(model.parameters()).device)
     for name in ("patch_embed", "norm", "head"):
         getattr(vit, name).load_state_dict(getattr(model, name).state_dict())
@@ -563,18 +1221,18 @@ def fold(model: nn.Module, depth: int | None = None) -> VisionTransformer:
     else:
         sources = [model.blocks[j] for j in raptor_schedule(len(model.blocks), depth)]
     ffn = sources[0].mlp
-    merged = ffn.merge(ffn.gates(depth_grid(depth, ffn.fc1_weight.device))) if isinstance(ffn, MergedExpertFFN) else None
     for t, (block, source) in enumerate(zip(vit.blocks, sources)):
-        for name in ("norm1", "attn", "ls1", "norm2", "ls2"):
-            getattr(block, name).load_state_dict(getattr(source, name).state_dict())
-        if merged is None:
-            block.mlp.load_state_dict(source.mlp.state_dict())
-        else:
-            fc1_weight, fc1_bias, fc2_weight, fc2_bias = (w[t] for w in merged)
-            block.mlp.fc1.weight.copy_(fc1_weight)
-            block.mlp.fc1.bias.copy_(fc1_bias)
-            block.mlp.fc2.weight.copy_(fc2_weight)
-            block.mlp.fc2.bias.copy_(fc2_bias)
+        for name in ("norm1", "attn", "ls1", "norm2", "mlp", "ls2"):
+            if not (name == "mlp" and isinstance(ffn, MergedExpertFFN)):
+                getattr(block, name).load_state_dict(getattr(source, name).state_dict())
+        if lora is not None:
+            layers = {"qkv": block.attn.qkv, "proj": block.attn.proj, "fc1": block.mlp.fc1, "fc2": block.mlp.fc2}
+            for name, layer in layers.items():
+                layer.weight.add_(lora.delta(t, name))
+    if isinstance(ffn, MergedExpertFFN):
+        if gates is None:
+            gates = ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
+        load_merged_ffns(vit, ffn.merge(gates.to(ffn.fc1_weight.device)))
     return vit.train(model.training)
 
 
@@ -582,11 +1240,14 @@ if __name__ == "__main__":  # python revit.py [names...]: parameter counts of th
     import sys
 
     names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
-    print(f"| {'preset':<18} | {'params (M)':>10} | {'L':>3} | {'d':>5} | {'E / k':>5} |")
-    print(f"|{'-' * 20}|{'-' * 12}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
+    print(f"| {'preset':<22} | {'params (M)':>10} | {'expert FFN (M)':>14} | {'U':>5} | {'L':>3} "
+          f"| {'d':>5} | {'E / k':>5} |")
+    print(f"|{'-' * 24}|{'-' * 12}|{'-' * 16}|{'-' * 7}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
     for name in names:
         with torch.device("meta"):
             model = create_model(name)
         c = model.config
         ek = {"revit": c.num_experts, "raptor": c.raptor_blocks}.get(c.arch, "")
-        print(f"| {name:<18} | {model.num_params() / 1e6:>10.2f} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")
+        budget = f"{ffn_budget(model):.3g}" if c.arch == "revit" else ""
+        print(f"| {name:<22} | {model.num_params() / 1e6:>10.2f} | {expert_ffn_params(model) / 1e6:>14.2f} "
+              f"| {budget:>5} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")

@@ -373,3 +373,28 @@ def test_bad_input_names_the_argument():
         model(torch.randn(1, 1, 12, 12))
     with pytest.raises(ValueError, match="untied ViT runs only its own depth"):
         tiny("vit-mini")(images(1, model), depth=6)
+
+
+def test_state_dict_loads_with_weights_only(tmp_path):
+    model = randomise(tiny(num_experts=3), 11)
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    fresh = tiny(num_experts=3)
+    fresh.load_state_dict(state)
+    x = images(2, model)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(x), model.eval()(x))
+
+
+def test_fold_with_given_gates_runs_the_chosen_experts():
+    model = randomise(tiny(num_experts=3, depth=4), 12).eval()
+    gates = torch.eye(3)[[0, 2, 1, 2]]  # one-hot: step t runs expert k_t alone
+    vit = revit.fold(model, gates=gates)
+    ffn = model.block.mlp
+    for t, k in enumerate([0, 2, 1, 2]):
+        torch.testing.assert_close(vit.blocks[t].mlp.fc1.weight, ffn.fc1_weight[k])
+        torch.testing.assert_close(vit.blocks[t].mlp.fc2.bias, ffn.fc2_bias[k])
+    torch.testing.assert_close(revit.fold(model, gates=model.gate_matrix(6))(images(2, model)),
+                               model(images(2, model), depth=6))
+    with pytest.raises(ValueError, match="gates must have shape"):
+        revit.fold(model, gates=torch.ones(4, 2) / 2)
