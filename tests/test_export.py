@@ -1,0 +1,341 @@
+"""export.py: folded / compact safetensors, ONNX, timm layout both ways, shape errors, the CLI.
+
+Checkpoints are written here in CONTRACT.md's format (what train.py saves) and read back
+through export.py, which uses train.load_model. The timm checks never import timm: the
+expected layout is written out from its description, and a small reference forward pass
+implements timm's VisionTransformer numerics on a timm-layout state dict.
+"""
+import importlib.util
+import json
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+import export
+import revit
+
+TINY = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, heads=2, ffn_dim=32, depth=4)
+
+
+def tiny(name="revit-mini", **overrides):
+    return randomise(revit.create_model(name, **{**TINY, **overrides})).eval()
+
+
+def randomise(model, seed=0):
+    """Random weights everywhere (including the zero-initialised router output) so checks are not trivial."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def images(config, batch=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, config.in_channels, config.image_size, config.image_size, generator=g)
+
+
+def write_checkpoint(path, model, arch="revit-mini"):
+    """A checkpoint as CONTRACT.md describes it (train.py writes the same keys; a plain dict of tensors)."""
+    torch.save({"model": dict(model.state_dict()), "arch": arch, "model_config": asdict(model.config),
+                "train_config": {}, "optimizer": {}, "scheduler": {}, "step": 0, "rng": {}, "metrics": {}}, path)
+    return path
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    model = tiny()
+    return model, write_checkpoint(tmp_path / "revit.pt", model)
+
+
+def run(argv, capsys=None):
+    summary = export.main([str(a) for a in argv])
+    if capsys is not None:
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary  # last line: one JSON document
+    return summary
+
+
+# --- the timm layout, written out from its description (not from export.py) ---
+
+
+def timm_layout(c, depth, layer_scale):
+    d, f, n = c.dim, c.ffn_dim, c.num_patches
+    shapes = {"cls_token": (1, 1, d), "pos_embed": (1, n if layer_scale else 1 + n, d),
+              "patch_embed.proj.weight": (d, c.in_channels, c.patch_size, c.patch_size),
+              "patch_embed.proj.bias": (d,)}
+    for i in range(depth):
+        b = f"blocks.{i}."
+        shapes.update({b + "norm1.weight": (d,), b + "norm1.bias": (d,),
+                       b + "attn.qkv.weight": (3 * d, d), b + "attn.qkv.bias": (3 * d,),
+                       b + "attn.proj.weight": (d, d), b + "attn.proj.bias": (d,),
+                       b + "norm2.weight": (d,), b + "norm2.bias": (d,),
+                       b + "mlp.fc1.weight": (f, d), b + "mlp.fc1.bias": (f,),
+                       b + "mlp.fc2.weight": (d, f), b + "mlp.fc2.bias": (d,)})
+        if layer_scale:
+            shapes.update({b + "ls1.gamma": (d,), b + "ls2.gamma": (d,)})
+    shapes.update({"norm.weight": (d,), "norm.bias": (d,), "head.weight": (c.num_classes, d),
+                   "head.bias": (c.num_classes,)})
+    return shapes
+
+
+def timm_forward(state, x, heads, eps=1e-6):
+    """timm's VisionTransformer forward (global_pool='token') on a timm-layout state dict."""
+    d = state["cls_token"].shape[-1]
+    proj = state["patch_embed.proj.weight"]
+    x = F.conv2d(x, proj, state["patch_embed.proj.bias"], stride=proj.shape[-1]).flatten(2).transpose(1, 2)
+    cls = state["cls_token"].expand(len(x), -1, -1)
+    if state["pos_embed"].shape[1] == x.shape[1]:  # no_embed_class=True (DeiT III): add, then prepend
+        x = torch.cat([cls, x + state["pos_embed"]], dim=1)
+    else:                                           # vit_*: prepend, then add (class token has a row)
+        x = torch.cat([cls, x], dim=1) + state["pos_embed"]
+    i = 0
+    while f"blocks.{i}.norm1.weight" in state:
+        def w(name):
+            return state[f"blocks.{i}.{name}"]
+
+        def norm(t, name):
+            return F.layer_norm(t, (d,), w(name + ".weight"), w(name + ".bias"), eps)
+
+        B, N, _ = x.shape
+        qkv = F.linear(norm(x, "norm1"), w("attn.qkv.weight"), w("attn.qkv.bias"))
+        q, k, v = qkv.reshape(B, N, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        attn = (q @ k.transpose(-2, -1) * (d // heads) ** -0.5).softmax(dim=-1)
+        y = F.linear((attn @ v).transpose(1, 2).reshape(B, N, d), w("attn.proj.weight"), w("attn.proj.bias"))
+        x = x + y * state.get(f"blocks.{i}.ls1.gamma", 1.0)
+        y = F.linear(F.gelu(F.linear(norm(x, "norm2"), w("mlp.fc1.weight"), w("mlp.fc1.bias"))),
+                     w("mlp.fc2.weight"), w("mlp.fc2.bias"))
+        x = x + y * state.get(f"blocks.{i}.ls2.gamma", 1.0)
+        i += 1
+    x = F.layer_norm(x, (d,), state["norm.weight"], state["norm.bias"], eps)
+    return F.linear(x[:, 0], state["head.weight"], state["head.bias"])
+
+
+def shapes_of(state):
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+# --- folded safetensors ---
+
+
+@pytest.mark.parametrize("depth", [2, 3, 7])
+def test_folded_safetensors_equals_dynamic_model(checkpoint, tmp_path, depth):
+    model, path = checkpoint
+    out = tmp_path / "folded.safetensors"
+    summary = run([path, "--depth", depth, "--format", "safetensors", "--out", out])
+    assert summary["depth"] == depth and summary["fold_max_abs_diff"] < 1e-5
+    folded = export.load_safetensors(out)
+    assert type(folded) is revit.VisionTransformer and folded.config.depth == depth and len(folded.blocks) == depth
+    x = images(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), model(x, depth=depth), atol=1e-5, rtol=1e-5)
+
+
+def test_default_depth_is_the_reference_depth(checkpoint, tmp_path):
+    model, path = checkpoint
+    summary = run([path, "--format", "safetensors", "--out", tmp_path / "f.safetensors"])
+    assert summary["depth"] == model.config.depth
+
+
+def test_safetensors_round_trip_is_bit_identical(tmp_path):
+    for model in (revit.fold(tiny(), 5), tiny("vit-mini"), tiny("raptor-mini-k2")):
+        path = tmp_path / "m.safetensors"
+        export.save_safetensors(model, path, "folded" if model.config.arch == "vit" else "compact")
+        loaded = export.load_safetensors(path)
+        assert type(loaded) is type(model) and loaded.config == model.config
+        original, reloaded = model.state_dict(), loaded.state_dict()
+        assert original.keys() == reloaded.keys()
+        for k in original:
+            assert original[k].dtype == reloaded[k].dtype and torch.equal(original[k], reloaded[k]), k
+        with safe_open(str(path), framework="pt") as f:  # plain safetensors: config is JSON metadata
+            assert json.loads(f.metadata()["config"]) == asdict(model.config)
+
+
+def test_compact_round_trip_then_choose_another_depth(checkpoint, tmp_path):
+    model, path = checkpoint
+    compact = tmp_path / "compact.safetensors"
+    assert run([path, "--format", "compact", "--out", compact])["depth"] is None
+    dynamic = export.load_safetensors(compact)
+    assert type(dynamic) is revit.ReViT and dynamic.config == model.config
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, dynamic.state_dict()[k]), k
+    x = images(model.config)
+    with torch.no_grad():
+        for depth in (3, 9):
+            assert torch.equal(dynamic(x, depth=depth), model(x, depth=depth))
+    # the compact file stands in for the checkpoint: fold it later at a depth chosen then
+    folded_path = tmp_path / "folded6.safetensors"
+    run([compact, "--depth", 6, "--format", "safetensors", "--out", folded_path])
+    with torch.no_grad():
+        torch.testing.assert_close(export.load_safetensors(folded_path)(x), model(x, depth=6), atol=1e-5, rtol=1e-5)
+
+
+# --- ONNX ---
+
+
+def test_onnx_output_equals_pytorch(checkpoint, tmp_path):
+    pytest.importorskip("onnx", reason="onnx not installed (pip install -r requirements-extra.txt)")
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install -r requirements-extra.txt)")
+    model, path = checkpoint
+    out = tmp_path / "model.onnx"
+    summary = run([path, "--depth", 5, "--format", "onnx", "--out", out])
+    assert summary["onnx_max_abs_diff"] is not None and summary["onnx_max_abs_diff"] < 1e-4
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    x = images(model.config, batch=4, seed=7)  # a batch size the export never saw
+    got = torch.from_numpy(session.run(["logits"], {"images": x.numpy()})[0])
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x, depth=5), atol=1e-4, rtol=1e-4)
+
+
+# --- timm layout ---
+
+
+def test_timm_layout_is_exact_for_folded_revit(checkpoint, tmp_path):
+    model, path = checkpoint
+    out = tmp_path / "timm.safetensors"
+    summary = run([path, "--depth", 3, "--format", "timm", "--out", out])
+    state, metadata = export.read_safetensors(out)
+    assert shapes_of(state) == timm_layout(model.config, depth=3, layer_scale=False)
+    assert torch.equal(state["pos_embed"][:, 0], torch.zeros_like(state["pos_embed"][:, 0]))  # zero class row
+    assert summary["timm_model"] == metadata["timm_model"] == "vit_small_patch16_224"
+    x = images(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(timm_forward(state, x, model.config.heads), model(x, depth=3), atol=1e-5, rtol=1e-5)
+
+
+def test_timm_layout_is_exact_for_deit3_baseline(tmp_path):
+    model = tiny("vit-mini")  # DeiT III: LayerScale, patch-only positions
+    path = write_checkpoint(tmp_path / "vit.pt", model, arch="vit-mini")
+    out = tmp_path / "timm.pth"
+    summary = run([path, "--format", "timm", "--out", out])
+    state = torch.load(out, weights_only=True)
+    assert shapes_of(state) == timm_layout(model.config, depth=model.config.depth, layer_scale=True)
+    assert summary["timm_model"] == "deit3_small_patch16_224"
+    x = images(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(timm_forward(state, x, model.config.heads), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_timm_model_names_and_arguments():
+    def config(name, **overrides):
+        return revit.ViTConfig(**{**revit.PRESETS[name], **overrides})
+
+    fold = dict(arch="vit", raptor_blocks=1)
+    assert export.timm_model_args(config("revit-s", **fold)) == ("vit_small_patch16_224", {})
+    assert export.timm_model_args(config("revit-b", **fold, depth=16)) == ("vit_base_patch16_224", {"depth": 16})
+    assert export.timm_model_args(config("revit-l", **fold)) == ("vit_large_patch16_224", {})
+    assert export.timm_model_args(config("vit-s")) == ("deit3_small_patch16_224", {})
+    assert export.timm_model_args(config("vit-b14")) == ("deit3_base_patch16_224", {"patch_size": 14})
+    assert export.timm_model_args(config("revit-mini", **fold)) == (
+        "vit_small_patch16_224", dict(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=96,
+                                      depth=6, num_heads=3, mlp_ratio=2.0))
+
+
+def random_timm_state(config, layer_scale, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g) * 0.3
+            for k, shape in timm_layout(config, config.depth, layer_scale).items()}
+
+
+@pytest.mark.parametrize("file_has_layer_scale", [False, True])
+@pytest.mark.parametrize("model_has_layer_scale", [False, True])
+def test_load_timm_state_dict_matches_timm_numerics(file_has_layer_scale, model_has_layer_scale):
+    model = revit.create_model("vit-mini", **TINY, layer_scale_init=1e-4 if model_has_layer_scale else None).eval()
+    state = random_timm_state(model.config, file_has_layer_scale)  # vit_* files: non-zero class-token row
+    export.load_timm_state_dict(model, {"model": state})  # wrapped like a DeiT training checkpoint
+    x = images(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), timm_forward(state, x, model.config.heads), atol=1e-5, rtol=1e-5)
+
+
+def test_timm_export_loads_back_into_a_baseline(checkpoint):
+    model, _ = checkpoint
+    state = export.to_timm_state_dict(revit.fold(model, model.config.depth))
+    baseline = revit.create_model("vit-mini", **TINY).eval()  # has LayerScale: takes gamma = 1
+    export.load_timm_state_dict(baseline, state)
+    x = images(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(baseline(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+# --- errors ---
+
+
+def test_mismatched_shapes_list_the_keys(tmp_path):
+    model = revit.create_model("vit-mini", **TINY)
+    state = random_timm_state(revit.ViTConfig(**{**asdict(model.config), "num_classes": 7, "ffn_dim": 48}), False)
+    with pytest.raises(ValueError) as info:
+        export.load_timm_state_dict(model, state)
+    message = str(info.value)
+    assert "shape mismatch" in message and "head.weight: expected [5, 16], got [7, 16]" in message
+    assert "blocks.0.mlp.fc1.weight: expected [32, 16], got [48, 16]" in message
+
+    path = tmp_path / "folded.safetensors"
+    export.save_safetensors(revit.fold(tiny(), 3), path, "folded")
+    shallower = revit.create_model("vit-mini", **{**TINY, "depth": 2, "raptor_blocks": 1})  # with LayerScale
+    with pytest.raises(ValueError) as info:
+        export.load_safetensors(path, model=shallower)
+    message = str(info.value)
+    assert str(path) in message and "unexpected (12 keys)" in message
+    assert "blocks.2.attn.qkv.weight: [48, 16]" in message
+    assert "missing (4 keys)" in message and "blocks.0.ls1.gamma: expected [16]" in message
+
+
+def test_checkpoint_whose_weights_do_not_fit_its_config(checkpoint, tmp_path):
+    ckpt = torch.load(checkpoint[1], weights_only=True)
+    ckpt["model_config"]["ffn_dim"] = 48
+    torch.save(ckpt, tmp_path / "bad.pt")
+    with pytest.raises(SystemExit) as info:
+        export.main([str(tmp_path / "bad.pt"), "--format", "safetensors", "--out", str(tmp_path / "x.safetensors")])
+    assert "not a usable checkpoint" in str(info.value) and "block.mlp.fc1_weight" in str(info.value)
+
+
+@pytest.mark.parametrize("argv, code, needle", [
+    (["{ckpt}", "--depth", "1", "--format", "onnx", "--out", "{tmp}/x"], 2, "must be >= 2"),
+    (["{ckpt}", "--depth", "two", "--format", "onnx", "--out", "{tmp}/x"], 2, "must be an integer"),
+    (["{ckpt}", "--depth", "4", "--format", "tflite", "--out", "{tmp}/x"], 2, "invalid choice: 'tflite'"),
+    (["{ckpt}", "--depth", "4", "--format", "onnx"], 2, "--out"),
+    (["{tmp}/missing.pt", "--depth", "4", "--format", "onnx", "--out", "{tmp}/x"], None, "no such file"),
+    (["{tmp}/garbage.pt", "--format", "onnx", "--out", "{tmp}/x"], None, "not a usable checkpoint"),
+    (["{tmp}/garbage.safetensors", "--format", "onnx", "--out", "{tmp}/x"], None, "not a readable safetensors file"),
+    (["{tmp}/timm.safetensors", "--format", "onnx", "--out", "{tmp}/x"], None, "not a revit safetensors export"),
+    (["{vit}", "--depth", "3", "--format", "safetensors", "--out", "{tmp}/x"], None, "untied ViT of depth 4"),
+])
+def test_bad_arguments_give_a_clear_error(checkpoint, tmp_path, capsys, argv, code, needle):
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint")
+    export.save_timm(revit.fold(checkpoint[0], 2), tmp_path / "timm.safetensors")
+    vit = write_checkpoint(tmp_path / "vit.pt", tiny("vit-mini"), arch="vit-mini")
+    argv = [a.format(ckpt=checkpoint[1], tmp=tmp_path, vit=vit) for a in argv]
+    with pytest.raises(SystemExit) as info:
+        export.main(argv)
+    if code is None:  # fail(): the message is the exit value
+        assert str(info.value).startswith("export.py: error:") and needle in str(info.value)
+    else:             # argparse: usage and message on stderr, exit status 2
+        assert info.value.code == code and needle in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_onnx_without_optional_packages(checkpoint, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("onnx", reason="onnx not installed (pip install -r requirements-extra.txt)")
+    argv = [checkpoint[1], "--depth", 3, "--format", "onnx", "--out", tmp_path / "m.onnx"]
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # written, not checked, and the user is told
+    assert run(argv)["onnx_max_abs_diff"] is None and (tmp_path / "m.onnx").is_file()
+    assert "onnxruntime is not installed" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    with pytest.raises(SystemExit, match="needs the onnx package"):
+        run(argv)
+
+
+def test_cli_end_to_end(checkpoint, tmp_path, capsys):
+    model, path = checkpoint
+    formats = [("safetensors", "m.safetensors"), ("timm", "t.safetensors"), ("compact", "c.safetensors")]
+    if importlib.util.find_spec("onnx") is not None:
+        formats.append(("onnx", "m.onnx"))
+    for fmt, name in formats:
+        out = tmp_path / "exports" / name
+        summary = run([path, "--depth", 4, "--format", fmt, "--out", out], capsys)
+        assert out.is_file() and summary["format"] == fmt and summary["source_arch"] == "revit"
