@@ -1,0 +1,260 @@
+"""analyze.py: CKA, effective rank, gate interventions, and the command end to end.
+
+The measures are checked against their defining properties (Hypothesis over shapes and seeds);
+the interventions against the model itself (a folded model with the router's own gates must
+reproduce the reViT's residual states).
+"""
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import analyze
+import revit
+
+FAST = settings(max_examples=15, deadline=None)
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def orthogonal(n, seed):
+    q, r = torch.linalg.qr(randn(n, n, seed=seed))
+    return q * torch.sign(torch.diagonal(r))  # Haar-distributed
+
+
+def tiny_revit(seed=0, **overrides):
+    cfg = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=16, heads=2, ffn_dim=24, depth=4,
+               num_experts=3)
+    model = revit.create_model("revit-mini", **{**cfg, **overrides}).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # random weights everywhere, so the router's gates are far from uniform
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+# --- linear CKA ---
+
+features = st.tuples(st.integers(4, 24), st.integers(1, 12), st.integers(1, 12), st.integers(0, 2**16))
+
+
+@FAST
+@given(features)
+def test_cka_of_a_representation_with_itself_is_one(shape):
+    n, p, _, seed = shape
+    x = randn(n, p, seed=seed)
+    assert analyze.linear_cka(x, x) == pytest.approx(1.0, abs=1e-9)
+
+
+@FAST
+@given(features, st.floats(0.01, 100.0))
+def test_cka_is_symmetric_and_invariant_to_rotation_and_isotropic_scaling(shape, scale):
+    n, p, q, seed = shape
+    x, y = randn(n, p, seed=seed), randn(n, q, seed=seed + 1)
+    cka = analyze.linear_cka(x, y)
+    assert 0.0 <= cka <= 1.0 + 1e-9
+    assert analyze.linear_cka(y, x) == pytest.approx(cka, abs=1e-9)
+    assert analyze.linear_cka(x @ orthogonal(p, seed + 2), y) == pytest.approx(cka, abs=1e-9)
+    assert analyze.linear_cka(x, y @ orthogonal(q, seed + 3)) == pytest.approx(cka, abs=1e-9)
+    assert analyze.linear_cka(scale * x, y) == pytest.approx(cka, abs=1e-9)
+    assert analyze.linear_cka(x, scale * y) == pytest.approx(cka, abs=1e-9)
+
+
+def test_cka_matrix_matches_pairwise_cka():
+    xs, ys = randn(3, 20, 5, seed=1), randn(2, 20, 7, seed=2)
+    expected = torch.tensor([[analyze.linear_cka(x, y) for y in ys] for x in xs], dtype=torch.float64)
+    torch.testing.assert_close(analyze.cka_matrix(xs, ys), expected)
+
+
+# --- effective rank ---
+
+
+@FAST
+@given(st.integers(1, 10), st.integers(1, 10), st.integers(0, 2**16), st.floats(0.1, 10.0))
+def test_effective_rank_of_k_equal_singular_values_is_k(m, n, seed, value):
+    k = 1 + seed % min(m, n)
+    u, v = orthogonal(m, seed)[:, :k], orthogonal(n, seed + 1)[:, :k]
+    assert analyze.effective_rank(u @ (value * v.T)) == pytest.approx(k, rel=1e-9)
+
+
+@FAST
+@given(st.integers(1, 10), st.integers(1, 10), st.integers(0, 2**16))
+def test_effective_rank_of_a_rank_one_matrix_is_one(m, n, seed):
+    assert analyze.effective_rank(torch.outer(randn(m, seed=seed), randn(n, seed=seed + 1))) == pytest.approx(1.0)
+
+
+def test_effective_rank_of_zero_matrix_is_zero():
+    assert analyze.effective_rank(torch.zeros(3, 4)) == 0.0
+
+
+def gates_and_bank(depth, experts, bank_rank, seed):
+    gates = torch.softmax(3 * randn(depth, experts, seed=seed), -1)  # rows on the simplex, like G
+    bank = randn(experts, bank_rank, seed=seed + 1) @ randn(bank_rank, 40, seed=seed + 2)  # (E, P) of rank <= r
+    return gates, bank
+
+
+@FAST
+@given(st.integers(2, 12), st.integers(1, 8), st.integers(1, 8), st.integers(0, 2**16))
+def test_merged_trajectory_rank_is_bounded_by_gates_and_bank(depth, experts, bank_rank, seed):
+    gates, bank = gates_and_bank(depth, experts, bank_rank, seed)
+    traj = gates @ bank  # W1_traj = G W1_bank
+    rank = torch.linalg.matrix_rank
+    bound = min(rank(gates), rank(bank))
+    assert rank(traj) <= bound
+    assert analyze.effective_rank(traj) <= bound + 1e-6  # exp(entropy) never exceeds the rank
+
+
+@FAST
+@given(st.integers(2, 12), st.integers(1, 8), st.integers(0, 2**16))
+def test_depth_centred_gates_have_rank_at_most_e_minus_one(depth, experts, seed):
+    gates, bank = gates_and_bank(depth, experts, experts, seed)
+    centred = analyze.centre_depth(gates)
+    assert torch.linalg.matrix_rank(centred, atol=1e-9) <= experts - 1
+    assert analyze.effective_rank(centred) <= max(experts - 1, 0) + 1e-6
+    torch.testing.assert_close(analyze.centre_depth(gates @ bank), centred @ bank)  # C (G W) = (C G) W
+
+
+def test_effective_ranks_of_a_model():
+    model = tiny_revit(num_experts=3, depth=6)
+    ranks = analyze.effective_ranks(model, model.gate_matrix(6).detach())
+    assert all(0 < ranks[k] <= 3 + 1e-9 for k in ("W1_bank", "G", "W1_traj"))
+    assert ranks["G_centred"] <= 2 + 1e-9 and ranks["W1_traj_centred"] <= 2 + 1e-9
+
+
+def test_effective_ranks_of_the_tied_block():
+    model = tiny_revit(num_experts=1)  # E = 1: a plain Mlp, G = ones
+    ranks = analyze.effective_ranks(model, model.gate_matrix(4))
+    assert ranks["W1_bank"] == ranks["G"] == pytest.approx(1.0) and ranks["W1_traj"] == pytest.approx(1.0)
+    assert ranks["G_centred"] == ranks["W1_traj_centred"] == 0.0
+    assert not analyze.is_merged(model)
+
+
+# --- Spearman rho and the max-CKA path ---
+
+
+def test_spearman():
+    a = torch.arange(6.0)
+    assert analyze.spearman(a, a ** 3) == pytest.approx(1.0)
+    assert analyze.spearman(a, -a) == pytest.approx(-1.0)
+    ties = analyze.spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([1.0, 1, 2, 2]))  # ranks 0.5, 0.5, 2.5, 2.5
+    assert ties == pytest.approx(2 / math.sqrt(5))
+    assert math.isnan(analyze.spearman(a, torch.ones(6)))
+
+
+def test_depth_alignment_of_a_proportional_trajectory():
+    # student L = 3 against teacher L_T = 6: CKA peaks at teacher state 2 i
+    cross = torch.tensor([[1.0 - 0.1 * abs(j - 2 * i) for j in range(7)] for i in range(4)])
+    result = analyze.depth_alignment(cross)
+    assert result["max_cka_path"] == [0, 2, 4, 6]
+    assert result["spearman_rho"] == pytest.approx(1.0)
+    assert result["mad"] == pytest.approx(0.0) and result["interior_mad"] == pytest.approx(0.0)
+    symmetric = analyze.depth_alignment(cross[:3, :5])  # L = 2, L_T = 4: the middle row is symmetric about 2
+    assert symmetric["weighted_mean_depth"][1] == pytest.approx(2.0)
+    assert 0 < symmetric["weighted_std_depth"][1] < 2
+
+
+# --- gate interventions ---
+
+
+def test_ablation_and_permutation_keep_rows_on_the_simplex():
+    gates = torch.softmax(randn(5, 4, seed=3), -1)
+    ablated = analyze.ablate_experts(gates, [1])
+    assert (ablated[:, 1] == 0).all()
+    torch.testing.assert_close(ablated.sum(1), torch.ones(5, dtype=torch.float64))
+    torch.testing.assert_close(analyze.ablate_experts(gates, []), gates)
+    torch.testing.assert_close(analyze.permute_gates(gates, [2, 0, 1, 3])[:, 0], gates[:, 2])
+
+
+def test_gate_permutations():
+    g = torch.Generator().manual_seed(0)
+    four = analyze.gate_permutations(4, 64, g)
+    assert len(four) == len(set(four)) == 23 and (0, 1, 2, 3) not in four
+    six = analyze.gate_permutations(6, 10, torch.Generator().manual_seed(1))
+    assert len(set(six)) == 10 and (0, 1, 2, 3, 4, 5) not in six
+    assert six == analyze.gate_permutations(6, 10, torch.Generator().manual_seed(1))  # seeded
+    assert analyze.gate_permutations(1, 64, g) == []
+
+
+def test_displacement_is_the_frobenius_distance_of_the_merged_weights():
+    model = tiny_revit()
+    ffn = model.block.mlp
+    gates = model.gate_matrix(4).detach()
+    ablated = analyze.ablate_experts(gates, [0])
+    with torch.no_grad():
+        direct = torch.cat([(a - b).flatten() for a, b in zip(ffn.merge(ablated), ffn.merge(gates))]).norm()
+    gram = analyze.bank_gram(model)
+    assert analyze.merged_displacement(ablated - gates, gram) == pytest.approx(direct.item(), rel=1e-4)
+    perturbed = analyze.matched_perturbation(gates, gram, direct.item(), torch.Generator().manual_seed(0))
+    torch.testing.assert_close(perturbed.sum(1), torch.ones(4))
+    assert (perturbed >= 0).all()
+    assert analyze.merged_displacement(perturbed - gates, gram) == pytest.approx(direct.item(), rel=1e-5)
+
+
+def test_folding_with_the_routers_gates_reproduces_the_model():
+    model = tiny_revit()
+    x = randn(5, 1, 28, 28, seed=4).float()
+    states = analyze.residual_features(model, x, depth=5)
+    folded = revit.fold(model, gates=model.gate_matrix(5).detach())
+    torch.testing.assert_close(analyze.residual_features(folded, x), states, atol=1e-5, rtol=1e-4)
+    assert states.shape == (6, 5, 16)
+
+
+def test_identity_permutation_and_empty_ablation_leave_cka_unchanged():
+    model = tiny_revit()
+    x = randn(12, 1, 28, 28, seed=5).float()
+    gates = model.gate_matrix(4).detach()
+    vit = revit.fold(model, gates=gates)
+    reference = randn(12, 8, seed=6).float()
+
+    def cka(g):
+        revit.load_merged_ffns(vit, model.block.mlp.merge(g))
+        return analyze.linear_cka(analyze.residual_features(vit, x)[-1], reference)
+
+    intact = cka(gates)
+    assert cka(analyze.permute_gates(gates, range(3))) == intact
+    assert cka(analyze.ablate_experts(gates, [])) == pytest.approx(intact, abs=1e-6)
+    assert cka(analyze.permute_gates(gates, [1, 2, 0])) != pytest.approx(intact, abs=1e-6)
+
+
+# --- the command, end to end ---
+
+
+def save_checkpoint(model, arch, path):
+    """The format train.py writes (CONTRACT.md), minus the optimizer and loop state."""
+    torch.save({"model": model.state_dict(), "arch": arch, "model_config": revit.config_dict(model),
+                "train_config": {"dataset": "fashion-mnist"}, "step": 0}, path)
+
+
+def test_command_end_to_end(tmp_path, fashion_mnist_dir):
+    save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
+    teacher = revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4)
+    save_checkpoint(teacher, "vit-mini", tmp_path / "teacher.pt")
+    out = tmp_path / "analysis"
+    analyze.main([str(tmp_path / "student.pt"), "--teacher", str(tmp_path / "teacher.pt"), "--depth", "5",
+                  "--out", str(out), "--data-dir", str(fashion_mnist_dir), "--num-images", "48",
+                  "--intervention-images", "32", "--random-perturbations", "3", "--device", "cpu"])
+    report = json.loads((out / "analysis.json").read_text())
+    assert len(report["gates"]["gates"]) == 5 and len(report["gates"]["gates"][0]) == 3
+    assert set(report["effective_ranks"]) >= {"W1_bank", "G", "W1_traj", "G_centred", "W1_traj_centred"}
+    assert len(report["self_cka"]) == 6 and report["self_cka"][2][2] == pytest.approx(1.0)
+    assert len(report["cross_cka"]) == 6 and len(report["cross_cka"][0]) == 5  # student 5+1 x teacher 4+1
+    assert len(report["depth_alignment"]["max_cka_path"]) == 6
+    interventions = report["interventions"]
+    assert [a["expert"] for a in interventions["ablations"]] == [0, 1, 2]
+    assert all(len(a["random_delta_cka"]) == 3 for a in interventions["ablations"])
+    assert interventions["permutation_summary"]["count"] == 5
+    assert (out / "gates.csv").read_text().count("\n") == 6  # header + L rows
+    assert (out / "cross_cka.csv").exists() and (out / "self_cka.csv").exists()
+    # the same seed gives the same numbers
+    again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(tmp_path / "again"),
+                          "--data-dir", str(fashion_mnist_dir), "--num-images", "48", "--no-interventions"])
+    assert again["self_cka"] == report["self_cka"]
+
+
+def test_command_rejects_a_missing_checkpoint(tmp_path):
+    with pytest.raises(SystemExit, match="no such checkpoint"):
+        analyze.main([str(tmp_path / "missing.pt")])
