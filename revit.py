@@ -306,12 +306,16 @@ class MergedExpertFFN(ExpertBank):
         if not cacheable:
             ctx["grid_gates"] = self.gates(depth_grid(depth, self.fc1_weight.device))  # (L, E)
             return
+        ctx["merged"] = self.cached_merge(depth)
+
+    @torch.compiler.disable  # a Python-side lookup: kept out of compiled graphs (no guards, no recompiles)
+    def cached_merge(self, depth: int) -> tuple:
         key = (depth, torch.is_autocast_enabled(), self.weights_version())
         if self._cache_key != key:
             self._cache_key, self._cache = None, None  # free the old cache before building the new one
             self._cache = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))
             self._cache_key = key
-        ctx["merged"] = self._cache
+        return self._cache
 
     def forward(self, u: torch.Tensor, coords: torch.Tensor, ctx: dict) -> torch.Tensor:
         t = ctx["step"]
@@ -1048,7 +1052,8 @@ class ReViT(ViTBase):
                     ctx["index"] = idx  # rows of the batch in x[idx], for per-image state (Lory)
                     x = x.index_copy(0, idx, self.block(x[idx], coords[idx, t], ctx))
             states.append(x)
-        aux = self.block.mlp.aux_losses(ctx)
+        # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P).
+        aux = self.block.mlp.aux_losses(ctx) if return_states or self.training else {}
         extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.depth_programmed else None
         return self.finish(x, states, aux, return_states, extra)
 
