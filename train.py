@@ -11,7 +11,8 @@ Modes (one loop, a task object supplies the loss and the evaluation):
   small data sets override epochs/batch/augmentation through DATASET_DEFAULTS (printed at start);
 - distillation (`--teacher`): final-layer token MSE of SPEC §1.5 (Eq. 4) against a frozen teacher;
 - linear probe (`--probe cls --backbone CKPT`): frozen backbone, linear head on the class token or
-  on mean-pooled patch tokens; a new probe (dense: segmentation, depth) is one more entry in PROBES;
+  on mean-pooled patch tokens; dense probes (`--probe seg|depth`: per-patch segmentation and depth
+  heads on cached frozen features, mIoU / RMSE per --eval-depths) run probes.py's loop;
 - language model (an alternet preset): next-token loss returned by the model, validation loss and
   bits-per-byte at the halted depth and at every fixed depth.
 
@@ -65,7 +66,8 @@ class TrainConfig:
     # model
     arch: str = opt("revit-mini", "preset name from revit.PRESETS or alternet.PRESETS (see --list-archs)")
     patch_size: int | None = opt(None, "override the preset's patch size (auto: adapted to small images, see README)")
-    depth: int | None = opt(None, "override the reference recurrent depth L / number of blocks")
+    depth: int | None = opt(None, "override the reference recurrent depth L / number of blocks (seg/depth "
+                                  "probes: the backbone depth the heads are trained at)")
     num_experts: int | None = opt(None, "override E, the experts of reViT's bank")
     drop_path: float | None = opt(None, "override the per-block stochastic depth rate")
     depth_drop: float | None = opt(None, "elastic-depth rate: drop whole recurrent steps per image (paper: 0.3)")
@@ -117,9 +119,12 @@ class TrainConfig:
     eval_batch_size: int = opt(256, "batch per rank for evaluation")
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
     teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (needs internet)")
-    probe: str = opt("", "linear probe of a frozen --backbone: cls (classification); dense probes plug in here")
+    probe: str = opt("", "probe of a frozen --backbone: cls (linear classification) | seg (linear segmentation "
+                         "head, mIoU) | depth (linear and MLP depth heads, RMSE); seg/depth run probes.py")
     probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patch tokens)")
     backbone: str = opt("", "probe mode: checkpoint of the frozen backbone")
+    probe_cache: str = opt("", "seg/depth probes: folder caching the frozen backbone's features (keyed by "
+                               "checkpoint hash, depth and data; empty: recompute)")
     # system
     out_dir: str = opt("", "run folder for ckpt.pt and metrics.jsonl (auto: out/<arch>-<time>; "
                            "with --resume: the checkpoint's folder)")
@@ -207,6 +212,9 @@ def resolve_config(explicit: dict) -> TrainConfig:
     values = dict(DATASET_DEFAULTS[dataset], dataset=dataset)
     if explicit.get("probe"):
         values.update(PROBE_DEFAULTS)
+        if explicit["probe"] in DENSE_PROBES:
+            import probes
+            values.update(probes.DEFAULTS)
     values.update(explicit)
     cfg = TrainConfig(**values)
     check_config(cfg)
@@ -234,8 +242,8 @@ def check_config(cfg: TrainConfig) -> None:
         fail(f"--loss must be bce or ce; got {cfg.loss!r}")
     if cfg.tokenizer not in ("byte", "gpt2"):
         fail(f"--tokenizer must be byte or gpt2; got {cfg.tokenizer!r}")
-    if cfg.probe and cfg.probe not in PROBES:
-        fail(f"--probe must be one of {', '.join(PROBES)}; got {cfg.probe!r}")
+    if cfg.probe and cfg.probe not in (*PROBES, *DENSE_PROBES):
+        fail(f"--probe must be one of {', '.join((*PROBES, *DENSE_PROBES))}; got {cfg.probe!r}")
     if cfg.probe and not cfg.backbone:
         fail("--probe needs --backbone CHECKPOINT (the frozen model to probe)")
     if cfg.probe_pool not in ("cls", "mean"):
@@ -789,9 +797,10 @@ class ProbeModel(nn.Module):
         return {"logits": logits, "aux_losses": {}} if return_states else logits
 
 
-# Probe name -> builder(backbone, num_classes, cfg) -> trainable model. Dense probes (segmentation,
-# depth) add a builder here plus a task with their loss and metric.
+# Probe name -> builder(backbone, num_classes, cfg) -> trainable model, trained by the loop below.
 PROBES = {"cls": lambda backbone, num_classes, cfg: ProbeModel(backbone, num_classes, cfg.probe_pool)}
+# Dense probes train per-patch heads on (cached) frozen features in probes.py's own loop: probes.run.
+DENSE_PROBES = ("seg", "depth")
 
 
 class LanguageTask:
@@ -1098,6 +1107,9 @@ def main(argv=None) -> dict:
         explicit = {**{k: v for k, v in saved.items() if k in known}, **explicit}
         explicit["out_dir"] = out_dir
     cfg = resolve_config(explicit)
+    if cfg.probe in DENSE_PROBES:  # single process; results table per --eval-depths, probe_results.json
+        import probes
+        return probes.run(cfg)
     rank, world, device = setup_distributed(cfg)
     try:
         return train(cfg, rank, world, device, resume_ckpt)
