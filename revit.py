@@ -1093,8 +1093,8 @@ WIDTHS = {  # d, heads, d_ff, L (SPEC §1.1)
     "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
 }
 # Small presets for CPU runs: 28x28x1 (Fashion-MNIST, "-mini") and 32x32x3 (CIFAR, "-mini32").
-MINI = dict(image_size=28, patch_size=4, in_channels=1, num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)
-MINI32 = dict(MINI, image_size=32, in_channels=3)
+MINI = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)
+MINI32 = dict(MINI, image_size=32, patch_size=4, in_channels=3)
 
 
 def _build_presets() -> dict:

@@ -230,7 +230,7 @@ def test_timm_model_names_and_arguments():
     assert export.timm_model_args(config("vit-s")) == ("deit3_small_patch16_224", {})
     assert export.timm_model_args(config("vit-b14")) == ("deit3_base_patch16_224", {"patch_size": 14})
     assert export.timm_model_args(config("revit-mini", **fold)) == (
-        "vit_small_patch16_224", dict(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=96,
+        "vit_small_patch16_224", dict(img_size=28, patch_size=7, in_chans=1, num_classes=10, embed_dim=96,
                                       depth=6, num_heads=3, mlp_ratio=2.0))
 
 
