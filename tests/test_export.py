@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 import export
 import revit
+from helpers import randomise
 
 TINY = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, heads=2, ffn_dim=32, depth=4)
 
@@ -24,14 +25,6 @@ TINY = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, he
 def tiny(name="revit-mini", **overrides):
     return randomise(revit.create_model(name, **{**TINY, **overrides})).eval()
 
-
-def randomise(model, seed=0):
-    """Random weights everywhere (including the zero-initialised router output) so checks are not trivial."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
 
 
 def images(config, batch=3, seed=1):

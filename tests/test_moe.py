@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 import revit
+from helpers import randomise, images
 
 FAST = settings(max_examples=6, deadline=None)
 TINY = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, heads=2, ffn_dim=24, depth=4)
@@ -27,18 +28,6 @@ def tiny(name, **overrides):
     return revit.create_model(name, **{**TINY, **overrides})
 
 
-def randomise(model, seed=0):
-    """Random weights everywhere (routers, LoRA's zero-initialised B) so the checks are not trivial."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
-
-
-def images(batch, model, seed=0):
-    c = model.config
-    return torch.randn(batch, c.in_channels, c.image_size, c.image_size, generator=torch.Generator().manual_seed(seed))
 
 
 # --- slow references: one image, one step, one token at a time, each mechanism's rule written out ---

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import revit
+from helpers import randomise, images
 
 FAST = settings(max_examples=12, deadline=None)
 
@@ -21,18 +22,6 @@ def tiny(name="revit-mini", **overrides):
     return revit.create_model(name, **cfg)
 
 
-def randomise(model, seed=0):
-    """Random weights everywhere (including the zero-initialised router output) so checks are not trivial."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
-
-
-def images(batch, model, seed=0):
-    c = model.config
-    return torch.randn(batch, c.in_channels, c.image_size, c.image_size, generator=torch.Generator().manual_seed(seed))
 
 
 # --- reference implementation: one image at a time, one step at a time, experts summed by hand ---
