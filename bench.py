@@ -412,14 +412,7 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
                 model = model.to(device).eval()
                 run = maybe_compile(model, mode == "compiled")
                 fn = _inference_call(run, images, device)
-                extra[label] = {"params_m": model.num_params() / 1e6}
-                start = time.perf_counter()
-                allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-                fn()
-                synchronize(device)
-                extra[label]["first_call_s"] = time.perf_counter() - start  # includes compilation
-                if device.type == "cuda":
-                    extra[label].update(cuda_memory(fn, model, device, allocated))
+                extra[label] = {"params_m": model.num_params() / 1e6, **first_call(fn, model, device, "first_call_s")}
                 fns[label] = fn
             times = time_interleaved(fns, device, warmup, repeats, iters)
             for label in fns:
@@ -445,6 +438,18 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
         if "memory_mib" in r and "memory_mib" in ref:
             r["memory_ratio"] = r["memory_mib"] / ref["memory_mib"]
     return {"rows": rows}
+
+
+def first_call(fn, model, device, key: str) -> dict:
+    """Run fn once: its wall time (compilation included) under `key`, and on CUDA the memory figures."""
+    start = time.perf_counter()
+    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    fn()
+    synchronize(device)
+    out = {key: time.perf_counter() - start}
+    if device.type == "cuda":
+        out.update(cuda_memory(fn, model, device, allocated))
+    return out
 
 
 def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
@@ -599,14 +604,8 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
                                       fused=device.type == "cuda")
         fn = _train_step(model, maybe_compile(model, compiled), optimizer, images, labels, device)
         extra[label] = {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
-                        "forward_gflops_per_image": forward_flops(name, overrides) / 1e9}
-        start = time.perf_counter()
-        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        fn()
-        synchronize(device)
-        extra[label]["first_step_s"] = time.perf_counter() - start  # includes compilation
-        if device.type == "cuda":
-            extra[label].update(cuda_memory(fn, model, device, allocated))
+                        "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
+                        **first_call(fn, model, device, "first_step_s")}
         fns[label] = fn
     times = time_interleaved(fns, device, warmup, repeats, iters)
     rows = []

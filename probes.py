@@ -51,8 +51,7 @@ import json
 import math
 import os
 import time
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,17 +60,13 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import train
-from train import fail
+from train import fail, opt
 
 DENSE_PROBES = ("seg", "depth")
 IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabelled pixels)
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
 PROXY_LEVELS = 4           # ... and the rest falls into 4 intensity classes
 DELTA_MIN_DEPTH = 1e-3     # predictions are clamped to this before the ratio of delta < 1.25
-
-
-def opt(default, help: str):
-    return field(default=default, metadata={"help": help})
 
 
 # Training defaults of a dense probe; train.py applies them over its own when --probe is seg|depth.
@@ -106,18 +101,7 @@ class ProbeConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    hints = typing.get_type_hints(ProbeConfig)
-    for f in fields(ProbeConfig):
-        kind = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata['help']} [default: {'auto' if f.default in (None, '') else f.default}]"
-        if kind[0] is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        else:
-            parser.add_argument(flag, type=kind[0], default=f.default, metavar=kind[0].__name__.upper(),
-                                help=help_text)
-    return parser
+    return train.dataclass_parser(ProbeConfig, __doc__.split("\n\n")[0])
 
 
 # --- metrics (numerators and denominators accumulate over batches; the ratio is taken once) ---

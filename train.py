@@ -160,20 +160,27 @@ DATASET_DEFAULTS = {
 PROBE_DEFAULTS = dict(loss="ce", mixup=0.0, cutmix=0.0, three_augment=False, color_jitter=0.0, weight_decay=0.0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per TrainConfig field (--snake-case -> --snake-case with dashes)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
-    hints = typing.get_type_hints(TrainConfig)
-    for f in fields(TrainConfig):
-        kind = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
-        kind = kind[0]
+def dataclass_parser(config_class, description: str, suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """One flag per dataclass field (--snake_case -> --snake-case), its help from the field's metadata.
+    suppress_defaults: unset flags stay absent from the namespace, so the caller sees what was given."""
+    parser = argparse.ArgumentParser(description=description,
+                                     argument_default=argparse.SUPPRESS if suppress_defaults else None)
+    hints = typing.get_type_hints(config_class)
+    for f in fields(config_class):
+        kind = ([a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]])[0]
         flag = "--" + f.name.replace("_", "-")
         shown = "auto" if f.default is None or f.default == "" else f.default
+        extra = {} if suppress_defaults else {"default": f.default}
         help_text = f"{f.metadata['help']} [default: {shown}]"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, **extra)
         else:
-            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=help_text)
+            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=help_text, **extra)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = dataclass_parser(TrainConfig, __doc__.split("\n\n")[0], suppress_defaults=True)
     parser.add_argument("--list-archs", action="store_true", help="print the preset names and exit")
     return parser
 
