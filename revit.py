@@ -1,32 +1,33 @@
 """reViT: one recurrent ViT block whose FFN is a depth-programmed merge of an expert bank.
 
-Paper: "reViT" (arXiv 2610.12448), §3 and Appendix A; equations restated in SPEC.md Part 1.
-Baselines in the same file: the untied ViT of DeiT III and Raptor (k blocks over L steps).
+Paper: "One Block, Multiple Depths: Recurrent Vision Transformers with Depth-Programmed Experts"
+(reViT, arXiv 2610.12448): §3.1 (router and merge, Eqs. 1-3), §3.2 (elastic depth), App. A.1-A.2
+(initialisation, auxiliary losses Eqs. 6, 8, 9), Table 1 (sizes); §4.3 and App. B (the comparisons).
 
 How reViT differs from a standard pre-norm ViT (DeiT III):
 - one block (attention + both LayerNorms) is applied L times; there are no per-layer weights;
-- the FFN of step t is a weight-space merge of E expert FFNs, with gates from a tiny router
-  that sees only the normalised depth s_t = t / (L - 1) (Eq. 1-2), so it is the same for
-  every image and every token, and only one dense FFN runs per step whatever E is;
-- the depth L is chosen per call: the router is re-sampled on a new grid (§3.2);
+- the FFN of step t is a weight-space merge of E expert FFNs, with gates from a tiny router ψ that
+  sees only the normalised depth s_t = t / (L - 1) (Eqs. 1-2): the same for every image and token,
+  and only one dense FFN runs per step whatever E is;
+- the depth L is chosen per call: the router is evaluated on a new grid (§3.2);
 - training can drop whole steps per image and renumber the rest (elastic depth, §3.2);
 - for a fixed L the L merged FFNs can be cached, or folded into a plain ViT (`fold`);
-- three auxiliary losses keep the gates balanced and the experts distinct (Eq. 6, 8, 9);
-- no LayerScale in the recurrent block (Eq. 3); DeiT III's untied baseline keeps it.
+- three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
+- no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-The paper's comparison of FFN mechanisms under the same single-block recurrence (§4.3,
-Tables 3, 4, 8-10, Fig. 2, Appendix B) plugs into the same block through the FFN interface:
-weight merges (Lory, SMEAR, the feature-only control of Fig. 2), token dispatch (DeepSeek-V3,
-Qwen3, MoEUT), output mixtures (ReMoE, Soft-MoE), the dense tied block (E = 1), and
-layer-wise LoRA (per-depth low-rank updates of attention and FFN). `ViTConfig.ffn` selects one.
-
-Read in build order: building blocks -> FFNs behind one interface -> config -> the plain
-ViT / Raptor -> reViT -> presets -> fold.
+Reading order. Part I is reViT and the two baselines it is measured against (Table 1):
+building blocks -> the plain ViT block (Eq. 3) -> the depth router ψ and the weight-space merge
+(Eqs. 1-2) with the auxiliary losses (Eqs. 6, 8, 9) -> ViTConfig -> the plain ViT / DeiT III and
+Raptor -> ReViT (recurrence, elastic depth) -> fold -> presets. Part II holds the paper's
+comparison mechanisms (§4.3, App. B: Lory, SMEAR, the feature-only control, DeepSeek-V3, Qwen3,
+MoEUT, ReMoE, Soft-MoE, layer-wise LoRA); they plug into Part I through the `FFN` interface and
+`build_block`, and a reader of Part I never needs them.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -35,8 +36,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-# --- building blocks (DeiT III numerics: LayerNorm eps 1e-6, qkv bias, trunc-normal 0.02) ---
+# ================================ Part I — reViT ================================
 
+# --- building blocks (DeiT III numerics: LayerNorm eps 1e-6, qkv bias, trunc-normal 0.02) ---
 
 def init_linear(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
@@ -47,15 +49,9 @@ def init_linear(module: nn.Module) -> None:
         nn.init.ones_(module.weight)
         nn.init.zeros_(module.bias)
 
-
-def linear_with_lora(linear: nn.Linear, x: torch.Tensor, lora: dict | None, name: str) -> torch.Tensor:
-    """linear(x), plus the low-rank update B_t A_t x of layer-wise LoRA when this step has one."""
-    y = linear(x)
-    if lora is not None:
-        down, up = lora[name]  # A_t (r, in), B_t (out, r)
-        y = y + F.linear(F.linear(x, down), up)
-    return y
-
+def full_precision(device: torch.device):
+    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
+    return torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) else nullcontext()
 
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
@@ -64,12 +60,14 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
-        qkv = linear_with_lora(self.qkv, x, lora, "qkv")
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """(B, T, 3d) fused q, k, v -> (B, T, d) attention output before the projection."""
         q, k, v = rearrange(qkv, "b t (three h c) -> three b h t c", three=3, h=self.heads)
         x = F.scaled_dot_product_attention(q, k, v)  # (B, h, T, c), flash/efficient kernels where available
-        return linear_with_lora(self.proj, rearrange(x, "b h t c -> b t (h c)"), lora, "proj")
+        return rearrange(x, "b h t c -> b t (h c)")
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.attend(self.qkv(x)))
 
 class LayerScale(nn.Module):
     def __init__(self, dim: int, init: float):
@@ -79,9 +77,10 @@ class LayerScale(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma
 
-
 class DropPath(nn.Module):
-    """Stochastic depth on a residual branch (per sample), as DeiT III trains its baseline."""
+    """Stochastic depth *inside* a block: drops a residual branch per sample (DeiT III's recipe).
+
+    Not elastic depth: reViT's `depth_drop` removes whole recurrent steps and renumbers the rest."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -93,114 +92,112 @@ class DropPath(nn.Module):
         keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
         return x * keep / (1.0 - self.p)
 
-
-# --- FFNs behind one interface ---
-# Every FFN of the shared block takes (u, coords, ctx) and returns tokens of the same shape:
-#   u       (b, T, d)  LayerNorm'd tokens of the images that run this step
-#   coords  (b,)       each image's normalised depth coordinate s in [0, 1] (None for a plain ViT)
-#   ctx     dict       per-forward scratch space: "depth" L, "step" t, "elastic" flag, "batch" B,
-#                      "index" (rows of the batch that run this step; None = all), "lora" (LoRA factors)
-# prepare(ctx) runs once before the steps and aux_losses(ctx) once after them; this is where a
-# mechanism precomputes per-forward state and reports its weighted auxiliary losses. Statistics
-# pooled over the steps of one forward live in ctx; statistics for a non-gradient update after
-# the optimizer step (DeepSeek-V3's bias, ReMoE's L1 controller) live on the module, recorded by
-# training forwards only. active_flops_per_token(T) -> {"experts", "routing"}: FLOPs per token
-# and step for one image of T tokens (2 per multiply-add of the matmuls; biases, GELU, softmax and
-# norms not counted). "experts" is the FFN arithmetic the nominal budget U counts (paper §4.3:
-# U = expert FLOPs / one dense FFN's); "routing" is the rest (router matmuls, merges, Soft-MoE
-# dispatch/combine).
-
-
 def ffn_flops(dim: int, hidden: int) -> int:
     """FLOPs of one FFN on one token: two matmuls d x h, 2 FLOPs per multiply-add."""
     return 4 * dim * hidden
 
+def apply_ffn(u, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+    """FFN(u) = W2 GELU(W1 u + b1) + b2 with given weights, cast to u's dtype at use."""
+    w1, b1, w2, b2 = (w.to(u.dtype) for w in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
+    return F.linear(F.gelu(F.linear(u, w1, b1)), w2, b2)
 
-class Mlp(nn.Module):
-    """The dense FFN of a ViT block: fc2(GELU(fc1(u))), with layer-wise LoRA updates when ctx has them."""
+class FFN(nn.Module):
+    """What the FFN of a block implements (a plain Mlp, reViT's merge, and every Part II mechanism).
+
+    forward(u, coords, step, rows) -> tokens of u's shape, called once per step:
+      u       (b, T, d) LayerNorm'd tokens of the images that run this step
+      coords  (b,)      each image's normalised depth coordinate s (None in a plain ViT)
+      step    int       the step index t in 0..L-1 of this application
+      rows    (b,)      which images of the batch these are, under elastic depth; None: the whole
+                        batch, every image at the grid coordinate s_t = t / (L - 1)
+    begin_forward(depth, batch) runs once before step 0 (per-forward state: a merge cache, pooled
+    router statistics), aux_losses(depth) once after the last step (weighted auxiliary losses).
+    active_flops_per_token(T) -> {"experts", "routing"}: FLOPs per token and step for an image of T
+    tokens (2 per multiply-add of the matmuls); "experts" is what the budget U counts (§4.3).
+    """
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        pass
+
+    def aux_losses(self, depth: int) -> dict:
+        return {}
+
+class Mlp(FFN):
+    """The dense FFN of a ViT block: fc2(GELU(fc1(u)))."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
 
-    def prepare(self, ctx: dict) -> None:
-        pass
+    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(u)))
 
-    def forward(self, u: torch.Tensor, coords=None, ctx=None) -> torch.Tensor:
-        lora = ctx.get("lora") if ctx is not None else None
-        if lora is None:
-            return self.fc2(F.gelu(self.fc1(u)))
-        return linear_with_lora(self.fc2, F.gelu(linear_with_lora(self.fc1, u, lora, "fc1")), lora, "fc2")
-
-    def aux_losses(self, ctx: dict) -> dict:
-        return {}
+    def dense_state(self, gates=None) -> dict:
+        """The Mlp weights this FFN runs with (fold): its own."""
+        return self.state_dict()
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
         return {"experts": ffn_flops(self.fc1.in_features, self.fc1.out_features), "routing": 0}
 
+# --- the plain ViT block (Eq. 3) ---
+
+class Block(nn.Module):
+    """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)).
+
+    Optional LayerScale (DeiT III) and per-sample drop-path on both branches. The FFN is any
+    `FFN`, so the same block serves ViT, Raptor and reViT.
+    """
+
+    def __init__(self, dim: int, heads: int, mlp: FFN, layer_scale_init: float | None = None,
+                 drop_path: float = 0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, heads)
+        self.ls1 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = mlp
+        self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
+        self.drop_path = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), coords, step, rows)))
+
+    def check_depth(self, depth: int) -> None:
+        """Raise ValueError if this block cannot run `depth` steps (every depth is fine here)."""
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        self.check_depth(depth)
+        self.mlp.begin_forward(depth, batch)
+
+    def unrolled_state(self, step: int, gates: torch.Tensor | None = None) -> dict:
+        """State dict of a plain Block (dense Mlp) computing what this block computes at `step`;
+        gates: that step's (E,) gate vector for a merged FFN (fold)."""
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("mlp.")}
+        state.update({f"mlp.{k}": v for k, v in self.mlp.dense_state(gates).items()})
+        return state
+
+# --- the depth router ψ and the weight-space merge (§3.1, Eqs. 1-2); aux losses (App. A.2) ---
 
 def depth_grid(depth: int, device=None) -> torch.Tensor:
     """Eq. 1: s_t = t / (L - 1), t = 0..L-1. Same formula as the renumbered elastic coordinates."""
     return torch.arange(depth, device=device, dtype=torch.float32) / (depth - 1)
 
-
-def apply_ffn(u, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
-    return F.linear(F.gelu(F.linear(u, fc1_weight, fc1_bias)), fc2_weight, fc2_bias)
-
-
-def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
-    """n FFNs on n row sets at once: x (n, m, d), weights stacked (n, ...) -> (n, m, d)."""
-    h = F.gelu(torch.baddbmm(fc1_bias.unsqueeze(1), x, fc1_weight.transpose(1, 2)))  # (n, m, h)
-    return torch.baddbmm(fc2_bias.unsqueeze(1), h, fc2_weight.transpose(1, 2))       # (n, m, d)
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Router math in fp32 (as Switch, Qwen3 and DeepSeek-V3 do), whatever the autocast dtype."""
-    with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-
-
-def pool_over_steps(ctx: dict, **stats) -> None:
-    """Sum router statistics over all recurrent steps of this forward: the experts are the same at
-    every step (one shared block), so balance is measured over all of them (SPEC Part 4)."""
-    pooled = ctx.setdefault("router_stats", {})
-    for name, value in stats.items():
-        pooled[name] = pooled[name] + value if name in pooled else value
-
-
-def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
-    """Sums over the rows of z (n, E) of 1 - H(g)/log E (Eq. 6) and logsumexp(z)^2 (Eq. 8)."""
-    z = z.float()
-    g = torch.softmax(z / temperature, dim=-1)
-    entropy = -(g * torch.log(g.clamp_min(1e-12))).sum(-1)
-    return (1.0 - entropy / math.log(z.shape[-1])).sum(), torch.logsumexp(z, dim=-1).pow(2).sum()
-
-
-def merge_regularisers(ffn: "ExpertBank", balance_sum, z_sum, rows, weights: tuple) -> dict:
-    """Eq. 6 and 8 as means over `rows` gate vectors (from their sums), and Eq. 9 on the bank."""
-    balance_weight, z_weight, diversity_weight = weights
-    return {"balance": balance_weight * balance_sum / rows,                     # Eq. 6
-            "z_loss": z_weight * z_sum / rows,                                  # Eq. 8
-            "diversity": diversity_weight * ffn.diversity()}                    # Eq. 9
-
-
 class ExpertBank(nn.Module):
-    """E expert FFNs stored as stacked tensors, theta_e = (W1_e, b1_e, W2_e, b2_e) (SPEC §1.3).
+    """E expert FFNs stored as stacked tensors, theta_e = (W1_e, b1_e, W2_e, b2_e) (§3.1).
 
-    Each expert is initialised like a ViT FFN, independently (App. A.1). The bank knows the three
-    ways the mechanisms here use experts: merge them in weight space (Eq. 2), run all of them on
-    the same rows (output mixtures, shared experts, Soft-MoE slots), or dispatch each token to its
-    K experts (token routing). Table 8 counts exactly these tensors (`expert_ffn_params`).
+    Each expert is initialised like a ViT FFN, independently (App. A.1). Names of the per-expert
+    biases end in "bias", so the optimizer never decays them, like every other bias.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int):
         super().__init__()
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, hidden, dim))  # (E, d_ff, d)
-        self.fc1_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.fc1_bias = nn.Parameter(torch.zeros(num_experts, hidden))        # (E, d_ff)
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, dim, hidden))  # (E, d, d_ff)
-        self.fc2_bias = nn.Parameter(torch.zeros(num_experts, dim))
+        self.fc2_bias = nn.Parameter(torch.zeros(num_experts, dim))           # (E, d)
         nn.init.trunc_normal_(self.fc1_weight, std=0.02)
         nn.init.trunc_normal_(self.fc2_weight, std=0.02)
 
@@ -212,135 +209,135 @@ class ExpertBank(nn.Module):
         return 2 * self.dim * self.hidden + self.hidden + self.dim
 
     def merge(self, gates: torch.Tensor) -> tuple:
-        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...)."""
+        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...).
+
+        Always fp32, whatever the bank's dtype or autocast; callers cast at use (apply_ffn)."""
         n = gates.shape[0]
-        return tuple((gates.to(p.dtype) @ p.flatten(1)).view(n, *p.shape[1:]) for p in self.bank())
-
-    def run_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on its own rows: x (E, m, d) -> (E, m, d)."""
-        return apply_ffn_batched(x, *self.bank())
-
-    def mixture(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Every expert on every token, outputs summed with weights (n, E) (None: all weights 1)."""
-        y = self.run_all(x.expand(self.num_experts, *x.shape))  # (E, n, d)
-        if weights is None:
-            return y.sum(0)
-        return (y * weights.T.unsqueeze(-1).to(y.dtype)).sum(0)  # (n, d)
-
-    def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Token dispatch: token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K).
-
-        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous
-        chunk (a loop over experts, never over tokens), and results are scattered back with index_add.
-        """
-        n, k = expert_index.shape
-        flat = expert_index.flatten()                                   # (n K,)
-        order = torch.argsort(flat, stable=True)
-        token = order // k                                              # token of each sorted pair
-        sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
-        chunks = x[token].split(sizes)
-        y = torch.cat([apply_ffn(chunk, *(p[e] for p in self.bank())) for e, chunk in enumerate(chunks)])
-        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)       # (n K, d)
-        return y.new_zeros(n, x.shape[1]).index_add_(0, token, y)
+        with full_precision(gates.device):
+            return tuple((gates.float() @ p.float().flatten(1)).view(n, *p.shape[1:]) for p in self.bank())
 
     def diversity(self) -> torch.Tensor:
         """Eq. 9: mean over pairs e < e' of cos^2(vec(theta_e), vec(theta_e')). Pair-mean is our default."""
-        theta = torch.cat([p.flatten(1) for p in self.bank()], dim=1).float()  # (E, P)
-        theta = F.normalize(theta, dim=1)
+        theta = F.normalize(torch.cat([p.flatten(1) for p in self.bank()], dim=1).float(), dim=1)  # (E, P)
         cos = theta @ theta.T
         i, j = torch.triu_indices(self.num_experts, self.num_experts, offset=1, device=cos.device)
         return cos[i, j].pow(2).mean()
 
-    def prepare(self, ctx: dict) -> None:
-        pass
+def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
+    """Sums over the rows of z (n, E) of 1 - H(g)/log E (Eq. 6) and logsumexp(z)^2 (Eq. 8)."""
+    z = z.float()
+    g = torch.softmax(z / temperature, dim=-1)
+    entropy = -(g * torch.log(g.clamp_min(1e-12))).sum(-1)
+    return (1.0 - entropy / math.log(z.shape[-1])).sum(), torch.logsumexp(z, dim=-1).pow(2).sum()
 
-    def aux_losses(self, ctx: dict) -> dict:
-        return {}
+def merge_regularisers(bank: ExpertBank, balance_sum, z_sum, rows, weights: tuple) -> dict:
+    """Eqs. 6 and 8 as means over `rows` gate vectors (from their sums), and Eq. 9 on the bank."""
+    balance_weight, z_weight, diversity_weight = weights
+    return {"balance": balance_weight * balance_sum / rows,                     # Eq. 6
+            "z_loss": z_weight * z_sum / rows,                                  # Eq. 8
+            "diversity": diversity_weight * bank.diversity()}                   # Eq. 9
 
-
-# --- weight merge: depth-programmed (reViT), and content-conditioned (SMEAR, Lory, feature-only) ---
-
-
-class MergedExpertFFN(ExpertBank):
-    """reViT's FFN (paper §3.1): E expert FFNs merged in weight space by a depth router.
+class MergedExpertFFN(ExpertBank, FFN):
+    """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router.
 
     Eq. 1: z_t = psi(s_t), g_t = softmax(z_t / tau), psi = Linear(1,16) -> SiLU -> Linear(16,E).
     Eq. 2: W1_t = sum_e g_te W1_e (same for b1, W2, b2); FFN_t(u) = W2_t GELU(W1_t u + b1_t) + b2_t.
+    Gates and merges are computed in fp32 under any autocast or parameter dtype.
+
+    Merge cache: inference without gradients at depth L merges all L FFNs once and reuses them
+    until the weights change. Detected: optimizer steps, load_state_dict, in-place ops on the
+    parameters (also under torch.no_grad), moving or casting the module, and any train()/eval()
+    call. Not detected: in-place writes through `p.data` (they bypass the version counter) —
+    call `clear_cache()` (or model.eval()) after such edits.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, router_hidden: int = 16,
                  router_temperature: float = 1.0, aux_weights: tuple = (1e-2, 1e-3, 1e-3),
-                 merge_cache: bool = True):
+                 merge_cache: bool = True, router_prior: float = 0.0):
         super().__init__(dim, hidden, num_experts)
-        self.temperature, self.aux_weights = router_temperature, aux_weights
-        self.merge_cache = merge_cache
+        self.temperature, self.aux_weights, self.merge_cache = router_temperature, aux_weights, merge_cache
+        self.router_prior = router_prior
         self.router = nn.Sequential(nn.Linear(1, router_hidden), nn.SiLU(), nn.Linear(router_hidden, num_experts))
         self._cache_key, self._cache = None, None
+        self._merged_steps = None  # this forward's cached (L, ...) stacks, set by begin_forward
 
-    def reset_parameters(self) -> None:
-        """Router init after the model-wide Linear init: a zero output layer makes all experts equal."""
+    def reset_router(self) -> None:
+        """App. A.1: the output layer is zero-initialised, so all experts start with equal weight.
+        The paper does not say how the hidden layer starts; ours is the model-wide trunc-normal(0.02)
+        with zero bias, which makes psi nearly linear in s at the start (our choice)."""
         self.router.apply(init_linear)
         nn.init.zeros_(self.router[2].weight)
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) router logits z."""
-        return self.router(coords.to(self.router[0].weight.dtype).unsqueeze(-1))
+        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) - beta (s - c_e)^2, c_e = e / (E - 1).
+
+        beta = router_prior (0, the paper's router, by default) is a fixed depth prior that starts
+        expert e dominant near s = c_e: a symmetry-breaking start, not a learned term."""
+        s = coords.float().unsqueeze(-1)                                          # (n, 1)
+        first, last = self.router[0], self.router[2]
+        with full_precision(coords.device):
+            hidden = F.silu(F.linear(s, first.weight.float(), first.bias.float()))   # (n, 16)
+            z = F.linear(hidden, last.weight.float(), last.bias.float())            # (n, E)
+        if self.router_prior:
+            centres = torch.linspace(0.0, 1.0, self.num_experts, device=z.device)   # (E,)
+            z = z - self.router_prior * (s - centres).pow(2)
+        return z
 
     def gates(self, coords: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.gate_logits(coords).float() / self.temperature, dim=-1)
+        return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        # Inference without gradients uses the cache; otherwise each step merges its own FFN, so
+        # that without a cache only one merged FFN is alive at a time (the bank stays the only large weight).
+        cacheable = self.merge_cache and not self.training and not torch.is_grad_enabled()
+        self._merged_steps = self.cached_merge(depth) if cacheable else None
 
     def weights_version(self) -> tuple:
-        # In-place updates (optimizer steps, load_state_dict, .copy_) bump a tensor's version
-        # counter; moving the module changes data_ptr. Either invalidates the cache.
+        # In-place updates bump a tensor's version counter; moving or casting changes data_ptr / dtype.
         return tuple((p._version, p.data_ptr(), p.dtype) for p in self.parameters())
-
-    def prepare(self, ctx: dict) -> None:
-        if ctx["elastic"]:
-            return  # images have their own coordinates: merged per coordinate group in forward
-        depth = ctx["depth"]
-        # Inference without gradients: merge all L FFNs once and reuse them across calls until
-        # the weights change. Otherwise merge step by step in forward, so that without a cache
-        # only one merged FFN is alive at a time (the bank stays the only large weight).
-        cacheable = self.merge_cache and not self.training and not torch.is_grad_enabled()
-        if not cacheable:
-            ctx["grid_gates"] = self.gates(depth_grid(depth, self.fc1_weight.device))  # (L, E)
-            return
-        ctx["merged"] = self.cached_merge(depth)
 
     @torch.compiler.disable  # a Python-side lookup: kept out of compiled graphs (no guards, no recompiles)
     def cached_merge(self, depth: int) -> tuple:
-        key = (depth, torch.is_autocast_enabled(), self.weights_version())
+        key = (depth, self.fc1_weight.device, self.weights_version())
         if self._cache_key != key:
-            self._cache_key, self._cache = None, None  # free the old cache before building the new one
-            self._cache = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))
+            self.clear_cache()  # free the old cache before building the new one
+            self._cache = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))  # fp32 (L, ...)
             self._cache_key = key
         return self._cache
 
-    def forward(self, u: torch.Tensor, coords: torch.Tensor, ctx: dict) -> torch.Tensor:
-        t = ctx["step"]
-        if "merged" in ctx:  # cached: every image is at grid step t
-            return apply_ffn(u, *(w[t] for w in ctx["merged"]))
-        if "grid_gates" in ctx:  # every image is at grid step t: merge once for the whole batch
-            return apply_ffn(u, *(w[0] for w in self.merge(ctx["grid_gates"][t:t + 1])))
+    def clear_cache(self) -> None:
+        self._cache_key, self._cache, self._merged_steps = None, None, None
+
+    def train(self, mode: bool = True):
+        self.clear_cache()  # a mode switch is where hand-written weight edits usually end
+        return super().train(mode)
+
+    def forward(self, u: torch.Tensor, coords: torch.Tensor, step: int = 0, rows=None) -> torch.Tensor:
+        if rows is None:  # every image at grid step t: one merged FFN for the whole batch
+            if self._merged_steps is not None:
+                return apply_ffn(u, *(w[step] for w in self._merged_steps))
+            return apply_ffn(u, *(w[0] for w in self.merge(self.gates(coords[:1]))))
         # Elastic depth: images at this step may sit at different coordinates. Group them by
         # coordinate and run one merged FFN per group, never one weight copy per image.
         values, group = torch.unique(coords, return_inverse=True)
-        merged = self.merge(self.gates(values))
+        merged = self.merge(self.gates(values))                                   # (groups, ...)
         if len(values) == 1:
             return apply_ffn(u, *(w[0] for w in merged))
         order = torch.argsort(group)
-        sizes = torch.bincount(group, minlength=len(values)).tolist()
-        chunks = u[order].split(sizes)
+        chunks = u[order].split(torch.bincount(group, minlength=len(values)).tolist())
         y = torch.cat([apply_ffn(chunk, *(w[i] for w in merged)) for i, chunk in enumerate(chunks)])
         return y[torch.argsort(order)]  # back to the batch order
 
-    def aux_losses(self, ctx: dict) -> dict:
-        """Eq. 6, 8, 9 on the gates of this forward's grid; all zero-cost to skip for E = 1."""
-        if self.num_experts == 1:
-            return {}
-        z = self.gate_logits(depth_grid(ctx["depth"], self.fc1_weight.device))  # (L, E)
+    def aux_losses(self, depth: int) -> dict:
+        """Eqs. 6, 8, 9 on the gates of this forward's grid."""
+        z = self.gate_logits(depth_grid(depth, self.fc1_weight.device))  # (L, E)
         return merge_regularisers(self, *gate_penalties(z, self.temperature), z.shape[0], self.aux_weights)
+
+    def dense_state(self, gates: torch.Tensor) -> dict:
+        """The Mlp weights of the step whose gate vector is `gates` (E,): Eq. 2 (fold)."""
+        merged = [w[0] for w in self.merge(gates.to(self.fc1_weight.device).unsqueeze(0))]
+        return dict(zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), merged))
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
         # routing, for one image: psi on s_t (1 -> 16 -> E) and the Eq. 2 merge (E * P multiply-adds)
@@ -348,410 +345,22 @@ class MergedExpertFFN(ExpertBank):
         merge = 2 * self.num_experts * self.params_per_expert()
         return {"experts": ffn_flops(self.dim, self.hidden), "routing": (router + merge) / num_tokens}
 
-
-class ContentMergedFFN(ExpertBank):
-    """Eq. 2 merge with per-image gates from a pooled token state instead of the depth coordinate.
-
-    Shared by SMEAR, Lory and the feature-only control: gates g = softmax(W_r pool + b_r) (b, E),
-    one merged FFN per image (b weight copies, run with batched matmuls). The router input is what
-    the subclasses change. Elastic depth needs nothing extra: an image's gate comes from its own state.
-    """
-
-    normalise_router_input = True
-
-    def __init__(self, dim: int, hidden: int, num_experts: int):
-        super().__init__(dim, hidden, num_experts)
-        self.router_norm = nn.LayerNorm(dim, eps=1e-6) if self.normalise_router_input else nn.Identity()
-        self.router = nn.Linear(dim, num_experts)
-
-    def router_input(self, u: torch.Tensor, ctx: dict) -> torch.Tensor:
-        return u.mean(1)  # (b, d): the pooled current state
-
-    def forward(self, u: torch.Tensor, coords, ctx: dict) -> torch.Tensor:
-        z = router_logits(self.router_norm(self.router_input(u, ctx)), self.router.weight, self.router.bias)  # (b, E)
-        self.record_gates(z, ctx)
-        merged = self.merge(torch.softmax(z, dim=-1))   # per image: (b, d_ff, d), (b, d_ff), (b, d, d_ff), (b, d)
-        return apply_ffn_batched(u, *merged)            # (b, T, d)
-
-    def record_gates(self, z: torch.Tensor, ctx: dict) -> None:
-        pass
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        routing = 2 * self.dim * self.num_experts + 2 * self.num_experts * self.params_per_expert()
-        return {"experts": ffn_flops(self.dim, self.hidden), "routing": routing / num_tokens}
-
-
-class SmearFFN(ContentMergedFFN):
-    """SMEAR (Muqeeth et al., 2024; r-three/smear): soft merging of experts with a content router.
-
-    The reference routes on the mean over tokens, LayerNorm'd, with a plain softmax (no temperature),
-    merges per example and uses no balance loss (App. B: "no auxiliary losses"). Here the experts are
-    full FFNs of the shared block and the pooled state is this step's FFN input.
-    """
-
-
-class FeatureOnlyFFN(ContentMergedFFN):
-    """The feature-only control of Fig. 2: SMEAR's gate (pooled current state, no depth signal).
-
-    It replaces reViT's depth coordinate by content and keeps everything else of reViT, including
-    the Eq. 6, 8, 9 regularisers (balance and z-loss over every per-image gate of every step), so
-    the comparison isolates the conditioning signal. The gate is recomputed at every step, which is
-    what lets it run under per-image depth dropout (App. A.2) and at any inference depth.
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, aux_weights: tuple = (1e-2, 1e-3, 1e-3)):
-        super().__init__(dim, hidden, num_experts)
-        self.aux_weights = aux_weights
-
-    def record_gates(self, z: torch.Tensor, ctx: dict) -> None:
-        balance_sum, z_sum = gate_penalties(z, 1.0)
-        pool_over_steps(ctx, balance_sum=balance_sum, z_sum=z_sum, rows=z.shape[0])
-
-    def aux_losses(self, ctx: dict) -> dict:
-        stats = ctx.get("router_stats")
-        if self.num_experts == 1 or stats is None:
-            return {}
-        return merge_regularisers(self, stats["balance_sum"], stats["z_sum"], stats["rows"], self.aux_weights)
-
-
-class LoryFFN(ContentMergedFFN):
-    """Lory (Zhong et al., 2024; no public code): a linear softmax router on the pooled representation
-    of the previous segment picks the merged FFN of the next one (causal routing).
-
-    App. B reinterprets segments as recurrent steps: the pooled FFN input of an image's previous
-    (retained) step routes step t. At an image's first step there is no previous one; it routes on
-    its own pooled input (our default). No LayerNorm on the router input (the pooled tokens are
-    already LayerNorm'd) and no auxiliary loss; similarity-based batching has no image analogue.
-    """
-
-    normalise_router_input = False
-
-    def router_input(self, u: torch.Tensor, ctx: dict) -> torch.Tensor:
-        pooled = u.mean(1)  # (b, d)
-        rows = ctx.get("index")
-        if rows is None:
-            rows = torch.arange(u.shape[0], device=u.device)
-        if "lory_prev" not in ctx:  # per-image memory over the whole batch (B, d), set before step 0
-            ctx["lory_prev"] = pooled.new_zeros(ctx.get("batch", u.shape[0]), u.shape[-1])
-            ctx["lory_seen"] = torch.zeros(ctx.get("batch", u.shape[0]), dtype=torch.bool, device=u.device)
-        previous = torch.where(ctx["lory_seen"][rows].unsqueeze(1), ctx["lory_prev"][rows], pooled)
-        ctx["lory_prev"] = ctx["lory_prev"].index_copy(0, rows, pooled)
-        ctx["lory_seen"] = ctx["lory_seen"].index_fill(0, rows, True)
-        return previous
-
-
-# --- token dispatch: DeepSeek-V3, Qwen3, MoEUT (each token runs its top-K experts) ---
-
-
-class TokenRoutedFFN(ExpertBank):
-    """Common part of the token-dispatch FFNs: a linear router (no bias) over E experts, top-K per
-    token, grouped dispatch; subclasses choose scores, selection and gate values (`route`)."""
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int):
-        super().__init__(dim, hidden, num_experts)
-        self.top_k = top_k
-        self.router = nn.Linear(dim, num_experts, bias=False)
-
-    def route(self, logits: torch.Tensor, ctx: dict) -> tuple:
-        """(n, E) fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
-        raise NotImplementedError
-
-    def forward(self, u: torch.Tensor, coords, ctx: dict) -> torch.Tensor:
-        x = rearrange(u, "b t d -> (b t) d")
-        expert_index, weights = self.route(router_logits(x, self.router.weight), ctx)
-        y = self.dispatch(x, expert_index, weights) + self.shared_output(x)
-        return rearrange(y, "(b t) d -> b t d", b=u.shape[0])
-
-    def shared_output(self, x: torch.Tensor):
-        return 0.0
-
-    def active_experts(self) -> int:
-        return self.top_k
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        return {"experts": self.active_experts() * ffn_flops(self.dim, self.hidden),
-                "routing": 2 * self.dim * self.num_experts}
-
-
-class DeepSeekV3FFN(TokenRoutedFFN):
-    """DeepSeek-V3 (Liu et al., 2024; deepseek-ai/DeepSeek-V3 inference/model.py), App. B adaptation.
-
-    Sigmoid affinities s = sigmoid(x W_r); top-K selection on s + b with a per-expert bias b that is
-    never added to the gate value; gates = s of the selected experts renormalised over them; plus
-    `shared` always-active experts whose outputs are added. b is the auxiliary-loss-free balancer:
-    a buffer (no gradient, not trained) updated after each optimizer step by
-    b += rate * sign(mean(load) - load_e), re-centred to zero mean, from the token loads of the
-    training forwards since the last update. The sequence-wise balance loss, node-limited group
-    routing and the 2.5 route scale of the 671B model are omitted. With K = 1 the renormalised gate
-    is always 1, so the router learns only through which expert it picks (as in the original rule).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int,
-                 bias_update_rate: float = 1e-3):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.shared = ExpertBank(dim, hidden, shared_experts) if shared_experts else None
-        self.bias_update_rate = bias_update_rate
-        self.register_buffer("expert_bias", torch.zeros(num_experts))
-        self._load = None  # (E,) tokens routed to each expert since the last optimizer step
-
-    def route(self, logits: torch.Tensor, ctx: dict) -> tuple:
-        scores = torch.sigmoid(logits)                                                     # (n, E)
-        expert_index = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices  # selection only
-        gates = scores.gather(1, expert_index)
-        if self.training:
-            load = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
-            self._load = load if self._load is None else self._load + load
-        return expert_index, gates / gates.sum(-1, keepdim=True)
-
-    def shared_output(self, x: torch.Tensor):
-        return 0.0 if self.shared is None else self.shared.mixture(x)
-
-    def active_experts(self) -> int:
-        return self.top_k + (self.shared.num_experts if self.shared is not None else 0)
-
-    @torch.no_grad()
-    def after_optimizer_step(self) -> None:
-        if self._load is None:
-            return
-        load, self._load = self._load, None
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(load)  # every rank applies the same update from the global load
-        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
-        self.expert_bias -= self.expert_bias.mean()
-
-
-class Qwen3FFN(TokenRoutedFFN):
-    """Qwen3 (Yang et al., 2025; HF transformers qwen3_moe), App. B adaptation.
-
-    Softmax over all experts in fp32, top-K, renormalised by the top-K sum; no shared expert.
-    Global-batch load balancing (Qiu et al., 2025): L = w * E * sum_e f_e P_e, P_e the mean router
-    probability of this forward, f_e the fraction of (token, slot) selections of expert e counted over
-    the global batch: all recurrent steps of the forward (the block is shared) and, under
-    torch.distributed, all ranks (all_reduce of the counts, no gradient). With gradient accumulation
-    each micro-batch's loss uses the counts of its own forward (over all ranks), not of the whole
-    accumulated batch: a loss that waited for later micro-batches could not be backpropagated per
-    micro-batch. App. B uses w = 1e-3 at U > 1 and no balance loss at U = 1 (the presets do).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-3):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.balance_weight = balance_weight
-
-    def route(self, logits: torch.Tensor, ctx: dict) -> tuple:
-        probs = torch.softmax(logits, dim=-1)                                   # (n, E) fp32
-        top, expert_index = torch.topk(probs, self.top_k, dim=-1)
-        counts = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
-        pool_over_steps(ctx, prob_sum=probs.sum(0), counts=counts, tokens=probs.shape[0])
-        return expert_index, top / top.sum(-1, keepdim=True)
-
-    def aux_losses(self, ctx: dict) -> dict:
-        stats = ctx.get("router_stats")
-        if not self.balance_weight or stats is None:
-            return {}
-        counts = stats["counts"].detach().clone()
-        tokens = torch.tensor(float(stats["tokens"]), device=counts.device)
-        if self.training and dist.is_available() and dist.is_initialized():  # (evaluation may run on one rank)
-            dist.all_reduce(counts)
-            dist.all_reduce(tokens)
-        f = counts / tokens                                  # global: sums to K
-        P = stats["prob_sum"] / stats["tokens"]              # local, differentiable
-        return {"balance": self.balance_weight * self.num_experts * (f * P).sum()}
-
-
-class MoEUTFFN(TokenRoutedFFN):
-    """MoEUT (Csordás et al., 2024; RobertCsordas/moeut), App. B adaptation.
-
-    sigma-MoE routing: sigmoid scores, top-K, expert outputs summed with the sigmoid scores (no
-    renormalisation). Balance regulariser: minus the entropy of the mean softmax selection
-    distribution, pooled over tokens and all recurrent applications, weight 0.01. SwitchHead,
-    peri-LayerNorm and expert dropout are omitted (dense attention is kept).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-2):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.balance_weight = balance_weight
-
-    def route(self, logits: torch.Tensor, ctx: dict) -> tuple:
-        pool_over_steps(ctx, prob_sum=torch.softmax(logits, dim=-1).sum(0), tokens=logits.shape[0])
-        scores, expert_index = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
-        return expert_index, scores
-
-    def aux_losses(self, ctx: dict) -> dict:
-        stats = ctx.get("router_stats")
-        if not self.balance_weight or stats is None:
-            return {}
-        mean_selection = stats["prob_sum"] / stats["tokens"]  # (E,)
-        neg_entropy = (mean_selection * torch.log(mean_selection.clamp_min(1e-12))).sum()
-        return {"balance": self.balance_weight * neg_entropy}
-
-
-# --- output mixtures: ReMoE (every expert, ReLU gates), Soft-MoE (slots) ---
-
-
-class ReMoEFFN(ExpertBank):
-    """ReMoE (Wang et al., 2025; thu-ml/ReMoE), App. B adaptation: a dense output mixture.
-
-    Gates g = relu(x W_r) (no softmax, no top-K); every expert runs on every token and the outputs
-    are summed with g, so a token whose gates are all zero keeps only its residual. Sparsity comes
-    from the load-balanced L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e
-    (count_e: tokens with g_e > 0; n tokens pooled over all steps; K = E (1 - target)), with lambda
-    set by the controller after each optimizer step: lambda *= 1.2 while the measured sparsity is
-    below the target 0.75, else lambda /= 1.2; lambda starts at 1e-8 and is an fp32 buffer.
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, target_sparsity: float = 0.75,
-                 l1_init: float = 1e-8, l1_step: float = 1.2):
-        super().__init__(dim, hidden, num_experts)
-        self.router = nn.Linear(dim, num_experts, bias=False)
-        self.target_sparsity, self.l1_step = target_sparsity, l1_step
-        self.register_buffer("l1_weight", torch.tensor(l1_init, dtype=torch.float32))
-        self._active, self._total = None, 0  # nonzero gates and gates seen since the last update
-
-    def forward(self, u: torch.Tensor, coords, ctx: dict) -> torch.Tensor:
-        x = rearrange(u, "b t d -> (b t) d")
-        gates = F.relu(router_logits(x, self.router.weight))                     # (n, E) fp32
-        active = (gates > 0).float()
-        pool_over_steps(ctx, gate_sum=gates.sum(0), counts=active.sum(0), tokens=gates.shape[0])
-        if self.training:
-            nonzero = active.sum().detach()
-            self._active = nonzero if self._active is None else self._active + nonzero
-            self._total += active.numel()
-        return rearrange(self.mixture(x, gates), "(b t) d -> b t d", b=u.shape[0])
-
-    def aux_losses(self, ctx: dict) -> dict:
-        stats = ctx.get("router_stats")
-        if stats is None:
-            return {}
-        k = self.num_experts * (1.0 - self.target_sparsity)
-        scale = self.l1_weight.float() * self.num_experts / (stats["tokens"] ** 2 * k)
-        return {"l1": scale * (stats["gate_sum"] * stats["counts"].detach()).sum()}
-
-    def sparsity(self) -> float:
-        return 1.0 - float(self._active) / self._total
-
-    @torch.no_grad()
-    def after_optimizer_step(self) -> None:
-        if self._active is None:
-            return
-        active = torch.stack([self._active.float(), torch.tensor(float(self._total), device=self._active.device)])
-        self._active, self._total = None, 0
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(active)
-        sparsity = 1.0 - (active[0] / active[1]).item()
-        self.l1_weight.mul_(self.l1_step if sparsity < self.target_sparsity else 1.0 / self.l1_step)
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        return {"experts": self.num_experts * ffn_flops(self.dim, self.hidden),
-                "routing": 2 * self.dim * self.num_experts}
-
-
-class SoftMoEFFN(ExpertBank):
-    """Soft-MoE (Puigcerver et al., 2024; google-research/vmoe), App. B adaptation.
-
-    S = E * p slots with parameters Phi (d, S). Logits = l2norm(x) . (scale * l2norm(Phi)) over d
-    (the normalisation is for the logits only; experts see the un-normalised tokens), with a
-    learnable scalar scale (init 1). Dispatch weights: softmax over the tokens of an image, per slot;
-    combine weights: softmax over all slots, per token. Expert e runs on its p slots. No aux loss.
-    Per token the experts cost S / T dense FFNs, so U = S / T (the paper sizes S from the patch count).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, slots_per_expert: int):
-        super().__init__(dim, hidden, num_experts)
-        self.slots_per_expert = slots_per_expert
-        self.slot_embed = nn.Parameter(torch.empty(dim, num_experts * slots_per_expert))  # Phi (d, S)
-        self.scale = nn.Parameter(torch.ones(()))
-        nn.init.trunc_normal_(self.slot_embed, std=0.02)
-
-    def routing_weights(self, u: torch.Tensor) -> tuple:
-        """(b, T, d) -> dispatch (b, T, S), normalised over T; combine (b, T, S), normalised over S."""
-        with torch.autocast(u.device.type, enabled=False):
-            slots = self.scale.float() * F.normalize(self.slot_embed.float(), dim=0)
-            logits = F.normalize(u.float(), dim=-1) @ slots          # (b, T, S)
-        return torch.softmax(logits, dim=1), torch.softmax(logits, dim=2)
-
-    def forward(self, u: torch.Tensor, coords, ctx: dict) -> torch.Tensor:
-        dispatch, combine = self.routing_weights(u)
-        slots = dispatch.transpose(1, 2).to(u.dtype) @ u                                       # (b, S, d)
-        slots = rearrange(slots, "b (e p) d -> e (b p) d", e=self.num_experts)
-        out = rearrange(self.run_all(slots), "e (b p) d -> b (e p) d", b=u.shape[0])          # (b, S, d)
-        return combine.to(out.dtype) @ out                                                      # (b, T, d)
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        slots = self.num_experts * self.slots_per_expert
-        # logits, dispatch and combine: three (T x d x S) products per image
-        return {"experts": slots * ffn_flops(self.dim, self.hidden) / num_tokens, "routing": 6 * self.dim * slots}
-
-
-# --- layer-wise LoRA (Relaxed Recursive Transformers), a depth-specific update of the whole block ---
-
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
-
-
-class LayerwiseLoRA(nn.Module):
-    """Layer-wise LoRA (Bae et al., 2025a; no public code), App. B.1 / Table 10.
-
-    The shared block gets an independent rank-r update W_t = W + B_t A_t per step t on the fused qkv,
-    the attention output, fc1 and fc2; biases and norms stay shared. A_t starts random (PEFT's
-    uniform(+-1/sqrt(fan_in))), B_t at zero, so training starts from the tied block; no alpha/r
-    scaling (the paper writes W + B_t A_t). One adapter per trained step: the model runs only at
-    its own depth. Parameters: 16 L r d for d_ff = 4d (4.72M for S/16, r = 64).
-    """
-
-    def __init__(self, dim: int, ffn_dim: int, depth: int, rank: int):
-        super().__init__()
-        shapes = {"qkv": (dim, 3 * dim), "proj": (dim, dim), "fc1": (dim, ffn_dim), "fc2": (ffn_dim, dim)}
-        for name, (fan_in, fan_out) in shapes.items():
-            down = nn.Parameter(torch.empty(depth, rank, fan_in))   # A_t (L, r, in)
-            nn.init.uniform_(down, -1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
-            setattr(self, f"{name}_down", down)
-            setattr(self, f"{name}_up", nn.Parameter(torch.zeros(depth, fan_out, rank)))  # B_t (L, out, r)
-
-    def step(self, t: int) -> dict:
-        """The factors of step t: name -> (A_t, B_t)."""
-        return {name: (getattr(self, f"{name}_down")[t], getattr(self, f"{name}_up")[t]) for name in LORA_TARGETS}
-
-    def delta(self, t: int, name: str) -> torch.Tensor:
-        """B_t A_t (out, in): what fold adds to the shared weight."""
-        return getattr(self, f"{name}_up")[t] @ getattr(self, f"{name}_down")[t]
-
-    def flops_per_token(self) -> int:
-        return sum(2 * getattr(self, f"{n}_down").shape[1] * (getattr(self, f"{n}_down").shape[2]
-                                                               + getattr(self, f"{n}_up").shape[1])
-                   for n in LORA_TARGETS)
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)).
-
-    Optional LayerScale (DeiT III) and per-sample drop-path on both branches. The FFN is
-    any module with the interface above, so the same block serves ViT, Raptor and reViT.
-    """
-
-    def __init__(self, dim: int, heads: int, mlp: nn.Module, layer_scale_init: float | None = None,
-                 drop_path: float = 0.0):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads)
-        self.ls1 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = mlp
-        self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
-        self.drop_path = DropPath(drop_path)
-
-    def forward(self, x: torch.Tensor, coords=None, ctx=None) -> torch.Tensor:
-        lora = ctx.get("lora") if ctx is not None else None
-        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), lora)))
-        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), coords, ctx)))
-
-
 # --- config ---
 
 ARCHS = ("vit", "raptor", "revit")
-# FFN mechanisms of the shared reViT block (paper §4.3, App. B); "merge" with num_experts=1 is the
-# dense tied block, "lora" a dense tied block with layer-wise LoRA on attention and FFN.
+# FFN mechanisms of the shared reViT block: "merge" is reViT's (num_experts=1: the dense tied block);
+# the others are Part II's comparisons (§4.3, App. B).
 FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
-TOP_K_FFNS = ("deepseek", "qwen3", "moeut")
+TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
 
+def type_ok(value, kind: str) -> bool:
+    if kind.endswith(" | None"):
+        return value is None or type_ok(value, kind[:-7])
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"bool": bool, "str": str}[kind])
 
 @dataclass
 class ViTConfig:
@@ -763,19 +372,20 @@ class ViTConfig:
     dim: int = 384                # d
     heads: int = 6
     ffn_dim: int = 1536           # d_ff
-    depth: int = 12               # L: blocks of a ViT, steps of Raptor / reViT (reference depth)
-    layer_scale_init: float | None = None  # DeiT III uses 1e-4; reViT's Eq. 3 has none
-    drop_path: float = 0.0        # per-sample stochastic depth inside each block (DeiT III recipe)
+    depth: int = 12               # L: blocks of a ViT, recurrent steps of Raptor / reViT (trained depth)
+    layer_scale_init: float | None = None  # LayerScale init (DeiT III, Raptor presets: 1e-4); None: none (Eq. 3)
+    drop_path: float = 0.0        # stochastic depth inside each block: drops residual branches per sample
     raptor_blocks: int = 4        # k distinct blocks of Raptor
     num_experts: int = 4          # E of reViT; E = 1 is the plain tied (ALBERT-style) block
-    router_hidden: int = 16       # width of psi (Eq. 1)
-    router_temperature: float = 1.0
-    depth_drop: float = 0.0       # elastic depth (§3.2): per-image whole-step drop rate, training only
-    balance_weight: float = 1e-2  # lambda_bal (Table 6)
+    router_hidden: int = 16       # width of psi (Eq. 1, App. A.1)
+    router_temperature: float = 1.0  # tau (App. A.1 fixes 1)
+    router_prior: float = 0.0     # beta of a fixed depth prior on the gate logits; 0 = the paper's router
+    depth_drop: float = 0.0       # elastic depth (§3.2): per-image drop rate of whole recurrent steps, training only
+    balance_weight: float = 1e-2  # lambda_bal (Table 6); Qwen3 / MoEUT use it for their own balance loss
     z_loss_weight: float = 1e-3   # lambda_z
     diversity_weight: float = 1e-3  # lambda_div
     merge_cache: bool = True      # reuse merged FFNs across inference calls at the same depth
-    # the FFN mechanism of reViT's shared block and its expert layout (App. B, Table 8; see MOE_TABLE)
+    # Part II: the comparison mechanism of the shared block and its expert layout (App. B, Table 8)
     ffn: str = "merge"            # one of FFNS; "merge" is reViT's depth-programmed merge
     top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
     shared_experts: int = 0       # DeepSeek-V3's always-active experts
@@ -786,34 +396,36 @@ class ViTConfig:
     lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
 
     def __post_init__(self):
-        def need(ok, name, allowed):
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: {name} must be {allowed}")
+        for f in fields(self):
+            if not type_ok(getattr(self, f.name), f.type):
+                allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
+                self.need(False, f.name, allowed)
+        self.check_core()
+        check_mechanism_fields(self)  # Part II
+
+    def need(self, ok: bool, name: str, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: {name} must be {allowed}")
+
+    def check_core(self) -> None:
+        need = self.need
         need(self.arch in ARCHS, "arch", f"one of {ARCHS}")
-        for name in ("image_size", "patch_size", "in_channels", "dim", "heads", "ffn_dim"):
+        for name in ("image_size", "patch_size", "in_channels", "dim", "heads", "ffn_dim", "router_hidden"):
             need(getattr(self, name) >= 1, name, "a positive integer")
-        need(self.image_size % self.patch_size == 0, "image_size",
-             f"a multiple of patch_size={self.patch_size}")
+        need(self.image_size % self.patch_size == 0, "image_size", f"a multiple of patch_size={self.patch_size}")
         need(self.dim % self.heads == 0, "dim", f"a multiple of heads={self.heads}")
         need(self.num_classes >= 0, "num_classes", ">= 0")
         need(self.depth >= (2 if self.arch == "revit" else 1), "depth",
              ">= 2 for reViT (s_t = t/(L-1) needs two steps)" if self.arch == "revit" else ">= 1")
         need(self.num_experts >= 1, "num_experts", ">= 1")
-        need(self.arch != "raptor" or 1 <= self.raptor_blocks <= self.depth, "raptor_blocks", f"between 1 and depth={self.depth}")
+        need(self.arch != "raptor" or 1 <= self.raptor_blocks <= self.depth, "raptor_blocks",
+             f"between 1 and depth={self.depth}")
+        need(self.layer_scale_init is None or self.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
         need(0.0 <= self.depth_drop < 1.0, "depth_drop", "in [0, 1)")
         need(0.0 <= self.drop_path < 1.0, "drop_path", "in [0, 1)")
         need(self.router_temperature > 0, "router_temperature", "> 0")
-        need(self.ffn in FFNS, "ffn", f"one of {FFNS}")
-        need(self.ffn == "merge" or self.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
-             "replace the FFN of reViT's shared block)")
-        need(1 <= self.top_k <= self.num_experts, "top_k", f"between 1 and num_experts={self.num_experts}")
-        need(self.shared_experts >= 0, "shared_experts", ">= 0")
-        need(self.shared_experts == 0 or self.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
-        need(self.expert_ffn_fraction > 0 and round(self.expert_ffn_fraction * self.ffn_dim) >= 1,
-             "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={self.ffn_dim})")
-        need(self.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
-        need(0.0 < self.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
-        need(self.lora_rank >= 1, "lora_rank", ">= 1")
+        for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight", "bias_update_rate"):
+            need(getattr(self, name) >= 0, name, ">= 0")
 
     @property
     def num_patches(self) -> int:
@@ -828,9 +440,7 @@ class ViTConfig:
         """The FFN of step t depends on the depth only: a gate matrix exists and the model folds."""
         return self.ffn in ("merge", "lora")
 
-
 # --- shared stem and head ---
-
 
 class ViTBase(nn.Module):
     """Patch embedding, class token, positions, final norm and head: common to every model here."""
@@ -851,13 +461,15 @@ class ViTBase(nn.Module):
         self.apply(init_linear)
 
     def no_weight_decay(self) -> set:
-        """Names excluded from weight decay beyond the 1-D parameters (norms, biases, gammas)."""
+        """Names excluded from weight decay beyond biases and 1-D parameters (norms, gammas)."""
         return {"pos_embed", "cls_token"}
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) floating images -> (B, 1+N, d) tokens. Floating images of another dtype
+        (float64, or fp32 into a bf16 model) are cast to the model's dtype; integer images are refused."""
         c = self.config
         if images.ndim != 4 or images.shape[1] != c.in_channels:
             raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
@@ -865,6 +477,10 @@ class ViTBase(nn.Module):
         if images.shape[-2:] != (c.image_size, c.image_size):
             raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
                              f"got {images.shape[-2]}x{images.shape[-1]}")
+        if not images.is_floating_point():
+            raise ValueError(f"images must be a floating-point tensor, normalised as in training; got {images.dtype} "
+                             "(convert uint8 pixels with images.float() / 255 and normalise)")
+        images = images.to(self.patch_embed.proj.weight.dtype)
         x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
         x = x + self.pos_embed  # DeiT III: positions go on the patch tokens, not the class token
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
@@ -886,9 +502,7 @@ class ViTBase(nn.Module):
         out.update(extra or {})
         return out
 
-
-# --- the plain ViT (DeiT III) and Raptor ---
-
+# --- the plain ViT (DeiT III) and Raptor (the baselines of Table 1) ---
 
 def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
     """Which block serves each step: contiguous segments, Raptor's own split where it has one.
@@ -908,7 +522,6 @@ def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
             block += 1
         schedule.append(block)
     return schedule
-
 
 class VisionTransformer(ViTBase):
     """Untied ViT (arch "vit": L blocks) or Raptor (arch "raptor": k blocks over L steps).
@@ -939,32 +552,696 @@ class VisionTransformer(ViTBase):
             states.append(x)
         return self.finish(x, states, {}, return_states)
 
-
 # --- reViT: one shared block, depth-programmed merged FFN, elastic depth (§3) ---
 
-
 def elastic_plan(keep: torch.Tensor) -> torch.Tensor:
-    """Per-image coordinates of the retained steps (§3.2, SPEC §1.6).
+    """Per-image coordinates of the retained steps (§3.2).
 
     keep: (B, L) bool, True where the step runs for that image. The n_b retained steps are
-    renumbered 0..n_b-1 in execution order and sit at k / (n_b - 1); n_b = 1 gets s = 0.
+    renumbered 0..n_b-1 in execution order and sit at k / (n_b - 1); n_b = 1 gets s = 0 (our choice).
     Returns (B, L) float coordinates (values at dropped steps are unused).
     """
     rank = keep.long().cumsum(1) - 1                        # (B, L) index among retained steps
     retained = keep.sum(1, keepdim=True)                    # (B, 1) n_b
     return rank.clamp_min(0).float() / (retained - 1).clamp_min(1).float()
 
+def build_block(c: ViTConfig) -> Block:
+    """reViT's shared block: the merged expert FFN (E = 1: a dense Mlp, the tied block), or a Part II mechanism."""
+    if c.ffn != "merge":
+        return build_comparison_block(c)  # Part II
+    if c.num_experts == 1:
+        ffn = Mlp(c.dim, c.expert_ffn_dim)
+    else:
+        ffn = MergedExpertFFN(c.dim, c.expert_ffn_dim, c.num_experts, c.router_hidden, c.router_temperature,
+                              (c.balance_weight, c.z_loss_weight, c.diversity_weight), c.merge_cache,
+                              c.router_prior)
+    return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
 
-def build_ffn(c: ViTConfig) -> nn.Module:
-    """The FFN of reViT's shared block for config.ffn (hidden width of each expert: expert_ffn_dim)."""
+class ReViT(ViTBase):
+    def __init__(self, config: ViTConfig):
+        super().__init__(config)
+        self.block = build_block(config)
+        self.init_weights()
+        if isinstance(self.block.mlp, MergedExpertFFN):
+            self.block.mlp.reset_router()
+
+    def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
+                keep: torch.Tensor | None = None):
+        """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states.
+
+        depth: L steps (default: the trained depth). keep: optional (B, L) bool mask of retained
+        steps (elastic depth); sampled in training when depth_drop > 0."""
+        depth = self.check_depth(depth)
+        x = self.embed(images)                                                  # (B, 1+N, d)
+        keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
+        self.block.begin_forward(depth, x.shape[0])
+        states = self.run_steps(x, depth) if keep is None else self.run_elastic_steps(x, keep)
+        # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P).
+        aux = self.block.mlp.aux_losses(depth) if return_states or self.training else {}
+        extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.depth_programmed else None
+        return self.finish(states[-1], states, aux, return_states, extra)
+
+    def run_steps(self, x: torch.Tensor, depth: int) -> list:
+        """Eq. 3 applied L times with the FFN of grid step t; returns the L + 1 states."""
+        grid = depth_grid(depth, x.device)                                      # s_t (Eq. 1)
+        states = [x]
+        for t in range(depth):
+            x = self.block(x, grid[t].expand(x.shape[0]), t)
+            states.append(x)
+        return states
+
+    def run_elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
+        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
+        coords = elastic_plan(keep)                                             # (B, L)
+        states = [x]
+        for t in range(keep.shape[1]):
+            rows = keep[:, t].nonzero().squeeze(1)  # images that run step t; a dropped step is the identity
+            if len(rows) == x.shape[0]:
+                x = self.block(x, coords[:, t], t, rows)
+            elif len(rows):
+                x = x.index_copy(0, rows, self.block(x[rows], coords[rows, t], t, rows))
+            states.append(x)
+        return states
+
+    def elastic_mask(self, keep, batch: int, depth: int, device) -> torch.Tensor | None:
+        """The (B, L) retained-step mask, or None when every image runs every step."""
+        if keep is None and self.training and self.config.depth_drop > 0:
+            keep = torch.rand(batch, depth, device=device) >= self.config.depth_drop
+        if keep is not None and keep.shape != (batch, depth):
+            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; got {tuple(keep.shape)}")
+        return None if keep is None or bool(keep.all()) else keep
+
+    def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
+        """G [L, E]: the fp32 gates of every step at depth L (rows sum to 1). E = 1 gives ones."""
+        depth = self.check_depth(depth)
+        ffn = self.block.mlp
+        if not self.config.depth_programmed:
+            raise ValueError(f"ffn={self.config.ffn!r} routes on content: its gates depend on the input, "
+                             "so there is no depth-only gate matrix")
+        if not isinstance(ffn, MergedExpertFFN):
+            return torch.ones(depth, 1)
+        return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
+
+    def no_weight_decay(self) -> set:
+        # The router's output layer starts at zero and sets the depth program; decaying it
+        # pulls the gates back towards uniform. (Its bias is 1-D and excluded anyway.)
+        names = super().no_weight_decay()
+        if isinstance(self.block.mlp, MergedExpertFFN):
+            names.add("block.mlp.router.2.weight")
+        return names
+
+    def clear_cache(self) -> None:
+        """Drop cached merged FFNs (needed only after in-place edits through `p.data`)."""
+        if isinstance(self.block.mlp, MergedExpertFFN):
+            self.block.mlp.clear_cache()
+
+    def after_optimizer_step(self) -> None:
+        """Non-gradient updates of a Part II FFN (DeepSeek-V3's bias, ReMoE's L1 controller); the
+        training loop calls this after optimizer.step()."""
+        update = getattr(self.block.mlp, "after_optimizer_step", None)
+        if update is not None:
+            update()
+
+# --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
+
+def check_foldable(model: nn.Module, gates: torch.Tensor | None) -> None:
+    if not isinstance(model, ReViT) and not (isinstance(model, VisionTransformer) and model.config.arch == "raptor"):
+        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
+    if not model.config.depth_programmed:
+        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "
+                         "so it has no fixed per-depth weights to fold; only ffn='merge' (reViT, any E) and "
+                         "ffn='lora' fold into a plain ViT")
+    if gates is not None:
+        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
+            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
+        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
+            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
+
+@torch.no_grad()
+def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None = None) -> VisionTransformer:
+    """Return a plain untied ViT of `depth` blocks with the same outputs as `model` at that depth,
+    on the model's device and in its dtype.
+
+    gates: optional [L, E] matrix that replaces the router's gates (reViT only; depth = L) — the
+    analysis tools use it for expert ablation and permutation (§5). Block t of the result is what
+    the source's block computes at step t (Block.unrolled_state): for reViT, the shared attention
+    and merged FFN t; for Raptor, the block that serves step t.
+    """
+    check_foldable(model, gates)
+    depth = model.check_depth(gates.shape[0] if gates is not None else depth)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(("block.", "blocks."))}
+    if isinstance(model, ReViT):
+        model.block.check_depth(depth)
+        gates = model.gate_matrix(depth) if gates is None else gates
+        steps = [model.block.unrolled_state(t, gates[t]) for t in range(depth)]
+    else:
+        steps = [model.blocks[j].unrolled_state(t) for t, j in enumerate(raptor_schedule(len(model.blocks), depth))]
+    for t, step_state in enumerate(steps):
+        state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
+    hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
+    config = replace(model.config, arch="vit", ffn="merge", depth=depth, depth_drop=0.0, raptor_blocks=1,
+                     ffn_dim=hidden, expert_ffn_fraction=1.0)
+    reference = next(model.parameters())
+    vit = VisionTransformer(config).to(device=reference.device, dtype=reference.dtype)
+    vit.load_state_dict(state)
+    return vit.train(model.training)
+
+# --- presets (Table 1; ImageNet 224²) and small CPU presets of our own ---
+
+WIDTHS = {  # d, heads, d_ff, L (Table 1: S, B, L)
+    "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
+    "b": dict(dim=768, heads=12, ffn_dim=3072, depth=12),
+    "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
+}
+# Small presets for CPU runs: 28x28x1 (Fashion-MNIST, "-mini") and 32x32x3 (CIFAR, "-mini32").
+MINI = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)
+MINI32 = dict(MINI, image_size=32, patch_size=4, in_channels=3)
+# LayerScale: DeiT III's 1e-4 for the untied ViT. Raptor's official block has LayerScale too
+# (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper trains Raptor with DeiT III's recipe, so
+# our Raptor presets use DeiT III's 1e-4 (our choice). reViT's block has none (Eq. 3).
+DEIT3_LAYER_SCALE = 1e-4
+
+def _build_presets() -> dict:
+    presets = {}
+    for size, width in [*WIDTHS.items(), ("mini", MINI), ("mini32", MINI32)]:
+        patch_sizes = {"": {}} if size.startswith("mini") else {"": {}, "14": {"patch_size": 14}}
+        for suffix, patch in patch_sizes.items():
+            base = {**width, **patch}
+            name = f"{size}{suffix}"
+            presets[f"vit-{name}"] = dict(base, arch="vit", layer_scale_init=DEIT3_LAYER_SCALE)
+            for k in (2, 3, 4):
+                raptor = dict(base, arch="raptor", raptor_blocks=k, layer_scale_init=DEIT3_LAYER_SCALE)
+                presets[f"raptor-{name}-k{k}"] = raptor
+                if k == 4:
+                    presets[f"raptor-{name}"] = raptor
+            for e in (1, 2, 3, 4, 8):
+                revit = dict(base, arch="revit", num_experts=e)
+                presets[f"revit-{name}-e{e}"] = revit
+                if e == 4:
+                    presets[f"revit-{name}"] = revit
+    return presets
+
+PRESETS = _build_presets()  # Part II adds the comparison presets
+
+def create_model(name: str, **overrides) -> nn.Module:
+    """Build a preset by name, e.g. create_model("revit-s", depth_drop=0.3)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset name={name!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    allowed = {f.name for f in fields(ViTConfig)}
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
+    config = ViTConfig(**{**PRESETS[name], **overrides})
+    return ReViT(config) if config.arch == "revit" else VisionTransformer(config)
+
+def config_dict(model: nn.Module) -> dict:
+    return asdict(model.config)
+
+# ====================== Part II — the paper's comparisons (§4.3, App. B) ======================
+# Every mechanism below is an `FFN` (Part I) of reViT's shared block, or (layer-wise LoRA) a Block
+# variant; `build_comparison_block` builds the one that ViTConfig.ffn names. Statistics pooled over
+# the steps of one forward live on the module (reset by begin_forward); statistics for a
+# non-gradient update after the optimizer step (DeepSeek-V3's bias, ReMoE's L1 controller) live on
+# the module too, recorded by training forwards only.
+
+def check_mechanism_fields(c: ViTConfig) -> None:
+    """ViTConfig's checks of the Part II fields."""
+    c.need(c.ffn in FFNS, "ffn", f"one of {FFNS}")
+    c.need(c.ffn == "merge" or c.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
+           "replace the FFN of reViT's shared block)")
+    c.need(1 <= c.top_k <= c.num_experts, "top_k", f"between 1 and num_experts={c.num_experts}")
+    c.need(c.shared_experts >= 0, "shared_experts", ">= 0")
+    c.need(c.shared_experts == 0 or c.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
+    c.need(c.expert_ffn_fraction > 0 and round(c.expert_ffn_fraction * c.ffn_dim) >= 1,
+           "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={c.ffn_dim})")
+    c.need(c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
+    c.need(0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
+    c.need(c.lora_rank >= 1, "lora_rank", ">= 1")
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Router math in fp32 (as Switch, Qwen3 and DeepSeek-V3 do), whatever the autocast dtype."""
+    with full_precision(x.device):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+    """n FFNs on n row sets at once: x (n, m, d), weights stacked (n, ...) -> (n, m, d)."""
+    w1, b1, w2, b2 = (w.to(x.dtype) for w in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
+    h = F.gelu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))  # (n, m, h)
+    return torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))       # (n, m, d)
+
+class PooledRouterStats:
+    """Mixin: router statistics summed over every recurrent step of one forward. The experts are the
+    same at every step (one shared block), so balance is measured over all of them."""
+
+    router_stats: dict | None = None
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        self.router_stats = {}
+
+    def pool(self, **stats) -> None:
+        pooled = self.router_stats = self.router_stats if self.router_stats is not None else {}
+        for name, value in stats.items():
+            pooled[name] = pooled[name] + value if name in pooled else value
+
+    def take_stats(self) -> dict | None:
+        """This forward's pooled statistics (None if nothing was routed), consumed."""
+        stats, self.router_stats = self.router_stats or None, {}
+        return stats
+
+class ExpertPool(ExpertBank):
+    """An expert bank that also runs its experts on activations (rather than merging weights):
+    on their own rows, as a weighted mixture over all experts, or by token dispatch."""
+
+    def run_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on its own rows: x (E, m, d) -> (E, m, d)."""
+        return apply_ffn_batched(x, *self.bank())
+
+    def mixture(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Every expert on every token, outputs summed with weights (n, E) (None: all weights 1)."""
+        y = self.run_all(x.expand(self.num_experts, *x.shape))  # (E, n, d)
+        if weights is None:
+            return y.sum(0)
+        return (y * weights.T.unsqueeze(-1).to(y.dtype)).sum(0)  # (n, d)
+
+    def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Token dispatch: token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K).
+
+        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous
+        chunk (a loop over experts, never over tokens), and results are scattered back with index_add.
+        """
+        n, k = expert_index.shape
+        flat = expert_index.flatten()                                   # (n K,)
+        order = torch.argsort(flat, stable=True)
+        token = order // k                                              # token of each sorted pair
+        sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
+        chunks = x[token].split(sizes)
+        y = torch.cat([apply_ffn(chunk, *(p[e] for p in self.bank())) for e, chunk in enumerate(chunks)])
+        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)       # (n K, d)
+        return y.new_zeros(n, x.shape[1]).index_add_(0, token, y)
+
+# --- weight merge with content gates: SMEAR, Lory, the feature-only control of Fig. 2 ---
+
+class ContentMergedFFN(ExpertBank, FFN):
+    """Eq. 2 merge with per-image gates from a pooled token state instead of the depth coordinate.
+
+    Shared by SMEAR, Lory and the feature-only control: gates g = softmax(W_r pool + b_r) (b, E),
+    one merged FFN per image (b weight copies, run with batched matmuls). The router input is what
+    the subclasses change. Elastic depth needs nothing extra: an image's gate comes from its own state.
+    """
+
+    normalise_router_input = True
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__(dim, hidden, num_experts)
+        self.router_norm = nn.LayerNorm(dim, eps=1e-6) if self.normalise_router_input else nn.Identity()
+        self.router = nn.Linear(dim, num_experts)
+
+    def router_input(self, u: torch.Tensor, rows) -> torch.Tensor:
+        return u.mean(1)  # (b, d): the pooled current state
+
+    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+        z = router_logits(self.router_norm(self.router_input(u, rows)), self.router.weight, self.router.bias)  # (b, E)
+        self.record_gates(z)
+        merged = self.merge(torch.softmax(z, dim=-1))   # per image: (b, d_ff, d), (b, d_ff), (b, d, d_ff), (b, d)
+        return apply_ffn_batched(u, *merged)            # (b, T, d)
+
+    def record_gates(self, z: torch.Tensor) -> None:
+        pass
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        routing = 2 * self.dim * self.num_experts + 2 * self.num_experts * self.params_per_expert()
+        return {"experts": ffn_flops(self.dim, self.hidden), "routing": routing / num_tokens}
+
+class SmearFFN(ContentMergedFFN):
+    """SMEAR (Muqeeth et al., 2024; r-three/smear): soft merging of experts with a content router.
+
+    The reference routes on the mean over tokens, LayerNorm'd, with a plain softmax (no temperature),
+    merges per example and uses no balance loss (App. B: "no auxiliary losses"). Here the experts are
+    full FFNs of the shared block and the pooled state is this step's FFN input.
+    """
+
+class FeatureOnlyFFN(PooledRouterStats, ContentMergedFFN):
+    """The feature-only control of Fig. 2: SMEAR's gate (pooled current state, no depth signal).
+
+    It replaces reViT's depth coordinate by content and keeps everything else of reViT, including
+    the Eqs. 6, 8, 9 regularisers (balance and z-loss over every per-image gate of every step), so
+    the comparison isolates the conditioning signal. The gate is recomputed at every step, which is
+    what lets it run under per-image depth dropout (App. A.2) and at any inference depth.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, aux_weights: tuple = (1e-2, 1e-3, 1e-3)):
+        super().__init__(dim, hidden, num_experts)
+        self.aux_weights = aux_weights
+
+    def record_gates(self, z: torch.Tensor) -> None:
+        balance_sum, z_sum = gate_penalties(z, 1.0)
+        self.pool(balance_sum=balance_sum, z_sum=z_sum, rows=z.shape[0])
+
+    def aux_losses(self, depth: int) -> dict:
+        stats = self.take_stats()
+        if self.num_experts == 1 or stats is None:
+            return {}
+        return merge_regularisers(self, stats["balance_sum"], stats["z_sum"], stats["rows"], self.aux_weights)
+
+class LoryFFN(ContentMergedFFN):
+    """Lory (Zhong et al., 2024; no public code): a linear softmax router on the pooled representation
+    of the previous segment picks the merged FFN of the next one (causal routing).
+
+    App. B reinterprets segments as recurrent steps: the pooled FFN input of an image's previous
+    (retained) step routes step t. At an image's first step there is no previous one; it routes on
+    its own pooled input (our choice). No LayerNorm on the router input (the pooled tokens are
+    already LayerNorm'd) and no auxiliary loss; similarity-based batching has no image analogue.
+    Per-image memory of one forward: `previous` (B, d) pooled inputs, `seen` (B,) whether set.
+    """
+
+    normalise_router_input = False
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        self.previous, self.seen = None, None
+        self.batch = batch
+
+    def router_input(self, u: torch.Tensor, rows) -> torch.Tensor:
+        pooled = u.mean(1)  # (b, d)
+        rows = torch.arange(u.shape[0], device=u.device) if rows is None else rows
+        if getattr(self, "previous", None) is None:  # first step of this forward
+            batch = getattr(self, "batch", u.shape[0])
+            self.previous = pooled.new_zeros(batch, u.shape[-1])
+            self.seen = torch.zeros(batch, dtype=torch.bool, device=u.device)
+        source = torch.where(self.seen[rows].unsqueeze(1), self.previous[rows], pooled)
+        self.previous = self.previous.index_copy(0, rows, pooled)
+        self.seen = self.seen.index_fill(0, rows, True)
+        return source
+
+# --- token dispatch: DeepSeek-V3, Qwen3, MoEUT (each token runs its top-K experts) ---
+
+class TokenRoutedFFN(ExpertPool, FFN):
+    """Common part of the token-dispatch FFNs: a linear router (no bias) over E experts, top-K per
+    token, grouped dispatch; subclasses choose scores, selection and gate values (`route`)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int):
+        super().__init__(dim, hidden, num_experts)
+        self.top_k = top_k
+        self.router = nn.Linear(dim, num_experts, bias=False)
+
+    def route(self, logits: torch.Tensor) -> tuple:
+        """(n, E) fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
+        raise NotImplementedError
+
+    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+        x = rearrange(u, "b t d -> (b t) d")
+        expert_index, weights = self.route(router_logits(x, self.router.weight))
+        y = self.dispatch(x, expert_index, weights) + self.shared_output(x)
+        return rearrange(y, "(b t) d -> b t d", b=u.shape[0])
+
+    def shared_output(self, x: torch.Tensor):
+        return 0.0
+
+    def active_experts(self) -> int:
+        return self.top_k
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        return {"experts": self.active_experts() * ffn_flops(self.dim, self.hidden),
+                "routing": 2 * self.dim * self.num_experts}
+
+class DeepSeekV3FFN(TokenRoutedFFN):
+    """DeepSeek-V3 (Liu et al., 2024; deepseek-ai/DeepSeek-V3 inference/model.py), App. B adaptation.
+
+    Sigmoid affinities s = sigmoid(x W_r); top-K selection on s + b with a per-expert bias b that is
+    never added to the gate value; gates = s of the selected experts renormalised over them; plus
+    `shared` always-active experts whose outputs are added. b is the auxiliary-loss-free balancer:
+    a buffer (no gradient, not trained) updated after each optimizer step by
+    b += rate * sign(mean(load) - load_e), re-centred to zero mean, from the token loads of the
+    training forwards since the last update. The sequence-wise balance loss, node-limited group
+    routing and the 2.5 route scale of the 671B model are omitted. With K = 1 the renormalised gate
+    is always 1, so the router gets no gradient and learns only through the bias (the original rule).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int,
+                 bias_update_rate: float = 1e-3):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.shared = ExpertPool(dim, hidden, shared_experts) if shared_experts else None
+        self.bias_update_rate = bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self._load = None  # (E,) tokens routed to each expert since the last optimizer step
+
+    def route(self, logits: torch.Tensor) -> tuple:
+        scores = torch.sigmoid(logits)                                                     # (n, E)
+        expert_index = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices  # selection only
+        gates = scores.gather(1, expert_index)
+        if self.training:
+            load = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
+            self._load = load if self._load is None else self._load + load
+        return expert_index, gates / gates.sum(-1, keepdim=True)
+
+    def shared_output(self, x: torch.Tensor):
+        return 0.0 if self.shared is None else self.shared.mixture(x)
+
+    def active_experts(self) -> int:
+        return self.top_k + (self.shared.num_experts if self.shared is not None else 0)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        if self._load is None:
+            return
+        load, self._load = self._load, None
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)  # every rank applies the same update from the global load
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.expert_bias -= self.expert_bias.mean()
+
+class Qwen3FFN(PooledRouterStats, TokenRoutedFFN):
+    """Qwen3 (Yang et al., 2025; HF transformers qwen3_moe), App. B adaptation.
+
+    Softmax over all experts in fp32, top-K, renormalised by the top-K sum; no shared expert.
+    Global-batch load balancing (Qiu et al., 2025): L = w * E * sum_e f_e P_e, P_e the mean router
+    probability of this forward, f_e the fraction of (token, slot) selections of expert e counted over
+    the global batch: all recurrent steps of the forward (the block is shared) and, under
+    torch.distributed, all ranks (all_reduce of the counts, no gradient). With gradient accumulation
+    each micro-batch's loss uses the counts of its own forward (over all ranks), not of the whole
+    accumulated batch: a loss that waited for later micro-batches could not be backpropagated per
+    micro-batch. App. B uses w = 1e-3 at U > 1 and no balance loss at U = 1 (the presets do), where
+    K = 1 renormalises every gate to 1: the router then gets no gradient at all (true to the rules).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-3):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.balance_weight = balance_weight
+
+    def route(self, logits: torch.Tensor) -> tuple:
+        probs = torch.softmax(logits, dim=-1)                                   # (n, E) fp32
+        top, expert_index = torch.topk(probs, self.top_k, dim=-1)
+        counts = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
+        self.pool(prob_sum=probs.sum(0), counts=counts, tokens=probs.shape[0])
+        return expert_index, top / top.sum(-1, keepdim=True)
+
+    def aux_losses(self, depth: int) -> dict:
+        stats = self.take_stats()
+        if not self.balance_weight or stats is None:
+            return {}
+        counts = stats["counts"].detach().clone()
+        tokens = torch.tensor(float(stats["tokens"]), device=counts.device)
+        if self.training and dist.is_available() and dist.is_initialized():  # (evaluation may run on one rank)
+            dist.all_reduce(counts)
+            dist.all_reduce(tokens)
+        f = counts / tokens                                  # global: sums to K
+        P = stats["prob_sum"] / stats["tokens"]              # local, differentiable
+        return {"balance": self.balance_weight * self.num_experts * (f * P).sum()}
+
+class MoEUTFFN(PooledRouterStats, TokenRoutedFFN):
+    """MoEUT (Csordás et al., 2024; RobertCsordas/moeut), App. B adaptation.
+
+    sigma-MoE routing: sigmoid scores, top-K, expert outputs summed with the sigmoid scores (no
+    renormalisation). Balance regulariser: minus the entropy of the mean softmax selection
+    distribution, pooled over tokens and all recurrent applications, weight 0.01. SwitchHead,
+    peri-LayerNorm and expert dropout are omitted (dense attention is kept).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-2):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.balance_weight = balance_weight
+
+    def route(self, logits: torch.Tensor) -> tuple:
+        self.pool(prob_sum=torch.softmax(logits, dim=-1).sum(0), tokens=logits.shape[0])
+        scores, expert_index = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
+        return expert_index, scores
+
+    def aux_losses(self, depth: int) -> dict:
+        stats = self.take_stats()
+        if not self.balance_weight or stats is None:
+            return {}
+        mean_selection = stats["prob_sum"] / stats["tokens"]  # (E,)
+        neg_entropy = (mean_selection * torch.log(mean_selection.clamp_min(1e-12))).sum()
+        return {"balance": self.balance_weight * neg_entropy}
+
+# --- output mixtures: ReMoE (every expert, ReLU gates), Soft-MoE (slots) ---
+
+class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
+    """ReMoE (Wang et al., 2025; thu-ml/ReMoE), App. B adaptation: a dense output mixture.
+
+    Gates g = relu(x W_r) (no softmax, no top-K); every expert runs on every token and the outputs
+    are summed with g, so a token whose gates are all zero keeps only its residual. Sparsity comes
+    from the load-balanced L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e
+    (count_e: tokens with g_e > 0; K = E (1 - target)), with lambda set by the controller after each
+    optimizer step: lambda *= 1.2 while the measured sparsity is below the target 0.75, else
+    lambda /= 1.2; lambda starts at 1e-8 and is an fp32 buffer. Our choice for the recurrence: the
+    n tokens are pooled over all L steps into one normalisation, which is 1/L of the sum of per-step
+    (per-layer) penalties.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, target_sparsity: float = 0.75,
+                 l1_init: float = 1e-8, l1_step: float = 1.2):
+        super().__init__(dim, hidden, num_experts)
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.target_sparsity, self.l1_step = target_sparsity, l1_step
+        self.register_buffer("l1_weight", torch.tensor(l1_init, dtype=torch.float32))
+        self._active, self._total = None, 0  # nonzero gates and gates seen since the last update
+
+    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+        x = rearrange(u, "b t d -> (b t) d")
+        gates = F.relu(router_logits(x, self.router.weight))                     # (n, E) fp32
+        active = (gates > 0).float()
+        self.pool(gate_sum=gates.sum(0), counts=active.sum(0), tokens=gates.shape[0])
+        if self.training:
+            nonzero = active.sum().detach()
+            self._active = nonzero if self._active is None else self._active + nonzero
+            self._total += active.numel()
+        return rearrange(self.mixture(x, gates), "(b t) d -> b t d", b=u.shape[0])
+
+    def aux_losses(self, depth: int) -> dict:
+        stats = self.take_stats()
+        if stats is None:
+            return {}
+        k = self.num_experts * (1.0 - self.target_sparsity)
+        scale = self.l1_weight.float() * self.num_experts / (stats["tokens"] ** 2 * k)
+        return {"l1": scale * (stats["gate_sum"] * stats["counts"].detach()).sum()}
+
+    def sparsity(self) -> float:
+        return 1.0 - float(self._active) / self._total
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        if self._active is None:
+            return
+        active = torch.stack([self._active.float(), torch.tensor(float(self._total), device=self._active.device)])
+        self._active, self._total = None, 0
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(active)
+        sparsity = 1.0 - (active[0] / active[1]).item()
+        self.l1_weight.mul_(self.l1_step if sparsity < self.target_sparsity else 1.0 / self.l1_step)
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        return {"experts": self.num_experts * ffn_flops(self.dim, self.hidden),
+                "routing": 2 * self.dim * self.num_experts}
+
+class SoftMoEFFN(ExpertPool, FFN):
+    """Soft-MoE (Puigcerver et al., 2024; google-research/vmoe), App. B adaptation.
+
+    S = E * p slots with parameters Phi (d, S). Logits = l2norm(x) . (scale * l2norm(Phi)) over d
+    (the normalisation is for the logits only; experts see the un-normalised tokens), with a
+    learnable scalar scale (init 1). Dispatch weights: softmax over the tokens of an image, per slot;
+    combine weights: softmax over all slots, per token. Expert e runs on its p slots. No aux loss.
+    Per token the experts cost S / T dense FFNs, so U = S / T (the paper sizes S from the patch count).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, slots_per_expert: int):
+        super().__init__(dim, hidden, num_experts)
+        self.slots_per_expert = slots_per_expert
+        self.slot_embed = nn.Parameter(torch.empty(dim, num_experts * slots_per_expert))  # Phi (d, S)
+        self.scale = nn.Parameter(torch.ones(()))
+        nn.init.trunc_normal_(self.slot_embed, std=0.02)
+
+    def routing_weights(self, u: torch.Tensor) -> tuple:
+        """(b, T, d) -> dispatch (b, T, S), normalised over T; combine (b, T, S), normalised over S."""
+        with full_precision(u.device):
+            slots = self.scale.float() * F.normalize(self.slot_embed.float(), dim=0)
+            logits = F.normalize(u.float(), dim=-1) @ slots          # (b, T, S)
+        return torch.softmax(logits, dim=1), torch.softmax(logits, dim=2)
+
+    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+        dispatch, combine = self.routing_weights(u)
+        slots = dispatch.transpose(1, 2).to(u.dtype) @ u                                       # (b, S, d)
+        slots = rearrange(slots, "b (e p) d -> e (b p) d", e=self.num_experts)
+        out = rearrange(self.run_all(slots), "e (b p) d -> b (e p) d", b=u.shape[0])          # (b, S, d)
+        return combine.to(out.dtype) @ out                                                      # (b, T, d)
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        slots = self.num_experts * self.slots_per_expert
+        # logits, dispatch and combine: three (T x d x S) products per image
+        return {"experts": slots * ffn_flops(self.dim, self.hidden) / num_tokens, "routing": 6 * self.dim * slots}
+
+# --- layer-wise LoRA (Relaxed Recursive Transformers): a Block variant with per-step updates ---
+
+LORA_LAYERS = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+
+class LayerwiseLoRA(nn.Module):
+    """The factors of layer-wise LoRA (Bae et al., 2025a; no public code), App. B.1 / Table 10.
+
+    An independent rank-r update W_t = W + B_t A_t per step t on the fused qkv, the attention output,
+    fc1 and fc2; biases and norms stay shared. A_t starts random (PEFT's uniform(+-1/sqrt(fan_in))),
+    B_t at zero, so training starts from the tied block; no alpha/r scaling (the paper writes
+    W + B_t A_t). Parameters: 16 L r d for d_ff = 4d (4.72M for S/16, r = 64).
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, depth: int, rank: int):
+        super().__init__()
+        shapes = {"qkv": (dim, 3 * dim), "proj": (dim, dim), "fc1": (dim, ffn_dim), "fc2": (ffn_dim, dim)}
+        for name, (fan_in, fan_out) in shapes.items():
+            down = nn.Parameter(torch.empty(depth, rank, fan_in))   # A_t (L, r, in)
+            nn.init.uniform_(down, -1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
+            setattr(self, f"{name}_down", down)
+            setattr(self, f"{name}_up", nn.Parameter(torch.zeros(depth, fan_out, rank)))  # B_t (L, out, r)
+
+    def update(self, name: str, t: int, x: torch.Tensor) -> torch.Tensor:
+        """B_t A_t x for layer `name` at step t."""
+        return F.linear(F.linear(x, getattr(self, f"{name}_down")[t]), getattr(self, f"{name}_up")[t])
+
+    def delta(self, t: int, name: str) -> torch.Tensor:
+        """B_t A_t (out, in) in fp32: what fold adds to the shared weight."""
+        return getattr(self, f"{name}_up")[t].float() @ getattr(self, f"{name}_down")[t].float()
+
+    def flops_per_token(self) -> int:
+        return sum(2 * getattr(self, f"{n}_down").shape[1] * (getattr(self, f"{n}_down").shape[2]
+                                                               + getattr(self, f"{n}_up").shape[1])
+                   for n in LORA_LAYERS)
+
+class LoRABlock(Block):
+    """The tied block (dense Mlp) plus layer-wise LoRA: step t runs W + B_t A_t on qkv, proj, fc1, fc2.
+    One adapter per trained step, so the model runs only at its own depth."""
+
+    def __init__(self, dim: int, heads: int, ffn_dim: int, depth: int, rank: int,
+                 layer_scale_init: float | None = None, drop_path: float = 0.0):
+        super().__init__(dim, heads, Mlp(dim, ffn_dim), layer_scale_init, drop_path)
+        self.lora = LayerwiseLoRA(dim, ffn_dim, depth, rank)
+        self.trained_depth = depth
+
+    def adapted(self, name: str, layer: nn.Linear, x: torch.Tensor, step: int) -> torch.Tensor:
+        return layer(x) + self.lora.update(name, step, x)
+
+    def forward(self, x: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+        attn, mlp = self.attn, self.mlp
+        h = attn.attend(self.adapted("qkv", attn.qkv, self.norm1(x), step))            # (B, T, d)
+        x = x + self.drop_path(self.ls1(self.adapted("proj", attn.proj, h, step)))
+        h = F.gelu(self.adapted("fc1", mlp.fc1, self.norm2(x), step))                   # (B, T, d_ff)
+        return x + self.drop_path(self.ls2(self.adapted("fc2", mlp.fc2, h, step)))
+
+    def check_depth(self, depth: int) -> None:
+        if depth != self.trained_depth:
+            raise ValueError(f"depth={depth}: layer-wise LoRA has one adapter per trained step, so it runs only "
+                             f"at its own depth ({self.trained_depth})")
+
+    def unrolled_state(self, step: int, gates: torch.Tensor | None = None) -> dict:
+        state = {k: v for k, v in super().unrolled_state(step).items() if not k.startswith("lora.")}
+        for name, layer in LORA_LAYERS.items():
+            state[f"{layer}.weight"] = state[f"{layer}.weight"].float() + self.lora.delta(step, name)
+        return state
+
+def build_comparison_block(c: ViTConfig) -> Block:
+    """The shared block for a Part II mechanism (hidden width of each expert: expert_ffn_dim)."""
+    if c.ffn == "lora":
+        return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
     hidden, aux = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
-    if c.ffn == "lora" or (c.ffn == "merge" and c.num_experts == 1):
-        return Mlp(c.dim, c.ffn_dim)  # the plain tied block, no router (LoRA adds its updates via ctx)
-    if c.ffn == "merge":
-        return MergedExpertFFN(c.dim, hidden, c.num_experts, c.router_hidden, c.router_temperature, aux,
-                               c.merge_cache)
     slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
-    return {
+    ffn = {
         "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
         "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
         "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, aux),
@@ -975,88 +1252,9 @@ def build_ffn(c: ViTConfig) -> nn.Module:
         "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
         "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
     }[c.ffn]()
+    return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
 
-
-class ReViT(ViTBase):
-    def __init__(self, config: ViTConfig):
-        super().__init__(config)
-        c = config
-        ffn = build_ffn(c)
-        self.block = Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
-        self.lora = LayerwiseLoRA(c.dim, c.ffn_dim, c.depth, c.lora_rank) if c.ffn == "lora" else None
-        self.init_weights()
-        if isinstance(ffn, MergedExpertFFN):
-            ffn.reset_parameters()
-
-    def no_weight_decay(self) -> set:
-        # The router's output layer starts at zero and sets the depth program; decaying it
-        # pulls the gates back towards uniform. (Its bias is 1-D and excluded anyway.)
-        names = super().no_weight_decay()
-        if isinstance(self.block.mlp, MergedExpertFFN):
-            names.add("block.mlp.router.2.weight")
-        return names
-
-    def after_optimizer_step(self) -> None:
-        """Non-gradient updates of the FFN (DeepSeek-V3's bias, ReMoE's L1 controller); the training
-        loop calls this after optimizer.step()."""
-        update = getattr(self.block.mlp, "after_optimizer_step", None)
-        if update is not None:
-            update()
-
-    def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
-        """G [L, E]: the gates of every step at depth L (rows sum to 1). E = 1 gives ones."""
-        depth = self.check_depth(depth)
-        ffn = self.block.mlp
-        if not self.config.depth_programmed:
-            raise ValueError(f"ffn={self.config.ffn!r} routes on content: its gates depend on the input, "
-                             "so there is no depth-only gate matrix")
-        if not isinstance(ffn, MergedExpertFFN):
-            return torch.ones(depth, 1)
-        return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
-
-    def sample_keep_mask(self, batch: int, depth: int, device) -> torch.Tensor:
-        """Elastic depth: drop each whole step of each image independently with rate depth_drop."""
-        return torch.rand(batch, depth, device=device) >= self.config.depth_drop
-
-    def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
-                keep: torch.Tensor | None = None):
-        """keep: optional (B, L) bool mask of retained steps; sampled in training when depth_drop > 0."""
-        depth = self.check_depth(depth)
-        if self.lora is not None and depth != self.config.depth:
-            raise ValueError(f"depth={depth}: layer-wise LoRA has one adapter per trained step, so it runs only "
-                             f"at its own depth ({self.config.depth})")
-        x = self.embed(images)
-        if keep is None and self.training and self.config.depth_drop > 0:
-            keep = self.sample_keep_mask(x.shape[0], depth, x.device)
-        if keep is not None and keep.shape != (x.shape[0], depth):
-            raise ValueError(f"keep must have shape (batch, depth) = {(x.shape[0], depth)}; got {tuple(keep.shape)}")
-        elastic = keep is not None and not bool(keep.all())
-        ctx = {"depth": depth, "elastic": elastic, "batch": x.shape[0], "index": None}
-        self.block.mlp.prepare(ctx)
-        grid = depth_grid(depth, x.device)
-        coords = elastic_plan(keep) if elastic else None
-        states = [x]
-        for t in range(depth):
-            ctx["step"] = t
-            if self.lora is not None:
-                ctx["lora"] = self.lora.step(t)
-            if not elastic:
-                x = self.block(x, grid[t].expand(x.shape[0]), ctx)
-            else:
-                # run only the images that keep step t: a dropped step costs nothing (identity)
-                idx = keep[:, t].nonzero().squeeze(1)
-                if len(idx) == x.shape[0]:
-                    ctx["index"] = None
-                    x = self.block(x, coords[:, t], ctx)
-                elif len(idx):
-                    ctx["index"] = idx  # rows of the batch in x[idx], for per-image state (Lory)
-                    x = x.index_copy(0, idx, self.block(x[idx], coords[idx, t], ctx))
-            states.append(x)
-        # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P).
-        aux = self.block.mlp.aux_losses(ctx) if return_states or self.training else {}
-        extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.depth_programmed else None
-        return self.finish(x, states, aux, return_states, extra)
-
+# --- the paper's measures of a mechanism: stored expert parameters (Table 8) and budget U (§4.3) ---
 
 def expert_ffn_params(model: nn.Module) -> int:
     """Table 8's count: parameters of every stored expert FFN, routed and shared, P(d, r) each
@@ -1069,7 +1267,6 @@ def expert_ffn_params(model: nn.Module) -> int:
         elif isinstance(module, Mlp):
             total += sum(p.numel() for p in module.parameters())
     return total
-
 
 def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
     """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's.
@@ -1084,43 +1281,24 @@ def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
     flops = ffn.active_flops_per_token(num_tokens or 1 + c.num_patches)
     return flops["experts"] / ffn_flops(c.dim, c.ffn_dim)
 
+# --- for the analysis tools: expert ablation and permutation on a folded model (§5) ---
 
-# --- presets (paper Table 1; ImageNet 224²) and small CPU presets of our own ---
+@torch.no_grad()
+def load_merged_ffns(vit: VisionTransformer, merged: tuple) -> None:
+    """Block t of a plain ViT gets merged FFN t; `merged` is MergedExpertFFN.merge's four stacks (L, ...)."""
+    for block, (fc1_weight, fc1_bias, fc2_weight, fc2_bias) in zip(vit.blocks, zip(*merged)):
+        block.mlp.fc1.weight.copy_(fc1_weight)
+        block.mlp.fc1.bias.copy_(fc1_bias)
+        block.mlp.fc2.weight.copy_(fc2_weight)
+        block.mlp.fc2.bias.copy_(fc2_bias)
 
-WIDTHS = {  # d, heads, d_ff, L (SPEC §1.1)
-    "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
-    "b": dict(dim=768, heads=12, ffn_dim=3072, depth=12),
-    "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
-}
-# Small presets for CPU runs: 28x28x1 (Fashion-MNIST, "-mini") and 32x32x3 (CIFAR, "-mini32").
-MINI = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)
-MINI32 = dict(MINI, image_size=32, patch_size=4, in_channels=3)
+# --- presets of the comparison (App. B, Tables 8 and 10) ---
 
-
-def _build_presets() -> dict:
-    presets = {}
-    for size, width in [*WIDTHS.items(), ("mini", MINI), ("mini32", MINI32)]:
-        patch_sizes = {"": {}} if size.startswith("mini") else {"": {}, "14": {"patch_size": 14}}
-        for suffix, patch in patch_sizes.items():
-            base = {**width, **patch}
-            name = f"{size}{suffix}"
-            presets[f"vit-{name}"] = dict(base, arch="vit", layer_scale_init=1e-4)  # DeiT III
-            for k in (2, 3, 4):
-                raptor = dict(base, arch="raptor", raptor_blocks=k)
-                presets[f"raptor-{name}-k{k}"] = raptor
-                if k == 4:
-                    presets[f"raptor-{name}"] = raptor
-            for e in (1, 2, 3, 4, 8):
-                revit = dict(base, arch="revit", num_experts=e)
-                presets[f"revit-{name}-e{e}"] = revit
-                if e == 4:
-                    presets[f"revit-{name}"] = revit
-    return presets
-
-
-# The paper's MoE comparison (App. B, Table 8): mechanism -> {U: (E routed experts, K active per
-# token (0: not a top-K router), shared experts, ehr)}, ehr = expert hidden width / d. A ViT FFN has
-# ehr 4, so the experts get expert_ffn_fraction = ehr / 4 of the preset's ffn_dim at every size.
+# mechanism -> {U: (E routed experts, K active per token (0: not a top-K router), shared experts, ehr)},
+# ehr = expert hidden width / d. A ViT FFN has ehr 4, so the experts get expert_ffn_fraction = ehr / 4
+# of the preset's ffn_dim at every size. At U = 1, DeepSeek-V3 and Qwen3 route K = 1 expert and
+# renormalise its gate to 1, so their routers get no gradient (true to the rules; DeepSeek-V3 still
+# balances through its bias, Qwen3 then has no balance loss either).
 MOE_TABLE = {
     "lory": {1: (4, 0, 0, 4)},
     "smear": {1: (4, 0, 0, 4)},
@@ -1133,7 +1311,6 @@ MOE_TABLE = {
 }
 MOE_SIZES = {"s": WIDTHS["s"], "b": WIDTHS["b"], "b14": dict(WIDTHS["b"], patch_size=14),
              "mini": MINI, "mini32": MINI32}
-
 
 def _moe_presets() -> dict:
     """revit-{size}-{mechanism}-u{U} for every cell of MOE_TABLE, revit-{size}-{mechanism} for U = 1,
@@ -1153,93 +1330,7 @@ def _moe_presets() -> dict:
                                              lora_rank=width["dim"] // 6)
     return presets
 
-
-PRESETS = {**_build_presets(), **_moe_presets()}
-
-
-def create_model(name: str, **overrides) -> nn.Module:
-    """Build a preset by name, e.g. create_model("revit-s", depth_drop=0.3)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset name={name!r}; choose one of: {', '.join(sorted(PRESETS))}")
-    allowed = {f.name for f in fields(ViTConfig)}
-    unknown = sorted(set(overrides) - allowed)
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
-    config = ViTConfig(**{**PRESETS[name], **overrides})
-    return ReViT(config) if config.arch == "revit" else VisionTransformer(config)
-
-
-def config_dict(model: nn.Module) -> dict:
-    return asdict(model.config)
-
-
-# --- fold: a fixed depth becomes a plain ViT (§3.1, SPEC §1.7) ---
-
-
-@torch.no_grad()
-@torch.no_grad()
-def load_merged_ffns(vit: VisionTransformer, merged: tuple) -> None:
-    """Block t of a plain ViT gets merged FFN t; `merged` is MergedExpertFFN.merge's four stacks (L, ...)."""
-    for block, (fc1_weight, fc1_bias, fc2_weight, fc2_bias) in zip(vit.blocks, zip(*merged)):
-        block.mlp.fc1.weight.copy_(fc1_weight)
-        block.mlp.fc1.bias.copy_(fc1_bias)
-        block.mlp.fc2.weight.copy_(fc2_weight)
-        block.mlp.fc2.bias.copy_(fc2_bias)
-
-
-@torch.no_grad()
-def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None = None) -> VisionTransformer:
-    """Return a plain untied ViT of `depth` blocks with the same outputs as `model` at that depth.
-
-    gates: optional [L, E] matrix that replaces the router's gates (reViT only; depth = L) — the
-    analysis tools use it for expert ablation and permutation (paper §5).
-
-    Works for reViT (shared attention copied into every block, merged FFN t in block t; the
-    router and the bank disappear), for layer-wise LoRA (W + B_t A_t in block t) and for Raptor
-    (block j copied into each step it serves). Content-routed FFNs cannot fold: their weights
-    depend on the input.
-    """
-    if not isinstance(model, ReViT) and not (isinstance(model, VisionTransformer) and model.config.arch == "raptor"):
-        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
-    if not model.config.depth_programmed:
-        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "
-                         "so it has no fixed per-depth weights to fold; only ffn='merge' (reViT, any E) and "
-                         "ffn='lora' fold into a plain ViT")
-    if gates is not None:
-        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
-            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
-        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
-            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
-        depth = gates.shape[0]
-    depth = model.check_depth(depth)
-    lora = getattr(model, "lora", None)
-    if lora is not None and depth != model.config.depth:
-        raise ValueError(f"fold: depth={depth}, but layer-wise LoRA has adapters for depth {model.config.depth} only")
-    config = replace(model.config, arch="vit", ffn="merge", depth=depth, depth_drop=0.0, raptor_blocks=1)
-    vit = VisionTransformer(config).to(next(model.parameters()).device)
-    for name in ("patch_embed", "norm", "head"):
-        getattr(vit, name).load_state_dict(getattr(model, name).state_dict())
-    vit.cls_token.copy_(model.cls_token)
-    vit.pos_embed.copy_(model.pos_embed)
-    if isinstance(model, ReViT):
-        sources = [model.block] * depth
-    else:
-        sources = [model.blocks[j] for j in raptor_schedule(len(model.blocks), depth)]
-    ffn = sources[0].mlp
-    for t, (block, source) in enumerate(zip(vit.blocks, sources)):
-        for name in ("norm1", "attn", "ls1", "norm2", "mlp", "ls2"):
-            if not (name == "mlp" and isinstance(ffn, MergedExpertFFN)):
-                getattr(block, name).load_state_dict(getattr(source, name).state_dict())
-        if lora is not None:
-            layers = {"qkv": block.attn.qkv, "proj": block.attn.proj, "fc1": block.mlp.fc1, "fc2": block.mlp.fc2}
-            for name, layer in layers.items():
-                layer.weight.add_(lora.delta(t, name))
-    if isinstance(ffn, MergedExpertFFN):
-        if gates is None:
-            gates = ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
-        load_merged_ffns(vit, ffn.merge(gates.to(ffn.fc1_weight.device)))
-    return vit.train(model.training)
-
+PRESETS.update(_moe_presets())
 
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts of the presets (built on the meta device)
     import sys

@@ -243,7 +243,7 @@ def test_raptor_segments_match_the_reference_implementation():
 
 def test_raptor_with_k_equal_l_is_an_untied_vit():
     raptor = randomise(tiny("raptor-mini", depth=5, raptor_blocks=5), 9).eval()
-    vit = tiny("vit-mini", depth=5, layer_scale_init=None).eval()
+    vit = tiny("vit-mini", depth=5).eval()  # both keep DeiT III's LayerScale
     assert {k: v.shape for k, v in raptor.state_dict().items()} == {k: v.shape for k, v in vit.state_dict().items()}
     vit.load_state_dict(raptor.state_dict())
     x = images(2, raptor)
