@@ -237,6 +237,20 @@ def merge_regularisers(bank: ExpertBank, balance_sum, z_sum, rows, weights: tupl
             "z_loss": z_weight * z_sum / rows,                                  # Eq. 8
             "diversity": diversity_weight * bank.diversity()}                   # Eq. 9
 
+class DepthRouter(nn.Sequential):
+    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E) on the depth coordinate, always in fp32."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__(nn.Linear(1, hidden), nn.SiLU(), nn.Linear(hidden, num_experts))
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        """(n, 1) coordinates -> (n, E) logits."""
+        first, last = self[0], self[2]
+        with full_precision(s.device):
+            hidden = F.silu(F.linear(s.float(), first.weight.float(), first.bias.float()))  # (n, 16)
+            return F.linear(hidden, last.weight.float(), last.bias.float())
+
+
 class MergedExpertFFN(ExpertBank, FFN):
     """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router.
 
@@ -257,7 +271,7 @@ class MergedExpertFFN(ExpertBank, FFN):
         super().__init__(dim, hidden, num_experts)
         self.temperature, self.aux_weights, self.merge_cache = router_temperature, aux_weights, merge_cache
         self.router_prior = router_prior
-        self.router = nn.Sequential(nn.Linear(1, router_hidden), nn.SiLU(), nn.Linear(router_hidden, num_experts))
+        self.router = DepthRouter(router_hidden, num_experts)
         self._cache_key, self._cache = None, None
         self._merged_steps = None  # this forward's cached (L, ...) stacks, set by begin_forward
 
@@ -275,10 +289,7 @@ class MergedExpertFFN(ExpertBank, FFN):
         beta = router_prior (0, the paper's router, by default) is a fixed depth prior that starts
         expert e dominant near s = c_e: a symmetry-breaking start, not a learned term."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
-        first, last = self.router[0], self.router[2]
-        with full_precision(coords.device):
-            hidden = F.silu(F.linear(s, first.weight.float(), first.bias.float()))   # (n, 16)
-            z = F.linear(hidden, last.weight.float(), last.bias.float())            # (n, E)
+        z = self.router(s)                                                        # (n, E)
         if self.router_prior:
             centres = torch.linspace(0.0, 1.0, self.num_experts, device=z.device)   # (E,)
             z = z - self.router_prior * (s - centres).pow(2)
@@ -610,6 +621,7 @@ class ReViT(ViTBase):
             states.append(x)
         return states
 
+    @torch.compiler.disable  # data-dependent row sets and coordinate groups: runs eagerly under torch.compile
     def run_elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
         """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
         coords = elastic_plan(keep)                                             # (B, L)
@@ -1204,25 +1216,36 @@ class LayerwiseLoRA(nn.Module):
                                                                + getattr(self, f"{n}_up").shape[1])
                    for n in LORA_LAYERS)
 
+class LoRAAttention(Attention):
+    """The shared attention with step t's low-rank updates on qkv and proj."""
+
+    def forward(self, x: torch.Tensor, step: int, lora: LayerwiseLoRA) -> torch.Tensor:
+        h = self.attend(self.qkv(x) + lora.update("qkv", step, x))                        # (B, T, d)
+        return self.proj(h) + lora.update("proj", step, h)
+
+
+class LoRAMlp(Mlp):
+    """The shared dense FFN with step t's low-rank updates on fc1 and fc2."""
+
+    def forward(self, u: torch.Tensor, step: int, lora: LayerwiseLoRA) -> torch.Tensor:
+        h = F.gelu(self.fc1(u) + lora.update("fc1", step, u))                              # (B, T, d_ff)
+        return self.fc2(h) + lora.update("fc2", step, h)
+
+
 class LoRABlock(Block):
-    """The tied block (dense Mlp) plus layer-wise LoRA: step t runs W + B_t A_t on qkv, proj, fc1, fc2.
+    """The tied block plus layer-wise LoRA: step t runs W + B_t A_t on qkv, proj, fc1 and fc2.
     One adapter per trained step, so the model runs only at its own depth."""
 
     def __init__(self, dim: int, heads: int, ffn_dim: int, depth: int, rank: int,
                  layer_scale_init: float | None = None, drop_path: float = 0.0):
-        super().__init__(dim, heads, Mlp(dim, ffn_dim), layer_scale_init, drop_path)
+        super().__init__(dim, heads, LoRAMlp(dim, ffn_dim), layer_scale_init, drop_path)
+        self.attn = LoRAAttention(dim, heads)  # same parameter names as the plain block's
         self.lora = LayerwiseLoRA(dim, ffn_dim, depth, rank)
         self.trained_depth = depth
 
-    def adapted(self, name: str, layer: nn.Linear, x: torch.Tensor, step: int) -> torch.Tensor:
-        return layer(x) + self.lora.update(name, step, x)
-
     def forward(self, x: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
-        attn, mlp = self.attn, self.mlp
-        h = attn.attend(self.adapted("qkv", attn.qkv, self.norm1(x), step))            # (B, T, d)
-        x = x + self.drop_path(self.ls1(self.adapted("proj", attn.proj, h, step)))
-        h = F.gelu(self.adapted("fc1", mlp.fc1, self.norm2(x), step))                   # (B, T, d_ff)
-        return x + self.drop_path(self.ls2(self.adapted("fc2", mlp.fc2, h, step)))
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), step, self.lora)))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), step, self.lora)))
 
     def check_depth(self, depth: int) -> None:
         if depth != self.trained_depth:
@@ -1234,6 +1257,7 @@ class LoRABlock(Block):
         for name, layer in LORA_LAYERS.items():
             state[f"{layer}.weight"] = state[f"{layer}.weight"].float() + self.lora.delta(step, name)
         return state
+
 
 def build_comparison_block(c: ViTConfig) -> Block:
     """The shared block for a Part II mechanism (hidden width of each expert: expert_ffn_dim)."""

@@ -161,7 +161,7 @@ def test_no_cache_when_gradients_are_needed():
     assert model.block.mlp._cache is None
 
 
-# --- elastic depth (§3.2, SPEC §1.6) ---
+# --- elastic depth (§3.2, §3.2) ---
 
 @FAST
 @given(batch=st.integers(1, 5), depth=st.integers(2, 9), seed=st.integers(0, 2**16))
@@ -319,7 +319,7 @@ def test_no_aux_losses_for_one_expert_or_plain_vit():
         assert model(images(1, model), return_states=True)["aux_losses"] == {}
 
 
-# --- presets and parameter counts (SPEC §1.9, ImageNet 224², 1000 classes) ---
+# --- presets and parameter counts (Table 1, ImageNet 224², 1000 classes) ---
 
 @pytest.mark.parametrize("name,millions", [
     ("vit-s", 22.1), ("vit-b", 86.6), ("vit-l", 304.4),
@@ -387,3 +387,156 @@ def test_fold_with_given_gates_runs_the_chosen_experts():
                                model(images(2, model), depth=6))
     with pytest.raises(ValueError, match="gates must have shape"):
         revit.fold(model, gates=torch.ones(4, 2) / 2)
+
+
+# --- merge cache against autocast and hand-written weight edits ---
+
+def autocast_bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("order", [("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "fp32")])
+def test_cache_is_fp32_whatever_the_autocast_of_the_first_call(order):
+    """Merged weights are built in fp32 and cast at use, so one cache serves every autocast state."""
+    model = randomise(tiny(num_experts=3), 13).eval()
+    uncached = randomise(tiny(num_experts=3, merge_cache=False), 13).eval()
+    x = images(3, model)
+    with torch.no_grad():
+        for mode in order:
+            with autocast_bf16() if mode == "bf16" else torch.autocast("cpu", enabled=False):
+                out, expected = model(x), uncached(x)
+            assert all(w.dtype == torch.float32 for w in model.block.mlp._cache)
+            assert out.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)  # logits: autocast's dtype
+            torch.testing.assert_close(out, expected)  # cached (L merges at once) vs per-step merges
+        torch.testing.assert_close(model(x), uncached(x))  # a plain fp32 call at the end
+
+
+def test_data_edits_need_clear_cache_and_other_edits_do_not():
+    model = randomise(tiny(num_experts=3), 14).eval()
+    x = images(2, model)
+    ffn = model.block.mlp
+    with torch.no_grad():
+        before = model(x)
+        ffn.fc1_weight.mul_(0.5)                    # in-place under no_grad: detected
+        halved = model(x)
+        assert not torch.allclose(halved, before)
+        ffn.fc2_weight.data.mul_(0.5)               # through .data: not detected (documented) ...
+        torch.testing.assert_close(model(x), halved)
+        model.clear_cache()                          # ... until clear_cache()
+        edited = model(x)
+        assert not torch.allclose(edited, halved)
+        ffn.fc2_bias.data.add_(1.0)
+        model.eval()                                 # a mode switch clears the cache too
+        fresh = randomise(tiny(num_experts=3, merge_cache=False), 0).eval()
+        fresh.load_state_dict(model.state_dict())
+        torch.testing.assert_close(model(x), fresh(x))
+
+
+# --- fold keeps the model's dtype and device, for every config create_model accepts ---
+
+@pytest.mark.parametrize("overrides", [dict(num_experts=3), dict(num_experts=3, expert_ffn_fraction=0.5),
+                                       dict(num_experts=1, expert_ffn_fraction=0.5), dict(router_prior=2.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fold_keeps_dtype_and_handles_every_merge_config(overrides, dtype):
+    model = randomise(tiny(**overrides), 15).eval().to(dtype)
+    vit = revit.fold(model, 5)
+    assert {p.dtype for p in vit.parameters()} == {dtype} and next(vit.parameters()).device == torch.device("cpu")
+    x = images(2, model).to(dtype)
+    with torch.no_grad():
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+        torch.testing.assert_close(vit(x), model(x, depth=5), **tol)
+        assert vit(x).dtype == dtype
+
+
+def test_gates_and_merges_are_fp32_under_autocast_and_in_bf16_models():
+    model = randomise(tiny(num_experts=4), 16).eval()
+    reference = model.gate_matrix(7)
+    with autocast_bf16():
+        gates = model.gate_matrix(7)
+        merged = model.block.mlp.merge(gates)
+    assert gates.dtype == torch.float32 and all(w.dtype == torch.float32 for w in merged)
+    torch.testing.assert_close(gates, reference, rtol=0, atol=0)
+    folded = revit.fold(model, 7)
+    torch.testing.assert_close(folded.blocks[3].mlp.fc1.weight, merged[0][3], rtol=1e-6, atol=1e-7)
+    bf16 = randomise(tiny(num_experts=4), 16).to(torch.bfloat16)
+    assert bf16.gate_matrix(7).dtype == torch.float32
+    assert bf16.block.mlp.merge(bf16.gate_matrix(7))[0].dtype == torch.float32
+
+
+# --- the optional depth prior on the gate logits (beta = router_prior) ---
+
+@FAST
+@given(experts=st.integers(2, 6), seed=st.integers(0, 2**16))
+def test_router_prior_zero_is_exactly_the_papers_router(experts, seed):
+    model = randomise(tiny(num_experts=experts), seed)
+    ffn = model.block.mlp
+    s = revit.depth_grid(9)
+    torch.testing.assert_close(ffn.gate_logits(s), ffn.router(s.unsqueeze(-1)), rtol=0, atol=1e-6)
+    beta = 3.0
+    prior = randomise(tiny(num_experts=experts, router_prior=beta), seed).block.mlp
+    centres = torch.arange(experts) / (experts - 1)
+    torch.testing.assert_close(prior.gate_logits(s), ffn.router(s.unsqueeze(-1)) - beta * (s[:, None] - centres) ** 2,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("experts", [2, 4, 8])
+def test_router_prior_makes_expert_e_dominant_near_its_centre_at_init(experts):
+    model = tiny(num_experts=experts, router_prior=50.0)
+    centres = torch.arange(experts) / (experts - 1)
+    gates = model.block.mlp.gates(centres)               # (E, E): row e at s = c_e
+    assert (gates.argmax(1) == torch.arange(experts)).all()
+    assert torch.allclose(tiny(num_experts=experts).gate_matrix(5), torch.full((5, experts), 1 / experts))
+
+
+# --- weight decay: every bias, whatever its shape, is named as one ---
+
+def test_every_bias_like_parameter_is_named_bias():
+    for name in revit.PRESETS:
+        if not name.startswith(("vit-mini", "raptor-mini", "revit-mini")) or "mini32" in name:
+            continue
+        model = tiny(name) if "softmoe" not in name else tiny(name)
+        for pname, p in model.named_parameters():
+            if "bias" in pname:
+                assert pname.endswith("bias"), pname
+        bank_biases = [n for n, _ in model.named_parameters() if n.endswith(("fc1_bias", "fc2_bias"))]
+        assert all(model.get_parameter(n).ndim == 2 for n in bank_biases)  # (E, d_ff), (E, d): 2-D but biases
+
+
+def test_raptor_presets_keep_layer_scale_like_deit3():
+    assert revit.PRESETS["raptor-s"]["layer_scale_init"] == revit.PRESETS["vit-s"]["layer_scale_init"] == 1e-4
+    assert "layer_scale_init" not in revit.PRESETS["revit-s"]
+    assert tiny("raptor-mini").blocks[0].ls1.gamma.eq(1e-4).all()
+
+
+# --- config and input validation ---
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(depth=6.5), "depth=6.5 is not allowed: depth must be an integer"),
+    (dict(num_experts=2.0), "num_experts=2.0 is not allowed: num_experts must be an integer"),
+    (dict(dim="96"), "dim='96' is not allowed: dim must be an integer"),
+    (dict(depth=True), "depth=True is not allowed: depth must be an integer"),
+    (dict(depth_drop=float("nan")), "depth_drop=nan is not allowed: depth_drop must be a finite number"),
+    (dict(router_temperature="1"), "router_temperature must be a finite number"),
+    (dict(merge_cache="yes"), "merge_cache must be True or False"),
+    (dict(ffn=3), "ffn must be a string"),
+    (dict(layer_scale_init=float("inf")), "layer_scale_init must be a finite number or None"),
+    (dict(layer_scale_init=0.0), "layer_scale_init must be > 0 or None"),
+    (dict(router_prior=-1.0), "router_prior must be >= 0"),
+    (dict(router_hidden=0), "router_hidden must be a positive integer"),
+    (dict(balance_weight=-1e-3), "balance_weight must be >= 0"),
+])
+def test_config_types_and_ranges_are_checked_up_front(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**overrides)
+
+
+def test_image_dtypes():
+    model = randomise(tiny(), 17).eval()
+    x = images(2, model)
+    with pytest.raises(ValueError, match="images must be a floating-point tensor.*torch.uint8"):
+        model((x * 50).clamp(0, 255).to(torch.uint8))
+    with pytest.raises(ValueError, match="floating-point.*torch.int64"):
+        model(x.long())
+    with torch.no_grad():  # other floating dtypes are cast to the model's
+        torch.testing.assert_close(model(x.double()), model(x))
+        assert model.to(torch.bfloat16)(x).dtype == torch.bfloat16
