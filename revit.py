@@ -362,17 +362,6 @@ ARCHS = ("vit", "raptor", "revit")
 # FFN mechanisms of the shared reViT block: "merge" is reViT's (num_experts=1: the dense tied block);
 # the others are Part II's comparisons (§4.3, App. B).
 FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
-TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
-
-def type_ok(value, kind: str) -> bool:
-    if kind.endswith(" | None"):
-        return value is None or type_ok(value, kind[:-7])
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, {"bool": bool, "str": str}[kind])
-
 @dataclass
 class ViTConfig:
     arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
@@ -407,36 +396,7 @@ class ViTConfig:
     lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
 
     def __post_init__(self):
-        for f in fields(self):
-            if not type_ok(getattr(self, f.name), f.type):
-                allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
-                self.need(False, f.name, allowed)
-        self.check_core()
-        check_mechanism_fields(self)  # Part II
-
-    def need(self, ok: bool, name: str, allowed: str) -> None:
-        if not ok:
-            raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: {name} must be {allowed}")
-
-    def check_core(self) -> None:
-        need = self.need
-        need(self.arch in ARCHS, "arch", f"one of {ARCHS}")
-        for name in ("image_size", "patch_size", "in_channels", "dim", "heads", "ffn_dim", "router_hidden"):
-            need(getattr(self, name) >= 1, name, "a positive integer")
-        need(self.image_size % self.patch_size == 0, "image_size", f"a multiple of patch_size={self.patch_size}")
-        need(self.dim % self.heads == 0, "dim", f"a multiple of heads={self.heads}")
-        need(self.num_classes >= 0, "num_classes", ">= 0")
-        need(self.depth >= (2 if self.arch == "revit" else 1), "depth",
-             ">= 2 for reViT (s_t = t/(L-1) needs two steps)" if self.arch == "revit" else ">= 1")
-        need(self.num_experts >= 1, "num_experts", ">= 1")
-        need(self.arch != "raptor" or 1 <= self.raptor_blocks <= self.depth, "raptor_blocks",
-             f"between 1 and depth={self.depth}")
-        need(self.layer_scale_init is None or self.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
-        need(0.0 <= self.depth_drop < 1.0, "depth_drop", "in [0, 1)")
-        need(0.0 <= self.drop_path < 1.0, "drop_path", "in [0, 1)")
-        need(self.router_temperature > 0, "router_temperature", "> 0")
-        for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight", "bias_update_rate"):
-            need(getattr(self, name) >= 0, name, ">= 0")
+        check_config(self)  # types and ranges of every field (input checks, end of file)
 
     @property
     def num_patches(self) -> int:
@@ -481,16 +441,7 @@ class ViTBase(nn.Module):
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) floating images -> (B, 1+N, d) tokens. Floating images of another dtype
         (float64, or fp32 into a bf16 model) are cast to the model's dtype; integer images are refused."""
-        c = self.config
-        if images.ndim != 4 or images.shape[1] != c.in_channels:
-            raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
-                             f"got {tuple(images.shape)} (in_channels={c.in_channels})")
-        if images.shape[-2:] != (c.image_size, c.image_size):
-            raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
-                             f"got {images.shape[-2]}x{images.shape[-1]}")
-        if not images.is_floating_point():
-            raise ValueError(f"images must be a floating-point tensor, normalised as in training; got {images.dtype} "
-                             "(convert uint8 pixels with images.float() / 255 and normalise)")
+        check_images(images, self.config)
         images = images.to(self.patch_embed.proj.weight.dtype)
         x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
         x = x + self.pos_embed  # DeiT III: positions go on the patch tokens, not the class token
@@ -676,19 +627,6 @@ class ReViT(ViTBase):
 
 # --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
 
-def check_foldable(model: nn.Module, gates: torch.Tensor | None) -> None:
-    if not isinstance(model, ReViT) and not (isinstance(model, VisionTransformer) and model.config.arch == "raptor"):
-        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
-    if not model.config.depth_programmed:
-        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "
-                         "so it has no fixed per-depth weights to fold; only ffn='merge' (reViT, any E) and "
-                         "ffn='lora' fold into a plain ViT")
-    if gates is not None:
-        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
-            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
-        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
-            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
-
 @torch.no_grad()
 def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None = None) -> VisionTransformer:
     """Return a plain untied ViT of `depth` blocks with the same outputs as `model` at that depth,
@@ -775,20 +713,6 @@ def config_dict(model: nn.Module) -> dict:
 # the steps of one forward live on the module (reset by begin_forward); statistics for a
 # non-gradient update after the optimizer step (DeepSeek-V3's bias, ReMoE's L1 controller) live on
 # the module too, recorded by training forwards only.
-
-def check_mechanism_fields(c: ViTConfig) -> None:
-    """ViTConfig's checks of the Part II fields."""
-    c.need(c.ffn in FFNS, "ffn", f"one of {FFNS}")
-    c.need(c.ffn == "merge" or c.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
-           "replace the FFN of reViT's shared block)")
-    c.need(1 <= c.top_k <= c.num_experts, "top_k", f"between 1 and num_experts={c.num_experts}")
-    c.need(c.shared_experts >= 0, "shared_experts", ">= 0")
-    c.need(c.shared_experts == 0 or c.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
-    c.need(c.expert_ffn_fraction > 0 and round(c.expert_ffn_fraction * c.ffn_dim) >= 1,
-           "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={c.ffn_dim})")
-    c.need(c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
-    c.need(0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
-    c.need(c.lora_rank >= 1, "lora_rank", ">= 1")
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Router math in fp32 (as Switch, Qwen3 and DeepSeek-V3 do), whatever the autocast dtype."""
@@ -1355,6 +1279,92 @@ def _moe_presets() -> dict:
     return presets
 
 PRESETS.update(_moe_presets())
+
+
+# ========================== Input checks (Parts I and II) ==========================
+
+TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
+
+def type_ok(value, kind: str) -> bool:
+    if kind.endswith(" | None"):
+        return value is None or type_ok(value, kind[:-7])
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"bool": bool, "str": str}[kind])
+
+def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
+
+def check_config(c: ViTConfig) -> None:
+    """Every field: its type (integers reject floats, strings and bools; floats reject NaN and inf), then its range."""
+    for f in fields(c):
+        if not type_ok(getattr(c, f.name), f.type):
+            allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
+            need(c, False, f.name, allowed)
+    check_core_fields(c)
+    check_mechanism_fields(c)
+
+def check_core_fields(c: ViTConfig) -> None:
+    need(c, c.arch in ARCHS, "arch", f"one of {ARCHS}")
+    for name in ("image_size", "patch_size", "in_channels", "dim", "heads", "ffn_dim", "router_hidden"):
+        need(c, getattr(c, name) >= 1, name, "a positive integer")
+    need(c, c.image_size % c.patch_size == 0, "image_size", f"a multiple of patch_size={c.patch_size}")
+    need(c, c.dim % c.heads == 0, "dim", f"a multiple of heads={c.heads}")
+    need(c, c.num_classes >= 0, "num_classes", ">= 0")
+    need(c, c.depth >= (2 if c.arch == "revit" else 1), "depth",
+         ">= 2 for reViT (s_t = t/(L-1) needs two steps)" if c.arch == "revit" else ">= 1")
+    need(c, c.num_experts >= 1, "num_experts", ">= 1")
+    need(c, c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth, "raptor_blocks",
+         f"between 1 and depth={c.depth}")
+    need(c, c.layer_scale_init is None or c.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
+    need(c, 0.0 <= c.depth_drop < 1.0, "depth_drop", "in [0, 1)")
+    need(c, 0.0 <= c.drop_path < 1.0, "drop_path", "in [0, 1)")
+    need(c, c.router_temperature > 0, "router_temperature", "> 0")
+    for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight", "bias_update_rate"):
+        need(c, getattr(c, name) >= 0, name, ">= 0")
+
+def check_mechanism_fields(c: ViTConfig) -> None:
+    """The fields of Part II's mechanisms."""
+    need(c, c.ffn in FFNS, "ffn", f"one of {FFNS}")
+    need(c, c.ffn == "merge" or c.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
+         "replace the FFN of reViT's shared block)")
+    need(c, 1 <= c.top_k <= c.num_experts, "top_k", f"between 1 and num_experts={c.num_experts}")
+    need(c, c.shared_experts >= 0, "shared_experts", ">= 0")
+    need(c, c.shared_experts == 0 or c.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
+    need(c, c.expert_ffn_fraction > 0 and round(c.expert_ffn_fraction * c.ffn_dim) >= 1,
+         "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={c.ffn_dim})")
+    need(c, c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
+    need(c, 0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
+    need(c, c.lora_rank >= 1, "lora_rank", ">= 1")
+
+def check_images(images: torch.Tensor, c: ViTConfig) -> None:
+    """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed at)."""
+    if images.ndim != 4 or images.shape[1] != c.in_channels:
+        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
+                         f"got {tuple(images.shape)} (in_channels={c.in_channels})")
+    if images.shape[-2:] != (c.image_size, c.image_size):
+        raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
+                         f"got {images.shape[-2]}x{images.shape[-1]}")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be a floating-point tensor, normalised as in training; got {images.dtype} "
+                         "(convert uint8 pixels with images.float() / 255 and normalise)")
+
+def check_foldable(model: nn.Module, gates: torch.Tensor | None) -> None:
+    """fold's arguments: a depth-programmed reViT (any E, or LoRA) or a Raptor; gates [L, E] for E >= 2."""
+    if not isinstance(model, ReViT) and not (isinstance(model, VisionTransformer) and model.config.arch == "raptor"):
+        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
+    if not model.config.depth_programmed:
+        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "
+                         "so it has no fixed per-depth weights to fold; only ffn='merge' (reViT, any E) and "
+                         "ffn='lora' fold into a plain ViT")
+    if gates is not None:
+        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
+            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
+        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
+            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
 
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts of the presets (built on the meta device)
     import sys
