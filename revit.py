@@ -362,6 +362,7 @@ ARCHS = ("vit", "raptor", "revit")
 # FFN mechanisms of the shared reViT block: "merge" is reViT's (num_experts=1: the dense tied block);
 # the others are Part II's comparisons (§4.3, App. B).
 FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
+
 @dataclass
 class ViTConfig:
     arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"

@@ -494,7 +494,7 @@ def test_every_bias_like_parameter_is_named_bias():
     for name in revit.PRESETS:
         if not name.startswith(("vit-mini", "raptor-mini", "revit-mini")) or "mini32" in name:
             continue
-        model = tiny(name) if "softmoe" not in name else tiny(name)
+        model = tiny(name)
         for pname, p in model.named_parameters():
             if "bias" in pname:
                 assert pname.endswith("bias"), pname
