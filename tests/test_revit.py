@@ -395,7 +395,8 @@ def autocast_bf16():
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("order", [("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "fp32")])
+@pytest.mark.parametrize("order", [("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "fp32"),
+                                   ("fp16", "bf16", "fp32")])
 def test_cache_is_fp32_whatever_the_autocast_of_the_first_call(order):
     """Merged weights are built in fp32 and cast at use, so one cache serves every autocast state."""
     model = randomise(tiny(num_experts=3), 13).eval()
@@ -403,10 +404,11 @@ def test_cache_is_fp32_whatever_the_autocast_of_the_first_call(order):
     x = images(3, model)
     with torch.no_grad():
         for mode in order:
-            with autocast_bf16() if mode == "bf16" else torch.autocast("cpu", enabled=False):
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[mode]
+            with torch.autocast("cpu", dtype=dtype, enabled=mode != "fp32"):
                 out, expected = model(x), uncached(x)
             assert all(w.dtype == torch.float32 for w in model.block.mlp._cache)
-            assert out.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)  # logits: autocast's dtype
+            assert out.dtype == dtype  # logits: autocast's dtype
             torch.testing.assert_close(out, expected)  # cached (L merges at once) vs per-step merges
         torch.testing.assert_close(model(x), uncached(x))  # a plain fp32 call at the end
 
