@@ -94,7 +94,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def why_unusable(error: Exception) -> str:
-    """What is wrong with a checkpoint file, in one line, from the exception that reading it raised.
+    """What is wrong with a file torch.load (or a checkpoint loader) refused, in one line, from its exception.
     torch's refusal of a file that holds arbitrary Python objects is reduced to its reason: its advice
     to load with weights_only=False is never passed on (that would run code stored in the file)."""
     text = " ".join(str(error).split())
@@ -102,10 +102,11 @@ def why_unusable(error: Exception) -> str:
         reason = text.split("WeightsUnpickler error:", 1)[1].split(" Check the documentation")[0].strip()
         if "Unsupported global: GLOBAL " in reason:  # a pickled Python object: never loaded, never run
             stored = reason.split("GLOBAL ", 1)[1].split()[0]
-            return f"not a checkpoint of this project (it stores the Python object {stored}, which is not loaded)"
-        return f"not a PyTorch checkpoint file ({reason})"
+            return (f"it stores the Python object {stored}, which a safe load refuses "
+                    "(files of this project hold only tensors and plain values)")
+        return f"not a PyTorch file ({reason})"
     if isinstance(error, (pickle.UnpicklingError, EOFError)) or "PytorchStreamReader" in text:
-        return f"not a PyTorch checkpoint file ({text.split('. ')[0] or 'empty or cut short'})"
+        return f"not a PyTorch file ({text.split('. ')[0] or 'empty or cut short'})"
     if isinstance(error, KeyError):
         return f"not a checkpoint of this project (it has no {text} entry)"
     if isinstance(error, AttributeError):  # a list or a tensor where train.py saves a dict

@@ -286,8 +286,8 @@ def bad_files(tmp_path):
 
 @pytest.mark.parametrize("extra, needle", [
     (["--teacher", "{tmp}/missing.pt"], "--teacher {tmp}/missing.pt: no such file"),
-    (["--teacher", "{tmp}/garbage.pt"], "--teacher {tmp}/garbage.pt: not a PyTorch checkpoint file"),
-    (["--teacher", "{tmp}/pickled.pt"], "--teacher {tmp}/pickled.pt: not a checkpoint of this project"),
+    (["--teacher", "{tmp}/garbage.pt"], "--teacher {tmp}/garbage.pt: not a PyTorch file"),
+    (["--teacher", "{tmp}/pickled.pt"], "--teacher {tmp}/pickled.pt: it stores the Python object pathlib"),
     (["--teacher", "{tmp}/language.pt"], "--teacher {tmp}/language.pt: holds the language model alternet-tiny"),
     (["--teacher", "{tmp}/cifar_teacher.pt"], "expects 3x32² images, the checkpoint 1x28²"),
     (["--num-images", "1"], "--num-images must be >= 2; got 1"),

@@ -309,8 +309,8 @@ def bad_inputs(tmp_path, checkpoint):
     (["{ckpt}", "--format", "safetensors", "--out", "{tmp}"], "is a folder"),
     (["{tmp}/missing.pt", "--depth", "4", "--format", "onnx", "--out", "{tmp}/x"], "missing.pt: no such file"),
     (["{tmp}", "--format", "onnx", "--out", "{tmp}/x"], "a folder, not a checkpoint file"),
-    (["{tmp}/garbage.pt", "--format", "onnx", "--out", "{tmp}/x"], "garbage.pt: not a PyTorch checkpoint file"),
-    (["{tmp}/empty.pt", "--format", "onnx", "--out", "{tmp}/x"], "empty.pt: not a PyTorch checkpoint file"),
+    (["{tmp}/garbage.pt", "--format", "onnx", "--out", "{tmp}/x"], "garbage.pt: not a PyTorch file"),
+    (["{tmp}/empty.pt", "--format", "onnx", "--out", "{tmp}/x"], "empty.pt: not a PyTorch file"),
     (["{tmp}/list.pt", "--format", "onnx", "--out", "{tmp}/x"], "list.pt: not a checkpoint of this project"),
     (["{tmp}/no_arch.pt", "--format", "onnx", "--out", "{tmp}/x"], "no_arch.pt: not a checkpoint of this "
                                                                    "project (it has no 'arch' entry)"),
