@@ -340,7 +340,8 @@ def evaluation_images(args, ckpt: dict, config) -> torch.Tensor:
     images, _ = next(iter(test.batches([index])))  # uint8 (n, C, H, W)
     if (images.shape[1], images.shape[-1]) != (config.in_channels, config.image_size):
         raise ValueError(f"the model expects {config.in_channels}x{config.image_size}² images; {dataset} has "
-                         f"{images.shape[1]}x{images.shape[-1]}² (choose the data set it was trained on with --dataset)")
+                         f"{images.shape[1]}x{images.shape[-1]}² (choose the data set it was trained on with "
+                         "--dataset)")
     return (images.float() / 255 - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
 
 
@@ -556,7 +557,8 @@ def cka_figure(plt, matrix, xlabel: str, ylabel: str, title: str, lines=()):
     """Figs. 7-9: a CKA heat map on the fixed scale [0, 1]; `lines` are (xs, ys, style, label) overlays."""
     from matplotlib.ticker import MaxNLocator
     fig, ax = plt.subplots(figsize=(5, 4))
-    image = ax.imshow(torch.as_tensor(matrix).numpy(), origin="lower", aspect="auto", cmap="magma_r", interpolation="nearest", vmin=0, vmax=1)
+    image = ax.imshow(torch.as_tensor(matrix).numpy(), origin="lower", aspect="auto", cmap="magma_r",
+                      interpolation="nearest", vmin=0, vmax=1)
     fig.colorbar(image, ax=ax, label="linear CKA")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))

@@ -277,8 +277,9 @@ def bad_files(tmp_path):
     save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     torch.save({"model": {}, "note": Path("notes.txt")}, tmp_path / "pickled.pt")  # a pickled Python object
-    save_checkpoint(revit.create_model("vit-mini", image_size=32, in_channels=3, patch_size=8, dim=16, heads=2, ffn_dim=24,
-                                       depth=2), "vit-mini", tmp_path / "cifar_teacher.pt")
+    cifar_teacher = revit.create_model("vit-mini", image_size=32, in_channels=3, patch_size=8, dim=16, heads=2,
+                                       ffn_dim=24, depth=2)
+    save_checkpoint(cifar_teacher, "vit-mini", tmp_path / "cifar_teacher.pt")
     lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
     torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": asdict(lm.config)},
                tmp_path / "language.pt")
