@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import sys
 import warnings
@@ -365,29 +366,48 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model'}")
 
 
+def check_finite(model: nn.Module, source) -> None:
+    """Nothing non-finite is exported: a diverged checkpoint is refused, naming its first bad tensor."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"checkpoint {source}: its weights are not finite ({name} holds NaN or inf)")
+
+
+def write_atomically(out: Path, write):
+    """write(temporary path), then rename it to `out`: an interrupted export never leaves a torn file.
+    The temporary name keeps the suffix, which save_timm reads. Returns what `write` returns."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
+    try:
+        result = write(tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return result
+
+
 def export(args: argparse.Namespace) -> dict:
-    """Read and check everything first (the source, the fold at --depth), then write --out."""
+    """Read and check everything first (the source, its weights, the fold at --depth), then write --out."""
     model = load_source(args.checkpoint)
+    check_finite(model, args.checkpoint)
     out = Path(args.out)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
     if args.format == "compact":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_safetensors(model, out, "compact")
+        write_atomically(out, lambda path: save_safetensors(model, path, "compact"))
         return dict(summary, depth=None)
     vit = plain_vit(model, args.depth)
     summary["depth"] = depth = vit.config.depth
     summary["fold_max_abs_diff"] = check_fold(model, vit, depth) if vit is not model else 0.0
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.format == "safetensors":
-        save_safetensors(vit, out, "folded", source_config=asdict(model.config))
+        write_atomically(out, lambda path: save_safetensors(vit, path, "folded", source_config=asdict(model.config)))
     elif args.format == "timm":
-        summary.update(save_timm(vit, out))
+        summary.update(write_atomically(out, lambda path: save_timm(vit, path)))
         kwargs = "".join(f", {k}={v!r}" for k, v in summary["timm_kwargs"].items())
         read = "safetensors.torch.load_file" if out.suffix == ".safetensors" else "torch.load"
         print(f"load in timm: model = timm.create_model({summary['timm_model']!r}{kwargs}); "
               f"model.load_state_dict({read}({str(out)!r}), strict=True)", file=sys.stderr)
     else:
-        summary["onnx_max_abs_diff"] = export_onnx(vit, out, args.opset)
+        summary["onnx_max_abs_diff"] = write_atomically(out, lambda path: export_onnx(vit, path, args.opset))
         if summary["onnx_max_abs_diff"] is None:
             print("onnxruntime is not installed: the ONNX graph was written but not checked "
                   "(pip install -r requirements-extra.txt)", file=sys.stderr)

@@ -298,6 +298,10 @@ def bad_inputs(tmp_path, checkpoint):
     torch.save(ckpt, tmp_path / "misfit.pt")
     del ckpt["arch"]
     torch.save(ckpt, tmp_path / "no_arch.pt")
+    diverged = tiny()
+    with torch.no_grad():
+        diverged.block.attn.qkv.weight[0, 0] = float("nan")
+    write_checkpoint(tmp_path / "diverged.pt", diverged)
     lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
     torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": asdict(lm.config)},
                tmp_path / "language.pt")
@@ -317,6 +321,7 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}/pickled.pt", "--format", "onnx", "--out", "{tmp}/x"], "it stores the Python object pathlib"),
     (["{tmp}/misfit.pt", "--format", "onnx", "--out", "{tmp}/x"], "its weights do not fit its model_config"),
     (["{tmp}/language.pt", "--format", "onnx", "--out", "{tmp}/x"], "holds the language model alternet-tiny"),
+    (["{tmp}/diverged.pt", "--format", "compact", "--out", "{tmp}/x"], "weights are not finite (block.attn.qkv"),
     (["{tmp}/garbage.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "not a readable safetensors file"),
     (["{tmp}/timm.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "not a revit safetensors export"),
     (["{tmp}/vit.pt", "--depth", "3", "--format", "safetensors", "--out", "{tmp}/x"], "untied ViT of depth 4"),
@@ -329,7 +334,7 @@ def test_bad_input_gives_one_line_naming_it_and_writes_nothing(checkpoint, tmp_p
     message = str(info.value)
     assert ONE_LINE_ERROR.match(message) and needle in message, message
     assert "weights_only" not in message
-    assert not (tmp_path / "x").exists()
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp*"))
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -374,3 +379,13 @@ def test_cli_end_to_end(checkpoint, tmp_path, capsys):
         out = tmp_path / "exports" / name
         summary = run([path, "--depth", 4, "--format", fmt, "--out", out], capsys)
         assert out.is_file() and summary["format"] == fmt and summary["source_arch"] == "revit"
+
+
+def test_an_interrupted_export_leaves_no_file(checkpoint, tmp_path, monkeypatch):
+    def write_half_then_stop(model, path, kind, **extra):
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt  # Ctrl-C (or a full disk) in the middle of the write
+    monkeypatch.setattr(export, "save_safetensors", write_half_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        export.main([str(checkpoint[1]), "--format", "compact", "--out", str(tmp_path / "m.safetensors")])
+    assert [p.name for p in tmp_path.iterdir()] == ["revit.pt"]  # neither the file nor a temporary one
