@@ -1,4 +1,4 @@
-"""What does the recurrent block learn? The analyses of the reViT paper's §5 and Appendix D (SPEC §1.10).
+"""What does the recurrent block learn? The analyses of reViT (arXiv 2610.12448), §5 and Appendix D.
 
     python analyze.py runs/revit-mini/ckpt.pt --teacher runs/vit-mini/ckpt.pt --out analysis/
 
@@ -16,7 +16,9 @@ For a checkpoint of this project (the CKA parts also work for a ViT or Raptor ch
 Images are a seeded subset of the test split (Fashion-MNIST by default, or the checkpoint's data set).
 A model under modified gates is the folded ViT (`revit.fold`) with the merged FFNs of those gates
 (`MergedExpertFFN.merge`), so no forward pass is copied here. Outputs in --out: analysis.json (every
-number), gates.csv, self_cka.csv, cross_cka.csv, and PNG heat maps when matplotlib is installed.
+number), gates.csv, self_cka.csv, cross_cka.csv, and PNG figures when matplotlib is installed (an
+optional extra): the gate program with its dominant-expert path (Fig. 3) and the CKA heat maps.
+Every input (checkpoints, flags, data) is read and checked before anything is written.
 """
 
 from __future__ import annotations
@@ -26,24 +28,22 @@ import csv
 import itertools
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+import export
 import revit
 import train
-
-
-def fail(message: str):
-    """A user error: one clear line on stderr, non-zero exit."""
-    raise SystemExit(f"analyze.py: error: {message}")
 
 
 # --- measures: effective rank, linear CKA, Spearman rho ---
 
 
 def effective_rank(matrix: torch.Tensor) -> float:
-    """SPEC §1.10: r_eff = exp(-sum_i p_i log p_i), p_i = sigma_i^2 / sum_j sigma_j^2 (0 for a zero matrix)."""
+    """App. D (effective-rank protocol): r_eff = exp(-sum_i p_i log p_i), p_i = sigma_i^2 / sum_j sigma_j^2
+    (0 for a zero matrix)."""
     energy = torch.linalg.svdvals(matrix.double()).square()
     if energy.sum() == 0:
         return 0.0
@@ -53,7 +53,7 @@ def effective_rank(matrix: torch.Tensor) -> float:
 
 
 def centre_depth(matrix: torch.Tensor) -> torch.Tensor:
-    """C M with C = I - 11^T / L: remove the component shared by all L depths (rows)."""
+    """App. D: C M with C = I - 11^T / L removes the component shared by all L depths (rows)."""
     return matrix - matrix.mean(0, keepdim=True)
 
 
@@ -208,7 +208,6 @@ def matched_perturbation(gates: torch.Tensor, gram: torch.Tensor, target: float,
     return None
 
 
-@torch.no_grad()
 # --- features: the residual stream of out["states"] ---
 
 
@@ -287,42 +286,143 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
                 "num_at_or_above_intact": int((deltas >= 0).sum())}}
 
 
-# --- checkpoints and data (train.py's loaders) ---
+# --- inputs: everything a user passes, read and checked before anything is written ---
+
+DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet")
 
 
-def load_checkpoint(path: str, device) -> tuple:
-    if not Path(path).is_file():
-        fail(f"{path}: no such checkpoint file")
-    try:
-        model, ckpt = train.load_model(path, device)
-    except Exception as e:  # noqa: BLE001 -- any unreadable file is a user error here
-        fail(f"{path} is not a usable checkpoint of this project: {e}")
-    if not isinstance(model, (revit.ReViT, revit.VisionTransformer)):
-        fail(f"{path} holds a {ckpt['arch']} model; analyze.py reads vision checkpoints (reViT, ViT, Raptor)")
-    return model, ckpt
+@dataclass
+class Inputs:
+    model: torch.nn.Module      # the checkpoint's model, eval mode, on `device`
+    ckpt: dict
+    depth: int                  # L analysed
+    images: torch.Tensor        # (n, C, H, W) normalised test images
+    out: Path
+    teacher: torch.nn.Module | None = None  # --teacher, when given
+    teacher_ckpt: dict | None = None
+    teacher_path: str = ""
+
+
+def check_args(args) -> None:
+    """The flags that need no file, each a ValueError naming the flag and what is allowed."""
+    at_least = {"num_images": 2, "intervention_images": 2, "batch_size": 1,  # CKA centres over >= 2 images
+                "random_perturbations": 0, "num_permutations": 0}
+    for name, minimum in at_least.items():
+        if getattr(args, name) < minimum:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}; got {getattr(args, name)}")
+    if args.depth is not None and args.depth < 2:
+        raise ValueError(f"--depth must be >= 2 (s_t = t/(L-1) needs two steps); got {args.depth}")
+    if args.dataset and args.dataset not in DATASETS:
+        raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {args.dataset!r}")
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        raise ValueError(f"--data-dir {args.data_dir}: no such folder")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file; give a folder for the outputs")
 
 
 def evaluation_images(args, ckpt: dict, config) -> torch.Tensor:
     """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32."""
     dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"
+    if dataset not in DATASETS:
+        raise ValueError(f"checkpoint {args.checkpoint} was trained on {dataset!r}; choose the images with "
+                         f"--dataset ({', '.join(DATASETS)})")
     if dataset == "imagenet":  # only the val split: resize the short side, centre crop (as train.py evaluates)
         root = Path(args.data or ckpt.get("train_config", {}).get("data", ""))
         if not (root / "val").is_dir():
-            fail(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); got {str(root)!r}")
+            raise ValueError(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); got {str(root)!r}")
         test = train.FolderImages(root / "val", config.image_size, train=False, workers=4)
-    elif dataset in train.BUILTIN and dataset != "text":
+    else:
         cfg = train.TrainConfig(dataset=dataset, data_dir=args.data_dir, download=False)
         test = train.load_images(cfg, is_main=True).test
-    else:
-        fail(f"--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet; got {dataset!r}")
     mean, std = train.NORMALISATION[dataset]
     generator = torch.Generator().manual_seed(args.seed)
     index = torch.randperm(len(test), generator=generator)[:args.num_images]
     images, _ = next(iter(test.batches([index])))  # uint8 (n, C, H, W)
     if (images.shape[1], images.shape[-1]) != (config.in_channels, config.image_size):
-        fail(f"the model expects {config.in_channels}x{config.image_size}² images; {dataset} has "
-             f"{images.shape[1]}x{images.shape[-1]}² (choose the data set it was trained on with --dataset)")
+        raise ValueError(f"the model expects {config.in_channels}x{config.image_size}² images; {dataset} has "
+                         f"{images.shape[1]}x{images.shape[-1]}² (choose the data set it was trained on with "
+                         "--dataset)")
     return (images.float() / 255 - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
+
+
+def analysed_depth(args, model, ckpt) -> int:
+    """--depth, or the checkpoint's reference depth; a plain ViT runs only its own."""
+    config = model.config
+    if config.arch == "vit" and args.depth not in (None, config.depth):
+        raise ValueError(f"--depth {args.depth}: {ckpt['arch']} is a plain ViT and runs only its own depth "
+                         f"({config.depth})")
+    return config.depth if args.depth is None else args.depth
+
+
+def load_teacher(args, config, device) -> tuple:
+    teacher, teacher_ckpt = export.load_vision_model(args.teacher, "--teacher", device)
+    tc = teacher.config
+    if (tc.in_channels, tc.image_size) != (config.in_channels, config.image_size):
+        raise ValueError(f"--teacher {args.teacher}: expects {tc.in_channels}x{tc.image_size}² images, the "
+                         f"checkpoint {config.in_channels}x{config.image_size}²")
+    return teacher, teacher_ckpt
+
+
+def load_inputs(args) -> Inputs:
+    """Every file and flag, checked: a ValueError of one line on the first problem, nothing written."""
+    check_args(args)
+    device = export.pick_device(args.device)
+    model, ckpt = export.load_vision_model(args.checkpoint, "checkpoint", device)
+    depth = analysed_depth(args, model, ckpt)
+    teacher, teacher_ckpt = load_teacher(args, model.config, device) if args.teacher else (None, None)
+    images = evaluation_images(args, ckpt, model.config)
+    try:
+        residual_features(model, images[:1], depth if model.config.arch != "vit" else None)
+    except ValueError as e:  # e.g. layer-wise LoRA runs only at its trained depth
+        raise ValueError(f"--depth {depth}: {ckpt['arch']} cannot run at this depth ({e})") from None
+    out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent / "analysis"
+    return Inputs(model, ckpt, depth, images, out, teacher, teacher_ckpt, args.teacher)
+
+
+# --- the analyses, each a part of the report (numbers only; printing and files come after) ---
+
+
+def gate_part(model, depth: int) -> dict:
+    """Figs. 3 and 5 (a reViT with a gate program only)."""
+    if not has_gate_program(model):
+        return {}
+    gates = model.gate_matrix(depth).detach().float().cpu()  # (L, E)
+    return {"gates": gate_program(model, depth), "effective_ranks": effective_ranks(model, gates)}
+
+
+def cka_part(inputs: Inputs, batch_size: int) -> tuple[dict, torch.Tensor]:
+    """Figs. 7-9: self-CKA and, with a teacher, cross-CKA and the depth alignment. Also returns the
+    reference final features for the interventions: the teacher's, else the intact model's own."""
+    recurrent = inputs.model.config.arch != "vit"
+    states = residual_features(inputs.model, inputs.images, inputs.depth if recurrent else None,
+                               batch_size)  # (L+1, n, d)
+    part = {"num_images": len(inputs.images), "self_cka": cka_matrix(states, states).tolist()}
+    if inputs.teacher is None:
+        return part, states[-1]
+    teacher_states = residual_features(inputs.teacher, inputs.images, None, batch_size)  # (L_T+1, n, d_T)
+    cross = cka_matrix(states, teacher_states)
+    part["teacher"] = {"checkpoint": inputs.teacher_path, "arch": inputs.teacher_ckpt["arch"],
+                       "depth": inputs.teacher.config.depth}
+    part["cross_cka"] = cross.tolist()
+    part["depth_alignment"] = depth_alignment(cross)
+    return part, teacher_states[-1]
+
+
+def analyse(inputs: Inputs, args) -> dict:
+    """Every number of the report, in the order of the paper's §5 / App. D."""
+    model, depth = inputs.model, inputs.depth
+    report = {"checkpoint": str(args.checkpoint), "arch": inputs.ckpt["arch"], "depth": depth, "seed": args.seed}
+    report.update(gate_part(model, depth))
+    cka, reference = cka_part(inputs, args.batch_size)
+    report.update(cka)
+    if is_merged(model) and not args.no_interventions:
+        n = min(args.intervention_images, len(inputs.images))
+        gates = model.gate_matrix(depth).detach().float().cpu()  # (L, E)
+        result = intervention_analysis(model, gates, inputs.images[:n], reference[:n], args.random_perturbations,
+                                       args.num_permutations, args.seed, args.batch_size)
+        result["reference"] = "teacher final state" if args.teacher else "intact student final state (no --teacher)"
+        report["interventions"] = result
+    return report
 
 
 # --- output: tables on stdout, JSON / CSV, optional heat maps ---
@@ -355,53 +455,156 @@ def json_ready(value):
     return value
 
 
-def save_plots(report: dict, out: Path) -> list[str]:
-    """Heat maps of G with the dominant-expert path (Fig. 3), self-CKA (Figs. 7-8) and cross-CKA with the
-    max-CKA path and proportional depth (Fig. 9). matplotlib is optional: without it, a note and no PNG."""
+def print_report(report: dict) -> None:
+    """The report as tables on stdout (every number is also in analysis.json)."""
+    depth = report["depth"]
+    if "gates" in report:
+        g = report["gates"]
+        print_matrix(f"gate matrix G [L={depth}, E={g['num_experts']}]", g["gates"], "step t", "expert e", 3)
+        print(f"dominant expert per step: {g['dominant_expert']} ({g['switches']} switches)")
+        print("effective ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in report["effective_ranks"].items()
+                                              if k != "num_experts") + f"  (E = {g['num_experts']})")
+    print_matrix(f"self-CKA of the {depth + 1} residual states ({report['num_images']} images)", report["self_cka"],
+                 "state", "state")
+    if "cross_cka" in report:
+        a, t = report["depth_alignment"], report["teacher"]
+        print_matrix(f"cross-CKA student x teacher ({t['arch']}, {t['depth']} layers)", report["cross_cka"],
+                     "student state", "teacher state")
+        print(f"max-CKA teacher state per student state: {a['max_cka_path']}")
+        print(f"Spearman rho {a['spearman_rho']:.3f} | MAD from proportional depth {a['mad']:.2f} teacher layers "
+              f"(interior {a['interior_mad']:.2f})")
+    if "interventions" in report:
+        print_interventions(report["interventions"], report["gates"])
+
+
+def print_interventions(result: dict, g: dict) -> None:
+    print(f"\nexpert ablations ({result['num_images']} images; Delta CKA to the {result['reference']}, intact CKA "
+          f"{result['intact_cka']:.4f})")
+    print(f"{'expert':>6} {'mean gate':>9} {'centroid s':>10} {'rel. disp.':>10} {'dCKA':>8} "
+          f"{'random dCKA (mean ± std)':>26} {'random worse':>12}")
+    for row in result["ablations"]:
+        e = row["expert"]
+        print(f"{e:>6} {g['mean_gate'][e]:>9.3f} {g['centroid_coordinate'][e]:>10.3f} "
+              f"{row['relative_displacement']:>10.3f} {row['delta_cka']:>+8.4f} "
+              f"{row['random_mean']:>+17.4f} ± {row['random_std']:<6.4f} {row['fraction_random_worse']:>12.2f}")
+    ps = result["permutation_summary"]
+    print(f"gate-column permutations: {ps['count']} non-identity, mean Delta CKA {ps['mean_delta_cka']:+.4f}, "
+          f"best {ps['max_delta_cka']:+.4f}, {ps['num_at_or_above_intact']} at or above the learned assignment")
+
+
+def write_tables(report: dict, out: Path) -> None:
+    """gates.csv, self_cka.csv and cross_cka.csv: one row per step / state."""
+    if "gates" in report:
+        g = report["gates"]
+        write_csv(out / "gates.csv", ["step", "s"] + [f"expert_{e}" for e in range(g["num_experts"])] + ["dominant"],
+                  [[t, s, *row, d] for t, (s, row, d) in
+                   enumerate(zip(g["coordinates"], g["gates"], g["dominant_expert"]))])
+    write_csv(out / "self_cka.csv", ["state"] + list(range(report["depth"] + 1)),
+              [[i, *row] for i, row in enumerate(report["self_cka"])])
+    if "cross_cka" in report:
+        write_csv(out / "cross_cka.csv", ["student_state"] + list(range(report["teacher"]["depth"] + 1)),
+                  [[i, *row] for i, row in enumerate(report["cross_cka"])])
+
+
+# --- figures (matplotlib is an optional extra) ---
+
+
+def import_pyplot():
+    """matplotlib.pyplot with a file-only backend, or None (and a note) when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
     except ImportError:
-        print("note: matplotlib is not installed, so no PNG heat maps (pip install matplotlib); "
+        print("note: matplotlib is not installed, so no PNG figures (pip install -r requirements-extra.txt); "
               "the numbers are in analysis.json and the CSV files")
+        return None
+    return plt
+
+
+def gate_figure(plt, g: dict):
+    """Fig. 3: the gate weights g[t, e] as a heat map over recurrent step t (bottom axis) and normalised
+    depth s_t = t / (L-1) (top axis) for each expert e, with the dominant expert of each step marked
+    and connected -- the depth program, if one formed."""
+    from matplotlib.ticker import MaxNLocator
+    gates = torch.tensor(g["gates"])  # (L, E)
+    steps, experts = gates.shape
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * steps + 2.5), max(3.2, 0.5 * experts + 2.2)), layout="constrained")
+    # one fixed colour scale [0, 1] for every model: flat gates (all near 1/E) look flat
+    image = ax.imshow(gates.T.numpy(), origin="lower", aspect="auto", cmap="YlOrBr", interpolation="nearest",
+                      vmin=0, vmax=1)
+    fig.colorbar(image, ax=ax, label="gate weight $g_{t,e}$")
+    ax.plot(range(steps), g["dominant_expert"], "-o", color="teal", linewidth=2, markersize=15,
+            markerfacecolor="none", markeredgewidth=2, label="dominant expert of each step, $\\arg\\max_e\\, g_{t,e}$")
+    if steps * experts <= 160:  # small enough to print each weight in its cell
+        for t in range(steps):
+            for e in range(experts):
+                ax.text(t, e, f"{gates[t, e]:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if gates[t, e] > 0.6 else "black")
+    ax.set_xlabel("recurrent step $t$")
+    ax.set_ylabel("expert $e$")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    top = ax.secondary_xaxis("top", functions=(lambda t: t / max(steps - 1, 1), lambda s: s * max(steps - 1, 1)))
+    top.set_xlabel("normalised depth $s_t = t/(L-1)$")
+    ax.set_title(f"gate program at L={steps}, E={experts}: {g['switches']} switches of the dominant expert",
+                 fontsize=9)
+    fig.legend(loc="outside lower center", fontsize=8, frameon=False)
+    return fig
+
+
+def cka_figure(plt, matrix, xlabel: str, ylabel: str, title: str, lines=()):
+    """Figs. 7-9: a CKA heat map on the fixed scale [0, 1]; `lines` are (xs, ys, style, label) overlays."""
+    from matplotlib.ticker import MaxNLocator
+    fig, ax = plt.subplots(figsize=(5, 4))
+    image = ax.imshow(torch.as_tensor(matrix).numpy(), origin="lower", aspect="auto", cmap="magma_r",
+                      interpolation="nearest", vmin=0, vmax=1)
+    fig.colorbar(image, ax=ax, label="linear CKA")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for xs, ys, style, label in lines:
+        ax.plot(xs, ys, style, label=label)
+    if lines:
+        ax.legend(loc="upper left", fontsize=7)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    fig.tight_layout()
+    return fig
+
+
+def save_plots(report: dict, out: Path) -> list[str]:
+    """gates.png (Fig. 3), self_cka.png (Figs. 7-8) and cross_cka.png with the max-CKA path and
+    proportional depth (Fig. 9); the names written (none without matplotlib)."""
+    plt = import_pyplot()
+    if plt is None:
         return []
-    saved = []
-
-    def heat_map(name, matrix, xlabel, ylabel, title, lines=()):
-        fig, ax = plt.subplots(figsize=(5, 4))
-        # gates and CKA both lie in [0, 1]: one fixed colour scale, comparable across models
-        image = ax.imshow(matrix, origin="lower", aspect="auto", cmap="magma_r", interpolation="nearest",
-                          vmin=0, vmax=1)
-        fig.colorbar(image, ax=ax)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        for xs, ys, style, label in lines:
-            ax.plot(xs, ys, style, label=label)
-        if lines:
-            ax.legend(loc="upper left", fontsize=7)
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        saved.append(name)
-
+    figures = {}
     if "gates" in report:
-        g = report["gates"]
-        steps = list(range(g["depth"]))
-        heat_map("gates.png", torch.tensor(g["gates"]).T, "depth step t", "expert e",
-                 f"gates g[t, e], L={g['depth']}, E={g['num_experts']}",
-                 [(steps, g["dominant_expert"], "-o", "dominant expert")])
-    heat_map("self_cka.png", report["self_cka"], "state", "state", "self-CKA (mean-pooled patch tokens)")
+        figures["gates.png"] = gate_figure(plt, report["gates"])
+    figures["self_cka.png"] = cka_figure(plt, report["self_cka"], "state", "state",
+                                         "self-CKA (mean-pooled patch tokens)")
     if "cross_cka" in report:
         a = report["depth_alignment"]
         steps = list(range(len(a["max_cka_path"])))
-        heat_map("cross_cka.png", report["cross_cka"], "teacher state", "student state",
-                 f"cross-CKA, rho={a['spearman_rho']:.3f}, MAD={a['mad']:.2f}",
-                 [(a["max_cka_path"], steps, "o:", "max-CKA teacher depth"),
-                  (a["proportional_depth"], steps, "--", "proportional depth")])
-    return saved
+        figures["cross_cka.png"] = cka_figure(
+            plt, report["cross_cka"], "teacher state", "student state",
+            f"cross-CKA, rho={a['spearman_rho']:.3f}, MAD={a['mad']:.2f}",
+            [(a["max_cka_path"], steps, "o:", "max-CKA teacher depth"),
+             (a["proportional_depth"], steps, "--", "proportional depth")])
+    for name, fig in figures.items():
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+    return list(figures)
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    """--out: the CSV tables, the figures, and analysis.json (every number)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_tables(report, out)
+    report["plots"] = save_plots(report, out)
+    with open(out / "analysis.json", "w") as f:
+        json.dump(json_ready(report), f, indent=1)
+    print(f"\nwrote {out / 'analysis.json'}, " + ", ".join(p.name for p in sorted(out.glob("*.csv")))
+          + "".join(f", {p}" for p in report["plots"]))
 
 
 # --- the command ---
@@ -437,103 +640,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    for name in ("num_images", "intervention_images", "batch_size"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.num_images < 2:
-        fail("--num-images must be >= 2 (CKA centres over the images)")
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    model, ckpt = load_checkpoint(args.checkpoint, device)
-    config = model.config
-    if config.arch == "vit" and args.depth not in (None, config.depth):
-        fail(f"--depth {args.depth}: a plain ViT runs only its own depth ({config.depth})")
-    depth = config.depth if args.depth is None else args.depth
-    if depth < 2:
-        fail(f"--depth must be >= 2; got {depth}")
-    out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent / "analysis"
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"checkpoint": str(args.checkpoint), "arch": ckpt["arch"], "depth": depth, "seed": args.seed}
-    print(f"{args.checkpoint}: {ckpt['arch']} ({config.arch}), {model.num_params() / 1e6:.3f}M params, "
-          f"analysed at depth L={depth}")
-
-    if has_gate_program(model):
-        gates = model.gate_matrix(depth).detach().float().cpu()  # (L, E)
-        report["gates"] = gate_program(model, depth)
-        report["effective_ranks"] = effective_ranks(model, gates)
-        g = report["gates"]
-        print_matrix(f"gate matrix G [L={depth}, E={g['num_experts']}]", gates, "step t", "expert e", 3)
-        print(f"dominant expert per step: {g['dominant_expert']} ({g['switches']} switches)")
-        print("effective ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in report["effective_ranks"].items()
-                                              if k != "num_experts") + f"  (E = {g['num_experts']})")
-        write_csv(out / "gates.csv", ["step", "s"] + [f"expert_{e}" for e in range(g["num_experts"])] + ["dominant"],
-                  [[t, s, *row, d] for t, (s, row, d) in
-                   enumerate(zip(g["coordinates"], g["gates"], g["dominant_expert"]))])
-
-    elif isinstance(model, revit.ReViT):
-        print(f"note: ffn={config.ffn!r} has no depth-only gate program over an expert bank: "
-              "gates, effective ranks, ablations and permutations are skipped")
-
-    images = evaluation_images(args, ckpt, config)
-    recurrent = config.arch != "vit"
     try:
-        states = residual_features(model, images, depth if recurrent else None, args.batch_size)  # (L+1, n, d)
-    except ValueError as e:  # e.g. layer-wise LoRA runs only at its trained depth
-        fail(f"cannot run {ckpt['arch']} at depth {depth}: {e}")
-    report["num_images"] = len(images)
-    report["self_cka"] = cka_matrix(states, states).tolist()
-    print_matrix(f"self-CKA of the {depth + 1} residual states ({len(images)} images)", report["self_cka"],
-                 "state", "state")
-    write_csv(out / "self_cka.csv", ["state"] + list(range(depth + 1)),
-              [[i, *row] for i, row in enumerate(report["self_cka"])])
-
-    reference = states[-1]  # without a teacher: the intact student's own final features
-    if args.teacher:
-        teacher, teacher_ckpt = load_checkpoint(args.teacher, device)
-        tc = teacher.config
-        if (tc.in_channels, tc.image_size) != (config.in_channels, config.image_size):
-            fail(f"the teacher expects {tc.in_channels}x{tc.image_size}² images, the student "
-                 f"{config.in_channels}x{config.image_size}²")
-        teacher_states = residual_features(teacher, images, None, args.batch_size)  # (L_T+1, n, d_T)
-        cross = cka_matrix(states, teacher_states)
-        report["teacher"] = {"checkpoint": str(args.teacher), "arch": teacher_ckpt["arch"], "depth": tc.depth}
-        report["cross_cka"] = cross.tolist()
-        report["depth_alignment"] = depth_alignment(cross)
-        reference = teacher_states[-1]
-        a = report["depth_alignment"]
-        print_matrix(f"cross-CKA student x teacher ({teacher_ckpt['arch']}, {tc.depth} layers)", cross,
-                     "student state", "teacher state")
-        print(f"max-CKA teacher state per student state: {a['max_cka_path']}")
-        print(f"Spearman rho {a['spearman_rho']:.3f} | MAD from proportional depth {a['mad']:.2f} teacher layers "
-              f"(interior {a['interior_mad']:.2f})")
-        write_csv(out / "cross_cka.csv", ["student_state"] + list(range(tc.depth + 1)),
-                  [[i, *row] for i, row in enumerate(report["cross_cka"])])
-
-    if is_merged(model) and not args.no_interventions:
-        n = min(args.intervention_images, len(images))
-        if n < 2:
-            fail("--intervention-images must be >= 2")
-        result = intervention_analysis(model, gates, images[:n], reference[:n], args.random_perturbations,
-                                       args.num_permutations, args.seed, args.batch_size)
-        result["reference"] = "teacher final state" if args.teacher else "intact student final state (no --teacher)"
-        report["interventions"] = result
-        print(f"\nexpert ablations ({n} images; Delta CKA to the {result['reference']}, intact CKA "
-              f"{result['intact_cka']:.4f})")
-        print(f"{'expert':>6} {'mean gate':>9} {'centroid s':>10} {'rel. disp.':>10} {'dCKA':>8} "
-              f"{'random dCKA (mean ± std)':>26} {'random worse':>12}")
-        for row in result["ablations"]:
-            e = row["expert"]
-            print(f"{e:>6} {g['mean_gate'][e]:>9.3f} {g['centroid_coordinate'][e]:>10.3f} "
-                  f"{row['relative_displacement']:>10.3f} {row['delta_cka']:>+8.4f} "
-                  f"{row['random_mean']:>+17.4f} ± {row['random_std']:<6.4f} {row['fraction_random_worse']:>12.2f}")
-        ps = result["permutation_summary"]
-        print(f"gate-column permutations: {ps['count']} non-identity, mean Delta CKA {ps['mean_delta_cka']:+.4f}, "
-              f"best {ps['max_delta_cka']:+.4f}, {ps['num_at_or_above_intact']} at or above the learned assignment")
-
-    report["plots"] = save_plots(report, out)
-    with open(out / "analysis.json", "w") as f:
-        json.dump(json_ready(report), f, indent=1)
-    print(f"\nwrote {out / 'analysis.json'}, " + ", ".join(p.name for p in sorted(out.glob("*.csv")))
-          + "".join(f", {p}" for p in report["plots"]))
+        inputs = load_inputs(args)
+    except ValueError as e:
+        train.fail(str(e))
+    model = inputs.model
+    print(f"{args.checkpoint}: {inputs.ckpt['arch']} ({model.config.arch}), {model.num_params() / 1e6:.3f}M params, "
+          f"analysed at depth L={inputs.depth}")
+    if isinstance(model, revit.ReViT) and not has_gate_program(model):
+        print(f"note: ffn={model.config.ffn!r} has no depth-only gate program over an expert bank: "
+              "gates, effective ranks, ablations and permutations are skipped")
+    report = analyse(inputs, args)
+    print_report(report)
+    write_outputs(report, inputs.out)
     return report
 
 

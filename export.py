@@ -2,7 +2,7 @@
 
     python export.py CHECKPOINT --depth L --format safetensors|onnx|timm|compact --out PATH
 
-SPEC §1.7: for a fixed depth L the router's gates are constants, so the L merged FFNs can be
+reViT (arXiv 2610.12448) §3.1: the merged FFNs depend only on depth, so once L is chosen they can be
 computed once and the model becomes a plain ViT of L blocks (`revit.fold`). The formats:
 - safetensors: the folded plain ViT, no pickle; its ViTConfig is stored as JSON metadata, so
   `load_safetensors(path)` rebuilds a `revit.VisionTransformer` without any other file.
@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import sys
 import warnings
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,32 +43,28 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import revit
+import train
 
 FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
 
 
-def fail(message: str):
-    """A user error: one clear line on stderr, non-zero exit."""
-    raise SystemExit(f"export.py: error: {message}")
-
-
 # --- shape checks: every loader here goes through this, so a wrong file names its keys ---
 
 
-def shape_report(model: nn.Module, state_dict: dict, limit: int = 20) -> list[str]:
-    """Lines describing how state_dict differs from the model's (empty when they fit exactly)."""
+def shape_report(model: nn.Module, state_dict: dict, limit: int = 8) -> str:
+    """How state_dict differs from the model's, in one line (empty when they fit exactly)."""
     expected = model.state_dict()
-    mismatched = [f"    {k}: expected {list(v.shape)}, got {list(state_dict[k].shape)}"
+    mismatched = [f"{k}: expected {list(v.shape)}, got {list(state_dict[k].shape)}"
                   for k, v in expected.items() if k in state_dict and state_dict[k].shape != v.shape]
-    missing = [f"    {k}: expected {list(v.shape)}" for k, v in expected.items() if k not in state_dict]
-    unexpected = [f"    {k}: {list(v.shape)}" for k, v in state_dict.items() if k not in expected]
-    lines = []
+    missing = [f"{k}: expected {list(v.shape)}" for k, v in expected.items() if k not in state_dict]
+    unexpected = [f"{k}: {list(v.shape)}" for k, v in state_dict.items() if k not in expected]
+    parts = []
     for title, items in (("shape mismatch", mismatched), ("missing", missing), ("unexpected", unexpected)):
         if items:
-            more = [f"    ... and {len(items) - limit} more"] if len(items) > limit else []
-            lines += [f"  {title} ({len(items)} keys):", *items[:limit], *more]
-    return lines
+            more = [f"... and {len(items) - limit} more"] if len(items) > limit else []
+            parts.append(f"{title} ({len(items)} keys): " + ", ".join(items[:limit] + more))
+    return "; ".join(parts)
 
 
 def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
@@ -75,30 +73,73 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
         c = model.config
         raise ValueError(f"{source} does not fit {type(model).__name__}(arch={c.arch}, dim={c.dim}, depth={c.depth}, "
                          f"image_size={c.image_size}, patch_size={c.patch_size}, "
-                         f"num_classes={c.num_classes}):\n" + "\n".join(report))
+                         f"num_classes={c.num_classes}): {report}")
     model.load_state_dict(state_dict)
     return model
 
 
-# --- reading a trained model: a CONTRACT checkpoint or one of our safetensors files ---
+# --- what every tool reads first: the device and a trained model (analyze.py and probes.py use these) ---
+
+
+def pick_device(name: str) -> torch.device:
+    """--device: auto (CUDA when available, else the CPU), cpu, cuda or cuda:N -- a ValueError otherwise."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+def why_unusable(error: Exception) -> str:
+    """What is wrong with a file torch.load (or a checkpoint loader) refused, in one line, from its exception.
+    torch's refusal of a file that holds arbitrary Python objects is reduced to its reason: its advice
+    to load with weights_only=False is never passed on (that would run code stored in the file)."""
+    text = " ".join(str(error).split())
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1].split(" Check the documentation")[0].strip()
+        if "Unsupported global: GLOBAL " in reason:  # a pickled Python object: never loaded, never run
+            stored = reason.split("GLOBAL ", 1)[1].split()[0]
+            return (f"it stores the Python object {stored}, which a safe load refuses "
+                    "(files of this project hold only tensors and plain values)")
+        return f"not a PyTorch file ({reason})"
+    if isinstance(error, (pickle.UnpicklingError, EOFError)) or "PytorchStreamReader" in text:
+        return f"not a PyTorch file ({text.split('. ')[0] or 'empty or cut short'})"
+    if isinstance(error, KeyError):
+        return f"not a checkpoint of this project (it has no {text} entry)"
+    if isinstance(error, AttributeError):  # a list or a tensor where train.py saves a dict
+        return f"not a checkpoint of this project ({text})"
+    if "Error(s) in loading state_dict" in text:
+        return f"its weights do not fit its model_config ({text.split(': ', 1)[-1][:300]})"
+    return text[:300]
+
+
+def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
+    """A checkpoint of this project that holds a vision model of revit.py -> (model in eval mode, ckpt).
+    Every problem with the file is a ValueError of one line naming `flag`, the file and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: {'a folder, not a checkpoint file' if path.is_dir() else 'no such file'}")
+    try:
+        model, ckpt = train.load_model(path, device)
+    except Exception as e:  # noqa: BLE001 -- whatever torch.load / create_model / load_state_dict raise
+        raise ValueError(f"{flag} {path}: {why_unusable(e)}") from None
+    if not isinstance(model, revit.ViTBase):
+        raise ValueError(f"{flag} {path}: holds the language model {ckpt['arch']}; "
+                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE baselines)")
+    return model, ckpt
 
 
 def load_source(path) -> nn.Module:
-    """Checkpoint (train.py's format, read by train.load_model) or a safetensors export -> model in eval mode."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    if path.suffix == ".safetensors":
+    """export.py's input: a checkpoint of this project, or a compact / folded .safetensors -> model in eval mode."""
+    if Path(path).suffix == ".safetensors":
+        if not Path(path).is_file():
+            raise ValueError(f"checkpoint {path}: no such file")
         return load_safetensors(path)
-    import train  # only here: the safetensors and timm helpers do not need the training script
-
-    try:
-        model, _ = train.load_model(path)
-    except Exception as e:  # noqa: BLE001 -- torch.load/load_state_dict raise many types; all mean "not usable"
-        raise ValueError(f"{path} is not a usable checkpoint of this project: {e}") from e
-    if not isinstance(model, revit.ViTBase):
-        raise ValueError(f"{path} holds a {type(model).__name__}; export.py exports the vision models of revit.py")
-    return model
+    return load_vision_model(path, "checkpoint")[0]
 
 
 def plain_vit(model: nn.Module, depth: int | None) -> revit.VisionTransformer:
@@ -131,7 +172,7 @@ def check_close(expected: torch.Tensor, got: torch.Tensor, what: str) -> float:
 
 @torch.no_grad()
 def check_fold(model: nn.Module, vit: revit.VisionTransformer, depth: int | None) -> float:
-    """SPEC §1.7: folded and dynamic outputs agree to float tolerance."""
+    """Folding changes no number (§3.1): folded and dynamic outputs agree to float tolerance."""
     images = example_images(vit.config, batch=2)
     return check_close(model(images, depth=depth), vit(images), f"folded model vs dynamic model at depth {depth}")
 
@@ -169,11 +210,11 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
         if kind not in ("revit.folded", "revit.compact"):
             raise ValueError(f"{path} is not a revit safetensors export (format={kind!r}); "
                              "for a timm-layout file use load_timm_state_dict(model, tensors)")
-        config_fields = json.loads(metadata["config"])
-        unknown = sorted(set(config_fields) - {f.name for f in fields(revit.ViTConfig)})
-        if unknown:
-            raise ValueError(f"{path} has config fields this revit.py does not know: {unknown}")
-        config = revit.ViTConfig(**config_fields)
+        try:
+            config = revit.ViTConfig(**json.loads(metadata["config"]))
+        except (KeyError, TypeError, ValueError) as e:  # no config, not JSON, or fields this revit.py lacks
+            raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "
+                             f"({type(e).__name__}: {e})") from None
         model = revit.ReViT(config) if config.arch == "revit" else revit.VisionTransformer(config)
     return load_weights(model, tensors, str(path)).eval()
 
@@ -262,13 +303,18 @@ def save_timm(vit: revit.VisionTransformer, path) -> dict:
 # --- ONNX ---
 
 
+def require_onnx() -> None:
+    """Checked before anything is written: torch's own error comes after tracing and is less clear."""
+    try:
+        import onnx  # noqa: F401 -- torch.onnx.export writes the graph through it
+    except ImportError:
+        raise ValueError("--format onnx needs the onnx package: pip install -r requirements-extra.txt") from None
+
+
 @torch.no_grad()
 def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | None:
     """Write the folded graph; returns the max |onnxruntime - PyTorch| difference, None without onnxruntime."""
-    try:
-        import onnx  # noqa: F401 -- torch.onnx.export writes the graph through it
-    except ImportError:  # checked first: torch's own error comes after tracing and is less clear
-        raise ValueError("--format onnx needs the onnx package: pip install -r requirements-extra.txt") from None
+    require_onnx()
     vit = vit.float().cpu().eval()
     with warnings.catch_warnings():
         # the traced shape checks in ViTBase.embed become constants: the image size is fixed anyway
@@ -290,52 +336,78 @@ def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | 
 
 # --- command line ---
 
-
-def depth_arg(text: str) -> int:
-    try:
-        depth = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if depth < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (s_t = t/(L-1) needs two steps), got {depth}")
-    return depth
+# attention exports as of opset 14; torch.onnx's TorchScript exporter (dynamo=False) writes up to 20
+ONNX_OPSETS = range(14, 21)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="export.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a train.py checkpoint, or a compact / folded .safetensors written by export.py")
-    p.add_argument("--depth", type=depth_arg, default=None,
+    p.add_argument("--depth", type=int, default=None,
                    help="L to fold at (>= 2); default: the model's reference depth. Ignored by --format compact")
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="safetensors: folded ViT; onnx: folded graph; timm: folded ViT in timm's layout; "
                         "compact: the dynamic model (experts + router), depth chosen later")
     p.add_argument("--out", required=True, help="output file (parent folders are created)")
-    p.add_argument("--opset", type=int, default=18, help="ONNX opset version (--format onnx)")
+    p.add_argument("--opset", type=int, default=18, help="ONNX opset version (--format onnx; 14..20)")
     return p
 
 
-def export(args: argparse.Namespace) -> dict:
-    model = load_source(args.checkpoint)
-    out = Path(args.out)
+def check_args(args: argparse.Namespace) -> None:
+    """The flags that need no file: a ValueError naming the flag and what is allowed."""
+    if args.depth is not None and args.depth < 2:
+        raise ValueError(f"--depth must be >= 2 (s_t = t/(L-1) needs two steps); got {args.depth}")
+    if args.format == "onnx":
+        if args.opset not in ONNX_OPSETS:
+            raise ValueError(f"--opset must be in {ONNX_OPSETS.start}..{ONNX_OPSETS.stop - 1}; got {args.opset}")
+        require_onnx()
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model'}")
+
+
+def check_finite(model: nn.Module, source) -> None:
+    """Nothing non-finite is exported: a diverged checkpoint is refused, naming its first bad tensor."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"checkpoint {source}: its weights are not finite ({name} holds NaN or inf)")
+
+
+def write_atomically(out: Path, write):
+    """write(temporary path), then rename it to `out`: an interrupted export never leaves a torn file.
+    The temporary name keeps the suffix, which save_timm reads. Returns what `write` returns."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
+    try:
+        result = write(tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return result
+
+
+def export(args: argparse.Namespace) -> dict:
+    """Read and check everything first (the source, its weights, the fold at --depth), then write --out."""
+    model = load_source(args.checkpoint)
+    check_finite(model, args.checkpoint)
+    out = Path(args.out)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
     if args.format == "compact":
-        save_safetensors(model, out, "compact")
+        write_atomically(out, lambda path: save_safetensors(model, path, "compact"))
         return dict(summary, depth=None)
     vit = plain_vit(model, args.depth)
     summary["depth"] = depth = vit.config.depth
     summary["fold_max_abs_diff"] = check_fold(model, vit, depth) if vit is not model else 0.0
     if args.format == "safetensors":
-        save_safetensors(vit, out, "folded", source_config=asdict(model.config))
+        write_atomically(out, lambda path: save_safetensors(vit, path, "folded", source_config=asdict(model.config)))
     elif args.format == "timm":
-        summary.update(save_timm(vit, out))
+        summary.update(write_atomically(out, lambda path: save_timm(vit, path)))
         kwargs = "".join(f", {k}={v!r}" for k, v in summary["timm_kwargs"].items())
         read = "safetensors.torch.load_file" if out.suffix == ".safetensors" else "torch.load"
         print(f"load in timm: model = timm.create_model({summary['timm_model']!r}{kwargs}); "
               f"model.load_state_dict({read}({str(out)!r}), strict=True)", file=sys.stderr)
     else:
-        summary["onnx_max_abs_diff"] = export_onnx(vit, out, args.opset)
+        summary["onnx_max_abs_diff"] = write_atomically(out, lambda path: export_onnx(vit, path, args.opset))
         if summary["onnx_max_abs_diff"] is None:
             print("onnxruntime is not installed: the ONNX graph was written but not checked "
                   "(pip install -r requirements-extra.txt)", file=sys.stderr)
@@ -345,9 +417,10 @@ def export(args: argparse.Namespace) -> dict:
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     try:
+        check_args(args)
         summary = export(args)
-    except (FileNotFoundError, ValueError, VerificationError) as e:
-        fail(str(e))
+    except (ValueError, VerificationError) as e:
+        train.fail(str(e))
     print(json.dumps(summary))  # last stdout line: one JSON document
     return summary
 

@@ -1,22 +1,24 @@
-"""Dense frozen-backbone probes: semantic segmentation (mIoU) and depth (RMSE) on patch tokens.
+"""Dense frozen-backbone probes: semantic segmentation (mIoU) and monocular depth (RMSE) on patch tokens.
 
     python probes.py --probe seg --backbone out/revit-mini/ckpt.pt --eval-depths 2,4,8
-    python probes.py --probe depth --backbone ckpt.pt --data /datasets/nyu_depth_v2 --probe-cache cache/
-    python train.py --probe seg|depth --backbone CKPT ...     # the same run, once train.py dispatches here
+    python probes.py --probe monodepth --backbone ckpt.pt --data /datasets/nyu_depth_v2 --probe-cache cache/
+    python train.py --probe seg|monodepth --backbone CKPT ...     # the same run: train.py hands it to run()
 
-The reViT paper's Table 2 / Appendix A.3 "Frozen-backbone evaluation": the encoder stays frozen and
-is read out by an ADE20k linear segmentation head and by linear and two-layer MLP depth heads on
+reViT (arXiv 2610.12448) Table 2 and App. A.3 "Frozen-backbone evaluation": the encoder stays frozen
+and is read out by an ADE20k linear segmentation head and by linear and two-layer MLP depth heads on
 NYUv2 (RMSE in metres). Here, for any checkpoint of this project (reViT at any depth, ViT, Raptor,
 the MoE baselines):
 - features: out["tokens"][:, 1:], the final-LayerNorm patch tokens, computed once per (checkpoint,
   depth, data) under no_grad with the backbone in eval mode; optionally cached on disk (safetensors);
 - seg: a linear map per patch token to class logits, upsampled bilinearly to pixel resolution,
   per-pixel cross-entropy with an ignore index; reported as mIoU (and pixel accuracy);
-- depth: a linear and a two-layer MLP head per patch token, upsampled bilinearly, trained with a
-  squared error on valid pixels; reported as RMSE and the accuracy delta < 1.25;
-- the heads are trained at one depth (--depth, default the backbone's reference depth) and the same
-  heads are evaluated at every --eval-depths, as train.py's classification probe does, so the
-  elastic-depth curve of Fig. 2 can be drawn for dense tasks; a constant predictor is the baseline row.
+- monodepth (monocular depth estimation): a linear and a two-layer MLP head per patch token predict a
+  depth map, upsampled bilinearly, trained with a squared error on valid pixels; reported as RMSE and
+  the accuracy delta < 1.25;
+- the heads are trained at one backbone depth (--depth: recurrent steps, default the backbone's
+  reference depth) and the same heads are evaluated at every --eval-depths, as train.py's
+  classification probe does, so the elastic-depth curve of Fig. 2 can be drawn for dense tasks; a
+  constant predictor is the baseline row.
 Simplifications (stated, not the paper's protocol of Jacobs et al., 2026): images and label maps are
 resized to the backbone's square input size and scored at that resolution (no sliding window, no
 Eigen crop or depth cap for NYUv2); no augmentation; AdamW with a cosine schedule on fixed features.
@@ -26,7 +28,7 @@ Data (--data ROOT; without it: the Fashion-MNIST dense proxy). Formats, detected
    (torch.save, read with weights_only=True):
        "images": uint8 (N, C, H, W)   H = W = the backbone's image_size
        "labels": int64 (N, H, W)      seg: class ids 0..K-1, 255 = ignore;  plus "num_classes": int
-    or "depth":  float32 (N, H, W)    depth: metres, NaN or 0 = no measurement
+    or "depth":  float32 (N, H, W)    monodepth: depth maps in metres, NaN or 0 = no measurement
 2. ADE20k (ADEChallengeData2016 as released): ROOT/images/{training,validation}/*.jpg and
    ROOT/annotations/{training,validation}/*.png; annotation 0 ("other") is ignored, 1..150 become
    classes 0..149 (the usual reduce-zero-label convention). Needs Pillow.
@@ -39,19 +41,20 @@ Data (--data ROOT; without it: the Fashion-MNIST dense proxy). Formats, detected
 
 The Fashion-MNIST dense proxy (offline work and tests; NOT a segmentation or depth benchmark):
 real Fashion-MNIST images, with targets computed from the pixels themselves -- seg: background
-(pixel < 26/255) plus 4 classes of quantised intensity (5 classes); depth: 1 + intensity in [1, 2]
-(arbitrary units). It checks that the machinery works and that patch tokens carry spatial detail.
+(pixel < 26/255) plus 4 classes of quantised intensity (5 classes); monodepth: 1 + intensity in
+[1, 2] (arbitrary units). It checks that the machinery works and that patch tokens carry spatial detail.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -59,27 +62,27 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+import export
 import train
 from train import fail, opt
 
-DENSE_PROBES = ("seg", "depth")
+DENSE_PROBES = ("seg", "monodepth")  # train.py's --probe hands these to run() (it imports this module lazily)
 IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabelled pixels)
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
 PROXY_LEVELS = 4           # ... and the rest falls into 4 intensity classes
-DELTA_MIN_DEPTH = 1e-3     # predictions are clamped to this before the ratio of delta < 1.25
-
-
-# Training defaults of a dense probe; train.py applies them over its own when --probe is seg|depth.
-DEFAULTS = dict(epochs=10, batch_size=64, lr=1e-2, weight_decay=0.0)  # lr: a 1e-3..3e-2 sweep on the proxy
+DELTA_MIN_DEPTH = 1e-3     # predicted depths are clamped to this before the ratio of delta < 1.25
 
 
 @dataclass
 class ProbeConfig:
-    """The flags of `python probes.py`; the same names as train.py's TrainConfig, which run() also accepts."""
-    probe: str = opt("seg", "seg (linear segmentation head, mIoU) | depth (linear and MLP depth heads, RMSE)")
+    """The flags of `python probes.py`, with the dense probe's own training settings as defaults
+    (train.py's --probe seg|monodepth passes only the flags a user gave: see config_from_flags)."""
+    probe: str = opt("seg", "seg (linear segmentation head, mIoU) | monodepth (linear and MLP monocular "
+                            "depth heads, RMSE)")
     backbone: str = opt("", "checkpoint of the frozen backbone (any vision checkpoint of this project)")
-    depth: int | None = opt(None, "train the heads on the backbone's tokens at this depth (auto: its reference depth)")
-    eval_depths: str = opt("", "comma-separated further depths to evaluate the trained heads at, e.g. 2,4,8")
+    depth: int | None = opt(None, "recurrent steps of the backbone the heads are trained on (auto: its "
+                                  "reference depth)")
+    eval_depths: str = opt("", "comma-separated further backbone depths to evaluate the trained heads at, e.g. 2,4,8")
     data: str = opt("", "dense data root (tensor files, ADE20k, NYUv2 or image folders; see the module "
                         "docstring); auto: the Fashion-MNIST dense proxy")
     data_dir: str = opt("", "where Fashion-MNIST lives for the proxy (auto: ./data, $REVIT_DATA_DIR, "
@@ -87,11 +90,12 @@ class ProbeConfig:
     download: bool = opt(True, "download Fashion-MNIST when no search location has it")
     train_subset: int = opt(0, "use only the first N training images (0: all)")
     test_subset: int = opt(0, "evaluate on only the first N test images (0: all)")
-    epochs: int | None = opt(DEFAULTS["epochs"], "epochs over the training images")
+    # a linear head on fixed features: few epochs, a large lr (best of a 1e-3..3e-2 sweep on the proxy), no decay
+    epochs: int = opt(10, "epochs over the training images")
     max_steps: int = opt(0, "optimizer steps; overrides --epochs when > 0")
-    batch_size: int = opt(DEFAULTS["batch_size"], "images per optimizer step")
-    lr: float | None = opt(DEFAULTS["lr"], "peak AdamW learning rate (cosine decay to 1e-5 x lr; used as given)")
-    weight_decay: float = opt(DEFAULTS["weight_decay"], "AdamW weight decay of the heads")
+    batch_size: int = opt(64, "images per optimizer step")
+    lr: float = opt(1e-2, "peak AdamW learning rate (cosine decay to 1e-5 x lr; used as given)")
+    weight_decay: float = opt(0.0, "AdamW weight decay of the heads")
     eval_batch_size: int = opt(256, "images per batch in feature extraction and evaluation")
     probe_cache: str = opt("", "folder caching backbone features, keyed by checkpoint hash, depth and data "
                                "(empty: recompute every run)")
@@ -102,6 +106,17 @@ class ProbeConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     return train.dataclass_parser(ProbeConfig, __doc__.split("\n\n")[0])
+
+
+def config_from_flags(flags: dict) -> ProbeConfig:
+    """train.py --probe seg|monodepth: the flags the user gave (by field name), the probe's defaults for
+    the rest. A flag of train.py that a dense probe has no use for is an error, not silently ignored."""
+    known = {f.name for f in fields(ProbeConfig)}
+    unused = sorted(set(flags) - known)
+    if unused:
+        fail(f"--{unused[0].replace('_', '-')} does not apply to --probe {flags.get('probe')} "
+             f"(its flags: python probes.py --help)")
+    return ProbeConfig(**flags)
 
 
 # --- metrics (numerators and denominators accumulate over batches; the ratio is taken once) ---
@@ -131,7 +146,7 @@ def miou(pred, target, num_classes: int, ignore_index: int = IGNORE_INDEX) -> fl
     return mean_iou(confusion_matrix(pred, target, num_classes, ignore_index))
 
 
-def depth_sums(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def depth_map_sums(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """[sum of squared errors, pixels with delta < 1.25, valid pixels] over pixels with a finite
     target > 0 (NYUv2 marks missing measurements with 0; we also accept NaN)."""
     valid = torch.isfinite(target) & (target > 0)
@@ -141,13 +156,13 @@ def depth_sums(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                         torch.tensor(float(valid.sum()), dtype=torch.float64)])
 
 
-def depth_metrics(sums: torch.Tensor) -> dict:
+def depth_map_metrics(sums: torch.Tensor) -> dict:
     squared_error, within, count = sums.tolist()
     return {"rmse": math.sqrt(squared_error / count), "delta1": within / count}
 
 
 def rmse(pred, target) -> float:
-    return depth_metrics(depth_sums(pred, target))["rmse"]
+    return depth_map_metrics(depth_map_sums(pred, target))["rmse"]
 
 
 # --- heads: per patch token, then bilinear upsampling to pixel resolution ---
@@ -168,7 +183,7 @@ class SegmentationHead(nn.Module):
         return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)  # (B, K, H, W)
 
 
-class DepthHead(nn.Module):
+class DepthMapHead(nn.Module):
     """One depth value per patch token: linear (hidden=0) or Linear-GELU-Linear; upsampled bilinearly."""
 
     def __init__(self, dim: int, grid: int, hidden: int = 0, init_depth: float = 0.0):
@@ -189,7 +204,7 @@ def segmentation_loss(logits, target):
     return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
 
 
-def depth_loss(pred, target):
+def depth_map_loss(pred, target):
     """Mean squared error over valid pixels (the reported metric is its square root)."""
     valid = torch.isfinite(target) & (target > 0)
     return ((pred - target.nan_to_num()) ** 2 * valid).sum() / valid.sum().clamp(min=1)
@@ -201,17 +216,17 @@ def depth_loss(pred, target):
 @dataclass
 class DenseSplit:
     images: torch.Tensor    # (N, C, H, W) uint8
-    targets: torch.Tensor   # (N, H, W) int64 class ids (IGNORE_INDEX = unscored) or float32 depth (NaN/0 = none)
+    targets: torch.Tensor   # (N, H, W) int64 class ids (IGNORE_INDEX = unscored) or float32 depth map (NaN/0 = none)
 
 
 @dataclass
 class DenseData:
     name: str               # shown in the results, e.g. "Fashion-MNIST dense proxy"
-    task: str               # "seg" | "depth"
+    task: str               # "seg" | "monodepth"
     train: DenseSplit
     test: DenseSplit
     num_classes: int = 0    # seg only
-    unit: str = "m"         # depth unit
+    unit: str = "m"         # unit of the depth maps
 
 
 def proxy_targets(images: torch.Tensor, task: str) -> torch.Tensor:
@@ -220,15 +235,11 @@ def proxy_targets(images: torch.Tensor, task: str) -> torch.Tensor:
     if task == "seg":  # 0 background, 1..PROXY_LEVELS quantised intensity
         level = 1 + (x - PROXY_BACKGROUND) * PROXY_LEVELS // (256 - PROXY_BACKGROUND)
         return torch.where(x < PROXY_BACKGROUND, 0, level)
-    return 1.0 + x.float() / 255  # depth in [1, 2], positive so that delta < 1.25 is defined
+    return 1.0 + x.float() / 255  # monodepth: depth in [1, 2], positive so that delta < 1.25 is defined
 
 
-def load_proxy(cfg, task: str) -> DenseData:
+def load_proxy(cfg: ProbeConfig, task: str) -> DenseData:
     """Real Fashion-MNIST images via train.py's loader, dense targets derived from them (a proxy)."""
-    dataset = getattr(cfg, "dataset", "") or "fashion-mnist"
-    if dataset != "fashion-mnist":
-        fail(f"without --data the dense probes use the Fashion-MNIST proxy; --dataset {dataset} has no dense "
-             f"labels (give --data ROOT with a dense data set, see probes.py)")
     images = train.load_images(train.TrainConfig(dataset="fashion-mnist", data_dir=cfg.data_dir,
                                                  download=cfg.download, train_subset=cfg.train_subset,
                                                  test_subset=cfg.test_subset), True)
@@ -252,17 +263,20 @@ def read_pairs(pairs: list, task: str, size: int, channels: int, label_map=None)
     Image = require_pil()
     images, targets = [], []
     for image_path, target_path in pairs:
-        image = Image.open(image_path).convert("RGB" if channels == 3 else "L").resize((size, size), Image.BICUBIC)
-        target = np.asarray(Image.open(target_path).resize((size, size), Image.NEAREST))
+        try:
+            image = Image.open(image_path).convert("RGB" if channels == 3 else "L").resize((size, size), Image.BICUBIC)
+            target = np.asarray(Image.open(target_path).resize((size, size), Image.NEAREST))
+        except OSError as e:  # a missing target, or a file Pillow cannot read
+            fail(f"--data: {e}")
         images.append(torch.from_numpy(np.array(image)).reshape(size, size, channels).permute(2, 0, 1))
         if task == "seg":
             labels = torch.from_numpy(target.astype(np.int64))
             targets.append(label_map(labels) if label_map else labels)
         else:  # uint16 millimetres, 0 = no measurement
-            depth = torch.from_numpy(target.astype(np.float32)) / 1000
-            targets.append(torch.where(depth > 0, depth, torch.nan))
+            depth_map = torch.from_numpy(target.astype(np.float32)) / 1000
+            targets.append(torch.where(depth_map > 0, depth_map, torch.nan))
     if not images:
-        fail(f"no {task} image pairs found")
+        fail(f"--data: no {task} image pairs found")
     return DenseSplit(torch.stack(images), torch.stack(targets))
 
 
@@ -270,53 +284,77 @@ def subset(items: list, n: int) -> list:
     return items[:n] if n else items
 
 
-def load_dense(cfg, task: str, size: int, channels: int) -> DenseData:
-    """--data ROOT in one of the four documented formats (module docstring); None of them: an error."""
+def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
+    """Format 1: ROOT/train.pt and ROOT/val.pt (module docstring)."""
+    key = "labels" if task == "seg" else "depth"
+    splits = []
+    for name, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
+        path = root / f"{name}.pt"
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, the file is unusable
+            fail(f"--data {path}: {export.why_unusable(e)}")
+        if not isinstance(blob, dict) or not all(isinstance(blob.get(k), torch.Tensor) for k in ("images", key)):
+            fail(f"--data {path}: needs a dict with the tensors 'images' and '{key}' for --probe {task}")
+        images, targets = blob["images"][:n or None], blob[key][:n or None]
+        if images.dtype != torch.uint8 or images.ndim != 4 or targets.shape != images[:, 0].shape:
+            fail(f"--data {path}: images must be uint8 (N, C, H, W) and {key} (N, H, W)")
+        splits.append(DenseSplit(images, targets.long() if task == "seg" else targets.float()))
+    num_classes = blob.get("num_classes", 0) if task == "seg" else 0
+    if task == "seg" and not (isinstance(num_classes, int) and num_classes > 0):
+        fail(f"--data {root / 'val.pt'}: needs 'num_classes' (an int > 0) for --probe seg")
+    return DenseData(f"{root.name} (tensor files)", task, *splits, num_classes=num_classes)
+
+
+def read_ade20k(ade: Path, task: str, cfg: ProbeConfig, size: int, channels: int) -> DenseData:
+    """Format 2: annotation 0 ("other") is ignored, 1..150 become classes 0..149 (reduce-zero-label)."""
+    if task != "seg":
+        fail(f"--data {ade} is ADE20k (segmentation); --probe {task} needs depth maps (e.g. NYUv2)")
+    reduce_zero = lambda labels: torch.where(labels == 0, IGNORE_INDEX, labels - 1)  # noqa: E731
+    splits = [read_pairs(subset([(p, ade / "annotations" / split / f"{p.stem}.png")
+                                 for p in sorted((ade / "images" / split).glob("*.jpg"))], n),
+                         task, size, channels, reduce_zero)
+              for split, n in (("training", cfg.train_subset), ("validation", cfg.test_subset))]
+    return DenseData("ADE20k", task, *splits, num_classes=150)
+
+
+def read_nyuv2(nyu: Path, task: str, cfg: ProbeConfig, size: int, channels: int) -> DenseData:
+    """Format 3: official splits, rgb_XXXXX.jpg next to sync_depth_XXXXX.png (millimetres)."""
+    if task != "monodepth":
+        fail(f"--data {nyu} is NYUv2 (depth maps); --probe {task} needs label maps (e.g. ADE20k)")
+    splits = [read_pairs(subset([(p, p.with_name(p.name.replace("rgb_", "sync_depth_")).with_suffix(".png"))
+                                 for p in sorted((nyu / split).rglob("rgb_*.jpg"))], n), task, size, channels)
+              for split, n in (("train", cfg.train_subset), ("test", cfg.test_subset))]
+    return DenseData("NYUv2", task, *splits)
+
+
+def read_image_folders(root: Path, task: str, cfg: ProbeConfig, size: int, channels: int) -> DenseData:
+    """Format 4: ROOT/{train,val}/images next to labels/ (seg) or depth/ (monodepth); K = largest id + 1."""
+    folder = "labels" if task == "seg" else "depth"
+    splits = []
+    for split, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
+        files = sorted(p for p in (root / split / "images").iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+        splits.append(read_pairs(subset([(p, root / split / folder / f"{p.stem}.png") for p in files], n),
+                                 task, size, channels))
+    labels = torch.cat([s.targets[s.targets != IGNORE_INDEX] for s in splits]) if task == "seg" else None
+    num_classes = int(labels.max()) + 1 if task == "seg" and labels.numel() else 0
+    return DenseData(f"{root.name} (image folders)", task, *splits, num_classes=num_classes)
+
+
+def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseData:
+    """--data ROOT in one of the four documented formats (module docstring), detected in that order."""
     root = Path(cfg.data)
     if (root / "train.pt").is_file() and (root / "val.pt").is_file():
-        splits = []
-        for name, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
-            blob = torch.load(root / f"{name}.pt", map_location="cpu", weights_only=True)
-            key = "labels" if task == "seg" else "depth"
-            if key not in blob or "images" not in blob:
-                fail(f"{root / name}.pt needs the tensors 'images' and '{key}' for --probe {task}")
-            images, targets = blob["images"][:n or None], blob[key][:n or None]
-            if images.dtype != torch.uint8 or images.ndim != 4 or targets.shape != images[:, 0].shape:
-                fail(f"{root / name}.pt: images must be uint8 (N, C, H, W) and {key} (N, H, W)")
-            splits.append(DenseSplit(images, targets.long() if task == "seg" else targets.float()))
-        num_classes = int(blob.get("num_classes", 0)) if task == "seg" else 0
-        if task == "seg" and not num_classes:
-            fail(f"{root}/val.pt needs 'num_classes' (an int) for --probe seg")
-        return DenseData(f"{root.name} (tensor files)", task, *splits, num_classes=num_classes)
+        return read_tensor_files(root, task, cfg)
     ade = root / "ADEChallengeData2016" if (root / "ADEChallengeData2016").is_dir() else root
     if (ade / "annotations" / "training").is_dir():
-        if task != "seg":
-            fail(f"{root} is ADE20k (segmentation); --probe depth needs depth maps (e.g. NYUv2)")
-        reduce_zero = lambda labels: torch.where(labels == 0, IGNORE_INDEX, labels - 1)  # noqa: E731
-        splits = [read_pairs(subset([(p, ade / "annotations" / split / f"{p.stem}.png")
-                                     for p in sorted((ade / "images" / split).glob("*.jpg"))], n),
-                             task, size, channels, reduce_zero)
-                  for split, n in (("training", cfg.train_subset), ("validation", cfg.test_subset))]
-        return DenseData("ADE20k", task, *splits, num_classes=150)
+        return read_ade20k(ade, task, cfg, size, channels)
     nyu = root / "official_splits" if (root / "official_splits").is_dir() else root
     if (nyu / "test").is_dir() and next((nyu / "test").rglob("sync_depth_*.png"), None):
-        if task != "depth":
-            fail(f"{root} is NYUv2 (depth); --probe seg needs label maps (e.g. ADE20k)")
-        splits = [read_pairs(subset([(p, p.with_name(p.name.replace("rgb_", "sync_depth_")).with_suffix(".png"))
-                                     for p in sorted((nyu / split).rglob("rgb_*.jpg"))], n), task, size, channels)
-                  for split, n in (("train", cfg.train_subset), ("test", cfg.test_subset))]
-        return DenseData("NYUv2", task, *splits)
+        return read_nyuv2(nyu, task, cfg, size, channels)
     folder = "labels" if task == "seg" else "depth"
     if (root / "train" / "images").is_dir() and (root / "train" / folder).is_dir():
-        splits = []
-        for split, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
-            files = sorted(p for p in (root / split / "images").iterdir()
-                           if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-            splits.append(read_pairs(subset([(p, root / split / folder / f"{p.stem}.png") for p in files], n),
-                                     task, size, channels))
-        labels = torch.cat([s.targets[s.targets != IGNORE_INDEX] for s in splits]) if task == "seg" else None
-        num_classes = int(labels.max()) + 1 if task == "seg" and labels.numel() else 0  # ids 0..max seen
-        return DenseData(f"{root.name} (image folders)", task, *splits, num_classes=num_classes)
+        return read_image_folders(root, task, cfg, size, channels)
     fail(f"--data {root}: not a dense data set in a known layout (train.pt/val.pt, ADE20k, NYUv2 "
          f"official_splits, or train/images + train/{folder}); see probes.py")
 
@@ -356,23 +394,38 @@ def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_siz
     return torch.cat(out)
 
 
-def features(backbone, images, mean, std, depth, cfg, device, ckpt_hash: str) -> torch.Tensor:
-    """extract_features, read from / written to cfg.probe_cache when set. The key covers everything
-    the features depend on: checkpoint file, depth, images and their normalisation."""
-    if not cfg.probe_cache:
-        return extract_features(backbone, images, mean, std, depth, cfg.eval_batch_size, device)
-    from safetensors.torch import load_file, save_file
-    data = hashlib.sha256(images.contiguous().numpy().tobytes())
-    data.update(repr((tuple(images.shape), list(mean), list(std))).encode())
-    path = Path(cfg.probe_cache) / f"{ckpt_hash[:16]}-depth{depth}-data{data.hexdigest()[:16]}.safetensors"
-    if path.is_file():
-        return load_file(path)["features"]
-    feats = extract_features(backbone, images, mean, std, depth, cfg.eval_batch_size, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({"features": feats.contiguous()}, tmp)
-    os.replace(tmp, path)  # a crash never leaves a torn cache entry
-    return feats
+@dataclass
+class FrozenBackbone:
+    """The frozen model and what its features depend on: the normalisation it was trained with and,
+    with a cache folder, the checkpoint file's hash (part of every cache key)."""
+    model: nn.Module        # eval mode, requires_grad False
+    ckpt: dict
+    mean: list
+    std: list
+    device: torch.device
+    batch_size: int
+    cache: str = ""         # folder of cached features ("" for none)
+    ckpt_hash: str = ""
+
+    def features(self, images: torch.Tensor, depth: int | None) -> torch.Tensor:
+        """extract_features, read from / written to the cache when there is one. The key covers everything
+        the features depend on: checkpoint file, depth, images and their normalisation."""
+        if not self.cache:
+            return extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file, save_file
+        data = hashlib.sha256(images.contiguous().numpy().tobytes())
+        data.update(repr((tuple(images.shape), list(self.mean), list(self.std))).encode())
+        path = Path(self.cache) / f"{self.ckpt_hash[:16]}-depth{depth}-data{data.hexdigest()[:16]}.safetensors"
+        if path.is_file():
+            with contextlib.suppress(SafetensorError, KeyError, OSError):  # an unreadable entry is recomputed
+                return load_file(path)["features"]
+        feats = extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        save_file({"features": feats.contiguous()}, tmp)
+        os.replace(tmp, path)  # a crash never leaves a torn cache entry
+        return feats
 
 
 # --- training and evaluation of one head on fixed features ---
@@ -404,136 +457,174 @@ def fit_head(head: nn.Module, feats: torch.Tensor, targets: torch.Tensor, loss_f
     return head.eval()
 
 
+def batch_sums(pred: torch.Tensor, target: torch.Tensor, data: DenseData) -> torch.Tensor:
+    """What one batch adds to the test metric: the confusion matrix of class ids (seg) or the sums of
+    depth_map_sums (monodepth). Sums over batches, ratios once: batch size never changes a metric."""
+    if data.task == "seg":
+        return confusion_matrix(pred, target, data.num_classes)
+    return depth_map_sums(pred, target)
+
+
+def metrics_of(sums: torch.Tensor, data: DenseData) -> dict:
+    if data.task == "seg":
+        return {"miou": mean_iou(sums), "pixel_acc": (sums.diagonal().sum() / sums.sum()).item()}
+    return depth_map_metrics(sums)
+
+
 @torch.no_grad()
 def evaluate_head(head, feats, targets, data: DenseData, batch_size: int, device) -> dict:
     size = tuple(targets.shape[-2:])
-    if data.task == "seg":
-        confusion = torch.zeros(data.num_classes, data.num_classes, dtype=torch.long)
-        for f, t in zip(feats.split(batch_size), targets.split(batch_size)):
-            pred = head(f.to(device), size).argmax(1).cpu()
-            confusion += confusion_matrix(pred, t, data.num_classes)
-        return seg_metrics(confusion)
-    sums = torch.zeros(3, dtype=torch.float64)
+    total = 0
     for f, t in zip(feats.split(batch_size), targets.split(batch_size)):
-        sums += depth_sums(head(f.to(device), size).cpu(), t)
-    return depth_metrics(sums)
-
-
-def seg_metrics(confusion) -> dict:
-    return {"miou": mean_iou(confusion), "pixel_acc": (confusion.diagonal().sum() / confusion.sum()).item()}
+        pred = head(f.to(device), size).cpu()  # seg: (B, K, H, W) logits; monodepth: (B, H, W)
+        total = total + batch_sums(pred.argmax(1) if data.task == "seg" else pred, t, data)
+    return metrics_of(total, data)
 
 
 def constant_baseline(data: DenseData) -> tuple[dict, float]:
     """The best constant predictor fitted on the training targets: majority class / mean depth."""
     t = data.train.targets
     if data.task == "seg":
-        majority = torch.bincount(t[t != IGNORE_INDEX].flatten(), minlength=data.num_classes).argmax()
-        pred = torch.full_like(data.test.targets, int(majority))
-        return seg_metrics(confusion_matrix(pred, data.test.targets, data.num_classes)), float(majority)
-    mean = t[torch.isfinite(t) & (t > 0)].mean().item()
-    return depth_metrics(depth_sums(torch.full_like(data.test.targets, mean), data.test.targets)), mean
+        constant = float(torch.bincount(t[t != IGNORE_INDEX].flatten(), minlength=data.num_classes).argmax())
+    else:
+        constant = t[torch.isfinite(t) & (t > 0)].mean().item()
+    prediction = torch.full_like(data.test.targets, constant)
+    return metrics_of(batch_sums(prediction, data.test.targets, data), data), constant
 
 
 # --- one probe run ---
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
-        fail(f"--device {name}: CUDA is not available")
-    return torch.device(name)
+def check_config(cfg: ProbeConfig) -> None:
+    """The flags that need no file: one line naming the flag and what is allowed."""
+    if cfg.probe not in DENSE_PROBES:
+        hint = " (monocular depth is monodepth; --depth sets the backbone's steps)" if cfg.probe == "depth" else ""
+        fail(f"--probe must be one of {', '.join(DENSE_PROBES)} here (cls is train.py's); got {cfg.probe!r}{hint}")
+    if not cfg.backbone:
+        fail(f"--probe {cfg.probe} needs --backbone CHECKPOINT")
+    for name in ("batch_size", "eval_batch_size"):
+        if getattr(cfg, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be > 0; got {getattr(cfg, name)}")
+    for name in ("max_steps", "train_subset", "test_subset"):
+        if getattr(cfg, name) < 0:
+            fail(f"--{name.replace('_', '-')} must be >= 0; got {getattr(cfg, name)}")
+    if cfg.max_steps == 0 and cfg.epochs <= 0:
+        fail(f"--epochs must be > 0 (or give --max-steps); got {cfg.epochs}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        fail(f"--lr must be a finite number > 0; got {cfg.lr}")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        fail(f"--weight-decay must be a finite number >= 0; got {cfg.weight_decay}")
+    if cfg.depth is not None and cfg.depth < 1:
+        fail(f"--depth must be >= 1; got {cfg.depth}")
+    train.parse_depths(cfg.eval_depths)
+    if cfg.data and not Path(cfg.data).is_dir():
+        fail(f"--data {cfg.data}: no such folder")
+    for flag, folder in (("--probe-cache", cfg.probe_cache), ("--out-dir", cfg.out_dir)):
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            fail(f"{flag} {folder} is a file; give a folder")
 
 
-def check_depths(backbone, depths: list, device):
-    x = torch.zeros(1, backbone.config.in_channels, backbone.config.image_size, backbone.config.image_size,
-                    device=device)
+def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
+    """--backbone, frozen, and the depths it runs at: the one the heads train on first, then --eval-depths."""
+    try:
+        device = export.pick_device(cfg.device)
+        model, ckpt = export.load_vision_model(cfg.backbone, "--backbone", device)
+    except ValueError as e:
+        fail(str(e))
+    model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
+    config = model.config
+    trained_depth = cfg.depth or config.depth
+    depths = [trained_depth] + [d for d in train.parse_depths(cfg.eval_depths) if d != trained_depth]
+    x = torch.zeros(1, config.in_channels, config.image_size, config.image_size, device=device)
     for depth in depths:
         try:
             with torch.no_grad():
-                backbone(x, **({} if depth is None else {"depth": depth}))
-        except ValueError as e:
-            fail(f"the backbone cannot run at depth {depth}: {e}")
+                model(x, depth=depth)
+        except ValueError as e:  # e.g. a plain ViT runs only its own depth
+            fail(f"--backbone {cfg.backbone} cannot run at depth {depth}: {e}")
+    frozen = FrozenBackbone(model, ckpt, *normalisation(ckpt, config.in_channels), device, cfg.eval_batch_size,
+                            cfg.probe_cache, file_hash(cfg.backbone) if cfg.probe_cache else "")
+    return frozen, depths
 
 
-def run(cfg, device=None) -> dict:
-    """Train dense heads on a frozen backbone and evaluate them at each depth. `cfg` is a ProbeConfig
-    or train.py's TrainConfig (same field names). Returns the summary (also probe_results.json)."""
-    t_start = time.perf_counter()
-    if cfg.probe not in DENSE_PROBES:
-        fail(f"--probe must be one of {', '.join(DENSE_PROBES)} here (cls is train.py's); got {cfg.probe!r}")
-    if not cfg.backbone or not Path(cfg.backbone).is_file():
-        fail(f"--probe {cfg.probe} needs --backbone CHECKPOINT (an existing file); got {cfg.backbone!r}")
-    for name in ("batch_size", "eval_batch_size"):
-        if getattr(cfg, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be > 0")
-    if not (cfg.max_steps > 0 or (cfg.epochs or 0) > 0) or not cfg.lr or cfg.lr <= 0:
-        fail("a dense probe needs --epochs or --max-steps > 0 and --lr > 0")
-    device = device or resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    backbone, ckpt = train.load_model_checked(cfg.backbone, "--backbone")
-    backbone.to(device).eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
-    config = backbone.config
-    trained_depth = cfg.depth or config.depth
-    depths = [trained_depth] + [d for d in train.parse_depths(cfg.eval_depths) if d != trained_depth]
-    check_depths(backbone, depths, device)
-
+def load_data(cfg: ProbeConfig, config) -> DenseData:
+    """--data (or the proxy), checked against the backbone's input and the batch size."""
     data = load_dense(cfg, cfg.probe, config.image_size, config.in_channels) if cfg.data else load_proxy(cfg, cfg.probe)
+    expected = (config.in_channels, config.image_size, config.image_size)
     for split in (data.train, data.test):
-        if tuple(split.images.shape[1:]) != (config.in_channels, config.image_size, config.image_size):
-            fail(f"{data.name}: images are {tuple(split.images.shape[1:])}; the backbone expects "
-                 f"{(config.in_channels, config.image_size, config.image_size)}")
-    if data.task == "seg":
-        for split in (data.train, data.test):
-            t = split.targets
-            if ((t < 0) | ((t >= data.num_classes) & (t != IGNORE_INDEX))).any():
-                fail(f"{data.name}: labels must be in 0..{data.num_classes - 1} or {IGNORE_INDEX} (ignore)")
+        if tuple(split.images.shape[1:]) != expected:
+            fail(f"--data {data.name}: images are {tuple(split.images.shape[1:])}; the backbone expects {expected}")
+        t = split.targets
+        if data.task == "seg" and ((t < 0) | ((t >= data.num_classes) & (t != IGNORE_INDEX))).any():
+            fail(f"--data {data.name}: labels must be in 0..{data.num_classes - 1} or {IGNORE_INDEX} (ignore)")
     if len(data.train.images) < cfg.batch_size:
         fail(f"--batch-size {cfg.batch_size} is larger than the training set ({len(data.train.images)} images)")
-    mean, std = normalisation(ckpt, config.in_channels)
-    ckpt_hash = file_hash(cfg.backbone) if cfg.probe_cache else ""
+    return data
+
+
+def train_heads(frozen: FrozenBackbone, data: DenseData, depth: int, constant: float, cfg) -> dict:
+    """seg: one linear head; monodepth: a linear and an MLP head (hidden width = backbone width), the
+    depth heads starting from the constant baseline. Each head starts from the same seed."""
+    config = frozen.model.config
     grid = config.image_size // config.patch_size
-    feats = features(backbone, data.train.images, mean, std, trained_depth, cfg, device, ckpt_hash)
-
-    baseline, constant = constant_baseline(data)
-    heads = {}
+    feats = frozen.features(data.train.images, depth)
     if data.task == "seg":
-        torch.manual_seed(cfg.seed)
-        heads["linear"] = fit_head(SegmentationHead(config.dim, data.num_classes, grid), feats,
-                                   data.train.targets, segmentation_loss, cfg, device)
+        heads = {"linear": lambda: SegmentationHead(config.dim, data.num_classes, grid)}
+        loss_fn = segmentation_loss
     else:
-        for name, hidden in (("linear", 0), ("mlp", config.dim)):  # MLP hidden width = backbone width
-            torch.manual_seed(cfg.seed)
-            heads[name] = fit_head(DepthHead(config.dim, grid, hidden, constant), feats, data.train.targets,
-                                   depth_loss, cfg, device)
+        heads = {"linear": lambda: DepthMapHead(config.dim, grid, 0, constant),
+                 "mlp": lambda: DepthMapHead(config.dim, grid, config.dim, constant)}
+        loss_fn = depth_map_loss
+    trained = {}
+    for name, build in heads.items():
+        torch.manual_seed(cfg.seed)
+        trained[name] = fit_head(build(), feats, data.train.targets, loss_fn, cfg, frozen.device)
+    return trained
 
+
+def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths: list[int]) -> dict:
+    """{depth: metrics} of the same trained heads on the backbone's features at each depth; with two
+    heads (monodepth) each metric is named after its head (rmse_linear, rmse_mlp, ...)."""
     results = {}
     for depth in depths:
-        test_feats = features(backbone, data.test.images, mean, std, depth, cfg, device, ckpt_hash)
+        test_feats = frozen.features(data.test.images, depth)
         results[depth] = {}
         for name, head in heads.items():
-            metrics = evaluate_head(head, test_feats, data.test.targets, data, cfg.eval_batch_size, device)
-            results[depth].update({f"{k}_{name}" if data.task == "depth" else k: v for k, v in metrics.items()})
-    if data.task == "depth":
-        baseline = {f"{k}_{name}": v for k, v in baseline.items() for name in heads}
+            metrics = evaluate_head(head, test_feats, data.test.targets, data, frozen.batch_size, frozen.device)
+            results[depth].update({f"{k}_{name}" if len(heads) > 1 else k: v for k, v in metrics.items()})
+    return results
 
+
+def run(cfg: ProbeConfig) -> dict:
+    """Train dense heads on a frozen backbone and evaluate them at each depth. Every input is checked
+    before anything is written (cache or results). Returns the summary (also probe_results.json)."""
+    t_start = time.perf_counter()
+    check_config(cfg)
+    frozen, depths = load_backbone(cfg)
+    data = load_data(cfg, frozen.model.config)
+    baseline, constant = constant_baseline(data)
+    heads = train_heads(frozen, data, depths[0], constant, cfg)
+    results = evaluate_heads(frozen, heads, data, depths)
+    if len(heads) > 1:  # the constant row, under each head's column names
+        baseline = {f"{k}_{name}": v for k, v in baseline.items() for name in heads}
     summary = {"probe": data.task, "data": data.name, "unit": data.unit, "backbone": str(cfg.backbone),
-               "arch": ckpt["arch"], "reference_depth": config.depth, "trained_depth": trained_depth,
+               "arch": frozen.ckpt["arch"], "reference_depth": frozen.model.config.depth, "trained_depth": depths[0],
                "train_images": len(data.train.images), "test_images": len(data.test.images),
-               **{f"test_{k}": v for k, v in results[trained_depth].items()},
+               **{f"test_{k}": v for k, v in results[depths[0]].items()},
                "depths": {str(d): r for d, r in results.items()}, "constant": baseline,
                "minutes": (time.perf_counter() - t_start) / 60}
     print(results_table(summary))
     if cfg.out_dir:
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out_dir) / "probe_results.json").write_text(json.dumps(summary, indent=1))
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "probe_results.json").write_text(json.dumps(summary, indent=1))
         torch.save({name: dict(head.state_dict()) for name, head in heads.items()},
-                   Path(cfg.out_dir) / "probe_heads.pt")  # plain tensors: loads with weights_only=True
+                   out / "probe_heads.pt")  # plain tensors: loads with weights_only=True
     return summary
 
 
 COLUMNS = {"seg": [("miou", "mIoU %", 100), ("pixel_acc", "pixel acc %", 100)],
-           "depth": [("rmse_linear", "RMSE lin", 1), ("rmse_mlp", "RMSE MLP", 1),
+           "monodepth": [("rmse_linear", "RMSE lin", 1), ("rmse_mlp", "RMSE MLP", 1),
                      ("delta1_linear", "δ<1.25 lin %", 100), ("delta1_mlp", "δ<1.25 MLP %", 100)]}
 
 
@@ -542,10 +633,10 @@ def results_table(summary: dict) -> str:
     columns = COLUMNS[summary["probe"]]
     header = (f"{summary['arch']} | {summary['data']} | {summary['train_images']} train / "
               f"{summary['test_images']} test images")
-    if summary["probe"] == "depth":
+    if summary["probe"] == "monodepth":
         header += f" | RMSE in {summary['unit']}"
     lines = [header,
-             "| depth | " + " | ".join(title for _, title, _ in columns) + " |",
+             "| backbone depth | " + " | ".join(title for _, title, _ in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]
     rows = sorted(summary["depths"].items(), key=lambda kv: int(kv[0]))
     for depth, metrics in rows + [("constant", summary["constant"])]:

@@ -11,8 +11,8 @@ Modes (one loop, a task object supplies the loss and the evaluation):
   small data sets override epochs/batch/augmentation through DATASET_DEFAULTS (printed at start);
 - distillation (`--teacher`): final-layer token MSE of SPEC §1.5 (Eq. 4) against a frozen teacher;
 - linear probe (`--probe cls --backbone CKPT`): frozen backbone, linear head on the class token or
-  on mean-pooled patch tokens; dense probes (`--probe seg|depth`: per-patch segmentation and depth
-  heads on cached frozen features, mIoU / RMSE per --eval-depths) run probes.py's loop;
+  on mean-pooled patch tokens; dense probes (`--probe seg|monodepth`: per-patch segmentation and
+  monocular depth heads on cached frozen features, mIoU / RMSE per --eval-depths) run probes.py's loop;
 - language model (an alternet preset): next-token loss returned by the model, validation loss and
   bits-per-byte at the halted depth and at every fixed depth.
 
@@ -120,7 +120,7 @@ class TrainConfig:
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
     teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (needs internet)")
     probe: str = opt("", "probe of a frozen --backbone: cls (linear classification) | seg (linear segmentation "
-                         "head, mIoU) | depth (linear and MLP depth heads, RMSE); seg/depth run probes.py")
+                         "head, mIoU) | monodepth (linear and MLP depth heads, RMSE); seg/monodepth run probes.py")
     probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patch tokens)")
     backbone: str = opt("", "probe mode: checkpoint of the frozen backbone")
     probe_cache: str = opt("", "seg/depth probes: folder caching the frozen backbone's features (keyed by "
@@ -222,9 +222,6 @@ def resolve_config(explicit: dict) -> TrainConfig:
     values = dict(DATASET_DEFAULTS[dataset], dataset=dataset)
     if explicit.get("probe"):
         values.update(PROBE_DEFAULTS)
-        if explicit["probe"] in DENSE_PROBES:
-            import probes
-            values.update(probes.DEFAULTS)
     values.update(explicit)
     cfg = TrainConfig(**values)
     check_config(cfg)
@@ -810,7 +807,7 @@ class ProbeModel(nn.Module):
 # Probe name -> builder(backbone, num_classes, cfg) -> trainable model, trained by the loop below.
 PROBES = {"cls": lambda backbone, num_classes, cfg: ProbeModel(backbone, num_classes, cfg.probe_pool)}
 # Dense probes train per-patch heads on (cached) frozen features in probes.py's own loop: probes.run.
-DENSE_PROBES = ("seg", "depth")
+DENSE_PROBES = ("seg", "monodepth")
 
 
 class LanguageTask:
@@ -1094,6 +1091,9 @@ def main(argv=None) -> dict:
         alternet = import_alternet(required=False)
         print("\n".join(sorted(revit.PRESETS) + (sorted(alternet.PRESETS) if alternet else [])))
         return {}
+    if explicit.get("probe") in DENSE_PROBES:  # probes.py's own settings and loop, single process
+        import probes
+        return probes.run(probes.config_from_flags(explicit))
     resume_ckpt = None
     if explicit.get("resume"):
         path = explicit["resume"]
@@ -1117,9 +1117,6 @@ def main(argv=None) -> dict:
         explicit = {**{k: v for k, v in saved.items() if k in known}, **explicit}
         explicit["out_dir"] = out_dir
     cfg = resolve_config(explicit)
-    if cfg.probe in DENSE_PROBES:  # single process; results table per --eval-depths, probe_results.json
-        import probes
-        return probes.run(cfg)
     rank, world, device = setup_distributed(cfg)
     try:
         return train(cfg, rank, world, device, resume_ckpt)

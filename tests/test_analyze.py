@@ -6,13 +6,22 @@ reproduce the reViT's residual states).
 """
 import json
 import math
+import re
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import alternet
 import analyze
 import revit
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_LINE_ERROR = re.compile(r"^\S+\.py: error: [^\n]+$")  # `prog: error: message`, nothing more
 
 FAST = settings(max_examples=15, deadline=None)
 
@@ -224,7 +233,7 @@ def test_identity_permutation_and_empty_ablation_leave_cka_unchanged():
 
 
 def save_checkpoint(model, arch, path):
-    """The format train.py writes (CONTRACT.md), minus the optimizer and loop state."""
+    """The keys train.py writes, minus the optimizer and loop state."""
     torch.save({"model": model.state_dict(), "arch": arch, "model_config": revit.config_dict(model),
                 "train_config": {"dataset": "fashion-mnist"}, "step": 0}, path)
 
@@ -249,12 +258,112 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir):
     assert interventions["permutation_summary"]["count"] == 5
     assert (out / "gates.csv").read_text().count("\n") == 6  # header + L rows
     assert (out / "cross_cka.csv").exists() and (out / "self_cka.csv").exists()
+    if analyze.import_pyplot() is not None:
+        assert report["plots"] == ["gates.png", "self_cka.png", "cross_cka.png"]
+        assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
     # the same seed gives the same numbers
     again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(tmp_path / "again"),
                           "--data-dir", str(fashion_mnist_dir), "--num-images", "48", "--no-interventions"])
     assert again["self_cka"] == report["self_cka"]
 
 
-def test_command_rejects_a_missing_checkpoint(tmp_path):
-    with pytest.raises(SystemExit, match="no such checkpoint"):
+def analysis_args(tmp_path, fashion_mnist_dir, *extra):
+    return [str(tmp_path / "student.pt"), "--out", str(tmp_path / "analysis"), "--data-dir", str(fashion_mnist_dir),
+            "--num-images", "16", "--device", "cpu", *extra]
+
+
+def bad_files(tmp_path):
+    """A student that is fine, and teachers a user might pass by mistake."""
+    save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    torch.save({"model": {}, "note": Path("notes.txt")}, tmp_path / "pickled.pt")  # a pickled Python object
+    cifar_teacher = revit.create_model("vit-mini", image_size=32, in_channels=3, patch_size=8, dim=16, heads=2,
+                                       ffn_dim=24, depth=2)
+    save_checkpoint(cifar_teacher, "vit-mini", tmp_path / "cifar_teacher.pt")
+    lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
+    torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": asdict(lm.config)},
+               tmp_path / "language.pt")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--teacher", "{tmp}/missing.pt"], "--teacher {tmp}/missing.pt: no such file"),
+    (["--teacher", "{tmp}/garbage.pt"], "--teacher {tmp}/garbage.pt: not a PyTorch file"),
+    (["--teacher", "{tmp}/pickled.pt"], "--teacher {tmp}/pickled.pt: it stores the Python object pathlib"),
+    (["--teacher", "{tmp}/language.pt"], "--teacher {tmp}/language.pt: holds the language model alternet-tiny"),
+    (["--teacher", "{tmp}/cifar_teacher.pt"], "expects 3x32² images, the checkpoint 1x28²"),
+    (["--num-images", "1"], "--num-images must be >= 2; got 1"),
+    (["--intervention-images", "0"], "--intervention-images must be >= 2; got 0"),
+    (["--random-perturbations", "-1"], "--random-perturbations must be >= 0; got -1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1; got 0"),
+    (["--depth", "1"], "--depth must be >= 2"),
+    (["--dataset", "mnist"], "--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet; got 'mnist'"),
+    (["--data-dir", "{tmp}/nowhere"], "--data-dir {tmp}/nowhere: no such folder"),
+    (["--device", "tpu:7"], "--device 'tpu:7': not a device"),
+])
+def test_bad_input_gives_one_line_and_writes_nothing(tmp_path, fashion_mnist_dir, extra, needle):
+    bad_files(tmp_path)
+    argv = analysis_args(tmp_path, fashion_mnist_dir, *[a.format(tmp=tmp_path) for a in extra])
+    with pytest.raises(SystemExit) as info:
+        analyze.main(argv)
+    message = str(info.value)
+    assert ONE_LINE_ERROR.match(message) and needle.format(tmp=tmp_path) in message, message
+    assert not (tmp_path / "analysis").exists()  # all inputs are checked before any output is written
+
+
+def test_bad_checkpoint_and_depth(tmp_path):
+    with pytest.raises(SystemExit, match=r"checkpoint \S*missing.pt: no such file"):
         analyze.main([str(tmp_path / "missing.pt")])
+    save_checkpoint(revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4), "vit-mini",
+                    tmp_path / "vit.pt")
+    with pytest.raises(SystemExit, match="plain ViT and runs only its own depth"):
+        analyze.main([str(tmp_path / "vit.pt"), "--depth", "6"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="--out .*file is a file"):
+        analyze.main([str(tmp_path / "vit.pt"), "--out", str(tmp_path / "file")])
+
+
+def test_command_line_prints_no_traceback(tmp_path, fashion_mnist_dir):
+    bad_files(tmp_path)  # torch's own text for this file is many lines and advises weights_only=False
+    result = subprocess.run([sys.executable, str(ROOT / "analyze.py"),
+                             *analysis_args(tmp_path, fashion_mnist_dir, "--teacher", str(tmp_path / "pickled.pt"))],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "weights_only" not in result.stderr
+    assert ONE_LINE_ERROR.match(result.stderr.strip()), result.stderr
+    assert not (tmp_path / "analysis").exists()
+
+
+# --- figures ---
+
+
+def test_gate_figure_shows_the_dominant_expert_path(tmp_path):
+    plt = analyze.import_pyplot()
+    if plt is None:
+        pytest.skip("matplotlib is not installed (an optional extra: pip install -r requirements-extra.txt)")
+    import matplotlib.image
+    program = analyze.gate_program(tiny_revit(num_experts=3), 7)
+    fig = analyze.gate_figure(plt, program)
+    ax = fig.axes[0]
+    path = [line for line in ax.get_lines() if "dominant" in line.get_label()]
+    assert len(path) == 1 and list(path[0].get_ydata()) == program["dominant_expert"]
+    assert list(path[0].get_xdata()) == list(range(7))
+    assert ax.get_xlabel() == "recurrent step $t$" and ax.get_ylabel() == "expert $e$"
+    assert any("g_{t,e}" in other.get_ylabel() for other in fig.axes[1:])  # the colour bar says what colour means
+    heat = ax.get_images()[0].get_array()
+    assert heat.shape == (3, 7) and torch.allclose(torch.tensor(heat.data).T.double(),
+                                                   torch.tensor(program["gates"], dtype=torch.float64), atol=1e-6)
+    fig.savefig(tmp_path / "gates.png")
+    plt.close(fig)
+    assert (tmp_path / "gates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(tmp_path / "gates.png")
+    assert pixels.ndim == 3 and pixels.std() > 0.05  # a picture, not a blank canvas
+
+
+def test_without_matplotlib_everything_else_is_written(tmp_path, fashion_mnist_dir, monkeypatch, capsys):
+    save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    report = analyze.main(analysis_args(tmp_path, fashion_mnist_dir, "--no-interventions"))
+    out = tmp_path / "analysis"
+    assert report["plots"] == [] and "matplotlib is not installed" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["analysis.json", "gates.csv", "self_cka.csv"]
+    assert json.loads((out / "analysis.json").read_text())["gates"]["dominant_expert"] == report["gates"][
+        "dominant_expert"]

@@ -1,13 +1,16 @@
 """export.py: folded / compact safetensors, ONNX, timm layout both ways, shape errors, the CLI.
 
-Checkpoints are written here in CONTRACT.md's format (what train.py saves) and read back
-through export.py, which uses train.load_model. The timm checks never import timm: the
+Checkpoints are written here in train.py's format and read back through export.py, which
+uses train.load_model. The timm checks never import timm: the
 expected layout is written out from its description, and a small reference forward pass
 implements timm's VisionTransformer numerics on a timm-layout state dict.
 """
 import importlib.util
 import json
+import re
+import subprocess
 import sys
+from pathlib import Path
 from dataclasses import asdict
 
 import pytest
@@ -15,9 +18,13 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+import alternet
 import export
 import revit
 from helpers import randomise
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_LINE_ERROR = re.compile(r"^\S+\.py: error: [^\n]+$")  # `prog: error: message`, nothing more
 
 TINY = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, heads=2, ffn_dim=32, depth=4)
 
@@ -33,7 +40,7 @@ def images(config, batch=3, seed=1):
 
 
 def write_checkpoint(path, model, arch="revit-mini"):
-    """A checkpoint as CONTRACT.md describes it (train.py writes the same keys; a plain dict of tensors)."""
+    """A checkpoint with the keys train.py writes (a plain dict of tensors and values)."""
     torch.save({"model": dict(model.state_dict()), "arch": arch, "model_config": asdict(model.config),
                 "train_config": {}, "optimizer": {}, "scheduler": {}, "step": 0, "rng": {}, "metrics": {}}, path)
     return path
@@ -263,7 +270,7 @@ def test_mismatched_shapes_list_the_keys(tmp_path):
     with pytest.raises(ValueError) as info:
         export.load_timm_state_dict(model, state)
     message = str(info.value)
-    assert "shape mismatch" in message and "head.weight: expected [5, 16], got [7, 16]" in message
+    assert "\n" not in message and "shape mismatch (14 keys)" in message and "and 6 more" in message
     assert "blocks.0.mlp.fc1.weight: expected [32, 16], got [48, 16]" in message
 
     path = tmp_path / "folded.safetensors"
@@ -277,39 +284,77 @@ def test_mismatched_shapes_list_the_keys(tmp_path):
     assert "missing (4 keys)" in message and "blocks.0.ls1.gamma: expected [16]" in message
 
 
-def test_checkpoint_whose_weights_do_not_fit_its_config(checkpoint, tmp_path):
-    ckpt = torch.load(checkpoint[1], weights_only=True)
-    ckpt["model_config"]["ffn_dim"] = 48
-    torch.save(ckpt, tmp_path / "bad.pt")
-    with pytest.raises(SystemExit) as info:
-        export.main([str(tmp_path / "bad.pt"), "--format", "safetensors", "--out", str(tmp_path / "x.safetensors")])
-    assert "not a usable checkpoint" in str(info.value) and "block.mlp.fc1_weight" in str(info.value)
-
-
-@pytest.mark.parametrize("argv, code, needle", [
-    (["{ckpt}", "--depth", "1", "--format", "onnx", "--out", "{tmp}/x"], 2, "must be >= 2"),
-    (["{ckpt}", "--depth", "two", "--format", "onnx", "--out", "{tmp}/x"], 2, "must be an integer"),
-    (["{ckpt}", "--depth", "4", "--format", "tflite", "--out", "{tmp}/x"], 2, "invalid choice: 'tflite'"),
-    (["{ckpt}", "--depth", "4", "--format", "onnx"], 2, "--out"),
-    (["{tmp}/missing.pt", "--depth", "4", "--format", "onnx", "--out", "{tmp}/x"], None, "no such file"),
-    (["{tmp}/garbage.pt", "--format", "onnx", "--out", "{tmp}/x"], None, "not a usable checkpoint"),
-    (["{tmp}/garbage.safetensors", "--format", "onnx", "--out", "{tmp}/x"], None, "not a readable safetensors file"),
-    (["{tmp}/timm.safetensors", "--format", "onnx", "--out", "{tmp}/x"], None, "not a revit safetensors export"),
-    (["{vit}", "--depth", "3", "--format", "safetensors", "--out", "{tmp}/x"], None, "untied ViT of depth 4"),
-])
-def test_bad_arguments_give_a_clear_error(checkpoint, tmp_path, capsys, argv, code, needle):
+def bad_inputs(tmp_path, checkpoint):
+    """Files a user might pass by mistake, each next to the checkpoint fixture."""
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "empty.pt").write_bytes(b"")
     (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint")
     export.save_timm(revit.fold(checkpoint[0], 2), tmp_path / "timm.safetensors")
-    vit = write_checkpoint(tmp_path / "vit.pt", tiny("vit-mini"), arch="vit-mini")
-    argv = [a.format(ckpt=checkpoint[1], tmp=tmp_path, vit=vit) for a in argv]
+    write_checkpoint(tmp_path / "vit.pt", tiny("vit-mini"), arch="vit-mini")
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    torch.save({"model": {}, "note": Path("notes.txt")}, tmp_path / "pickled.pt")  # a pickled Python object
+    ckpt = torch.load(checkpoint[1], weights_only=True)
+    ckpt["model_config"]["ffn_dim"] = 48
+    torch.save(ckpt, tmp_path / "misfit.pt")
+    del ckpt["arch"]
+    torch.save(ckpt, tmp_path / "no_arch.pt")
+    diverged = tiny()
+    with torch.no_grad():
+        diverged.block.attn.qkv.weight[0, 0] = float("nan")
+    write_checkpoint(tmp_path / "diverged.pt", diverged)
+    lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
+    torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": asdict(lm.config)},
+               tmp_path / "language.pt")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["{ckpt}", "--depth", "1", "--format", "onnx", "--out", "{tmp}/x"], "--depth must be >= 2"),
+    (["{ckpt}", "--format", "onnx", "--opset", "9", "--out", "{tmp}/x"], "--opset must be in 14..20; got 9"),
+    (["{ckpt}", "--format", "safetensors", "--out", "{tmp}"], "is a folder"),
+    (["{tmp}/missing.pt", "--depth", "4", "--format", "onnx", "--out", "{tmp}/x"], "missing.pt: no such file"),
+    (["{tmp}", "--format", "onnx", "--out", "{tmp}/x"], "a folder, not a checkpoint file"),
+    (["{tmp}/garbage.pt", "--format", "onnx", "--out", "{tmp}/x"], "garbage.pt: not a PyTorch file"),
+    (["{tmp}/empty.pt", "--format", "onnx", "--out", "{tmp}/x"], "empty.pt: not a PyTorch file"),
+    (["{tmp}/list.pt", "--format", "onnx", "--out", "{tmp}/x"], "list.pt: not a checkpoint of this project"),
+    (["{tmp}/no_arch.pt", "--format", "onnx", "--out", "{tmp}/x"], "no_arch.pt: not a checkpoint of this "
+                                                                   "project (it has no 'arch' entry)"),
+    (["{tmp}/pickled.pt", "--format", "onnx", "--out", "{tmp}/x"], "it stores the Python object pathlib"),
+    (["{tmp}/misfit.pt", "--format", "onnx", "--out", "{tmp}/x"], "its weights do not fit its model_config"),
+    (["{tmp}/language.pt", "--format", "onnx", "--out", "{tmp}/x"], "holds the language model alternet-tiny"),
+    (["{tmp}/diverged.pt", "--format", "compact", "--out", "{tmp}/x"], "weights are not finite (block.attn.qkv"),
+    (["{tmp}/garbage.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "not a readable safetensors file"),
+    (["{tmp}/timm.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "not a revit safetensors export"),
+    (["{tmp}/vit.pt", "--depth", "3", "--format", "safetensors", "--out", "{tmp}/x"], "untied ViT of depth 4"),
+])
+def test_bad_input_gives_one_line_naming_it_and_writes_nothing(checkpoint, tmp_path, argv, needle):
+    bad_inputs(tmp_path, checkpoint)
+    argv = [a.format(ckpt=checkpoint[1], tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit) as info:
         export.main(argv)
-    if code is None:  # fail(): the message is the exit value
-        assert str(info.value).startswith("export.py: error:") and needle in str(info.value)
-    else:             # argparse: usage and message on stderr, exit status 2
-        assert info.value.code == code and needle in capsys.readouterr().err
-    assert not (tmp_path / "x").exists()
+    message = str(info.value)
+    assert ONE_LINE_ERROR.match(message) and needle in message, message
+    assert "weights_only" not in message
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp*"))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["{ckpt}", "--depth", "two", "--format", "onnx", "--out", "{tmp}/x"], "invalid int value: 'two'"),
+    (["{ckpt}", "--depth", "4", "--format", "tflite", "--out", "{tmp}/x"], "invalid choice: 'tflite'"),
+    (["{ckpt}", "--depth", "4", "--format", "onnx"], "--out"),
+])
+def test_malformed_flags_are_argparse_errors(checkpoint, tmp_path, capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        export.main([a.format(ckpt=checkpoint[1], tmp=tmp_path) for a in argv])
+    assert info.value.code == 2 and needle in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_command_line_prints_no_traceback(checkpoint, tmp_path):
+    bad_inputs(tmp_path, checkpoint)  # torch's own text for this file is many lines and advises weights_only=False
+    result = subprocess.run([sys.executable, str(ROOT / "export.py"), str(tmp_path / "pickled.pt"), "--format", "timm",
+                             "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert ONE_LINE_ERROR.match(result.stderr.strip()) and "Traceback" not in result.stderr, result.stderr
+    assert "weights_only" not in result.stderr and not (tmp_path / "x").exists()
 
 
 def test_onnx_without_optional_packages(checkpoint, tmp_path, capsys, monkeypatch):
@@ -319,8 +364,10 @@ def test_onnx_without_optional_packages(checkpoint, tmp_path, capsys, monkeypatc
     assert run(argv)["onnx_max_abs_diff"] is None and (tmp_path / "m.onnx").is_file()
     assert "onnxruntime is not installed" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "onnx", None)
+    argv[-1] = tmp_path / "new" / "m.onnx"
     with pytest.raises(SystemExit, match="needs the onnx package"):
         run(argv)
+    assert not (tmp_path / "new").exists()  # checked before anything is written
 
 
 def test_cli_end_to_end(checkpoint, tmp_path, capsys):
@@ -332,3 +379,13 @@ def test_cli_end_to_end(checkpoint, tmp_path, capsys):
         out = tmp_path / "exports" / name
         summary = run([path, "--depth", 4, "--format", fmt, "--out", out], capsys)
         assert out.is_file() and summary["format"] == fmt and summary["source_arch"] == "revit"
+
+
+def test_an_interrupted_export_leaves_no_file(checkpoint, tmp_path, monkeypatch):
+    def write_half_then_stop(model, path, kind, **extra):
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt  # Ctrl-C (or a full disk) in the middle of the write
+    monkeypatch.setattr(export, "save_safetensors", write_half_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        export.main([str(checkpoint[1]), "--format", "compact", "--out", str(tmp_path / "m.safetensors")])
+    assert [p.name for p in tmp_path.iterdir()] == ["revit.pt"]  # neither the file nor a temporary one

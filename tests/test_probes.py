@@ -1,19 +1,26 @@
 """Dense probes (probes.py): metrics against hand-computed values, heads that learn on the
 Fashion-MNIST proxy, a frozen backbone that stays bit-identical, and the feature cache."""
 import math
+import re
+import sys
+from dataclasses import asdict
 
 import pytest
 import torch
 
+import alternet
+import export
 import probes
 import revit
 import train
+
+ONE_LINE_ERROR = re.compile(r"^\S+\.py: error: [^\n]+$")  # `prog: error: message`, nothing more
 
 SMALL = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=16, heads=2, ffn_dim=32, depth=4)
 
 
 def save_backbone(path, arch="revit-mini", seed=0, **overrides):
-    """A tiny randomly initialised backbone in the checkpoint format of CONTRACT.md."""
+    """A tiny randomly initialised backbone with the keys train.py's checkpoints have."""
     torch.manual_seed(seed)
     model = revit.create_model(arch, **{**SMALL, **overrides})
     torch.save({"model": model.state_dict(), "arch": arch, "model_config": revit.config_dict(model),
@@ -23,7 +30,7 @@ def save_backbone(path, arch="revit-mini", seed=0, **overrides):
 
 def probe_cfg(backbone, data_dir, **overrides):
     base = dict(backbone=str(backbone), data_dir=str(data_dir), download=False, train_subset=512, test_subset=256,
-                epochs=None, max_steps=60, batch_size=32, lr=1e-2, device="cpu")
+                max_steps=60, batch_size=32, lr=1e-2, device="cpu")
     return probes.ProbeConfig(**{**base, **overrides})
 
 
@@ -51,20 +58,20 @@ def test_rmse_and_delta_skip_invalid_pixels():
     target = torch.tensor([[1.0, 2.0], [0.0, float("nan")]])  # 0 and NaN: no measurement
     pred = torch.tensor([[1.5, 2.0], [9.0, 9.0]])
     assert probes.rmse(pred, target) == pytest.approx(math.sqrt(0.25 / 2))
-    metrics = probes.depth_metrics(probes.depth_sums(pred, target))
+    metrics = probes.depth_map_metrics(probes.depth_map_sums(pred, target))
     assert metrics["delta1"] == pytest.approx(0.5)  # 1.5/1 >= 1.25; 2/2 < 1.25
 
 
 def test_proxy_targets():
     images = torch.tensor([0, 25, 26, 140, 255], dtype=torch.uint8).view(1, 1, 1, 5)
     assert probes.proxy_targets(images, "seg").tolist() == [[[0, 0, 1, 2, 4]]]
-    assert probes.proxy_targets(images, "depth")[0, 0, -1].item() == 2.0
+    assert probes.proxy_targets(images, "monodepth")[0, 0, -1].item() == 2.0
 
 
 def test_heads_upsample_to_pixels():
     feats = torch.randn(2, 16, 8)  # (B, P = 4x4, d)
     assert probes.SegmentationHead(8, 5, grid=4)(feats, (28, 28)).shape == (2, 5, 28, 28)
-    assert probes.DepthHead(8, grid=4, hidden=12)(feats, (28, 28)).shape == (2, 28, 28)
+    assert probes.DepthMapHead(8, grid=4, hidden=12)(feats, (28, 28)).shape == (2, 28, 28)
 
 
 # --- probe runs on the Fashion-MNIST proxy ---
@@ -74,11 +81,13 @@ def test_seg_probe_beats_constant_and_leaves_backbone_untouched(tmp_path, fashio
     path = save_backbone(tmp_path / "backbone.pt")
     loaded = {}
 
+    load = export.load_vision_model
+
     def load_and_snapshot(*args):  # the very module the probe uses, and a copy of it as loaded
-        model, ckpt = train.load_model(args[0])
+        model, ckpt = load(*args)
         loaded["model"], loaded["before"] = model, {k: v.clone() for k, v in model.state_dict().items()}
         return model, ckpt
-    monkeypatch.setattr(train, "load_model_checked", load_and_snapshot)
+    monkeypatch.setattr(export, "load_vision_model", load_and_snapshot)
     summary = probes.run(probe_cfg(path, fashion_mnist_dir, probe="seg", eval_depths="2,6"))
     assert summary["test_miou"] > summary["constant"]["miou"] + 0.05
     assert summary["test_pixel_acc"] > summary["constant"]["pixel_acc"]
@@ -103,9 +112,9 @@ def test_feature_extraction_does_not_change_the_backbone(tmp_path, fashion_mnist
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_depth_probe_linear_and_mlp_beat_constant(tmp_path, fashion_mnist_dir):
+def test_monodepth_probe_linear_and_mlp_beat_constant(tmp_path, fashion_mnist_dir):
     path = save_backbone(tmp_path / "vit.pt", arch="vit-mini")
-    summary = probes.run(probe_cfg(path, fashion_mnist_dir, probe="depth"))
+    summary = probes.run(probe_cfg(path, fashion_mnist_dir, probe="monodepth"))
     for head in ("linear", "mlp"):
         assert summary[f"test_rmse_{head}"] < 0.8 * summary["constant"][f"rmse_{head}"]
         assert 0 <= summary[f"test_delta1_{head}"] <= 1
@@ -153,16 +162,16 @@ def test_tensor_file_format(tmp_path):
     assert summary["data"].endswith("(tensor files)") and summary["train_images"] == 40
 
 
-@pytest.mark.skipif(not hasattr(train, "DENSE_PROBES"), reason="train.py does not dispatch dense probes yet "
-                                                                "(/work/notes/probes_wiring.diff)")
-def test_train_py_dispatches_dense_probes(tmp_path, fashion_mnist_dir):
+def test_train_py_hands_dense_probes_to_probes_py(tmp_path, fashion_mnist_dir):
     path = save_backbone(tmp_path / "backbone.pt")
-    summary = train.main(["--probe", "depth", "--backbone", str(path), "--data-dir", str(fashion_mnist_dir),
-                          "--no-download", "--device", "cpu", "--train-subset", "64", "--test-subset", "32",
-                          "--max-steps", "3", "--batch-size", "16", "--eval-depths", "2",
-                          "--probe-cache", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")])
+    args = ["--probe", "monodepth", "--backbone", str(path), "--data-dir", str(fashion_mnist_dir), "--no-download",
+            "--device", "cpu", "--train-subset", "64", "--test-subset", "32", "--max-steps", "3",
+            "--batch-size", "16", "--eval-depths", "2"]
+    summary = train.main([*args, "--probe-cache", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")])
     assert set(summary["depths"]) == {"2", "4"} and (tmp_path / "run" / "probe_results.json").is_file()
-    assert train.DENSE_PROBES == probes.DENSE_PROBES
+    assert summary["probe"] == "monodepth"
+    with pytest.raises(SystemExit, match="--mixup does not apply to --probe monodepth"):  # not silently ignored
+        train.main([*args, "--mixup", "0.5"])
 
 
 def write_png_pairs(root, task):
@@ -187,7 +196,7 @@ def write_png_pairs(root, task):
                     scene / f"sync_depth_{i:05d}.png")
 
 
-@pytest.mark.parametrize("task", ["seg", "depth"])
+@pytest.mark.parametrize("task", ["seg", "monodepth"])
 def test_ade20k_and_nyuv2_layouts(tmp_path, task):
     write_png_pairs(tmp_path / "data", task)
     path = save_backbone(tmp_path / "backbone.pt")
@@ -196,15 +205,65 @@ def test_ade20k_and_nyuv2_layouts(tmp_path, task):
     assert summary["data"] == ("ADE20k" if task == "seg" else "NYUv2") and summary["test_images"] == 8
 
 
-def test_public_layouts_without_pillow_say_what_to_install(tmp_path):
-    try:
-        import PIL  # noqa: F401
-        pytest.skip("Pillow is installed")
-    except ImportError:
-        pass
+def test_public_layouts_without_pillow_say_what_to_install(tmp_path, monkeypatch):
     (tmp_path / "images" / "training").mkdir(parents=True)
     (tmp_path / "annotations" / "training").mkdir(parents=True)
     (tmp_path / "images" / "training" / "a.jpg").write_bytes(b"")
     path = save_backbone(tmp_path / "backbone.pt")
-    with pytest.raises(SystemExit, match="Pillow"):
+    monkeypatch.setitem(sys.modules, "PIL", None)  # `from PIL import Image` now raises ImportError
+    with pytest.raises(SystemExit, match="needs Pillow"):
         probes.run(probes.ProbeConfig(probe="seg", backbone=str(path), data=str(tmp_path), device="cpu"))
+
+
+# --- every bad input: one line naming it, before anything is written ---
+
+
+def bad_files(tmp_path):
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    torch.save({"model": {}, "note": tmp_path}, tmp_path / "pickled.pt")  # a pickled Python object
+    lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
+    torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": asdict(lm.config)},
+               tmp_path / "language.pt")
+    for name, blob in (("garbage_data", None), ("list_data", [1, 2]), ("no_labels", {"images": torch.zeros(2)})):
+        (tmp_path / name).mkdir()
+        for split in ("train", "val"):
+            if blob is None:
+                (tmp_path / name / f"{split}.pt").write_bytes(b"not a tensor file")
+            else:
+                torch.save(blob, tmp_path / name / f"{split}.pt")
+    (tmp_path / "file").write_text("")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (dict(backbone="{tmp}/missing.pt"), "--backbone {tmp}/missing.pt: no such file"),
+    (dict(backbone="{tmp}/garbage.pt"), "--backbone {tmp}/garbage.pt: not a PyTorch file"),
+    (dict(backbone="{tmp}/pickled.pt"), "--backbone {tmp}/pickled.pt: it stores the Python object pathlib"),
+    (dict(backbone="{tmp}/language.pt"), "--backbone {tmp}/language.pt: holds the language model alternet-tiny"),
+    (dict(probe="depth"), "got 'depth' (monocular depth is monodepth; --depth sets the backbone's steps)"),
+    (dict(lr=float("nan")), "--lr must be a finite number > 0; got nan"),
+    (dict(lr=-1.0), "--lr must be a finite number > 0; got -1.0"),
+    (dict(weight_decay=-0.1), "--weight-decay must be a finite number >= 0"),
+    (dict(batch_size=0), "--batch-size must be > 0; got 0"),
+    (dict(max_steps=0, epochs=0), "--epochs must be > 0 (or give --max-steps); got 0"),
+    (dict(train_subset=-5), "--train-subset must be >= 0; got -5"),
+    (dict(depth=0), "--depth must be >= 1; got 0"),
+    (dict(eval_depths="2,x"), "--eval-depths must be comma-separated integers"),
+    (dict(device="tpu:7"), "--device 'tpu:7': not a device"),
+    (dict(data="{tmp}/nowhere"), "--data {tmp}/nowhere: no such folder"),
+    (dict(data="{tmp}/garbage_data"), "--data {tmp}/garbage_data/train.pt: not a PyTorch file"),
+    (dict(data="{tmp}/list_data"), "--data {tmp}/list_data/train.pt: needs a dict with the tensors 'images' and"),
+    (dict(data="{tmp}/no_labels"), "needs a dict with the tensors 'images' and 'labels' for --probe seg"),
+    (dict(probe_cache="{tmp}/file"), "--probe-cache {tmp}/file is a file"),
+    (dict(out_dir="{tmp}/file"), "--out-dir {tmp}/file is a file"),
+])
+def test_bad_input_gives_one_line_and_writes_nothing(tmp_path, fashion_mnist_dir, flags, needle):
+    bad_files(tmp_path)
+    flags = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in flags.items()}
+    outputs = dict(probe_cache=str(tmp_path / "cache"), out_dir=str(tmp_path / "run"))
+    cfg = probe_cfg(flags.pop("backbone", save_backbone(tmp_path / "backbone.pt")), fashion_mnist_dir,
+                    **{**outputs, **flags})
+    with pytest.raises(SystemExit) as info:
+        probes.run(cfg)
+    message = str(info.value)
+    assert ONE_LINE_ERROR.match(message) and needle.format(tmp=tmp_path) in message, message
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
