@@ -81,12 +81,16 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("
 # --- device, environment, timing ---
 
 
+class InputError(ValueError):
+    """Bad input to a bench command (a flag, a checkpoint): main reports it as one line."""
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available")
+        raise InputError(f"--device {name}: CUDA is not available")
     return device
 
 
@@ -507,24 +511,53 @@ def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int
     """Peak RSS of one latency row (see cpu_memory_of)."""
     arch, overrides, fold = LATENCY_SPECS[label]
     config = dataclasses.asdict(revit.ViTConfig(**{**revit.PRESETS[f"{arch}-{size}"], **overrides}))
-    return cpu_memory_of({"config": config, "fold": fold}, batch, calls, processes)
+    return cpu_memory_of([{"config": config, "fold": fold}], batch, calls, processes)[0]
 
 
-def cpu_memory_of(spec: dict, batch: int, calls: int = 2, processes: int = 2) -> dict:
-    """Peak RSS of a model (spec: its config dict, fold, optional depth), measured in `processes` fresh
-    Python processes (see _memory_worker). Heap fragmentation can only add to a peak, so we report the
-    smallest; all values are kept."""
-    spec = json.dumps({**spec, "batch": batch, "calls": calls})
-    values = []
-    for _ in range(processes):
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "_memory", spec], capture_output=True,
-                             text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=900)
-        if out.returncode != 0:
-            return {"memory_error": out.stderr.strip().splitlines()[-1:]}
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        values.append(row["memory_mib"])
-    return {"memory_mib": min(values), "memory_mib_all": values,
-            "memory_method": row["memory_method"] + f", min over {processes} processes"}
+def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int = 2) -> list[dict]:
+    """Peak RSS of each model (spec: its config dict, fold, optional depth), `processes` times each.
+
+    One fresh Python process imports torch once, then forks a child per measurement (memory_rows), so
+    no measurement reuses another's freed heap. Heap fragmentation can only add to a peak, so we report
+    the smallest; all values are kept.
+    """
+    payload = json.dumps([{**spec, "batch": batch, "calls": calls} for spec in specs for _ in range(processes)])
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "_memory", payload], capture_output=True,
+                         text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=900)
+    if out.returncode != 0:
+        return [{"memory_error": out.stderr.strip().splitlines()[-1:]}] * len(specs)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    results = []
+    for i in range(len(specs)):
+        group = measured[i * processes:(i + 1) * processes]
+        failed = [g for g in group if "memory_error" in g]
+        values = [g["memory_mib"] for g in group if "memory_mib" in g]
+        results.append(failed[0] if failed else {
+            "memory_mib": min(values), "memory_mib_all": values,
+            "memory_method": group[0]["memory_method"] + f", min over {processes} processes"})
+    return results
+
+
+def memory_rows(specs: list[dict]) -> list[dict]:
+    """Each spec measured by _memory_worker in its own child, forked from this (fresh) process."""
+    rows = []
+    for spec in specs:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: measure, report through the pipe, exit without cleanup
+            os.close(read_end)
+            try:
+                row = _memory_worker(spec)
+            except BaseException as e:  # noqa: BLE001 - reported as the row's error
+                row = {"memory_error": f"{type(e).__name__}: {e}"}
+            os.write(write_end, json.dumps(row).encode())
+            os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end) as fh:
+            text = fh.read()
+        os.waitpid(pid, 0)
+        rows.append(json.loads(text) if text else {"memory_error": "the measuring process died"})
+    return rows
 
 
 def _rss_kib(field: str) -> int:
@@ -541,7 +574,7 @@ def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
 
 
 def _memory_worker(spec: dict) -> dict:
-    """In a fresh process: RSS before the model, then peak RSS over the forward calls.
+    """In a fresh (forked) process: RSS before the model, then peak RSS over the forward calls.
 
     The input is allocated first (not counted); the peak is reset (clear_refs) after the model is
     built, so construction temporaries do not count, only what the model holds and its calls use.
@@ -839,7 +872,7 @@ def checkpoint_task(ckpt: dict, test_subset: int, device: torch.device):
     """
     saved = ckpt.get("train_config") or {}
     if saved.get("teacher"):
-        raise ValueError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
+        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
     key = (json.dumps(saved, sort_keys=True, default=str), test_subset, str(device))
     if key not in _TASKS:
         known = {field.name for field in dataclasses.fields(train.TrainConfig)}
@@ -864,14 +897,14 @@ def evaluate_at_depth(model, ckpt: dict, depth, test_subset: int, device: torch.
 
 
 def load_checkpoint_model(path: str, device: torch.device):
-    """train.load_model with every failure turned into one line naming CKPT (ValueError)."""
+    """train.load_model with every failure turned into one line naming CKPT (InputError)."""
     if not os.path.isfile(path):
-        raise ValueError(f"CKPT {path}: no such checkpoint file")
+        raise InputError(f"CKPT {path}: no such checkpoint file")
     try:
         return train.load_model(path, device)
     except Exception as e:  # noqa: BLE001 - an unreadable or foreign file is the user's input error
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"CKPT {path} is not a usable checkpoint of this project: {message}") from None
+        raise InputError(f"CKPT {path} is not a usable checkpoint of this project: {message}") from None
 
 
 def parse_depth_list(text: str, model) -> list[int]:
@@ -885,11 +918,11 @@ def parse_depth_list(text: str, model) -> list[int]:
     except ValueError:
         depths = []
     if not depths or depths[0] < 2:
-        raise ValueError(f"--depths must be comma-separated integers >= 2 (a recurrent step grid needs two "
+        raise InputError(f"--depths must be comma-separated integers >= 2 (a recurrent step grid needs two "
                          f"steps); got {text!r}")
     if single and depths != [c.depth]:
         kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
-        raise ValueError(f"--depths {text}: {kind} runs only its own depth {c.depth}")
+        raise InputError(f"--depths {text}: {kind} runs only its own depth {c.depth}")
     return depths
 
 
@@ -927,14 +960,15 @@ def vision_depth_rows(model, ckpt, depths, args, device) -> list[dict]:
                 fns[form, batch] = _inference_call(run, images, device)
         first = first_call(fns["deployed", 1], deployed, device, "first_call_s")
         times = time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
-        for (form, batch), seconds in times.items():
-            if form != "recompiled":
-                row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(seconds) * 1e3 / batch
+        for form, batch in fns:
+            row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
         row["batch"], row["memory_mib"] = args.batch, first.get("memory_mib")
-        if args.memory and device.type == "cpu":
-            spec = {"config": ckpt["model_config"], "fold": row["deployed_form"] == "folded", "depth": depth}
-            row["memory_mib"] = cpu_memory_of(spec, batch=1, processes=1).get("memory_mib")
         rows.append(row)
+    if args.memory and device.type == "cpu":
+        specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
+                 for r in rows]
+        for row, memory in zip(rows, cpu_memory_of(specs, batch=1, processes=1)):
+            row["memory_mib"] = memory.get("memory_mib")
     return rows
 
 
@@ -944,15 +978,6 @@ def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: 
     for r in rows:
         r["pareto"] = not any(sign * o[quality] >= sign * r[quality] and o[cost] <= r[cost] and
                               (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
-
-
-def smallest_good_depth(rows: list[dict], tolerance: float = 0.005) -> str:
-    """The smallest depth within 0.5 points of the reference depth's accuracy, and its speed-up there."""
-    ref = next(r for r in rows if r["reference"])
-    good = min((r for r in rows if r["acc"] >= ref["acc"] - tolerance), key=lambda r: r["depth"])
-    delta = f"{100 * (good['acc'] - ref['acc']):+.1f}".replace("-", "−")
-    return (f"depth {good['depth']}: {delta} points, {ref['deployed_ms_b1'] / good['deployed_ms_b1']:.1f}× "
-            f"faster than the reference depth {ref['depth']} (deployed, batch 1)")
 
 
 def language_data(ckpt: dict, test_subset: int):
@@ -1028,20 +1053,23 @@ def parse_thresholds(text: str) -> list:
     except ValueError:
         values = []
     if not values or any(v is not None and not 0 < v <= 1 for v in values):
-        raise ValueError(f"--thresholds must be comma-separated values in (0, 1] or 'none'; got {text!r}")
+        raise InputError(f"--thresholds must be comma-separated values in (0, 1] or 'none'; got {text!r}")
     return values
 
 
 def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
-                    unit: str, scale: float = 1.0) -> str:
-    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its speed-up."""
+                    unit: str, scale: float = 1.0, name: str = "depth") -> str:
+    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
+    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"."""
     ref = next(r for r in rows if r["reference"])
     sign = 1 if higher_is_better else -1
     good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
                key=lambda r: (r[size_key], r[cost]))
+    if good is ref:
+        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
-    return (f"{size_key.replace('_', ' ')} {good[size_key]}: {delta} {unit}, {ref[cost] / good[cost]:.1f}× faster "
-            f"than the reference ({size_key.replace('_', ' ')} {ref[size_key]})")
+    return (f"{name} {good[size_key]}: {delta} {unit}, {ref[cost] / good[cost]:.1f}× faster than the reference "
+            f"({name} {ref[size_key]})")
 
 
 def depths_markdown(result: dict) -> str:
@@ -1113,7 +1141,7 @@ def run_depths(args, device) -> dict:
     if language:
         rows = language_depth_rows(model, ckpt, args, device)
         mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
-        best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte")
+        best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte", name="cap D'")
     else:
         depths = sorted(set(parse_depth_list(args.depths, model)) | {model.config.depth})
         rows = vision_depth_rows(model, ckpt, depths, args, device)
@@ -1460,6 +1488,7 @@ def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
             contextlib.redirect_stderr(log):
         result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
     record = {"key": key, "argv": argv, "result": result}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     write_json(record, path)
     return {**record, "cached": False}
 
@@ -1532,6 +1561,7 @@ def plot_quality(result: dict, folders: list[str]) -> list[str]:
             ax.axhline(mean, ls=style, color="gray", label=r["cell"])
             ax.axhspan(mean - std, mean + std, color="gray", alpha=0.15)
         ax.set_xscale("log", base=2)
+        ax.set_xticks([r["num_experts"] for r in bank], labels=[str(r["num_experts"]) for r in bank])
         ax.set(xlabel="experts E", ylabel="top-1 accuracy (%)", title="accuracy vs E (mean ± std over seeds)")
         ax.legend(fontsize=7)
         figures["quality_experts.png"] = fig
@@ -1564,9 +1594,9 @@ def run_quality(args, device) -> dict:
     grids = [g.strip() for g in args.grids.split(",") if g.strip()]
     unknown = sorted(set(grids) - set(QUALITY_GRIDS))
     if unknown or not grids:
-        raise ValueError(f"--grids must name some of {', '.join(QUALITY_GRIDS)}; got {args.grids!r}")
+        raise InputError(f"--grids must name some of {', '.join(QUALITY_GRIDS)}; got {args.grids!r}")
     if args.seeds is not None and args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1; got {args.seeds}")
+        raise InputError(f"--seeds must be >= 1; got {args.seeds}")
     seeds = args.seeds or (2 if args.quick else 3)
     out_dir = args.out or ("out/quality-quick" if args.quick else "out/quality")
     rows = quality_rows(grids, regime, seeds, out_dir)
@@ -1735,10 +1765,10 @@ COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "c
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_memory"]:  # internal: one CPU memory row, in the fresh process cpu_memory_of starts
-        result = _memory_worker(json.loads(argv[1]))
-        print(json.dumps(result))
-        return result
+    if argv[:1] == ["_memory"]:  # internal: CPU memory rows, in the fresh process cpu_memory_of starts
+        rows = memory_rows(json.loads(argv[1]))
+        print(json.dumps(rows))
+        return {"memory_rows": rows}
     args = build_parser().parse_args(argv)
     try:
         device = pick_device(getattr(args, "device", "cpu"))
@@ -1748,7 +1778,7 @@ def main(argv=None) -> dict:
             torch.set_num_threads(args.threads)
         defaults = resolve(args, device)
         result = COMMANDS[args.command](args, device)
-    except ValueError as e:  # the user's input: one line, as argparse reports its own errors
+    except InputError as e:  # the user's input: one line, as argparse reports its own errors
         raise SystemExit(f"bench.py: error: {e}") from None
     if args.command in ("latency", "train"):
         env = result["env"] = environment(device)
