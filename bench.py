@@ -875,9 +875,8 @@ def checkpoint_task(ckpt: dict, test_subset: int, device: torch.device):
         raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
     key = (json.dumps(saved, sort_keys=True, default=str), test_subset, str(device))
     if key not in _TASKS:
-        known = {field.name for field in dataclasses.fields(train.TrainConfig)}
-        cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in known})
-        cfg.test_subset, cfg.download = test_subset or cfg.test_subset, False
+        cfg = saved_train_config(ckpt)
+        cfg.test_subset = test_subset or cfg.test_subset
         data = train.load_images(cfg, is_main=True)
         bf16 = device.type == "cuda" and cfg.bf16
         autocast_fn = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
@@ -926,43 +925,39 @@ def parse_depth_list(text: str, model) -> list[int]:
     return depths
 
 
-def depth_forms(model, dynamic, depth: int) -> dict:
-    """How `model` runs at `depth`: deployed (revit.fold's plain ViT where the model folds, §3.1; else the
-    model, reViT with its merge cache) and dynamic (merged FFNs rebuilt on every call, as Table 7 measured)."""
+def deployed_model(model, depth: int) -> tuple:
+    """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the model
+    folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge cache)."""
     c = model.config
-    if c.arch == "vit":
-        return {"deployed": model, "dynamic": model}
-    foldable = c.arch == "raptor" or c.depth_programmed
-    deployed = revit.fold(model, depth) if foldable else functools.partial(model, depth=depth)
-    return {"deployed": deployed, "dynamic": functools.partial(dynamic, depth=depth)}
+    if c.arch == "raptor" or (c.arch == "revit" and c.depth_programmed):
+        return revit.fold(model, depth), None
+    return model, None if c.arch == "vit" else depth
 
 
 def vision_depth_rows(model, ckpt, depths, args, device) -> list[dict]:
+    """One row per depth: train.py's accuracy, GFLOPs/image and latency per image of the deployed and the
+    dynamic form (merged FFNs rebuilt on every call, as the paper's Table 7 measured), memory at batch 1."""
     c = model.config
     dynamic = model
     if c.arch == "revit" and c.ffn == "merge" and c.num_experts > 1:
-        dynamic = revit.create_model(ckpt["arch"], **{**ckpt["model_config"], "merge_cache": False})
-        dynamic.load_state_dict(model.state_dict())
-        dynamic = dynamic.to(device).eval()
+        dynamic = copy_module(model, merge_cache=False).eval()
     rows = []
     for depth in depths:
-        row = {"depth": depth, "reference": depth == c.depth,
+        row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
                **evaluate_at_depth(model, ckpt, None if depth == c.depth else depth, args.test_subset, device)}
-        forms = depth_forms(model, dynamic, depth)
-        deployed = getattr(forms["deployed"], "func", forms["deployed"])
-        row["deployed_form"] = "folded" if isinstance(deployed, revit.VisionTransformer) and deployed is not model \
-            else "model"
-        row["gflops"] = counted_flops(deployed, None if deployed is not model else depth)["total"] / 1e9
+        module, depth_arg = deployed_model(model, depth)
+        row["deployed_form"] = "folded" if module is not model else "model"
+        row["gflops"] = counted_flops(module, depth_arg)["total"] / 1e9
+        forms = {"deployed": functools.partial(module, depth=depth_arg) if depth_arg else module,
+                 "dynamic": functools.partial(dynamic, depth=depth) if c.arch != "vit" else dynamic}
         fns = {}
-        for batch in sorted({1, args.batch}):
+        for batch in (1, args.batch):
             images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-            for form, run in forms.items():
-                fns[form, batch] = _inference_call(run, images, device)
-        first = first_call(fns["deployed", 1], deployed, device, "first_call_s")
+            fns.update({(form, batch): _inference_call(run, images, device) for form, run in forms.items()})
+        row["memory_mib"] = first_call(fns["deployed", 1], module, device, "first_call_s").get("memory_mib")
         times = time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
         for form, batch in fns:
             row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
-        row["batch"], row["memory_mib"] = args.batch, first.get("memory_mib")
         rows.append(row)
     if args.memory and device.type == "cpu":
         specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
@@ -980,11 +975,17 @@ def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: 
                               (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
 
 
-def language_data(ckpt: dict, test_subset: int):
-    """Validation windows (n, T+1) of the checkpoint's own text, as train.py splits it, and tokens per byte."""
+def saved_train_config(ckpt: dict):
+    """The TrainConfig a checkpoint was trained with (its data, normalisation, batch sizes); never downloads."""
     known = {field.name for field in dataclasses.fields(train.TrainConfig)}
     cfg = train.TrainConfig(**{k: v for k, v in (ckpt.get("train_config") or {}).items() if k in known})
     cfg.download = False
+    return cfg
+
+
+def language_data(ckpt: dict, test_subset: int):
+    """Validation windows (n, T+1) of the checkpoint's own text, as train.py splits it, and tokens per byte."""
+    cfg = saved_train_config(ckpt)
     _, val, tokens_per_byte, _ = train.load_text(cfg, is_main=True)
     block = cfg.block_size or ckpt["model_config"]["seq_len"]
     n = (len(val) - 1) // block
@@ -1138,6 +1139,8 @@ def run_depths(args, device) -> dict:
     language = ckpt["arch"] not in revit.PRESETS
     settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
                 "new_tokens": args.new_tokens, "test_subset": args.test_subset}
+    if args.batch < 2:
+        raise InputError(f"--batch must be >= 2 (batch 1 is always measured); got {args.batch}")
     if language:
         rows = language_depth_rows(model, ckpt, args, device)
         mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
@@ -1162,7 +1165,7 @@ def run_depths(args, device) -> dict:
 
 # Sizes. CUDA: S/16 at 224² as the paper's Table 7, sized for about 8 minutes on one H100 (an estimate until
 # the first GPU run: torch.compile's build time dominates). --quick: the same code paths at tiny sizes on CPU
-# (torch.compile with the aot_eager backend: dynamo's graph capture and AOTAutograd, no C++ code generation).
+# (torch.compile with the eager backend: dynamo's graph capture, guards and recompiles, no code generation).
 CHECK_SIZES = {
     "full": dict(
         presets=("vit-s", "revit-s"), overrides={}, batch=4, compile_backend="inductor",
@@ -1171,7 +1174,7 @@ CHECK_SIZES = {
         run=["--arch", "revit-s", "--compile", "--max-steps", "100", "--log-interval", "10"]),
     "quick": dict(
         presets=("vit-mini", "revit-mini"), overrides=dict(image_size=8, patch_size=4, dim=16, heads=2, ffn_dim=24,
-                                                         depth=4), batch=2, compile_backend="aot_eager",
+                                                         depth=4), batch=2, compile_backend="eager",
         latency=dict(size="mini", batches=(1, 2), modes=("eager",), warmup=1, repeats=2, iters=1, memory=False),
         train=dict(size="mini", batch=4, compiled=False, warmup=0, repeats=2, iters=1),
         run=["--arch", "revit-mini", "--compile", "--max-steps", "4", "--train-subset", "512", "--test-subset", "256",
