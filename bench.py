@@ -198,7 +198,10 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
     return times
 
 
-def maybe_compile(model, compiled: bool):
+def maybe_compile(model, compiled: bool, dynamic: bool | None = False):
+    """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches);
+    None: torch's automatic dynamic shapes, so elastic depth's varying per-step batch of retained
+    images recompiles once per graph, not once per size."""
     if not compiled:
         return model
     import torch._dynamo.config as dynamo_config
@@ -206,7 +209,7 @@ def maybe_compile(model, compiled: bool):
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-    return torch.compile(model, dynamic=False)
+    return torch.compile(model, dynamic=dynamic)
 
 
 # --- counting parameters and FLOPs (the rule that reproduces the paper's Tables 1 and 10) ---
@@ -659,7 +662,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
         labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05,
                                       fused=device.type == "cuda")
-        fn = _train_step(model, maybe_compile(model, compiled), optimizer, images, labels, device)
+        fn = _train_step(model, maybe_compile(model, compiled, dynamic=None), optimizer, images, labels, device)
         extra[label] = {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
                         "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
                         **first_call(fn, model, device, "first_step_s")}
@@ -1030,7 +1033,8 @@ def language_depth_rows(lm, ckpt, args, device) -> list[dict]:
                 rows.append({"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * tokens_per_byte /
                              math.log(2), "mean_iterations": iterations / len(windows),
                              "reference": cap == lm.config.max_depth and threshold == thresholds[0]})
-                fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold, device)
+                fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold,
+                                                        device)
     times = time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
     for row in rows:
         row["ms_per_token"] = statistics.median(times[row["max_depth"], row["halt_threshold"]]) * 1e3 / args.new_tokens
@@ -1085,8 +1089,10 @@ def depths_markdown(result: dict) -> str:
     else:
         table = markdown(rows, [
             ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
-            ("GFLOPs/img", f("gflops", "{:.4f}")), (f"ms/img b1 ({rows[0]['deployed_form']})", f("deployed_ms_b1", "{:.3f}")),
-            ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")), (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
+            ("GFLOPs/img", f("gflops", "{:.4f}")),
+            (f"ms/img b1 ({rows[0]['deployed_form']})", f("deployed_ms_b1", "{:.3f}")),
+            ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
+            (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
             (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
             ("memory MiB (b1)", f("memory_mib", "{:.1f}")), ("", mark)])
         note = (f"test images: {s['test_images']}; latency per image, median of {s['repeats']} x {s['iters']} "
@@ -1381,14 +1387,18 @@ def run_check(args, device) -> dict:
         return {"ok": all(r["ok"] for r in rows), "rows": rows}
 
     def latency():
+        s = sizes["latency"]
         with tf32(device, True):
-            result = bench_latency(device=device, **sizes["latency"])
-        return {"ok": True, **result, "targets": latency_targets(result["rows"]) if sizes["latency"]["size"] == "s" else []}
+            result = bench_latency(device=device, **s)
+        targets = latency_targets(result["rows"]) if s["size"] == "s" else []
+        return {"ok": True, **result, "targets": targets, "settings": {"summary": describe(s, device)}}
 
     def train_step():
+        s = sizes["train"]
         with tf32(device, True):
-            result = bench_train(device=device, peak=peak_flops(device), labels=CHECK_TRAIN_ROWS, **sizes["train"])
-        return {"ok": True, **result, "targets": train_targets(result["rows"]) if sizes["train"]["size"] == "s" else []}
+            result = bench_train(device=device, peak=peak_flops(device), labels=CHECK_TRAIN_ROWS, **s)
+        targets = train_targets(result["rows"]) if s["size"] == "s" else []
+        return {"ok": True, **result, "targets": targets, "settings": {"summary": describe(s, device)}}
 
     parts = {}
     for name, fn in [("correctness", correctness), ("latency", latency), ("train step", train_step),
@@ -1421,19 +1431,21 @@ def check_markdown(result: dict) -> str:
             ("check", f("check", "{}")), ("ok", lambda r: "yes" if r["ok"] else "**no**"),
             ("measured", f("value", "{:.2e}")), ("limit", f("limit", "{:.0e}")), ("detail", f("detail", "{}")),
             ("s", f("seconds", "{:.1f}"))]))
-    settings = {"latency": result["sizes"]["latency"], "train step": result["sizes"]["train"]}
     for name, to_markdown in (("latency", latency_markdown), ("train step", train_markdown)):
         if "rows" in parts[name]:
-            s = settings[name]
-            parts[name]["settings"] = {"summary": ", ".join(f"{k} {v}" for k, v in s.items())}
             out.append("\n" + to_markdown(parts[name]))
     run = parts["train.py run"]
     out += ["\n## A short train.py run\n", f"`{run.get('command', '')}`\n" if "command" in run else "",
-            markdown([run], [("steps", f("steps", "{}")), ("img/s (after the first interval)", f("images_per_s", "{:.0f}")),
+            markdown([run], [("steps", f("steps", "{}")),
+                             ("img/s (after the first interval)", f("images_per_s", "{:.0f}")),
                              ("img/s (first interval, incl. compile)", f("first_interval_images_per_s", "{:.0f}")),
                              ("test acc %", lambda r: f"{100 * r['test_acc']:.2f}"),
                              ("minutes", f("minutes", "{:.2f}"))])]
     return "\n".join(out)
+
+
+def describe(settings: dict, device) -> str:
+    return f"{precision(device)}, " + ", ".join(f"{k} {v}" for k, v in settings.items())
 
 # --- quality: small-scale evidence with seeds and error bars (python bench.py quality) ---
 
@@ -1683,9 +1695,10 @@ def add_depths_parser(sub):
     p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
     timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure runtime memory at batch 1 (CPU: one fresh process per depth)")
-    p.add_argument("--thresholds", default="0.5,none", help="AlterNet: halting thresholds in (0, 1] or none "
-                                                            "(every iteration up to the cap); the first is the reference")
+                   help="measure runtime memory at batch 1 (CPU: a forked fresh process per depth)")
+    p.add_argument("--thresholds", default="0.5,none",
+                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); the first "
+                        "is the reference")
     p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
     p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
 

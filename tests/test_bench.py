@@ -277,8 +277,8 @@ def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
              ([str(tmp_path / "missing.pt")], "no such checkpoint file"),
              ([str(probe)], "is a probe head"),
              ([str(garbage)], "is not a usable checkpoint of this project"),
-             ([ckpt, "--thresholds", "2"], None)]  # a vision checkpoint ignores the AlterNet flag
-    for argv, message in cases[:-1]:
+             ([ckpt, "--batch", "1"], "--batch must be >= 2")]
+    for argv, message in cases:
         with pytest.raises(SystemExit) as error:
             run_cli(["depths", *argv, "--device", "cpu", "--no-memory"])
         text = str(error.value.code)
@@ -352,7 +352,10 @@ def test_run_cell_reuses_a_finished_cell_of_the_same_command(tmp_path, monkeypat
 
 
 def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch):
+    import functools
     monkeypatch.setitem(bench.QUALITY_QUICK, "data_dir", str(fashion_mnist_dir))
+    # 16 runs read the same files: decode them once (gzip is most of a 2-step run's time)
+    monkeypatch.setattr(bench.train, "load_fashion_mnist", functools.lru_cache(bench.train.load_fashion_mnist))
     argv = ["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)]
     result, lines = run_cli(argv)
     rows = {r["cell"]: r for r in result["rows"]}
@@ -369,3 +372,35 @@ def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch
     assert sum("(cached)" in line for line in lines_again) == 16
     if bench._pyplot() is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
+
+
+@pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),
+                                        ("revit-mini-e1", "folded"), ("revit-mini-lora", "folded"),
+                                        ("revit-mini-smear", "model"), ("revit-mini-qwen3", "model")])
+def test_deployed_model_runs_like_the_model_at_that_depth(name, form):
+    model = revit.create_model(name, **tiny_config(num_classes=5, image_size=8, patch_size=4)).eval()
+    depth = model.config.depth if name in ("vit-mini", "revit-mini-lora") else 5
+    module, depth_arg = bench.deployed_model(model, depth)
+    assert (module is not model) == (form == "folded")
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        expected = model(x) if depth == model.config.depth else model(x, depth=depth)
+        got = module(x) if depth_arg is None else module(x, depth=depth_arg)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path):
+    """A checkpoint of the untied ViT on the same data (weights saved as train.py saves them)."""
+    import dataclasses
+    ckpt = torch.load(tiny_checkpoint["checkpoint"], weights_only=True)
+    vit = revit.create_model("vit-mini", **{**tiny_config(), "image_size": 28, "patch_size": 7, "in_channels": 1,
+                                            "num_classes": 10})
+    path = tmp_path / "vit.pt"
+    torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(),
+                "model_config": dataclasses.asdict(vit.config)}, path)
+    result, _ = run_cli(["depths", str(path), "--device", "cpu", "--no-memory", "--batch", "2", "--warmup", "0",
+                         "--repeats", "1", "--out", str(tmp_path)])
+    assert [(r["depth"], r["reference"], r["deployed_form"]) for r in result["rows"]] == [(3, True, "model")]
+    assert result["best"].startswith("no smaller depth")
+    with pytest.raises(SystemExit, match="an untied ViT runs only its own depth 3"):
+        run_cli(["depths", str(path), "--device", "cpu", "--depths", "2,3"])
