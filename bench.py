@@ -938,8 +938,9 @@ def deployed_model(model, depth: int) -> tuple:
 
 
 def vision_depth_rows(model, ckpt, depths, args, device) -> list[dict]:
-    """One row per depth: train.py's accuracy, GFLOPs/image and latency per image of the deployed and the
-    dynamic form (merged FFNs rebuilt on every call, as the paper's Table 7 measured), memory at batch 1."""
+    """One row per depth: train.py's accuracy, GFLOPs/image (deployed form), latency per image of the deployed
+    and the dynamic form (the compact checkpoint run at that depth; reViT rebuilds its merged FFNs on every
+    call, as the paper's Table 7 measured), runtime memory of the deployed form at batch 1."""
     c = model.config
     dynamic = model
     if c.arch == "revit" and c.ffn == "merge" and c.num_experts > 1:
@@ -1096,7 +1097,9 @@ def depths_markdown(result: dict) -> str:
             (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
             ("memory MiB (b1)", f("memory_mib", "{:.1f}")), ("", mark)])
         note = (f"test images: {s['test_images']}; latency per image, median of {s['repeats']} x {s['iters']} "
-                f"calls; pareto: no other depth is both as accurate and as fast (deployed, batch 1).")
+                f"calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
+                f"checkpoint at that depth (reViT merges its experts on every call); pareto: no other depth is "
+                f"both as accurate and as fast (deployed, batch 1).")
     return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
 
 
