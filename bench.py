@@ -880,7 +880,8 @@ def checkpoint_task(ckpt: dict, test_subset: int, device: torch.device):
     if key not in _TASKS:
         cfg = saved_train_config(ckpt)
         cfg.test_subset = test_subset or cfg.test_subset
-        data = train.load_images(cfg, is_main=True)
+        with train_errors("CKPT's test data"):
+            data = train.load_images(cfg, is_main=True)
         bf16 = device.type == "cuda" and cfg.bf16
         autocast_fn = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
         augment = train.Augment(cfg, data, device, seed=0)  # evaluation uses only its normalisation
@@ -889,6 +890,17 @@ def checkpoint_task(ckpt: dict, test_subset: int, device: torch.device):
 
 
 _TASKS = {}  # one data load per (checkpoint config, subset, device)
+
+
+@contextlib.contextmanager
+def train_errors(what: str):
+    """train.py's one-line user errors (train.fail's SystemExit) as this tool's InputError about `what`."""
+    try:
+        yield
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        raise InputError(f"{what}: {e.code.removeprefix('train.py: error: ')}") from None
 
 
 def evaluate_at_depth(model, ckpt: dict, depth, test_subset: int, device: torch.device) -> dict:
@@ -990,7 +1002,8 @@ def saved_train_config(ckpt: dict):
 def language_data(ckpt: dict, test_subset: int):
     """Validation windows (n, T+1) of the checkpoint's own text, as train.py splits it, and tokens per byte."""
     cfg = saved_train_config(ckpt)
-    _, val, tokens_per_byte, _ = train.load_text(cfg, is_main=True)
+    with train_errors("CKPT's text"):
+        _, val, tokens_per_byte, _ = train.load_text(cfg, is_main=True)
     block = cfg.block_size or ckpt["model_config"]["seq_len"]
     n = (len(val) - 1) // block
     windows = torch.stack([val[s * block:s * block + block + 1] for s in range(n)])  # (n, T+1)
@@ -1504,7 +1517,8 @@ def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "train.log"), "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
-        result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
+        with train_errors(f"cell {key} (python train.py {' '.join(argv)})"):
+            result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
     record = {"key": key, "argv": argv, "result": result}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_json(record, path)
@@ -1613,6 +1627,8 @@ def run_quality(args, device) -> dict:
     unknown = sorted(set(grids) - set(QUALITY_GRIDS))
     if unknown or not grids:
         raise InputError(f"--grids must name some of {', '.join(QUALITY_GRIDS)}; got {args.grids!r}")
+    if regime["arch"] not in revit.PRESETS:
+        raise InputError(f"the quality regime's arch {regime['arch']!r} is not a vision preset of revit.py")
     if args.seeds is not None and args.seeds < 1:
         raise InputError(f"--seeds must be >= 1; got {args.seeds}")
     seeds = args.seeds or (2 if args.quick else 3)

@@ -404,3 +404,17 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
     assert result["best"].startswith("no smaller depth")
     with pytest.raises(SystemExit, match="an untied ViT runs only its own depth 3"):
         run_cli(["depths", str(path), "--device", "cpu", "--depths", "2,3"])
+
+
+def test_a_failing_quality_cell_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench.QUALITY_QUICK, "batch_size", 100_000)  # more than the 256 training images
+    with pytest.raises(SystemExit) as error:
+        run_cli(["quality", "--quick", "--device", "cpu", "--grids", "elastic", "--out", str(tmp_path)])
+    text = str(error.value.code)
+    assert text.startswith("bench.py: error: cell elastic-depth-programmed-seed0") and "--batch-size 100000" in text
+    assert "\n" not in text
+    monkeypatch.setitem(bench.QUALITY_QUICK, "arch", "revit-nonsense")
+    with pytest.raises(SystemExit, match="not a vision preset"):
+        run_cli(["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--grids must name some of experts, elastic"):
+        run_cli(["quality", "--quick", "--device", "cpu", "--grids", "table9", "--out", str(tmp_path)])
