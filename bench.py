@@ -1397,6 +1397,9 @@ def run_check(args, device) -> dict:
     out_dir = args.out or f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
     os.makedirs(out_dir, exist_ok=True)
     print(f"bench.py check on {device} ({'quick' if args.quick else 'full'} sizes), report in {out_dir}", flush=True)
+    if device.type == "cpu" and not args.quick:
+        print("note: the full sizes are for a GPU (S/16 at 224², compiled); on a CPU this takes long, --quick "
+              "runs the same code paths at tiny sizes", flush=True)
 
     def correctness():
         rows = correctness_rows(sizes, device)
