@@ -867,6 +867,9 @@ def environment_line(env: dict) -> str:
 # --- a checkpoint at any depth: train.py's evaluation, this tool's timing (python bench.py depths CKPT) ---
 
 
+_TASKS = {}  # one data load per (checkpoint config, subset, device)
+
+
 def checkpoint_task(ckpt: dict, test_subset: int, device: torch.device):
     """train.py's ClassificationTask over the checkpoint's own test set, as its final evaluation builds it.
 
@@ -887,9 +890,6 @@ def checkpoint_task(ckpt: dict, test_subset: int, device: torch.device):
         augment = train.Augment(cfg, data, device, seed=0)  # evaluation uses only its normalisation
         _TASKS[key] = train.ClassificationTask(cfg, data, device, augment, autocast_fn)
     return _TASKS[key]
-
-
-_TASKS = {}  # one data load per (checkpoint config, subset, device)
 
 
 @contextlib.contextmanager
