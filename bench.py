@@ -1,9 +1,12 @@
-"""bench.py: the numbers a user compares, for reViT against its baselines (issue 6).
+"""bench.py: the numbers a user compares, for reViT (arXiv 2610.12448) against its baselines.
 
-    python bench.py params      # parameters and GFLOPs/image at S/B/L 224² (paper Tables 1 and 10, SPEC §1.9)
+    python bench.py params      # parameters and GFLOPs/image at S/B/L 224² (paper Tables 1 and 10)
     python bench.py latency     # inference latency and memory, the protocol of the paper's Table 7
     python bench.py train       # training-step throughput (img/s) and MFU
     python bench.py latency --out latency.json   # also write the JSON document to a file
+    python bench.py check       # the first minutes on a GPU: correctness, latency, training, a short run
+    python bench.py depths CKPT # one checkpoint at every depth: accuracy, latency, GFLOPs, memory (§3.2, §4.4)
+    python bench.py quality     # train.py over seeds: accuracy vs E (Table 5), vs depth (Fig. 2), error bars
 
 Each subcommand prints markdown tables, then the full results as ONE JSON document on the
 last stdout line. The device is picked automatically (CUDA when present, else CPU); CPU
@@ -36,10 +39,14 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import json
+import math
 import os
 import platform
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,7 +57,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+import alternet
 import revit
+import train
 
 # --- the paper's cells (Table 1: params M, GFLOPs/image; Table 10: LoRA-S r=64) ---
 
@@ -72,10 +81,17 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("
 # --- device, environment, timing ---
 
 
+class InputError(ValueError):
+    """Bad input to a bench command (a flag, a checkpoint): main reports it as one line."""
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {name}: CUDA is not available")
+    return device
 
 
 def synchronize(device: torch.device) -> None:
@@ -182,7 +198,10 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
     return times
 
 
-def maybe_compile(model, compiled: bool):
+def maybe_compile(model, compiled: bool, dynamic: bool | None = False):
+    """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches);
+    None: torch's automatic dynamic shapes, so elastic depth's varying per-step batch of retained
+    images recompiles once per graph, not once per size."""
     if not compiled:
         return model
     import torch._dynamo.config as dynamo_config
@@ -190,14 +209,14 @@ def maybe_compile(model, compiled: bool):
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-    return torch.compile(model, dynamic=False)
+    return torch.compile(model, dynamic=dynamic)
 
 
-# --- counting parameters and FLOPs (SPEC §1.9) ---
+# --- counting parameters and FLOPs (the rule that reproduces the paper's Tables 1 and 10) ---
 
 
 def expert_params(dim: int, hidden: int) -> int:
-    """P(d, r) = 2 r d^2 + (r + 1) d of SPEC §1.8, with hidden = r d: one FFN's weights and biases."""
+    """P_FFN(d, r) = 2 r d^2 + (r + 1) d (paper App. A.5), with hidden = r d: one FFN's weights and biases."""
     return 2 * dim * hidden + hidden + dim
 
 
@@ -241,8 +260,9 @@ def _size_fields(config) -> dict:
     return {name: getattr(config, name) for name in names}
 
 
-def counted_flops(model: torch.nn.Module) -> dict:
-    """torch.utils.flop_counter on one batch-1 forward, split by where the FLOPs happen.
+def counted_flops(model: torch.nn.Module, depth: int | None = None) -> dict:
+    """torch.utils.flop_counter on one batch-1 forward (at `depth`, default the model's), split by where
+    the FLOPs happen.
 
     The model is run on its own device (build it on "meta" to count for free); models whose
     forward needs data (token dispatch sorts tokens) must be built on the CPU. Gradients stay
@@ -255,7 +275,7 @@ def counted_flops(model: torch.nn.Module) -> dict:
     counter = FlopCounterMode(display=False)
     # the counter has no formula for the CPU flash-attention kernel; the math backend is plain matmuls
     with counter, sdpa_kernel(SDPBackend.MATH):
-        model(images)
+        model(images) if depth is None else model(images, depth=depth)
     by_module = counter.get_flop_counts()
     module_total = lambda name: sum(by_module[name].values())
     # the score and value products: SDPA, or the batched matmuls it decomposes into (meta device)
@@ -282,7 +302,7 @@ def count_preset(name: str, **overrides) -> tuple:
 
 
 def moe_presets(size: str = "s") -> list[str]:
-    """Issue 5's expert mechanisms at U = 1 (e.g. revit-s-qwen3-u1), when revit.py has them."""
+    """The paper's expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1), when revit.py has them."""
     return sorted(n for n in revit.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
 
 
@@ -291,7 +311,7 @@ def token_dispatch_presets(size: str = "s") -> list[str]:
 
 
 def nominal_budget(model) -> float | None:
-    """The nominal FFN budget U the module states for itself (issue 5's `revit.ffn_budget`), if any."""
+    """The nominal FFN budget U (paper §4.3) the module states for itself (`revit.ffn_budget`), if any."""
     budget = getattr(revit, "ffn_budget", None)
     try:
         return float(budget(model)) if budget else None
@@ -300,7 +320,7 @@ def nominal_budget(model) -> float | None:
 
 
 def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_counter: bool = True) -> dict:
-    """Table 1 rows (+ Table 10 and issue 5's U = 1 rows at S): params, analytic GFLOPs, counter GFLOPs."""
+    """Table 1 rows (+ Table 10 and the App. B U = 1 rows at S): params, analytic GFLOPs, counter GFLOPs."""
     rows = []
     for size in sizes:
         for arch in archs:
@@ -345,7 +365,7 @@ def _counter_columns(counted: dict, ours: dict) -> dict:
 
 
 def _table10_rows(with_counter: bool) -> list[dict]:
-    """Table 10 at S: DeiT III, tied block + layer-wise LoRA r=64 (analytic; module when issue 5 lands), reViT."""
+    """Table 10 at S: DeiT III, tied block + layer-wise LoRA r=64 (analytic, and the module's own count), reViT."""
     with torch.device("meta"):
         vit_s, revit_s = revit.create_model("vit-s"), revit.create_model("revit-s")
     c = revit_s.config
@@ -363,7 +383,7 @@ def _table10_rows(with_counter: bool) -> list[dict]:
                "paper_gflops_online": paper[1], "paper_gflops_folded": paper[2]}
         if key == "lora-s":
             row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6, source="analytic")
-            if "revit-s-lora" in revit.PRESETS:  # issue 5's module: its own count, online and folded
+            if "revit-s-lora" in revit.PRESETS:  # revit.py's LoRA module: its own count, online and folded
                 with torch.device("meta"):
                     row.update(source="module", params_m=revit.create_model("revit-s-lora").num_params() / 1e6)
                 if with_counter:
@@ -379,7 +399,7 @@ def _table10_rows(with_counter: bool) -> list[dict]:
 
 
 def latency_models(size: str) -> dict:
-    """DeiT III and reViT in three deployment forms (SPEC §1.7), the reViT forms sharing one set of weights.
+    """DeiT III and reViT in three deployment forms (paper §3.1, App. A.5), the reViT forms sharing one set of weights.
 
     dynamic: merge_cache=False, the merged FFN of each step is rebuilt on every call (as the paper measured);
     cached: merged FFNs built once per (depth, weights) and reused; folded: revit.fold, a plain ViT.
@@ -468,10 +488,11 @@ def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
             "call + max_memory_allocated growth over a second call"}
 
 
-def _inference_call(model, images, device):
+def _inference_call(run, images, device):
+    """run: a model, or any callable of the images (e.g. functools.partial(model, depth=6))."""
     def call():
         with torch.inference_mode(), autocast(device):
-            return model(images)
+            return run(images)
     return call
 
 
@@ -490,23 +511,56 @@ def profile_table(fn, device, calls: int = 3, top: int = 15) -> str:
 
 
 def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int = 2) -> dict:
-    """Peak RSS of one row, measured in `processes` fresh Python processes (see _memory_worker).
-
-    Heap fragmentation can only add to a peak, so we report the smallest; all values are kept.
-    """
+    """Peak RSS of one latency row (see cpu_memory_of)."""
     arch, overrides, fold = LATENCY_SPECS[label]
-    spec = json.dumps({"preset": f"{arch}-{size}", "overrides": overrides, "fold": fold, "batch": batch,
-                       "calls": calls})
-    values = []
-    for _ in range(processes):
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "_memory", spec], capture_output=True,
-                             text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=900)
-        if out.returncode != 0:
-            return {"memory_error": out.stderr.strip().splitlines()[-1:]}
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        values.append(row["memory_mib"])
-    return {"memory_mib": min(values), "memory_mib_all": values,
-            "memory_method": row["memory_method"] + f", min over {processes} processes"}
+    config = dataclasses.asdict(revit.ViTConfig(**{**revit.PRESETS[f"{arch}-{size}"], **overrides}))
+    return cpu_memory_of([{"config": config, "fold": fold}], batch, calls, processes)[0]
+
+
+def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int = 2) -> list[dict]:
+    """Peak RSS of each model (spec: its config dict, fold, optional depth), `processes` times each.
+
+    One fresh Python process imports torch once, then forks a child per measurement (memory_rows), so
+    no measurement reuses another's freed heap. Heap fragmentation can only add to a peak, so we report
+    the smallest; all values are kept.
+    """
+    payload = json.dumps([{**spec, "batch": batch, "calls": calls} for spec in specs for _ in range(processes)])
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "_memory", payload], capture_output=True,
+                         text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=900)
+    if out.returncode != 0:
+        return [{"memory_error": out.stderr.strip().splitlines()[-1:]}] * len(specs)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    results = []
+    for i in range(len(specs)):
+        group = measured[i * processes:(i + 1) * processes]
+        failed = [g for g in group if "memory_error" in g]
+        values = [g["memory_mib"] for g in group if "memory_mib" in g]
+        results.append(failed[0] if failed else {
+            "memory_mib": min(values), "memory_mib_all": values,
+            "memory_method": group[0]["memory_method"] + f", min over {processes} processes"})
+    return results
+
+
+def memory_rows(specs: list[dict]) -> list[dict]:
+    """Each spec measured by _memory_worker in its own child, forked from this (fresh) process."""
+    rows = []
+    for spec in specs:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: measure, report through the pipe, exit without cleanup
+            os.close(read_end)
+            try:
+                row = _memory_worker(spec)
+            except BaseException as e:  # noqa: BLE001 - reported as the row's error
+                row = {"memory_error": f"{type(e).__name__}: {e}"}
+            os.write(write_end, json.dumps(row).encode())
+            os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end) as fh:
+            text = fh.read()
+        os.waitpid(pid, 0)
+        rows.append(json.loads(text) if text else {"memory_error": "the measuring process died"})
+    return rows
 
 
 def _rss_kib(field: str) -> int:
@@ -523,19 +577,19 @@ def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
 
 
 def _memory_worker(spec: dict) -> dict:
-    """In a fresh process: RSS before the model, then peak RSS over the forward calls.
+    """In a fresh (forked) process: RSS before the model, then peak RSS over the forward calls.
 
     The input is allocated first (not counted); the peak is reset (clear_refs) after the model is
     built, so construction temporaries do not count, only what the model holds and its calls use.
     """
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one heap arena: multi-threaded allocation made peaks vary by 30%
-    c = revit.ViTConfig(**{**revit.PRESETS[spec["preset"]], **spec["overrides"]})
+    c = revit.ViTConfig(**spec["config"])
+    depth = spec.get("depth") or c.depth
     images = torch.randn(spec["batch"], c.in_channels, c.image_size, c.image_size)
     # Prime the runtime (thread pool, kernel libraries, lazily loaded code) with a narrow, 2-step
     # model of the same family on the same input, so their one-off RSS is not charged to the row.
-    primer = revit.create_model(spec["preset"], **spec["overrides"], dim=8 * c.heads, ffn_dim=16 * c.heads,
-                                depth=2, raptor_blocks=1).eval()
+    primer = model_of(dataclasses.replace(c, dim=8 * c.heads, ffn_dim=16 * c.heads, depth=2, raptor_blocks=1))
     with torch.inference_mode():
         primer(images)
     del primer
@@ -544,9 +598,9 @@ def _memory_worker(spec: dict) -> dict:
     if spec["fold"]:
         # the plain ViT revit.fold builds (same shapes; values do not change memory): folding a real
         # reViT here would leave its freed heap in the RSS baseline
-        model = revit.VisionTransformer(folded_config(c)).eval()
+        model = revit.VisionTransformer(folded_config(dataclasses.replace(c, depth=depth))).eval()
     else:
-        model = revit.create_model(spec["preset"], **spec["overrides"]).eval()
+        model = functools.partial(model_of(c), depth=depth) if c.arch != "vit" else model_of(c)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
@@ -558,6 +612,11 @@ def _memory_worker(spec: dict) -> dict:
             model(images)
     peak = _rss_kib("VmHWM") if "VmHWM" in method else _ru_maxrss_kib()
     return {"memory_mib": (peak - before) / 1024, "memory_method": method}
+
+
+def model_of(config: revit.ViTConfig) -> torch.nn.Module:
+    """The module a config describes, in eval mode (what revit.create_model builds from a preset)."""
+    return (revit.ReViT if config.arch == "revit" else revit.VisionTransformer)(config).eval()
 
 
 def _ru_maxrss_kib() -> int:
@@ -590,9 +649,10 @@ def forward_flops(name: str, overrides: dict) -> float:
 
 
 def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repeats=5, iters=1,
-                peak=None, lr=1e-4, profile=False) -> dict:
+                peak=None, lr=1e-4, profile=False, labels=None) -> dict:
+    """labels: only these rows of train_models (default all)."""
     device = torch.device(device)
-    specs = train_models(size)
+    specs = {k: v for k, v in train_models(size).items() if labels is None or k in labels}
     fns, extra = {}, {}
     for label, (name, overrides) in specs.items():
         torch.manual_seed(0)
@@ -602,7 +662,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
         labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05,
                                       fused=device.type == "cuda")
-        fn = _train_step(model, maybe_compile(model, compiled), optimizer, images, labels, device)
+        fn = _train_step(model, maybe_compile(model, compiled, dynamic=None), optimizer, images, labels, device)
         extra[label] = {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
                         "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
                         **first_call(fn, model, device, "first_step_s")}
@@ -647,7 +707,7 @@ def _train_step(model, run, optimizer, images, labels, device):
     return call
 
 
-# --- targets (issue 6) ---
+# --- targets: ours, against the paper's Table 7 (dynamic 1.13x / 1.39x latency, 0.52x memory) ---
 
 
 def latency_targets(rows: list[dict]) -> list[dict]:
@@ -708,211 +768,1068 @@ def f(key, fmt="{:.2f}"):
     return lambda r: fmt.format(r[key])
 
 
-def print_params(result: dict) -> None:
+def params_markdown(result: dict) -> str:
     rows = result["rows"]
-    print("## Parameters and GFLOPs/image, 224², 1000 classes, batch 1 (paper Table 1)\n")
-    print(markdown([r for r in rows if r["table"] == "1"], [
-        ("model", f("model", "{}")), ("params (M)", f("params_m")), ("paper", f("paper_params_m", "{}")),
-        ("GFLOPs T=197", f("gflops")), ("GFLOPs T=198", f("gflops_t198")), ("paper", f("paper_gflops", "{}")),
-        ("folded", f("gflops_folded")), ("flop_counter linear+merge", f("counter_linear_gflops", "{:.3f}")),
-        ("+ attention", f("counter_attention_gflops", "{:.3f}")), ("+ router + other (MFLOPs)",
-         lambda r: f"{r['counter_router_flops'] / 1e6:.3f} + {r['counter_other_flops'] / 1e6:.1f}"),
-        ("= flop_counter total", f("counter_gflops", "{:.3f}"))]))
-    print("\n## Depth-specific parameterizations at S/16 (paper Table 10), GFLOPs with T=198\n")
-    print(markdown([r for r in rows if r["table"] == "10"], [
-        ("model", f("model", "{}")), ("compact params (M)", f("params_m")), ("paper", f("paper_params_m", "{}")),
-        ("GFLOPs online / folded", lambda r: f"{r['gflops_online_t198']:.2f} / {r['gflops_folded_t198']:.2f}"),
-        ("paper", lambda r: f"{r['paper_gflops_online']} / {r['paper_gflops_folded']}"),
-        ("source", lambda r: r.get("source", "module"))]))
+    out = ["## Parameters and GFLOPs/image, 224², 1000 classes, batch 1 (paper Table 1)\n", markdown(
+        [r for r in rows if r["table"] == "1"], [
+            ("model", f("model", "{}")), ("params (M)", f("params_m")), ("paper", f("paper_params_m", "{}")),
+            ("GFLOPs T=197", f("gflops")), ("GFLOPs T=198", f("gflops_t198")), ("paper", f("paper_gflops", "{}")),
+            ("folded", f("gflops_folded")), ("flop_counter linear+merge", f("counter_linear_gflops", "{:.3f}")),
+            ("+ attention", f("counter_attention_gflops", "{:.3f}")), ("+ router + other (MFLOPs)",
+             lambda r: f"{r['counter_router_flops'] / 1e6:.3f} + {r['counter_other_flops'] / 1e6:.1f}"),
+            ("= flop_counter total", f("counter_gflops", "{:.3f}"))])]
+    out += ["\n## Depth-specific parameterizations at S/16 (paper Table 10), GFLOPs with T=198\n", markdown(
+        [r for r in rows if r["table"] == "10"], [
+            ("model", f("model", "{}")), ("compact params (M)", f("params_m")), ("paper", f("paper_params_m", "{}")),
+            ("GFLOPs online / folded", lambda r: f"{r['gflops_online_t198']:.2f} / {r['gflops_folded_t198']:.2f}"),
+            ("paper", lambda r: f"{r['paper_gflops_online']} / {r['paper_gflops_folded']}"),
+            ("source", lambda r: r.get("source", "module"))])]
     lora = next(r for r in rows if r["name"] == "lora-s")
-    print(f"\nLoRA-S: shared model {lora['lora_shared_m']:.2f}M + adapters {lora['lora_adapters_m']:.2f}M "
-          f"(paper 2.53M + 4.72M); source: {lora['source']}.")
+    out.append(f"\nLoRA-S: shared model {lora['lora_shared_m']:.2f}M + adapters {lora['lora_adapters_m']:.2f}M "
+               f"(paper 2.53M + 4.72M); source: {lora['source']}.")
     moe = [r for r in rows if r["table"] == "MoE U=1"]
     if moe:
-        print("\n## Expert mechanisms at U = 1, S/16 (issue 5 presets): real cost against nominal U\n")
-        print(markdown(moe, [("preset", f("name", "{}")), ("params (M)", f("params_m")),
-                             ("flop_counter GFLOPs", f("counter_gflops", "{:.3f}")),
-                             ("attention", f("counter_attention_gflops", "{:.3f}")),
-                             ("measured U", f("measured_u", "{:.3f}")), ("module's nominal U", f("nominal_u", "{:.3f}"))]))
-    else:
-        print("\n(Expert-mechanism presets revit-s-*-u1 not in revit.PRESETS yet: their rows appear when they are.)")
-    print("\nCounting rule (SPEC §1.9): 2 FLOPs per multiply-add of the linear layers, patch embedding and head; "
-          "attention score/value products not counted; reViT online adds its per-step merge as E*P multiply-adds "
-          "(2 E P FLOPs; as FLOPs instead of MACs reViT-B/L would be 34.1/120.7, not 34.3/121.5). T=197 is "
-          "our token count (196 patches + class token). The paper's GFLOPs are reproduced in every cell with "
-          "T=198, one more token (as a DeiT with a distillation token has); with T=197, B/L give 33.7/119.3 "
-          "and reViT-B/L 34.2/120.9, LoRA-S online 10.3. flop_counter on the real module (meta device, "
-          "reViT with merge_cache=False so the merge is counted) equals the T=197 analytic count exactly "
-          "once its attention products (4 T^2 d per step), the router and, for reViT, the diversity loss its "
-          "inference forward computes (2 E^2 P FLOPs; 'other') are set aside. Params: reViT-B/L count "
-          "22.8M/39.8M here vs the paper's 23.6/40.9: the architecture as described (shared block, E full "
-          "FFNs, 1-16-E router, stem, head) has no room for the extra 0.8M/1.1M.")
+        out += ["\n## Expert mechanisms at U = 1, S/16 (paper §4.3, App. B): real cost against nominal U\n",
+                markdown(moe, [("preset", f("name", "{}")), ("params (M)", f("params_m")),
+                               ("flop_counter GFLOPs", f("counter_gflops", "{:.3f}")),
+                               ("attention", f("counter_attention_gflops", "{:.3f}")),
+                               ("measured U", f("measured_u", "{:.3f}")),
+                               ("module's nominal U", f("nominal_u", "{:.3f}"))])]
+    out.append(COUNTING_NOTE)
+    return "\n".join(out)
 
 
-def print_latency(result: dict) -> None:
-    print(f"## Inference latency and memory ({result['settings']['summary']})\n")
-    print(markdown(result["rows"], [
+COUNTING_NOTE = (
+    "\nCounting rule (ours; the paper does not state one, this rule reproduces its Table 1 and 10 cells): 2 FLOPs "
+    "per multiply-add of the linear layers, patch embedding and head; attention score/value products not counted; "
+    "reViT online adds its per-step merge (Eq. 2) as E*P multiply-adds (2 E P FLOPs; as FLOPs instead of MACs "
+    "reViT-B/L would be 34.1/120.7, not 34.3/121.5). T=197 is our token count (196 patches + class token). The "
+    "paper's GFLOPs are reproduced in every cell with T=198, one more token (as a DeiT with a distillation token "
+    "has); with T=197, B/L give 33.7/119.3 and reViT-B/L 34.2/120.9, LoRA-S online 10.3. flop_counter on the real "
+    "module (meta device, reViT with merge_cache=False so the merge is counted) equals the T=197 analytic count "
+    "exactly once its attention products (4 T^2 d per step), the router and, for reViT, the diversity loss its "
+    "inference forward computes (2 E^2 P FLOPs; 'other') are set aside. Params: reViT-B/L count 22.8M/39.8M here "
+    "vs the paper's 23.6/40.9: the architecture as described (shared block, E full FFNs, 1-16-E router, stem, "
+    "head) has no room for the extra 0.8M/1.1M.")
+
+
+def latency_markdown(result: dict) -> str:
+    table = markdown(result["rows"], [
         ("model", f("model", "{}")), ("mode", f("mode", "{}")), ("batch", f("batch", "{}")),
         ("params (M)", f("params_m")), ("latency ms (median)", f("median_ms")),
-        ("IQR", lambda r: f"{r['q1_ms']:.2f}–{r['q3_ms']:.2f}"), ("min–max", lambda r: f"{r['min_ms']:.2f}–{r['max_ms']:.2f}"),
+        ("IQR", lambda r: f"{r['q1_ms']:.2f}–{r['q3_ms']:.2f}"),
+        ("min–max", lambda r: f"{r['min_ms']:.2f}–{r['max_ms']:.2f}"),
         ("vs DeiT III", lambda r: f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"),
         ("img/s", f("images_per_s", "{:.1f}")), ("memory (MiB)", f("memory_mib", "{:.1f}")),
-        ("mem vs DeiT", f("memory_ratio", "{:.2f}")), ("1st call s", f("first_call_s", "{:.1f}"))]))
-    print("\nvs DeiT III: median (IQR) over repeats of the per-round ratio, both timed in the same round.")
-    _print_recompiled(result["rows"])
+        ("mem vs DeiT", f("memory_ratio", "{:.2f}")), ("1st call s", f("first_call_s", "{:.1f}"))])
+    return (f"## Inference latency and memory ({result['settings']['summary']})\n\n{table}\n\n"
+            "vs DeiT III: median (IQR) over repeats of the per-round ratio, both timed in the same round."
+            + recompiled_note(result["rows"]) + targets_markdown(result.get("targets", [])))
 
 
-def print_train(result: dict) -> None:
-    print(f"## Training step ({result['settings']['summary']})\n")
-    print(markdown(result["rows"], [
+def train_markdown(result: dict) -> str:
+    table = markdown(result["rows"], [
         ("model", f("model", "{}")), ("params (M)", f("params_m")), ("step ms (median)", f("median_ms")),
         ("IQR", lambda r: f"{r['q1_ms']:.1f}–{r['q3_ms']:.1f}"),
         ("vs DeiT III", lambda r: f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"),
         ("img/s", f("images_per_s", "{:.1f}")), ("fwd GFLOPs/img", f("forward_gflops_per_image")),
         ("MFU", lambda r: f"{100 * r['mfu']:.1f}%" if "mfu" in r else "unknown"),
-        ("memory (MiB)", f("memory_mib", "{:.0f}"))]))
-    _print_recompiled(result["rows"])
+        ("memory (MiB)", f("memory_mib", "{:.0f}"))])
+    text = f"## Training step ({result['settings']['summary']})\n\n{table}" + recompiled_note(result["rows"])
     elastic = next((r for r in result["rows"] if "ratio_vs_fixed" in r), None)
     if elastic:
         v = elastic["ratio_vs_fixed"]
-        print(f"\nelastic 0.3 vs fixed depth: {v['ratio']:.3f} ({v['ratio_q1']:.3f}–{v['ratio_q3']:.3f})")
-    print("\nMFU = 3 x forward FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent part x 0.7) "
-          "x img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the table (always on CPU).")
+        text += f"\n\nelastic 0.3 vs fixed depth: {v['ratio']:.3f} ({v['ratio_q1']:.3f}–{v['ratio_q3']:.3f})"
+    return text + ("\n\nMFU = 3 x forward FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent "
+                   "part x 0.7) x img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the "
+                   "table (always on CPU).") + targets_markdown(result.get("targets", []))
 
 
-def _print_recompiled(rows):
+def recompiled_note(rows) -> str:
     flagged = [f"{r['model']} ({r.get('mode', 'train')}, batch {r['batch']})" for r in rows
                if r.get("recompiled_while_timed")]
-    if flagged:
-        print("torch.compile built new graphs inside timed regions of: " + ", ".join(flagged) + ".")
+    return ("\ntorch.compile built new graphs inside timed regions of: " + ", ".join(flagged) + ".") if flagged else ""
 
 
-def print_targets(targets: list[dict]) -> None:
-    if targets:
-        print("\n## Targets (issue 6)\n")
-        print(markdown(targets, [("target", f("target", "{}")), ("measured", f("value", "{:.3f}")),
-                                 ("met", lambda r: "yes" if r["met"] else "**no**")]))
+def targets_markdown(targets: list[dict]) -> str:
+    if not targets:
+        return ""
+    return "\n\n### Targets (ours, against the paper's Table 7)\n\n" + markdown(targets, [
+        ("target", f("target", "{}")), ("measured", f("value", "{:.3f}")),
+        ("met", lambda r: "yes" if r["met"] else "**no**")])
+
+
+def environment_line(env: dict) -> str:
+    return (f"{env['date']} · torch {env['torch']} · {env.get('gpu', env['cpu'])} · "
+            f"{env['cpu_count']} CPUs, {env['torch_threads']} threads · git {env.get('git', '?')}")
+
+
+# --- a checkpoint at any depth: train.py's evaluation, this tool's timing (python bench.py depths CKPT) ---
+
+
+_TASKS = {}  # one data load per (checkpoint config, subset, device)
+
+
+def checkpoint_task(ckpt: dict, test_subset: int, device: torch.device):
+    """train.py's ClassificationTask over the checkpoint's own test set, as its final evaluation builds it.
+
+    COORDINATOR: replace checkpoint_task / evaluate_at_depth by train.evaluate once it lands; the
+    evaluation loop itself is already train.py's (ClassificationTask.evaluate), never a copy.
+    """
+    saved = ckpt.get("train_config") or {}
+    if saved.get("teacher"):
+        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
+    key = (json.dumps(saved, sort_keys=True, default=str), test_subset, str(device))
+    if key not in _TASKS:
+        cfg = saved_train_config(ckpt)
+        cfg.test_subset = test_subset or cfg.test_subset
+        with train_errors("CKPT's test data"):
+            data = train.load_images(cfg, is_main=True)
+        bf16 = device.type == "cuda" and cfg.bf16
+        autocast_fn = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        augment = train.Augment(cfg, data, device, seed=0)  # evaluation uses only its normalisation
+        _TASKS[key] = train.ClassificationTask(cfg, data, device, augment, autocast_fn)
+    return _TASKS[key]
+
+
+@contextlib.contextmanager
+def train_errors(what: str):
+    """train.py's one-line user errors (train.fail's SystemExit) as this tool's InputError about `what`."""
+    try:
+        yield
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        raise InputError(f"{what}: {e.code.removeprefix('train.py: error: ')}") from None
+
+
+def evaluate_at_depth(model, ckpt: dict, depth, test_subset: int, device: torch.device) -> dict:
+    """{"acc", "loss"} of `model` at `depth` (None: its reference depth), by train.py's evaluation loop."""
+    result = checkpoint_task(ckpt, test_subset, device).evaluate(model, [depth], 0, 1)[depth]
+    model.eval()  # the training loop's evaluate hands the model back in train mode
+    return result
+
+
+def load_checkpoint_model(path: str, device: torch.device):
+    """train.load_model with every failure turned into one line naming CKPT (InputError)."""
+    if not os.path.isfile(path):
+        raise InputError(f"CKPT {path}: no such checkpoint file")
+    try:
+        return train.load_model(path, device)
+    except Exception as e:  # noqa: BLE001 - an unreadable or foreign file is the user's input error
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"CKPT {path} is not a usable checkpoint of this project: {message}") from None
+
+
+def parse_depth_list(text: str, model) -> list[int]:
+    """--depths for a vision model: integers >= 2; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
+    c = model.config
+    single = c.arch == "vit" or c.ffn == "lora"
+    if not text:
+        return [c.depth] if single else list(range(2, 2 * c.depth + 1))
+    try:
+        depths = sorted({int(d) for d in text.split(",") if d.strip()})
+    except ValueError:
+        depths = []
+    if not depths or depths[0] < 2:
+        raise InputError(f"--depths must be comma-separated integers >= 2 (a recurrent step grid needs two "
+                         f"steps); got {text!r}")
+    if single and depths != [c.depth]:
+        kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
+        raise InputError(f"--depths {text}: {kind} runs only its own depth {c.depth}")
+    return depths
+
+
+def deployed_model(model, depth: int) -> tuple:
+    """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the model
+    folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge cache)."""
+    c = model.config
+    if c.arch == "raptor" or (c.arch == "revit" and c.depth_programmed):
+        return revit.fold(model, depth), None
+    return model, None if c.arch == "vit" else depth
+
+
+def vision_depth_rows(model, ckpt, depths, args, device) -> list[dict]:
+    """One row per depth: train.py's accuracy, GFLOPs/image (deployed form), latency per image of the deployed
+    and the dynamic form (the compact checkpoint run at that depth; reViT rebuilds its merged FFNs on every
+    call, as the paper's Table 7 measured), runtime memory of the deployed form at batch 1."""
+    c = model.config
+    dynamic = model
+    if c.arch == "revit" and c.ffn == "merge" and c.num_experts > 1:
+        dynamic = copy_module(model, merge_cache=False).eval()
+    rows = []
+    for depth in depths:
+        row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
+               **evaluate_at_depth(model, ckpt, None if depth == c.depth else depth, args.test_subset, device)}
+        module, depth_arg = deployed_model(model, depth)
+        row["deployed_form"] = "folded" if module is not model else "model"
+        row["gflops"] = counted_flops(module, depth_arg)["total"] / 1e9
+        forms = {"deployed": functools.partial(module, depth=depth_arg) if depth_arg else module,
+                 "dynamic": functools.partial(dynamic, depth=depth) if c.arch != "vit" else dynamic}
+        fns = {}
+        for batch in (1, args.batch):
+            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
+            fns.update({(form, batch): _inference_call(run, images, device) for form, run in forms.items()})
+        row["memory_mib"] = first_call(fns["deployed", 1], module, device, "first_call_s").get("memory_mib")
+        times = time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
+        for form, batch in fns:
+            row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
+        rows.append(row)
+    if args.memory and device.type == "cpu":
+        specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
+                 for r in rows]
+        for row, memory in zip(rows, cpu_memory_of(specs, batch=1, processes=1)):
+            row["memory_mib"] = memory.get("memory_mib")
+    return rows
+
+
+def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: bool) -> None:
+    """Flag the Pareto-optimal rows: no other row is at least as good and as cheap, and better in one."""
+    sign = 1 if higher_is_better else -1
+    for r in rows:
+        r["pareto"] = not any(sign * o[quality] >= sign * r[quality] and o[cost] <= r[cost] and
+                              (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
+
+
+def saved_train_config(ckpt: dict):
+    """The TrainConfig a checkpoint was trained with (its data, normalisation, batch sizes); never downloads."""
+    known = {field.name for field in dataclasses.fields(train.TrainConfig)}
+    cfg = train.TrainConfig(**{k: v for k, v in (ckpt.get("train_config") or {}).items() if k in known})
+    cfg.download = False
+    return cfg
+
+
+def language_data(ckpt: dict, test_subset: int):
+    """Validation windows (n, T+1) of the checkpoint's own text, as train.py splits it, and tokens per byte."""
+    cfg = saved_train_config(ckpt)
+    with train_errors("CKPT's text"):
+        _, val, tokens_per_byte, _ = train.load_text(cfg, is_main=True)
+    block = cfg.block_size or ckpt["model_config"]["seq_len"]
+    n = (len(val) - 1) // block
+    windows = torch.stack([val[s * block:s * block + block + 1] for s in range(n)])  # (n, T+1)
+    return windows[:test_subset or n], tokens_per_byte, cfg.eval_batch_size
+
+
+def causal_cross_entropy(lm, x, y, cap, threshold) -> tuple:
+    """(summed next-token CE in nats, summed iterations) at iteration cap `cap` and halting `threshold`.
+
+    The causal metric is alternet.causal_loss where alternet.py has it (assumed to return the token-mean
+    CE, or a dict with "loss"); until then the model's own loss, in which the router reads the last token
+    and so sees every position (see alternet.py's docstring). COORDINATOR: drop the fallback at merge.
+    """
+    out = lm(x, max_depth=cap, halt_threshold=threshold)
+    causal = getattr(alternet, "causal_loss", None)
+    if causal is None:
+        ce = F.cross_entropy(out["logits"].float().flatten(0, 1), y.flatten(), reduction="sum")
+    else:
+        value = causal(lm, x, y, max_depth=cap, halt_threshold=threshold)
+        ce = (value["loss"] if isinstance(value, dict) else value) * y.numel()
+    return float(ce), float(out["iterations"].sum())
+
+
+def language_depth_rows(lm, ckpt, args, device) -> list[dict]:
+    """Rows over iteration caps D' = 1 .. D and halting thresholds: bits per byte, mean iterations,
+    latency per generated token (greedy, batch 1)."""
+    windows, tokens_per_byte, eval_batch = language_data(ckpt, args.test_subset)
+    thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
+    prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
+    rows, fns = [], {}
+    with torch.inference_mode():
+        for cap in range(1, lm.config.max_depth + 1):
+            for threshold in thresholds:
+                ce = iterations = 0.0
+                for chunk in windows.split(eval_batch):
+                    chunk = chunk.to(device)
+                    with autocast(device):
+                        part = causal_cross_entropy(lm, chunk[:, :-1], chunk[:, 1:], cap, threshold)
+                    ce, iterations = ce + part[0], iterations + part[1]
+                tokens = windows[:, 1:].numel()
+                rows.append({"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * tokens_per_byte /
+                             math.log(2), "mean_iterations": iterations / len(windows),
+                             "reference": cap == lm.config.max_depth and threshold == thresholds[0]})
+                fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold,
+                                                        device)
+    times = time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
+    for row in rows:
+        row["ms_per_token"] = statistics.median(times[row["max_depth"], row["halt_threshold"]]) * 1e3 / args.new_tokens
+    row_note = "alternet.causal_loss" if hasattr(alternet, "causal_loss") else \
+        "the model's own loss (not causal: the router reads the last token; alternet.causal_loss not available)"
+    for row in rows:
+        row["bpb_metric"] = row_note
+    return rows
+
+
+def _generate_call(lm, prompt, new_tokens, cap, threshold, device):
+    with torch.inference_mode(), autocast(device):
+        return lm.generate(prompt, max_new_tokens=new_tokens, halt_threshold=threshold, max_depth=cap,
+                           temperature=0)
+
+
+def parse_thresholds(text: str) -> list:
+    """--thresholds: 'none' (run every iteration up to the cap) and values in (0, 1]."""
+    try:
+        values = [None if t.strip().lower() == "none" else float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v is not None and not 0 < v <= 1 for v in values):
+        raise InputError(f"--thresholds must be comma-separated values in (0, 1] or 'none'; got {text!r}")
+    return values
+
+
+def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
+                    unit: str, scale: float = 1.0, name: str = "depth") -> str:
+    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
+    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"."""
+    ref = next(r for r in rows if r["reference"])
+    sign = 1 if higher_is_better else -1
+    good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
+               key=lambda r: (r[size_key], r[cost]))
+    if good is ref:
+        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
+    delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
+    return (f"{name} {good[size_key]}: {delta} {unit}, {ref[cost] / good[cost]:.1f}× faster than the reference "
+            f"({name} {ref[size_key]})")
+
+
+def depths_markdown(result: dict) -> str:
+    rows, s = result["rows"], result["settings"]
+    mark = lambda r: ("**ref** " if r["reference"] else "") + ("pareto" if r["pareto"] else "")  # noqa: E731
+    if result["family"] == "language":
+        table = markdown(rows, [
+            ("cap D'", f("max_depth", "{}")), ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
+            ("bits/byte", f("bpb", "{:.4f}")), ("mean iterations", f("mean_iterations")),
+            ("ms/token", f("ms_per_token", "{:.3f}")), ("", mark)])
+        note = f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} tokens, batch 1."
+    else:
+        table = markdown(rows, [
+            ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
+            ("GFLOPs/img", f("gflops", "{:.4f}")),
+            (f"ms/img b1 ({rows[0]['deployed_form']})", f("deployed_ms_b1", "{:.3f}")),
+            ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
+            (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
+            (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
+            ("memory MiB (b1)", f("memory_mib", "{:.1f}")), ("", mark)])
+        note = (f"test images: {s['test_images']}; latency per image, median of {s['repeats']} x {s['iters']} "
+                f"calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
+                f"checkpoint at that depth (reViT merges its experts on every call); pareto: no other depth is "
+                f"both as accurate and as fast (deployed, batch 1).")
+    return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
+
+
+def _pyplot():
+    """matplotlib's pyplot with a file-only backend, or None when matplotlib is not installed (optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_depths(result: dict, path: str) -> str | None:
+    """Accuracy (or bits/byte) against latency, one point per depth (cap), the reference ringed."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+    language = result["family"] == "language"
+    x_key, y_key, size_key = ("ms_per_token", "bpb", "max_depth") if language else ("deployed_ms_b1", "acc", "depth")
+    groups = {}
+    for r in result["rows"]:
+        groups.setdefault(r.get("halt_threshold", "deployed"), []).append(r)
+    for name, rows in groups.items():
+        ys = [r[y_key] * (1 if language else 100) for r in rows]
+        ax.plot([r[x_key] for r in rows], ys, "o-", label=f"threshold {name}" if language else None)
+        for r, y in zip(rows, ys):
+            ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if r["reference"]:
+                ax.plot([r[x_key]], [y], "o", ms=11, mfc="none", mec="k")
+    ax.set_xlabel("ms per generated token" if language else "ms per image (deployed, batch 1)")
+    ax.set_ylabel("bits per byte" if language else "top-1 accuracy (%)")
+    ax.set_title(f"{result['arch']}: {'iteration cap' if language else 'depth'} vs cost", fontsize=9)
+    if language:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run_depths(args, device) -> dict:
+    model, ckpt = load_checkpoint_model(args.checkpoint, device)
+    language = ckpt["arch"] not in revit.PRESETS
+    settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
+                "new_tokens": args.new_tokens, "test_subset": args.test_subset}
+    if args.batch < 2:
+        raise InputError(f"--batch must be >= 2 (batch 1 is always measured); got {args.batch}")
+    if language:
+        rows = language_depth_rows(model, ckpt, args, device)
+        mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
+        best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte", name="cap D'")
+    else:
+        depths = sorted(set(parse_depth_list(args.depths, model)) | {model.config.depth})
+        rows = vision_depth_rows(model, ckpt, depths, args, device)
+        mark_tradeoffs(rows, "acc", "deployed_ms_b1", higher_is_better=True)
+        best = smallest_within(rows, "depth", "acc", 0.005, "deployed_ms_b1", True, "points", scale=100)
+        settings["test_images"] = len(checkpoint_task(ckpt, args.test_subset, device).data.test)
+    result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"],
+              "family": "language" if language else "vision", "settings": settings, "rows": rows, "best": best}
+    out_dir = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
+    os.makedirs(out_dir, exist_ok=True)
+    result["plot"] = plot_depths(result, os.path.join(out_dir, "depths.png"))
+    print(depths_markdown(result))
+    write_json(result, os.path.join(out_dir, "depths.json"))
+    return result
+
+
+# --- check: the first minutes on a GPU, every CUDA path in one report (python bench.py check) ---
+
+# Sizes. CUDA: S/16 at 224² as the paper's Table 7, sized for about 8 minutes on one H100 (an estimate until
+# the first GPU run: torch.compile's build time dominates). --quick: the same code paths at tiny sizes on CPU
+# (torch.compile with the eager backend: dynamo's graph capture, guards and recompiles, no code generation).
+CHECK_SIZES = {
+    "full": dict(
+        presets=("vit-s", "revit-s"), overrides={}, batch=4, compile_backend="inductor",
+        latency=dict(size="s", batches=(1, 64), modes=("compiled",), warmup=5, repeats=10, iters=10, memory=True),
+        train=dict(size="s", batch=128, compiled=True, warmup=3, repeats=10, iters=3),
+        run=["--arch", "revit-s", "--compile", "--max-steps", "100", "--log-interval", "10"]),
+    "quick": dict(
+        presets=("vit-mini", "revit-mini"), overrides=dict(image_size=8, patch_size=4, dim=16, heads=2, ffn_dim=24,
+                                                         depth=4), batch=2, compile_backend="eager",
+        latency=dict(size="mini", batches=(1, 2), modes=("eager",), warmup=1, repeats=2, iters=1, memory=False),
+        train=dict(size="mini", batch=4, compiled=False, warmup=0, repeats=2, iters=1),
+        run=["--arch", "revit-mini", "--compile", "--max-steps", "4", "--train-subset", "512", "--test-subset", "256",
+             "--batch-size", "64", "--log-interval", "2", "--model-args", "dim=24,heads=2,ffn_dim=48,depth=3"]),
+}
+CHECK_TRAIN_ROWS = ("DeiT III", "reViT fixed", "reViT elastic 0.3")  # the token-dispatch rows: python bench.py train
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def check_models(sizes: dict, device: torch.device) -> dict:
+    """A ViT and a reViT, weights nudged off their initial symmetries (zero router output layer, equal
+    experts) so that every equivalence below has something to compare."""
+    models = {}
+    g = torch.Generator().manual_seed(0)
+    for name in sizes["presets"]:
+        torch.manual_seed(0)
+        model = revit.create_model(name, **sizes["overrides"])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+        models[name.split("-")[0]] = model.to(device)
+    return models
+
+
+def forward_backward(model, images, bf16: bool):
+    """Logits and the flat gradient of a scalar of them, with or without bf16 autocast."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = model(images, return_states=True)
+        loss = out["logits"].float().logsumexp(-1).mean() + sum(out["aux_losses"].values())
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return out["logits"].detach(), grads
+
+
+def check_autocast(model, images) -> dict:
+    """bf16 autocast forward/backward close to fp32 (train mode); an fp32 call after an autocast call is
+    unchanged (the merge cache must key on the autocast state, eval mode)."""
+    model.train()
+    ref_logits, ref_grads = forward_backward(model, images, bf16=False)
+    logits, grads = forward_backward(model, images, bf16=True)
+    model.eval()
+    with torch.no_grad():
+        before = model(images)
+        with torch.autocast(images.device.type, dtype=torch.bfloat16):
+            model(images)
+        after = model(images)
+    errors = {"logits": relative_error(logits, ref_logits), "grads": relative_error(grads, ref_grads),
+              "fp32 after bf16": relative_error(after, before)}
+    return {"value": max(errors["logits"], errors["grads"]), "limit": 0.05,
+            "ok": errors["logits"] <= 0.05 and errors["grads"] <= 0.05 and errors["fp32 after bf16"] <= 1e-6,
+            "detail": ", ".join(f"{k} {v:.2e}" for k, v in errors.items()) + f"; logits dtype {logits.dtype}"}
+
+
+def check_compile(model, images, backend: str) -> dict:
+    """torch.compile matches eager on a training forward/backward; a repeated call builds no new graph."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    model.train()
+    ref_logits, ref_grads = forward_backward(model, images, bf16=False)
+    compiled = torch.compile(model, backend=backend)
+    logits, grads = forward_backward(compiled, images, bf16=False)
+    graphs = compiled_graphs()
+    forward_backward(compiled, images, bf16=False)
+    error = max(relative_error(logits, ref_logits), relative_error(grads, ref_grads))
+    rebuilt = compiled_graphs() - graphs
+    return {"value": error, "limit": 1e-4, "ok": error <= 1e-4 and rebuilt == 0,
+            "detail": f"backend {backend}, {graphs} graph(s), {rebuilt} new on a repeated call"}
+
+
+def check_fused_adamw(model, images) -> dict:
+    """One fused AdamW step equals the for-each implementation's step."""
+    model.train()
+    after = []
+    for fused in (True, False):
+        copy = copy_module(model)
+        optimizer = torch.optim.AdamW(copy.parameters(), lr=1e-3, weight_decay=0.05, fused=fused,
+                                      foreach=None if fused else True)
+        forward_backward(copy, images, bf16=False)
+        optimizer.step()
+        after.append(torch.cat([p.detach().flatten() for p in copy.parameters()]))
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    error = relative_error(after[0] - before, after[1] - before)
+    return {"value": error, "limit": 1e-5, "ok": error <= 1e-5, "detail": "relative difference of the updates"}
+
+
+def copy_module(model, **changes):
+    """A second module with the same weights (and config `changes` that do not change the parameters)."""
+    copy = type(model)(dataclasses.replace(model.config, **changes)).to(next(model.parameters()).device)
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+@torch.no_grad()
+def check_fold(model, images) -> dict:
+    """§3.1: revit.fold's plain ViT equals the reViT at its own depth and at another."""
+    model.eval()
+    depths = (model.config.depth, max(2, model.config.depth // 2))
+    errors = [relative_error(revit.fold(model, d)(images), model(images, depth=d)) for d in depths]
+    return {"value": max(errors), "limit": 1e-4, "ok": max(errors) <= 1e-4,
+            "detail": ", ".join(f"depth {d}: {e:.2e}" for d, e in zip(depths, errors))}
+
+
+@torch.no_grad()
+def check_cache(model, images) -> dict:
+    """The merge cache equals merging on every call, also after the weights change (the cache invalidates)."""
+    model.eval()
+    dynamic = copy_module(model, merge_cache=False).eval()
+    errors = [relative_error(model(images), dynamic(images))]
+    for m in (model, dynamic):
+        m.block.mlp.fc1_weight.mul_(1.01)
+    errors.append(relative_error(model(images), dynamic(images)))
+    return {"value": max(errors), "limit": 1e-5, "ok": max(errors) <= 1e-5,
+            "detail": f"before {errors[0]:.2e}, after a weight change {errors[1]:.2e}"}
+
+
+@torch.no_grad()
+def check_elastic(model, images) -> dict:
+    """§3.2: an image that keeps n of the L steps (renumbered to k / (n - 1)) equals the model run at depth n."""
+    model.eval()
+    depth = model.config.depth
+    keep = torch.ones(len(images), depth, dtype=torch.bool, device=images.device)
+    keep[1:, 1::2] = False  # every other step dropped for all but the first image
+    out = model(images, keep=keep)
+    errors = [relative_error(out[i], model(images[i:i + 1], depth=int(keep[i].sum()))[0]) for i in range(len(images))]
+    return {"value": max(errors), "limit": 1e-4, "ok": max(errors) <= 1e-4,
+            "detail": "kept steps per image: " + ", ".join(str(int(k.sum())) for k in keep)}
+
+
+def correctness_rows(sizes: dict, device: torch.device) -> list[dict]:
+    """Each check in turn; an exception is a failed row, never the end of the run."""
+    models = check_models(sizes, device)
+    c = models["revit"].config
+    images = torch.randn(sizes["batch"], c.in_channels, c.image_size, c.image_size, device=device)
+    checks = [(f"bf16 autocast {name}", functools.partial(check_autocast, model, images))
+              for name, model in models.items()]
+    checks += [("torch.compile = eager (reViT)", functools.partial(check_compile, models["revit"], images,
+                                                                    sizes["compile_backend"])),
+               ("fused AdamW step (reViT)", functools.partial(check_fused_adamw, models["revit"], images)),
+               ("fold = reViT", functools.partial(check_fold, models["revit"], images)),
+               ("merge cache = dynamic merge", functools.partial(check_cache, models["revit"], images)),
+               ("elastic keep mask = smaller depth", functools.partial(check_elastic, models["revit"], images))]
+    rows = []
+    with tf32(device, False):  # the equivalences compare float32 computations
+        for name, fn in checks:
+            rows.append({"check": name, **timed(fn)})
+    return rows
+
+
+@contextlib.contextmanager
+def tf32(device: torch.device, enabled: bool):
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def timed(fn) -> dict:
+    """fn's result dict with its wall time; an exception becomes ok=False with its last line."""
+    start = time.perf_counter()
+    try:
+        out = fn()
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - record every failure and go on
+        text = str(e).strip().splitlines()
+        out = {"ok": False, "detail": f"{type(e).__name__}: {text[-1] if text else ''}"}
+    return {**out, "seconds": time.perf_counter() - start}
+
+
+def check_train_run(argv: list[str], out_dir: str) -> dict:
+    """train.py's own main for a short run (in-process); throughput from its metrics log."""
+    run_dir = os.path.join(out_dir, "train-run")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    with open(os.path.join(out_dir, "train-run.log"), "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rates = [r["per_s"] for r in map(json.loads, fh) if "per_s" in r]
+    steady = rates[1:] or rates  # the first interval includes torch.compile's build
+    return {"ok": result.get("step") == int(argv[argv.index("--max-steps") + 1]),
+            "command": "python train.py " + " ".join(argv), "steps": result.get("step"),
+            "images_per_s": statistics.median(steady), "first_interval_images_per_s": rates[0],
+            "test_acc": result.get("test_acc"), "minutes": result.get("minutes"),
+            "detail": f"log: {os.path.join(out_dir, 'train-run.log')}"}
+
+
+
+def run_check(args, device) -> dict:
+    """Every part in order, each timed; a failure is recorded and the next part runs."""
+    sizes = CHECK_SIZES["quick" if args.quick else "full"]
+    out_dir = args.out or f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"bench.py check on {device} ({'quick' if args.quick else 'full'} sizes), report in {out_dir}", flush=True)
+    if device.type == "cpu" and not args.quick:
+        print("note: the full sizes are for a GPU (S/16 at 224², compiled); on a CPU this takes long, --quick "
+              "runs the same code paths at tiny sizes", flush=True)
+
+    def correctness():
+        rows = correctness_rows(sizes, device)
+        return {"ok": all(r["ok"] for r in rows), "rows": rows}
+
+    def latency():
+        s = sizes["latency"]
+        with tf32(device, True):
+            result = bench_latency(device=device, **s)
+        targets = latency_targets(result["rows"]) if s["size"] == "s" else []
+        return {"ok": True, **result, "targets": targets, "settings": {"summary": describe(s, device)}}
+
+    def train_step():
+        s = sizes["train"]
+        with tf32(device, True):
+            result = bench_train(device=device, peak=peak_flops(device), labels=CHECK_TRAIN_ROWS, **s)
+        targets = train_targets(result["rows"]) if s["size"] == "s" else []
+        return {"ok": True, **result, "targets": targets, "settings": {"summary": describe(s, device)}}
+
+    parts = {}
+    for name, fn in [("correctness", correctness), ("latency", latency), ("train step", train_step),
+                     ("train.py run", lambda: check_train_run(sizes["run"], out_dir))]:
+        parts[name] = timed(fn)
+        print(f"{name}: {'ok' if parts[name]['ok'] else 'FAILED'} ({parts[name]['seconds']:.1f} s)", flush=True)
+    result = {"command": "check", "quick": args.quick, "env": environment(device), "sizes": sizes, "parts": parts,
+              "ok": all(p["ok"] for p in parts.values()), "out_dir": out_dir}
+    report = check_markdown(result)
+    print(report)
+    with open(os.path.join(out_dir, "check.md"), "w") as fh:
+        fh.write(report + "\n")
+    write_json(result, os.path.join(out_dir, "check.json"))
+    return result
+
+
+def check_markdown(result: dict) -> str:
+    parts, env = result["parts"], result["env"]
+    summary = markdown([{"part": k, **v} for k, v in parts.items()], [
+        ("part", f("part", "{}")), ("status", lambda r: "ok" if r["ok"] else "**FAILED**"),
+        ("seconds", f("seconds", "{:.1f}")), ("detail", lambda r: r.get("detail", ""))])
+    out = [f"# bench.py check: {env['device']}, {'quick' if result['quick'] else 'full'} sizes\n",
+           environment_line(env), "", summary,
+           f"\nTotal {sum(p['seconds'] for p in parts.values()):.0f} s; "
+           f"{'all parts passed' if result['ok'] else 'FAILURES above'}.\n",
+           "## Correctness on the device\n"]
+    correctness = parts["correctness"]
+    if "rows" in correctness:
+        out.append(markdown(correctness["rows"], [
+            ("check", f("check", "{}")), ("ok", lambda r: "yes" if r["ok"] else "**no**"),
+            ("measured", f("value", "{:.2e}")), ("limit", f("limit", "{:.0e}")), ("detail", f("detail", "{}")),
+            ("s", f("seconds", "{:.1f}"))]))
+    for name, to_markdown in (("latency", latency_markdown), ("train step", train_markdown)):
+        if "rows" in parts[name]:
+            out.append("\n" + to_markdown(parts[name]))
+    run = parts["train.py run"]
+    out += ["\n## A short train.py run\n", f"`{run.get('command', '')}`\n" if "command" in run else "",
+            markdown([run], [("steps", f("steps", "{}")),
+                             ("img/s (after the first interval)", f("images_per_s", "{:.0f}")),
+                             ("img/s (first interval, incl. compile)", f("first_interval_images_per_s", "{:.0f}")),
+                             ("test acc %", lambda r: f"{100 * r['test_acc']:.2f}"),
+                             ("minutes", f("minutes", "{:.2f}"))])]
+    return "\n".join(out)
+
+
+def describe(settings: dict, device) -> str:
+    return f"{precision(device)}, " + ", ".join(f"{k} {v}" for k, v in settings.items())
+
+# --- quality: small-scale evidence with seeds and error bars (python bench.py quality) ---
+
+# The regime: train.py flags ({field: value}) shared by every cell. Change it here to move the whole sweep;
+# each cell below overrides a few fields (its model_args are appended to the regime's).
+QUALITY_REGIME = {"arch": "revit-mini", "epochs": 15}
+# --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
+QUALITY_QUICK = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128, "batch_size": 64,
+                 "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
+# {size}: the regime's preset size (revit-mini -> mini); {eval_depths}: 2, 3, 4, L, 1.5L, 2L of the regime's L.
+QUALITY_GRIDS = {
+    "experts": {  # paper Table 5 (E = 1 ... 8) with Table 1's untied ViT and Raptor
+        "ViT (untied)": {"arch": "vit-{size}"},
+        "Raptor k=2": {"arch": "raptor-{size}-k2"},
+        **{f"reViT E={e}": {"num_experts": e} for e in (1, 2, 4, 8)},
+    },
+    "elastic": {  # paper Fig. 2: after elastic-depth training (§3.2, rate 0.3), accuracy at other depths
+        "depth-programmed": {"depth_drop": 0.3, "eval_depths": "{eval_depths}"},
+        "feature-only": {"depth_drop": 0.3, "eval_depths": "{eval_depths}", "model_args": "ffn=feature"},
+    },
+}
+
+
+def regime_eval_depths(regime: dict) -> list[int]:
+    depth = regime.get("depth") or revit.PRESETS[regime["arch"]]["depth"]
+    return sorted({2, 3, 4, depth, (3 * depth + 1) // 2, 2 * depth})
+
+
+def cell_argv(regime: dict, cell: dict, seed: int) -> list[str]:
+    """train.py's command line for one cell and seed: the regime, then the cell's fields."""
+    fill = {"size": regime["arch"].split("-", 1)[1], "eval_depths": ",".join(map(str, regime_eval_depths(regime)))}
+    values = dict(regime)
+    for key, value in cell.items():
+        value = value.format(**fill) if isinstance(value, str) else value
+        values[key] = f"{values[key]},{value}" if key == "model_args" and values.get(key) else value
+    values["seed"] = seed
+    argv = []
+    for key, value in values.items():
+        flag = key.replace("_", "-")
+        argv += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
+    return argv
+
+
+def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
+    """One train.py run, unless cells/KEY.json already holds a finished run of the same command line."""
+    path = os.path.join(out_dir, "cells", f"{key}.json")
+    if os.path.exists(path):
+        with open(path) as fh:
+            cached = json.load(fh)
+        if cached["argv"] == argv:
+            return {**cached, "cached": True}
+    run_dir = os.path.join(out_dir, "runs", key)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "train.log"), "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        with train_errors(f"cell {key} (python train.py {' '.join(argv)})"):
+            result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
+    record = {"key": key, "argv": argv, "result": result}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_json(record, path)
+    return {**record, "cached": False}
+
+
+def mean_std(values: list[float]) -> dict:
+    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str) -> list[dict]:
+    cells = [(grid, name, spec) for grid in grids for name, spec in QUALITY_GRIDS[grid].items()]
+    rows, done = [], 0
+    for grid, name, spec in cells:
+        records = []
+        for seed in range(seeds):
+            key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
+            record = run_cell(key, cell_argv(regime, spec, seed), out_dir)
+            records.append(record["result"])
+            done += 1
+            print(f"[{done}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: top-1 "
+                  f"{100 * record['result']['test_acc']:.2f}%" + (" (cached)" if record["cached"] else
+                  f" ({record['result']['minutes']:.1f} min)"), flush=True)
+        depths = sorted({int(d) for r in records for d in r.get("depths", {})})
+        rows.append({"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
+                     "params": records[0]["params"], "reference_depth": records[0]["reference_depth"],
+                     "acc": mean_std([r["test_acc"] for r in records]),
+                     "depths": {d: mean_std([r["depths"][str(d)]["acc"] for r in records]) for d in depths},
+                     "minutes": sum(r["minutes"] for r in records)})
+    return rows
+
+
+def pm(stats: dict) -> str:
+    """'88.12 ± 0.20 [88.0 88.3 88.1]': mean ± std over seeds, then the per-seed values, in %."""
+    seeds = " ".join(f"{100 * v:.1f}" for v in stats["values"])
+    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
+
+
+def quality_markdown(result: dict) -> str:
+    out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
+    experts = [r for r in result["rows"] if r["grid"] == "experts"]
+    if experts:
+        out += ["\n### Accuracy against the expert count (paper Table 5, Table 1)\n", markdown(experts, [
+            ("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
+            ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"]))])]
+    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
+    if elastic:
+        depths = sorted({d for r in elastic for d in r["depths"]})
+        out += ["\n### Accuracy at inference depths after elastic training (paper Fig. 2)\n", markdown(elastic, [
+            ("cell", f("cell", "{}"))] + [(f"depth {d}" + (" (L)" if d == elastic[0]["reference_depth"] else ""),
+                                           lambda r, d=d: pm(r["depths"][d])) for d in depths])]
+    out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
+               f"count their original run); cells in {result['out_dir']}/cells.")
+    return "\n".join(out)
+
+
+def plot_quality(result: dict, folders: list[str]) -> list[str]:
+    """accuracy vs E with error bars (Table 5 shape) and accuracy vs inference depth with bands (Fig. 2)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    figures = {}
+    experts = [r for r in result["rows"] if r["grid"] == "experts"]
+    if experts:
+        fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+        bank = [r for r in experts if r["num_experts"]]
+        ax.errorbar([r["num_experts"] for r in bank], [100 * r["acc"]["mean"] for r in bank],
+                    yerr=[100 * r["acc"]["std"] for r in bank], fmt="o-", capsize=3, label="reViT")
+        for r, style in zip([r for r in experts if not r["num_experts"]], ("--", ":", "-.")):
+            mean, std = 100 * r["acc"]["mean"], 100 * r["acc"]["std"]
+            ax.axhline(mean, ls=style, color="gray", label=r["cell"])
+            ax.axhspan(mean - std, mean + std, color="gray", alpha=0.15)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["num_experts"] for r in bank], labels=[str(r["num_experts"]) for r in bank])
+        ax.set(xlabel="experts E", ylabel="top-1 accuracy (%)", title="accuracy vs E (mean ± std over seeds)")
+        ax.legend(fontsize=7)
+        figures["quality_experts.png"] = fig
+    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
+    if elastic:
+        fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+        for r in elastic:
+            depths = sorted(r["depths"])
+            mean = [100 * r["depths"][d]["mean"] for d in depths]
+            std = [100 * r["depths"][d]["std"] for d in depths]
+            ax.plot(depths, mean, "o-", label=r["cell"])
+            ax.fill_between(depths, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+        ax.axvline(elastic[0]["reference_depth"], ls=":", color="gray")
+        ax.set(xlabel="inference depth", ylabel="top-1 accuracy (%)", title="after elastic training (mean ± std)")
+        ax.legend(fontsize=7)
+        figures["quality_depths.png"] = fig
+    paths = []
+    for name, fig in figures.items():
+        fig.tight_layout()
+        for folder in folders:
+            os.makedirs(folder, exist_ok=True)
+            fig.savefig(os.path.join(folder, name))
+            paths.append(os.path.join(folder, name))
+        plt.close(fig)
+    return paths
+
+
+def run_quality(args, device) -> dict:
+    regime = dict(QUALITY_QUICK if args.quick else QUALITY_REGIME, device=str(device))
+    grids = [g.strip() for g in args.grids.split(",") if g.strip()]
+    unknown = sorted(set(grids) - set(QUALITY_GRIDS))
+    if unknown or not grids:
+        raise InputError(f"--grids must name some of {', '.join(QUALITY_GRIDS)}; got {args.grids!r}")
+    if regime["arch"] not in revit.PRESETS:
+        raise InputError(f"the quality regime's arch {regime['arch']!r} is not a vision preset of revit.py")
+    if args.seeds is not None and args.seeds < 1:
+        raise InputError(f"--seeds must be >= 1; got {args.seeds}")
+    seeds = args.seeds or (2 if args.quick else 3)
+    out_dir = args.out or ("out/quality-quick" if args.quick else "out/quality")
+    rows = quality_rows(grids, regime, seeds, out_dir)
+    result = {"command": "quality", "quick": args.quick, "regime": regime, "seeds": seeds, "grids": grids,
+              "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
+    folders = [out_dir] + ([os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")] if args.assets else [])
+    result["plots"] = plot_quality(result, folders)
+    print(quality_markdown(result))
+    write_json(result, os.path.join(out_dir, "quality.json"))
+    return result
 
 
 # --- command line ---
 
 CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1),
-                "train": dict(batch=8, compile=False, warmup=1, repeats=5, iters=1)}
+                "train": dict(batch=8, compile=False, warmup=1, repeats=5, iters=1),
+                "depths": dict(batch=16, warmup=1, repeats=5, iters=1)}
 CUDA_DEFAULTS = {"latency": dict(batches="1,64", modes="compiled", warmup=10, repeats=30, iters=20),
-                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5)}
+                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5),
+                 "depths": dict(batch=64, warmup=10, repeats=20, iters=10)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    def common(p):
-        p.add_argument("--out", help="also write the JSON results to this file")
-        p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda")
-        p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-
     p = sub.add_parser("params", help="parameters and GFLOPs/image at S/B/L (paper Tables 1 and 10)")
     p.add_argument("--out", help="also write the JSON results to this file")
     p.add_argument("--sizes", default="s,b,l", help="comma-separated model sizes (s, b, l)")
     p.add_argument("--no-counter", action="store_true", help="skip the flop_counter cross-check")
-
     for name, text in [("latency", "inference latency and memory, DeiT III vs reViT dynamic/cached/folded"),
                        ("train", "training-step throughput and MFU")]:
         p = sub.add_parser(name, help=text)
-        common(p)
+        device_flags(p)
+        p.add_argument("--out", help="also write the JSON results to this file")
         p.add_argument("--size", default="s", choices=["s", "b", "l", "mini", "mini32"],
                        help="model size of the presets (vit-SIZE, revit-SIZE); s = ViT-S/16 at 224²")
-        p.add_argument("--warmup", type=int, help="untimed calls first (CPU 2/1, CUDA 10/5 for latency/train)")
-        p.add_argument("--repeats", type=int, help="timed regions per row (CPU 7/5, CUDA 30/20)")
-        p.add_argument("--iters", type=int, help="calls per timed region (CPU 1, CUDA 20/5)")
+        timing_flags(p, "CPU 2/1, CUDA 10/5 for latency/train", "CPU 7/5, CUDA 30/20", "CPU 1, CUDA 20/5")
         p.add_argument("--profile", action="store_true", help="also print a torch.profiler op table per row")
-    lat, train = sub.choices["latency"], sub.choices["train"]
+    lat, tr = sub.choices["latency"], sub.choices["train"]
     lat.add_argument("--batches", help="comma-separated batch sizes (CPU 1,8; CUDA 1,64 as in Table 7)")
     lat.add_argument("--modes", help="comma-separated: eager, compiled (CPU both; CUDA compiled)")
     lat.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
-    train.add_argument("--batch", type=int, help="batch size (CPU 8, CUDA 128)")
-    train.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                       help="torch.compile the model (CUDA default on, CPU off)")
-    train.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: table for known GPUs)")
-
+    tr.add_argument("--batch", type=int, help="batch size (CPU 8, CUDA 128)")
+    tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the model (CUDA default on, CPU off)")
+    tr.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: table for known GPUs)")
+    add_check_parser(sub)
+    add_depths_parser(sub)
+    add_quality_parser(sub)
     return parser
+
+
+def device_flags(p):
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+
+def timing_flags(p, warmup: str, repeats: str, iters: str):
+    p.add_argument("--warmup", type=int, help=f"untimed calls first ({warmup})")
+    p.add_argument("--repeats", type=int, help=f"timed regions per row ({repeats})")
+    p.add_argument("--iters", type=int, help=f"calls per timed region ({iters})")
+
+
+def add_check_parser(sub):
+    p = sub.add_parser("check", help="the first minutes on a GPU: correctness, Table 7 latency, training step, "
+                                     "a 100-step train.py --compile run; one markdown report")
+    device_flags(p)
+    p.add_argument("--out", help="folder for check.md, check.json and the run's files (default: out/check-TIME)")
+    p.add_argument("--quick", action="store_true", help="the same code paths at tiny sizes (CPU: well under a minute)")
+
+
+def add_depths_parser(sub):
+    p = sub.add_parser("depths", help="accuracy, latency, GFLOPs and memory of one checkpoint at every depth "
+                                      "(AlterNet: iteration caps and halting thresholds)")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
+    device_flags(p)
+    p.add_argument("--depths", default="", help="comma-separated depths >= 2 (default 2 ... 2L; a ViT: L)")
+    p.add_argument("--test-subset", type=int, default=0, help="evaluate on the first N test images / validation "
+                                                              "windows (default: the checkpoint's own test set)")
+    p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
+    timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure runtime memory at batch 1 (CPU: a forked fresh process per depth)")
+    p.add_argument("--thresholds", default="0.5,none",
+                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); the first "
+                        "is the reference")
+    p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
+    p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
+
+
+def add_quality_parser(sub):
+    p = sub.add_parser("quality", help="train.py per cell over seeds: accuracy vs E (Table 5) and vs inference "
+                                       "depth after elastic training (Fig. 2), mean ± std; resumes")
+    device_flags(p)
+    p.add_argument("--grids", default=",".join(QUALITY_GRIDS), help=f"which grids ({', '.join(QUALITY_GRIDS)})")
+    p.add_argument("--seeds", type=int, help="seeds per cell (default 3; --quick 2)")
+    p.add_argument("--out", help="folder of finished cells (resumes from it), runs, quality.json and plots "
+                                 "(default out/quality, --quick out/quality-quick)")
+    p.add_argument("--quick", action="store_true", help="a smoke run in seconds: tiny model, two steps per cell")
+    p.add_argument("--assets", action="store_true", help="also write the plots to assets/")
 
 
 def resolve(args, device) -> dict:
     """Fill unset flags with the device's defaults; say which were defaults."""
-    defaults = (CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)[args.command]
+    defaults = (CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).get(args.command, {})
     used = {}
     for key, value in defaults.items():
-        flag = "compile" if key == "compile" else key
-        if getattr(args, flag, None) is None:
-            setattr(args, flag, value)
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
             used[key] = value
     return used
 
 
+def write_json(result: dict, path: str) -> None:
+    """Write to a temp name, then rename: an interrupted run never leaves a torn file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(result, default=str, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+
+
+def run_params(args, device) -> dict:
+    result = {"command": "params", **bench_params(tuple(args.sizes.split(",")), with_counter=not args.no_counter),
+              "env": environment(torch.device("cpu"))}
+    print(params_markdown(result))
+    return result
+
+
+def run_latency(args, device) -> dict:
+    batches, modes = tuple(int(b) for b in args.batches.split(",")), tuple(args.modes.split(","))
+    settings = {"size": args.size, "batches": batches, "modes": modes, "warmup": args.warmup,
+                "repeats": args.repeats, "iters": args.iters, "precision": precision(device)}
+    settings["summary"] = (f"{args.size.upper()}, {precision(device)}, batches {list(batches)}, {'/'.join(modes)}, "
+                           f"warm-up {args.warmup}, {args.repeats} repeats x {args.iters} calls")
+    result = {"command": "latency", "settings": settings,
+              **bench_latency(args.size, batches, modes, device, args.warmup, args.repeats, args.iters,
+                              memory=not args.no_memory, profile=args.profile)}
+    result["targets"] = latency_targets(result["rows"]) if args.size == "s" else []
+    print(latency_markdown(result))
+    return result
+
+
+def run_train(args, device) -> dict:
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device)
+    settings = {"size": args.size, "batch": args.batch, "compiled": args.compile, "warmup": args.warmup,
+                "repeats": args.repeats, "iters": args.iters, "precision": precision(device), "peak_flops": peak,
+                "token_dispatch_presets": token_dispatch_presets(args.size)}
+    settings["summary"] = (f"{args.size.upper()}, {precision(device)}, batch {args.batch}, "
+                           f"{'compiled' if args.compile else 'eager'}, AdamW, warm-up {args.warmup}, "
+                           f"{args.repeats} repeats x {args.iters} steps")
+    result = {"command": "train", "settings": settings,
+              **bench_train(args.size, args.batch, device, args.compile, args.warmup, args.repeats, args.iters,
+                            peak, profile=args.profile)}
+    result["targets"] = train_targets(result["rows"]) if args.size == "s" else []
+    print(train_markdown(result))
+    return result
+
+
+def precision(device) -> str:
+    return "bf16 autocast" if device.type == "cuda" else "fp32"
+
+
+COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "check": run_check,
+            "depths": run_depths, "quality": run_quality}
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_memory"]:  # internal: one CPU memory row, in the fresh process cpu_memory starts
-        result = _memory_worker(json.loads(argv[1]))
-        print(json.dumps(result))
-        return result
+    if argv[:1] == ["_memory"]:  # internal: CPU memory rows, in the fresh process cpu_memory_of starts
+        rows = memory_rows(json.loads(argv[1]))
+        print(json.dumps(rows))
+        return {"memory_rows": rows}
     args = build_parser().parse_args(argv)
-    if args.command == "params":
-        result = {"command": "params", **bench_params(tuple(args.sizes.split(",")), with_counter=not args.no_counter)}
-        result["env"] = environment(torch.device("cpu"))
-        print_params(result)
-    else:
-        device = pick_device(args.device)
-        if args.threads:
+    try:
+        device = pick_device(getattr(args, "device", "cpu"))
+        if device.type == "cuda" and args.command != "check":  # TF32 for float32 parts outside autocast
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
         defaults = resolve(args, device)
-        env = environment(device)
-        precision = "bf16 autocast" if device.type == "cuda" else "fp32"
-        if args.command == "latency":
-            batches = tuple(int(b) for b in args.batches.split(","))
-            modes = tuple(args.modes.split(","))
-            settings = {"size": args.size, "batches": batches, "modes": modes, "warmup": args.warmup,
-                        "repeats": args.repeats, "iters": args.iters, "precision": precision,
-                        "defaults_used": defaults}
-            result = {"command": "latency", "env": env, "settings": settings,
-                      **bench_latency(args.size, batches, modes, device, args.warmup, args.repeats, args.iters,
-                                      memory=not args.no_memory, profile=args.profile)}
-            result["targets"] = latency_targets(result["rows"]) if args.size == "s" else []
-            settings["summary"] = (f"{args.size.upper()}, {precision}, batches {list(batches)}, {'/'.join(modes)}, "
-                                   f"warm-up {args.warmup}, {args.repeats} repeats x {args.iters} calls")
-            print_latency(result)
-        else:
-            peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device)
-            settings = {"size": args.size, "batch": args.batch, "compiled": args.compile, "warmup": args.warmup,
-                        "repeats": args.repeats, "iters": args.iters, "precision": precision,
-                        "peak_flops": peak, "defaults_used": defaults,
-                        "token_dispatch_presets": token_dispatch_presets(args.size)}
-            result = {"command": "train", "env": env, "settings": settings,
-                      **bench_train(args.size, args.batch, device, args.compile, args.warmup, args.repeats,
-                                    args.iters, peak, profile=args.profile)}
-            result["targets"] = train_targets(result["rows"]) if args.size == "s" else []
-            settings["summary"] = (f"{args.size.upper()}, {precision}, batch {args.batch}, "
-                                   f"{'compiled' if args.compile else 'eager'}, AdamW, warm-up {args.warmup}, "
-                                   f"{args.repeats} repeats x {args.iters} steps")
-            print_train(result)
-        if device.type == "cpu" and defaults:
-            print(f"\nCPU-sized defaults used: {defaults} (CUDA defaults: {CUDA_DEFAULTS[args.command]}).")
+        result = COMMANDS[args.command](args, device)
+    except InputError as e:  # the user's input: one line, as argparse reports its own errors
+        raise SystemExit(f"bench.py: error: {e}") from None
+    if args.command in ("latency", "train"):
+        env = result["env"] = environment(device)
+        result["settings"]["defaults_used"] = defaults
         if device.type == "cpu":
-            print("GPU numbers: run the same command on a CUDA machine (bf16 autocast + torch.compile).")
-        print_targets(result.get("targets", []))
-        print(f"\n{env['date']} · torch {env['torch']} · {env.get('gpu', env['cpu'])} · "
-              f"{env['cpu_count']} CPUs, {env['torch_threads']} threads · git {env.get('git', '?')}")
-    text = json.dumps(result, default=str, separators=(",", ":"))
-    if getattr(args, "out", None):
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
+            print(f"\nCPU-sized defaults used: {defaults} (CUDA defaults: {CUDA_DEFAULTS[args.command]}).\n"
+                  "GPU numbers: run the same command on a CUDA machine (bf16 autocast + torch.compile).")
+        print("\n" + environment_line(env))
+    if args.command in ("params", "latency", "train") and args.out:
+        write_json(result, args.out)
+    print(json.dumps(result, default=str, separators=(",", ":")))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main().get("ok", True) else 1)

@@ -187,3 +187,234 @@ def test_every_flag_has_help():
     for sub in parser._subparsers._group_actions[0].choices.values():
         for action in sub._actions:
             assert action.help, (sub.prog, action.dest)
+
+
+# --- check: the GPU command's code paths, at tiny sizes on the CPU ---
+
+
+def run_cli(argv):
+    """bench.main with its stdout captured -> (result, printed lines)."""
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        result = bench.main(argv)
+    return result, buffer.getvalue().strip().splitlines()
+
+
+def test_check_quick_runs_every_part(tmp_path):
+    result, lines = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    assert result["ok"], result["parts"]
+    assert list(result["parts"]) == ["correctness", "latency", "train step", "train.py run"]
+    checks = {r["check"]: r for r in result["parts"]["correctness"]["rows"]}
+    assert len(checks) == 7 and all(r["ok"] and r["value"] <= r["limit"] for r in checks.values())
+    assert {r["model"] for r in result["parts"]["train step"]["rows"]} == set(bench.CHECK_TRAIN_ROWS)
+    run = result["parts"]["train.py run"]
+    assert run["steps"] == 4 and run["images_per_s"] > 0 and 0 <= run["test_acc"] <= 1
+    assert json.loads(lines[-1]) == json.loads((tmp_path / "check.json").read_text())
+    report = (tmp_path / "check.md").read_text()
+    assert report.startswith("# bench.py check") and "| fold = reViT | yes |" in report
+
+
+def test_check_records_a_failure_and_goes_on(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("first line\nthe last line names the fault")
+    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device: [{"check": "stub", "ok": True}])
+    monkeypatch.setattr(bench, "bench_latency", broken)
+    monkeypatch.setattr(bench, "bench_train", lambda **kwargs: {"rows": []})
+    monkeypatch.setattr(bench, "check_train_run", lambda argv, out: {"ok": True})
+    result, _ = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    assert not result["ok"]
+    assert result["parts"]["latency"] == {"ok": False, "detail": "RuntimeError: the last line names the fault",
+                                          "seconds": result["parts"]["latency"]["seconds"]}
+    assert result["parts"]["train step"]["ok"] and result["parts"]["train.py run"]["ok"]  # the run went on
+    assert "**FAILED**" in (tmp_path / "check.md").read_text()
+
+
+# --- depths: one checkpoint at every depth ---
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, fashion_mnist_dir):
+    """A 2-step revit-mini at L = 2, and the training loop's own evaluation at depths 2, 3, 4."""
+    import train
+    out = tmp_path_factory.mktemp("tiny")
+    with redirect_stdout(io.StringIO()):
+        summary = train.main(["--arch", "revit-mini", "--max-steps", "2", "--train-subset", "256", "--test-subset",
+                              "96", "--batch-size", "64", "--model-args", "dim=16,heads=2,ffn_dim=24,depth=2",
+                              "--data-dir", str(fashion_mnist_dir), "--eval-depths", "2,3,4", "--no-progress",
+                              "--out-dir", str(out)])
+    return summary
+
+
+DEPTH_COLUMNS = ("acc", "loss", "gflops", "deployed_ms_b1", "dynamic_ms_b1", "deployed_ms_bn", "dynamic_ms_bn",
+                 "memory_mib", "pareto", "reference")
+
+
+def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
+    result, lines = run_cli(["depths", tiny_checkpoint["checkpoint"], "--device", "cpu", "--batch", "2",
+                             "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert [r["depth"] for r in rows] == [2, 3, 4]  # default 2 ... 2L
+    for r in rows:
+        assert all(r[key] is not None for key in DEPTH_COLUMNS), r
+        assert r["acc"] == tiny_checkpoint["depths"][str(r["depth"])]["acc"]  # train.py's evaluation, exactly
+        assert r["deployed_form"] == "folded" and r["gflops"] > 0 and r["memory_mib"] >= 0
+    assert [r["reference"] for r in rows] == [True, False, False]
+    assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
+    assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
+    assert json.loads(lines[-1]) == json.loads((tmp_path / "depths.json").read_text())
+    if bench._pyplot() is not None:
+        assert (tmp_path / "depths.png").stat().st_size > 0
+
+
+def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
+    probe = tmp_path / "probe.pt"
+    torch.save({"arch": "linear-probe", "model_config": {"backbone": "backbone.pt"}}, probe)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_text("not a checkpoint")
+    ckpt = tiny_checkpoint["checkpoint"]
+    cases = [([ckpt, "--depths", "1,2"], "--depths must be comma-separated integers >= 2"),
+             ([ckpt, "--depths", "two"], "--depths must be comma-separated integers >= 2"),
+             ([str(tmp_path / "missing.pt")], "no such checkpoint file"),
+             ([str(probe)], "is a probe head"),
+             ([str(garbage)], "is not a usable checkpoint of this project"),
+             ([ckpt, "--batch", "1"], "--batch must be >= 2")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as error:
+            run_cli(["depths", *argv, "--device", "cpu", "--no-memory"])
+        text = str(error.value.code)
+        assert text.startswith("bench.py: error: ") and message in text and "\n" not in text, text
+
+
+def test_depths_alternet_caps_and_thresholds(tmp_path):
+    import train
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    with redirect_stdout(io.StringIO()):
+        summary = train.main(["--arch", "alternet-tiny", "--data", str(text), "--max-steps", "2", "--batch-size",
+                              "4", "--block-size", "16", "--eval-iters", "1", "--eval-batch-size", "8",
+                              "--model-args", "dim=16,heads=2,ffn_dim=32,seq_len=16,max_depth=3,num_experts=2,"
+                              "top_k=1,depth_dim=4", "--no-progress", "--out-dir", str(tmp_path / "run")])
+    result, _ = run_cli(["depths", summary["checkpoint"], "--device", "cpu", "--test-subset", "8", "--warmup", "0",
+                         "--repeats", "1", "--new-tokens", "2", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert [(r["max_depth"], r["halt_threshold"]) for r in rows] == [(d, t) for d in (1, 2, 3) for t in (0.5, None)]
+    for r in rows:
+        assert r["bpb"] > 0 and 1 <= r["mean_iterations"] <= r["max_depth"] and r["ms_per_token"] > 0
+    reference = next(r for r in rows if r["reference"])
+    assert (reference["max_depth"], reference["halt_threshold"]) == (3, 0.5)
+    # the same 8 validation windows as the training loop's final evaluation (halting at 0.5)
+    assert reference["bpb"] == pytest.approx(summary["val_bpb"], rel=1e-5)
+    assert [r["bpb"] for r in rows if r["halt_threshold"] is None] == \
+        pytest.approx([summary["fixed_depth_bpb"][str(d)] for d in (1, 2, 3)], rel=1e-5)
+    with pytest.raises(SystemExit, match="--thresholds must be"):
+        run_cli(["depths", summary["checkpoint"], "--device", "cpu", "--thresholds", "0,none"])
+
+
+@FAST
+@given(points=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=8))
+def test_pareto_rows_dominate_the_rest(points):
+    rows = [{"acc": a, "ms": c} for a, c in points]
+    bench.mark_tradeoffs(rows, "acc", "ms", higher_is_better=True)
+    front = [r for r in rows if r["pareto"]]
+    assert front
+    for r in rows:  # a row is off the front exactly when a front row is as good, as cheap and better in one
+        dominated = any(o["acc"] >= r["acc"] and o["ms"] <= r["ms"] and (o["acc"], o["ms"]) != (r["acc"], r["ms"])
+                        for o in front)
+        assert dominated == (not r["pareto"])
+
+
+def test_smallest_depth_within_half_a_point():
+    rows = [{"depth": d, "acc": a, "ms": ms, "reference": d == 6}
+            for d, a, ms in [(2, 0.80, 1.0), (4, 0.897, 1.9), (6, 0.900, 3.61), (8, 0.901, 4.8)]]
+    assert bench.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
+        "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
+
+
+# --- quality: train.py per cell, cached, mean ± std ---
+
+
+def test_cell_argv_merges_the_regime_and_the_cell():
+    regime = {"arch": "revit-mini", "epochs": 15, "model_args": "dim=64", "progress": False}
+    argv = bench.cell_argv(regime, bench.QUALITY_GRIDS["elastic"]["feature-only"], seed=2)
+    assert argv == ["--arch", "revit-mini", "--epochs", "15", "--model-args", "dim=64,ffn=feature", "--no-progress",
+                    "--depth-drop", "0.3", "--eval-depths", "2,3,4,6,9,12", "--seed", "2"]
+    assert bench.cell_argv(regime, bench.QUALITY_GRIDS["experts"]["Raptor k=2"], 0)[:2] == ["--arch", "raptor-mini-k2"]
+
+
+def test_run_cell_reuses_a_finished_cell_of_the_same_command(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench.train, "main", lambda argv: calls.append(argv) or {"test_acc": 0.5, "argv": argv})
+    first = bench.run_cell("cell", ["--seed", "0"], str(tmp_path))
+    again = bench.run_cell("cell", ["--seed", "0"], str(tmp_path))
+    changed = bench.run_cell("cell", ["--seed", "1"], str(tmp_path))
+    assert len(calls) == 2 and not first["cached"] and again["cached"] and not changed["cached"]
+    assert again["result"] == first["result"]
+
+
+def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch):
+    import functools
+    monkeypatch.setitem(bench.QUALITY_QUICK, "data_dir", str(fashion_mnist_dir))
+    # 16 runs read the same files: decode them once (gzip is most of a 2-step run's time)
+    monkeypatch.setattr(bench.train, "load_fashion_mnist", functools.lru_cache(bench.train.load_fashion_mnist))
+    argv = ["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)]
+    result, lines = run_cli(argv)
+    rows = {r["cell"]: r for r in result["rows"]}
+    assert set(rows) == {*bench.QUALITY_GRIDS["experts"], *bench.QUALITY_GRIDS["elastic"]}
+    for r in rows.values():
+        assert len(r["acc"]["values"]) == 2 and r["acc"]["std"] >= 0
+    assert sorted(rows["feature-only"]["depths"]) == [2, 3, 4, 5, 6]  # 2, 3, 4, L, 1.5L, 2L at L = 3
+    assert rows["reViT E=8"]["params"] > rows["reViT E=1"]["params"]
+    assert len(list((tmp_path / "cells").glob("*.json"))) == 16
+    table = "\n".join(lines)
+    assert "| reViT E=4 |" in table and "±" in table and "| depth 3 (L) |" in table
+    again, lines_again = run_cli(argv)  # every cell cached: no training, the same table
+    assert again["rows"] == result["rows"]
+    assert sum("(cached)" in line for line in lines_again) == 16
+    if bench._pyplot() is not None:
+        assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
+
+
+@pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),
+                                        ("revit-mini-e1", "folded"), ("revit-mini-lora", "folded"),
+                                        ("revit-mini-smear", "model"), ("revit-mini-qwen3", "model")])
+def test_deployed_model_runs_like_the_model_at_that_depth(name, form):
+    model = revit.create_model(name, **tiny_config(num_classes=5, image_size=8, patch_size=4)).eval()
+    depth = model.config.depth if name in ("vit-mini", "revit-mini-lora") else 5
+    module, depth_arg = bench.deployed_model(model, depth)
+    assert (module is not model) == (form == "folded")
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        expected = model(x) if depth == model.config.depth else model(x, depth=depth)
+        got = module(x) if depth_arg is None else module(x, depth=depth_arg)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path):
+    """A checkpoint of the untied ViT on the same data (weights saved as train.py saves them)."""
+    import dataclasses
+    ckpt = torch.load(tiny_checkpoint["checkpoint"], weights_only=True)
+    vit = revit.create_model("vit-mini", **{**tiny_config(), "image_size": 28, "patch_size": 7, "in_channels": 1,
+                                            "num_classes": 10})
+    path = tmp_path / "vit.pt"
+    torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(),
+                "model_config": dataclasses.asdict(vit.config)}, path)
+    result, _ = run_cli(["depths", str(path), "--device", "cpu", "--no-memory", "--batch", "2", "--warmup", "0",
+                         "--repeats", "1", "--out", str(tmp_path)])
+    assert [(r["depth"], r["reference"], r["deployed_form"]) for r in result["rows"]] == [(3, True, "model")]
+    assert result["best"].startswith("no smaller depth")
+    with pytest.raises(SystemExit, match="an untied ViT runs only its own depth 3"):
+        run_cli(["depths", str(path), "--device", "cpu", "--depths", "2,3"])
+
+
+def test_a_failing_quality_cell_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench.QUALITY_QUICK, "batch_size", 100_000)  # more than the 256 training images
+    with pytest.raises(SystemExit) as error:
+        run_cli(["quality", "--quick", "--device", "cpu", "--grids", "elastic", "--out", str(tmp_path)])
+    text = str(error.value.code)
+    assert text.startswith("bench.py: error: cell elastic-depth-programmed-seed0") and "--batch-size 100000" in text
+    assert "\n" not in text
+    monkeypatch.setitem(bench.QUALITY_QUICK, "arch", "revit-nonsense")
+    with pytest.raises(SystemExit, match="not a vision preset"):
+        run_cli(["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--grids must name some of experts, elastic"):
+        run_cli(["quality", "--quick", "--device", "cpu", "--grids", "table9", "--out", str(tmp_path)])
