@@ -886,9 +886,10 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
         raise ValueError(f"{flag} {path}: no such file")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # never unpickled: it may hold code
-        raise ValueError(f"{flag} {path}: not a checkpoint of this project (it holds Python objects, "
-                         f"not only tensors and plain values)") from None
+    except pickle.UnpicklingError as e:  # torch's text advises weights_only=False: never tell a user that
+        what = "it holds Python objects, not only tensors and plain values" if "Unsupported global" in str(e) \
+            else "not a readable torch checkpoint"
+        raise ValueError(f"{flag} {path}: not a checkpoint of this project ({what})") from None
     except Exception as e:  # noqa: BLE001 -- truncated, not a torch file, ...
         reason = str(e).splitlines()[0] if str(e) and "weights_only" not in str(e) else type(e).__name__
         raise ValueError(f"{flag} {path}: not a readable torch checkpoint ({reason})") from None
@@ -915,9 +916,13 @@ def load_model(path, device="cpu", flag: str = "checkpoint"):
     except (ValueError, TypeError) as e:
         raise ValueError(f"{flag} {path}: its model_config does not build {arch}: {e}") from None
     try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
+        missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
+    except RuntimeError as e:  # shapes that differ
         raise ValueError(f"{flag} {path}: its weights do not fit {arch}: {' '.join(str(e).split())[:300]}") from None
+    for problem, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            raise ValueError(f"{flag} {path}: its weights do not fit {arch}: {len(names)} {problem} tensors "
+                             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
     return model.to(device).eval(), ckpt
 
 
