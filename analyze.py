@@ -32,6 +32,7 @@ import torch
 
 import revit
 import train
+from data import BUILTIN, NORMALISATION, FolderImages, load_images
 
 
 def fail(message: str):
@@ -309,13 +310,15 @@ def evaluation_images(args, ckpt: dict, config) -> torch.Tensor:
         root = Path(args.data or ckpt.get("train_config", {}).get("data", ""))
         if not (root / "val").is_dir():
             fail(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); got {str(root)!r}")
-        test = train.FolderImages(root / "val", config.image_size, train=False, workers=4)
-    elif dataset in train.BUILTIN and dataset != "text":
-        cfg = train.TrainConfig(dataset=dataset, data_dir=args.data_dir, download=False)
-        test = train.load_images(cfg, is_main=True).test
+        test = FolderImages(root / "val", config.image_size, train=False, workers=4)
+    elif dataset in BUILTIN and dataset != "tinyshakespeare":
+        try:
+            test = load_images(dataset, data_dir=args.data_dir).test
+        except (ValueError, FileNotFoundError) as e:
+            fail(str(e))
     else:
         fail(f"--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet; got {dataset!r}")
-    mean, std = train.NORMALISATION[dataset]
+    mean, std = NORMALISATION[dataset]
     generator = torch.Generator().manual_seed(args.seed)
     index = torch.randperm(len(test), generator=generator)[:args.num_images]
     images, _ = next(iter(test.batches([index])))  # uint8 (n, C, H, W)

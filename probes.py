@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import train
+from data import NORMALISATION, epoch_order, load_images
 from train import fail, opt
 
 DENSE_PROBES = ("seg", "depth")
@@ -229,9 +230,11 @@ def load_proxy(cfg, task: str) -> DenseData:
     if dataset != "fashion-mnist":
         fail(f"without --data the dense probes use the Fashion-MNIST proxy; --dataset {dataset} has no dense "
              f"labels (give --data ROOT with a dense data set, see probes.py)")
-    images = train.load_images(train.TrainConfig(dataset="fashion-mnist", data_dir=cfg.data_dir,
-                                                 download=cfg.download, train_subset=cfg.train_subset,
-                                                 test_subset=cfg.test_subset), True)
+    try:
+        images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
+                             train_subset=cfg.train_subset, test_subset=cfg.test_subset)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
     splits = [DenseSplit(s.images, proxy_targets(s.images, task)) for s in (images.train, images.test)]
     return DenseData("Fashion-MNIST dense proxy", task, *splits,
                      num_classes=1 + PROXY_LEVELS if task == "seg" else 0, unit="a.u.")
@@ -335,7 +338,7 @@ def file_hash(path) -> str:
 def normalisation(ckpt: dict, channels: int):
     """The mean/std the backbone was trained with (its checkpoint's data set), else ImageNet's."""
     dataset = (ckpt.get("train_config") or {}).get("dataset", "")
-    mean, std = train.NORMALISATION.get(dataset, train.NORMALISATION["imagenet"])
+    mean, std = NORMALISATION.get(dataset, NORMALISATION["imagenet"])
     if len(mean) != channels:
         mean, std = [0.5] * channels, [0.25] * channels
     return mean, std
@@ -379,7 +382,7 @@ def features(backbone, images, mean, std, depth, cfg, device, ckpt_hash: str) ->
 
 
 def fit_head(head: nn.Module, feats: torch.Tensor, targets: torch.Tensor, loss_fn, cfg, device) -> nn.Module:
-    """AdamW with cosine decay (train.lr_at), data order from train.epoch_order (a function of seed, epoch)."""
+    """AdamW with cosine decay (train.lr_at), data order from data.epoch_order (a function of seed, epoch)."""
     n, size = len(feats), tuple(targets.shape[-2:])
     steps_per_epoch = max(1, n // cfg.batch_size)
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
@@ -389,7 +392,7 @@ def fit_head(head: nn.Module, feats: torch.Tensor, targets: torch.Tensor, loss_f
     step = 0
     while step < total:
         epoch, first = divmod(step, steps_per_epoch)
-        order = train.epoch_order(n, cfg.seed, epoch, 1)
+        order = epoch_order(n, cfg.seed, epoch, 1)
         for s in range(first, steps_per_epoch):
             idx = order[s * cfg.batch_size:(s + 1) * cfg.batch_size]
             for group in optimizer.param_groups:
@@ -471,7 +474,10 @@ def run(cfg, device=None) -> dict:
         fail("a dense probe needs --epochs or --max-steps > 0 and --lr > 0")
     device = device or resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    backbone, ckpt = train.load_model_checked(cfg.backbone, "--backbone")
+    try:
+        backbone, ckpt = train.load_model(cfg.backbone, flag="--backbone")
+    except ValueError as e:
+        fail(str(e))
     backbone.to(device).eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
     config = backbone.config
     trained_depth = cfg.depth or config.depth

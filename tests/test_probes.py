@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import data
 import probes
 import revit
 import train
@@ -74,11 +75,13 @@ def test_seg_probe_beats_constant_and_leaves_backbone_untouched(tmp_path, fashio
     path = save_backbone(tmp_path / "backbone.pt")
     loaded = {}
 
-    def load_and_snapshot(*args):  # the very module the probe uses, and a copy of it as loaded
-        model, ckpt = train.load_model(args[0])
+    real_load = train.load_model
+
+    def load_and_snapshot(*args, **kwargs):  # the very module the probe uses, and a copy of it as loaded
+        model, ckpt = real_load(*args, **kwargs)
         loaded["model"], loaded["before"] = model, {k: v.clone() for k, v in model.state_dict().items()}
         return model, ckpt
-    monkeypatch.setattr(train, "load_model_checked", load_and_snapshot)
+    monkeypatch.setattr(train, "load_model", load_and_snapshot)
     summary = probes.run(probe_cfg(path, fashion_mnist_dir, probe="seg", eval_depths="2,6"))
     assert summary["test_miou"] > summary["constant"]["miou"] + 0.05
     assert summary["test_pixel_acc"] > summary["constant"]["pixel_acc"]
@@ -95,7 +98,7 @@ def test_feature_extraction_does_not_change_the_backbone(tmp_path, fashion_mnist
     model = revit.create_model("revit-mini", **SMALL, depth_drop=0.5)
     model.train()  # extract_features must switch to eval (no elastic depth) and never touch the weights
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    images = train.load_fashion_mnist(fashion_mnist_dir)[1][0][:8]
+    images = data.load_fashion_mnist(fashion_mnist_dir)[1][0][:8]
     a = probes.extract_features(model, images, [0.286], [0.353], 3, 4, "cpu")
     b = probes.extract_features(model, images, [0.286], [0.353], 3, 8, "cpu")
     assert torch.equal(a, b)  # deterministic, batch-size independent up to fp16 storage
