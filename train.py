@@ -891,8 +891,9 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
             else "not a readable torch checkpoint"
         raise ValueError(f"{flag} {path}: not a checkpoint of this project ({what})") from None
     except Exception as e:  # noqa: BLE001 -- truncated, not a torch file, ...
-        reason = str(e).splitlines()[0] if str(e) and "weights_only" not in str(e) else type(e).__name__
-        raise ValueError(f"{flag} {path}: not a readable torch checkpoint ({reason})") from None
+        reason = str(e).split(". ")[0].splitlines()[0] if str(e) and "weights_only" not in str(e) else type(e).__name__
+        raise ValueError(f"{flag} {path}: not a checkpoint of this project (not a readable torch checkpoint: "
+                         f"{reason})") from None
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
@@ -1197,26 +1198,33 @@ def resume_config(explicit: dict) -> tuple[dict, dict]:
     return ckpt, merged
 
 
-def eval_only(explicit: dict) -> dict:
-    """--eval-only CKPT: the training loop's evaluation at --eval-depths; reads the file, writes nothing."""
-    path = explicit["eval_only"]
-    extra = sorted(set(explicit) - EVAL_ONLY_FLAGS)
+def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only"):
+    """A checkpoint, rebuilt with its test data as trained -> (cfg, model, task) for evaluate(); `flags`
+    (TrainConfig names, e.g. test_subset, device) may change how it is evaluated, never the model."""
+    flags = dict(flags or {})
+    extra = sorted(set(flags) - EVAL_ONLY_FLAGS)
     if extra:
-        fail(f"--eval-only evaluates a checkpoint as trained; it takes only "
+        fail(f"{flag} evaluates a checkpoint as trained; it takes only "
              f"{', '.join('--' + f.replace('_', '-') for f in sorted(EVAL_ONLY_FLAGS))}; got --{extra[0].replace('_', '-')}")
-    ckpt = checkpoint_or_fail(path, "--eval-only", MODEL_KEYS + ("train_config",))
+    ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
-    cfg = resolve_config({**{k: v for k, v in ckpt["train_config"].items() if k in known}, **explicit}, announce=False)
+    cfg = resolve_config({**{k: v for k, v in ckpt["train_config"].items() if k in known}, **flags}, announce=False)
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
         fail(f"--device: {e}")
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     (model.head if cfg.probe else model).load_state_dict(ckpt["model"])
-    results = evaluate_depths(model.to(device), task, eval_depth_list(cfg, model))
-    summary, line = summarise(cfg, model, results)
-    say(f"{path} (step {ckpt.get('step', '?')}): {line}")
-    return {"arch": cfg.arch, "step": ckpt.get("step"), **summary}
+    return cfg, model.to(device).eval(), task
+
+
+def eval_only(explicit: dict) -> dict:
+    """--eval-only CKPT: the training loop's evaluation at --eval-depths; reads the file, writes nothing."""
+    path = explicit["eval_only"]
+    cfg, model, task = evaluation_setup(path, explicit)
+    summary, line = summarise(cfg, model, evaluate_depths(model, task, eval_depth_list(cfg, model)))
+    say(f"{path}: {line}")
+    return {"arch": cfg.arch, **summary}
 
 
 def main(argv=None) -> dict:

@@ -48,7 +48,7 @@ def test_loop_runs_end_to_end(tmp_path, fashion_mnist_dir, arch):
     assert 0.0 <= summary["test_acc"] <= 1.0 and summary["params"] > 0 and summary["step"] == 4
     if arch != "vit-mini":
         assert set(summary["depths"]) == {"4", "2", "6"}
-    model, ckpt = train.load_model(out / "ckpt.pt")  # the CONTRACT helper: rebuild + load
+    model, ckpt = train.load_model(out / "ckpt.pt")  # rebuild + load, as the tools do
     assert ckpt["arch"] == arch and ckpt["step"] == 4 and ckpt["model_config"]["image_size"] == 28
     assert not any(k.startswith(("_orig_mod", "module.")) for k in ckpt["model"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
