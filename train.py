@@ -3,7 +3,7 @@
     python train.py                                      # quick start: revit-mini on Fashion-MNIST, CPU minutes
     python train.py --arch revit-s --dataset cifar10     # any preset of revit.py or alternet.py
     torchrun --nproc_per_node 8 train.py --arch revit-b --data /imagenet --compile
-    python train.py --arch alternet-tiny                 # bytes of the built-in grammar corpus, offline
+    python train.py --arch alternet-tiny                 # bytes of the built-in corpus (data.grammar_corpus)
     python train.py --arch alternet-tiny --data tinyshakespeare.txt     # or --dataset tinyshakespeare --download
     python train.py --eval-only out/run/ckpt.pt --eval-depths 2,4,8     # evaluate, no training
 
@@ -17,7 +17,9 @@ Eq. 5 of the reViT paper, App. A.3), linear probe (`--probe cls --backbone CKPT`
 run probes.py) and language modelling (an alternet preset). The loop knows nothing about a model
 beyond: it returns its loss terms, and the optional hooks set_step / after_optimizer_step /
 no_weight_decay. Checkpoints are atomic, hold only finite weights, and resume bit-for-bit on CPU.
-Nothing is downloaded unless asked (`--download`).
+Nothing is downloaded unless asked (`--download`). Language presets train by default on a corpus the
+repository generates (data.grammar_corpus: English-like sentences with agreement across nested
+clauses): the same bytes on every machine and at every commit, no file, no network.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import alternet
 import data
 import revit
 
@@ -174,12 +177,15 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
         fail(f"unknown --recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     layers = [(f"recipe: {recipe} -- {RECIPES[recipe][0]}", RECIPES[recipe][1])] if recipe else \
         [("recipe: quick start (the TrainConfig defaults)", {})]
-    if family == "language" and arch in getattr(import_alternet(), "RECIPES", {}):
-        layers.append((f"recipe: {arch} -- alternet.RECIPES, the AlterNet paper's settings", import_alternet().RECIPES[arch]))
+    if arch in getattr(alternet, "RECIPES", {}):
+        layers.append((f"recipe: {arch} -- alternet.RECIPES, the AlterNet paper's settings", alternet.RECIPES[arch]))
     if explicit.get("probe") in DENSE_PROBES:
         import probes  # floor 3: only when the run is handed to it
         layers.append(("recipe: dense probe -- probes.DEFAULTS", probes.DEFAULTS))
     values = {"dataset": dataset}
+    if not explicit.get("dataset"):
+        show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
+             f"{family} preset{', --data given' if explicit.get('data') else ''})")
     for title, overrides in layers:
         show(title + "".join(f" {k}={v}" for k, v in overrides.items()))
         values.update(overrides)
@@ -193,23 +199,10 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
 
 def family_of(arch: str) -> str:
     """'vision' or 'language' for a preset name (or the error listing the valid names)."""
-    if arch in revit.PRESETS:
-        return "vision"
-    alternet = import_alternet(required=False)
-    if alternet is not None and arch in alternet.PRESETS:
-        return "language"
-    names = sorted(revit.PRESETS) + (sorted(alternet.PRESETS) if alternet else [])
-    fail(f"unknown --arch {arch!r}; valid names: {', '.join(names)}")
-
-
-def import_alternet(required: bool = True):
-    try:
-        import alternet
-    except ImportError as e:
-        if required:
-            fail(f"language models need alternet.py next to train.py ({e})")
-        return None
-    return alternet
+    module = preset_module(arch)
+    if module is None:
+        fail(f"unknown --arch {arch!r}; valid names: {', '.join(sorted(revit.PRESETS) + sorted(alternet.PRESETS))}")
+    return "vision" if module is revit else "language"
 
 
 # --- the loop: set-up, one optimizer step, evaluate-and-save ---
@@ -260,6 +253,7 @@ def loop(run: Run) -> dict:
     t0, seen, start_step, t_start = time.perf_counter(), 0, run.step, time.perf_counter()
     stopped = False
     for step, inputs, targets in (run.batches(run.step) if run.step < total else ()):
+        assert step == run.step  # the data order is a function of the step: resume sees the same batches
         record = train_step(run, inputs, targets)
         seen += len(inputs) * run.world
         bar.update(1)
@@ -517,7 +511,6 @@ AUGMENT_FIELDS = ("random_crop", "three_augment", "color_jitter", "mixup", "cutm
 
 
 def build_language(cfg, rank, world, device, ckpt, autocast):
-    alternet = import_alternet()
     try:
         train_tokens, val_tokens, tokens_per_byte, vocab = data.load_text(
             cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)
@@ -527,7 +520,10 @@ def build_language(cfg, rank, world, device, ckpt, autocast):
     if cfg.tokenizer != "byte":
         overrides["vocab_size"] = vocab
     model = make(alternet.create_model, cfg.arch, ckpt["model_config"] if ckpt else overrides)
-    block_size = cfg.block_size or model.config.seq_len
+    if cfg.block_size is None:
+        cfg.block_size = model.config.seq_len
+        say(f"override: block_size={cfg.block_size} (auto: the model's seq_len)")
+    block_size = cfg.block_size
     if block_size > model.config.seq_len:
         fail(f"--block-size {block_size} exceeds the model's seq_len {model.config.seq_len} "
              f"(raise it with --model-args seq_len={block_size})")
@@ -1167,10 +1163,7 @@ def parse_model_args(text: str, config_class=None) -> dict:
 
 def preset_module(arch: str):
     """revit or alternet, whichever defines preset `arch`; None if neither does."""
-    if arch in revit.PRESETS:
-        return revit
-    alternet = import_alternet(required=False)
-    return alternet if alternet is not None and arch in alternet.PRESETS else None
+    return revit if arch in revit.PRESETS else alternet if arch in alternet.PRESETS else None
 
 
 # The model and the data order of a run: a resumed run must keep them.
@@ -1230,8 +1223,7 @@ def eval_only(explicit: dict) -> dict:
 def main(argv=None) -> dict:
     explicit = vars(build_parser().parse_args(argv))
     if explicit.pop("list_archs", False):
-        alternet = import_alternet(required=False)
-        print("\n".join(sorted(revit.PRESETS) + (sorted(alternet.PRESETS) if alternet else [])))
+        print("\n".join(sorted(revit.PRESETS) + sorted(alternet.PRESETS)))
         return {}
     if explicit.get("eval_only"):
         return eval_only(explicit)
