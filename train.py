@@ -431,8 +431,8 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     if rank == 0:
         folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
                     resume_step=resume_ckpt["step"] if resume_ckpt else None)
-    run = Run(cfg, rank, world, device, model, wrap(model, cfg, device, world), task, batches, augment,
-              optimizer, sched, steps_per_epoch, folder)
+    run = Run(cfg, rank, world, device, model, model, task, batches, augment, optimizer, sched, steps_per_epoch,
+              folder)
     if resume_ckpt is not None:
         run.trainable.load_state_dict(resume_ckpt["model"])
         optimizer.load_state_dict(resume_ckpt["optimizer"])
@@ -441,6 +441,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
         set_rng_state(rngs[rank] if len(rngs) == world else rngs[0], augment)
     else:  # each rank its own stream for drop-path / elastic depth / augmentation
         torch.manual_seed(cfg.seed + 1 + rank)
+    run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
     num_params = sum(p.numel() for p in trainable.parameters())
     say(f"{cfg.arch}: {num_params / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
         f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | peak lr {sched['peak_lr']:.3g} | out {out_dir}")
