@@ -146,7 +146,8 @@ RECIPES = {  # name: (source, TrainConfig overrides applied over the quick-start
     "imagenet": ("reViT paper (arXiv 2610.12448) Table 6, the DeiT III recipe", TABLE6),
     "cifar": ("Table 6 shortened for 50k small images", dict(TABLE6, epochs=100, batch_size=256, warmup_epochs=5.0,
                                                              repeated_aug=1, color_jitter=0.0)),
-    "text": ("language-model schedule (AlterNet, arXiv 2611.08741, App. A; CPU-sized)",
+    "text": ("language-model schedule sized for the CPU presets (our choice; the AlterNet paper's Table 2 "
+             "settings, arXiv 2611.08741, come with its presets through alternet.RECIPES)",
              dict(max_steps=2000, batch_size=32, warmup_steps=100, lr=None, lr_batch=0, weight_decay=0.1,
                   beta2=0.95, eval_interval=500, ddp_find_unused=True)),  # top-k: unrouted experts get no grad
     "probe": ("linear probe: only a head trains, so no augmentation and no decay", dict(weight_decay=0.0)),
@@ -183,12 +184,12 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
         import probes  # floor 3: only when the run is handed to it
         layers.append(("recipe: dense probe -- probes.DEFAULTS", probes.DEFAULTS))
     values = {"dataset": dataset}
-    if not explicit.get("dataset"):
-        show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
-             f"{family} preset{', --data given' if explicit.get('data') else ''})")
     for title, overrides in layers:
         show(title + "".join(f" {k}={v}" for k, v in overrides.items()))
         values.update(overrides)
+    if not explicit.get("dataset"):
+        show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
+             f"{family} preset{', --data given' if explicit.get('data') else ''})")
     for name, value in explicit.items():
         if name in values and values[name] != value or name not in values and value != getattr(TrainConfig, name):
             show(f"override: {name}={value} (--{name.replace('_', '-')})")

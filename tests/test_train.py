@@ -310,6 +310,17 @@ def test_recipes_and_automatic_choices_are_printed(tmp_path, fashion_mnist_dir, 
     assert "override: patch_size=4 (auto: revit-s is a 224px preset with patch 16" in printed
 
 
+def test_alternet_recipes_apply_over_the_text_recipe(monkeypatch, capsys):
+    import alternet
+    monkeypatch.setattr(alternet, "RECIPES", {"alternet-tiny": {"max_steps": 7, "beta2": 0.9}}, raising=False)
+    cfg = train.resolve_config({"arch": "alternet-tiny", "batch_size": 8})
+    printed = capsys.readouterr().out.splitlines()
+    assert (cfg.max_steps, cfg.beta2, cfg.batch_size, cfg.weight_decay) == (7, 0.9, 8, 0.1)  # flag > preset > text
+    assert printed[0].startswith("recipe: text") and printed[1] == \
+        "recipe: alternet-tiny -- alternet.RECIPES, the AlterNet paper's settings max_steps=7 beta2=0.9"
+    assert "override: batch_size=8 (--batch-size)" in printed
+
+
 def test_cpu_run_prints_its_time_and_the_cpu_preset():
     note = train.cpu_time_note("revit-s", 7.2, 7020)
     assert "about 14.0 h" in note and "--arch revit-mini" in note
