@@ -36,6 +36,7 @@ import torch
 import export
 import revit
 import train
+from data import NORMALISATION, FolderImages, load_images
 
 
 # --- measures: effective rank, linear CKA, Spearman rho ---
@@ -330,11 +331,10 @@ def evaluation_images(args, ckpt: dict, config) -> torch.Tensor:
         root = Path(args.data or ckpt.get("train_config", {}).get("data", ""))
         if not (root / "val").is_dir():
             raise ValueError(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); got {str(root)!r}")
-        test = train.FolderImages(root / "val", config.image_size, train=False, workers=4)
-    else:
-        cfg = train.TrainConfig(dataset=dataset, data_dir=args.data_dir, download=False)
-        test = train.load_images(cfg, is_main=True).test
-    mean, std = train.NORMALISATION[dataset]
+        test = FolderImages(root / "val", config.image_size, train=False, workers=4)
+    else:  # load_images raises ValueError / FileNotFoundError with a message naming what is missing
+        test = load_images(dataset, data_dir=args.data_dir).test
+    mean, std = NORMALISATION[dataset]
     generator = torch.Generator().manual_seed(args.seed)
     index = torch.randperm(len(test), generator=generator)[:args.num_images]
     images, _ = next(iter(test.batches([index])))  # uint8 (n, C, H, W)
@@ -642,7 +642,7 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     try:
         inputs = load_inputs(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         train.fail(str(e))
     model = inputs.model
     print(f"{args.checkpoint}: {inputs.ckpt['arch']} ({model.config.arch}), {model.num_params() / 1e6:.3f}M params, "

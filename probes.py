@@ -64,9 +64,9 @@ from einops import rearrange
 
 import export
 import train
-from train import fail, opt
+from data import NORMALISATION, epoch_order, load_images
+from train import DENSE_PROBES, fail, opt  # train.py's --probe hands DENSE_PROBES to run()
 
-DENSE_PROBES = ("seg", "monodepth")  # train.py's --probe hands these to run() (it imports this module lazily)
 IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabelled pixels)
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
 PROXY_LEVELS = 4           # ... and the rest falls into 4 intensity classes
@@ -240,9 +240,11 @@ def proxy_targets(images: torch.Tensor, task: str) -> torch.Tensor:
 
 def load_proxy(cfg: ProbeConfig, task: str) -> DenseData:
     """Real Fashion-MNIST images via train.py's loader, dense targets derived from them (a proxy)."""
-    images = train.load_images(train.TrainConfig(dataset="fashion-mnist", data_dir=cfg.data_dir,
-                                                 download=cfg.download, train_subset=cfg.train_subset,
-                                                 test_subset=cfg.test_subset), True)
+    try:
+        images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
+                             train_subset=cfg.train_subset, test_subset=cfg.test_subset)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
     splits = [DenseSplit(s.images, proxy_targets(s.images, task)) for s in (images.train, images.test)]
     return DenseData("Fashion-MNIST dense proxy", task, *splits,
                      num_classes=1 + PROXY_LEVELS if task == "seg" else 0, unit="a.u.")
@@ -373,7 +375,7 @@ def file_hash(path) -> str:
 def normalisation(ckpt: dict, channels: int):
     """The mean/std the backbone was trained with (its checkpoint's data set), else ImageNet's."""
     dataset = (ckpt.get("train_config") or {}).get("dataset", "")
-    mean, std = train.NORMALISATION.get(dataset, train.NORMALISATION["imagenet"])
+    mean, std = NORMALISATION.get(dataset, NORMALISATION["imagenet"])
     if len(mean) != channels:
         mean, std = [0.5] * channels, [0.25] * channels
     return mean, std
@@ -432,7 +434,7 @@ class FrozenBackbone:
 
 
 def fit_head(head: nn.Module, feats: torch.Tensor, targets: torch.Tensor, loss_fn, cfg, device) -> nn.Module:
-    """AdamW with cosine decay (train.lr_at), data order from train.epoch_order (a function of seed, epoch)."""
+    """AdamW with cosine decay (train.lr_at), data order from data.epoch_order (a function of seed, epoch)."""
     n, size = len(feats), tuple(targets.shape[-2:])
     steps_per_epoch = max(1, n // cfg.batch_size)
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
@@ -442,7 +444,7 @@ def fit_head(head: nn.Module, feats: torch.Tensor, targets: torch.Tensor, loss_f
     step = 0
     while step < total:
         epoch, first = divmod(step, steps_per_epoch)
-        order = train.epoch_order(n, cfg.seed, epoch, 1)
+        order = epoch_order(n, cfg.seed, epoch, 1)
         for s in range(first, steps_per_epoch):
             idx = order[s * cfg.batch_size:(s + 1) * cfg.batch_size]
             for group in optimizer.param_groups:

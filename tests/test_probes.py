@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import alternet
+import data
 import export
 import probes
 import revit
@@ -104,7 +105,7 @@ def test_feature_extraction_does_not_change_the_backbone(tmp_path, fashion_mnist
     model = revit.create_model("revit-mini", **SMALL, depth_drop=0.5)
     model.train()  # extract_features must switch to eval (no elastic depth) and never touch the weights
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    images = train.load_fashion_mnist(fashion_mnist_dir)[1][0][:8]
+    images = data.load_fashion_mnist(fashion_mnist_dir)[1][0][:8]
     a = probes.extract_features(model, images, [0.286], [0.353], 3, 4, "cpu")
     b = probes.extract_features(model, images, [0.286], [0.353], 3, 8, "cpu")
     assert torch.equal(a, b)  # deterministic, batch-size independent up to fp16 storage

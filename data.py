@@ -1,0 +1,475 @@
+"""Data for train.py: the built-in data sets, image folders, text corpora and the batch augmentation.
+
+Everything here takes plain arguments and raises ValueError / FileNotFoundError with a message a
+user can act on; train.py turns those into one line (`train.py: error: ...`).
+
+- images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python pickles), any ImageFolder tree;
+  whole small data sets are uint8 tensors, batches are index gathers in a (seed, epoch) order;
+- text: bytes or GPT-2 BPE (tiktoken) of a UTF-8 file / folder, tinyshakespeare, or the default
+  corpus `grammar_corpus()` that the repository generates itself (no download, no file);
+- augmentation on the device: the DeiT III recipe of the reViT paper's Table 6 (arXiv 2610.12448):
+  random crop + flip, 3-Augment, colour jitter, mixup / cutmix.
+
+Nothing here touches the network unless asked (`download=True`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import pickle
+import random
+import tarfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# --- where the built-in data sets live ---
+
+URLS = {
+    "fashion-mnist": "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+    "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+    "tinyshakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+}
+FMNIST_FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
+# name: (subfolder, file that marks it, how to get it)
+BUILTIN = {
+    "fashion-mnist": ("fashion-mnist", "t10k-labels-idx1-ubyte.gz",
+                      f"`apt-get install dataset-fashion-mnist`, or download {', '.join(FMNIST_FILES)} "
+                      f"from {URLS['fashion-mnist']}"),
+    "cifar10": ("cifar-10-batches-py", "test_batch", f"download and unpack {URLS['cifar10']}"),
+    "cifar100": ("cifar-100-python", "test", f"download and unpack {URLS['cifar100']}"),
+    "tinyshakespeare": ("", "tinyshakespeare.txt", f"download {URLS['tinyshakespeare']} as tinyshakespeare.txt"),
+}
+NORMALISATION = {  # per-channel mean, std of the training set
+    "fashion-mnist": ([0.2860], [0.3530]),
+    "cifar10": ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
+    "cifar100": ([0.5071, 0.4865, 0.4409], [0.2673, 0.2564, 0.2762]),
+    "imagenet": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+}
+
+
+def data_roots(data_dir: str = "") -> list[Path]:
+    """The search order: data_dir (default ./data), $REVIT_DATA_DIR, Debian's /usr/share/datasets."""
+    roots = [Path(data_dir or "data")]
+    if os.environ.get("REVIT_DATA_DIR"):
+        roots.append(Path(os.environ["REVIT_DATA_DIR"]))
+    return roots + [Path("/usr/share/datasets")]
+
+
+def find_builtin(name: str, data_dir: str = "", download: bool = False) -> Path:
+    """The folder holding data set `name`: search the roots, else download when asked, else explain."""
+    subfolder, marker, how = BUILTIN[name]
+    for root in data_roots(data_dir):
+        for folder in (root / subfolder, root) if subfolder else (root,):
+            if (folder / marker).exists():
+                return folder
+    target = Path(data_dir or "data")
+    where = ", ".join(map(str, data_roots(data_dir)))
+    if not download:
+        raise FileNotFoundError(f"{name} not found in {where}. To get it: {how}, into {target}/ "
+                                f"(or rerun with --download, or point --data-dir at a folder that has it)")
+    try:
+        download_builtin(name, target)
+    except OSError as e:
+        raise FileNotFoundError(f"{name} not found in {where} and the download failed ({e}). "
+                                f"To get it: {how}, into {target}/") from None
+    return target / subfolder if subfolder else target
+
+
+def fetch(url: str, path: Path) -> None:
+    """Download to a temp name, then rename: an interrupted download never looks like data."""
+    tmp = path.with_name(path.name + ".part")
+    with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
+        f.write(response.read())
+    os.replace(tmp, path)
+
+
+def download_builtin(name: str, target: Path) -> None:
+    print(f"downloading {name} into {target} ...")
+    if name == "fashion-mnist":
+        (target / "fashion-mnist").mkdir(parents=True, exist_ok=True)
+        for file in FMNIST_FILES:
+            fetch(URLS[name] + file, target / "fashion-mnist" / file)
+    elif name == "tinyshakespeare":
+        target.mkdir(parents=True, exist_ok=True)
+        fetch(URLS[name], target / "tinyshakespeare.txt")
+    else:
+        target.mkdir(parents=True, exist_ok=True)
+        archive = target / Path(URLS[name]).name
+        fetch(URLS[name], archive)
+        with tarfile.open(archive) as tar:
+            tar.extractall(target, filter="data")
+
+
+# --- image readers ---
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """IDX format (LeCun): 2 zero bytes, dtype code 0x08 (uint8), rank, big-endian dims, data."""
+    path = Path(path)
+    raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    if raw[:3] != b"\x00\x00\x08":
+        raise ValueError(f"{path} is not an uint8 IDX file")
+    rank = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
+    return torch.frombuffer(bytearray(raw[4 + 4 * rank:]), dtype=torch.uint8).view(*dims)
+
+
+def load_fashion_mnist(folder: Path):
+    """-> ((train images (N, 1, 28, 28) uint8, labels), (test images, labels), 10)."""
+    def split(prefix):
+        images = read_idx(Path(folder) / f"{prefix}-images-idx3-ubyte.gz").unsqueeze(1)  # (N, 1, 28, 28)
+        return images, read_idx(Path(folder) / f"{prefix}-labels-idx1-ubyte.gz").long()
+    return split("train"), split("t10k"), 10
+
+
+def load_cifar(folder: Path, classes: int):
+    """The official python archives -> ((train (N, 3, 32, 32) uint8, labels), (test ...), classes)."""
+    def read(names):
+        images, labels = [], []
+        for name in names:
+            with open(Path(folder) / name, "rb") as f:
+                try:
+                    batch = pickle.load(f, encoding="bytes")  # the official archive format
+                except ModuleNotFoundError as e:
+                    raise ValueError(f"reading the CIFAR archives needs numpy (pip install numpy): {e}") from None
+            images.append(torch.tensor(batch[b"data"], dtype=torch.uint8).view(-1, 3, 32, 32))
+            labels.append(torch.tensor(batch[b"labels" if classes == 10 else b"fine_labels"]))
+        return torch.cat(images), torch.cat(labels).long()
+    if classes == 10:
+        return read([f"data_batch_{i}" for i in range(1, 6)]), read(["test_batch"]), 10
+    return read(["train"]), read(["test"]), 100
+
+
+class TensorImages:
+    """A whole image data set as uint8 tensors (N, C, H, W); batches are index gathers."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def batches(self, index_batches):
+        for idx in index_batches:
+            yield self.images[idx], self.labels[idx]
+
+
+class FolderImages:
+    """An ImageFolder tree read by torchvision (resize/crop on CPU workers; the rest on the device)."""
+
+    def __init__(self, root: Path, image_size: int, train: bool, workers: int):
+        try:
+            import torchvision.transforms.v2 as T
+            from torchvision.datasets import ImageFolder
+        except ImportError:
+            raise ValueError("an image folder needs torchvision and Pillow: pip install torchvision pillow") from None
+        if train:  # 3-Augment's RandomResizedCrop (scale 0.08-1, bicubic); flips etc. run on the device
+            resize = [T.RandomResizedCrop(image_size, scale=(0.08, 1.0), interpolation=T.InterpolationMode.BICUBIC)]
+        else:  # evaluation crop ratio 1.0 (Table 6): resize the short side, centre crop
+            resize = [T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(image_size)]
+        self.dataset = ImageFolder(str(root), transform=T.Compose([T.PILToTensor(), *resize]))
+        self.labels = torch.tensor(self.dataset.targets)
+        self.workers = workers
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def batches(self, index_batches):
+        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=[idx.tolist() for idx in index_batches],
+                                             num_workers=self.workers, pin_memory=torch.cuda.is_available())
+        yield from loader
+
+
+@dataclass
+class ImageData:
+    train: object
+    test: object
+    num_classes: int
+    channels: int
+    image_size: int
+    mean: list
+    std: list
+
+
+def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool = False,
+                train_subset: int = 0, test_subset: int = 0, workers: int = 8) -> ImageData:
+    """A built-in data set (found under data_dir and the other roots), or an ImageFolder root `data`
+    with train/ and val/ (dataset "imagenet")."""
+    if dataset == "imagenet":
+        if not data:
+            raise ValueError("imagenet needs the folder: --data ROOT (an ImageFolder tree with train/ and val/)")
+        root = Path(data)
+        for split in ("train", "val"):
+            if not (root / split).is_dir():
+                raise FileNotFoundError(f"{root} must contain {split}/ (ImageFolder layout: {split}/<class>/<image>)")
+        size = 224  # Table 6 training and evaluation resolution
+        train, test = FolderImages(root / "train", size, True, workers), FolderImages(root / "val", size, False, workers)
+        mean, std = NORMALISATION["imagenet"]
+        return ImageData(train, test, len(train.dataset.classes), 3, size, mean, std)
+    folder = find_builtin(dataset, data_dir, download)
+    if dataset == "fashion-mnist":
+        (xtr, ytr), (xte, yte), classes = load_fashion_mnist(folder)
+    else:
+        (xtr, ytr), (xte, yte), classes = load_cifar(folder, 10 if dataset == "cifar10" else 100)
+    xtr, ytr = (xtr[:train_subset], ytr[:train_subset]) if train_subset else (xtr, ytr)
+    xte, yte = (xte[:test_subset], yte[:test_subset]) if test_subset else (xte, yte)
+    mean, std = NORMALISATION[dataset]
+    return ImageData(TensorImages(xtr, ytr), TensorImages(xte, yte), classes, xtr.shape[1], xtr.shape[-1], mean, std)
+
+
+def epoch_order(n: int, seed: int, epoch: int, repeats: int) -> torch.Tensor:
+    """The sample order of one epoch: a function of (seed, epoch) only, so a resumed run sees the same
+    data. Repeated augmentation (DeiT) draws n/repeats images and shows each `repeats` times; copies
+    are adjacent and the rank split is strided, so they land on different ranks."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g)
+    if repeats > 1:
+        perm = perm[:math.ceil(n / repeats)].repeat_interleave(repeats)[:n]
+    return perm
+
+
+def image_batches(images, batch_size: int, seed: int, repeats: int, rank: int, world: int, start_step: int):
+    """Yield (step, images uint8, labels) for this rank from `start_step` on, forever."""
+    steps_per_epoch = len(images) // batch_size
+    step = start_step
+    while True:
+        epoch, first = divmod(step, steps_per_epoch)
+        order = epoch_order(len(images), seed, epoch, repeats)
+        index_batches = [order[s * batch_size:(s + 1) * batch_size][rank::world]  # strided rank split
+                         for s in range(first, steps_per_epoch)]
+        for x, labels in images.batches(index_batches):
+            yield step, x, labels
+            step += 1
+
+
+# --- text ---
+
+# The default corpus: English-like sentences from a small fixed grammar. Chosen over the
+# repository's own source files because it is the same bytes on every machine and at every
+# commit (numbers stay comparable across versions), needs no file or network, and has what a
+# looped model should find worth extra iterations: subject-verb agreement across nested relative
+# clauses ("the dogs that the old cat sees run."), a dependency whose distance varies.
+NOUNS = [("cat", "cats"), ("dog", "dogs"), ("child", "children"), ("teacher", "teachers"), ("bird", "birds"),
+         ("farmer", "farmers"), ("king", "kings"), ("sailor", "sailors"), ("mouse", "mice"), ("poet", "poets")]
+TRANSITIVE = [("sees", "see"), ("chases", "chase"), ("likes", "like"), ("helps", "help"), ("follows", "follow"),
+              ("knows", "know"), ("finds", "find"), ("calls", "call")]
+INTRANSITIVE = [("sleeps", "sleep"), ("runs", "run"), ("sings", "sing"), ("waits", "wait"), ("laughs", "laugh")]
+ADJECTIVES = ["small", "old", "happy", "red", "quiet", "brave", "tired", "clever"]
+ADVERBS = ["today", "again", "slowly", "at night", "in the garden", "by the river"]
+DETERMINERS = {0: ["the", "a", "every", "this"], 1: ["the", "some", "two", "these", "many"]}
+
+
+def grammar_sentence(rng: random.Random, nesting: int = 2) -> str:
+    def noun_phrase(depth):
+        plural = rng.random() < 0.5
+        words = [rng.choice(DETERMINERS[plural])]
+        if rng.random() < 0.4:
+            words.append(rng.choice(ADJECTIVES))
+        words.append(NOUNS[rng.randrange(len(NOUNS))][plural])
+        if words[0] == "a" and words[1][0] in "aeiou":
+            words[0] = "an"
+        if depth < nesting and rng.random() < 0.35:  # relative clause: subject or object gap
+            if rng.random() < 0.5:
+                words += ["that", *verb_phrase(plural, depth + 1)]
+            else:
+                inner, inner_plural = noun_phrase(depth + 1)
+                words += ["that", *inner, rng.choice(TRANSITIVE)[inner_plural]]
+        return words, plural
+
+    def verb_phrase(plural, depth):
+        if rng.random() < 0.5:
+            return [rng.choice(INTRANSITIVE)[plural]] + ([rng.choice(ADVERBS)] if rng.random() < 0.3 else [])
+        return [rng.choice(TRANSITIVE)[plural], *noun_phrase(depth)[0]]
+
+    subject, plural = noun_phrase(0)
+    words = subject + verb_phrase(plural, 0)
+    sentence = " ".join(words)
+    return sentence[0].upper() + sentence[1:] + "."
+
+
+def grammar_corpus(num_chars: int = 1_000_000, seed: int = 0) -> str:
+    """The default text corpus: deterministic paragraphs of grammar_sentence(), about num_chars long."""
+    rng, paragraphs, size = random.Random(seed), [], 0
+    while size < num_chars:
+        paragraph = " ".join(grammar_sentence(rng) for _ in range(rng.randint(3, 8)))
+        paragraphs.append(paragraph)
+        size += len(paragraph) + 1
+    return "\n".join(paragraphs)
+
+
+def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", download: bool = False) -> str:
+    """The training text: a UTF-8 file or folder of .txt files (`path`), else the named corpus."""
+    if path:
+        path = Path(path)
+        files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        if not files:
+            raise FileNotFoundError(f"{path} holds no .txt files")
+        try:
+            text = "\n".join(f.read_text(encoding="utf-8") for f in files)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text ({e})") from None
+        if not text.strip():
+            raise ValueError(f"{path} holds no text (empty or only whitespace)")
+        return text
+    if corpus == "grammar":
+        return grammar_corpus()
+    return (find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1]).read_text(encoding="utf-8")
+
+
+def tokenize(text: str, tokenizer: str = "byte") -> tuple[torch.Tensor, float, int]:
+    """-> (tokens (N,) int64, tokens per byte, vocabulary size). byte: the UTF-8 bytes (vocab 256);
+    gpt2: GPT-2's BPE through tiktoken (vocab 50257)."""
+    raw = text.encode("utf-8")
+    if tokenizer == "byte":
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long(), 1.0, 256
+    if tokenizer != "gpt2":
+        raise ValueError(f"tokenizer must be byte or gpt2; got {tokenizer!r}")
+    try:
+        import tiktoken
+        encoding = tiktoken.get_encoding("gpt2")
+    except ImportError:
+        raise ValueError("the gpt2 tokenizer needs tiktoken: pip install tiktoken (or use the byte tokenizer)") \
+            from None
+    except Exception as e:  # noqa: BLE001 -- the encoding files could not be fetched
+        raise ValueError(f"tiktoken could not load the gpt2 encoding (its files are downloaded once): {e}") from None
+    tokens = torch.tensor(encoding.encode_ordinary(text), dtype=torch.long)
+    return tokens, len(tokens) / len(raw), encoding.n_vocab
+
+
+def load_text(corpus: str = "grammar", path: str = "", tokenizer: str = "byte", data_dir: str = "",
+              download: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """Train/val token tensors (90/10 split), tokens per byte, vocabulary size."""
+    tokens, tokens_per_byte, vocab = tokenize(read_text(corpus, path, data_dir, download), tokenizer)
+    split = int(0.9 * len(tokens))
+    return tokens[:split], tokens[split:], tokens_per_byte, vocab
+
+
+def text_batches(tokens: torch.Tensor, batch_size: int, block_size: int, seed: int, rank: int, world: int,
+                 start_step: int):
+    """Random windows (B, T) and their next tokens; the windows of step s come from a generator
+    seeded by (seed, s). Every start 0 .. len - T - 1 can be drawn (the last one included)."""
+    step = start_step
+    while True:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=g)[rank::world]
+        windows = torch.stack([tokens[s:s + block_size + 1] for s in starts.tolist()])  # (b, T+1)
+        yield step, windows[:, :-1], windows[:, 1:]
+        step += 1
+
+
+# --- batch augmentation on the device (DeiT III 3-Augment, mixup / cutmix) ---
+
+
+class Augment:
+    """uint8 images -> normalised float images and soft targets. Per-image randomness from a
+    torch.Generator on the device, per-batch (mixup/cutmix) from a python Random; train.py saves
+    both in checkpoints."""
+
+    def __init__(self, data: ImageData, device, seed: int, *, random_crop=False, three_augment=False,
+                 color_jitter=0.0, mixup=0.0, cutmix=0.0, mix_prob=1.0, mix_switch_prob=0.5, label_smoothing=0.0):
+        self.num_classes = data.num_classes
+        self.random_crop, self.three_augment_on, self.color_jitter = random_crop, three_augment, color_jitter
+        self.mixup, self.cutmix, self.mix_prob, self.mix_switch_prob = mixup, cutmix, mix_prob, mix_switch_prob
+        self.label_smoothing = label_smoothing
+        self.mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(data.std, device=device).view(1, -1, 1, 1)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.batch_rng = random.Random(seed)
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+    def rand(self, *shape):
+        return torch.rand(*shape, generator=self.generator, device=self.generator.device)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor):
+        """uint8 (B, C, H, W), labels (B,) -> normalised float images, soft targets (B, classes)."""
+        x = images.float() / 255
+        if self.random_crop:
+            x = self.crop_and_flip(x)
+        if self.three_augment_on:
+            x = self.three_augment(x)
+        if self.color_jitter:
+            x = self.jitter(x, self.color_jitter)
+        x = self.normalise(x)
+        targets = F.one_hot(labels, self.num_classes).float()
+        targets = targets * (1 - self.label_smoothing) + self.label_smoothing / self.num_classes
+        return self.mix(x, targets)
+
+    def crop_and_flip(self, x):
+        b, _, h, w = x.shape
+        pad = max(1, h // 8)  # 4 px at 32x32, 3 px at 28x28
+        padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
+        oy = (self.rand(b) * (2 * pad + 1)).long()  # (B,) crop offsets
+        ox = (self.rand(b) * (2 * pad + 1)).long()
+        rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]  # (B, 1, H, 1)
+        cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :]  # (B, 1, 1, W)
+        batch = torch.arange(b, device=x.device)[:, None, None, None]
+        chans = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+        x = padded[batch, chans, rows, cols]  # (B, C, H, W)
+        flip = (self.rand(b) < 0.5)[:, None, None, None]
+        return torch.where(flip, x.flip(3), x)
+
+    @staticmethod
+    def grayscale(x):
+        if x.shape[1] == 1:
+            return x
+        weights = torch.tensor([0.299, 0.587, 0.114], device=x.device).view(1, 3, 1, 1)
+        return (x * weights).sum(1, keepdim=True).expand_as(x)
+
+    def blur(self, x, sigma):
+        """Gaussian blur with a per-image sigma: separable conv, one kernel per image (grouped)."""
+        b, c, h, w = x.shape
+        radius = min(6, (h - 1) // 2)  # 3 * max sigma, capped so reflect padding fits
+        offsets = torch.arange(-radius, radius + 1, device=x.device).float()
+        kernel = torch.exp(-offsets[None] ** 2 / (2 * sigma[:, None] ** 2))  # (B, k)
+        kernel = (kernel / kernel.sum(1, keepdim=True)).repeat_interleave(c, 0)  # (B*C, k)
+        y = F.pad(x.reshape(1, b * c, h, w), (radius,) * 4, mode="reflect")
+        y = F.conv2d(y, kernel[:, None, :, None], groups=b * c)  # vertical
+        y = F.conv2d(y, kernel[:, None, None, :], groups=b * c)  # horizontal
+        return y.view(b, c, h, w)
+
+    def three_augment(self, x):
+        """DeiT III: one of {grayscale, solarize, gaussian blur sigma in [0.1, 2]} per image."""
+        choice = (self.rand(x.shape[0]) * 3).long()[:, None, None, None]
+        sigma = 0.1 + 1.9 * self.rand(x.shape[0])
+        solarized = torch.where(x >= 0.5, 1 - x, x)  # PIL solarize threshold 128
+        return torch.where(choice == 0, self.grayscale(x), torch.where(choice == 1, solarized, self.blur(x, sigma)))
+
+    def jitter(self, x, strength):
+        """ColorJitter(b, c, s) with factors in [1-strength, 1+strength], in a fixed order."""
+        b = x.shape[0]
+        factor = lambda: (1 + strength * (2 * self.rand(b) - 1)).view(b, 1, 1, 1)  # noqa: E731
+        x = (x * factor()).clamp(0, 1)                                                     # brightness
+        mean = self.grayscale(x).mean((1, 2, 3), keepdim=True)
+        x = (mean + factor() * (x - mean)).clamp(0, 1)                                     # contrast
+        gray = self.grayscale(x)
+        return (gray + factor() * (x - gray)).clamp(0, 1)                                  # saturation
+
+    def mix(self, x, targets):
+        """Batch mixup / cutmix with the flipped batch as partner (timm's 'batch' mode)."""
+        rng = self.batch_rng
+        if not (self.mixup or self.cutmix) or rng.random() >= self.mix_prob:
+            return x, targets
+        use_cutmix = self.cutmix > 0 and (self.mixup == 0 or rng.random() < self.mix_switch_prob)
+        lam = rng.betavariate(self.cutmix, self.cutmix) if use_cutmix else rng.betavariate(self.mixup, self.mixup)
+        if use_cutmix:
+            h, w = x.shape[-2:]
+            cut_h, cut_w = int(h * math.sqrt(1 - lam)), int(w * math.sqrt(1 - lam))
+            cy, cx = rng.randrange(h), rng.randrange(w)
+            y0, y1 = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, h)
+            x0, x1 = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, w)
+            x = x.clone()
+            x[:, :, y0:y1, x0:x1] = x.flip(0)[:, :, y0:y1, x0:x1]
+            lam = 1 - (y1 - y0) * (x1 - x0) / (h * w)  # the area actually pasted
+        else:
+            x = lam * x + (1 - lam) * x.flip(0)
+        return x, lam * targets + (1 - lam) * targets.flip(0)

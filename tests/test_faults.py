@@ -1,0 +1,243 @@
+"""A long run's faults: divergence, run folders shared or reused, interrupted saves, a full disk, and
+every bad file or value a user can pass -- each a one-line error, never a traceback, nothing lost."""
+import errno
+import fcntl
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--no-progress", "--train-subset", "256", "--test-subset", "64", "--batch-size", "32", "--patch-size", "7",
+        "--depth", "2", "--model-args", "dim=32,heads=2,ffn_dim=64", "--log-interval", "1"]
+
+
+def run(tmp_path, fashion_mnist_dir, *args, name="run"):
+    out = tmp_path / name
+    return train.main(["--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, *args]), out
+
+
+def error(*argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        train.main(list(argv))
+    assert e.value.code not in (0, None)
+    message = str(e.value.code)
+    assert message.startswith("train.py: error: ") and "\n" not in message
+    return message
+
+
+def steps_logged(out):
+    return [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+# --- divergence: checked before optimizer.step(), nothing non-finite written ---
+
+
+def nan_gradients_after(step, monkeypatch):
+    """From optimizer step `step` on, a finite loss whose gradient is NaN (sqrt'(0) * 0)."""
+    real_loss = train.ClassificationTask.loss
+    counter = {"calls": 0}
+
+    def loss(self, model, images, labels):
+        value, parts = real_loss(self, model, images, labels)
+        counter["calls"] += 1
+        if counter["calls"] > step:
+            value = value + torch.sqrt(0 * next(model.parameters()).sum())  # forward + 0, backward NaN
+        return value, parts
+
+    monkeypatch.setattr(train.ClassificationTask, "loss", loss)
+
+
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_nan_gradient_with_finite_loss_stops_before_the_step(tmp_path, fashion_mnist_dir, monkeypatch, clip):
+    nan_gradients_after(2, monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "1", "--grad-clip", clip)
+    message = str(e.value)
+    assert "non-finite gradient norm nan (loss" in message and "at step 2;" in message
+    assert f"Last good checkpoint: {tmp_path / 'run' / 'ckpt.pt'} (step 2)" in message
+    assert ("--grad-clip 1.0" in message) == (clip == "0")  # the hint fits: clipping suggested only when off
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 2 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert steps_logged(tmp_path / "run") == [1, 2]
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, fashion_mnist_dir, monkeypatch):
+    real_step = train.train_step
+
+    def step_then_break(run_, inputs, targets):
+        record = real_step(run_, inputs, targets)
+        if run_.step == 3:
+            with torch.no_grad():
+                next(run_.model.parameters()).fill_(float("inf"))
+        return record
+
+    monkeypatch.setattr(train, "train_step", step_then_break)
+    with pytest.raises(SystemExit, match=r"weights became non-finite at step 3 .*not saved. Last good checkpoint: "
+                                         r".*ckpt\.pt \(step 2\)"):
+        run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "1")
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 2
+
+
+# --- run folders ---
+
+
+def test_a_used_folder_is_refused_unless_overwrite(tmp_path, fashion_mnist_dir):
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "1")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, "--max-steps", "2")
+    assert f"--out-dir {out} already holds a run" in message and "--overwrite" in message
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    summary, _ = run(tmp_path, fashion_mnist_dir, "--max-steps", "2", "--overwrite")
+    assert summary["step"] == 2 and steps_logged(out) == [1, 2]
+
+
+def test_two_processes_cannot_share_a_folder(tmp_path, fashion_mnist_dir):
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".lock", "w") as other_process:  # flock: per open file, so this acts as another process
+        fcntl.flock(other_process, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, "--max-steps", "1")
+    assert "is in use by another training process" in message
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_resume_cuts_the_log_back_and_removes_stale_temp_files(tmp_path, fashion_mnist_dir, monkeypatch):
+    real_step = train.train_step
+
+    def killed_at_5(run_, inputs, targets):
+        if run_.step == 4:
+            raise KeyboardInterrupt("kill -9")
+        return real_step(run_, inputs, targets)
+
+    monkeypatch.setattr(train, "train_step", killed_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "3")
+    monkeypatch.setattr(train, "train_step", real_step)
+    out = tmp_path / "run"
+    assert steps_logged(out) == [1, 2, 3, 4]  # the checkpoint holds step 3
+    (out / ".ckpt.pt.tmp12345").write_bytes(b"half a checkpoint")
+    train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]  # each step once
+    assert not list(out.glob(".ckpt.pt.tmp*"))
+
+
+def test_disk_full_at_save_names_the_file_and_the_last_good_checkpoint(tmp_path, fashion_mnist_dir, monkeypatch):
+    real_save, calls = torch.save, []
+
+    def full_disk(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "1")
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    assert str(e.value) == (f"train.py: error: cannot write {ckpt}: No space left on device. "
+                            f"Last good checkpoint: {ckpt} (step 2)")
+
+
+def test_an_unwritable_out_dir_is_found_before_training(tmp_path, fashion_mnist_dir, monkeypatch):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setattr(data, "load_images", lambda *a, **k: pytest.fail("data loaded before the check"))
+    message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(tmp_path / "file" / "run"), *TINY)
+    assert f"{tmp_path / 'file'} is not a writable folder" in message
+
+
+# --- one error path for every file a user passes ---
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    files = {"garbage": tmp_path / "garbage.pt", "pickle": tmp_path / "pickle.pt", "keys": tmp_path / "keys.pt",
+             "missing": tmp_path / "missing.pt"}
+    files["garbage"].write_bytes(b"\x00not a checkpoint" * 10)
+    torch.save({"arch": "revit-mini", "model": Payload()}, files["pickle"])
+    torch.save({"arch": "revit-mini", "model_config": {}, "model": {}}, files["keys"])
+    return files
+
+
+def test_bad_resume_teacher_backbone_files_give_one_line(tmp_path, bad_files, fashion_mnist_dir):
+    common = ["--data-dir", str(fashion_mnist_dir), "--out-dir", str(tmp_path / "x"), *TINY]
+    expected = {"garbage": "not a readable torch checkpoint", "pickle": "it holds Python objects",
+                "missing": "no such file"}
+    for kind, path in bad_files.items():
+        for flag in ("--resume", "--teacher", "--backbone"):
+            argv = [flag, str(path), *common] + (["--probe", "cls"] if flag == "--backbone" else [])
+            message = error(*argv)
+            assert f"{flag} {path}" in message and "weights_only" not in message, message
+            if kind in expected:
+                assert expected[kind] in message, message
+    assert "not a training checkpoint of this project (missing train_config, optimizer, step, rng)" in \
+        error("--resume", str(bad_files["keys"]))
+    assert "its weights do not fit revit-mini: 24 missing tensors (cls_token, pos_embed" in error("--teacher", str(bad_files["keys"]), *common)
+    assert not (tmp_path / "x").exists()
+
+
+def test_probe_of_a_language_model_is_refused_without_download(tmp_path, monkeypatch):
+    out = tmp_path / "lm"
+    train.main(["--arch", "alternet-tiny", "--out-dir", str(out), "--no-progress", "--max-steps", "1",
+                "--batch-size", "2", "--block-size", "16", "--eval-iters", "1", "--eval-batch-size", "2",
+                "--model-args", "dim=32,heads=2,ffn_dim=32,max_depth=2,min_depth_warmup=0"])
+    monkeypatch.setattr(data, "fetch", lambda *a: pytest.fail("tried to download"))
+    message = error("--probe", "cls", "--backbone", str(out / "ckpt.pt"))
+    assert "is a checkpoint of alternet-tiny, not a vision model" in message
+
+
+# --- every numeric flag validated up front ---
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--beta1", "2"], "--beta1 must be in [0, 1); got 2.0"),
+    (["--lr", "nan"], "--lr must be a finite number; got nan"),
+    (["--lr", "-1"], "--lr must be > 0; got -1.0"),
+    (["--warmup-steps", "-5"], "--warmup-steps must be >= 0; got -5"),
+    (["--mix-prob", "1.5"], "--mix-prob must be in [0, 1]; got 1.5"),
+    (["--grad-clip", "inf"], "--grad-clip must be a finite number; got inf"),
+    (["--model-args", "dim=abc"], "--model-args dim='abc': dim takes int"),
+    (["--model-args", "depth=6.5"], "--model-args depth=6.5: depth takes int"),
+    (["--model-args", "nonsense=1"], "--model-args nonsense: not a field of ViTConfig"),
+    (["--loss", "mse"], "--loss must be one of ce, bce; got 'mse'"),
+    (["--arch", "alternet-tiny", "--max-steps", "0"], "text data trains by steps: give --max-steps"),
+])
+def test_bad_values_are_refused_up_front(tmp_path, argv, expected):
+    assert expected in error(*argv, "--out-dir", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_empty_text_file(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    assert f"--data: {tmp_path / 'empty.txt'} holds no text" in error("--arch", "alternet-tiny", "--data",
+                                                                     str(tmp_path / "empty.txt"))
+
+
+def test_command_line_prints_one_line_and_no_traceback(tmp_path):
+    (tmp_path / "GARBAGE").write_bytes(b"PK\x03\x04 torn zip")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--resume", "GARBAGE"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--resume GARBAGE: not a checkpoint of this project (not a readable torch checkpoint: " in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["GARBAGE"]
+
+
+def test_tests_collect_from_any_working_directory(tmp_path):
+    """pytest finds the repository's configuration (the root on sys.path) from wherever it starts."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
+                             str(ROOT / "tests" / "test_data.py")], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert "error" not in result.stdout.lower().splitlines()[-1]
