@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import sys
 import warnings
 from dataclasses import asdict
@@ -94,39 +93,10 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def why_unusable(error: Exception) -> str:
-    """What is wrong with a file torch.load (or a checkpoint loader) refused, in one line, from its exception.
-    torch's refusal of a file that holds arbitrary Python objects is reduced to its reason: its advice
-    to load with weights_only=False is never passed on (that would run code stored in the file)."""
-    text = " ".join(str(error).split())
-    if "WeightsUnpickler error:" in text:
-        reason = text.split("WeightsUnpickler error:", 1)[1].split(" Check the documentation")[0].strip()
-        if "Unsupported global: GLOBAL " in reason:  # a pickled Python object: never loaded, never run
-            stored = reason.split("GLOBAL ", 1)[1].split()[0]
-            return (f"it stores the Python object {stored}, which a safe load refuses "
-                    "(files of this project hold only tensors and plain values)")
-        return f"not a PyTorch file ({reason})"
-    if isinstance(error, (pickle.UnpicklingError, EOFError)) or "PytorchStreamReader" in text:
-        return f"not a PyTorch file ({text.split('. ')[0] or 'empty or cut short'})"
-    if isinstance(error, KeyError):
-        return f"not a checkpoint of this project (it has no {text} entry)"
-    if isinstance(error, AttributeError):  # a list or a tensor where train.py saves a dict
-        return f"not a checkpoint of this project ({text})"
-    if "Error(s) in loading state_dict" in text:
-        return f"its weights do not fit its model_config ({text.split(': ', 1)[-1][:300]})"
-    return text[:300]
-
-
 def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
     """A checkpoint of this project that holds a vision model of revit.py -> (model in eval mode, ckpt).
     Every problem with the file is a ValueError of one line naming `flag`, the file and what is wrong."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{flag} {path}: {'a folder, not a checkpoint file' if path.is_dir() else 'no such file'}")
-    try:
-        model, ckpt = train.load_model(path, device)
-    except Exception as e:  # noqa: BLE001 -- whatever torch.load / create_model / load_state_dict raise
-        raise ValueError(f"{flag} {path}: {why_unusable(e)}") from None
+    model, ckpt = train.load_model(path, device, flag)
     if not isinstance(model, revit.ViTBase):
         raise ValueError(f"{flag} {path}: holds the language model {ckpt['arch']}; "
                          "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE baselines)")

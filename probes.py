@@ -295,7 +295,7 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, the file is unusable
-            fail(f"--data {path}: {export.why_unusable(e)}")
+            fail(f"--data {path}: {train.unreadable(e)}")
         if not isinstance(blob, dict) or not all(isinstance(blob.get(k), torch.Tensor) for k in ("images", key)):
             fail(f"--data {path}: needs a dict with the tensors 'images' and '{key}' for --probe {task}")
         images, targets = blob["images"][:n or None], blob[key][:n or None]

@@ -31,7 +31,6 @@ import fcntl
 import json
 import math
 import os
-import pickle
 import random
 import time
 import typing
@@ -875,21 +874,29 @@ def atomic_save(obj: dict, path: Path) -> None:
             tmp.unlink()
 
 
+def unreadable(error: Exception) -> str:
+    """Why torch.load refused a file, in one line. Its refusal of a file that holds arbitrary Python
+    objects is reduced to the reason: its advice to load with weights_only=False is never passed on
+    (that would run code stored in the file)."""
+    text = " ".join(str(error).split())
+    if "Unsupported global: GLOBAL " in text:  # a pickled Python object: never loaded, never run
+        stored = text.split("GLOBAL ", 1)[1].split()[0]
+        return (f"it stores the Python object {stored}, which a safe load refuses "
+                "(files of this project hold only tensors and plain values)")
+    if "WeightsUnpickler error:" in text:
+        return f"not a PyTorch file ({text.split('WeightsUnpickler error:', 1)[1].split(' Check the')[0].strip()})"
+    return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
+
+
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     """A checkpoint of this project as a dict (tensors and plain values only: weights_only=True).
     ValueError with one line naming the flag, the file and what is wrong."""
     if not Path(path).is_file():
-        raise ValueError(f"{flag} {path}: no such file")
+        raise ValueError(f"{flag} {path}: {'a folder, not a checkpoint file' if Path(path).is_dir() else 'no such file'}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # torch's text advises weights_only=False: never tell a user that
-        what = "it holds Python objects, not only tensors and plain values" if "Unsupported global" in str(e) \
-            else "not a readable torch checkpoint"
-        raise ValueError(f"{flag} {path}: not a checkpoint of this project ({what})") from None
-    except Exception as e:  # noqa: BLE001 -- truncated, not a torch file, ...
-        reason = str(e).split(". ")[0].splitlines()[0] if str(e) and "weights_only" not in str(e) else type(e).__name__
-        raise ValueError(f"{flag} {path}: not a checkpoint of this project (not a readable torch checkpoint: "
-                         f"{reason})") from None
+    except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
+        raise ValueError(f"{flag} {path}: {unreadable(e)}") from None
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "

@@ -317,9 +317,9 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}/empty.pt", "--format", "onnx", "--out", "{tmp}/x"], "empty.pt: not a PyTorch file"),
     (["{tmp}/list.pt", "--format", "onnx", "--out", "{tmp}/x"], "list.pt: not a checkpoint of this project"),
     (["{tmp}/no_arch.pt", "--format", "onnx", "--out", "{tmp}/x"], "no_arch.pt: not a checkpoint of this "
-                                                                   "project (it has no 'arch' entry)"),
+                                                                   "project (missing arch)"),
     (["{tmp}/pickled.pt", "--format", "onnx", "--out", "{tmp}/x"], "it stores the Python object pathlib"),
-    (["{tmp}/misfit.pt", "--format", "onnx", "--out", "{tmp}/x"], "its weights do not fit its model_config"),
+    (["{tmp}/misfit.pt", "--format", "onnx", "--out", "{tmp}/x"], "its weights do not fit revit-mini"),
     (["{tmp}/language.pt", "--format", "onnx", "--out", "{tmp}/x"], "holds the language model alternet-tiny"),
     (["{tmp}/diverged.pt", "--format", "compact", "--out", "{tmp}/x"], "weights are not finite (block.attn.qkv"),
     (["{tmp}/garbage.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "not a readable safetensors file"),

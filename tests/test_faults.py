@@ -173,7 +173,7 @@ def bad_files(tmp_path):
 
 def test_bad_resume_teacher_backbone_files_give_one_line(tmp_path, bad_files, fashion_mnist_dir):
     common = ["--data-dir", str(fashion_mnist_dir), "--out-dir", str(tmp_path / "x"), *TINY]
-    expected = {"garbage": "not a readable torch checkpoint", "pickle": "it holds Python objects",
+    expected = {"garbage": "not a PyTorch file", "pickle": "it stores the Python object",
                 "missing": "no such file"}
     for kind, path in bad_files.items():
         for flag in ("--resume", "--teacher", "--backbone"):
@@ -230,7 +230,7 @@ def test_command_line_prints_one_line_and_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--resume", "GARBAGE"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "--resume GARBAGE: not a checkpoint of this project (not a readable torch checkpoint: " in result.stderr
+    assert "--resume GARBAGE: not a PyTorch file (" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["GARBAGE"]
 
 
