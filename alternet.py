@@ -845,6 +845,8 @@ def check_sample_args(args):
 def load_language_model(path, device):
     """(model, encode, decode) from a train.py checkpoint; ValueError with one line if it is not usable."""
     import train  # floor 2, only for this command: the model above needs torch and einops alone
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise ValueError(f"--device must be cpu or an available cuda device, got {device!r}")
     model, ckpt = train.load_model(path, device=device, flag="CKPT")
     if not isinstance(model, AlterNet):
         raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
@@ -862,12 +864,10 @@ def main(argv=None):
         if problem:
             raise ValueError(problem)
         model, encode, decode = load_language_model(args.checkpoint, args.device)
-        prompt = torch.tensor([encode(args.prompt)], dtype=torch.long, device=args.device)
-        try:
-            check_ids("--prompt", prompt, model.config.vocab_size)
-        except ValueError:
-            raise ValueError(f"--prompt {args.prompt!r} has tokens outside this model's vocabulary of "
-                             f"{model.config.vocab_size} (its tokenizer ids must be < {model.config.vocab_size})")
+        prompt = torch.tensor([encode(args.prompt)], dtype=torch.long, device=args.device)  # (1, P)
+        if prompt.max() >= model.config.vocab_size:
+            raise ValueError(f"--prompt {args.prompt!r} has tokens outside this model's vocabulary "
+                             f"(ids 0..{model.config.vocab_size - 1}; the prompt has {prompt.max().item()})")
         if args.top_k is not None and args.top_k > model.config.vocab_size:
             raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
     except ValueError as e:
