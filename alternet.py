@@ -790,7 +790,7 @@ def create_model(name, **overrides):
 def text_codec(tokenizer):
     """(encode: str -> list of ids, decode: list of ids -> str) for train.py's --tokenizer names."""
     if tokenizer == "byte":
-        return list, lambda ids: bytes(ids).decode("utf-8", errors="replace")
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
     if tokenizer == "gpt2":
         try:
             import tiktoken
