@@ -324,6 +324,18 @@ CONFIG_RULES = {
 
 
 class AlterNet(nn.Module):
+    """The looped expert bank. forward returns a dict (OUTPUTS):
+      logits (B, T, V)           output of the iteration each sequence stopped at
+      step_logits (D', B, T, V)  per iteration; after a sequence halts its row repeats its output
+      halting_distribution (B, D')  p of Eq. 5; a sequence halted early at iteration h has
+                                 lambda_h := 1 (all remaining mass), like a cap at h + 1
+      iterations (B,) long; aux_losses {kl, balance, z[, rir]} already weighted;
+      router_logits (D', B, E); expert_indices (D', B, k) (-1 after halting); gates (D', B, k);
+      halt_lambdas (B, D') raw lambda_d (before the last-iteration and curriculum overrides);
+      states (list of D'+1 (B, T, H)) when return_states;
+      with targets: task_loss (L_PN), loss, step_losses (D',) token-mean CE per iteration.
+    """
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -481,25 +493,13 @@ class AlterNet(nn.Module):
 
     def forward(self, tokens, targets=None, max_depth=None, halt_threshold=None, lengths=None, *,
                 sample_halting=False, return_states=False, last_token_only=False):
-        """tokens: (B, T) long, right-padded when `lengths` (B,) is given.
+        """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of OUTPUTS.
 
         max_depth: this call's cap D' on iterations (default: config.max_depth = D, the trained
         depth; more extrapolates). halt_threshold: stop a sequence once its cumulative halting
         probability reaches it; sample_halting: stop with probability lambda_d (the conditional,
-        not p_d). Either one needs halting=True; no sequence stops before minimum_depth (the
-        curriculum). Without them every sequence runs D' iterations. targets: (B, T) long,
-        -1 = ignore (as are positions >= lengths).
-
-        Returns a dict:
-          logits (B, T, V)           output of the iteration each sequence stopped at
-          step_logits (D', B, T, V)  per iteration; after a sequence halts its row repeats its output
-          halting_distribution (B, D')  p of Eq. 5; a sequence halted early at iteration h has
-                                     lambda_h := 1 (all remaining mass), like a cap at h + 1
-          iterations (B,) long, aux_losses {kl, balance, z[, rir]} already weighted,
-          router_logits (D', B, E), expert_indices (D', B, k) (-1 after halting),
-          gates (D', B, k), halt_lambdas (B, D') raw lambda_d (before the last-iteration and
-          curriculum overrides), states (list of D'+1 (B, T, H)) when return_states,
-          and with targets: task_loss (L_PN), loss, step_losses (D',) token-mean CE per iteration.
+        not p_d). Either needs halting=True; no sequence stops before minimum_depth (curriculum).
+        targets: (B, T) long, -1 = ignore (as are positions >= lengths).
         """
         num_iterations, last = self._check_inputs(tokens, targets, max_depth, halt_threshold, lengths,
                                                   sample_halting, last_token_only)
@@ -680,7 +680,7 @@ class AlterNet(nn.Module):
             return tokens, torch.stack(used, dim=1) if used else tokens.new_zeros(tokens.shape[0], 0)
         return tokens
 
-    sample = generate  # the issue's name for it
+    sample = generate  # alias
 
 
 def check_ids(name, ids, vocab_size, ignore=None):
