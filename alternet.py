@@ -477,10 +477,9 @@ class AlterNet(nn.Module):
         elif self.config.halting:
             log_halt, log_continue = halting_log_probabilities(log_gates, halt_logits)
             rir = halting_log_probabilities(log_gates.detach(), rir_halt_logits)
-        else:
-            log_halt = x_next.new_full((n,), float("-inf"), dtype=torch.float32)
-            log_continue = rir = x_next.new_zeros(n, dtype=torch.float32)
-            rir = (rir, rir)
+        else:  # lambda = 0: log lambda = -inf, log(1 - lambda) = 0
+            zeros = x_next.new_zeros(n, dtype=torch.float32)
+            log_halt, log_continue, rir = torch.full_like(zeros, -math.inf), zeros, (zeros, zeros)
         return dict(log_halt=log_halt, log_continue=log_continue, rir_log_halt=rir[0], rir_log_continue=rir[1])
 
     def decode(self, x, last=None):
@@ -561,7 +560,9 @@ class AlterNet(nn.Module):
             return dict(record, ran=ran)
         full = {}
         for key, value in record.items():
-            fill = -1 if key == "expert_indices" else 0  # log entries: 0 is harmless after lambda := 1
+            # -1: no expert; raw lambda 0 (log -inf) as a halted sequence does not run; other log
+            # entries 0, harmless after lambda := 1 and finite in L_RIR's masked sum
+            fill = {"expert_indices": -1, "raw_log_halt": -math.inf}.get(key, 0)
             full[key] = value.new_full((batch_size, *value.shape[1:]), fill).index_copy(0, active, value)
         full["ran"] = torch.zeros(batch_size, dtype=torch.bool, device=active.device).index_fill(0, active, True)
         return full
