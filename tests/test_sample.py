@@ -6,6 +6,7 @@ to a temporary folder (vocab_size 128, so bytes >= 128 are outside its vocabular
 import dataclasses
 import inspect
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,7 +123,7 @@ def test_bad_arguments_give_one_line_errors(checkpoint, revit_checkpoint, tmp_pa
         alternet.main(["sample", *make_flags(checkpoint, revit_checkpoint, tmp_path)])
     error = str(exit_info.value.code)
     assert error.startswith("alternet.py sample: error: ") and "\n" not in error
-    assert __import__("re").search(message, error), error
+    assert re.search(message, error), error
 
 
 def test_cli_prints_no_traceback(checkpoint):
