@@ -3,7 +3,7 @@ AlterNet: a looped mixture of single-block experts with learned halting.
 
 Kastius, "AlterNet: Adaptive-Depth Mixture-of-Experts with Learned Halting for
 Elastic Inference" (arXiv 2611.08741), §3 and Appendices A-C. Equation numbers in
-the comments are those of SPEC.md Part 2 (which restates the paper's).
+the comments are the paper's.
 
 How it differs from a GPT:
 - Positions are injected once (token + learned position embedding); there is no
@@ -16,34 +16,43 @@ How it differs from a GPT:
 - Each iteration is a gated residual step x <- x + sum_j g_j y_j, with y_j the
   residual update of expert j (block(x) - x).
 - Every expert has a halt head; their gated mix gives the probability of halting at
-  this step, and PonderNet turns these into a distribution p over depths. A shared
+  this iteration, and PonderNet turns these into a distribution p over depths
+  (computed in log space, so saturated halt heads give finite gradients). A shared
   final LayerNorm + LM head (tied to the token embedding) decodes every iteration,
-  and the loss is the p-weighted sum of the per-step cross-entropies plus KL(p||prior),
-  Switch load balance, router z-loss and a relative-improvement loss for the halt
-  heads.
+  and the loss is the p-weighted sum of the per-iteration cross-entropies plus
+  KL(p||prior), Switch load balance, router z-loss and a relative-improvement loss
+  for the halt heads.
 - At inference a sequence stops when its cumulative halting probability passes a
   threshold (or by sampling); the iteration count may also be capped below D without
   retraining. `halting=False` is the paper's fixed-depth baseline "Model I".
 
 A property of the design worth knowing: the router (and the halt heads) read the LAST
-valid token, so in training the expert choice for a whole sequence is made with every
-token in view. Attention is causal, but the logits at position i < T-1 depend on later
-tokens through that choice (a few bits per step per sequence). Generation is exact
-(it predicts from the last token); `lengths` moves the routing position.
+valid token, so on a full window the expert choice for the whole sequence is made with
+every token in view. Attention is causal, but the logits at position i < T-1 depend on
+later tokens through that choice: the gates and halting probabilities are continuous
+functions of the last token's state, so the leak is not a few bits but a real-valued
+signal at every iteration. The full-window loss is therefore optimistic; `causal_loss`
+scores each position as generation does (routing and halting on its own prefix), and
+training cuts part of each batch to random lengths (`random_length_fraction`) so the
+router and halt heads see every position. Generation is exact.
 
 Defaults where the paper is ambiguous (each reachable or documented at its code):
 - y_j is the block's residual update, so Eq. 3 is a gated residual step.
-- The curriculum ("forced to full depth") puts all halting mass on step D-1 in training;
-  see AlterNet.curriculum_active. The a_KL ramp starts at step 0.
-- Load balance and z-loss pool every (sequence, step) routing decision, so experts may
-  specialise by depth; f_i counts top-k selections (sums to k). z-loss uses the clamped
-  logits the router acts on.
+- The curriculum ("forced to stick to its maximum number of iterations", §4) forces
+  the halting distribution onto iteration D in training; the a_KL ramp (Table 2's
+  "a_KL warmup steps") starts when the curriculum ends. A gradual release of the
+  minimum depth is an option (min_depth_release_steps), the paper's abrupt one the default.
+- The Gaussian prior is over iteration counts n = 1..D with mean D/2 (§3, Table 2).
+- Load balance and z-loss pool every (sequence, iteration) routing decision, so experts may
+  specialise by depth; f_i counts top-k selections (sums to k, as in Mixtral), so a_LB
+  acts as k x the Switch weight. z-loss uses the clamped logits the router acts on.
 - The "global" halt-head ablation is one head reading the new state x_{d+1} at the last
   valid token (PonderNet-style), instead of one head per expert.
 - L_RIR uses the raw lambda_d of the halt heads (also at d = D-1, where p forces 1).
 
 File layout: depth encoding -> halting / loss functions -> attention, FFN, expert ->
-config -> model -> presets -> create_model. Generation is a method of the model.
+config -> model -> causal evaluation -> presets and recipes -> create_model -> the
+`python alternet.py sample` command.
 """
 
 import dataclasses
@@ -58,9 +67,9 @@ from einops import rearrange
 # --- depth encoding (paper §3, Eq. 1) -------------------------------------------
 
 
-def depth_coordinate(step, max_depth):
-    """t = d / (D - 1) (Eq. 1). D = 1 has a single step; we give it t = 0."""
-    return step / (max_depth - 1) if max_depth > 1 else 0.0
+def depth_coordinate(iteration, max_depth):
+    """t = d / (D - 1) (Eq. 1), D = the trained max_depth. D = 1 has a single iteration; we give it t = 0."""
+    return iteration / (max_depth - 1) if max_depth > 1 else 0.0
 
 
 def depth_encoding(t, dim):
@@ -74,62 +83,78 @@ def depth_encoding(t, dim):
     return rearrange(torch.stack([angles.sin(), angles.cos()]), "two f -> (f two)")  # (dim,)
 
 
-# --- halting and the losses (Eq. 4-10) --------------------------------------------
+# --- halting and the losses (Eq. 4-10), in log space -------------------------------
+# A confident halt head saturates: lambda rounds to 1 or prod(1 - lambda) underflows, so
+# some p_d are exactly 0. p log p then has a 0/0 gradient; log p computed from logsigmoid
+# stays finite, and the KL treats p_d = 0 exactly (its term and gradient are 0).
 
 
-def halting_probability(gates, halt_logits):
-    """Eq. 4: lambda = sum_j g_j sigmoid(lhat_j) over the selected experts.
+def halting_log_probabilities(log_gates, halt_logits):
+    """Eq. 4 in log space: lambda = sum_j g_j sigmoid(lhat_j) over the selected experts.
 
-    gates, halt_logits: (..., k) -> (...,). The gates sum to 1, so lambda is in (0, 1).
+    log_gates, halt_logits: (..., k) -> (log lambda, log(1 - lambda)), each (...,). The
+    gates sum to 1, so 1 - lambda = sum_j g_j sigmoid(-lhat_j).
     """
-    return (gates * halt_logits.sigmoid()).sum(-1)
+    log_halt = torch.logsumexp(log_gates + F.logsigmoid(halt_logits), dim=-1)
+    log_continue = torch.logsumexp(log_gates + F.logsigmoid(-halt_logits), dim=-1)
+    return log_halt, log_continue
+
+
+def halting_log_distribution(log_halt, log_continue):
+    """Eq. 5, PonderNet, in log space: log p_d = log lambda_d + sum_{i<d} log(1 - lambda_i).
+
+    log_halt, log_continue: (B, D) -> log p: (B, D). The last iteration takes the remaining
+    mass (lambda_{D-1} := 1), so every row of p sums to 1. -inf entries (p_d = 0) are allowed.
+    """
+    log_halt = torch.cat([log_halt[:, :-1], torch.zeros_like(log_halt[:, -1:])], dim=1)
+    log_unhalted = torch.cat([torch.zeros_like(log_continue[:, :1]), log_continue[:, :-1]], dim=1).cumsum(1)
+    return log_halt + log_unhalted  # log P_unhalted,d + log lambda_d
 
 
 def halting_distribution(lambdas):
-    """Eq. 5, PonderNet: p_d = lambda_d prod_{i<d} (1 - lambda_i).
-
-    lambdas: (B, D) conditional halting probabilities -> p: (B, D). The last step
-    takes the remaining mass (lambda_{D-1} := 1), so every row sums to 1.
-    """
-    lambdas = torch.cat([lambdas[:, :-1], torch.ones_like(lambdas[:, -1:])], dim=1)
-    not_halted_before = torch.cumprod(
-        torch.cat([torch.ones_like(lambdas[:, :1]), 1 - lambdas[:, :-1]], dim=1), dim=1
-    )  # (B, D): P_unhalted,d
-    return not_halted_before * lambdas
+    """Eq. 5 in probability space, p: (B, D) from lambdas: (B, D) (for reading; the model uses log space)."""
+    return halting_log_distribution(lambdas.log(), torch.log1p(-lambdas)).exp()
 
 
 def depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
-    """Prior q over steps 0..num_steps-1, truncated and renormalised to sum to 1.
+    """Prior q over iterations 1..num_steps, truncated and renormalised to sum to 1: (num_steps,).
 
-    gaussian: q_d ∝ N(d; D/2, D/4) with D = max_depth (paper §3); geometric: q_d ∝ p (1-p)^d
-    (PonderNet). A cap num_steps < D at inference truncates the same prior.
+    gaussian: q_n ∝ N(n; D/2, D/4) with D = max_depth (paper §3; Table 2: mu = 6, sigma = 3 at
+    D = 12); geometric: q_n ∝ p (1-p)^(n-1) (PonderNet). A cap num_steps < D at inference
+    truncates the same prior.
     """
-    d = torch.arange(num_steps, dtype=torch.float32)
+    iterations = torch.arange(1, num_steps + 1, dtype=torch.float32)
     if kind == "gaussian":
+        # Centred on D/2 *iterations* (not 0-based index D/2, whose mean is D/2 + 1): the paper's
+        # "converging to the prior saves ≈ 50% of iterations" (§4, Fig. 3) fits a mean of D/2.
         mean, std = max_depth / 2, max_depth / 4
-        log_q = -0.5 * ((d - mean) / std) ** 2
+        log_q = -0.5 * ((iterations - mean) / std) ** 2
     elif kind == "geometric":
-        log_q = d * math.log1p(-geometric_p)
+        log_q = (iterations - 1) * math.log1p(-geometric_p)
     else:
         raise ValueError(f"prior must be one of 'gaussian', 'geometric', got {kind!r}")
-    return log_q.softmax(0)  # softmax of log-weights = normalisation over 0..num_steps-1
+    return log_q.softmax(0)  # softmax of log-weights = normalisation over 1..num_steps
 
 
-def kl_divergence(p, q):
-    """Eq. 8: KL(p || q) = mean_b sum_d p_d log(p_d / q_d); 0 log 0 = 0. p: (B, D), q: (D,).
+def kl_divergence(log_p, log_q):
+    """Eq. 8: KL(p || q) = mean_b sum_d p_d (log p_d - log q_d). log_p: (B, D), log_q: (D,).
 
-    The argument order matters: KL(p || prior), not the reversed one several
-    PonderNet codes compute by misusing KLDivLoss.
+    Exact at p_d = 0 (log p_d = -inf): the term is 0 and so is its gradient; both branches of
+    the `where` stay finite, so backward never forms 0 * inf. The argument order matters:
+    KL(p || prior), not the reversed one several PonderNet codes compute by misusing KLDivLoss.
     """
-    return (torch.xlogy(p, p) - p * q.log()).sum(-1).mean()
+    reached = log_p > float("-inf")
+    safe_log_p = torch.where(reached, log_p, torch.zeros_like(log_p))
+    terms = torch.where(reached, safe_log_p.exp() * (safe_log_p - log_q), torch.zeros_like(log_p))
+    return terms.sum(-1).mean()
 
 
 def load_balance_loss(router_logits, expert_indices, num_experts):
-    """Switch load balance E * sum_i f_i P_i over routing decisions.
+    """Switch load balance E * sum_i f_i P_i over routing decisions (paper §3, Fedus et al. 2022).
 
-    router_logits: (N, E) (N = every (sequence, step) decision, pooled), expert_indices:
-    (N, k). f_i = fraction of decisions routing to i (sums to k, as in HF Mixtral/Qwen;
-    the balanced minimum is k), P_i = mean full-softmax probability of i.
+    router_logits: (N, E) (N = every (sequence, iteration) decision, pooled), expert_indices:
+    (N, k). f_i = fraction of decisions routing to i; it sums to k (as in HF Mixtral/Qwen), so
+    the balanced minimum is k and a_LB acts as k x Switch's weight. P_i = mean softmax probability of i.
     """
     routed = F.one_hot(expert_indices, num_experts).sum(1).float()  # (N, E), 0/1 per expert
     fraction = routed.mean(0)  # (E,)
@@ -151,17 +176,17 @@ def improvement_weights(step_ce):
     return torch.sigmoid(50 * ((step_ce[:-1] - step_ce[1:]).clamp(min=0) - 0.005))
 
 
-def relative_improvement_loss(lambdas, step_ce, ran=None):
-    """Eq. 9: L_RIR = 1/B sum_b 1/(D-1) sum_{d>=1} BCE(lambda_d, 1 - w_d).
+def relative_improvement_loss(log_halt, log_continue, step_ce, ran=None):
+    """Eq. 9: L_RIR = 1/B sum_b 1/(D-1) sum_{d>=1} BCE(lambda_d, 1 - w_d), BCE from log lambda.
 
-    lambdas: (D, B) halt-head probabilities; step_ce: (D, B); ran: (D, B) bool, which
-    steps each sequence ran (inference with early halting; all True in training).
-    A sequence averages over the steps d >= 1 it ran.
+    log_halt, log_continue: (D, B) log lambda and log(1 - lambda) of the halt heads; step_ce:
+    (D, B); ran: (D, B) bool, which iterations each sequence ran (early halting at inference;
+    all True in training). A sequence averages over the iterations d >= 1 it ran.
     """
-    if lambdas.shape[0] < 2:
-        return lambdas.sum() * 0
-    target = 1 - improvement_weights(step_ce)  # (D-1, B): halt when step d did not help
-    bce = F.binary_cross_entropy(lambdas[1:], target, reduction="none")  # (D-1, B)
+    if log_halt.shape[0] < 2:
+        return log_halt.sum() * 0
+    target = 1 - improvement_weights(step_ce)  # (D-1, B): halt when iteration d did not help
+    bce = -(target * log_halt[1:] + (1 - target) * log_continue[1:])  # (D-1, B)
     ran = torch.ones_like(bce, dtype=torch.bool) if ran is None else ran[1:]
     per_sequence = (bce * ran).sum(0) / ran.sum(0).clamp(min=1)  # (B,)
     has_pairs = ran.any(0)
@@ -197,8 +222,9 @@ class FeedForward(nn.Module):
 class Expert(nn.Module):
     """One pre-norm transformer block that returns its residual update y = block(x) - x.
 
-    SPEC §2.1 ambiguity, default: y excludes the block's own residual, so Eq. 3 is a
-    gated residual step. Computed directly (no subtraction), so y is exact.
+    The paper leaves open whether y_k = expert_k(x) includes the block's own residual; we
+    choose the update alone, so Eq. 3 is a gated residual step. Computed directly (no
+    subtraction), so y is exact.
     The per-expert halt head lives here (None with a global head or halting off).
     """
 
@@ -236,47 +262,80 @@ class AlterNetConfig:
     tie_embeddings: bool = True  # LM head shares the token embedding
     norm_eps: float = 1e-5
     # halting
-    halting: bool = True  # False = fixed-depth baseline "Model I": no halt heads, loss = last-step CE
+    halting: bool = True  # False = fixed-depth baseline "Model I": no halt heads, loss = last-iteration CE
     halt_head: str = "per_expert"  # "per_expert" (Eq. 4) | "global": one head on x_{d+1} (group C)
     halt_bias_init: float = -3.0
-    prior: str = "gaussian"  # "gaussian" N(D/2, D/4) | "geometric" (PonderNet)
+    prior: str = "gaussian"  # "gaussian" N(D/2, D/4) over iterations | "geometric" (PonderNet)
     geometric_p: float = 0.12
-    # loss weights and schedules (Eq. 6); set_step(step) drives the two schedules
+    # loss weights and schedules (Eq. 6); set_step(step) drives the schedules
     kl_weight: float = 0.1  # a_KL (group D)
-    kl_ramp_steps: int = 200  # a_KL rises linearly from 0 over this many optimizer steps
-    min_depth_warmup: int = 200  # curriculum: all halting mass on step D-1 for this many steps
+    kl_ramp_steps: int = 200  # a_KL rises linearly from 0 over this many steps after the curriculum
+    min_depth_warmup: int = 200  # curriculum: all halting mass on iteration D for this many steps
+    min_depth_release_steps: int = 0  # 0: release the curriculum at once (paper); N: min depth D -> 1 over N steps
     balance_weight: float = 1e-2  # a_LB
     z_loss_weight: float = 1e-3  # a_z (group F)
     rir_weight: float = 0.2  # a_RIR
+    # The paper routes on "the last valid token" (§3) but does not say how often a sequence is
+    # shorter than the window; we cut this fraction of each training batch to a uniform random
+    # length, so routing and halting learn every position that generation will route on.
+    random_length_fraction: float = 0.5
 
     def __post_init__(self):
-        positive = ("vocab_size", "seq_len", "dim", "heads", "ffn_dim", "num_experts", "max_depth", "depth_dim")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name, (kind, ok, allowed) in CONFIG_RULES.items():
+            value = getattr(self, name)
+            if value is None and name == "logit_clamp":
+                continue
+            type_ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if not type_ok or not ok(value):
+                raise ValueError(f"AlterNetConfig.{name} must be {allowed}, got {value!r}")
         if self.dim % self.heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+            raise ValueError(f"AlterNetConfig.dim ({self.dim}) must be divisible by heads ({self.heads})")
         if self.depth_dim % 2:
-            raise ValueError(f"depth_dim must be even (sin/cos pairs), got {self.depth_dim}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k must be in 1..num_experts={self.num_experts}, got {self.top_k}")
-        if self.halt_head not in ("per_expert", "global"):
-            raise ValueError(f"halt_head must be one of 'per_expert', 'global', got {self.halt_head!r}")
-        if self.prior not in ("gaussian", "geometric"):
-            raise ValueError(f"prior must be one of 'gaussian', 'geometric', got {self.prior!r}")
-        if not 0 < self.geometric_p < 1:
-            raise ValueError(f"geometric_p must be in (0, 1), got {self.geometric_p}")
-        if self.logit_clamp is not None and not self.logit_clamp > 0:
-            raise ValueError(f"logit_clamp must be a positive float or None (off), got {self.logit_clamp}")
-        for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight", "kl_ramp_steps", "min_depth_warmup"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            raise ValueError(f"AlterNetConfig.depth_dim must be even (sin/cos pairs), got {self.depth_dim}")
+        if not self.top_k <= self.num_experts:
+            raise ValueError(f"AlterNetConfig.top_k must be in 1..num_experts={self.num_experts}, got {self.top_k}")
+
+
+def _finite(value):
+    return math.isfinite(value)
+
+
+_POSITIVE_INT = (int, lambda v: v >= 1, "a positive integer")
+_COUNT = (int, lambda v: v >= 0, "an integer >= 0")
+_WEIGHT = ((int, float), lambda v: _finite(v) and v >= 0, "a finite number >= 0")
+# field -> (accepted types, check, what is allowed): every field is checked on construction
+CONFIG_RULES = {
+    **{name: _POSITIVE_INT for name in ("vocab_size", "seq_len", "dim", "heads", "ffn_dim", "num_experts",
+                                         "top_k", "max_depth", "depth_dim")},
+    **{name: (bool, lambda v: True, "True or False") for name in ("budget_signal", "tie_embeddings", "halting")},
+    "logit_clamp": ((int, float), lambda v: _finite(v) and v > 0, "a positive number or None (off)"),
+    "norm_eps": ((int, float), lambda v: _finite(v) and v > 0, "a positive number"),
+    "halt_head": (str, lambda v: v in ("per_expert", "global"), "one of 'per_expert', 'global'"),
+    "halt_bias_init": ((int, float), _finite, "a finite number"),
+    "prior": (str, lambda v: v in ("gaussian", "geometric"), "one of 'gaussian', 'geometric'"),
+    "geometric_p": ((int, float), lambda v: 0 < v < 1, "in (0, 1)"),
+    **{name: _WEIGHT for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight")},
+    **{name: _COUNT for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps")},
+    "random_length_fraction": ((int, float), lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
 
 
 # --- the model -------------------------------------------------------------------
 
 
 class AlterNet(nn.Module):
+    """The looped expert bank. forward returns a dict (OUTPUTS):
+      logits (B, T, V)           output of the iteration each sequence stopped at
+      step_logits (D', B, T, V)  per iteration; after a sequence halts its row repeats its output
+      halting_distribution (B, D')  p of Eq. 5; a sequence halted early at iteration h has
+                                 lambda_h := 1 (all remaining mass), like a cap at h + 1
+      iterations (B,) long; aux_losses {kl, balance, z[, rir]} already weighted;
+      router_logits (D', B, E); expert_indices (D', B, k) (-1 after halting); gates (D', B, k);
+      halt_lambdas (B, D') raw lambda_d (before the last-iteration and curriculum overrides);
+      states (list of D'+1 (B, T, H)) when return_states;
+      with targets: task_loss (L_PN), loss, step_losses (D',) token-mean CE per iteration.
+    """
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -299,7 +358,7 @@ class AlterNet(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.max_depth))
             if name.endswith("halt_head.bias"):
                 nn.init.constant_(p, config.halt_bias_init)  # sigmoid(-3) ~ 0.05: start by not halting
-        self.step = None  # optimizer step from set_step(); None (no trainer) = curriculum over, full a_KL
+        self.train_step = None  # optimizer step from set_step(); None (no trainer) = schedules finished
 
     @staticmethod
     def _init_weights(module):
@@ -317,34 +376,54 @@ class AlterNet(nn.Module):
         """Names to exclude from weight decay beyond the p.ndim < 2 rule: none."""
         return set()
 
-    # -- training schedules (paper §4, Appendix A/C) --
+    # -- training schedules (paper §4, Table 2) --
 
     def set_step(self, step):
         """Called by the training loop before the forward of optimizer step `step`."""
-        self.step = int(step)
+        self.train_step = int(step)
 
-    @property
-    def curriculum_active(self):
-        """Curriculum release: during the first min_depth_warmup training steps the model
-        is "forced to stick to its maximum number of iterations" (paper §4). Training always
-        runs D iterations, so we force it in the objective: every lambda_d := 0 for d < D-1,
-        p puts all mass on the last step, L_PN is the last step's CE and L_KL is constant.
-        The halt heads keep learning from L_RIR meanwhile. Release is abrupt at the step."""
+    def minimum_depth(self, num_iterations):
+        """Iterations a sequence runs before it may halt, capped at num_iterations.
+
+        Curriculum release (paper §4): for the first min_depth_warmup training steps the model
+        is "forced to stick to its maximum number of iterations": lambda_d := 0 before the
+        last, so p puts all mass on iteration D and L_PN is its CE (the halt heads keep
+        learning from L_RIR). Then the minimum is released, at once by default or linearly
+        from D to 1 over min_depth_release_steps. Evaluation and inference have no minimum.
+        """
         cfg = self.config
-        return cfg.halting and self.training and self.step is not None and self.step < cfg.min_depth_warmup
+        if not cfg.halting:
+            return num_iterations  # Model I: always every iteration
+        if not self.training or self.train_step is None:
+            return 1
+        since_release = self.train_step - cfg.min_depth_warmup
+        if since_release < 0:
+            depth = cfg.max_depth
+        elif since_release < cfg.min_depth_release_steps:
+            depth = math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release / cfg.min_depth_release_steps)
+        else:
+            depth = 1
+        return min(depth, num_iterations)
 
     @property
     def kl_scale(self):
-        """a_KL ramp: linear from 0 to 1 over kl_ramp_steps (from step 0)."""
+        """a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1
+        over kl_ramp_steps. During the curriculum the KL has no gradient, so a ramp running
+        from step 0 would jump to its full value at the release."""
+        if self.train_step is None:
+            return 1.0
+        since_release = self.train_step - self.config.min_depth_warmup
         ramp = self.config.kl_ramp_steps
-        return 1.0 if self.step is None or ramp == 0 else min(1.0, self.step / ramp)
+        if ramp == 0:
+            return float(since_release >= 0)
+        return min(1.0, max(0.0, since_release / ramp))
 
     # -- one iteration of the depth loop (Eq. 1-4) --
 
-    def route(self, h, step):
+    def route(self, h, iteration):
         """Sequence-level router (Eq. 1-2). h: (n, H) last-valid-token states -> logits (n, E), fp32."""
         cfg = self.config
-        t = depth_coordinate(step, cfg.max_depth)
+        t = depth_coordinate(iteration, cfg.max_depth)
         encodings = [depth_encoding(t, cfg.depth_dim)]  # e_t
         if cfg.budget_signal:
             encodings.append(depth_encoding(1 - t, cfg.depth_dim))  # e_{1-t}: remaining budget
@@ -355,17 +434,17 @@ class AlterNet(nn.Module):
             logits = logits.clamp(-cfg.logit_clamp, cfg.logit_clamp)
         return logits
 
-    def iterate(self, x, last, step):
+    def iterate(self, x, last, iteration):
         """x: (n, T, H) states of the sequences still running, last: (n,) last valid index.
 
-        Returns the next states and the routing/halting record of this step. Experts run
+        Returns the next states and the routing/halting record of this iteration. Experts run
         on the sequences routed to them (a loop over experts, never over sequences).
         """
         n, k = x.shape[0], self.config.top_k
-        seq_index = torch.arange(n, device=x.device)
-        router_logits = self.route(x[seq_index, last], step)  # (n, E)
+        router_logits = self.route(x[torch.arange(n, device=x.device), last], iteration)  # (n, E)
         top_logits, expert_indices = router_logits.topk(k, dim=-1)  # (n, k)
-        gates = top_logits.softmax(-1)  # Eq. 2: renormalised over the selected experts only
+        log_gates = top_logits.log_softmax(-1)  # Eq. 2: renormalised over the selected experts only
+        gates = log_gates.exp()
         update = torch.zeros_like(x)
         halt_logits = x.new_zeros(n, k, dtype=torch.float32)
         rir_halt_logits = x.new_zeros(n, k, dtype=torch.float32)
@@ -374,28 +453,34 @@ class AlterNet(nn.Module):
             if seq.numel() == 0:
                 continue
             y = expert(x[seq])  # (n_e, T, H)
-            gate = gates[seq, slot]  # (n_e,)
-            update = update.index_add(0, seq, (gate[:, None, None] * y).to(update.dtype))
+            update = update.index_add(0, seq, (gates[seq, slot][:, None, None] * y).to(update.dtype))
             if expert.halt_head is not None:
                 y_last = y[torch.arange(seq.numel(), device=x.device), last[seq]]  # (n_e, H)
-                lhat = expert.halt_head(y_last).squeeze(-1).float()
-                halt_logits = halt_logits.index_put((seq, slot), lhat)
+                halt_logits = halt_logits.index_put((seq, slot), expert.halt_head(y_last).squeeze(-1).float())
                 # L_RIR must train only the halt heads: same heads on detached inputs
                 rir_lhat = expert.halt_head(y_last.detach()).squeeze(-1).float()
                 rir_halt_logits = rir_halt_logits.index_put((seq, slot), rir_lhat)
         x_next = x + update  # Eq. 3: gated residual step
-        if self.halt_head is not None:  # global head reads the new state's last valid token
-            h_last = x_next[seq_index, last]
-            lambdas = self.halt_head(h_last).squeeze(-1).float().sigmoid()
-            rir_lambdas = self.halt_head(h_last.detach()).squeeze(-1).float().sigmoid()
-        elif self.config.halting:
-            lambdas = halting_probability(gates, halt_logits)  # Eq. 4
-            rir_lambdas = halting_probability(gates.detach(), rir_halt_logits)
-        else:
-            lambdas = rir_lambdas = x.new_zeros(n, dtype=torch.float32)
-        record = dict(router_logits=router_logits, expert_indices=expert_indices, gates=gates,
-                      halt_lambdas=lambdas, rir_lambdas=rir_lambdas)
+        halting = self._halting(x_next, last, log_gates, halt_logits, rir_halt_logits)
+        record = dict(router_logits=router_logits, expert_indices=expert_indices, gates=gates, **halting)
         return x_next, record
+
+    def _halting(self, x_next, last, log_gates, halt_logits, rir_halt_logits):
+        """log lambda and log(1 - lambda) of this iteration (Eq. 4), each (n,) fp32, and the
+        L_RIR copies (gradient to the halt heads only). Halting off: lambda = 0."""
+        n = x_next.shape[0]
+        if self.halt_head is not None:  # global head reads the new state's last valid token
+            h_last = x_next[torch.arange(n, device=x_next.device), last]
+            logit, rir_logit = (self.halt_head(h).squeeze(-1).float() for h in (h_last, h_last.detach()))
+            log_halt, log_continue = F.logsigmoid(logit), F.logsigmoid(-logit)
+            rir = F.logsigmoid(rir_logit), F.logsigmoid(-rir_logit)
+        elif self.config.halting:
+            log_halt, log_continue = halting_log_probabilities(log_gates, halt_logits)
+            rir = halting_log_probabilities(log_gates.detach(), rir_halt_logits)
+        else:  # lambda = 0: log lambda = -inf, log(1 - lambda) = 0
+            zeros = x_next.new_zeros(n, dtype=torch.float32)
+            log_halt, log_continue, rir = torch.full_like(zeros, -math.inf), zeros, (zeros, zeros)
+        return dict(log_halt=log_halt, log_continue=log_continue, rir_log_halt=rir[0], rir_log_continue=rir[1])
 
     def decode(self, x, last=None):
         """Shared final norm + LM head: (n, T, H) -> (n, T, V), or (n, 1, V) at `last` only."""
@@ -407,56 +492,32 @@ class AlterNet(nn.Module):
 
     def forward(self, tokens, targets=None, max_depth=None, halt_threshold=None, lengths=None, *,
                 sample_halting=False, return_states=False, last_token_only=False):
-        """tokens: (B, T) long, right-padded when `lengths` (B,) is given.
+        """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of OUTPUTS.
 
-        max_depth: cap D' on iterations (default D). halt_threshold: stop a sequence once
-        its cumulative halting probability reaches it; sample_halting: stop with
-        probability lambda_d (the conditional, not p_d). Either one needs halting=True;
-        during the curriculum both are ignored (full depth). Without them every
-        sequence runs D' steps. targets: (B, T) long, -1 = ignore (as are positions >= lengths).
-
-        Returns a dict (see notes/CONTRACT.md):
-          logits (B, T, V)           output of the step each sequence stopped at
-          step_logits (D', B, T, V)  per step; after a sequence halts its row repeats its output
-          halting_distribution (B, D')  p of Eq. 5; a sequence halted early at step h has
-                                     lambda_h := 1 (all remaining mass), like a cap at h + 1
-          iterations (B,) long, aux_losses {kl, balance, z[, rir]} already weighted,
-          router_logits (D', B, E), expert_indices (D', B, k) (-1 after halting),
-          gates (D', B, k), halt_lambdas (B, D') raw lambda_d (before the last-step/curriculum
-          overrides), states (list of D'+1 (B, T, H)) when return_states,
-          and with targets: task_loss (L_PN), loss, step_losses (D',) token-mean CE per step.
+        max_depth: this call's cap D' on iterations (default: config.max_depth = D, the trained
+        depth; more extrapolates). halt_threshold: stop a sequence once its cumulative halting
+        probability reaches it; sample_halting: stop with probability lambda_d (the conditional,
+        not p_d). Either needs halting=True; no sequence stops before minimum_depth (curriculum).
+        targets: (B, T) long, -1 = ignore (as are positions >= lengths).
         """
-        cfg = self.config
-        B, T, num_steps, last = self._check_inputs(tokens, targets, max_depth, halt_threshold, lengths,
-                                                   sample_halting, last_token_only)
+        num_iterations, last = self._check_inputs(tokens, targets, max_depth, halt_threshold, lengths,
+                                                  sample_halting, last_token_only)
+        B, T = tokens.shape
         x = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))  # (B, T, H), positions once
-        forced_full_depth = not cfg.halting or self.curriculum_active
-        early_exit = not forced_full_depth and (halt_threshold is not None or sample_halting)
-
+        min_depth = self.minimum_depth(num_iterations)
         active = torch.arange(B, device=tokens.device)  # sequences still iterating
-        not_halted = torch.ones(B, device=tokens.device)  # P_unhalted,d (detached, for decisions)
+        log_unhalted = torch.zeros(B, device=tokens.device)  # log P_unhalted,d (detached, for decisions)
         iterations = torch.zeros(B, dtype=torch.long, device=tokens.device)
         logits, states, records = None, [x], []
-        for step in range(num_steps):
+        for iteration in range(num_iterations):
             everyone = active.numel() == B
-            x_active, last_active = (x, last) if everyone else (x[active], last[active])
-            x_next, record = self.iterate(x_active, last_active, step)
-            step_logits = self.decode(x_next, last_active if last_token_only else None)
-
-            # lambda used in p: 0 when forced to full depth, 1 at the last step (Eq. 5)
-            lambdas = torch.zeros_like(record["halt_lambdas"]) if forced_full_depth else record["halt_lambdas"]
-            halt_now = torch.full_like(lambdas, step == num_steps - 1, dtype=torch.bool)
-            if early_exit and step < num_steps - 1:
-                if sample_halting:
-                    halt_now = torch.bernoulli(lambdas.detach()).bool()
-                else:
-                    halted_mass = 1 - not_halted[active] * (1 - lambdas.detach())  # cumulative sum of p
-                    halt_now = halted_mass >= halt_threshold
-            lambdas = torch.where(halt_now, torch.ones_like(lambdas), lambdas)
-            record["lambdas"] = lambdas
-            not_halted = not_halted.index_copy(0, active, not_halted[active] * (1 - lambdas.detach()))
+            x_run, last_run = (x, last) if everyone else (x[active], last[active])
+            x_next, record = self.iterate(x_run, last_run, iteration)
+            step_logits = self.decode(x_next, last_run if last_token_only else None)
+            halt_now = self._stop(record, iteration, num_iterations, min_depth, log_unhalted[active],
+                                  halt_threshold, sample_halting)
+            log_unhalted = log_unhalted.index_copy(0, active, log_unhalted[active] + record["log_continue"].detach())
             iterations = iterations.index_add(0, active, torch.ones_like(active))
-
             # write the running sequences back; halted ones keep their state and output
             x = x_next if everyone else x.index_copy(0, active, x_next)
             logits = step_logits if logits is None or everyone else logits.index_copy(0, active, step_logits)
@@ -465,46 +526,74 @@ class AlterNet(nn.Module):
             active = active[~halt_now]
             if active.numel() == 0:
                 break
-
-        step_logits = torch.stack([r[0] for r in records])  # (D', B, T, V)
-        rec = {key: torch.stack([r[1][key] for r in records]) for key in records[0][1]}  # each (D', B, ...)
-        p = halting_distribution(rec["lambdas"].T)  # (B, D')
-        out = dict(logits=logits, step_logits=step_logits, halting_distribution=p, iterations=iterations,
-                   router_logits=rec["router_logits"], expert_indices=rec["expert_indices"],
-                   gates=rec["gates"], halt_lambdas=rec["halt_lambdas"].T)
+        out = self._outputs(records, iterations, targets, lengths)
         if return_states:
             out["states"] = states
-        out["aux_losses"] = self._aux_losses(rec, p)
-        if targets is not None:
-            self._task_losses(out, rec, targets, lengths)
         return out
 
+    def _stop(self, record, iteration, num_iterations, min_depth, log_unhalted, halt_threshold, sample_halting):
+        """Which running sequences stop after this iteration -> (n,) bool. Also writes the
+        lambda that p uses into record (log space): 0 before min_depth (forced to continue),
+        1 where a sequence stops (all remaining mass, Eq. 5), else the halt heads' lambda."""
+        n, device = record["log_halt"].shape[0], record["log_halt"].device
+        record["raw_log_halt"] = record["log_halt"]
+        if iteration < min_depth - 1:  # forced to continue: lambda := 0
+            record["log_halt"] = torch.full((n,), float("-inf"), device=device)
+            record["log_continue"] = torch.zeros(n, device=device)
+        if iteration == num_iterations - 1:
+            halt_now = torch.ones(n, dtype=torch.bool, device=device)
+        elif iteration < min_depth - 1 or (halt_threshold is None and not sample_halting):
+            halt_now = torch.zeros(n, dtype=torch.bool, device=device)
+        elif sample_halting:
+            halt_now = torch.bernoulli(record["log_halt"].detach().exp()).bool()
+        else:  # cumulative halted mass sum_{i<=d} p_i = 1 - prod_{i<=d} (1 - lambda_i)
+            halt_now = 1 - (log_unhalted + record["log_continue"].detach()).exp() >= halt_threshold
+        record["log_halt"] = torch.where(halt_now, torch.zeros_like(record["log_halt"]), record["log_halt"])
+        record["log_continue"] = torch.where(halt_now, torch.full_like(record["log_continue"], float("-inf")),
+                                             record["log_continue"])
+        return halt_now
+
     def _scatter_record(self, record, active, batch_size):
-        """Per-step record of the running sequences -> full batch; halted rows get fills."""
+        """Per-iteration record of the running sequences -> full batch; halted rows get fills."""
         if active.numel() == batch_size:
             ran = torch.ones(batch_size, dtype=torch.bool, device=active.device)
             return dict(record, ran=ran)
         full = {}
         for key, value in record.items():
-            fill = -1 if key == "expert_indices" else 0
+            # -1: no expert; raw lambda 0 (log -inf) as a halted sequence does not run; other log
+            # entries 0, harmless after lambda := 1 and finite in L_RIR's masked sum
+            fill = {"expert_indices": -1, "raw_log_halt": -math.inf}.get(key, 0)
             full[key] = value.new_full((batch_size, *value.shape[1:]), fill).index_copy(0, active, value)
         full["ran"] = torch.zeros(batch_size, dtype=torch.bool, device=active.device).index_fill(0, active, True)
         return full
 
-    def _aux_losses(self, rec, p):
-        """Router losses pooled over every (step, sequence) decision made; halting KL (Eq. 6, 8)."""
+    def _outputs(self, records, iterations, targets, lengths):
+        """Stack the per-iteration records into the output dict; add the losses."""
+        step_logits = torch.stack([r[0] for r in records])  # (D', B, T, V)
+        rec = {key: torch.stack([r[1][key] for r in records]) for key in records[0][1]}  # each (D', B, ...)
+        log_p = halting_log_distribution(rec["log_halt"].T, rec["log_continue"].T)  # (B, D')
+        out = dict(logits=records[-1][0], step_logits=step_logits, halting_distribution=log_p.exp(),
+                   iterations=iterations, router_logits=rec["router_logits"], expert_indices=rec["expert_indices"],
+                   gates=rec["gates"], halt_lambdas=rec["raw_log_halt"].T.exp())
+        out["aux_losses"] = self._aux_losses(rec, log_p)
+        if targets is not None:
+            self._task_losses(out, rec, targets, lengths)
+        return out
+
+    def _aux_losses(self, rec, log_p):
+        """Router losses pooled over every (iteration, sequence) decision made; halting KL (Eq. 6, 8)."""
         cfg = self.config
         ran = rec["ran"]  # (D', B)
         router_logits, expert_indices = rec["router_logits"][ran], rec["expert_indices"][ran]  # (N, E), (N, k)
         aux = dict(balance=cfg.balance_weight * load_balance_loss(router_logits, expert_indices, cfg.num_experts),
                    z=cfg.z_loss_weight * router_z_loss(router_logits))
         if cfg.halting:
-            prior = depth_prior(p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p).to(p.device)
-            aux["kl"] = cfg.kl_weight * self.kl_scale * kl_divergence(p, prior)
+            log_prior = depth_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p).log().to(log_p.device)
+            aux["kl"] = cfg.kl_weight * self.kl_scale * kl_divergence(log_p, log_prior)
         return aux
 
     def _task_losses(self, out, rec, targets, lengths):
-        """L_PN (Eq. 7), L_RIR (Eq. 9) and per-step CE for logging."""
+        """L_PN (Eq. 7), L_RIR (Eq. 9) and per-iteration CE for logging."""
         cfg = self.config
         step_logits, p = out["step_logits"], out["halting_distribution"]
         D, B, T, V = step_logits.shape
@@ -514,29 +603,33 @@ class AlterNet(nn.Module):
         targets = targets.masked_fill(~valid, -1)
         ce = torch.stack([F.cross_entropy(rearrange(logits.float(), "b t v -> (b t) v"), targets.flatten(),
                                           ignore_index=-1, reduction="none").view(B, T)
-                          for logits in step_logits])  # (D, B, T), one step at a time to bound memory
-        counts = valid.sum(1).clamp(min=1)  # (B,)
-        step_ce = ce.sum(-1) / counts  # (D, B): per-sequence mean CE of each step
+                          for logits in step_logits])  # (D, B, T), one iteration at a time to bound memory
+        step_ce = ce.sum(-1) / valid.sum(1).clamp(min=1)  # (D, B): per-sequence mean CE of each iteration
         out["task_loss"] = (p * step_ce.T).sum(1).mean()  # Eq. 7
         out["step_losses"] = (ce.sum((1, 2)) / valid.sum().clamp(min=1)).detach()  # (D,)
         if cfg.halting:
-            rir = relative_improvement_loss(rec["rir_lambdas"], step_ce, rec["ran"])
+            rir = relative_improvement_loss(rec["rir_log_halt"], rec["rir_log_continue"], step_ce, rec["ran"])
             out["aux_losses"]["rir"] = cfg.rir_weight * rir
         out["loss"] = out["task_loss"] + sum(out["aux_losses"].values())
 
     def _check_inputs(self, tokens, targets, max_depth, halt_threshold, lengths, sample_halting, last_token_only):
+        """ValueError naming the argument for any bad input -> (iterations this call, last valid index (B,))."""
         cfg = self.config
         if tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(f"tokens must be a (B, T) long tensor, got {tuple(tokens.shape)} {tokens.dtype}")
         B, T = tokens.shape
         if not 1 <= T <= cfg.seq_len:
             raise ValueError(f"tokens: sequence length must be in 1..seq_len={cfg.seq_len}, got {T}")
-        if targets is not None and targets.shape != tokens.shape:
-            raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-        if targets is not None and last_token_only:
-            raise ValueError("targets: not supported with last_token_only=True (the loss needs every position)")
-        num_steps = cfg.max_depth if max_depth is None else max_depth
-        if not isinstance(num_steps, int) or num_steps < 1:
+        check_ids("tokens", tokens, cfg.vocab_size)
+        if targets is not None:
+            if targets.shape != tokens.shape or targets.dtype != torch.long:
+                raise ValueError(f"targets must be a long tensor of the shape of tokens {tuple(tokens.shape)}, "
+                                 f"got {tuple(targets.shape)} {targets.dtype}")
+            check_ids("targets", targets, cfg.vocab_size, ignore=-1)
+            if last_token_only:
+                raise ValueError("targets: not supported with last_token_only=True (the loss needs every position)")
+        num_iterations = cfg.max_depth if max_depth is None else max_depth
+        if not isinstance(num_iterations, int) or isinstance(num_iterations, bool) or num_iterations < 1:
             raise ValueError(f"max_depth must be None or an integer >= 1, got {max_depth!r}")
         if halt_threshold is not None and not 0 < halt_threshold <= 1:
             raise ValueError(f"halt_threshold must be None or in (0, 1], got {halt_threshold!r}")
@@ -545,12 +638,10 @@ class AlterNet(nn.Module):
         if (halt_threshold is not None or sample_halting) and not cfg.halting:
             raise ValueError("halt_threshold/sample_halting: this model has halting=False (fixed depth); use max_depth")
         if lengths is None:
-            last = torch.full((B,), T - 1, dtype=torch.long, device=tokens.device)
-        else:
-            if lengths.shape != (B,) or lengths.dtype != torch.long or lengths.min() < 1 or lengths.max() > T:
-                raise ValueError(f"lengths must be a (B,) long tensor with values in 1..T={T}")
-            last = lengths - 1
-        return B, T, num_steps, last
+            return num_iterations, torch.full((B,), T - 1, dtype=torch.long, device=tokens.device)
+        if lengths.shape != (B,) or lengths.dtype != torch.long or lengths.min() < 1 or lengths.max() > T:
+            raise ValueError(f"lengths must be a (B,) long tensor with values in 1..T={T}")
+        return num_iterations, lengths - 1
 
     # -- generation --
 
@@ -590,14 +681,68 @@ class AlterNet(nn.Module):
             return tokens, torch.stack(used, dim=1) if used else tokens.new_zeros(tokens.shape[0], 0)
         return tokens
 
-    sample = generate  # the issue's name for it
+    sample = generate  # alias
+
+
+def check_ids(name, ids, vocab_size, ignore=None):
+    """ValueError unless every entry of ids is a token id in 0..vocab_size-1 (or the ignore value)."""
+    if ids.numel() == 0:
+        return
+    real = ids if ignore is None else ids[ids != ignore]
+    if real.numel() and (real.min() < 0 or real.max() >= vocab_size):
+        allowed = f"0..{vocab_size - 1}" + ("" if ignore is None else f" or {ignore} (ignore)")
+        raise ValueError(f"{name}: token ids must be in {allowed} (vocab_size={vocab_size}), "
+                         f"got values in {real.min().item()}..{real.max().item()}")
+
+
+# --- causal evaluation: every position routed and halted on its own prefix ------------
+
+
+def training_lengths(batch_size, seq_len, fraction, generator=None):
+    """Valid lengths for a training batch: (batch_size,) long. A `fraction` of the rows (chosen at
+    random) get a uniform random length in 1..seq_len, the rest the full window."""
+    cut = torch.rand(batch_size, generator=generator) < fraction
+    random_lengths = torch.randint(1, seq_len + 1, (batch_size,), generator=generator)
+    return torch.where(cut, random_lengths, torch.full_like(random_lengths, seq_len))
+
+
+@torch.no_grad()
+def causal_loss(model, tokens, targets, max_depth=None, halt_threshold=None, rows_per_call=512):
+    """Score each position as autoregressive use sees it (call model.eval() first).
+
+    The full-window forward routes and halts every position on the window's last token, which
+    has seen the later targets. Here position i is predicted by the model run on the prefix
+    tokens[:, :i+1] alone, routing and halting on token i (paper §3's "last valid token").
+    Exact and batched: positions are folded into the batch as rows tokens[b, :end] with
+    lengths = i + 1 -- causal attention keeps tokens after i invisible, the router and halt
+    heads read position i -- and only position i is decoded. rows_per_call bounds memory.
+
+    tokens, targets: (B, T) long (targets -1 = ignore) -> dict(ce (B, T) fp32, 0 where ignored;
+    iterations (B, T) long; loss: mean CE over the scored positions).
+    """
+    B, T = tokens.shape
+    ce = torch.zeros(B, T, device=tokens.device)
+    iterations = torch.zeros(B, T, dtype=torch.long, device=tokens.device)
+    per_call = max(1, rows_per_call // B)  # positions per forward
+    for first in range(0, T, per_call):
+        end = min(T, first + per_call)
+        positions = torch.arange(first, end, device=tokens.device)  # (P,)
+        rows = tokens[:, :end].repeat(len(positions), 1)  # (P * B, end): row p * B + b
+        out = model(rows, max_depth=max_depth, halt_threshold=halt_threshold,
+                    lengths=(positions + 1).repeat_interleave(B), last_token_only=True)
+        logits = rearrange(out["logits"][:, 0].float(), "(p b) v -> b p v", b=B)  # (B, P, V)
+        ce[:, first:end] = F.cross_entropy(logits.transpose(1, 2), targets[:, first:end],
+                                           ignore_index=-1, reduction="none")
+        iterations[:, first:end] = rearrange(out["iterations"], "(p b) -> b p", b=B)
+    scored = targets != -1
+    return dict(ce=ce, iterations=iterations, loss=ce.sum() / scored.sum().clamp(min=1))
 
 
 # --- presets (paper Appendix A, Tables 1-2) ------------------------------------------
 
 PRESETS = {
-    # Byte-level CPU model for tinyshakespeare: Run II recipe (Gaussian prior, curriculum,
-    # a_RIR 0.2) with schedules shortened to a few-thousand-step run and a_KL 0.1 (group D).
+    # Byte-level CPU model: Run II recipe (Gaussian prior, curriculum, a_RIR 0.2) with schedules
+    # shortened to a few-thousand-step run and a_KL 0.1 (group D).
     "alternet-tiny": dict(vocab_size=256, seq_len=128, dim=128, heads=4, ffn_dim=512, num_experts=4, top_k=2,
                           max_depth=6, depth_dim=16, prior="gaussian", kl_weight=0.1, kl_ramp_steps=200,
                           min_depth_warmup=200, rir_weight=0.2),
@@ -613,6 +758,21 @@ PRESETS = {
 # Fixed-depth twins: the paper's "Model I" (halting off, always D iterations).
 PRESETS.update({f"{name}-fixed": dict(overrides, halting=False) for name, overrides in list(PRESETS.items())})
 
+# Training recipes of Table 2, as train.py TrainConfig fields (global batch x context = tokens per
+# step: 64 x 512 = 32,768 and 256 x 512 = 131,072; GPT-2 BPE through tiktoken). Table 2 gives one
+# lr for the 50M ablations and Run I and "3 -> 1 x 10^-4" for Run II; we read a single value as
+# constant after warm-up (min_lr = lr) and Run II's as a cosine decay to 1e-4.
+_RECIPE_50M = dict(batch_size=64, block_size=512, warmup_steps=1000, max_steps=5000, lr=3e-4, min_lr=3e-4,
+                   lr_batch=0, tokenizer="gpt2")
+RECIPES = {
+    "alternet-50m": _RECIPE_50M,
+    "alternet-50m-fixed": _RECIPE_50M,
+    "alternet-350m": dict(batch_size=256, block_size=512, warmup_steps=2000, max_steps=30000, lr=3e-4,
+                          min_lr=1e-4, lr_batch=0, tokenizer="gpt2"),  # Run II
+    "alternet-350m-fixed": dict(batch_size=256, block_size=512, warmup_steps=2000, max_steps=10000, lr=3e-4,
+                                min_lr=3e-4, lr_batch=0, tokenizer="gpt2"),  # Run I
+}
+
 
 def create_model(name, **overrides):
     """Build a preset, e.g. create_model("alternet-tiny", max_depth=8). Unknown names -> ValueError."""
@@ -623,3 +783,112 @@ def create_model(name, **overrides):
     if unknown:
         raise ValueError(f"unknown config field(s) {unknown}; AlterNetConfig fields are {fields}")
     return AlterNet(AlterNetConfig(**{**PRESETS[name], **overrides}))
+
+
+# --- `python alternet.py sample CKPT`: text from a trained checkpoint (as nanoGPT's sample.py) ---
+
+
+def text_codec(tokenizer):
+    """(encode: str -> list of ids, decode: list of ids -> str) for train.py's --tokenizer names."""
+    if tokenizer == "byte":
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    if tokenizer == "gpt2":
+        try:
+            import tiktoken
+            encoding = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # package missing or its encoding files not downloadable
+            raise ValueError(f"the gpt2 tokenizer needs the tiktoken package and its encoding files ({e})") from e
+        return encoding.encode_ordinary, encoding.decode
+    raise ValueError(f"unknown tokenizer {tokenizer!r} (byte or gpt2)")
+
+
+def iteration_marks(iterations):
+    """One character per generated token: 1-9, then a, b, ... for 10, 11, ... iterations."""
+    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(n, 35)] for n in iterations)
+
+
+def sample_parser():
+    import argparse
+    parser = argparse.ArgumentParser(prog="alternet.py", description="Sample text from an AlterNet checkpoint.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("sample", help="generate text from a checkpoint of train.py")
+    p.add_argument("checkpoint", metavar="CKPT", help="ckpt.pt written by train.py for an alternet-* preset")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
+    p.add_argument("--halt-threshold", type=float, default=0.5,
+                   help="stop iterating once the cumulative halting probability reaches this, in (0, 1]")
+    p.add_argument("--max-depth", type=int, default=None, help="cap on iterations per token (default: trained D)")
+    p.add_argument("--seed", type=int, default=1337, help="random seed")
+    p.add_argument("--num-samples", type=int, default=1, help="number of samples")
+    p.add_argument("--show-iterations", action="store_true",
+                   help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    return parser
+
+
+def check_sample_args(args):
+    """The first bad argument as (flag, message), or None."""
+    checks = [("--max-new-tokens", args.max_new_tokens >= 0, "must be >= 0"),
+              ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0, "must be >= 0"),
+              ("--top-k", args.top_k is None or args.top_k >= 1, "must be >= 1"),
+              ("--halt-threshold", 0 < args.halt_threshold <= 1, "must be in (0, 1]"),
+              ("--max-depth", args.max_depth is None or args.max_depth >= 1, "must be >= 1"),
+              ("--num-samples", args.num_samples >= 1, "must be >= 1"),
+              ("--prompt", len(args.prompt) > 0, "must not be empty")]
+    for flag, ok, message in checks:
+        if not ok:
+            return f"{flag} {message}, got {getattr(args, flag[2:].replace('-', '_'))!r}"
+    return None
+
+
+def load_language_model(path, device):
+    """(model, encode, decode) from a train.py checkpoint; ValueError with one line if it is not usable."""
+    import train  # floor 2, only for this command: the model above needs torch and einops alone
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise ValueError(f"--device must be cpu or an available cuda device, got {device!r}")
+    model, ckpt = train.load_model(path, device=device, flag="CKPT")
+    if not isinstance(model, AlterNet):
+        raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
+                         f"(one of {', '.join(sorted(PRESETS))})")
+    encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))
+    return model, encode, decode
+
+
+def main(argv=None):
+    """`python alternet.py sample CKPT --prompt TEXT`: prints each sample, and with --show-iterations a
+    line of per-token iteration marks and their mean. Returns the samples (text, iterations)."""
+    args = sample_parser().parse_args(argv)
+    problem = check_sample_args(args)
+    try:
+        if problem:
+            raise ValueError(problem)
+        model, encode, decode = load_language_model(args.checkpoint, args.device)
+        prompt = torch.tensor([encode(args.prompt)], dtype=torch.long, device=args.device)  # (1, P)
+        if prompt.max() >= model.config.vocab_size:
+            raise ValueError(f"--prompt {args.prompt!r} has tokens outside this model's vocabulary "
+                             f"(ids 0..{model.config.vocab_size - 1}; the prompt has {prompt.max().item()})")
+        if args.top_k is not None and args.top_k > model.config.vocab_size:
+            raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
+    except ValueError as e:
+        raise SystemExit(f"alternet.py sample: error: {e}") from None
+    torch.manual_seed(args.seed)
+    samples = []
+    for i in range(args.num_samples):
+        ids, used = model.generate(prompt, args.max_new_tokens, halt_threshold=args.halt_threshold,
+                                   max_depth=args.max_depth, temperature=args.temperature, top_k=args.top_k,
+                                   return_iterations=True)
+        used = used[0].tolist()
+        samples.append((decode(ids[0].tolist()), used))
+        print(samples[-1][0])
+        if args.show_iterations:
+            mean = sum(used) / max(len(used), 1)
+            print(f"{iteration_marks(used)}\nmean iterations per generated token: {mean:.2f}")
+        if i < args.num_samples - 1:
+            print("---------------")
+    return samples
+
+
+if __name__ == "__main__":
+    main()
