@@ -798,14 +798,13 @@ class LanguageTask:
         self.cfg, self.val, self.tokens_per_byte = cfg, val_tokens, tokens_per_byte
         self.block_size, self.device, self.autocast = block_size, device, autocast
         self.causal_windows, self.sample_tokens = causal_windows, sample_tokens
-        self.alternet = import_alternet()
 
     def loss(self, model, tokens, targets):
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         fraction = unwrap(model).config.random_length_fraction
         lengths = None
         if model.training and fraction > 0:
-            lengths = self.alternet.training_lengths(len(tokens), tokens.shape[1], fraction).to(self.device)
+            lengths = alternet.training_lengths(len(tokens), tokens.shape[1], fraction).to(self.device)
         with self.autocast():
             out = model(tokens, targets=targets, lengths=lengths)
         return out["loss"], {"task": out["task_loss"], **out["aux_losses"]}
@@ -842,7 +841,7 @@ class LanguageTask:
                 x, y, halted_logits = x[:causal_left], y[:causal_left], halted["logits"][:causal_left]
                 causal_left -= len(x)
                 with self.autocast():
-                    causal = self.alternet.causal_loss(lm, x, y, halt_threshold=threshold)
+                    causal = alternet.causal_loss(lm, x, y, halt_threshold=threshold)
                 full = F.cross_entropy(halted_logits.float().flatten(0, 1), y.flatten(), reduction="sum")
                 stats[depth + 4:] += torch.tensor([causal["ce"].sum().item(), causal["iterations"].sum().item(),
                                                    y.numel(), full.item()], dtype=torch.float64, device=self.device)
@@ -878,7 +877,7 @@ class LanguageTask:
 
     def print_sample(self, lm, threshold):
         """A short continuation of the first validation tokens (fixed seed; the training RNG is untouched)."""
-        _, decode = self.alternet.text_codec(self.cfg.tokenizer)
+        _, decode = alternet.text_codec(self.cfg.tokenizer)
         prompt = self.val[:min(32, self.block_size)][None].to(self.device)  # (1, P)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(0)

@@ -4,7 +4,6 @@ The checkpoint is a tiny AlterNet trained for 2 steps by train.main on a small A
 to a temporary folder (vocab_size 128, so bytes >= 128 are outside its vocabulary).
 """
 import dataclasses
-import inspect
 import random
 import re
 import subprocess
@@ -19,23 +18,6 @@ import revit
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def load_model_contract(monkeypatch):
-    """train.load_model(path, device, flag) raising a one-line ValueError is the shared checkpoint
-    loader; where train.py does not take `flag` yet, wrap its loader to that contract."""
-    if "flag" in inspect.signature(train.load_model).parameters:
-        return
-    original = train.load_model
-
-    def load_model(path, device="cpu", flag="checkpoint"):
-        try:
-            return original(path, device)
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"{flag} {path} is not a usable checkpoint of this project: {e}") from None
-
-    monkeypatch.setattr(train, "load_model", load_model)
 
 
 def ascii_corpus(n_sentences=300, seed=0):
