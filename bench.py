@@ -1470,7 +1470,9 @@ def describe(settings: dict, device) -> str:
 
 # The regime: train.py flags ({field: value}) shared by every cell. Change it here to move the whole sweep;
 # each cell below overrides a few fields (its model_args are appended to the regime's).
-QUALITY_REGIME = {"arch": "revit-mini", "epochs": 15}
+# Fashion-MNIST at width 48 (7x7 patches, L = 6, 3 epochs, ~3 min a run on one thread): narrow enough that
+# tying the six blocks into one costs the untied ViT ~2 points, so an expert bank has something to recover.
+QUALITY_REGIME = {"arch": "revit-mini", "epochs": 3, "model_args": "dim=48,heads=3,ffn_dim=96"}
 # --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
 QUALITY_QUICK = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128, "batch_size": 64,
                  "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
@@ -1480,6 +1482,8 @@ QUALITY_GRIDS = {
         "ViT (untied)": {"arch": "vit-{size}"},
         "Raptor k=2": {"arch": "raptor-{size}-k2"},
         **{f"reViT E={e}": {"num_experts": e} for e in (1, 2, 4, 8)},
+        # not in the paper: a fixed depth prior that starts expert e dominant near s = e/(E-1) (ViTConfig.router_prior)
+        "reViT E=4, depth prior 8": {"num_experts": 4, "model_args": "router_prior=8"},
     },
     "elastic": {  # paper Fig. 2: after elastic-depth training (§3.2, rate 0.3), accuracy at other depths
         "depth-programmed": {"depth_drop": 0.3, "eval_depths": "{eval_depths}"},

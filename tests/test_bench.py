@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import bench
+import data
 import revit
 
 FAST = settings(max_examples=10, deadline=None)
@@ -354,8 +355,9 @@ def test_run_cell_reuses_a_finished_cell_of_the_same_command(tmp_path, monkeypat
 def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch):
     import functools
     monkeypatch.setitem(bench.QUALITY_QUICK, "data_dir", str(fashion_mnist_dir))
-    # 16 runs read the same files: decode them once (gzip is most of a 2-step run's time)
-    monkeypatch.setattr(bench.train, "load_fashion_mnist", functools.lru_cache(bench.train.load_fashion_mnist))
+    cells = 2 * (len(bench.QUALITY_GRIDS["experts"]) + len(bench.QUALITY_GRIDS["elastic"]))  # two seeds each
+    # the runs read the same files: decode them once (gzip is most of a 2-step run's time)
+    monkeypatch.setattr(data, "load_fashion_mnist", functools.lru_cache(data.load_fashion_mnist))
     argv = ["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)]
     result, lines = run_cli(argv)
     rows = {r["cell"]: r for r in result["rows"]}
@@ -364,12 +366,12 @@ def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch
         assert len(r["acc"]["values"]) == 2 and r["acc"]["std"] >= 0
     assert sorted(rows["feature-only"]["depths"]) == [2, 3, 4, 5, 6]  # 2, 3, 4, L, 1.5L, 2L at L = 3
     assert rows["reViT E=8"]["params"] > rows["reViT E=1"]["params"]
-    assert len(list((tmp_path / "cells").glob("*.json"))) == 16
+    assert len(list((tmp_path / "cells").glob("*.json"))) == cells
     table = "\n".join(lines)
     assert "| reViT E=4 |" in table and "±" in table and "| depth 3 (L) |" in table
     again, lines_again = run_cli(argv)  # every cell cached: no training, the same table
     assert again["rows"] == result["rows"]
-    assert sum("(cached)" in line for line in lines_again) == 16
+    assert sum("(cached)" in line for line in lines_again) == cells
     if bench._pyplot() is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
 
