@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import data
+import tasks
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +44,7 @@ def steps_logged(out):
 
 def nan_gradients_after(step, monkeypatch):
     """From optimizer step `step` on, a finite loss whose gradient is NaN (sqrt'(0) * 0)."""
-    real_loss = train.ClassificationTask.loss
+    real_loss = tasks.ClassificationTask.loss
     counter = {"calls": 0}
 
     def loss(self, model, images, labels):
@@ -52,7 +54,7 @@ def nan_gradients_after(step, monkeypatch):
             value = value + torch.sqrt(0 * next(model.parameters()).sum())  # forward + 0, backward NaN
         return value, parts
 
-    monkeypatch.setattr(train.ClassificationTask, "loss", loss)
+    monkeypatch.setattr(tasks.ClassificationTask, "loss", loss)
 
 
 @pytest.mark.parametrize("clip", ["1.0", "0"])
