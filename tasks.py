@@ -59,6 +59,7 @@ class ClassificationTask:
     @torch.no_grad()
     def evaluate(self, model, depths, rank, world):
         """{depth: metrics} over this rank's shard of the test set (depth None: the reference depth)."""
+        was_training = model.training
         model.eval()
         index_batches = torch.arange(len(self.data.test))[rank::world].split(self.cfg.eval_batch_size)
         results = {}
@@ -73,7 +74,7 @@ class ClassificationTask:
             if world > 1:
                 dist.all_reduce(stats)
             results[depth] = {key: (stats[i] / stats[-1]).item() for i, key in enumerate(sums)}
-        model.train()
+        model.train(was_training)  # the loop's model trains on; a tool's stays in eval mode
         return results
 
 
@@ -225,6 +226,7 @@ class LanguageTask:
     @torch.no_grad()
     def evaluate(self, model, depths, rank, world):
         """Validation loss and bits-per-byte at the halted depth, at every fixed depth 1..D, and causal."""
+        was_training = model.training
         model.eval()
         lm = unwrap(model)
         depth, threshold = lm.config.max_depth, 0.5 if lm.config.halting else None
@@ -258,7 +260,7 @@ class LanguageTask:
                   f"iterations | full window, same tokens: loss {r['causal_full_window_loss']:.4f}")
         if rank == 0 and self.sample_tokens:
             self.print_sample(lm, threshold)
-        model.train()
+        model.train(was_training)  # the loop's model trains on; a tool's stays in eval mode
         return results
 
     def results(self, stats, depth):

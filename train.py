@@ -371,7 +371,8 @@ def summarise(cfg: TrainConfig, model: nn.Module, results: dict) -> tuple[dict, 
             say(f"{key or 'halted':>8} {r['loss']:9.4f} {r['bpb']:9.4f} {r['iterations']:10.2f}")
         h = results[None]
         return ({"val_loss": h["loss"], "val_bpb": h["bpb"], "mean_iterations": h["iterations"],
-                 "fixed_depth_bpb": {str(k): r["bpb"] for k, r in results.items() if k is not None}},
+                 "fixed_depth_bpb": {str(k): r["bpb"] for k, r in results.items() if k is not None},
+                 **({"val_causal_bpb": h["causal_bpb"]} if "causal_bpb" in h else {})},
                 f"val loss {h['loss']:.4f} | {h['bpb']:.4f} bits/byte at {h['iterations']:.2f} mean iterations")
     reference = (model.backbone if cfg.probe else model).config.depth
     key = "distill_mse" if cfg.teacher else "acc"
