@@ -15,8 +15,8 @@ import torch
 
 import alternet
 import revit
-import checkpoint
 import train
+from checkpoint import atomic_save, load_model, primitive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def revit_checkpoint(tmp_path_factory):
     """A vision checkpoint of this project: the wrong kind for `sample`."""
     model = revit.create_model("revit-mini")
     path = tmp_path_factory.mktemp("revit") / "ckpt.pt"
-    checkpoint.atomic_save({"arch": "revit-mini", "model_config": checkpoint.primitive(dataclasses.asdict(model.config)),
+    atomic_save({"arch": "revit-mini", "model_config": primitive(dataclasses.asdict(model.config)),
                        "model": dict(model.state_dict()), "train_config": dataclasses.asdict(train.TrainConfig()),
                        "step": 0}, path)
     return path
@@ -70,7 +70,7 @@ def test_iteration_marks_equal_generate(checkpoint, capsys):
     flags = ["--prompt", "a river", "--max-new-tokens", "30", "--seed", "7", "--halt-threshold", "0.1",
              "--temperature", "1.0", "--top-k", "20", "--show-iterations"]
     [(text, used)], printed = sample(checkpoint, capsys, *flags)
-    model, _ = checkpoint.load_model(checkpoint, flag="CKPT")
+    model, _ = load_model(checkpoint, flag="CKPT")
     prompt = torch.tensor([list(b"a river")])
     torch.manual_seed(7)
     ids, iterations = model.generate(prompt, 30, halt_threshold=0.1, temperature=1.0, top_k=20,
