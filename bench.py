@@ -405,7 +405,7 @@ def latency_models(size: str) -> dict:
     return {"DeiT III": deit, "reViT dynamic": dynamic, "reViT cached": cached, "reViT folded": revit.fold(cached)}
 
 
-LATENCY_SPECS = {  # how a fresh process rebuilds a row's model for the CPU memory measurement
+LATENCY_MODELS = {  # how a fresh process rebuilds a row's model for the CPU memory measurement
     "DeiT III": ("vit", {}, False), "reViT dynamic": ("revit", {"merge_cache": False}, False),
     "reViT cached": ("revit", {}, False), "reViT folded": ("revit", {}, True),
 }
@@ -505,7 +505,7 @@ def profile_table(fn, device, calls: int = 3, top: int = 15) -> str:
 
 def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int = 2) -> dict:
     """Peak RSS of one latency row (see cpu_memory_of)."""
-    arch, overrides, fold = LATENCY_SPECS[label]
+    arch, overrides, fold = LATENCY_MODELS[label]
     config = dataclasses.asdict(revit.ViTConfig(**{**revit.PRESETS[f"{arch}-{size}"], **overrides}))
     return cpu_memory_of([{"config": config, "fold": fold}], batch, calls, processes)[0]
 

@@ -20,6 +20,11 @@ no_weight_decay. Checkpoints are atomic, hold only finite weights, and resume bi
 Nothing is downloaded unless asked (`--download`). Language presets train by default on a corpus the
 repository generates (data.grammar_corpus: English-like sentences with agreement across nested
 clauses): the same bytes on every machine and at every commit, no file, no network.
+
+This file reads top to bottom: config and recipes, the loop (one optimizer step, evaluate-and-save),
+set-up, optimizer and schedule, saving, command line. Elsewhere: the tasks, and how a config becomes
+data + model + task (tasks.py); the checkpoint format, its loader and the run folder (checkpoint.py);
+one-line errors, flags from a dataclass and the device (cli.py).
 """
 
 from __future__ import annotations
@@ -432,24 +437,6 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     return run
 
 
-def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) -> dict:
-    """Every length in optimizer steps; the peak lr (chosen from the width when the recipe leaves it open)."""
-    language = cfg.dataset in TEXT_DATASETS
-    total = cfg.max_steps or cfg.epochs * steps_per_epoch
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else \
-        0 if language else round(cfg.warmup_epochs * steps_per_epoch)
-    if cfg.lr is None:
-        width = 0 if cfg.probe else model.config.dim
-        if language:  # AlterNet paper: 3e-4; the small byte-level CPU presets train faster at 1e-3
-            cfg.lr, why = (1e-3, "width <= 256") if width <= 256 else (3e-4, "AlterNet paper, width > 256")
-        else:  # Table 6: 4e-3 for S, 3e-3 for B and L
-            cfg.lr, why = (3e-3, "Table 6, width >= 768 (B/L)") if width >= 768 else (4e-3, "Table 6, width < 768 (S)")
-        say(f"override: lr={cfg.lr} (auto: {why})")
-    peak = cfg.lr * cfg.batch_size / cfg.lr_batch if cfg.lr_batch else cfg.lr
-    return dict(warmup_steps=min(warmup, total), total_steps=total, warmup_lr=min(cfg.warmup_lr, peak),
-                min_lr=min(cfg.min_lr, peak), peak_lr=peak, name="warmup-cosine")
-
-
 # --- processes: torchrun, torch.compile, DDP (what differs on CUDA: cli.device_options) ---
 
 
@@ -499,6 +486,24 @@ def param_groups(model: nn.Module, weight_decay: float):
         if p.requires_grad:
             (decay if p.ndim >= 2 and not name.endswith("bias") and name not in exclude else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) -> dict:
+    """Every length in optimizer steps; the peak lr (chosen from the width when the recipe leaves it open)."""
+    language = cfg.dataset in TEXT_DATASETS
+    total = cfg.max_steps or cfg.epochs * steps_per_epoch
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else \
+        0 if language else round(cfg.warmup_epochs * steps_per_epoch)
+    if cfg.lr is None:
+        width = 0 if cfg.probe else model.config.dim
+        if language:  # AlterNet paper: 3e-4; the small byte-level CPU presets train faster at 1e-3
+            cfg.lr, why = (1e-3, "width <= 256") if width <= 256 else (3e-4, "AlterNet paper, width > 256")
+        else:  # Table 6: 4e-3 for S, 3e-3 for B and L
+            cfg.lr, why = (3e-3, "Table 6, width >= 768 (B/L)") if width >= 768 else (4e-3, "Table 6, width < 768 (S)")
+        say(f"override: lr={cfg.lr} (auto: {why})")
+    peak = cfg.lr * cfg.batch_size / cfg.lr_batch if cfg.lr_batch else cfg.lr
+    return dict(warmup_steps=min(warmup, total), total_steps=total, warmup_lr=min(cfg.warmup_lr, peak),
+                min_lr=min(cfg.min_lr, peak), peak_lr=peak, name="warmup-cosine")
 
 
 def lr_at(step: int, peak: float, sched: dict) -> float:

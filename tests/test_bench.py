@@ -118,7 +118,7 @@ ROW_KEYS = {"model", "median_ms", "q1_ms", "q3_ms", "min_ms", "max_ms", "ratio",
 def test_latency_rows_are_well_formed():
     result = bench.bench_latency(size="mini", batches=(1, 2), modes=("eager",), warmup=1, repeats=2, memory=False)
     rows = result["rows"]
-    assert [(r["model"], r["batch"]) for r in rows] == [(m, b) for b in (1, 2) for m in bench.LATENCY_SPECS]
+    assert [(r["model"], r["batch"]) for r in rows] == [(m, b) for b in (1, 2) for m in bench.LATENCY_MODELS]
     for r in rows:
         assert ROW_KEYS <= set(r) and r["repeats"] == 2 and r["mode"] == "eager"
         assert 0 < r["min_ms"] <= r["q1_ms"] <= r["median_ms"] <= r["q3_ms"] <= r["max_ms"]
