@@ -35,7 +35,7 @@ import torch
 
 import revit
 from checkpoint import load_vision_model
-from cli import fail, pick_device
+from cli import fail, pick_device, pyplot
 from data import NORMALISATION, FolderImages, load_images
 
 
@@ -510,15 +510,11 @@ def write_tables(report: dict, out: Path) -> None:
 
 
 def import_pyplot():
-    """matplotlib.pyplot with a file-only backend, or None (and a note) when matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """pyplot (cli.pyplot), or None and a note saying where the numbers are instead."""
+    plt = pyplot()
+    if plt is None:
         print("note: matplotlib is not installed, so no PNG figures (pip install -r requirements-extra.txt); "
               "the numbers are in analysis.json and the CSV files")
-        return None
     return plt
 
 

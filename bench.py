@@ -61,7 +61,7 @@ import alternet
 import revit
 import train
 from checkpoint import load_model
-from cli import fail, pick_device
+from cli import fail, pick_device, pyplot
 
 # --- the paper's cells (Table 1: params M, GFLOPs/image; Table 10: LoRA-S r=64) ---
 
@@ -1060,20 +1060,9 @@ def depths_markdown(result: dict) -> str:
     return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
 
 
-def _pyplot():
-    """matplotlib's pyplot with a file-only backend, or None when matplotlib is not installed (optional)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def plot_depths(result: dict, path: str) -> str | None:
     """Accuracy (or bits/byte) against latency, one point per depth (cap), the reference ringed."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
@@ -1334,7 +1323,6 @@ def check_train_run(argv: list[str], out_dir: str) -> dict:
             "detail": f"log: {os.path.join(out_dir, 'train-run.log')}"}
 
 
-
 def run_check(args, device) -> dict:
     """Every part in order, each timed; a failure is recorded and the next part runs."""
     sizes = CHECK_SIZES["quick" if args.quick else "full"]
@@ -1529,7 +1517,7 @@ def quality_markdown(result: dict) -> str:
 
 def plot_quality(result: dict, folders: list[str]) -> list[str]:
     """accuracy vs E with error bars (Table 5 shape) and accuracy vs inference depth with bands (Fig. 2)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     figures = {}

@@ -1,6 +1,7 @@
 """What train.py and the tools (probes.py, analyze.py, export.py, bench.py) share on the command line:
 one-line user errors (`fail`), flags generated from a config dataclass, the --eval-depths and
---model-args parsers, and the device (`pick_device`, `device_options`). Imports nothing of the project.
+--model-args parsers, the device (`pick_device`, `device_options`) and optional matplotlib (`pyplot`).
+Imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -116,3 +117,17 @@ def device_options(device_type: str, bf16: bool = True) -> dict:
     cuda = device_type == "cuda"
     return {"fused_adamw": cuda, "tf32": cuda, "ddp_backend": "nccl" if cuda else "gloo",
             "autocast_dtype": torch.bfloat16 if cuda and bf16 else None, "data_on_device": cuda}
+
+
+# --- figures: matplotlib is an optional extra ---
+
+
+def pyplot():
+    """matplotlib's pyplot with a file-only backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

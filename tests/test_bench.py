@@ -263,7 +263,7 @@ def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
     assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
     assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
     assert json.loads(lines[-1]) == json.loads((tmp_path / "depths.json").read_text())
-    if bench._pyplot() is not None:
+    if bench.pyplot() is not None:
         assert (tmp_path / "depths.png").stat().st_size > 0
 
 
@@ -371,7 +371,7 @@ def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch
     again, lines_again = run_cli(argv)  # every cell cached: no training, the same table
     assert again["rows"] == result["rows"]
     assert sum("(cached)" in line for line in lines_again) == cells
-    if bench._pyplot() is not None:
+    if bench.pyplot() is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
 
 

@@ -3,7 +3,6 @@ every bad file or value a user can pass -- each a one-line error, never a traceb
 import errno
 import fcntl
 import json
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
 import data
 import tasks
 import train
