@@ -154,7 +154,7 @@ def test_ddp_two_processes_match_single_process(tmp_path, fashion_mnist_dir):
 
 def test_atomic_save_survives_a_crash(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    train.atomic_save({"step": 1, "w": torch.ones(3)}, path)
+    checkpoint.atomic_save({"step": 1, "w": torch.ones(3)}, path)
     real_save = torch.save
 
     def crash(obj, f, *args, **kwargs):  # write half a file, then die
@@ -165,7 +165,7 @@ def test_atomic_save_survives_a_crash(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError):
-        train.atomic_save({"step": 2, "w": torch.zeros(3)}, path)
+        checkpoint.atomic_save({"step": 2, "w": torch.zeros(3)}, path)
     monkeypatch.setattr(torch, "save", real_save)
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
