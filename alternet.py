@@ -824,7 +824,7 @@ def sample_parser():
     p.add_argument("--num-samples", type=int, default=1, help="number of samples")
     p.add_argument("--show-iterations", action="store_true",
                    help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N")
     return parser
 
 
@@ -845,10 +845,8 @@ def check_sample_args(args):
 
 def load_language_model(path, device):
     """(model, encode, decode) from a train.py checkpoint; ValueError with one line if it is not usable."""
-    import train  # floor 2, only for this command: the model above needs torch and einops alone
-    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-        raise ValueError(f"--device must be cpu or an available cuda device, got {device!r}")
-    model, ckpt = train.load_model(path, device=device, flag="CKPT")
+    import checkpoint  # the checkpoint reader, only for this command: the model above needs torch and einops alone
+    model, ckpt = checkpoint.load_model(path, device=device, flag="CKPT")
     if not isinstance(model, AlterNet):
         raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
                          f"(one of {', '.join(sorted(PRESETS))})")
@@ -859,20 +857,22 @@ def load_language_model(path, device):
 def main(argv=None):
     """`python alternet.py sample CKPT --prompt TEXT`: prints each sample, and with --show-iterations a
     line of per-token iteration marks and their mean. Returns the samples (text, iterations)."""
+    from cli import fail, pick_device  # the command line's floor, only for this command
     args = sample_parser().parse_args(argv)
     problem = check_sample_args(args)
     try:
         if problem:
             raise ValueError(problem)
-        model, encode, decode = load_language_model(args.checkpoint, args.device)
-        prompt = torch.tensor([encode(args.prompt)], dtype=torch.long, device=args.device)  # (1, P)
+        device = pick_device(args.device)
+        model, encode, decode = load_language_model(args.checkpoint, device)
+        prompt = torch.tensor([encode(args.prompt)], dtype=torch.long, device=device)  # (1, P)
         if prompt.max() >= model.config.vocab_size:
             raise ValueError(f"--prompt {args.prompt!r} has tokens outside this model's vocabulary "
                              f"(ids 0..{model.config.vocab_size - 1}; the prompt has {prompt.max().item()})")
         if args.top_k is not None and args.top_k > model.config.vocab_size:
             raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
     except ValueError as e:
-        raise SystemExit(f"alternet.py sample: error: {e}") from None
+        fail(str(e), "alternet.py sample")
     torch.manual_seed(args.seed)
     samples = []
     for i in range(args.num_samples):

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-import export
 import revit
-import train
+from checkpoint import load_vision_model
+from cli import fail, pick_device, pyplot
 from data import NORMALISATION, FolderImages, load_images
 
 
@@ -355,7 +355,7 @@ def analysed_depth(args, model, ckpt) -> int:
 
 
 def load_teacher(args, config, device) -> tuple:
-    teacher, teacher_ckpt = export.load_vision_model(args.teacher, "--teacher", device)
+    teacher, teacher_ckpt = load_vision_model(args.teacher, "--teacher", device)
     tc = teacher.config
     if (tc.in_channels, tc.image_size) != (config.in_channels, config.image_size):
         raise ValueError(f"--teacher {args.teacher}: expects {tc.in_channels}x{tc.image_size}² images, the "
@@ -366,8 +366,8 @@ def load_teacher(args, config, device) -> tuple:
 def load_inputs(args) -> Inputs:
     """Every file and flag, checked: a ValueError of one line on the first problem, nothing written."""
     check_args(args)
-    device = export.pick_device(args.device)
-    model, ckpt = export.load_vision_model(args.checkpoint, "checkpoint", device)
+    device = pick_device(args.device)
+    model, ckpt = load_vision_model(args.checkpoint, "checkpoint", device)
     depth = analysed_depth(args, model, ckpt)
     teacher, teacher_ckpt = load_teacher(args, model.config, device) if args.teacher else (None, None)
     images = evaluation_images(args, ckpt, model.config)
@@ -510,15 +510,11 @@ def write_tables(report: dict, out: Path) -> None:
 
 
 def import_pyplot():
-    """matplotlib.pyplot with a file-only backend, or None (and a note) when matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """pyplot (cli.pyplot), or None and a note saying where the numbers are instead."""
+    plt = pyplot()
+    if plt is None:
         print("note: matplotlib is not installed, so no PNG figures (pip install -r requirements-extra.txt); "
               "the numbers are in analysis.json and the CSV files")
-        return None
     return plt
 
 
@@ -643,7 +639,7 @@ def main(argv=None) -> dict:
     try:
         inputs = load_inputs(args)
     except (ValueError, FileNotFoundError) as e:
-        train.fail(str(e))
+        fail(str(e), "analyze.py")
     model = inputs.model
     print(f"{args.checkpoint}: {inputs.ckpt['arch']} ({model.config.arch}), {model.num_params() / 1e6:.3f}M params, "
           f"analysed at depth L={inputs.depth}")

@@ -60,6 +60,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import alternet
 import revit
 import train
+from checkpoint import load_model
+from cli import fail, pick_device, pyplot
 
 # --- the paper's cells (Table 1: params M, GFLOPs/image; Table 10: LoRA-S r=64) ---
 
@@ -83,15 +85,6 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("
 
 class InputError(ValueError):
     """Bad input to a bench command (a flag, a checkpoint): main reports it as one line."""
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {name}: CUDA is not available")
-    return device
 
 
 def synchronize(device: torch.device) -> None:
@@ -412,7 +405,7 @@ def latency_models(size: str) -> dict:
     return {"DeiT III": deit, "reViT dynamic": dynamic, "reViT cached": cached, "reViT folded": revit.fold(cached)}
 
 
-LATENCY_SPECS = {  # how a fresh process rebuilds a row's model for the CPU memory measurement
+LATENCY_MODELS = {  # how a fresh process rebuilds a row's model for the CPU memory measurement
     "DeiT III": ("vit", {}, False), "reViT dynamic": ("revit", {"merge_cache": False}, False),
     "reViT cached": ("revit", {}, False), "reViT folded": ("revit", {}, True),
 }
@@ -512,7 +505,7 @@ def profile_table(fn, device, calls: int = 3, top: int = 15) -> str:
 
 def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int = 2) -> dict:
     """Peak RSS of one latency row (see cpu_memory_of)."""
-    arch, overrides, fold = LATENCY_SPECS[label]
+    arch, overrides, fold = LATENCY_MODELS[label]
     config = dataclasses.asdict(revit.ViTConfig(**{**revit.PRESETS[f"{arch}-{size}"], **overrides}))
     return cpu_memory_of([{"config": config, "fold": fold}], batch, calls, processes)[0]
 
@@ -867,58 +860,32 @@ def environment_line(env: dict) -> str:
 # --- a checkpoint at any depth: train.py's evaluation, this tool's timing (python bench.py depths CKPT) ---
 
 
-_TASKS = {}  # one data load per (checkpoint config, subset, device)
-
-
-def checkpoint_task(ckpt: dict, test_subset: int, device: torch.device):
-    """train.py's ClassificationTask over the checkpoint's own test set, as its final evaluation builds it.
-
-    COORDINATOR: replace checkpoint_task / evaluate_at_depth by train.evaluate once it lands; the
-    evaluation loop itself is already train.py's (ClassificationTask.evaluate), never a copy.
-    """
-    saved = ckpt.get("train_config") or {}
-    if saved.get("teacher"):
+def checkpoint_evaluation(path: str, test_subset: int, device: torch.device):
+    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from checkpoint.load_model,
+    the task (its own test data or validation text, as trained) from train.evaluation_setup. Every failure is
+    one line naming CKPT (InputError)."""
+    try:
+        model, ckpt = load_model(path, device, "CKPT")
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if ckpt["arch"] in revit.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
         raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
-    key = (json.dumps(saved, sort_keys=True, default=str), test_subset, str(device))
-    if key not in _TASKS:
-        cfg = saved_train_config(ckpt)
-        cfg.test_subset = test_subset or cfg.test_subset
-        with train_errors("CKPT's test data"):
-            data = train.load_images(cfg, is_main=True)
-        bf16 = device.type == "cuda" and cfg.bf16
-        autocast_fn = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-        augment = train.Augment(cfg, data, device, seed=0)  # evaluation uses only its normalisation
-        _TASKS[key] = train.ClassificationTask(cfg, data, device, augment, autocast_fn)
-    return _TASKS[key]
+    flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",  # --depths decides
+             **({"test_subset": test_subset} if test_subset else {})}
+    with train_errors("CKPT"):
+        _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
+    return model, ckpt, task
 
 
 @contextlib.contextmanager
 def train_errors(what: str):
-    """train.py's one-line user errors (train.fail's SystemExit) as this tool's InputError about `what`."""
+    """train.py's one-line user errors (cli.fail's SystemExit) as this tool's InputError about `what`."""
     try:
         yield
     except SystemExit as e:
         if not isinstance(e.code, str):
             raise
-        raise InputError(f"{what}: {e.code.removeprefix('train.py: error: ')}") from None
-
-
-def evaluate_at_depth(model, ckpt: dict, depth, test_subset: int, device: torch.device) -> dict:
-    """{"acc", "loss"} of `model` at `depth` (None: its reference depth), by train.py's evaluation loop."""
-    result = checkpoint_task(ckpt, test_subset, device).evaluate(model, [depth], 0, 1)[depth]
-    model.eval()  # the training loop's evaluate hands the model back in train mode
-    return result
-
-
-def load_checkpoint_model(path: str, device: torch.device):
-    """train.load_model with every failure turned into one line naming CKPT (InputError)."""
-    if not os.path.isfile(path):
-        raise InputError(f"CKPT {path}: no such checkpoint file")
-    try:
-        return train.load_model(path, device)
-    except Exception as e:  # noqa: BLE001 - an unreadable or foreign file is the user's input error
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"CKPT {path} is not a usable checkpoint of this project: {message}") from None
+        raise InputError(f"{what}: {e.code.partition(': error: ')[2] or e.code}") from None
 
 
 def parse_depth_list(text: str, model) -> list[int]:
@@ -949,7 +916,7 @@ def deployed_model(model, depth: int) -> tuple:
     return model, None if c.arch == "vit" else depth
 
 
-def vision_depth_rows(model, ckpt, depths, args, device) -> list[dict]:
+def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
     """One row per depth: train.py's accuracy, GFLOPs/image (deployed form), latency per image of the deployed
     and the dynamic form (the compact checkpoint run at that depth; reViT rebuilds its merged FFNs on every
     call, as the paper's Table 7 measured), runtime memory of the deployed form at batch 1."""
@@ -960,7 +927,7 @@ def vision_depth_rows(model, ckpt, depths, args, device) -> list[dict]:
     rows = []
     for depth in depths:
         row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
-               **evaluate_at_depth(model, ckpt, None if depth == c.depth else depth, args.test_subset, device)}
+               **train.evaluate(model, task, None if depth == c.depth else depth)}
         module, depth_arg = deployed_model(model, depth)
         row["deployed_form"] = "folded" if module is not model else "model"
         row["gflops"] = counted_flops(module, depth_arg)["total"] / 1e9
@@ -991,46 +958,25 @@ def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: 
                               (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
 
 
-def saved_train_config(ckpt: dict):
-    """The TrainConfig a checkpoint was trained with (its data, normalisation, batch sizes); never downloads."""
-    known = {field.name for field in dataclasses.fields(train.TrainConfig)}
-    cfg = train.TrainConfig(**{k: v for k, v in (ckpt.get("train_config") or {}).items() if k in known})
-    cfg.download = False
-    return cfg
-
-
-def language_data(ckpt: dict, test_subset: int):
-    """Validation windows (n, T+1) of the checkpoint's own text, as train.py splits it, and tokens per byte."""
-    cfg = saved_train_config(ckpt)
-    with train_errors("CKPT's text"):
-        _, val, tokens_per_byte, _ = train.load_text(cfg, is_main=True)
-    block = cfg.block_size or ckpt["model_config"]["seq_len"]
-    n = (len(val) - 1) // block
-    windows = torch.stack([val[s * block:s * block + block + 1] for s in range(n)])  # (n, T+1)
-    return windows[:test_subset or n], tokens_per_byte, cfg.eval_batch_size
+def language_windows(task, test_subset: int) -> torch.Tensor:
+    """The validation windows (n, T+1) of train.py's LanguageTask (the checkpoint's own text, as trained)."""
+    n = (len(task.val) - 1) // task.block_size
+    windows = task.val[:n * task.block_size + 1].unfold(0, task.block_size + 1, task.block_size)  # (n, T+1)
+    return windows[:test_subset or n]
 
 
 def causal_cross_entropy(lm, x, y, cap, threshold) -> tuple:
-    """(summed next-token CE in nats, summed iterations) at iteration cap `cap` and halting `threshold`.
-
-    The causal metric is alternet.causal_loss where alternet.py has it (assumed to return the token-mean
-    CE, or a dict with "loss"); until then the model's own loss, in which the router reads the last token
-    and so sees every position (see alternet.py's docstring). COORDINATOR: drop the fallback at merge.
-    """
-    out = lm(x, max_depth=cap, halt_threshold=threshold)
-    causal = getattr(alternet, "causal_loss", None)
-    if causal is None:
-        ce = F.cross_entropy(out["logits"].float().flatten(0, 1), y.flatten(), reduction="sum")
-    else:
-        value = causal(lm, x, y, max_depth=cap, halt_threshold=threshold)
-        ce = (value["loss"] if isinstance(value, dict) else value) * y.numel()
-    return float(ce), float(out["iterations"].sum())
+    """(summed next-token CE in nats, summed iterations) at iteration cap `cap` and halting `threshold`, each
+    position routed and halted on its own prefix as in generation (alternet.causal_loss)."""
+    causal = alternet.causal_loss(lm, x, y, max_depth=cap, halt_threshold=threshold)
+    return float(causal["ce"].sum()), float(causal["iterations"].sum())
 
 
-def language_depth_rows(lm, ckpt, args, device) -> list[dict]:
-    """Rows over iteration caps D' = 1 .. D and halting thresholds: bits per byte, mean iterations,
-    latency per generated token (greedy, batch 1)."""
-    windows, tokens_per_byte, eval_batch = language_data(ckpt, args.test_subset)
+def language_depth_rows(lm, task, args, device) -> list[dict]:
+    """Rows over iteration caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations
+    per position, latency per generated token (greedy, batch 1)."""
+    windows, tokens_per_byte, eval_batch = language_windows(task, args.test_subset), task.tokens_per_byte, \
+        task.cfg.eval_batch_size
     thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
     rows, fns = [], {}
@@ -1045,17 +991,15 @@ def language_depth_rows(lm, ckpt, args, device) -> list[dict]:
                     ce, iterations = ce + part[0], iterations + part[1]
                 tokens = windows[:, 1:].numel()
                 rows.append({"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * tokens_per_byte /
-                             math.log(2), "mean_iterations": iterations / len(windows),
+                             math.log(2), "mean_iterations": iterations / tokens,
                              "reference": cap == lm.config.max_depth and threshold == thresholds[0]})
                 fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold,
                                                         device)
     times = time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
     for row in rows:
         row["ms_per_token"] = statistics.median(times[row["max_depth"], row["halt_threshold"]]) * 1e3 / args.new_tokens
-    row_note = "alternet.causal_loss" if hasattr(alternet, "causal_loss") else \
-        "the model's own loss (not causal: the router reads the last token; alternet.causal_loss not available)"
     for row in rows:
-        row["bpb_metric"] = row_note
+        row["bpb_metric"] = "alternet.causal_loss"
     return rows
 
 
@@ -1116,20 +1060,9 @@ def depths_markdown(result: dict) -> str:
     return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
 
 
-def _pyplot():
-    """matplotlib's pyplot with a file-only backend, or None when matplotlib is not installed (optional)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def plot_depths(result: dict, path: str) -> str | None:
     """Accuracy (or bits/byte) against latency, one point per depth (cap), the reference ringed."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
@@ -1157,22 +1090,22 @@ def plot_depths(result: dict, path: str) -> str | None:
 
 
 def run_depths(args, device) -> dict:
-    model, ckpt = load_checkpoint_model(args.checkpoint, device)
+    model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device)
     language = ckpt["arch"] not in revit.PRESETS
     settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
                 "new_tokens": args.new_tokens, "test_subset": args.test_subset}
     if args.batch < 2:
         raise InputError(f"--batch must be >= 2 (batch 1 is always measured); got {args.batch}")
     if language:
-        rows = language_depth_rows(model, ckpt, args, device)
+        rows = language_depth_rows(model, task, args, device)
         mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
         best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte", name="cap D'")
     else:
         depths = sorted(set(parse_depth_list(args.depths, model)) | {model.config.depth})
-        rows = vision_depth_rows(model, ckpt, depths, args, device)
+        rows = vision_depth_rows(model, ckpt, task, depths, args, device)
         mark_tradeoffs(rows, "acc", "deployed_ms_b1", higher_is_better=True)
         best = smallest_within(rows, "depth", "acc", 0.005, "deployed_ms_b1", True, "points", scale=100)
-        settings["test_images"] = len(checkpoint_task(ckpt, args.test_subset, device).data.test)
+        settings["test_images"] = len(task.data.test)
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"],
               "family": "language" if language else "vision", "settings": settings, "rows": rows, "best": best}
     out_dir = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
@@ -1390,7 +1323,6 @@ def check_train_run(argv: list[str], out_dir: str) -> dict:
             "detail": f"log: {os.path.join(out_dir, 'train-run.log')}"}
 
 
-
 def run_check(args, device) -> dict:
     """Every part in order, each timed; a failure is recorded and the next part runs."""
     sizes = CHECK_SIZES["quick" if args.quick else "full"]
@@ -1585,7 +1517,7 @@ def quality_markdown(result: dict) -> str:
 
 def plot_quality(result: dict, folders: list[str]) -> list[str]:
     """accuracy vs E with error bars (Table 5 shape) and accuracy vs inference depth with bands (Fig. 2)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     figures = {}
@@ -1814,6 +1746,9 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     try:
         device = pick_device(getattr(args, "device", "cpu"))
+    except ValueError as e:  # --device: one line, as below
+        fail(str(e), "bench.py")
+    try:
         if device.type == "cuda" and args.command != "check":  # TF32 for float32 parts outside autocast
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if getattr(args, "threads", None):
@@ -1821,7 +1756,7 @@ def main(argv=None) -> dict:
         defaults = resolve(args, device)
         result = COMMANDS[args.command](args, device)
     except InputError as e:  # the user's input: one line, as argparse reports its own errors
-        raise SystemExit(f"bench.py: error: {e}") from None
+        fail(str(e), "bench.py")
     if args.command in ("latency", "train"):
         env = result["env"] = environment(device)
         result["settings"]["defaults_used"] = defaults

@@ -42,7 +42,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import revit
-import train
+from checkpoint import load_vision_model
+from cli import fail
 
 FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
@@ -75,32 +76,6 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
                          f"num_classes={c.num_classes}): {report}")
     model.load_state_dict(state_dict)
     return model
-
-
-# --- what every tool reads first: the device and a trained model (analyze.py and probes.py use these) ---
-
-
-def pick_device(name: str) -> torch.device:
-    """--device: auto (CUDA when available, else the CPU), cpu, cuda or cuda:N -- a ValueError otherwise."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r}: not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-    return device
-
-
-def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
-    """A checkpoint of this project that holds a vision model of revit.py -> (model in eval mode, ckpt).
-    Every problem with the file is a ValueError of one line naming `flag`, the file and what is wrong."""
-    model, ckpt = train.load_model(path, device, flag)
-    if not isinstance(model, revit.ViTBase):
-        raise ValueError(f"{flag} {path}: holds the language model {ckpt['arch']}; "
-                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE baselines)")
-    return model, ckpt
 
 
 def load_source(path) -> nn.Module:
@@ -390,7 +365,7 @@ def main(argv=None) -> dict:
         check_args(args)
         summary = export(args)
     except (ValueError, VerificationError) as e:
-        train.fail(str(e))
+        fail(str(e), "export.py")
     print(json.dumps(summary))  # last stdout line: one JSON document
     return summary
 

@@ -62,10 +62,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-import export
+import checkpoint
 import train
+from cli import dataclass_parser, fail, opt, parse_depths, pick_device
 from data import NORMALISATION, epoch_order, load_images
-from train import DENSE_PROBES, fail, opt  # train.py's --probe hands DENSE_PROBES to run()
+from tasks import DENSE_PROBES  # train.py's --probe hands these to run()
 
 IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabelled pixels)
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
@@ -105,7 +106,7 @@ class ProbeConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return train.dataclass_parser(ProbeConfig, __doc__.split("\n\n")[0])
+    return dataclass_parser(ProbeConfig, __doc__.split("\n\n")[0])
 
 
 def config_from_flags(flags: dict) -> ProbeConfig:
@@ -295,7 +296,7 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, the file is unusable
-            fail(f"--data {path}: {train.unreadable(e)}")
+            fail(f"--data {path}: {checkpoint.unreadable(e)}")
         if not isinstance(blob, dict) or not all(isinstance(blob.get(k), torch.Tensor) for k in ("images", key)):
             fail(f"--data {path}: needs a dict with the tensors 'images' and '{key}' for --probe {task}")
         images, targets = blob["images"][:n or None], blob[key][:n or None]
@@ -518,7 +519,7 @@ def check_config(cfg: ProbeConfig) -> None:
         fail(f"--weight-decay must be a finite number >= 0; got {cfg.weight_decay}")
     if cfg.depth is not None and cfg.depth < 1:
         fail(f"--depth must be >= 1; got {cfg.depth}")
-    train.parse_depths(cfg.eval_depths)
+    parse_depths(cfg.eval_depths)
     if cfg.data and not Path(cfg.data).is_dir():
         fail(f"--data {cfg.data}: no such folder")
     for flag, folder in (("--probe-cache", cfg.probe_cache), ("--out-dir", cfg.out_dir)):
@@ -529,14 +530,14 @@ def check_config(cfg: ProbeConfig) -> None:
 def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
     """--backbone, frozen, and the depths it runs at: the one the heads train on first, then --eval-depths."""
     try:
-        device = export.pick_device(cfg.device)
-        model, ckpt = export.load_vision_model(cfg.backbone, "--backbone", device)
+        device = pick_device(cfg.device)
+        model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
     except ValueError as e:
         fail(str(e))
     model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
     config = model.config
     trained_depth = cfg.depth or config.depth
-    depths = [trained_depth] + [d for d in train.parse_depths(cfg.eval_depths) if d != trained_depth]
+    depths = [trained_depth] + [d for d in parse_depths(cfg.eval_depths) if d != trained_depth]
     x = torch.zeros(1, config.in_channels, config.image_size, config.image_size, device=device)
     for depth in depths:
         try:

@@ -1141,6 +1141,7 @@ class LayerwiseLoRA(nn.Module):
                                                                + getattr(self, f"{n}_up").shape[1])
                    for n in LORA_LAYERS)
 
+
 class LoRAAttention(Attention):
     """The shared attention with step t's low-rank updates on qkv and proj."""
 

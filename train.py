@@ -20,41 +20,35 @@ no_weight_decay. Checkpoints are atomic, hold only finite weights, and resume bi
 Nothing is downloaded unless asked (`--download`). Language presets train by default on a corpus the
 repository generates (data.grammar_corpus: English-like sentences with agreement across nested
 clauses): the same bytes on every machine and at every commit, no file, no network.
+
+This file reads top to bottom: config and recipes, the loop (one optimizer step, evaluate-and-save),
+set-up, optimizer and schedule, saving, command line. Elsewhere: the tasks, and how a config becomes
+data + model + task (tasks.py); the checkpoint format, its loader and the run folder (checkpoint.py);
+one-line errors, flags from a dataclass and the device (cli.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import fcntl
-import json
 import math
 import os
 import random
 import time
-import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import alternet
-import data
 import revit
-
-
-def fail(message: str):
-    """A user error: one clear line on stderr, non-zero exit, nothing written."""
-    raise SystemExit(f"train.py: error: {message}")
-
-
-def opt(default, help: str):
-    return field(default=default, metadata={"help": help})
+from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, preset_module,
+                        primitive, rng_state, set_rng_state, unwrap)
+from cli import dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, pick_device, say
+from tasks import DENSE_PROBES, PROBES, build
 
 
 # --- config: the defaults are the quick start (revit-mini, Fashion-MNIST, a CPU, ~88% in minutes) ---
@@ -154,11 +148,6 @@ RECIPES = {  # name: (source, TrainConfig overrides applied over the quick-start
 }
 IMAGE_DATASETS, TEXT_DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet"), ("grammar", "tinyshakespeare", "text")
 RECIPE_OF = {"cifar10": "cifar", "cifar100": "cifar", "imagenet": "imagenet", **dict.fromkeys(TEXT_DATASETS, "text")}
-
-
-def say(line: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(line, flush=True)
 
 
 def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
@@ -321,14 +310,13 @@ def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
     cfg = run.cfg
     what = f"non-finite loss {loss}" if not math.isfinite(loss) else \
         f"non-finite gradient norm {grad_norm} (loss {loss:.4g})"
-    where = f"{run.folder.ckpt} (step {run.last_good})" if run.last_good is not None else "none written yet"
     hints = [f"a lower --lr (peak now {run.sched['peak_lr']:.3g})"]
     hints.append("--grad-clip 1.0" if not cfg.grad_clip else f"a longer warmup (--warmup-steps, now "
                                                                 f"{run.sched['warmup_steps']})")
     if run.device.type == "cuda" and cfg.bf16:
         hints.append("--no-bf16")
     return (f"{what} at step {run.step}; stopped before the optimizer step, nothing saved. Last good "
-            f"checkpoint: {where}. Try {' or '.join(hints)}")
+            f"checkpoint: {last_good(run)}. Try {' or '.join(hints)}")
 
 
 def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
@@ -388,7 +376,8 @@ def summarise(cfg: TrainConfig, model: nn.Module, results: dict) -> tuple[dict, 
             say(f"{key or 'halted':>8} {r['loss']:9.4f} {r['bpb']:9.4f} {r['iterations']:10.2f}")
         h = results[None]
         return ({"val_loss": h["loss"], "val_bpb": h["bpb"], "mean_iterations": h["iterations"],
-                 "fixed_depth_bpb": {str(k): r["bpb"] for k, r in results.items() if k is not None}},
+                 "fixed_depth_bpb": {str(k): r["bpb"] for k, r in results.items() if k is not None},
+                 **({"val_causal_bpb": h["causal_bpb"]} if "causal_bpb" in h else {})},
                 f"val loss {h['loss']:.4f} | {h['bpb']:.4f} bits/byte at {h['iterations']:.2f} mean iterations")
     reference = (model.backbone if cfg.probe else model).config.depth
     key = "distill_mse" if cfg.teacher else "acc"
@@ -448,146 +437,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     return run
 
 
-def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) -> dict:
-    """Every length in optimizer steps; the peak lr (chosen from the width when the recipe leaves it open)."""
-    language = cfg.dataset in TEXT_DATASETS
-    total = cfg.max_steps or cfg.epochs * steps_per_epoch
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else \
-        0 if language else round(cfg.warmup_epochs * steps_per_epoch)
-    if cfg.lr is None:
-        width = 0 if cfg.probe else model.config.dim
-        if language:  # AlterNet paper: 3e-4; the small byte-level CPU presets train faster at 1e-3
-            cfg.lr, why = (1e-3, "width <= 256") if width <= 256 else (3e-4, "AlterNet paper, width > 256")
-        else:  # Table 6: 4e-3 for S, 3e-3 for B and L
-            cfg.lr, why = (3e-3, "Table 6, width >= 768 (B/L)") if width >= 768 else (4e-3, "Table 6, width < 768 (S)")
-        say(f"override: lr={cfg.lr} (auto: {why})")
-    peak = cfg.lr * cfg.batch_size / cfg.lr_batch if cfg.lr_batch else cfg.lr
-    return dict(warmup_steps=min(warmup, total), total_steps=total, warmup_lr=min(cfg.warmup_lr, peak),
-                min_lr=min(cfg.min_lr, peak), peak_lr=peak, name="warmup-cosine")
-
-
-def build(cfg: TrainConfig, rank: int, world: int, device, ckpt: dict | None):
-    """Data, model and task -> (model, task, batches(start_step), augment, steps_per_epoch). A resumed
-    or evaluated checkpoint supplies the model config. Reads only; any user error exits here."""
-    options = device_options(device.type, cfg.bf16)
-    dtype = options["autocast_dtype"]
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-    if cfg.dataset in TEXT_DATASETS:
-        return build_language(cfg, rank, world, device, ckpt, autocast)
-    try:
-        images = data.load_images(cfg.dataset, cfg.data, cfg.data_dir, cfg.download, cfg.train_subset,
-                                  cfg.test_subset, cfg.workers)
-    except (ValueError, FileNotFoundError) as e:
-        fail(f"--dataset {cfg.dataset}: {e}")
-    if options["data_on_device"] and isinstance(images.train, data.TensorImages):  # small sets live on the GPU
-        for split in (images.train, images.test):
-            split.images, split.labels = split.images.to(device), split.labels.to(device)
-    steps_per_epoch = len(images.train) // cfg.batch_size
-    if steps_per_epoch == 0:
-        fail(f"--batch-size {cfg.batch_size} is larger than the training set ({len(images.train)} images)")
-    augment = data.Augment(images, device, cfg.seed + rank, **{k: getattr(cfg, k) for k in AUGMENT_FIELDS})
-    if cfg.probe:
-        backbone = model_or_fail(cfg.backbone, "--backbone")
-        if (backbone.config.image_size, backbone.config.in_channels) != (images.image_size, images.channels):
-            fail(f"--backbone expects {backbone.config.in_channels}x{backbone.config.image_size}² images; "
-                 f"{cfg.dataset} has {images.channels}x{images.image_size}²")
-        model = PROBES[cfg.probe](backbone, images.num_classes, cfg)
-    else:
-        model = make(revit.create_model, cfg.arch, ckpt["model_config"] if ckpt else vision_overrides(cfg, images))
-    task = ClassificationTask(cfg, images, device, augment, autocast)
-    if cfg.teacher:
-        teacher = load_teacher(cfg.teacher, device)
-        check_teacher(model, teacher, images, device)
-        task = DistillTask(cfg, images, device, augment, autocast, teacher)
-    check_eval_depths(cfg, (model.backbone if cfg.probe else model).config)
-    batches = lambda start: data.image_batches(images.train, cfg.batch_size, cfg.seed, cfg.repeated_aug,  # noqa: E731
-                                               rank, world, start)
-    return model, task, batches, augment, steps_per_epoch
-
-
-AUGMENT_FIELDS = ("random_crop", "three_augment", "color_jitter", "mixup", "cutmix", "mix_prob", "mix_switch_prob",
-                  "label_smoothing")
-
-
-def build_language(cfg, rank, world, device, ckpt, autocast):
-    try:
-        train_tokens, val_tokens, tokens_per_byte, vocab = data.load_text(
-            cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)
-    except (ValueError, FileNotFoundError) as e:
-        fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")
-    overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
-    if cfg.tokenizer != "byte":
-        overrides["vocab_size"] = vocab
-    model = make(alternet.create_model, cfg.arch, ckpt["model_config"] if ckpt else overrides)
-    if cfg.block_size is None:
-        cfg.block_size = model.config.seq_len
-        say(f"override: block_size={cfg.block_size} (auto: the model's seq_len)")
-    block_size = cfg.block_size
-    if block_size > model.config.seq_len:
-        fail(f"--block-size {block_size} exceeds the model's seq_len {model.config.seq_len} "
-             f"(raise it with --model-args seq_len={block_size})")
-    if min(len(train_tokens), len(val_tokens)) <= block_size + 1:
-        fail(f"the text has {len(train_tokens) + len(val_tokens)} tokens: too short for --block-size {block_size} "
-             f"(90% train / 10% validation, each needs more than {block_size + 1})")
-    task = LanguageTask(cfg, val_tokens, tokens_per_byte, block_size, device, autocast)
-    batches = lambda start: data.text_batches(train_tokens, cfg.batch_size, block_size, cfg.seed,  # noqa: E731
-                                              rank, world, start)
-    return model, task, batches, None, None
-
-
-def vision_overrides(cfg: TrainConfig, images: data.ImageData) -> dict:
-    """Model config overrides: data properties, CLI flags, and the patch size for small images."""
-    preset = revit.PRESETS[cfg.arch]
-    overrides = dict(image_size=images.image_size, in_channels=images.channels, num_classes=images.num_classes)
-    for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop"):
-        if getattr(cfg, name) is not None:
-            overrides[name] = getattr(cfg, name)
-    overrides.update(parse_model_args(cfg.model_args, revit.ViTConfig))
-    patch = overrides.get("patch_size", preset.get("patch_size", 16))
-    if "patch_size" not in overrides and (images.image_size % patch or images.image_size // patch < 4):
-        cfg.patch_size = overrides["patch_size"] = 4 if images.image_size % 4 == 0 else 1
-        say(f"override: patch_size={cfg.patch_size} (auto: {cfg.arch} is a {preset.get('image_size', 224)}px preset "
-            f"with patch {patch}; {images.image_size}x{images.image_size} images need a finer grid)")
-    return overrides
-
-
-def make(create, arch, overrides):
-    try:
-        return create(arch, **overrides)
-    except (ValueError, TypeError) as e:
-        fail(f"cannot build {arch} with {overrides}: {e}")
-
-
-def check_eval_depths(cfg: TrainConfig, config) -> None:
-    for d in parse_depths(cfg.eval_depths):
-        if config.arch == "vit" and d != config.depth:
-            fail(f"--eval-depths {cfg.eval_depths}: an untied ViT runs only its own depth ({config.depth}); "
-                 f"other depths need a reViT or Raptor model")
-        if config.arch != "vit" and d < 2:
-            fail(f"--eval-depths {cfg.eval_depths}: recurrent models need depth >= 2; got {d}")
-
-
-# --- devices: what differs on CUDA is decided by one function of the device type ---
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    """auto: CUDA when present, else CPU. ValueError for a device this machine does not have."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name}: CUDA is not available on this machine")
-    return device
-
-
-def device_options(device_type: str, bf16: bool = True) -> dict:
-    """The CUDA-only choices of the loop, as data (a CPU test checks them with device_type="cuda")."""
-    cuda = device_type == "cuda"
-    return {"fused_adamw": cuda, "tf32": cuda, "ddp_backend": "nccl" if cuda else "gloo",
-            "autocast_dtype": torch.bfloat16 if cuda and bf16 else None, "data_on_device": cuda}
+# --- processes: torchrun, torch.compile, DDP (what differs on CUDA: cli.device_options) ---
 
 
 def init_distributed(cfg: TrainConfig):
@@ -595,7 +445,7 @@ def init_distributed(cfg: TrainConfig):
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
-        fail(f"--device: {e}")
+        fail(str(e))
     if "RANK" not in os.environ:
         return 0, 1, device
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
@@ -615,280 +465,12 @@ def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
     return forward
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP and torch.compile wrappers (what checkpoints store)."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def broadcast(obj, world):
     if world == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-# --- tasks: each supplies the loss of a batch and the evaluation ---
-
-
-def classification_loss(logits, targets, kind):
-    if kind == "bce":  # DeiT III: binarise the mixed targets, then per-class binary cross-entropy
-        return F.binary_cross_entropy_with_logits(logits, targets.gt(0.0).to(logits.dtype))
-    return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
-
-
-class ClassificationTask:
-    """Supervised image classification (also the linear probe: its model is a ProbeModel)."""
-
-    def __init__(self, cfg, images: data.ImageData, device, augment: data.Augment, autocast):
-        self.cfg, self.data, self.device, self.augment, self.autocast = cfg, images, device, augment, autocast
-
-    def loss(self, model, images, labels):
-        x, targets = self.augment(images.to(self.device, non_blocking=True), labels.to(self.device))
-        with self.autocast():
-            out = model(x, return_states=True)
-        task = classification_loss(out["logits"].float(), targets, self.cfg.loss)
-        aux = out.get("aux_losses", {})
-        return task + sum(aux.values()), {"task": task, **aux}
-
-    def score(self, model, x, labels, depth) -> dict:
-        """Sums over one test batch (divided by the image count at the end)."""
-        with self.autocast():
-            logits = (model(x) if depth is None else model(x, depth=depth)).float()
-        return {"acc": (logits.argmax(-1) == labels).sum().float(), "loss": F.cross_entropy(logits, labels, reduction="sum")}
-
-    @torch.no_grad()
-    def evaluate(self, model, depths, rank, world):
-        """{depth: metrics} over this rank's shard of the test set (depth None: the reference depth)."""
-        model.eval()
-        index_batches = torch.arange(len(self.data.test))[rank::world].split(self.cfg.eval_batch_size)
-        results = {}
-        for depth in depths:
-            sums, count = {}, torch.zeros((), device=self.device)
-            for images, labels in self.data.test.batches(index_batches):
-                x = self.augment.normalise(images.to(self.device).float() / 255)
-                for key, value in self.score(model, x, labels.to(self.device), depth).items():
-                    sums[key] = sums.get(key, 0) + value
-                count += len(labels)
-            stats = torch.stack([*sums.values(), count])
-            if world > 1:
-                dist.all_reduce(stats)
-            results[depth] = {key: (stats[i] / stats[-1]).item() for i, key in enumerate(sums)}
-        model.train()
-        return results
-
-
-class DistillTask(ClassificationTask):
-    """Eq. 5 of the reViT paper (App. A.3): 1/(T d) ||LN(X^L) - Y||_F^2 against a frozen teacher's
-    final post-LayerNorm tokens."""
-
-    def __init__(self, cfg, images, device, augment, autocast, teacher):
-        super().__init__(cfg, images, device, augment, autocast)
-        self.teacher = teacher
-
-    def loss(self, model, images, labels):
-        x, _ = self.augment(images.to(self.device, non_blocking=True), labels.to(self.device))
-        with self.autocast():
-            out = model(x, return_states=True)
-            with torch.no_grad():
-                target = self.teacher(x)
-        task = F.mse_loss(out["tokens"].float(), target.float())
-        aux = out.get("aux_losses", {})
-        return task + sum(aux.values()), {"distill": task, **aux}
-
-    def score(self, model, x, labels, depth):
-        with self.autocast():
-            tokens = model(x, return_states=True, **({} if depth is None else {"depth": depth}))["tokens"]
-            target = self.teacher(x)
-        return {"distill_mse": F.mse_loss(tokens.float(), target.float(), reduction="sum") / tokens[0].numel()}
-
-
-class TeacherTokens(nn.Module):
-    """A frozen teacher's final post-norm tokens (B, 1 + patches, d): a checkpoint of this project, or
-    torch.hub DINOv2 ([class token, patch tokens] after its final norm, registers dropped)."""
-
-    def __init__(self, model, hub: bool):
-        super().__init__()
-        self.model, self.hub = model, hub
-
-    def forward(self, x):
-        if not self.hub:
-            return self.model(x, return_states=True)["tokens"]
-        feats = self.model.forward_features(x)
-        return torch.cat([feats["x_norm_clstoken"][:, None], feats["x_norm_patchtokens"]], dim=1)
-
-
-def load_teacher(spec: str, device) -> nn.Module:
-    if spec.startswith("hub:"):
-        try:
-            teacher = TeacherTokens(torch.hub.load("facebookresearch/dinov2", spec[4:]), hub=True)
-        except Exception as e:  # noqa: BLE001
-            fail(f"--teacher {spec}: could not load it from torch.hub (needs internet access): {str(e).splitlines()[0]}")
-    else:
-        teacher = TeacherTokens(model_or_fail(spec, "--teacher"), hub=False)
-    return teacher.to(device).eval().requires_grad_(False)
-
-
-def check_teacher(model, teacher, images, device):
-    x = torch.zeros(2, images.channels, images.image_size, images.image_size, device=device)
-    try:
-        with torch.no_grad():
-            target = teacher(x)
-    except Exception as e:  # noqa: BLE001
-        fail(f"--teacher cannot run on {images.channels}x{images.image_size}² images: {str(e).splitlines()[0]}")
-    with torch.no_grad():
-        tokens = model.to(device).eval()(x, return_states=True)["tokens"]
-    model.train()
-    if tokens.shape[1:] != target.shape[1:]:
-        fail(f"student tokens {tuple(tokens.shape[1:])} and teacher tokens {tuple(target.shape[1:])} differ "
-             f"(tokens x width): distillation needs the same patch grid and width (use --patch-size / --model-args dim=)")
-
-
-class ProbeModel(nn.Module):
-    """A frozen backbone (always in eval mode, no grad) and a trainable linear head."""
-
-    def __init__(self, backbone: nn.Module, num_classes: int, pool: str):
-        super().__init__()
-        self.backbone = backbone.eval().requires_grad_(False)
-        self.pool = pool
-        self.head = nn.Linear(backbone.config.dim, num_classes)
-        nn.init.trunc_normal_(self.head.weight, std=0.01)
-        nn.init.zeros_(self.head.bias)
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.backbone.eval()  # frozen: no dropout / drop-path / elastic depth
-        return self
-
-    def features(self, images, depth=None):
-        with torch.no_grad():
-            out = self.backbone(images, return_states=True, **({} if depth is None else {"depth": depth}))
-        return out["pre_logits"] if self.pool == "cls" else out["tokens"][:, 1:].mean(1)  # (B, d)
-
-    def forward(self, images, depth=None, return_states=False):
-        logits = self.head(self.features(images, depth))
-        return {"logits": logits, "aux_losses": {}} if return_states else logits
-
-
-# Probe name -> builder(backbone, num_classes, cfg) -> trainable model, trained by the loop above.
-PROBES = {"cls": lambda backbone, num_classes, cfg: ProbeModel(backbone, num_classes, cfg.probe_pool)}
-# Dense probes train per-patch heads on (cached) frozen features in probes.py's own loop: probes.run.
-DENSE_PROBES = ("seg", "monodepth")
-
-
-class LanguageTask:
-    """Next-token prediction; the model computes its own loss (PonderNet L_PN + aux terms).
-
-    Training cuts the model config's random_length_fraction of each batch to random valid lengths
-    (torch's global RNG, saved in checkpoints), so the router and halt heads, which read the last
-    valid token, learn every position generation routes on. Evaluation reports the full-window
-    numbers (halted, and every fixed depth) and next to them "causal": alternet.causal_loss, each
-    position routed and halted on its own prefix as in generation, on the first causal_windows
-    validation windows of each rank (T forwards per window, so a subset); then prints a sample.
-    """
-
-    def __init__(self, cfg, val_tokens, tokens_per_byte, block_size, device, autocast, causal_windows=4,
-                 sample_tokens=80):
-        self.cfg, self.val, self.tokens_per_byte = cfg, val_tokens, tokens_per_byte
-        self.block_size, self.device, self.autocast = block_size, device, autocast
-        self.causal_windows, self.sample_tokens = causal_windows, sample_tokens
-
-    def loss(self, model, tokens, targets):
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
-        fraction = unwrap(model).config.random_length_fraction
-        lengths = None
-        if model.training and fraction > 0:
-            lengths = alternet.training_lengths(len(tokens), tokens.shape[1], fraction).to(self.device)
-        with self.autocast():
-            out = model(tokens, targets=targets, lengths=lengths)
-        return out["loss"], {"task": out["task_loss"], **out["aux_losses"]}
-
-    def windows(self, rank, world):
-        """(x, y) validation batches of this rank: (B, T) each, consecutive non-overlapping windows."""
-        n = (len(self.val) - 1) // self.block_size
-        starts = torch.arange(n)[rank::world] * self.block_size
-        if self.cfg.eval_iters:
-            starts = starts[:self.cfg.eval_iters * self.cfg.eval_batch_size]
-        for chunk in starts.split(self.cfg.eval_batch_size):
-            rows = torch.stack([self.val[s:s + self.block_size + 1] for s in chunk.tolist()])
-            yield rows[:, :-1].to(self.device), rows[:, 1:].to(self.device)
-
-    @torch.no_grad()
-    def evaluate(self, model, depths, rank, world):
-        """Validation loss and bits-per-byte at the halted depth, at every fixed depth 1..D, and causal."""
-        model.eval()
-        lm = unwrap(model)
-        depth, threshold = lm.config.max_depth, 0.5 if lm.config.halting else None
-        # sums over this rank's windows: CE at [halted, depth 1..D], iterations, tokens, sequences;
-        # then causal CE, causal iterations, causal tokens, full-window CE on the causal windows
-        stats = torch.zeros(depth + 8, dtype=torch.float64, device=self.device)
-        causal_left = self.causal_windows
-        for x, y in self.windows(rank, world):
-            with self.autocast():  # a fixed-depth model (halting off) "halts" at its last step
-                halted = lm(x, halt_threshold=threshold)
-                fixed = lm(x, halt_threshold=None)  # all D steps: step_logits (D, B, T, V)
-            for row, logits in enumerate([halted["logits"], *fixed["step_logits"]]):
-                stats[row] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-            stats[depth + 1:depth + 4] += torch.tensor([halted["iterations"].sum().item(), y.numel(), len(x)],
-                                                       dtype=torch.float64, device=self.device)
-            if causal_left > 0:
-                x, y, halted_logits = x[:causal_left], y[:causal_left], halted["logits"][:causal_left]
-                causal_left -= len(x)
-                with self.autocast():
-                    causal = alternet.causal_loss(lm, x, y, halt_threshold=threshold)
-                full = F.cross_entropy(halted_logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-                stats[depth + 4:] += torch.tensor([causal["ce"].sum().item(), causal["iterations"].sum().item(),
-                                                   y.numel(), full.item()], dtype=torch.float64, device=self.device)
-        if world > 1:
-            dist.all_reduce(stats)
-        results = self.results(stats.tolist(), depth)
-        if rank == 0 and "causal_loss" in results["halted"]:
-            r = results["halted"]
-            print(f"causal (each position routed on its own prefix, {r['causal_tokens']} tokens): loss "
-                  f"{r['causal_loss']:.4f}, {r['causal_bpb']:.4f} bits/byte, {r['causal_iterations']:.2f} "
-                  f"iterations | full window, same tokens: loss {r['causal_full_window_loss']:.4f}")
-        if rank == 0 and self.sample_tokens:
-            self.print_sample(lm, threshold)
-        model.train()
-        return results
-
-    def results(self, stats, depth):
-        """{"halted" | 1..D: {loss, bpb, iterations}} from the summed statistics; "halted" also holds
-        the causal metric (causal_loss, causal_bpb, causal_iterations) and the full-window loss on
-        the same tokens (causal_full_window_loss)."""
-        iterations, tokens, sequences, causal_ce, causal_iterations, causal_tokens, full_ce = stats[depth + 1:]
-        results = {}
-        for row, key in enumerate(["halted", *range(1, depth + 1)]):
-            loss = stats[row] / tokens
-            results[key] = {"loss": loss, "bpb": loss * self.tokens_per_byte / math.log(2),
-                            "iterations": iterations / sequences if key == "halted" else float(key)}
-        if causal_tokens:  # iterations: mean per position (each is one generated token's forward)
-            loss = causal_ce / causal_tokens
-            results["halted"].update(causal_loss=loss, causal_bpb=loss * self.tokens_per_byte / math.log(2),
-                                     causal_iterations=causal_iterations / causal_tokens,
-                                     causal_full_window_loss=full_ce / causal_tokens, causal_tokens=int(causal_tokens))
-        return results
-
-    def print_sample(self, lm, threshold):
-        """A short continuation of the first validation tokens (fixed seed; the training RNG is untouched)."""
-        _, decode = alternet.text_codec(self.cfg.tokenizer)
-        prompt = self.val[:min(32, self.block_size)][None].to(self.device)  # (1, P)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(0)
-            with self.autocast():
-                ids, used = lm.generate(prompt, self.sample_tokens, halt_threshold=threshold or 0.5,
-                                        temperature=0.8, top_k=min(40, lm.config.vocab_size),
-                                        return_iterations=True)
-        text = decode(ids[0, prompt.shape[1]:].tolist())
-        print(f"sample: {decode(prompt[0].tolist())!r} -> {text!r} "
-              f"({used.float().mean().item():.2f} iterations per token)")
-
 
 
 # --- optimizer and schedule ---
@@ -906,6 +488,24 @@ def param_groups(model: nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) -> dict:
+    """Every length in optimizer steps; the peak lr (chosen from the width when the recipe leaves it open)."""
+    language = cfg.dataset in TEXT_DATASETS
+    total = cfg.max_steps or cfg.epochs * steps_per_epoch
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else \
+        0 if language else round(cfg.warmup_epochs * steps_per_epoch)
+    if cfg.lr is None:
+        width = 0 if cfg.probe else model.config.dim
+        if language:  # AlterNet paper: 3e-4; the small byte-level CPU presets train faster at 1e-3
+            cfg.lr, why = (1e-3, "width <= 256") if width <= 256 else (3e-4, "AlterNet paper, width > 256")
+        else:  # Table 6: 4e-3 for S, 3e-3 for B and L
+            cfg.lr, why = (3e-3, "Table 6, width >= 768 (B/L)") if width >= 768 else (4e-3, "Table 6, width < 768 (S)")
+        say(f"override: lr={cfg.lr} (auto: {why})")
+    peak = cfg.lr * cfg.batch_size / cfg.lr_batch if cfg.lr_batch else cfg.lr
+    return dict(warmup_steps=min(warmup, total), total_steps=total, warmup_lr=min(cfg.warmup_lr, peak),
+                min_lr=min(cfg.min_lr, peak), peak_lr=peak, name="warmup-cosine")
+
+
 def lr_at(step: int, peak: float, sched: dict) -> float:
     """Linear warmup from warmup_lr, then cosine to min_lr, by optimizer step (DeiT steps per epoch;
     per-step is the smooth version of the same curve)."""
@@ -916,94 +516,7 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
     return sched["min_lr"] + 0.5 * (peak - sched["min_lr"]) * (1 + math.cos(math.pi * progress))
 
 
-# --- checkpoints: atomic save, one loader with one error path ---
-
-MODEL_KEYS = ("arch", "model_config", "model")
-RESUME_KEYS = MODEL_KEYS + ("train_config", "optimizer", "step", "rng")
-
-
-def atomic_save(obj: dict, path: Path) -> None:
-    """Write to a temp file in the same folder, then os.replace: a crash never leaves a torn file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def unreadable(error: Exception) -> str:
-    """Why torch.load refused a file, in one line. Its refusal of a file that holds arbitrary Python
-    objects is reduced to the reason: its advice to load with weights_only=False is never passed on
-    (that would run code stored in the file)."""
-    text = " ".join(str(error).split())
-    if "Unsupported global: GLOBAL " in text:  # a pickled Python object: never loaded, never run
-        stored = text.split("GLOBAL ", 1)[1].split()[0]
-        return (f"it stores the Python object {stored}, which a safe load refuses "
-                "(files of this project hold only tensors and plain values)")
-    if "WeightsUnpickler error:" in text:
-        return f"not a PyTorch file ({text.split('WeightsUnpickler error:', 1)[1].split(' Check the')[0].strip()})"
-    return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
-
-
-def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
-    """A checkpoint of this project as a dict (tensors and plain values only: weights_only=True).
-    ValueError with one line naming the flag, the file and what is wrong."""
-    if not Path(path).is_file():
-        raise ValueError(f"{flag} {path}: {'a folder, not a checkpoint file' if Path(path).is_dir() else 'no such file'}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
-        raise ValueError(f"{flag} {path}: {unreadable(e)}") from None
-    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
-                         f"project (missing {', '.join(missing)})")
-    return ckpt
-
-
-def load_model(path, device="cpu", flag: str = "checkpoint"):
-    """Rebuild a trained model from a checkpoint of this project -> (model in eval mode, ckpt dict).
-    ValueError with one line naming the flag, the file and what is wrong."""
-    ckpt = load_checkpoint(path, flag)
-    arch = ckpt["arch"]
-    if arch == "linear-probe":
-        raise ValueError(f"{flag} {path} is a linear-probe head, not a model; its backbone is "
-                         f"{ckpt['model_config'].get('backbone')}")
-    module = preset_module(arch)
-    if module is None:
-        raise ValueError(f"{flag} {path}: checkpoint of unknown arch {arch!r} (not a preset of revit.py or alternet.py)")
-    try:
-        model = module.create_model(arch, **ckpt["model_config"])
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{flag} {path}: its model_config does not build {arch}: {e}") from None
-    try:
-        missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
-    except RuntimeError as e:  # shapes that differ
-        raise ValueError(f"{flag} {path}: its weights do not fit {arch}: {' '.join(str(e).split())[:300]}") from None
-    for problem, names in (("missing", missing), ("unexpected", unexpected)):
-        if names:
-            raise ValueError(f"{flag} {path}: its weights do not fit {arch}: {len(names)} {problem} tensors "
-                             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-    return model.to(device).eval(), ckpt
-
-
-def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
-    try:
-        return load_checkpoint(path, flag, keys)
-    except ValueError as e:
-        fail(str(e))
-
-
-def model_or_fail(path, flag) -> nn.Module:
-    try:
-        return load_model(path, flag=flag)[0]
-    except ValueError as e:
-        fail(str(e))
+# --- saving a run (the format, the loader and the run folder: checkpoint.py) ---
 
 
 def save_checkpoint(run: Run) -> None:
@@ -1038,115 +551,7 @@ def last_good(run: Run) -> str:
     return f"{run.folder.ckpt} (step {run.last_good})" if run.last_good is not None else "none written yet"
 
 
-def rng_state(augment) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if augment is not None:
-        state["augment"] = augment.generator.get_state()
-        state["augment_batch"] = augment.batch_rng.getstate()
-    return state
-
-
-def set_rng_state(state: dict, augment) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if augment is not None:
-        augment.generator.set_state(state["augment"])
-        augment.batch_rng.setstate(state["augment_batch"])
-
-
-def primitive(value):
-    """Config values as plain Python (checkpoints load with weights_only=True)."""
-    if isinstance(value, dict):
-        return {k: primitive(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(primitive(v) for v in value)
-    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
-
-
-class RunFolder:
-    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (fcntl.flock) while a process trains there."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.ckpt, self.metrics = self.path / "ckpt.pt", self.path / "metrics.jsonl"
-        self.lock = self.log_file = None
-
-    def check(self, fresh: bool, overwrite: bool) -> None:
-        """Before any work, without writing: can the folder be written, is it free for a new run?"""
-        existing = next(p for p in (self.path, *self.path.absolute().parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            fail(f"--out-dir {self.path}: {existing} is not a writable folder")
-        if fresh and not overwrite and (self.ckpt.exists() or self.metrics.exists()):
-            fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "
-                 f"another --out-dir, or replace it with --overwrite")
-
-    def open(self, fresh: bool, overwrite: bool, resume_step: int | None) -> None:
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self.lock = open(self.path / ".lock", "w")
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
-        except OSError as e:
-            fail(f"--out-dir {self.path} is not writable: {e.strerror or e}")
-        self.check(fresh, overwrite)  # again, now that no other process can start a run here
-        for stale in self.path.glob(f".{self.ckpt.name}.tmp*"):  # saves interrupted by a kill
-            stale.unlink()
-        if fresh:
-            self.ckpt.unlink(missing_ok=True)
-            self.metrics.unlink(missing_ok=True)
-        elif self.metrics.exists():  # the steps after the checkpoint will be logged again
-            kept = [line for line in self.metrics.read_text().splitlines() if logged_by(line, resume_step)]
-            self.metrics.write_text("".join(line + "\n" for line in kept))
-        self.log_file = open(self.metrics, "a")
-
-    def log(self, record: dict, is_main: bool) -> None:
-        if is_main and self.log_file is not None:
-            try:
-                self.log_file.write(json.dumps(primitive(record)) + "\n")
-                self.log_file.flush()
-            except OSError as e:
-                fail(f"cannot write {self.metrics}: {e.strerror or e}")
-
-    def close(self) -> None:
-        for handle in (self.log_file, self.lock):  # closing the lock file releases the lock
-            if handle is not None:
-                handle.close()
-
-
-def logged_by(line: str, step: int) -> bool:
-    """Whether a metrics.jsonl line was written before the checkpoint of `step` (torn lines are not)."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return record.get("event") != "final" and record.get("step", 0) <= step
-
-
 # --- command line: flags, validation, main ---
-
-
-def dataclass_parser(config_class, description: str, suppress_defaults: bool = False) -> argparse.ArgumentParser:
-    """One flag per dataclass field (--snake_case -> --snake-case), its help from the field's metadata.
-    suppress_defaults: unset flags stay absent from the namespace, so the caller sees what was given."""
-    parser = argparse.ArgumentParser(description=description,
-                                     argument_default=argparse.SUPPRESS if suppress_defaults else None)
-    hints = typing.get_type_hints(config_class)
-    for f in fields(config_class):
-        kind = ([a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]])[0]
-        flag = "--" + f.name.replace("_", "-")
-        shown = "auto" if f.default is None or f.default == "" else f.default
-        extra = {} if suppress_defaults else {"default": f.default}
-        help_text = f"{f.metadata['help']} [default: {shown}]"
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, **extra)
-        else:
-            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=help_text, **extra)
-    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1200,41 +605,6 @@ def check_config(cfg: TrainConfig) -> None:
     parse_model_args(cfg.model_args, module.ViTConfig if module is revit else module.AlterNetConfig)
 
 
-def parse_depths(text: str) -> list[int]:
-    try:
-        depths = [int(d) for d in text.split(",") if d.strip()]
-    except ValueError:
-        fail(f"--eval-depths must be comma-separated integers, e.g. 4,8,12; got {text!r}")
-    if any(d < 1 for d in depths):
-        fail(f"--eval-depths must be positive; got {text!r}")
-    return depths
-
-
-def parse_model_args(text: str, config_class=None) -> dict:
-    """'dim=128,heads=4' -> {'dim': 128, 'heads': 4}; with config_class, each name and type checked."""
-    hints = typing.get_type_hints(config_class) if config_class else {}
-    overrides = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = (s.strip() for s in item.partition("="))
-        if not sep:
-            fail(f"--model-args expects key=value pairs separated by commas; got {item!r}")
-        with contextlib.suppress(ValueError, SyntaxError):
-            value = ast.literal_eval(value)
-        if hints and key not in hints:
-            fail(f"--model-args {key}: not a field of {config_class.__name__}; fields: {', '.join(hints)}")
-        kinds = tuple(k for k in (typing.get_args(hints[key]) or (hints[key],)) if isinstance(k, type)) if hints else ()
-        wrong = kinds and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds)
-        if wrong and not (float in kinds and type(value) is int):
-            fail(f"--model-args {key}={value!r}: {key} takes {' or '.join(k.__name__ for k in kinds)}")
-        overrides[key] = value
-    return overrides
-
-
-def preset_module(arch: str):
-    """revit or alternet, whichever defines preset `arch`; None if neither does."""
-    return revit if arch in revit.PRESETS else alternet if arch in alternet.PRESETS else None
-
-
 # The model and the data order of a run: a resumed run must keep them.
 FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "depth_drop", "model_args",
                    "dataset", "data", "tokenizer", "train_subset", "batch_size", "seed", "probe", "probe_pool",
@@ -1274,7 +644,7 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
-        fail(f"--device: {e}")
+        fail(str(e))
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     (model.head if cfg.probe else model).load_state_dict(ckpt["model"])
     return cfg, model.to(device).eval(), task

@@ -118,7 +118,7 @@ ROW_KEYS = {"model", "median_ms", "q1_ms", "q3_ms", "min_ms", "max_ms", "ratio",
 def test_latency_rows_are_well_formed():
     result = bench.bench_latency(size="mini", batches=(1, 2), modes=("eager",), warmup=1, repeats=2, memory=False)
     rows = result["rows"]
-    assert [(r["model"], r["batch"]) for r in rows] == [(m, b) for b in (1, 2) for m in bench.LATENCY_SPECS]
+    assert [(r["model"], r["batch"]) for r in rows] == [(m, b) for b in (1, 2) for m in bench.LATENCY_MODELS]
     for r in rows:
         assert ROW_KEYS <= set(r) and r["repeats"] == 2 and r["mode"] == "eager"
         assert 0 < r["min_ms"] <= r["q1_ms"] <= r["median_ms"] <= r["q3_ms"] <= r["max_ms"]
@@ -263,21 +263,21 @@ def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
     assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
     assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
     assert json.loads(lines[-1]) == json.loads((tmp_path / "depths.json").read_text())
-    if bench._pyplot() is not None:
+    if bench.pyplot() is not None:
         assert (tmp_path / "depths.png").stat().st_size > 0
 
 
 def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
     probe = tmp_path / "probe.pt"
-    torch.save({"arch": "linear-probe", "model_config": {"backbone": "backbone.pt"}}, probe)
+    torch.save({"arch": "linear-probe", "model_config": {"backbone": "backbone.pt"}, "model": {}}, probe)
     garbage = tmp_path / "garbage.pt"
     garbage.write_text("not a checkpoint")
     ckpt = tiny_checkpoint["checkpoint"]
     cases = [([ckpt, "--depths", "1,2"], "--depths must be comma-separated integers >= 2"),
              ([ckpt, "--depths", "two"], "--depths must be comma-separated integers >= 2"),
-             ([str(tmp_path / "missing.pt")], "no such checkpoint file"),
-             ([str(probe)], "is a probe head"),
-             ([str(garbage)], "is not a usable checkpoint of this project"),
+             ([str(tmp_path / "missing.pt")], "missing.pt: no such file"),  # checkpoint.load_model's messages
+             ([str(probe)], "is a linear-probe head, not a model"),
+             ([str(garbage)], "garbage.pt: not a PyTorch file"),
              ([ckpt, "--batch", "1"], "--batch must be >= 2")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as error:
@@ -295,7 +295,7 @@ def test_depths_alternet_caps_and_thresholds(tmp_path):
                               "4", "--block-size", "16", "--eval-iters", "1", "--eval-batch-size", "8",
                               "--model-args", "dim=16,heads=2,ffn_dim=32,seq_len=16,max_depth=3,num_experts=2,"
                               "top_k=1,depth_dim=4", "--no-progress", "--out-dir", str(tmp_path / "run")])
-    result, _ = run_cli(["depths", summary["checkpoint"], "--device", "cpu", "--test-subset", "8", "--warmup", "0",
+    result, _ = run_cli(["depths", summary["checkpoint"], "--device", "cpu", "--test-subset", "4", "--warmup", "0",
                          "--repeats", "1", "--new-tokens", "2", "--out", str(tmp_path)])
     rows = result["rows"]
     assert [(r["max_depth"], r["halt_threshold"]) for r in rows] == [(d, t) for d in (1, 2, 3) for t in (0.5, None)]
@@ -303,10 +303,9 @@ def test_depths_alternet_caps_and_thresholds(tmp_path):
         assert r["bpb"] > 0 and 1 <= r["mean_iterations"] <= r["max_depth"] and r["ms_per_token"] > 0
     reference = next(r for r in rows if r["reference"])
     assert (reference["max_depth"], reference["halt_threshold"]) == (3, 0.5)
-    # the same 8 validation windows as the training loop's final evaluation (halting at 0.5)
-    assert reference["bpb"] == pytest.approx(summary["val_bpb"], rel=1e-5)
-    assert [r["bpb"] for r in rows if r["halt_threshold"] is None] == \
-        pytest.approx([summary["fixed_depth_bpb"][str(d)] for d in (1, 2, 3)], rel=1e-5)
+    # the training loop's causal metric: the same first 4 validation windows, halting at 0.5
+    assert reference["bpb"] == pytest.approx(summary["val_causal_bpb"], rel=1e-5)
+    assert all(r["bpb_metric"] == "alternet.causal_loss" for r in rows)
     with pytest.raises(SystemExit, match="--thresholds must be"):
         run_cli(["depths", summary["checkpoint"], "--device", "cpu", "--thresholds", "0,none"])
 
@@ -372,7 +371,7 @@ def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch
     again, lines_again = run_cli(argv)  # every cell cached: no training, the same table
     assert again["rows"] == result["rows"]
     assert sum("(cached)" in line for line in lines_again) == cells
-    if bench._pyplot() is not None:
+    if bench.pyplot() is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
 
 

@@ -1,7 +1,7 @@
 """export.py: folded / compact safetensors, ONNX, timm layout both ways, shape errors, the CLI.
 
 Checkpoints are written here in train.py's format and read back through export.py, which
-uses train.load_model. The timm checks never import timm: the
+uses checkpoint.load_model. The timm checks never import timm: the
 expected layout is written out from its description, and a small reference forward pass
 implements timm's VisionTransformer numerics on a timm-layout state dict.
 """

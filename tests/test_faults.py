@@ -3,7 +3,6 @@ every bad file or value a user can pass -- each a one-line error, never a traceb
 import errno
 import fcntl
 import json
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 import data
+import tasks
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def steps_logged(out):
 
 def nan_gradients_after(step, monkeypatch):
     """From optimizer step `step` on, a finite loss whose gradient is NaN (sqrt'(0) * 0)."""
-    real_loss = train.ClassificationTask.loss
+    real_loss = tasks.ClassificationTask.loss
     counter = {"calls": 0}
 
     def loss(self, model, images, labels):
@@ -52,7 +52,7 @@ def nan_gradients_after(step, monkeypatch):
             value = value + torch.sqrt(0 * next(model.parameters()).sum())  # forward + 0, backward NaN
         return value, parts
 
-    monkeypatch.setattr(train.ClassificationTask, "loss", loss)
+    monkeypatch.setattr(tasks.ClassificationTask, "loss", loss)
 
 
 @pytest.mark.parametrize("clip", ["1.0", "0"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import alternet
+import checkpoint
 import data
-import export
 import probes
 import revit
 import train
@@ -82,13 +82,13 @@ def test_seg_probe_beats_constant_and_leaves_backbone_untouched(tmp_path, fashio
     path = save_backbone(tmp_path / "backbone.pt")
     loaded = {}
 
-    load = export.load_vision_model
+    load = checkpoint.load_vision_model
 
     def load_and_snapshot(*args):  # the very module the probe uses, and a copy of it as loaded
         model, ckpt = load(*args)
         loaded["model"], loaded["before"] = model, {k: v.clone() for k, v in model.state_dict().items()}
         return model, ckpt
-    monkeypatch.setattr(export, "load_vision_model", load_and_snapshot)
+    monkeypatch.setattr(checkpoint, "load_vision_model", load_and_snapshot)
     summary = probes.run(probe_cfg(path, fashion_mnist_dir, probe="seg", eval_depths="2,6"))
     assert summary["test_miou"] > summary["constant"]["miou"] + 0.05
     assert summary["test_pixel_acc"] > summary["constant"]["pixel_acc"]

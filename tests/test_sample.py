@@ -16,6 +16,7 @@ import torch
 import alternet
 import revit
 import train
+from checkpoint import atomic_save, load_model, primitive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +44,7 @@ def revit_checkpoint(tmp_path_factory):
     """A vision checkpoint of this project: the wrong kind for `sample`."""
     model = revit.create_model("revit-mini")
     path = tmp_path_factory.mktemp("revit") / "ckpt.pt"
-    train.atomic_save({"arch": "revit-mini", "model_config": train.primitive(dataclasses.asdict(model.config)),
+    atomic_save({"arch": "revit-mini", "model_config": primitive(dataclasses.asdict(model.config)),
                        "model": dict(model.state_dict()), "train_config": dataclasses.asdict(train.TrainConfig()),
                        "step": 0}, path)
     return path
@@ -69,7 +70,7 @@ def test_iteration_marks_equal_generate(checkpoint, capsys):
     flags = ["--prompt", "a river", "--max-new-tokens", "30", "--seed", "7", "--halt-threshold", "0.1",
              "--temperature", "1.0", "--top-k", "20", "--show-iterations"]
     [(text, used)], printed = sample(checkpoint, capsys, *flags)
-    model, _ = train.load_model(checkpoint, flag="CKPT")
+    model, _ = load_model(checkpoint, flag="CKPT")
     prompt = torch.tensor([list(b"a river")])
     torch.manual_seed(7)
     ids, iterations = model.generate(prompt, 30, halt_threshold=0.1, temperature=1.0, top_k=20,

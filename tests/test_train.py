@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
+import cli
 import revit
+import tasks
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +51,7 @@ def test_loop_runs_end_to_end(tmp_path, fashion_mnist_dir, arch):
     assert 0.0 <= summary["test_acc"] <= 1.0 and summary["params"] > 0 and summary["step"] == 4
     if arch != "vit-mini":
         assert set(summary["depths"]) == {"4", "2", "6"}
-    model, ckpt = train.load_model(out / "ckpt.pt")  # rebuild + load, as the tools do
+    model, ckpt = checkpoint.load_model(out / "ckpt.pt")  # rebuild + load, as the tools do
     assert ckpt["arch"] == arch and ckpt["step"] == 4 and ckpt["model_config"]["image_size"] == 28
     assert not any(k.startswith(("_orig_mod", "module.")) for k in ckpt["model"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -151,7 +154,7 @@ def test_ddp_two_processes_match_single_process(tmp_path, fashion_mnist_dir):
 
 def test_atomic_save_survives_a_crash(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    train.atomic_save({"step": 1, "w": torch.ones(3)}, path)
+    checkpoint.atomic_save({"step": 1, "w": torch.ones(3)}, path)
     real_save = torch.save
 
     def crash(obj, f, *args, **kwargs):  # write half a file, then die
@@ -162,7 +165,7 @@ def test_atomic_save_survives_a_crash(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError):
-        train.atomic_save({"step": 2, "w": torch.zeros(3)}, path)
+        checkpoint.atomic_save({"step": 2, "w": torch.zeros(3)}, path)
     monkeypatch.setattr(torch, "save", real_save)
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
@@ -182,18 +185,18 @@ def test_crash_during_checkpoint_keeps_last_good_one(tmp_path, fashion_mnist_dir
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "1")
     monkeypatch.setattr(torch, "save", real_save)
-    model, ckpt = train.load_model(tmp_path / "run" / "ckpt.pt")
+    model, ckpt = checkpoint.load_model(tmp_path / "run" / "ckpt.pt")
     assert ckpt["step"] == 2
 
 
 def test_nan_loss_stops_and_keeps_the_good_checkpoint(tmp_path, fashion_mnist_dir, monkeypatch):
-    real_loss = train.ClassificationTask.loss
+    real_loss = tasks.ClassificationTask.loss
 
     def loss(self, model, images, labels):
         value, parts = real_loss(self, model, images, labels)
         return (value * float("nan") if len(step_losses(tmp_path / "run")) >= 2 else value), parts
 
-    monkeypatch.setattr(train.ClassificationTask, "loss", loss)
+    monkeypatch.setattr(tasks.ClassificationTask, "loss", loss)
     with pytest.raises(SystemExit, match=r"non-finite loss nan at step 2; .*ckpt\.pt \(step 2\)") as e:
         run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "1")
     assert "--grad-clip 1.0" not in str(e.value)  # clipping is already on: the hint says what else to try
@@ -242,7 +245,7 @@ def test_language_model_loop_on_the_built_in_corpus(tmp_path, capsys):
     summary = train.main(["--arch", "alternet-tiny", "--out-dir", str(out), "--no-progress", *TINY_LM])
     assert set(summary["fixed_depth_bpb"]) == {"1", "2", "3"}
     assert 1.0 <= summary["mean_iterations"] <= 3.0 and summary["val_bpb"] > 0
-    model, ckpt = train.load_model(out / "ckpt.pt")
+    model, ckpt = checkpoint.load_model(out / "ckpt.pt")
     assert ckpt["arch"] == "alternet-tiny" and model.config.max_depth == 3
     assert ckpt["train_config"]["dataset"] == "grammar"
     printed = capsys.readouterr().out
@@ -340,7 +343,7 @@ def test_eval_only_matches_the_training_evaluation_and_leaves_the_file(tmp_path,
     assert (out / "ckpt.pt").read_bytes() == before and sorted(p.name for p in out.iterdir()) == \
         [".lock", "ckpt.pt", "metrics.jsonl"]
     assert result["test_acc"] == summary["test_acc"] and result["depths"] == summary["depths"]
-    task_model, ckpt = train.load_model(out / "ckpt.pt")
+    task_model, ckpt = checkpoint.load_model(out / "ckpt.pt")
     with pytest.raises(SystemExit, match="recurrent models need depth >= 2; got 1"):
         train.main(["--eval-only", str(out / "ckpt.pt"), "--eval-depths", "1,4", "--data-dir", str(fashion_mnist_dir)])
     torch.save({"weights": torch.ones(2)}, tmp_path / "other.pt")
@@ -354,21 +357,21 @@ def test_eval_only_matches_the_training_evaluation_and_leaves_the_file(tmp_path,
 
 
 def test_device_options_decide_the_cuda_branches():
-    cuda, cpu = train.device_options("cuda"), train.device_options("cpu")
+    cuda, cpu = cli.device_options("cuda"), cli.device_options("cpu")
     assert cuda == {"fused_adamw": True, "tf32": True, "ddp_backend": "nccl", "autocast_dtype": torch.bfloat16,
                     "data_on_device": True}
     assert cpu == {"fused_adamw": False, "tf32": False, "ddp_backend": "gloo", "autocast_dtype": None,
                    "data_on_device": False}
-    assert train.device_options("cuda", bf16=False)["autocast_dtype"] is None
-    assert train.pick_device("cpu") == torch.device("cpu")
+    assert cli.device_options("cuda", bf16=False)["autocast_dtype"] is None
+    assert cli.pick_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
-            train.pick_device("cuda")
+            cli.pick_device("cuda")
 
 
 def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     """Fused AdamW, the TF32 flags and bf16 autocast, as CUDA runs them, here on the CPU."""
-    cuda = dict(train.device_options("cuda"), data_on_device=False)
+    cuda = dict(cli.device_options("cuda"), data_on_device=False)
     monkeypatch.setattr(train, "device_options", lambda device_type, bf16=True: cuda)
     seen, real_adamw = [], torch.optim.AdamW
     monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: seen.append(k["fused"]) or real_adamw(*a, **k))
