@@ -51,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
+import unittest.mock
 
 import torch
 import torch.nn.functional as F
@@ -1306,12 +1307,14 @@ def timed(fn) -> dict:
     return {**out, "seconds": time.perf_counter() - start}
 
 
-def check_train_run(argv: list[str], out_dir: str) -> dict:
-    """train.py's own main for a short run (in-process); throughput from its metrics log."""
+def check_train_run(argv: list[str], out_dir: str, compile_backend: str) -> dict:
+    """train.py's own main for a short run (in-process); throughput from its metrics log. Its --compile
+    uses the check's backend (--quick: dynamo's eager backend, so the run takes seconds, not minutes)."""
     run_dir = os.path.join(out_dir, "train-run")
     shutil.rmtree(run_dir, ignore_errors=True)
+    compile_with_backend = functools.partial(torch.compile, backend=compile_backend)
     with open(os.path.join(out_dir, "train-run.log"), "w") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
+            contextlib.redirect_stderr(log), unittest.mock.patch.object(torch, "compile", compile_with_backend):
         result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         rates = [r["per_s"] for r in map(json.loads, fh) if "per_s" in r]
@@ -1353,7 +1356,7 @@ def run_check(args, device) -> dict:
 
     parts = {}
     for name, fn in [("correctness", correctness), ("latency", latency), ("train step", train_step),
-                     ("train.py run", lambda: check_train_run(sizes["run"], out_dir))]:
+                     ("train.py run", lambda: check_train_run(sizes["run"], out_dir, sizes["compile_backend"]))]:
         parts[name] = timed(fn)
         print(f"{name}: {'ok' if parts[name]['ok'] else 'FAILED'} ({parts[name]['seconds']:.1f} s)", flush=True)
     result = {"command": "check", "quick": args.quick, "env": environment(device), "sizes": sizes, "parts": parts,

@@ -221,7 +221,7 @@ def test_check_records_a_failure_and_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device: [{"check": "stub", "ok": True}])
     monkeypatch.setattr(bench, "bench_latency", broken)
     monkeypatch.setattr(bench, "bench_train", lambda **kwargs: {"rows": []})
-    monkeypatch.setattr(bench, "check_train_run", lambda argv, out: {"ok": True})
+    monkeypatch.setattr(bench, "check_train_run", lambda argv, out, backend: {"ok": True})
     result, _ = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
     assert not result["ok"]
     assert result["parts"]["latency"] == {"ok": False, "detail": "RuntimeError: the last line names the fault",
