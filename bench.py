@@ -1032,8 +1032,9 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: s
     if good is ref:
         return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
-    return (f"{name} {good[size_key]}: {delta} {unit}, {ref[cost] / good[cost]:.1f}× faster than the reference "
-            f"({name} {ref[size_key]})")
+    speed = ref[cost] / good[cost]
+    timing = f"{speed:.1f}× faster" if speed >= 1 else f"{1 / speed:.1f}× slower (measured)"
+    return f"{name} {good[size_key]}: {delta} {unit}, {timing} than the reference ({name} {ref[size_key]})"
 
 
 def depths_markdown(result: dict) -> str:
