@@ -847,7 +847,8 @@ def load_language_model(path, device):
     """(model, encode, decode) from a train.py checkpoint; ValueError with one line if it is not usable."""
     import checkpoint  # the checkpoint reader, only for this command: the model above needs torch and einops alone
     model, ckpt = checkpoint.load_model(path, device=device, flag="CKPT")
-    if not isinstance(model, AlterNet):
+    # by name: run as a script this module is __main__, while the loader builds `alternet.AlterNet`
+    if type(model).__name__ != "AlterNet":
         raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
                          f"(one of {', '.join(sorted(PRESETS))})")
     encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))

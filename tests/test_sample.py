@@ -114,3 +114,13 @@ def test_cli_prints_no_traceback(checkpoint):
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "alternet.py sample: error: --max-depth must be >= 1, got 0"
+
+
+def test_script_samples_from_a_trained_checkpoint(checkpoint):
+    """Run as a script the module is __main__, while the checkpoint loader builds `alternet.AlterNet`:
+    a real checkpoint must still be accepted (this once failed only outside the in-process tests)."""
+    result = subprocess.run([sys.executable, str(ROOT / "alternet.py"), "sample", str(checkpoint), "--prompt", "the",
+                             "--max-new-tokens", "5", "--seed", "1", "--show-iterations"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("the") and "mean iterations per generated token" in result.stdout
