@@ -126,7 +126,20 @@ def gate_program(model, depth: int) -> dict:
             "switches": int((dominant[1:] != dominant[:-1]).sum()),
             "mean_gate": (usage / depth).tolist(),
             # gate-weighted mean coordinate of each expert: early (0) .. late (1) in the schedule
-            "centroid_coordinate": ((gates * s[:, None]).sum(0) / usage.clamp_min(1e-12)).tolist()}
+            "centroid_coordinate": ((gates * s[:, None]).sum(0) / usage.clamp_min(1e-12)).tolist(),
+            **prior_share(model, gates, s)}
+
+
+def prior_share(model, gates: torch.Tensor, s: torch.Tensor) -> dict:
+    """With a fixed depth prior (ViTConfig.router_prior > 0): the gates of the prior alone (psi = 0) and
+    how far the learned router psi moved them, i.e. how much of the program was learned."""
+    ffn = model.block.mlp
+    if not getattr(ffn, "router_prior", 0):
+        return {}
+    with torch.no_grad():
+        prior = torch.softmax(ffn.depth_prior(s[:, None].float()) / ffn.temperature, dim=-1).double()
+    return {"router_prior": ffn.router_prior, "prior_gates": prior.tolist(),
+            "prior_dominant_expert": prior.argmax(1).tolist(), "learned_shift": float((gates - prior).abs().max())}
 
 
 def effective_ranks(model, gates: torch.Tensor) -> dict:
@@ -462,6 +475,9 @@ def print_report(report: dict) -> None:
         g = report["gates"]
         print_matrix(f"gate matrix G [L={depth}, E={g['num_experts']}]", g["gates"], "step t", "expert e", 3)
         print(f"dominant expert per step: {g['dominant_expert']} ({g['switches']} switches)")
+        if "prior_gates" in g:
+            print(f"the depth prior alone (beta = {g['router_prior']:g}, psi = 0): dominant expert per step "
+                  f"{g['prior_dominant_expert']}; the learned router moves any gate by at most {g['learned_shift']:.3f}")
         print("effective ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in report["effective_ranks"].items()
                                               if k != "num_experts") + f"  (E = {g['num_experts']})")
     print_matrix(f"self-CKA of the {depth + 1} residual states ({report['num_images']} images)", report["self_cka"],
@@ -532,6 +548,10 @@ def gate_figure(plt, g: dict):
     fig.colorbar(image, ax=ax, label="gate weight $g_{t,e}$")
     ax.plot(range(steps), g["dominant_expert"], "-o", color="teal", linewidth=2, markersize=15,
             markerfacecolor="none", markeredgewidth=2, label="dominant expert of each step, $\\arg\\max_e\\, g_{t,e}$")
+    if "prior_dominant_expert" in g:  # what the fixed depth prior alone would pick: how much was learned
+        ax.plot(range(steps), g["prior_dominant_expert"], "--", color="gray", linewidth=1.5,
+                label=f"the fixed depth prior alone ($\\beta$ = {g['router_prior']:g}; learned shift "
+                      f"$\\leq$ {g['learned_shift']:.2f})")
     if steps * experts <= 160:  # small enough to print each weight in its cell
         for t in range(steps):
             for e in range(experts):
@@ -545,7 +565,7 @@ def gate_figure(plt, g: dict):
     top.set_xlabel("normalised depth $s_t = t/(L-1)$")
     ax.set_title(f"gate program at L={steps}, E={experts}: {g['switches']} switches of the dominant expert",
                  fontsize=9)
-    fig.legend(loc="outside lower center", fontsize=8, frameon=False)
+    fig.legend(loc="outside lower center", fontsize=8, frameon=False, ncols=1)
     return fig
 
 

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import glob
 import gc
 import json
 import math
@@ -1405,7 +1406,7 @@ def describe(settings: dict, device) -> str:
 # --- quality: small-scale evidence with seeds and error bars (python bench.py quality) ---
 
 # The regime: train.py flags ({field: value}) shared by every cell. Change it here to move the whole sweep;
-# each cell below overrides a few fields (its model_args are appended to the regime's).
+# each cell below overrides a few fields (its model_args are merged into the regime's, the cell's value winning).
 # Fashion-MNIST at width 48 (7x7 patches, L = 6, 3 epochs, ~3 min a run on one thread): narrow enough that
 # tying the six blocks into one costs the untied ViT ~2 points, so an expert bank has something to recover.
 QUALITY_REGIME = {"arch": "revit-mini", "epochs": 3, "model_args": "dim=48,heads=3,ffn_dim=96"}
@@ -1425,21 +1426,44 @@ QUALITY_GRIDS = {
         "depth-programmed": {"depth_drop": 0.3, "eval_depths": "{eval_depths}"},
         "feature-only": {"depth_drop": 0.3, "eval_depths": "{eval_depths}", "model_args": "ffn=feature"},
     },
+    "tying": {  # what tying the L blocks into one costs (untied ViT vs E = 1), narrower and deeper than the regime
+        "regime: ViT": {"arch": "vit-{size}"},
+        "regime: E=1": {"num_experts": 1},
+        "d=32: ViT": {"arch": "vit-{size}", "model_args": "dim=32,heads=2,ffn_dim=64"},
+        "d=32: E=1": {"num_experts": 1, "model_args": "dim=32,heads=2,ffn_dim=64"},
+        "2L: ViT": {"arch": "vit-{size}", "depth": "{double_depth}"},
+        "2L: E=1": {"num_experts": 1, "depth": "{double_depth}"},
+    },
+    "quickstart": {  # the quick start's size and schedule (revit-mini: d = 96, 15 epochs): does the prior help there?
+        "revit-mini": {"epochs": 15, "model_args": "dim=96,heads=3,ffn_dim=192"},
+        "revit-mini, depth prior 8": {"epochs": 15, "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
+    },
 }
 
 
+def regime_depth(regime: dict) -> int:
+    return regime.get("depth") or revit.PRESETS[regime["arch"]]["depth"]
+
+
 def regime_eval_depths(regime: dict) -> list[int]:
-    depth = regime.get("depth") or revit.PRESETS[regime["arch"]]["depth"]
+    depth = regime_depth(regime)
     return sorted({2, 3, 4, depth, (3 * depth + 1) // 2, 2 * depth})
+
+
+def merge_model_args(base: str, extra: str) -> str:
+    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
+    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
+    return ",".join(f"{key}={value}" for key, value in pairs.items())
 
 
 def cell_argv(regime: dict, cell: dict, seed: int) -> list[str]:
     """train.py's command line for one cell and seed: the regime, then the cell's fields."""
-    fill = {"size": regime["arch"].split("-", 1)[1], "eval_depths": ",".join(map(str, regime_eval_depths(regime)))}
+    fill = {"size": regime["arch"].split("-", 1)[1], "eval_depths": ",".join(map(str, regime_eval_depths(regime))),
+            "double_depth": 2 * regime_depth(regime)}
     values = dict(regime)
     for key, value in cell.items():
         value = value.format(**fill) if isinstance(value, str) else value
-        values[key] = f"{values[key]},{value}" if key == "model_args" and values.get(key) else value
+        values[key] = merge_model_args(values.get(key, ""), value) if key == "model_args" else value
     values["seed"] = seed
     argv = []
     for key, value in values.items():
@@ -1448,14 +1472,24 @@ def cell_argv(regime: dict, cell: dict, seed: int) -> list[str]:
     return argv
 
 
-def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
-    """One train.py run, unless cells/KEY.json already holds a finished run of the same command line."""
-    path = os.path.join(out_dir, "cells", f"{key}.json")
-    if os.path.exists(path):
+def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
+    """A finished run of this command line: cells/KEY.json, else any cell of another grid with the same argv."""
+    paths = sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")))
+    own = os.path.join(out_dir, "cells", f"{key}.json")
+    for path in ([own] if own in paths else []) + paths:
         with open(path) as fh:
             cached = json.load(fh)
         if cached["argv"] == argv:
             return {**cached, "cached": True}
+    return None
+
+
+def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
+    """One train.py run, unless a finished run of the same command line is cached (cached_cell)."""
+    cached = cached_cell(key, argv, out_dir)
+    if cached:
+        return cached
+    path = os.path.join(out_dir, "cells", f"{key}.json")
     run_dir = os.path.join(out_dir, "runs", key)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "train.log"), "w") as log, contextlib.redirect_stdout(log), \
@@ -1473,19 +1507,25 @@ def mean_std(values: list[float]) -> dict:
             "values": values}
 
 
-def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str) -> list[dict]:
+def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard: tuple = (1, 1)) -> list[dict]:
+    """Each cell over seeds. With shard (K, N) this process trains only every N-th run, starting at the K-th,
+    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'."""
     cells = [(grid, name, spec) for grid in grids for name, spec in QUALITY_GRIDS[grid].items()]
-    rows, done = [], 0
+    rows, index = [], 0
     for grid, name, spec in cells:
         records = []
         for seed in range(seeds):
             key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
-            record = run_cell(key, cell_argv(regime, spec, seed), out_dir)
-            records.append(record["result"])
-            done += 1
-            print(f"[{done}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: top-1 "
-                  f"{100 * record['result']['test_acc']:.2f}%" + (" (cached)" if record["cached"] else
-                  f" ({record['result']['minutes']:.1f} min)"), flush=True)
+            argv = cell_argv(regime, spec, seed)
+            index += 1
+            mine = (index - 1) % shard[1] == shard[0] - 1
+            record = run_cell(key, argv, out_dir) if mine else cached_cell(key, argv, out_dir)
+            records.append(record and record["result"])
+            print(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
+                "pending (another shard)" if record is None else f"top-1 {100 * record['result']['test_acc']:.2f}%"
+                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")), flush=True)
+        if None in records:
+            continue
         depths = sorted({int(d) for r in records for d in r.get("depths", {})})
         rows.append({"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
                      "params": records[0]["params"], "reference_depth": records[0]["reference_depth"],
@@ -1501,6 +1541,19 @@ def pm(stats: dict) -> str:
     return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
 
 
+def tying_gaps(rows: list[dict]) -> list[dict]:
+    """Pair each setting's 'S: ViT' and 'S: E=1' rows; the gap is the difference of the means ± its standard error."""
+    cells = {r["cell"]: r for r in rows}
+    pairs = []
+    for setting in dict.fromkeys(name.split(":")[0] for name in cells):
+        vit, tied = cells.get(f"{setting}: ViT"), cells.get(f"{setting}: E=1")
+        if vit and tied:
+            gap = 100 * (vit["acc"]["mean"] - tied["acc"]["mean"])
+            se = 100 * math.sqrt(sum(r["acc"]["std"] ** 2 / len(r["acc"]["values"]) for r in (vit, tied)))
+            pairs.append({"setting": setting, "vit": vit["acc"], "tied": tied["acc"], "gap": f"{gap:+.2f} ± {se:.2f}"})
+    return pairs
+
+
 def quality_markdown(result: dict) -> str:
     out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
     experts = [r for r in result["rows"] if r["grid"] == "experts"]
@@ -1514,6 +1567,15 @@ def quality_markdown(result: dict) -> str:
         out += ["\n### Accuracy at inference depths after elastic training (paper Fig. 2)\n", markdown(elastic, [
             ("cell", f("cell", "{}"))] + [(f"depth {d}" + (" (L)" if d == elastic[0]["reference_depth"] else ""),
                                            lambda r, d=d: pm(r["depths"][d])) for d in depths])]
+    quickstart = [r for r in result["rows"] if r["grid"] == "quickstart"]
+    if quickstart:
+        out += ["\n### At the quick start's size (d = 96, 15 epochs)\n", markdown(quickstart, [
+            ("cell", f("cell", "{}")), ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"]))])]
+    tying = [r for r in result["rows"] if r["grid"] == "tying"]
+    if tying:
+        out += ["\n### What tying the blocks costs: untied ViT vs one shared block (E = 1)\n", markdown(
+            tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
+                                ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
     out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
                f"count their original run); cells in {result['out_dir']}/cells.")
     return "\n".join(out)
@@ -1564,6 +1626,13 @@ def plot_quality(result: dict, folders: list[str]) -> list[str]:
     return paths
 
 
+def parse_shard(text: str) -> tuple:
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise InputError(f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {text!r}")
+    return int(match[1]), int(match[2])
+
+
 def run_quality(args, device) -> dict:
     regime = dict(QUALITY_QUICK if args.quick else QUALITY_REGIME, device=str(device))
     grids = [g.strip() for g in args.grids.split(",") if g.strip()]
@@ -1576,7 +1645,7 @@ def run_quality(args, device) -> dict:
         raise InputError(f"--seeds must be >= 1; got {args.seeds}")
     seeds = args.seeds or (2 if args.quick else 3)
     out_dir = args.out or ("out/quality-quick" if args.quick else "out/quality")
-    rows = quality_rows(grids, regime, seeds, out_dir)
+    rows = quality_rows(grids, regime, seeds, out_dir, parse_shard(args.shard))
     result = {"command": "quality", "quick": args.quick, "regime": regime, "seeds": seeds, "grids": grids,
               "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
     folders = [out_dir] + ([os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")] if args.assets else [])
@@ -1675,6 +1744,8 @@ def add_quality_parser(sub):
                                  "(default out/quality, --quick out/quality-quick)")
     p.add_argument("--quick", action="store_true", help="a smoke run in seconds: tiny model, two steps per cell")
     p.add_argument("--assets", action="store_true", help="also write the plots to assets/")
+    p.add_argument("--shard", default="1/1", help="K/N: train only every N-th run from the K-th (run N processes "
+                                                  "on one --out folder to split a sweep; then once more for the table)")
 
 
 def resolve(args, device) -> dict:

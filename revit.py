@@ -92,10 +92,6 @@ class DropPath(nn.Module):
         keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
         return x * keep / (1.0 - self.p)
 
-def ffn_flops(dim: int, hidden: int) -> int:
-    """FLOPs of one FFN on one token: two matmuls d x h, 2 FLOPs per multiply-add."""
-    return 4 * dim * hidden
-
 def apply_ffn(u, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     """FFN(u) = W2 GELU(W1 u + b1) + b2 with given weights, cast to u's dtype at use."""
     w1, b1, w2, b2 = (w.to(u.dtype) for w in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
@@ -112,8 +108,6 @@ class FFN(nn.Module):
                         batch, every image at the grid coordinate s_t = t / (L - 1)
     begin_forward(depth, batch) runs once before step 0 (per-forward state: a merge cache, pooled
     router statistics), aux_losses(depth) once after the last step (weighted auxiliary losses).
-    active_flops_per_token(T) -> {"experts", "routing"}: FLOPs per token and step for an image of T
-    tokens (2 per multiply-add of the matmuls); "experts" is what the budget U counts (§4.3).
     """
 
     def begin_forward(self, depth: int, batch: int) -> None:
@@ -136,9 +130,6 @@ class Mlp(FFN):
     def dense_state(self, gates=None) -> dict:
         """The Mlp weights this FFN runs with (fold): its own."""
         return self.state_dict()
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        return {"experts": ffn_flops(self.fc1.in_features, self.fc1.out_features), "routing": 0}
 
 # --- the plain ViT block (Eq. 3) ---
 
@@ -203,10 +194,6 @@ class ExpertBank(nn.Module):
 
     def bank(self) -> tuple:
         return self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
-
-    def params_per_expert(self) -> int:
-        """P(d, r) = 2 r d^2 + (r + 1) d for hidden width r d (App. B)."""
-        return 2 * self.dim * self.hidden + self.hidden + self.dim
 
     def merge(self, gates: torch.Tensor) -> tuple:
         """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...).
@@ -284,16 +271,16 @@ class MergedExpertFFN(ExpertBank, FFN):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) - beta (s - c_e)^2, c_e = e / (E - 1).
-
-        beta = router_prior (0, the paper's router, by default) is a fixed depth prior that starts
-        expert e dominant near s = c_e: a symmetry-breaking start, not a learned term."""
+        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) + depth_prior(s)."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
         z = self.router(s)                                                        # (n, E)
-        if self.router_prior:
-            centres = torch.linspace(0.0, 1.0, self.num_experts, device=z.device)   # (E,)
-            z = z - self.router_prior * (s - centres).pow(2)
-        return z
+        return z + self.depth_prior(s) if self.router_prior else z
+
+    def depth_prior(self, s: torch.Tensor) -> torch.Tensor:
+        """(n, 1) -> (n, E): -beta (s - c_e)^2, c_e = e / (E - 1), beta = router_prior (not in the paper;
+        0 by default). A fixed term that starts expert e dominant near s = c_e: a symmetry-breaking start."""
+        centres = torch.linspace(0.0, 1.0, self.num_experts, device=s.device)       # (E,)
+        return -self.router_prior * (s.float() - centres).pow(2)
 
     def gates(self, coords: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
@@ -349,12 +336,6 @@ class MergedExpertFFN(ExpertBank, FFN):
         """The Mlp weights of the step whose gate vector is `gates` (E,): Eq. 2 (fold)."""
         merged = [w[0] for w in self.merge(gates.to(self.fc1_weight.device).unsqueeze(0))]
         return dict(zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), merged))
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        # routing, for one image: psi on s_t (1 -> 16 -> E) and the Eq. 2 merge (E * P multiply-adds)
-        router = 2 * (self.router[0].out_features + self.router[2].in_features * self.num_experts)
-        merge = 2 * self.num_experts * self.params_per_expert()
-        return {"experts": ffn_flops(self.dim, self.hidden), "routing": (router + merge) / num_tokens}
 
 # --- config ---
 
@@ -710,7 +691,8 @@ def config_dict(model: nn.Module) -> dict:
 
 # ====================== Part II — the paper's comparisons (§4.3, App. B) ======================
 # Every mechanism below is an `FFN` (Part I) of reViT's shared block, or (layer-wise LoRA) a Block
-# variant; `build_comparison_block` builds the one that ViTConfig.ffn names. Statistics pooled over
+# variant; `build_comparison_block` builds the one that ViTConfig.ffn names. Each also reports its
+# cost, active_flops_per_token(T) -> {"experts", "routing"} (the measures section). Statistics pooled over
 # the steps of one forward live on the module (reset by begin_forward); statistics for a
 # non-gradient update after the optimizer step (DeepSeek-V3's bias, ReMoE's L1 controller) live on
 # the module too, recorded by training forwards only.
@@ -719,6 +701,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Router math in fp32 (as Switch, Qwen3 and DeepSeek-V3 do), whatever the autocast dtype."""
     with full_precision(x.device):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+def ffn_flops(dim: int, hidden: int) -> int:
+    """FLOPs of one FFN on one token: two matmuls d x h, 2 FLOPs per multiply-add."""
+    return 4 * dim * hidden
+
+def params_per_expert(bank: ExpertBank) -> int:
+    """P(d, r) = 2 r d^2 + (r + 1) d for hidden width r d (App. B)."""
+    return 2 * bank.dim * bank.hidden + bank.hidden + bank.dim
 
 def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     """n FFNs on n row sets at once: x (n, m, d), weights stacked (n, ...) -> (n, m, d)."""
@@ -806,7 +796,7 @@ class ContentMergedFFN(ExpertBank, FFN):
         pass
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
-        routing = 2 * self.dim * self.num_experts + 2 * self.num_experts * self.params_per_expert()
+        routing = 2 * self.dim * self.num_experts + 2 * self.num_experts * params_per_expert(self)
         return {"experts": ffn_flops(self.dim, self.hidden), "routing": routing / num_tokens}
 
 class SmearFFN(ContentMergedFFN):
@@ -1218,17 +1208,30 @@ def expert_ffn_params(model: nn.Module) -> int:
             total += sum(p.numel() for p in module.parameters())
     return total
 
+def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
+    """{"experts", "routing"}: FLOPs per token and step for an image of num_tokens tokens (2 per
+    multiply-add of the matmuls); "experts" is what the budget U counts (§4.3). Part I's two FFNs are
+    measured here, so that Part I carries no accounting; every Part II mechanism measures itself."""
+    if isinstance(ffn, Mlp):
+        return {"experts": ffn_flops(ffn.fc1.in_features, ffn.fc1.out_features), "routing": 0}
+    if isinstance(ffn, MergedExpertFFN):
+        # routing, for one image: psi on s_t (1 -> 16 -> E) and the Eq. 2 merge (E * P multiply-adds)
+        router = 2 * (ffn.router[0].out_features + ffn.router[2].in_features * ffn.num_experts)
+        merge = 2 * ffn.num_experts * params_per_expert(ffn)
+        return {"experts": ffn_flops(ffn.dim, ffn.hidden), "routing": (router + merge) / num_tokens}
+    return ffn.active_flops_per_token(num_tokens)
+
 def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
     """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's.
 
-    Measured from the module's own FLOP count (`active_flops_per_token`) for images of
+    Measured from the FFN's own FLOP count (`active_flops_per_token`) for images of
     num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
     are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class
     token its U is the paper's (slots / patches) times N / (N + 1).
     """
     c = model.config
     ffn = model.block.mlp if isinstance(model, ReViT) else model.blocks[0].mlp
-    flops = ffn.active_flops_per_token(num_tokens or 1 + c.num_patches)
+    flops = active_flops_per_token(ffn, num_tokens or 1 + c.num_patches)
     return flops["experts"] / ffn_flops(c.dim, c.ffn_dim)
 
 # --- for the analysis tools: expert ablation and permutation on a folded model (§5) ---

@@ -134,6 +134,19 @@ def test_effective_ranks_of_a_model():
     assert ranks["G_centred"] <= 2 + 1e-9 and ranks["W1_traj_centred"] <= 2 + 1e-9
 
 
+def test_prior_share_measures_what_the_router_learned_on_top_of_the_depth_prior():
+    model = revit.create_model("revit-mini", dim=16, heads=2, ffn_dim=24, depth=6, router_prior=8.0).eval()
+    untrained = analyze.gate_program(model, 6)  # psi's output layer starts at zero: the gates are the prior's
+    assert untrained["learned_shift"] < 1e-6 and untrained["prior_dominant_expert"] == untrained["dominant_expert"]
+    assert untrained["prior_dominant_expert"][0] == 0 and untrained["prior_dominant_expert"][-1] == 3
+    with torch.no_grad():  # a router that learned something: the shift is the largest change of any gate
+        model.block.mlp.router[2].bias.copy_(torch.tensor([0.0, 0.0, 0.0, 3.0]))
+    trained = analyze.gate_program(model, 6)
+    gates, prior = torch.tensor(trained["gates"]), torch.tensor(trained["prior_gates"])
+    assert trained["learned_shift"] == pytest.approx(float((gates - prior).abs().max())) and trained["learned_shift"] > 0.1
+    assert "prior_gates" not in analyze.gate_program(tiny_revit(), 4)  # the paper's router has no prior
+
+
 def test_effective_ranks_of_the_tied_block():
     model = tiny_revit(num_experts=1)  # E = 1: a plain Mlp, G = ones
     ranks = analyze.effective_ranks(model, model.gate_matrix(4))

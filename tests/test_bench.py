@@ -357,13 +357,15 @@ def test_run_cell_reuses_a_finished_cell_of_the_same_command(tmp_path, monkeypat
 def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch):
     import functools
     monkeypatch.setitem(bench.QUALITY_QUICK, "data_dir", str(fashion_mnist_dir))
-    cells = 2 * (len(bench.QUALITY_GRIDS["experts"]) + len(bench.QUALITY_GRIDS["elastic"]))  # two seeds each
+    runs = [bench.cell_argv(bench.QUALITY_QUICK | {"device": "cpu"}, spec, seed) for grid in bench.QUALITY_GRIDS.values()
+            for spec in grid.values() for seed in range(2)]  # two seeds each; the same command runs once
+    cells = len({tuple(argv) for argv in runs})
     # the runs read the same files: decode them once (gzip is most of a 2-step run's time)
     monkeypatch.setattr(data, "load_fashion_mnist", functools.lru_cache(data.load_fashion_mnist))
     argv = ["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)]
     result, lines = run_cli(argv)
     rows = {r["cell"]: r for r in result["rows"]}
-    assert set(rows) == {*bench.QUALITY_GRIDS["experts"], *bench.QUALITY_GRIDS["elastic"]}
+    assert set(rows) == {name for grid in bench.QUALITY_GRIDS.values() for name in grid}
     for r in rows.values():
         assert len(r["acc"]["values"]) == 2 and r["acc"]["std"] >= 0
     assert sorted(rows["feature-only"]["depths"]) == [2, 3, 4, 5, 6]  # 2, 3, 4, L, 1.5L, 2L at L = 3
@@ -373,9 +375,37 @@ def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch
     assert "| reViT E=4 |" in table and "±" in table and "| depth 3 (L) |" in table
     again, lines_again = run_cli(argv)  # every cell cached: no training, the same table
     assert again["rows"] == result["rows"]
-    assert sum("(cached)" in line for line in lines_again) == cells
+    assert sum("(cached)" in line for line in lines_again) == len(runs)
+    assert rows["2L: E=1"]["reference_depth"] == 6 and "| d=32 |" in table and "gap (points ± s.e.)" in table
     if bench.pyplot() is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
+
+
+def fake_train_main(argv):
+    """A stand-in for train.main: accuracy from the seed, so the table's arithmetic can be checked."""
+    seed = int(argv[argv.index("--seed") + 1])
+    vit = argv[argv.index("--arch") + 1].startswith("vit")
+    return {"test_acc": 0.80 + 0.02 * vit + 0.01 * seed, "params": 1, "reference_depth": 6, "minutes": 0.1,
+            "depths": {}}
+
+
+def test_shards_split_the_runs_and_the_last_pass_builds_the_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.train, "main", fake_train_main)
+    argv = ["quality", "--device", "cpu", "--grids", "tying", "--out", str(tmp_path)]
+    first, lines = run_cli(argv + ["--shard", "1/2"])
+    assert sum("pending (another shard)" in line for line in lines) == 9 and first["rows"] == []  # 18 runs, 9 each
+    second, _ = run_cli(argv + ["--shard", "2/2"])
+    assert len(list((tmp_path / "cells").glob("*.json"))) == 18 and len(second["rows"]) == 6
+    gaps = {r["setting"]: r["gap"] for r in bench.tying_gaps(second["rows"])}
+    assert gaps == {"regime": "+2.00 ± 0.82", "d=32": "+2.00 ± 0.82", "2L": "+2.00 ± 0.82"}  # s.e. sqrt(2/3) %
+    for bad in ("0/2", "3/2", "1", "a/b"):
+        with pytest.raises(SystemExit, match="--shard takes K/N"):
+            run_cli(argv + ["--shard", bad])
+
+
+def test_model_args_of_a_cell_override_the_regimes():
+    assert bench.merge_model_args("dim=48,heads=3,ffn_dim=96", "dim=32,ffn=feature") == "dim=32,heads=3,ffn_dim=96,ffn=feature"
+    assert bench.merge_model_args("", "router_prior=8") == "router_prior=8"
 
 
 @pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),

@@ -386,7 +386,7 @@ def test_flop_count_is_what_the_module_runs(name):
         ffn.begin_forward(depth, 1)
         for t in range(depth):
             ffn(u, revit.depth_grid(depth)[t:t + 1], t)
-    flops = ffn.active_flops_per_token(tokens)
+    flops = revit.active_flops_per_token(ffn, tokens)
     assert counter.get_total_flops() == pytest.approx(depth * tokens * (flops["experts"] + flops["routing"]))
 
 
