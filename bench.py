@@ -696,8 +696,7 @@ def _train_step(model, run, optimizer, images, labels, device):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if hasattr(model, "after_optimizer_step"):
-            model.after_optimizer_step()
+        train.after_optimizer_step(model)
         step[0] += 1
     return call
 

@@ -600,13 +600,6 @@ class ReViT(ViTBase):
         if isinstance(self.block.mlp, MergedExpertFFN):
             self.block.mlp.clear_cache()
 
-    def after_optimizer_step(self) -> None:
-        """Non-gradient updates of a Part II FFN (DeepSeek-V3's bias, ReMoE's L1 controller); the
-        training loop calls this after optimizer.step()."""
-        update = getattr(self.block.mlp, "after_optimizer_step", None)
-        if update is not None:
-            update()
-
 # --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
 
 @torch.no_grad()

@@ -15,8 +15,8 @@ language-model schedule (plus alternet.RECIPES for the AlterNet paper's presets)
 linear head. Tasks supply the loss and the evaluation: classification, distillation (`--teacher`,
 Eq. 5 of the reViT paper, App. A.3), linear probe (`--probe cls --backbone CKPT`; `seg|monodepth`
 run probes.py) and language modelling (an alternet preset). The loop knows nothing about a model
-beyond: it returns its loss terms, and the optional hooks set_step / after_optimizer_step /
-no_weight_decay. Checkpoints are atomic, hold only finite weights, and resume bit-for-bit on CPU.
+beyond: it returns its loss terms, and the optional hooks set_step / no_weight_decay (the model)
+and after_optimizer_step (any of its modules). Checkpoints are atomic, hold only finite weights, and resume bit-for-bit on CPU.
 Nothing is downloaded unless asked (`--download`). Language presets train by default on a corpus the
 repository generates (data.grammar_corpus: English-like sentences with agreement across nested
 clauses): the same bytes on every machine and at every commit, no file, no network.
@@ -299,11 +299,18 @@ def train_step(run: Run, inputs, targets) -> dict:
         fail(divergence_message(run, loss_value, norm_value))
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    if hasattr(model, "after_optimizer_step"):
-        model.after_optimizer_step()
+    after_optimizer_step(model)
     run.step += 1
     return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value,
             **{k: v.item() if torch.is_tensor(v) else v for k, v in parts_sum.items()}}
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Non-gradient updates, after optimizer.step(), of every module that defines the hook (reViT's
+    Part II: DeepSeek-V3's balancing bias, ReMoE's L1 controller)."""
+    for module in model.modules():
+        if hasattr(module, "after_optimizer_step"):
+            module.after_optimizer_step()
 
 
 def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
