@@ -340,9 +340,6 @@ class MergedExpertFFN(ExpertBank, FFN):
 # --- config ---
 
 ARCHS = ("vit", "raptor", "revit")
-# FFN mechanisms of the shared reViT block: "merge" is reViT's (num_experts=1: the dense tied block);
-# the others are Part II's comparisons (§4.3, App. B).
-FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
 
 @dataclass
 class ViTConfig:
@@ -368,7 +365,7 @@ class ViTConfig:
     diversity_weight: float = 1e-3  # lambda_div
     merge_cache: bool = True      # reuse merged FFNs across inference calls at the same depth
     # Part II: the comparison mechanism of the shared block and its expert layout (App. B, Table 8)
-    ffn: str = "merge"            # one of FFNS; "merge" is reViT's depth-programmed merge
+    ffn: str = "merge"            # "merge": reViT's depth-programmed merge; Part II's FFNS: the comparisons
     top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
     shared_experts: int = 0       # DeepSeek-V3's always-active experts
     expert_ffn_fraction: float = 1.0  # expert hidden width / ffn_dim (the paper's ehr / 4)
@@ -1167,6 +1164,10 @@ class LoRABlock(Block):
             state[f"{layer}.weight"] = state[f"{layer}.weight"].float() + self.lora.delta(step, name)
         return state
 
+
+# What ViTConfig.ffn may name: "merge" is reViT's own (Part I; num_experts=1: the dense tied block),
+# the others are the comparisons above (§4.3, App. B).
+FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
 
 def build_comparison_block(c: ViTConfig) -> Block:
     """The shared block for a Part II mechanism (hidden width of each expert: expert_ffn_dim)."""
