@@ -1404,11 +1404,15 @@ def describe(settings: dict, device) -> str:
 
 # --- quality: small-scale evidence with seeds and error bars (python bench.py quality) ---
 
-# The regime: train.py flags ({field: value}) shared by every cell. Change it here to move the whole sweep;
-# each cell below overrides a few fields (its model_args are merged into the regime's, the cell's value winning).
-# Fashion-MNIST at width 48 (7x7 patches, L = 6, 3 epochs, ~3 min a run on one thread): narrow enough that
-# tying the six blocks into one costs the untied ViT ~2 points, so an expert bank has something to recover.
-QUALITY_REGIME = {"arch": "revit-mini", "epochs": 3, "model_args": "dim=48,heads=3,ffn_dim=96"}
+# A regime: train.py flags ({field: value}) shared by every cell; each cell below overrides a few fields
+# (its model_args are merged into the regime's, the cell's value winning). Fashion-MNIST at width 48, 7x7
+# patches, 3 epochs, one thread per run. At L = 6 tying the six blocks costs the untied ViT 1.4 +- 0.4
+# points; at L = 12 (the default, ~3 min a run) 2.7 +- 0.1 (`--grids tying --regime d48-L6`): there an
+# expert bank has something to recover.
+QUALITY_REGIMES = {
+    "d48-L12": {"arch": "revit-mini", "epochs": 3, "depth": 12, "model_args": "dim=48,heads=3,ffn_dim=96"},
+    "d48-L6": {"arch": "revit-mini", "epochs": 3, "model_args": "dim=48,heads=3,ffn_dim=96"},
+}
 # --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
 QUALITY_QUICK = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128, "batch_size": 64,
                  "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
@@ -1433,11 +1437,12 @@ QUALITY_GRIDS = {
         "2L: ViT": {"arch": "vit-{size}", "depth": "{double_depth}"},
         "2L: E=1": {"num_experts": 1, "depth": "{double_depth}"},
     },
-    "quickstart": {  # the quick start's size and schedule (revit-mini: d = 96, 15 epochs): does the prior help there?
-        "revit-mini": {"epochs": 15, "model_args": "dim=96,heads=3,ffn_dim=192"},
-        "revit-mini, depth prior 8": {"epochs": 15, "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
+    "quickstart": {  # the quick start's size and schedule (revit-mini: d = 96, L = 6, 15 epochs): does the prior help?
+        "revit-mini": {"epochs": 15, "depth": 6, "model_args": "dim=96,heads=3,ffn_dim=192"},
+        "revit-mini, depth prior 8": {"epochs": 15, "depth": 6, "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
     },
 }
+QUALITY_DEFAULT_GRIDS = "experts,elastic"
 
 
 def regime_depth(regime: dict) -> int:
@@ -1471,14 +1476,24 @@ def cell_argv(regime: dict, cell: dict, seed: int) -> list[str]:
     return argv
 
 
+def flag_groups(argv: list[str]) -> list[tuple]:
+    """['--a', '1', '--b'] -> [('--a', '1'), ('--b',)], sorted: the command whatever the order of its flags."""
+    groups = []
+    for word in argv:
+        if word.startswith("--") or not groups:
+            groups.append([])
+        groups[-1].append(word)
+    return sorted(map(tuple, groups))
+
+
 def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
-    """A finished run of this command line: cells/KEY.json, else any cell of another grid with the same argv."""
+    """A finished run of this command: cells/KEY.json, else any cell (of another grid) with the same flags."""
     paths = sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")))
     own = os.path.join(out_dir, "cells", f"{key}.json")
     for path in ([own] if own in paths else []) + paths:
         with open(path) as fh:
             cached = json.load(fh)
-        if cached["argv"] == argv:
+        if flag_groups(cached["argv"]) == flag_groups(argv):
             return {**cached, "cached": True}
     return None
 
@@ -1580,8 +1595,9 @@ def quality_markdown(result: dict) -> str:
     return "\n".join(out)
 
 
-def plot_quality(result: dict, folders: list[str]) -> list[str]:
-    """accuracy vs E with error bars (Table 5 shape) and accuracy vs inference depth with bands (Fig. 2)."""
+def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
+    """accuracy vs E with error bars (Table 5 shape) and accuracy vs inference depth with bands (Fig. 2),
+    written to each (folder, file-name pattern with {kind})."""
     plt = pyplot()
     if plt is None:
         return []
@@ -1600,7 +1616,7 @@ def plot_quality(result: dict, folders: list[str]) -> list[str]:
         ax.set_xticks([r["num_experts"] for r in bank], labels=[str(r["num_experts"]) for r in bank])
         ax.set(xlabel="experts E", ylabel="top-1 accuracy (%)", title="accuracy vs E (mean ± std over seeds)")
         ax.legend(fontsize=7)
-        figures["quality_experts.png"] = fig
+        figures["experts"] = fig
     elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
     if elastic:
         fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
@@ -1613,14 +1629,14 @@ def plot_quality(result: dict, folders: list[str]) -> list[str]:
         ax.axvline(elastic[0]["reference_depth"], ls=":", color="gray")
         ax.set(xlabel="inference depth", ylabel="top-1 accuracy (%)", title="after elastic training (mean ± std)")
         ax.legend(fontsize=7)
-        figures["quality_depths.png"] = fig
+        figures["depths"] = fig
     paths = []
-    for name, fig in figures.items():
+    for kind, fig in figures.items():
         fig.tight_layout()
-        for folder in folders:
+        for folder, pattern in folders:
             os.makedirs(folder, exist_ok=True)
-            fig.savefig(os.path.join(folder, name))
-            paths.append(os.path.join(folder, name))
+            paths.append(os.path.join(folder, pattern.format(kind=kind)))
+            fig.savefig(paths[-1])
         plt.close(fig)
     return paths
 
@@ -1633,7 +1649,7 @@ def parse_shard(text: str) -> tuple:
 
 
 def run_quality(args, device) -> dict:
-    regime = dict(QUALITY_QUICK if args.quick else QUALITY_REGIME, device=str(device))
+    regime = dict(QUALITY_QUICK if args.quick else QUALITY_REGIMES[args.regime], device=str(device))
     grids = [g.strip() for g in args.grids.split(",") if g.strip()]
     unknown = sorted(set(grids) - set(QUALITY_GRIDS))
     if unknown or not grids:
@@ -1643,11 +1659,12 @@ def run_quality(args, device) -> dict:
     if args.seeds is not None and args.seeds < 1:
         raise InputError(f"--seeds must be >= 1; got {args.seeds}")
     seeds = args.seeds or (2 if args.quick else 3)
-    out_dir = args.out or ("out/quality-quick" if args.quick else "out/quality")
+    out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
     rows = quality_rows(grids, regime, seeds, out_dir, parse_shard(args.shard))
-    result = {"command": "quality", "quick": args.quick, "regime": regime, "seeds": seeds, "grids": grids,
+    result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime, "seeds": seeds, "grids": grids,
               "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
-    folders = [out_dir] + ([os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")] if args.assets else [])
+    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+    folders = [(out_dir, "quality_{kind}.png")] + ([(assets, f"quality-{args.regime}-{{kind}}.png")] if args.assets else [])
     result["plots"] = plot_quality(result, folders)
     print(quality_markdown(result))
     write_json(result, os.path.join(out_dir, "quality.json"))
@@ -1737,10 +1754,13 @@ def add_quality_parser(sub):
     p = sub.add_parser("quality", help="train.py per cell over seeds: accuracy vs E (Table 5) and vs inference "
                                        "depth after elastic training (Fig. 2), mean ± std; resumes")
     device_flags(p)
-    p.add_argument("--grids", default=",".join(QUALITY_GRIDS), help=f"which grids ({', '.join(QUALITY_GRIDS)})")
+    p.add_argument("--grids", default=QUALITY_DEFAULT_GRIDS, help=f"which grids (of {', '.join(QUALITY_GRIDS)}; "
+                                                                 f"default {QUALITY_DEFAULT_GRIDS})")
+    p.add_argument("--regime", default="d48-L12", choices=list(QUALITY_REGIMES),
+                   help="the flags every cell shares (bench.py QUALITY_REGIMES; default d48-L12)")
     p.add_argument("--seeds", type=int, help="seeds per cell (default 3; --quick 2)")
     p.add_argument("--out", help="folder of finished cells (resumes from it), runs, quality.json and plots "
-                                 "(default out/quality, --quick out/quality-quick)")
+                                 "(default out/quality/REGIME, --quick out/quality-quick)")
     p.add_argument("--quick", action="store_true", help="a smoke run in seconds: tiny model, two steps per cell")
     p.add_argument("--assets", action="store_true", help="also write the plots to assets/")
     p.add_argument("--shard", default="1/1", help="K/N: train only every N-th run from the K-th (run N processes "

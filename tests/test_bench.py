@@ -362,7 +362,7 @@ def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch
     cells = len({tuple(argv) for argv in runs})
     # the runs read the same files: decode them once (gzip is most of a 2-step run's time)
     monkeypatch.setattr(data, "load_fashion_mnist", functools.lru_cache(data.load_fashion_mnist))
-    argv = ["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)]
+    argv = ["quality", "--quick", "--device", "cpu", "--out", str(tmp_path), "--grids", ",".join(bench.QUALITY_GRIDS)]
     result, lines = run_cli(argv)
     rows = {r["cell"]: r for r in result["rows"]}
     assert set(rows) == {name for grid in bench.QUALITY_GRIDS.values() for name in grid}
@@ -401,6 +401,14 @@ def test_shards_split_the_runs_and_the_last_pass_builds_the_table(tmp_path, monk
     for bad in ("0/2", "3/2", "1", "a/b"):
         with pytest.raises(SystemExit, match="--shard takes K/N"):
             run_cli(argv + ["--shard", bad])
+
+
+def test_a_cached_cell_is_found_whatever_the_order_of_its_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.train, "main", fake_train_main)
+    bench.run_cell("a", ["--arch", "vit-mini", "--seed", "0", "--no-progress"], str(tmp_path))
+    again = bench.run_cell("b", ["--no-progress", "--seed", "0", "--arch", "vit-mini"], str(tmp_path))
+    other = bench.run_cell("c", ["--no-progress", "--seed", "1", "--arch", "vit-mini"], str(tmp_path))
+    assert again["cached"] and not other["cached"]
 
 
 def test_model_args_of_a_cell_override_the_regimes():
