@@ -1498,11 +1498,33 @@ def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
     return None
 
 
+def gate_summary(checkpoint_path: str) -> dict:
+    """The trained gate matrix at depth L in two numbers a table can hold: its spread (max - min over
+    steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a model without
+    depth-only gates (a ViT, Raptor, content routing) or E = 1."""
+    model, _ = load_model(checkpoint_path)
+    if not isinstance(model, revit.ReViT) or not model.config.depth_programmed or model.config.num_experts < 2:
+        return {}
+    with torch.no_grad():
+        gates = model.gate_matrix()
+    return {"gate_spread": float(gates.max() - gates.min()), "dominant_expert": gates.argmax(1).tolist()}
+
+
+def with_gates(record: dict, out_dir: str) -> dict:
+    """Add gate_summary from the cell's checkpoint when the record lacks it and the run folder is here."""
+    path = os.path.join(out_dir, "runs", record["key"], "ckpt.pt")
+    if "gates" in record or not os.path.exists(path):
+        return record
+    record = {**record, "gates": gate_summary(path)}
+    write_json({k: v for k, v in record.items() if k != "cached"}, os.path.join(out_dir, "cells", f"{record['key']}.json"))
+    return record
+
+
 def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
     """One train.py run, unless a finished run of the same command line is cached (cached_cell)."""
     cached = cached_cell(key, argv, out_dir)
     if cached:
-        return cached
+        return with_gates(cached, out_dir)
     path = os.path.join(out_dir, "cells", f"{key}.json")
     run_dir = os.path.join(out_dir, "runs", key)
     os.makedirs(run_dir, exist_ok=True)
@@ -1510,7 +1532,9 @@ def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
             contextlib.redirect_stderr(log):
         with train_errors(f"cell {key} (python train.py {' '.join(argv)})"):
             result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
-    record = {"key": key, "argv": argv, "result": result}
+    checkpoint = os.path.join(run_dir, "ckpt.pt")
+    record = {"key": key, "argv": argv, "result": result,
+              "gates": gate_summary(checkpoint) if os.path.exists(checkpoint) else None}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_json(record, path)
     return {**record, "cached": False}
@@ -1534,25 +1558,40 @@ def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard
             index += 1
             mine = (index - 1) % shard[1] == shard[0] - 1
             record = run_cell(key, argv, out_dir) if mine else cached_cell(key, argv, out_dir)
-            records.append(record and record["result"])
+            records.append(record)
             print(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
                 "pending (another shard)" if record is None else f"top-1 {100 * record['result']['test_acc']:.2f}%"
                 + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")), flush=True)
-        if None in records:
-            continue
-        depths = sorted({int(d) for r in records for d in r.get("depths", {})})
-        rows.append({"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
-                     "params": records[0]["params"], "reference_depth": records[0]["reference_depth"],
-                     "acc": mean_std([r["test_acc"] for r in records]),
-                     "depths": {d: mean_std([r["depths"][str(d)]["acc"] for r in records]) for d in depths},
-                     "minutes": sum(r["minutes"] for r in records)})
+        if None not in records:
+            rows.append(quality_row(grid, name, spec, records))
     return rows
+
+
+def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
+    """One cell over its seeds: mean ± std of accuracy (and at each evaluated depth), the gates' spread."""
+    results = [r["result"] for r in records]
+    depths = sorted({int(d) for r in results for d in r.get("depths", {})})
+    gates = [r.get("gates") for r in records]
+    return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
+            "params": results[0]["params"], "reference_depth": results[0]["reference_depth"],
+            "acc": mean_std([r["test_acc"] for r in results]),
+            "depths": {d: mean_std([r["depths"][str(d)]["acc"] for r in results]) for d in depths},
+            "gate_spread": mean_std([g["gate_spread"] for g in gates]) if all(gates) else None,
+            "dominant_expert": [g["dominant_expert"] for g in gates] if all(gates) else None,
+            "minutes": sum(r["minutes"] for r in results)}
 
 
 def pm(stats: dict) -> str:
     """'88.12 ± 0.20 [88.0 88.3 88.1]': mean ± std over seeds, then the per-seed values, in %."""
     seeds = " ".join(f"{100 * v:.1f}" for v in stats["values"])
     return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
+
+
+def gate_cell(row: dict, template: str) -> str:
+    """A gate column of the table: '–' for models without depth-only gates (ViT, Raptor, E = 1)."""
+    if not row["gate_spread"]:
+        return "–"
+    return template.format(**row["gate_spread"], path="".join(map(str, row["dominant_expert"][0])))
 
 
 def tying_gaps(rows: list[dict]) -> list[dict]:
@@ -1574,7 +1613,9 @@ def quality_markdown(result: dict) -> str:
     if experts:
         out += ["\n### Accuracy against the expert count (paper Table 5, Table 1)\n", markdown(experts, [
             ("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
-            ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"]))])]
+            ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"])),
+            ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
+            ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))])]
     elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
     if elastic:
         depths = sorted({d for r in elastic for d in r["depths"]})

@@ -377,6 +377,9 @@ def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch
     assert again["rows"] == result["rows"]
     assert sum("(cached)" in line for line in lines_again) == len(runs)
     assert rows["2L: E=1"]["reference_depth"] == 6 and "| d=32 |" in table and "gap (points ± s.e.)" in table
+    # the gates of each seed's checkpoint: a spread and a dominant-expert path for E >= 2, none for a ViT
+    assert rows["reViT E=4"]["gate_spread"]["mean"] >= 0 and len(rows["reViT E=4"]["dominant_expert"][0]) == 3
+    assert rows["ViT (untied)"]["gate_spread"] is None and rows["reViT E=1"]["gate_spread"] is None
     if bench.pyplot() is not None:
         assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
 
