@@ -1646,9 +1646,12 @@ def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
     experts = [r for r in result["rows"] if r["grid"] == "experts"]
     if experts:
         fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-        bank = [r for r in experts if r["num_experts"]]
+        bank = [r for r in experts if r["num_experts"] and "," not in r["cell"]]  # the E line: paper's router
         ax.errorbar([r["num_experts"] for r in bank], [100 * r["acc"]["mean"] for r in bank],
                     yerr=[100 * r["acc"]["std"] for r in bank], fmt="o-", capsize=3, label="reViT")
+        for r, marker in zip([r for r in experts if r["num_experts"] and "," in r["cell"]], "*Ds"):  # variants
+            ax.errorbar([r["num_experts"]], [100 * r["acc"]["mean"]], yerr=[100 * r["acc"]["std"]], fmt=marker,
+                        markersize=9, capsize=3, label=r["cell"])
         for r, style in zip([r for r in experts if not r["num_experts"]], ("--", ":", "-.")):
             mean, std = 100 * r["acc"]["mean"], 100 * r["acc"]["std"]
             ax.axhline(mean, ls=style, color="gray", label=r["cell"])
