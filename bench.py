@@ -1528,11 +1528,13 @@ def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
     path = os.path.join(out_dir, "cells", f"{key}.json")
     run_dir = os.path.join(out_dir, "runs", key)
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "train.log"), "w") as log, contextlib.redirect_stdout(log), \
+    checkpoint = os.path.join(run_dir, "ckpt.pt")
+    # a run killed mid-way continues from its last checkpoint; one killed before any checkpoint starts over
+    where = ["--resume", checkpoint] if os.path.exists(checkpoint) else ["--out-dir", run_dir, "--overwrite"]
+    with open(os.path.join(run_dir, "train.log"), "a") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         with train_errors(f"cell {key} (python train.py {' '.join(argv)})"):
-            result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
-    checkpoint = os.path.join(run_dir, "ckpt.pt")
+            result = train.main(argv + where + ["--no-progress"])
     record = {"key": key, "argv": argv, "result": result,
               "gates": gate_summary(checkpoint) if os.path.exists(checkpoint) else None}
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -1607,15 +1609,17 @@ def tying_gaps(rows: list[dict]) -> list[dict]:
     return pairs
 
 
+ACCURACY_COLUMNS = [("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
+                    ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"])),
+                    ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
+                    ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))]
+
+
 def quality_markdown(result: dict) -> str:
     out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
     experts = [r for r in result["rows"] if r["grid"] == "experts"]
     if experts:
-        out += ["\n### Accuracy against the expert count (paper Table 5, Table 1)\n", markdown(experts, [
-            ("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
-            ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"])),
-            ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
-            ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))])]
+        out += ["\n### Accuracy against the expert count (paper Table 5, Table 1)\n", markdown(experts, ACCURACY_COLUMNS)]
     elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
     if elastic:
         depths = sorted({d for r in elastic for d in r["depths"]})
@@ -1624,8 +1628,7 @@ def quality_markdown(result: dict) -> str:
                                            lambda r, d=d: pm(r["depths"][d])) for d in depths])]
     quickstart = [r for r in result["rows"] if r["grid"] == "quickstart"]
     if quickstart:
-        out += ["\n### At the quick start's size (d = 96, 15 epochs)\n", markdown(quickstart, [
-            ("cell", f("cell", "{}")), ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"]))])]
+        out += ["\n### At the quick start's size (d = 96, L = 6, 15 epochs)\n", markdown(quickstart, ACCURACY_COLUMNS)]
     tying = [r for r in result["rows"] if r["grid"] == "tying"]
     if tying:
         out += ["\n### What tying the blocks costs: untied ViT vs one shared block (E = 1)\n", markdown(

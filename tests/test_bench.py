@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 import bench
 import data
 import revit
+import train
 
 FAST = settings(max_examples=10, deadline=None)
 
@@ -412,6 +413,20 @@ def test_a_cached_cell_is_found_whatever_the_order_of_its_flags(tmp_path, monkey
     again = bench.run_cell("b", ["--no-progress", "--seed", "0", "--arch", "vit-mini"], str(tmp_path))
     other = bench.run_cell("c", ["--no-progress", "--seed", "1", "--arch", "vit-mini"], str(tmp_path))
     assert again["cached"] and not other["cached"]
+
+
+def test_a_cell_killed_mid_run_resumes_from_its_checkpoint(tmp_path, fashion_mnist_dir):
+    regime = dict(bench.QUALITY_QUICK, device="cpu", data_dir=str(fashion_mnist_dir), max_steps=3)
+    argv = bench.cell_argv(regime, bench.QUALITY_GRIDS["experts"]["reViT E=1"], seed=0)
+    run_dir = tmp_path / "runs" / "cell"
+    train.main(argv + ["--out-dir", str(run_dir), "--stop-at-step", "2", "--no-progress"])  # "killed" at step 2
+    record = bench.run_cell("cell", argv, str(tmp_path))
+    events = [json.loads(line)["event"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "event" in json.loads(line)]
+    assert events[:2] == ["start", "resume"] and not record["cached"] and record["result"]["test_acc"] >= 0
+    (tmp_path / "cells" / "cell.json").unlink()
+    (run_dir / "ckpt.pt").unlink()  # killed before its first checkpoint: the folder is reused, the run starts over
+    assert bench.run_cell("cell", argv, str(tmp_path))["result"]["step"] == 3
 
 
 def test_model_args_of_a_cell_override_the_regimes():
