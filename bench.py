@@ -1711,7 +1711,8 @@ def run_quality(args, device) -> dict:
     result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime, "seeds": seeds, "grids": grids,
               "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
     assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-    folders = [(out_dir, "quality_{kind}.png")] + ([(assets, f"quality-{args.regime}-{{kind}}.png")] if args.assets else [])
+    name = "quick" if args.quick else args.regime  # a smoke run never overwrites a real sweep's pictures
+    folders = [(out_dir, "quality_{kind}.png")] + ([(assets, f"quality-{name}-{{kind}}.png")] if args.assets else [])
     result["plots"] = plot_quality(result, folders)
     print(quality_markdown(result))
     write_json(result, os.path.join(out_dir, "quality.json"))
