@@ -1439,7 +1439,8 @@ QUALITY_GRIDS = {
     },
     "quickstart": {  # the quick start's size and schedule (revit-mini: d = 96, L = 6, 15 epochs): does the prior help?
         "revit-mini": {"epochs": 15, "depth": 6, "model_args": "dim=96,heads=3,ffn_dim=192"},
-        "revit-mini, depth prior 8": {"epochs": 15, "depth": 6, "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
+        "revit-mini, depth prior 8": {"epochs": 15, "depth": 6,
+                                      "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
     },
 }
 QUALITY_DEFAULT_GRIDS = "experts,elastic"
@@ -1516,7 +1517,8 @@ def with_gates(record: dict, out_dir: str) -> dict:
     if "gates" in record or not os.path.exists(path):
         return record
     record = {**record, "gates": gate_summary(path)}
-    write_json({k: v for k, v in record.items() if k != "cached"}, os.path.join(out_dir, "cells", f"{record['key']}.json"))
+    cell = {k: v for k, v in record.items() if k != "cached"}
+    write_json(cell, os.path.join(out_dir, "cells", f"{record['key']}.json"))
     return record
 
 
@@ -1708,7 +1710,8 @@ def run_quality(args, device) -> dict:
     seeds = args.seeds or (2 if args.quick else 3)
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
     rows = quality_rows(grids, regime, seeds, out_dir, parse_shard(args.shard))
-    result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime, "seeds": seeds, "grids": grids,
+    result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
+              "seeds": seeds, "grids": grids,
               "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
     assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
     name = "quick" if args.quick else args.regime  # a smoke run never overwrites a real sweep's pictures

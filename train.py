@@ -16,7 +16,8 @@ linear head. Tasks supply the loss and the evaluation: classification, distillat
 Eq. 5 of the reViT paper, App. A.3), linear probe (`--probe cls --backbone CKPT`; `seg|monodepth`
 run probes.py) and language modelling (an alternet preset). The loop knows nothing about a model
 beyond: it returns its loss terms, and the optional hooks set_step / no_weight_decay (the model)
-and after_optimizer_step (any of its modules). Checkpoints are atomic, hold only finite weights, and resume bit-for-bit on CPU.
+and after_optimizer_step (any of its modules). Checkpoints are atomic, hold only finite weights, and
+resume bit-for-bit on CPU.
 Nothing is downloaded unless asked (`--download`). Language presets train by default on a corpus the
 repository generates (data.grammar_corpus: English-like sentences with agreement across nested
 clauses): the same bytes on every machine and at every commit, no file, no network.
