@@ -1577,6 +1577,7 @@ def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
     depths = sorted({int(d) for r in results for d in r.get("depths", {})})
     gates = [r.get("gates") for r in records]
     return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
+            "variant": "model_args" in spec,  # e.g. the depth prior: a point beside the E line, not on it
             "params": results[0]["params"], "reference_depth": results[0]["reference_depth"],
             "acc": mean_std([r["test_acc"] for r in results]),
             "depths": {d: mean_std([r["depths"][str(d)]["acc"] for r in results]) for d in depths},
@@ -1651,10 +1652,10 @@ def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
     experts = [r for r in result["rows"] if r["grid"] == "experts"]
     if experts:
         fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-        bank = [r for r in experts if r["num_experts"] and "," not in r["cell"]]  # the E line: paper's router
+        bank = [r for r in experts if r["num_experts"] and not r.get("variant")]  # the E line: paper's router
         ax.errorbar([r["num_experts"] for r in bank], [100 * r["acc"]["mean"] for r in bank],
                     yerr=[100 * r["acc"]["std"] for r in bank], fmt="o-", capsize=3, label="reViT")
-        for r, marker in zip([r for r in experts if r["num_experts"] and "," in r["cell"]], "*Ds"):  # variants
+        for r, marker in zip([r for r in experts if r["num_experts"] and r.get("variant")], "*Ds"):
             ax.errorbar([r["num_experts"]], [100 * r["acc"]["mean"]], yerr=[100 * r["acc"]["std"]], fmt=marker,
                         markersize=9, capsize=3, label=r["cell"])
         for r, style in zip([r for r in experts if not r["num_experts"]], ("--", ":", "-.")):
