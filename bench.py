@@ -611,7 +611,7 @@ def _memory_worker(spec: dict) -> dict:
 
 def model_of(config: revit.ViTConfig) -> torch.nn.Module:
     """The module a config describes, in eval mode (what revit.create_model builds from a preset)."""
-    return (revit.ReViT if config.arch == "revit" else revit.VisionTransformer)(config).eval()
+    return revit.MODELS[config.arch](config).eval()
 
 
 def _ru_maxrss_kib() -> int:

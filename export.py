@@ -160,7 +160,7 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
         except (KeyError, TypeError, ValueError) as e:  # no config, not JSON, or fields this revit.py lacks
             raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "
                              f"({type(e).__name__}: {e})") from None
-        model = revit.ReViT(config) if config.arch == "revit" else revit.VisionTransformer(config)
+        model = revit.MODELS[config.arch](config)
     return load_weights(model, tensors, str(path)).eval()
 
 

@@ -15,20 +15,17 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order. Part I is reViT and the two baselines it is measured against (Table 1):
-building blocks -> the plain ViT block (Eq. 3) -> the depth router ψ and the weight-space merge
-(Eqs. 1-2) with the auxiliary losses (Eqs. 6, 8, 9) -> ViTConfig -> the plain ViT / DeiT III and
-Raptor -> ReViT (recurrence, elastic depth) -> fold -> presets. Part II holds the paper's
-comparison mechanisms (§4.3, App. B: Lory, SMEAR, the feature-only control, DeepSeek-V3, Qwen3,
-MoEUT, ReMoE, Soft-MoE, layer-wise LoRA); they plug into Part I through the `FFN` interface and
-`build_block`, and a reader of Part I never needs them.
+Reading order. Part I: building blocks -> the ViT block (Eq. 3) -> the depth router ψ and the merge
+(Eqs. 1-2) with the auxiliary losses -> config, the plain ViT -> ReViT -> fold; then Raptor and the
+presets. Part II: the paper's comparison mechanisms (§4.3, App. B), each an `FFN` (or Block variant)
+that `build_block` plugs into the shared block; a reader of Part I never needs them.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -337,9 +334,7 @@ class MergedExpertFFN(ExpertBank, FFN):
         merged = [w[0] for w in self.merge(gates.to(self.fc1_weight.device).unsqueeze(0))]
         return dict(zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), merged))
 
-# --- config ---
-
-ARCHS = ("vit", "raptor", "revit")
+# --- config, and the stem and head that every model shares ---
 
 @dataclass
 class ViTConfig:
@@ -390,13 +385,12 @@ class ViTConfig:
         """The FFN of step t depends on the depth only: a gate matrix exists and the model folds."""
         return self.ffn in ("merge", "lora")
 
-# --- shared stem and head ---
-
 class ViTBase(nn.Module):
     """Patch embedding, class token, positions, final norm and head: common to every model here."""
 
     def __init__(self, config: ViTConfig):
         super().__init__()
+        check_model_class(self, config)
         c = self.config = config
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv2d(c.in_channels, c.dim, c.patch_size, stride=c.patch_size)
@@ -427,11 +421,8 @@ class ViTBase(nn.Module):
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
 
     def check_depth(self, depth: int | None) -> int:
-        if depth is None:
-            return self.config.depth
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
-            raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
-        return depth
+        """The depth to run: the trained depth by default, else an integer >= 2 (check_depth_value)."""
+        return self.config.depth if depth is None else check_depth_value(depth)
 
     def finish(self, x, states, aux, return_states, extra=None):
         tokens = self.norm(x)
@@ -443,49 +434,30 @@ class ViTBase(nn.Module):
         out.update(extra or {})
         return out
 
-# --- the plain ViT (DeiT III) and Raptor (the baselines of Table 1) ---
-
-def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
-    """Which block serves each step: contiguous segments, Raptor's own split where it has one.
-
-    Raptor (L=12) lets block i serve 1-based steps t <= thresholds[i]: k=2 -> [7], k=3 -> [7, 10],
-    k=4 -> [4, 7, 10]. At another depth the thresholds scale with L; other k split evenly.
-    """
-    known = {2: [7], 3: [7, 10], 4: [4, 7, 10]}
-    ends = [round((i + 1) * depth / num_blocks) for i in range(num_blocks)]
-    if num_blocks in known and depth >= num_blocks:
-        scaled = [round(th * depth / 12) for th in known[num_blocks]] + [depth]
-        if all(a < b for a, b in zip([0] + scaled, scaled)):  # too shallow to scale: even split
-            ends = scaled
-    schedule, block = [], 0
-    for step in range(1, depth + 1):
-        while step > ends[block]:
-            block += 1
-        schedule.append(block)
-    return schedule
+# --- the plain ViT (DeiT III, Table 1's baseline): L untied blocks, and what `fold` returns ---
 
 class VisionTransformer(ViTBase):
-    """Untied ViT (arch "vit": L blocks) or Raptor (arch "raptor": k blocks over L steps).
+    """Untied ViT: block t serves step t. `fold` returns this class, so a folded reViT runs through
+    plain ViT code; Raptor (after fold) shares k blocks over the steps by overriding `schedule`."""
+    arch = "vit"  # the ViTConfig.arch this class builds
 
-    This class is also what `fold` returns, so a folded reViT runs through plain ViT code.
-    """
-
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, num_blocks: int | None = None):
         super().__init__(config)
         c = config
-        num_blocks = c.depth if c.arch == "vit" else c.raptor_blocks
         self.blocks = nn.ModuleList(
             Block(c.dim, c.heads, Mlp(c.dim, c.ffn_dim), c.layer_scale_init, c.drop_path)
-            for _ in range(num_blocks))
+            for _ in range(num_blocks or c.depth))
         self.init_weights()
 
-    def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False):
-        c = self.config
-        depth = self.check_depth(depth)
-        if c.arch == "vit" and depth != c.depth:
-            raise ValueError(f"depth={depth}: an untied ViT runs only its own depth ({c.depth}); "
+    def schedule(self, depth: int) -> list[int]:
+        """Which block serves each step."""
+        if depth != self.config.depth:
+            raise ValueError(f"depth={depth}: an untied ViT runs only its own depth ({self.config.depth}); "
                              "use a Raptor or reViT model for other depths")
-        schedule = range(depth) if c.arch == "vit" else raptor_schedule(len(self.blocks), depth)
+        return list(range(depth))
+
+    def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False):
+        schedule = self.schedule(self.check_depth(depth))
         x = self.embed(images)
         states = [x]
         for block_index in schedule:
@@ -496,12 +468,8 @@ class VisionTransformer(ViTBase):
 # --- reViT: one shared block, depth-programmed merged FFN, elastic depth (§3) ---
 
 def elastic_plan(keep: torch.Tensor) -> torch.Tensor:
-    """Per-image coordinates of the retained steps (§3.2).
-
-    keep: (B, L) bool, True where the step runs for that image. The n_b retained steps are
-    renumbered 0..n_b-1 in execution order and sit at k / (n_b - 1); n_b = 1 gets s = 0 (our choice).
-    Returns (B, L) float coordinates (values at dropped steps are unused).
-    """
+    """(B, L) bool mask of retained steps -> (B, L) coordinates (§3.2): image b's n_b retained steps are
+    renumbered k = 0..n_b-1 and sit at k / (n_b - 1); n_b = 1 gets s = 0 (our choice). Dropped: unused."""
     rank = keep.long().cumsum(1) - 1                        # (B, L) index among retained steps
     retained = keep.sum(1, keepdim=True)                    # (B, 1) n_b
     return rank.clamp_min(0).float() / (retained - 1).clamp_min(1).float()
@@ -519,6 +487,9 @@ def build_block(c: ViTConfig) -> Block:
     return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
 
 class ReViT(ViTBase):
+    """One shared block applied L times (§3.1), at any depth L >= 2, elastic in training (§3.2)."""
+    arch = "revit"
+
     def __init__(self, config: ViTConfig):
         super().__init__(config)
         self.block = build_block(config)
@@ -528,10 +499,9 @@ class ReViT(ViTBase):
 
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
                 keep: torch.Tensor | None = None):
-        """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states.
-
-        depth: L steps (default: the trained depth). keep: optional (B, L) bool mask of retained
-        steps (elastic depth); sampled in training when depth_drop > 0."""
+        """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states. depth: L
+        steps (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs
+        (elastic depth); sampled in training when depth_drop > 0."""
         depth = self.check_depth(depth)
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
@@ -606,8 +576,8 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
 
     gates: optional [L, E] matrix that replaces the router's gates (reViT only; depth = L) — the
     analysis tools use it for expert ablation and permutation (§5). Block t of the result is what
-    the source's block computes at step t (Block.unrolled_state): for reViT, the shared attention
-    and merged FFN t; for Raptor, the block that serves step t.
+    the source computes at step t (Block.unrolled_state): for reViT, the shared attention and merged
+    FFN t; for Raptor (below), the block that serves step t.
     """
     check_foldable(model, gates)
     depth = model.check_depth(gates.shape[0] if gates is not None else depth)
@@ -616,8 +586,8 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
         model.block.check_depth(depth)
         gates = model.gate_matrix(depth) if gates is None else gates
         steps = [model.block.unrolled_state(t, gates[t]) for t in range(depth)]
-    else:
-        steps = [model.blocks[j].unrolled_state(t) for t, j in enumerate(raptor_schedule(len(model.blocks), depth))]
+    else:  # Raptor: the block that serves step t
+        steps = [model.blocks[j].unrolled_state(t) for t, j in enumerate(model.schedule(depth))]
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
     hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
@@ -627,6 +597,32 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit = VisionTransformer(config).to(device=reference.device, dtype=reference.dtype)
     vit.load_state_dict(state)
     return vit.train(model.training)
+
+# --- Raptor (Table 1's other baseline): k distinct blocks shared over the L steps ---
+
+def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
+    """Which block serves each step: contiguous segments, Raptor's own split where it has one.
+
+    Raptor (L=12) lets block i serve 1-based steps t <= thresholds[i]: k=2 -> [7], k=3 -> [7, 10],
+    k=4 -> [4, 7, 10]. At another depth the thresholds scale with L; other k split evenly.
+    """
+    known = {2: [7], 3: [7, 10], 4: [4, 7, 10]}
+    ends = [round((i + 1) * depth / num_blocks) for i in range(num_blocks)]
+    if num_blocks in known and depth >= num_blocks:
+        scaled = [round(th * depth / 12) for th in known[num_blocks]] + [depth]
+        if all(a < b for a, b in zip([0] + scaled, scaled)):  # too shallow to scale: even split
+            ends = scaled
+    return [sum(step > end for end in ends) for step in range(1, depth + 1)]  # segments ended before step
+
+class Raptor(VisionTransformer):
+    """k = raptor_blocks blocks, each serving a contiguous segment of the steps, at any depth."""
+    arch = "raptor"
+
+    def __init__(self, config: ViTConfig):
+        super().__init__(config, config.raptor_blocks)
+
+    def schedule(self, depth: int) -> list[int]:
+        return raptor_schedule(len(self.blocks), depth)
 
 # --- presets (Table 1; ImageNet 224²) and small CPU presets of our own ---
 
@@ -646,38 +642,26 @@ DEIT3_LAYER_SCALE = 1e-4
 def _build_presets() -> dict:
     presets = {}
     for size, width in [*WIDTHS.items(), ("mini", MINI), ("mini32", MINI32)]:
-        patch_sizes = {"": {}} if size.startswith("mini") else {"": {}, "14": {"patch_size": 14}}
-        for suffix, patch in patch_sizes.items():
-            base = {**width, **patch}
-            name = f"{size}{suffix}"
+        patch14 = [] if size.startswith("mini") else [(f"{size}14", dict(width, patch_size=14))]
+        for name, base in [(size, width), *patch14]:
             presets[f"vit-{name}"] = dict(base, arch="vit", layer_scale_init=DEIT3_LAYER_SCALE)
             for k in (2, 3, 4):
-                raptor = dict(base, arch="raptor", raptor_blocks=k, layer_scale_init=DEIT3_LAYER_SCALE)
-                presets[f"raptor-{name}-k{k}"] = raptor
-                if k == 4:
-                    presets[f"raptor-{name}"] = raptor
+                presets[f"raptor-{name}-k{k}"] = dict(base, arch="raptor", raptor_blocks=k,
+                                                      layer_scale_init=DEIT3_LAYER_SCALE)
+            presets[f"raptor-{name}"] = presets[f"raptor-{name}-k4"]  # Table 1's Raptor: k = 4
             for e in (1, 2, 3, 4, 8):
-                revit = dict(base, arch="revit", num_experts=e)
-                presets[f"revit-{name}-e{e}"] = revit
-                if e == 4:
-                    presets[f"revit-{name}"] = revit
+                presets[f"revit-{name}-e{e}"] = dict(base, arch="revit", num_experts=e)
+            presets[f"revit-{name}"] = presets[f"revit-{name}-e4"]    # Table 1's reViT: E = 4
     return presets
 
 PRESETS = _build_presets()  # Part II adds the comparison presets
+MODELS = {cls.arch: cls for cls in (VisionTransformer, Raptor, ReViT)}  # the class each ViTConfig.arch builds
 
 def create_model(name: str, **overrides) -> nn.Module:
     """Build a preset by name, e.g. create_model("revit-s", depth_drop=0.3)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset name={name!r}; choose one of: {', '.join(sorted(PRESETS))}")
-    allowed = {f.name for f in fields(ViTConfig)}
-    unknown = sorted(set(overrides) - allowed)
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
+    check_preset(name, overrides)
     config = ViTConfig(**{**PRESETS[name], **overrides})
-    return ReViT(config) if config.arch == "revit" else VisionTransformer(config)
-
-def config_dict(model: nn.Module) -> dict:
-    return asdict(model.config)
+    return MODELS[config.arch](config)
 
 # ====================== Part II — the paper's comparisons (§4.3, App. B) ======================
 # Every mechanism below is an `FFN` (Part I) of reViT's shared block, or (layer-wise LoRA) a Block
@@ -1307,7 +1291,7 @@ def check_config(c: ViTConfig) -> None:
     check_mechanism_fields(c)
 
 def check_core_fields(c: ViTConfig) -> None:
-    need(c, c.arch in ARCHS, "arch", f"one of {ARCHS}")
+    need(c, c.arch in MODELS, "arch", f"one of {tuple(MODELS)}")
     for name in ("image_size", "patch_size", "in_channels", "dim", "heads", "ffn_dim", "router_hidden"):
         need(c, getattr(c, name) >= 1, name, "a positive integer")
     need(c, c.image_size % c.patch_size == 0, "image_size", f"a multiple of patch_size={c.patch_size}")
@@ -1339,6 +1323,11 @@ def check_mechanism_fields(c: ViTConfig) -> None:
     need(c, 0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
     need(c, c.lora_rank >= 1, "lora_rank", ">= 1")
 
+def check_depth_value(depth) -> int:
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+        raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
+    return depth
+
 def check_images(images: torch.Tensor, c: ViTConfig) -> None:
     """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed at)."""
     if images.ndim != 4 or images.shape[1] != c.in_channels:
@@ -1351,9 +1340,24 @@ def check_images(images: torch.Tensor, c: ViTConfig) -> None:
         raise ValueError(f"images must be a floating-point tensor, normalised as in training; got {images.dtype} "
                          "(convert uint8 pixels with images.float() / 255 and normalise)")
 
+def check_preset(name: str, overrides: dict) -> None:
+    """create_model's arguments: a preset name and fields of ViTConfig."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset name={name!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    allowed = {f.name for f in fields(ViTConfig)}
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
+
+def check_model_class(model: nn.Module, c: ViTConfig) -> None:
+    """A config builds the class its arch names: a Raptor config never becomes a 12-block ViT."""
+    if model.arch != c.arch:
+        raise ValueError(f"arch={c.arch!r} builds revit.{MODELS[c.arch].__name__}, not {type(model).__name__}; "
+                         "build models with revit.MODELS[config.arch](config)")
+
 def check_foldable(model: nn.Module, gates: torch.Tensor | None) -> None:
     """fold's arguments: a depth-programmed reViT (any E, or LoRA) or a Raptor; gates [L, E] for E >= 2."""
-    if not isinstance(model, ReViT) and not (isinstance(model, VisionTransformer) and model.config.arch == "raptor"):
+    if not isinstance(model, (ReViT, Raptor)):
         raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
     if not model.config.depth_programmed:
         raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "

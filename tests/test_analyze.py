@@ -247,7 +247,7 @@ def test_identity_permutation_and_empty_ablation_leave_cka_unchanged():
 
 def save_checkpoint(model, arch, path):
     """The keys train.py writes, minus the optimizer and loop state."""
-    torch.save({"model": model.state_dict(), "arch": arch, "model_config": revit.config_dict(model),
+    torch.save({"model": model.state_dict(), "arch": arch, "model_config": asdict(model.config),
                 "train_config": {"dataset": "fashion-mnist"}, "step": 0}, path)
 
 

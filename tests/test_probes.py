@@ -24,7 +24,7 @@ def save_backbone(path, arch="revit-mini", seed=0, **overrides):
     """A tiny randomly initialised backbone with the keys train.py's checkpoints have."""
     torch.manual_seed(seed)
     model = revit.create_model(arch, **{**SMALL, **overrides})
-    torch.save({"model": model.state_dict(), "arch": arch, "model_config": revit.config_dict(model),
+    torch.save({"model": model.state_dict(), "arch": arch, "model_config": asdict(model.config),
                 "train_config": {"dataset": "fashion-mnist"}, "step": 0}, path)
     return path
 

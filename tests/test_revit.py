@@ -338,6 +338,15 @@ def test_preset_names():
     assert revit.PRESETS["revit-s-e8"]["num_experts"] == 8
 
 
+@pytest.mark.parametrize("arch", ["vit", "raptor", "revit"])
+def test_each_arch_builds_its_own_class_and_no_other(arch):
+    config = revit.ViTConfig(**revit.PRESETS[f"{arch}-mini"])
+    assert type(revit.create_model(f"{arch}-mini")) is revit.MODELS[arch]
+    for cls in {revit.VisionTransformer, revit.Raptor, revit.ReViT} - {revit.MODELS[arch]}:
+        with pytest.raises(ValueError, match=f"arch='{arch}' builds revit.{revit.MODELS[arch].__name__}"):
+            cls(config)
+
+
 # --- bad input ---
 
 @pytest.mark.parametrize("overrides,match", [
