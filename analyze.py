@@ -11,7 +11,10 @@ For a checkpoint of this project (the CKA parts also work for a ViT or Raptor ch
   from proportional depth (Fig. 9);
 - expert ablations (one gate column zeroed at every depth, rows renormalised) against random gate
   perturbations of the same Frobenius displacement of the merged FFN weights (Figs. 4, 10a), and
-  gate-column permutations (Fig. 10b), each as Delta CKA to the teacher's final features.
+  gate-column permutations (Fig. 10b), each as Delta CKA to the teacher's final features;
+- why a gate program forms or not (our diagnosis, not in the paper): the task's gradients on the gate
+  logits (their size and their consistency across batches), on the experts (the expert-specific part)
+  and on psi against the auxiliary losses', for the checkpoint and for a fresh model of its config.
 
 Images are a seeded subset of the test split (Fashion-MNIST by default, or the checkpoint's data set).
 A model under modified gates is the folded ViT (`revit.fold`) with the merged FFNs of those gates
@@ -300,6 +303,64 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
                 "num_at_or_above_intact": int((deltas >= 0).sum())}}
 
 
+# --- why a gate program forms or not: the task's gradients on the gates and on the experts ---
+
+
+def batch_gradients(model, images: torch.Tensor, labels: torch.Tensor, depth: int) -> tuple:
+    """One batch's cross-entropy gradients on the gate logits z [L, E] (psi's output at each step, Eq. 1),
+    on the expert bank [E, P] and on psi's parameters [P_psi]; the model's weights are left untouched."""
+    ffn = model.block.mlp
+    logits = []  # z_t of every step: without a merge cache (gradients on), each step evaluates psi once
+    handle = ffn.router.register_forward_hook(lambda module, args, out: logits.append(out))
+    try:
+        loss = torch.nn.functional.cross_entropy(model(images, depth=depth).float(), labels)
+    finally:
+        handle.remove()
+    bank, psi = list(ffn.bank()), list(ffn.router.parameters())
+    grads = torch.autograd.grad(loss, logits + bank + psi)
+    z = torch.cat(grads[:depth])                                                   # (L, E)
+    bank_grad = torch.cat([g.flatten(1) for g in grads[depth:depth + len(bank)]], dim=1)  # (E, P)
+    return z, bank_grad, torch.cat([g.flatten() for g in grads[depth + len(bank):]])
+
+
+def gradient_measures(model, images: torch.Tensor, labels: torch.Tensor, depth: int, batch_size: int) -> dict:
+    """Is there a consistent task signal that would make the experts specialise by depth?
+    consistency: |mean over batches of the unit gate-logit gradients| (1: every batch agrees; random
+    directions give about 1/sqrt(batches)); expert_specific: |g_e - mean_e g_e| / |mean_e g_e| of the bank
+    gradient (0: every expert gets the same update); task_vs_aux_on_psi: the task's gradient norm on psi
+    over the auxiliary losses' (Eqs. 6, 8)."""
+    zs, specific, psi_task = [], [], []
+    for x, y in zip(images.split(batch_size), labels.split(batch_size)):
+        z, bank_grad, psi_grad = batch_gradients(model, x, y, depth)
+        shared = bank_grad.mean(0, keepdim=True).expand_as(bank_grad)
+        specific.append(((bank_grad - shared).norm() / shared.norm().clamp_min(1e-30)).item())
+        zs.append(z.flatten())
+        psi_task.append(psi_grad.norm().item())
+    ffn = model.block.mlp
+    aux = sum(ffn.aux_losses(depth).values())
+    psi_aux = torch.cat([g.flatten() for g in torch.autograd.grad(aux, list(ffn.router.parameters()))])
+    zs = torch.stack(zs)                                                           # (batches, L E)
+    experts = torch.nn.functional.normalize(torch.cat([p.detach().flatten(1) for p in ffn.bank()], 1).float(), dim=1)
+    i, j = torch.triu_indices(len(experts), len(experts), offset=1)
+    return {"batches": len(zs), "batch_size": batch_size, "gate_gradient_norm": zs.norm(dim=1).mean().item(),
+            "consistency": torch.nn.functional.normalize(zs, dim=1).mean(0).norm().item(),
+            "noise_floor": 1 / math.sqrt(len(zs)), "expert_specific": sum(specific) / len(specific),
+            "expert_cosine": (experts @ experts.T)[i, j].mean().item(),
+            "task_vs_aux_on_psi": (sum(psi_task) / len(psi_task)) / psi_aux.norm().clamp_min(1e-30).item()}
+
+
+def gradient_part(model, images, labels, depth: int, batches: int, seed: int) -> dict:
+    """The measures on the trained checkpoint and on a fresh model of the same config (seed `seed`): the
+    zero-initialised router's start (App. A.1) against where training ended."""
+    batch_size = len(images) // batches
+    images, labels = images[:batch_size * batches], labels[:batch_size * batches]
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    fresh = revit.MODELS[model.config.arch](model.config).to(device).eval()
+    return {"trained": gradient_measures(model, images, labels, depth, batch_size),
+            "init": gradient_measures(fresh, images, labels, depth, batch_size)}
+
+
 # --- inputs: everything a user passes, read and checked before anything is written ---
 
 DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet")
@@ -311,6 +372,7 @@ class Inputs:
     ckpt: dict
     depth: int                  # L analysed
     images: torch.Tensor        # (n, C, H, W) normalised test images
+    labels: torch.Tensor        # (n,) their classes (for the gradient measures)
     out: Path
     teacher: torch.nn.Module | None = None  # --teacher, when given
     teacher_ckpt: dict | None = None
@@ -326,6 +388,9 @@ def check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}; got {getattr(args, name)}")
     if args.depth is not None and args.depth < 2:
         raise ValueError(f"--depth must be >= 2 (s_t = t/(L-1) needs two steps); got {args.depth}")
+    if args.gradient_batches == 1 or not 0 <= args.gradient_batches <= args.num_images:
+        raise ValueError(f"--gradient-batches must be 0 (skip) or between 2 and --num-images ({args.num_images}); "
+                         f"got {args.gradient_batches}")
     if args.dataset and args.dataset not in DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {args.dataset!r}")
     if args.data_dir and not Path(args.data_dir).is_dir():
@@ -334,8 +399,8 @@ def check_args(args) -> None:
         raise ValueError(f"--out {args.out} is a file; give a folder for the outputs")
 
 
-def evaluation_images(args, ckpt: dict, config) -> torch.Tensor:
-    """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32."""
+def evaluation_images(args, ckpt: dict, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32, and its labels."""
     dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"
     if dataset not in DATASETS:
         raise ValueError(f"checkpoint {args.checkpoint} was trained on {dataset!r}; choose the images with "
@@ -350,12 +415,13 @@ def evaluation_images(args, ckpt: dict, config) -> torch.Tensor:
     mean, std = NORMALISATION[dataset]
     generator = torch.Generator().manual_seed(args.seed)
     index = torch.randperm(len(test), generator=generator)[:args.num_images]
-    images, _ = next(iter(test.batches([index])))  # uint8 (n, C, H, W)
+    images, labels = next(iter(test.batches([index])))  # uint8 (n, C, H, W), (n,)
     if (images.shape[1], images.shape[-1]) != (config.in_channels, config.image_size):
         raise ValueError(f"the model expects {config.in_channels}x{config.image_size}² images; {dataset} has "
                          f"{images.shape[1]}x{images.shape[-1]}² (choose the data set it was trained on with "
                          "--dataset)")
-    return (images.float() / 255 - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
+    normalised = (images.float() / 255 - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
+    return normalised, labels.long()
 
 
 def analysed_depth(args, model, ckpt) -> int:
@@ -383,13 +449,13 @@ def load_inputs(args) -> Inputs:
     model, ckpt = load_vision_model(args.checkpoint, "checkpoint", device)
     depth = analysed_depth(args, model, ckpt)
     teacher, teacher_ckpt = load_teacher(args, model.config, device) if args.teacher else (None, None)
-    images = evaluation_images(args, ckpt, model.config)
+    images, labels = evaluation_images(args, ckpt, model.config)
     try:
         residual_features(model, images[:1], depth if model.config.arch != "vit" else None)
     except ValueError as e:  # e.g. layer-wise LoRA runs only at its trained depth
         raise ValueError(f"--depth {depth}: {ckpt['arch']} cannot run at this depth ({e})") from None
     out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent / "analysis"
-    return Inputs(model, ckpt, depth, images, out, teacher, teacher_ckpt, args.teacher)
+    return Inputs(model, ckpt, depth, images, labels, out, teacher, teacher_ckpt, args.teacher)
 
 
 # --- the analyses, each a part of the report (numbers only; printing and files come after) ---
@@ -435,6 +501,10 @@ def analyse(inputs: Inputs, args) -> dict:
                                        args.num_permutations, args.seed, args.batch_size)
         result["reference"] = "teacher final state" if args.teacher else "intact student final state (no --teacher)"
         report["interventions"] = result
+    if is_merged(model) and args.gradient_batches:
+        device = next(model.parameters()).device
+        report["gate_gradients"] = gradient_part(model, inputs.images.to(device), inputs.labels.to(device), depth,
+                                                 args.gradient_batches, args.seed)
     return report
 
 
@@ -491,6 +561,20 @@ def print_report(report: dict) -> None:
               f"(interior {a['interior_mad']:.2f})")
     if "interventions" in report:
         print_interventions(report["interventions"], report["gates"])
+    if "gate_gradients" in report:
+        print_gradients(report["gate_gradients"])
+
+
+def print_gradients(result: dict) -> None:
+    t, i = result["trained"], result["init"]
+    print(f"\ngradients of the task loss ({t['batches']} batches of {t['batch_size']} images)  {'init':>8} {'trained':>8}")
+    rows = [("gate-logit gradient norm", "gate_gradient_norm", ".2e"),
+            (f"its consistency over batches (noise ~{t['noise_floor']:.2f})", "consistency", ".3f"),
+            ("expert-specific / shared bank gradient", "expert_specific", ".3f"),
+            ("mean pairwise cosine of the experts", "expert_cosine", ".3f"),
+            ("task / auxiliary gradient norm on psi", "task_vs_aux_on_psi", ".1f")]
+    for label, key, spec in rows:
+        print(f"{label:<52} {i[key]:>8{spec}} {t[key]:>8{spec}}")
 
 
 def print_interventions(result: dict, g: dict) -> None:
@@ -648,6 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-permutations", type=int, default=64,
                         help="gate-column permutations sampled when E > 4 (all 23 non-identity ones for E = 4)")
     parser.add_argument("--no-interventions", action="store_true", help="skip ablations and permutations")
+    parser.add_argument("--gradient-batches", type=int, default=8, help="split the subset into N batches for the "
+                        "gradient measures on the gates and experts, trained and at init (0: skip)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the image subset, permutations and perturbations")
     parser.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

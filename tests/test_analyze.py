@@ -242,6 +242,40 @@ def test_identity_permutation_and_empty_ablation_leave_cka_unchanged():
     assert cka(analyze.permute_gates(gates, [1, 2, 0])) != pytest.approx(intact, abs=1e-6)
 
 
+# --- gradients on the gates and the experts ---
+
+
+def test_gate_logit_gradients_account_for_every_step():
+    """z_t = W h_t + b at each step, so the loss's gradient on psi's output bias is the sum over steps of
+    the per-step gate-logit gradients, and on its weight the sum of their outer products with h_t."""
+    model = tiny_revit(depth=5)
+    x, y = randn(6, 1, 28, 28, seed=1).float(), torch.arange(6) % 10
+    z, bank_grad, psi_grad = analyze.batch_gradients(model, x, y, 5)
+    router = model.block.mlp.router
+    loss = torch.nn.functional.cross_entropy(model(x, depth=5), y)
+    weight, bias = torch.autograd.grad(loss, [router[2].weight, router[2].bias])
+    hidden = torch.nn.functional.silu(router[0](revit.depth_grid(5)[:, None]))  # (L, 16)
+    assert z.shape == (5, 3) and bank_grad.shape[0] == 3
+    torch.testing.assert_close(z.sum(0), bias, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(z.T @ hidden, weight, rtol=1e-4, atol=1e-8)
+    assert psi_grad.numel() == sum(p.numel() for p in router.parameters())
+    assert all(p.grad is None for p in model.parameters())  # the model's .grad fields are left alone
+
+
+def test_gradient_measures_at_init_and_on_repeated_batches():
+    model = revit.create_model("revit-mini", dim=16, heads=2, ffn_dim=24, depth=4, num_experts=3).eval()
+    x, y = randn(8, 1, 28, 28, seed=2).float(), torch.arange(8) % 10
+    twice = analyze.gradient_measures(model, torch.cat([x, x]), torch.cat([y, y]), 4, batch_size=8)
+    assert twice["consistency"] == pytest.approx(1.0)  # two identical batches point the same way
+    assert twice["noise_floor"] == pytest.approx(1 / math.sqrt(2))
+    # the zero-initialised router gives uniform gates, so every expert receives exactly the same update
+    assert twice["expert_specific"] == pytest.approx(0.0, abs=1e-6)
+    part = analyze.gradient_part(tiny_revit(), x, y, 4, batches=2, seed=0)
+    assert part["init"]["expert_specific"] == pytest.approx(0.0, abs=1e-6)
+    assert part["trained"]["expert_specific"] > 0.01  # random (non-uniform) gates: the experts' updates differ
+    assert -1 <= part["trained"]["expert_cosine"] <= 1 and part["trained"]["batches"] == 2
+
+
 # --- the command, end to end ---
 
 
@@ -270,6 +304,7 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir):
     assert all(len(a["random_delta_cka"]) == 3 for a in interventions["ablations"])
     assert interventions["permutation_summary"]["count"] == 5
     assert (out / "gates.csv").read_text().count("\n") == 6  # header + L rows
+    assert report["gate_gradients"]["init"]["batches"] == 8 == report["gate_gradients"]["trained"]["batches"]
     assert (out / "cross_cka.csv").exists() and (out / "self_cka.csv").exists()
     if analyze.import_pyplot() is not None:
         assert report["plots"] == ["gates.png", "self_cka.png", "cross_cka.png"]
@@ -308,6 +343,7 @@ def bad_files(tmp_path):
     (["--intervention-images", "0"], "--intervention-images must be >= 2; got 0"),
     (["--random-perturbations", "-1"], "--random-perturbations must be >= 0; got -1"),
     (["--batch-size", "0"], "--batch-size must be >= 1; got 0"),
+    (["--gradient-batches", "1"], "--gradient-batches must be 0 (skip) or between 2 and --num-images (16); got 1"),
     (["--depth", "1"], "--depth must be >= 2"),
     (["--dataset", "mnist"], "--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet; got 'mnist'"),
     (["--data-dir", "{tmp}/nowhere"], "--data-dir {tmp}/nowhere: no such folder"),
