@@ -16,8 +16,8 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
 Reading order. Part I: building blocks -> the ViT block (Eq. 3) -> the depth router ψ and the merge
-(Eqs. 1-2) with the auxiliary losses -> config, the plain ViT -> ReViT -> fold; then Raptor and the
-presets. Part II: the paper's comparison mechanisms (§4.3, App. B), each an `FFN` (or Block variant)
+(Eqs. 1-2) with the auxiliary losses -> config -> ReViT -> fold; then Table 1's baselines (the plain
+ViT, Raptor) and the presets. Part II: the paper's comparison mechanisms (§4.3, App. B), each an `FFN` (or Block variant)
 that `build_block` plugs into the shared block; a reader of Part I never needs them.
 """
 
@@ -434,37 +434,6 @@ class ViTBase(nn.Module):
         out.update(extra or {})
         return out
 
-# --- the plain ViT (DeiT III, Table 1's baseline): L untied blocks, and what `fold` returns ---
-
-class VisionTransformer(ViTBase):
-    """Untied ViT: block t serves step t. `fold` returns this class, so a folded reViT runs through
-    plain ViT code; Raptor (after fold) shares k blocks over the steps by overriding `schedule`."""
-    arch = "vit"  # the ViTConfig.arch this class builds
-
-    def __init__(self, config: ViTConfig, num_blocks: int | None = None):
-        super().__init__(config)
-        c = config
-        self.blocks = nn.ModuleList(
-            Block(c.dim, c.heads, Mlp(c.dim, c.ffn_dim), c.layer_scale_init, c.drop_path)
-            for _ in range(num_blocks or c.depth))
-        self.init_weights()
-
-    def schedule(self, depth: int) -> list[int]:
-        """Which block serves each step."""
-        if depth != self.config.depth:
-            raise ValueError(f"depth={depth}: an untied ViT runs only its own depth ({self.config.depth}); "
-                             "use a Raptor or reViT model for other depths")
-        return list(range(depth))
-
-    def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False):
-        schedule = self.schedule(self.check_depth(depth))
-        x = self.embed(images)
-        states = [x]
-        for block_index in schedule:
-            x = self.blocks[block_index](x)
-            states.append(x)
-        return self.finish(x, states, {}, return_states)
-
 # --- reViT: one shared block, depth-programmed merged FFN, elastic depth (§3) ---
 
 def elastic_plan(keep: torch.Tensor) -> torch.Tensor:
@@ -571,8 +540,8 @@ class ReViT(ViTBase):
 
 @torch.no_grad()
 def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None = None) -> VisionTransformer:
-    """Return a plain untied ViT of `depth` blocks with the same outputs as `model` at that depth,
-    on the model's device and in its dtype.
+    """Return a plain untied ViT (VisionTransformer, below) of `depth` blocks with the same outputs
+    as `model` at that depth, on the model's device and in its dtype.
 
     gates: optional [L, E] matrix that replaces the router's gates (reViT only; depth = L) — the
     analysis tools use it for expert ablation and permutation (§5). Block t of the result is what
@@ -598,7 +567,38 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit.load_state_dict(state)
     return vit.train(model.training)
 
-# --- Raptor (Table 1's other baseline): k distinct blocks shared over the L steps ---
+# --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) ---
+
+class VisionTransformer(ViTBase):
+    """Untied ViT: block t serves step t. `fold` returns this class, so a folded reViT runs through
+    plain ViT code; Raptor (next) shares k blocks over the steps by overriding `schedule`."""
+    arch = "vit"  # the ViTConfig.arch this class builds
+
+    def __init__(self, config: ViTConfig, num_blocks: int | None = None):
+        super().__init__(config)
+        c = config
+        self.blocks = nn.ModuleList(
+            Block(c.dim, c.heads, Mlp(c.dim, c.ffn_dim), c.layer_scale_init, c.drop_path)
+            for _ in range(num_blocks or c.depth))
+        self.init_weights()
+
+    def schedule(self, depth: int) -> list[int]:
+        """Which block serves each step."""
+        if depth != self.config.depth:
+            raise ValueError(f"depth={depth}: an untied ViT runs only its own depth ({self.config.depth}); "
+                             "use a Raptor or reViT model for other depths")
+        return list(range(depth))
+
+    def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False):
+        schedule = self.schedule(self.check_depth(depth))
+        x = self.embed(images)
+        states = [x]
+        for block_index in schedule:
+            x = self.blocks[block_index](x)
+            states.append(x)
+        return self.finish(x, states, {}, return_states)
+
+# --- ... and Raptor: k distinct blocks shared over the L steps ---
 
 def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
     """Which block serves each step: contiguous segments, Raptor's own split where it has one.
