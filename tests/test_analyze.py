@@ -311,8 +311,10 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir):
         assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
     # the same seed gives the same numbers
     again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(tmp_path / "again"),
-                          "--data-dir", str(fashion_mnist_dir), "--num-images", "48", "--no-interventions"])
+                          "--data-dir", str(fashion_mnist_dir), "--num-images", "48", "--no-interventions",
+                          "--gradient-batches", "0"])
     assert again["self_cka"] == report["self_cka"]
+    assert "gate_gradients" not in again and "interventions" not in again
 
 
 def analysis_args(tmp_path, fashion_mnist_dir, *extra):
