@@ -316,6 +316,7 @@ def batch_gradients(model, images: torch.Tensor, labels: torch.Tensor, depth: in
         loss = torch.nn.functional.cross_entropy(model(images, depth=depth).float(), labels)
     finally:
         handle.remove()
+    assert len(logits) == depth, f"psi ran {len(logits)} times for {depth} steps"  # one z_t per step
     bank, psi = list(ffn.bank()), list(ffn.router.parameters())
     grads = torch.autograd.grad(loss, logits + bank + psi)
     z = torch.cat(grads[:depth])                                                   # (L, E)
