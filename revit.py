@@ -17,8 +17,9 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 
 Reading order. Part I: building blocks -> the ViT block (Eq. 3) -> the depth router ψ and the merge
 (Eqs. 1-2) with the auxiliary losses -> config -> ReViT -> fold; then Table 1's baselines (the plain
-ViT, Raptor) and the presets. Part II: the paper's comparison mechanisms (§4.3, App. B), each an `FFN` (or Block variant)
-that `build_block` plugs into the shared block; a reader of Part I never needs them.
+ViT, Raptor) and the presets. Part II: the paper's comparison mechanisms (§4.3, App. B), each an
+`FFN` (or a Block variant) that `build_block` plugs into the shared block; a reader of Part I never
+needs them.
 """
 
 from __future__ import annotations
