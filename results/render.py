@@ -1,0 +1,227 @@
+"""Write the measured tables of RESULTS.md (and README.md's glance table) from the JSON beside this file.
+
+    python results/render.py           # rewrite every generated block in place
+    python results/render.py --check   # exit 1 when a block differs from its data (tests/test_results.py)
+
+A generated block is the text between `<!-- generated: NAME -->` and `<!-- end -->`. NAME says
+where its data is:
+- `quality-SET-GRID`: one grid of a quality sweep (`python sweep.py`); SET names a sweep in
+  quality.json here (its quality.json, and the provenance for rows that do not record their commit);
+- `glance`: README's results-at-a-glance table, each cell a reference to a cell of another block;
+- any other NAME: the table results/NAME.json, with its provenance {command, hardware, torch, date,
+  commit}, written as measured.
+Every block ends with where its numbers come from; a comparison whose rows were trained at different
+commits says so. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import string
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DOCUMENTS = ("RESULTS.md", "README.md")
+BLOCK = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- end -->)", re.S)
+
+
+def load(name: str):
+    path = os.path.join(HERE, name)
+    if not os.path.exists(path):
+        raise SystemExit(f"results/render.py: a generated block names {name!r}, but results/{name} does not exist")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def provenance_lines(p: dict) -> list[str]:
+    """'Measured DATE at commit C on HARDWARE, torch T:' and the command(s) that measured the table."""
+    commits = p["commit"].split(", ")
+    lines = [f"Measured {p['date']} at commit{'s' * (len(commits) > 1)} {', '.join(f'`{c}`' for c in commits)} "
+             f"on {p['hardware']}, torch {p['torch']}"
+             + (f"; {p['note']}" if p.get("note") else "") + ":"]
+    commands = p["command"] if isinstance(p["command"], list) else [p["command"]]
+    return lines + ["", "```bash", *commands, "```"]
+
+
+class Block:
+    """A rendered block: its markdown and its table's cells (rows of strings) for references."""
+
+    def __init__(self, text: str, cells: list[list[str]]):
+        self.text, self.cells = text, cells
+
+
+# --- a table written as measured: results/NAME.json ---
+
+
+def cell_text(value, fmt: str | None) -> str:
+    """Numbers through the column's format ('{:.2f}%'); strings ('–', '1.000 (0.98–1.02)') as they are."""
+    return fmt.format(value) if fmt and isinstance(value, (int, float)) else str(value)
+
+
+def render_table(name: str) -> Block:
+    """A table (columns, formats, rows), or a tool's printed output (output: its lines) in a code block."""
+    data = load(f"{name}.json")
+    if "output" in data:
+        return Block("\n".join(provenance_lines(data["provenance"]) + ["", "```", *data["output"], "```"]), [])
+    formats = data.get("formats") or [None] * len(data["columns"])
+    cells = [[cell_text(v, f) for v, f in zip(row, formats)] for row in data["rows"]]
+    parts = provenance_lines(data["provenance"]) + ["", markdown_table(data["columns"], cells)]
+    parts += [line for note in data.get("notes", []) for line in ("", note)]
+    return Block("\n".join(parts), cells)
+
+
+# --- one grid of a quality sweep: results/quality/SET/quality.json (sweep.py's format) ---
+
+
+def pm(stats: dict) -> str:
+    """'88.12 ± 0.20 [88.0 88.3 88.1]': mean ± std over seeds, then the per-seed values, in %."""
+    seeds = " ".join(f"{100 * v:.1f}" for v in stats["values"])
+    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
+
+
+def gap(a: dict, b: dict) -> str:
+    """Difference of two cells' means in points ± its standard error (independent seeds)."""
+    se = 100 * math.sqrt(sum(s["std"] ** 2 / len(s["values"]) for s in (a, b)))
+    return f"{100 * (a['mean'] - b['mean']):+.2f} ± {se:.2f}"
+
+
+def gates(row: dict) -> list[str]:
+    """Gate spread (max - min of the gate matrix) and seed 0's dominant expert per step, or '–'."""
+    if not row.get("gate_spread"):
+        return ["–", "–"]
+    spread = row["gate_spread"]
+    return [f"{spread['mean']:.2f} ± {spread['std']:.2f}", "".join(map(str, row["dominant_expert"][0]))]
+
+
+def accuracy_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Table 5 / Table 1 shape: accuracy per cell over seeds, the gap to the tied block, the gates."""
+    seeds = len(rows[0]["acc"]["values"])
+    tied = next((r for r in rows if r["cell"].endswith("E=1")), None)
+    columns = ["model", "params", f"top-1 % mean ± std [{seeds} seeds]", "vs E = 1 (points ± s.e.)",
+               "gate spread", "dominant expert per step (seed 0)"]
+    cells = [[r["cell"], f"{r['params']:,}", pm(r["acc"]),
+              gap(r["acc"], tied["acc"]) if tied and r is not tied and r["num_experts"] else "–", *gates(r)]
+             for r in rows]
+    return columns, cells
+
+
+def depth_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Fig. 2 shape: accuracy of each elastic checkpoint at every inference depth."""
+    depths = sorted({d for r in rows for d in r["depths"]}, key=int)
+    trained = str(rows[0]["reference_depth"])
+    columns = ["gate"] + [f"depth {d}" + (" (trained)" if d == trained else "") for d in depths]
+    return columns, [[r["cell"]] + [pm(r["depths"][d]).split(" [")[0] for d in depths] for r in rows]
+
+
+def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The rows come in pairs 'SETTING: ViT' / 'SETTING: E=1'; the gap is the cost of tying."""
+    by_cell = {r["cell"]: r for r in rows}
+    settings = dict.fromkeys(r["cell"].split(":")[0] for r in rows)
+    columns = ["setting", "ViT, untied", "reViT E = 1 (tied block)", "gap (points ± s.e.)"]
+    return columns, [[s, pm(by_cell[f"{s}: ViT"]["acc"]), pm(by_cell[f"{s}: E=1"]["acc"]),
+                      gap(by_cell[f"{s}: ViT"]["acc"], by_cell[f"{s}: E=1"]["acc"])] for s in settings]
+
+
+GRIDS = {"experts": accuracy_grid, "quickstart": accuracy_grid, "elastic": depth_grid, "tying": tying_grid}
+
+
+def row_commit(row: dict, sweep: dict) -> str:
+    """The commit a row was trained at: its own record (sweep.py writes it), else the sweep's provenance."""
+    if row.get("commit"):
+        return row["commit"]
+    if row.get("commits"):
+        return "/".join(sorted(set(row["commits"])))
+    return sweep.get("commit_of_cell", {}).get(f"{row['grid']}/{row['cell']}", sweep["commit"])
+
+
+def commit_line(rows: list[dict], sweep: dict) -> str:
+    """One commit for the whole comparison, or which rows came from which commit."""
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        groups.setdefault(row_commit(row, sweep), []).append(row["cell"])
+    if len(groups) == 1:
+        return f"Every row trained at commit `{next(iter(groups))}`."
+    return "**Rows trained at different commits** (compare across groups with care): " + "; ".join(
+        f"`{commit}`: {', '.join(cells)}" for commit, cells in groups.items()) + "."
+
+
+def render_quality(name: str) -> Block:
+    set_name, grid = name[len("quality-"):].rsplit("-", 1)
+    sweep = load("quality-provenance.json")[set_name]
+    result = load(sweep["file"])
+    rows = [r for r in result["rows"] if r["grid"] == grid]
+    columns, cells = GRIDS[grid](rows)
+    minutes = sum(r["minutes"] for r in rows)
+    p = dict(sweep, commit=", ".join(dict.fromkeys(row_commit(r, sweep) for r in rows)))
+    parts = provenance_lines(p) + ["", markdown_table(columns, cells), "", commit_line(rows, sweep) + (
+        f" {minutes:.0f} training minutes for these rows; cells in `{sweep['cells']}`.")]
+    return Block("\n".join(parts), cells)
+
+
+# --- README's glance table: references into the other blocks ---
+
+
+class Cells:
+    """`{t[NAME][row][column]}` in a glance template is that cell of block NAME, rendered."""
+
+    def __getitem__(self, name: str) -> list[list[str]]:
+        return render(name).cells
+
+
+def render_glance(name: str) -> Block:
+    data = load("glance.json")
+    cells = [[row["what"], string.Formatter().vformat(row["result"], (), {"t": Cells()}),
+              f"[{row['section']}](RESULTS.md#{row['anchor']})"] for row in data["rows"]]
+    return Block(markdown_table(data["columns"], cells), cells)
+
+
+_cache: dict[str, Block] = {}
+
+
+def render(name: str) -> Block:
+    if name not in _cache:
+        kind = render_glance if name == "glance" else render_quality if name.startswith("quality-") else render_table
+        _cache[name] = kind(name)
+    return _cache[name]
+
+
+def rendered(text: str) -> str:
+    """The document with every generated block rewritten from its data."""
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2)).text + "\n" + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for document in DOCUMENTS:
+        path = os.path.join(ROOT, document)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new = rendered(text)
+        if new != text:
+            stale.append(document)
+            if not args.check:
+                with open(path + ".tmp", "w", encoding="utf-8") as f:
+                    f.write(new)
+                os.replace(path + ".tmp", path)
+    if args.check and stale:
+        print(f"out of date with results/*.json: {', '.join(stale)} (run: python results/render.py)")
+        return 1
+    print(("up to date: " if args.check else "rendered: ") + ", ".join(DOCUMENTS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
