@@ -7,7 +7,8 @@ A generated block is the text between `<!-- generated: NAME -->` and `<!-- end -
 where its data is:
 - `quality-SET-GRID`: one grid of a quality sweep (`python sweep.py`); SET names a sweep in
   quality.json here (its quality.json, and the provenance for rows that do not record their commit);
-- `glance`: README's results-at-a-glance table, each cell a reference to a cell of another block;
+- `glance` / `line-KEY`: README's results-at-a-glance table / one of its sentences (results/glance.json),
+  each number a reference to a cell of another block;
 - any other NAME: the table results/NAME.json, with its provenance {command, hardware, torch, date,
   commit}, written as measured.
 Every block ends with where its numbers come from; a comparison whose rows were trained at different
@@ -178,11 +179,23 @@ class Cells:
         return render(name).cells
 
 
+class Glance(string.Formatter):
+    """`{...:short}` drops what follows the first ' [' or ' (': '83.90 ± 0.36 [84.1 84.1 83.5]' -> '83.90 ± 0.36'."""
+
+    def format_field(self, value, spec: str) -> str:
+        return re.split(r" [\[(]", value)[0] if spec == "short" else super().format_field(value, spec)
+
+
 def render_glance(name: str) -> Block:
     data = load("glance.json")
-    cells = [[row["what"], string.Formatter().vformat(row["result"], (), {"t": Cells()}),
+    cells = [[row["what"], Glance().vformat(row["result"], (), {"t": Cells()}),
               f"[{row['section']}](RESULTS.md#{row['anchor']})"] for row in data["rows"]]
     return Block(markdown_table(data["columns"], cells), cells)
+
+
+def render_line(name: str) -> Block:
+    """`line-KEY`: one sentence of README, its numbers referenced like the glance table's."""
+    return Block(Glance().vformat(load("glance.json")["lines"][name[len("line-"):]], (), {"t": Cells()}), [])
 
 
 _cache: dict[str, Block] = {}
@@ -190,7 +203,8 @@ _cache: dict[str, Block] = {}
 
 def render(name: str) -> Block:
     if name not in _cache:
-        kind = render_glance if name == "glance" else render_quality if name.startswith("quality-") else render_table
+        kind = (render_glance if name == "glance" else render_line if name.startswith("line-") else
+                render_quality if name.startswith("quality-") else render_table)
         _cache[name] = kind(name)
     return _cache[name]
 
