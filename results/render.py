@@ -55,10 +55,11 @@ def provenance_lines(p: dict) -> list[str]:
 
 
 class Block:
-    """A rendered block: its markdown and its table's cells (rows of strings) for references."""
+    """A rendered block: its markdown, its table's cells (rows of strings) for references, and for a
+    quality sweep the commit each row was trained at."""
 
-    def __init__(self, text: str, cells: list[list[str]]):
-        self.text, self.cells = text, cells
+    def __init__(self, text: str, cells: list[list[str]], row_commits: list[str] | None = None):
+        self.text, self.cells, self.row_commits = text, cells, row_commits
 
 
 # --- a table written as measured: results/NAME.json ---
@@ -166,7 +167,7 @@ def render_quality(name: str) -> Block:
     p = dict(sweep, commit=", ".join(dict.fromkeys(row_commit(r, sweep) for r in rows)))
     parts = provenance_lines(p) + ["", markdown_table(columns, cells), "", commit_line(rows, sweep) + (
         f" {minutes:.0f} training minutes for these rows; cells in `{sweep['cells']}`.")]
-    return Block("\n".join(parts), cells)
+    return Block("\n".join(parts), cells, row_commits=[row_commit(r, sweep) for r in rows])
 
 
 # --- README's glance table: references into the other blocks ---
@@ -187,9 +188,17 @@ class Glance(string.Formatter):
 
 
 def render_glance(name: str) -> Block:
+    """A row whose numbers come from rows of one sweep trained at different commits says so."""
     data = load("glance.json")
-    cells = [[row["what"], Glance().vformat(row["result"], (), {"t": Cells()}),
-              f"[{row['section']}](RESULTS.md#{row['anchor']})"] for row in data["rows"]]
+    cells = []
+    for row in data["rows"]:
+        commits: dict[str, set] = {}
+        for source, index in re.findall(r"\{t\[([\w.-]+)\]\[(\d+)\]", row["result"]):
+            if render(source).row_commits:
+                commits.setdefault(source, set()).add(render(source).row_commits[int(index)])
+        mixed = any(len(found) > 1 for found in commits.values())
+        cells.append([row["what"], Glance().vformat(row["result"], (), {"t": Cells()}),
+                      f"[{row['section']}](RESULTS.md#{row['anchor']})" + (" (rows from different commits)" * mixed)])
     return Block(markdown_table(data["columns"], cells), cells)
 
 

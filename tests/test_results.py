@@ -126,3 +126,14 @@ def test_readme_links_into_results_land_on_anchors_and_readme_stays_short():
     links += re.findall(r"\]\(#([\w-]+)\)", read("RESULTS.md"))
     assert links and set(links) <= anchors, sorted(set(links) - anchors)
     assert len(read("README.md").split()) <= 3000
+
+
+def test_glance_flags_numbers_taken_from_rows_of_different_commits(monkeypatch):
+    render._cache["sweep"] = render.Block("", [["83.54"], ["83.90"], ["84.29"]], row_commits=["old", "new", "new"])
+    glance = {"columns": ["what", "result", "details"], "rows": [
+        {"what": "mixed", "result": "{t[sweep][0][0]} / {t[sweep][1][0]}", "section": "s", "anchor": "a"},
+        {"what": "one commit", "result": "{t[sweep][1][0]} / {t[sweep][2][0]}", "section": "s", "anchor": "a"}]}
+    monkeypatch.setattr(render, "load", lambda name: glance)
+    mixed, same = render.render_glance("glance").cells
+    assert mixed[1] == "83.54 / 83.90" and "different commits" in mixed[2]
+    assert same[1] == "83.90 / 84.29" and "different commits" not in same[2]
