@@ -458,6 +458,9 @@ def init_distributed(cfg: TrainConfig):
         return 0, 1, device
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if device.type == "cuda":
+        if local >= torch.cuda.device_count():  # set_device would fail with "invalid device ordinal"
+            fail(f"torchrun started local rank {local}, but this machine has {torch.cuda.device_count()} CUDA "
+                 f"device(s): use at most that many --nproc_per_node, or --device cpu")
         torch.cuda.set_device(local)
         device = torch.device(f"cuda:{local}")
     dist.init_process_group(device_options(device.type)["ddp_backend"])

@@ -28,8 +28,8 @@ def run(tmp_path, fashion_mnist_dir, *args, name="run", arch="revit-mini"):
     """train.main on a 512-image subset with a tiny model; returns (summary, out_dir)."""
     out = tmp_path / name
     argv = ["--arch", arch, "--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), "--no-progress",
-            "--train-subset", "512", "--test-subset", "256", "--batch-size", "32", "--patch-size", "7",
-            "--depth", "4", "--model-args", TINY_VISION, "--log-interval", "1", *args]
+            "--device", "cpu", "--train-subset", "512", "--test-subset", "256", "--batch-size", "32",
+            "--patch-size", "7", "--depth", "4", "--model-args", TINY_VISION, "--log-interval", "1", *args]
     return train.main(argv), out
 
 
@@ -130,7 +130,7 @@ def free_port():
 
 def test_ddp_two_processes_match_single_process(tmp_path, fashion_mnist_dir):
     """torchrun, gloo, 2 ranks x 16 images == 1 process x 32 images (same global batch)."""
-    args = ["--arch", "revit-mini", "--data-dir", str(fashion_mnist_dir), "--no-progress",
+    args = ["--arch", "revit-mini", "--data-dir", str(fashion_mnist_dir), "--no-progress", "--device", "cpu",
             "--train-subset", "512", "--test-subset", "256", "--batch-size", "32", "--patch-size", "7",
             "--depth", "4", "--model-args", TINY_VISION, "--max-steps", "3", "--mixup", "0", "--cutmix", "0",
             "--no-random-crop", "--no-three-augment", "--color-jitter", "0"]
@@ -147,6 +147,25 @@ def test_ddp_two_processes_match_single_process(tmp_path, fashion_mnist_dir):
         torch.testing.assert_close(b["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     assert abs(json.loads((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()[-1])["test_acc"]
                - single["test_acc"]) < 1e-6
+
+
+def test_the_suite_runs_on_the_cpu_by_default():
+    """conftest hides the GPUs before torch initialises CUDA (unless REVIT_GPU_TESTS=1): --device auto
+    is the CPU in the tests and in the processes they start (torchrun's ranks above)."""
+    assert cli.pick_device("auto") == torch.device("cpu")
+    seen = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                          capture_output=True, text=True, timeout=60)
+    assert seen.stdout.strip() == "0", seen.stderr[-2000:]
+
+
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    """torchrun with more processes per node than GPUs: refused before torch.cuda.set_device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail(f"set_device({index})"))
+    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit, match="local rank 1, but this machine has 1 CUDA device"):
+        train.init_distributed(train.TrainConfig(device="cuda"))
 
 
 # --- checkpoints and failures ---
@@ -403,3 +422,27 @@ def test_compile_runs_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     assert len(calls) == 1 and summary["step"] == 2
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])  # the plain module is saved
+
+
+# --- on a CUDA GPU: opt-in (REVIT_GPU_TESTS=1, see conftest.py) ---
+
+
+@pytest.mark.gpu
+def test_training_on_the_gpu(tmp_path, fashion_mnist_dir):
+    """bf16 autocast, fused AdamW, TF32, the data set on the device, torch.compile (inductor)."""
+    summary, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "3", "--device", "cuda", "--compile",
+                       "--depth-drop", "0.3", "--three-augment", "--eval-depths", "2")
+    assert summary["step"] == 3 and 0 <= summary["test_acc"] <= 1
+    assert all(torch.isfinite(t).all() for t in torch.load(out / "ckpt.pt", weights_only=True)["model"].values())
+
+
+@pytest.mark.gpu
+def test_a_cpu_run_resumes_on_the_gpu_and_back(tmp_path, fashion_mnist_dir, capsys):
+    """The augmentation generator's state is 5,056 bytes on the CPU and 16 on CUDA: where a saved state
+    cannot apply, it is reseeded and said so."""
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--three-augment", "--stop-at-step", "2")
+    step4 = train.main(["--resume", str(out / "ckpt.pt"), "--device", "cuda", "--stop-at-step", "4",
+                        "--no-progress"])
+    assert step4["step"] == 4 and "override: " in capsys.readouterr().out
+    done = train.main(["--resume", str(out / "ckpt.pt"), "--device", "cpu", "--no-progress"])
+    assert done["step"] == 6 and 0 <= done["test_acc"] <= 1
