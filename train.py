@@ -432,8 +432,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
         run.trainable.load_state_dict(resume_ckpt["model"])
         optimizer.load_state_dict(resume_ckpt["optimizer"])
         run.step, run.metrics, run.last_good = resume_ckpt["step"], resume_ckpt.get("metrics", {}), resume_ckpt["step"]
-        rngs = resume_ckpt["rng"]
-        set_rng_state(rngs[rank] if len(rngs) == world else rngs[0], augment)
+        restore_rng(run, resume_ckpt["rng"])
     else:  # each rank its own stream for drop-path / elastic depth / augmentation
         torch.manual_seed(cfg.seed + 1 + rank)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
@@ -443,6 +442,20 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                 "params": num_params, "peak_lr": sched["peak_lr"]}, run.is_main)
     return run
+
+
+def restore_rng(run: Run, rngs: list) -> None:
+    """Each rank's saved random streams; where they cannot apply (another number of ranks, a state of
+    another device type), a reseed by (seed, rank, step), said in one `override:` line."""
+    rank, world, device = run.rank, run.world, run.device
+    seed = run.cfg.seed * 1_000_003 + run.step * world + rank + 1
+    reseeded = set_rng_state(rngs[rank] if len(rngs) == world else None, run.augment, device, seed)
+    if reseeded:
+        why = (f"the checkpoint was saved by {len(rngs)} rank(s), this run has {world}" if len(rngs) != world else
+               f"the checkpoint's states were saved on {rngs[rank].get('device_type', 'another device')}, "
+               f"they do not apply on {device.type}")
+        say(f"override: random streams reseeded ({', '.join(reseeded)}; seed {seed}): {why}; the run continues "
+            f"deterministically, not bit-for-bit")
 
 
 # --- processes: torchrun, torch.compile, DDP (what differs on CUDA: cli.device_options) ---
@@ -532,9 +545,9 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
 
 def save_checkpoint(run: Run) -> None:
     """Rank 0 writes model, optimizer, schedule, loop and every rank's RNG state; only finite weights."""
-    rngs = [rng_state(run.augment)] if run.world == 1 else [None] * run.world
+    rngs = [rng_state(run.augment, run.device)] if run.world == 1 else [None] * run.world
     if run.world > 1:
-        dist.all_gather_object(rngs, rng_state(run.augment))
+        dist.all_gather_object(rngs, rng_state(run.augment, run.device))
     if run.is_main:
         # a plain dict of tensors: state_dict()'s _metadata must not smuggle objects past weights_only
         weights = dict(run.trainable.state_dict())

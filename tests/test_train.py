@@ -4,6 +4,7 @@ Faults (divergence, run folders, bad files and values) are in test_faults.py.
 
 Models are tiny (width 32, 16 tokens) so the whole file runs in well under three minutes on 2 cores.
 """
+import contextlib
 import json
 import os
 import socket
@@ -120,6 +121,58 @@ def test_resume_matches_uninterrupted_run(tmp_path, fashion_mnist_dir):
     state_b = torch.load(out_b / "ckpt.pt", weights_only=True)
     for name, tensor in state_a["model"].items():
         assert torch.equal(tensor, state_b["model"][name]), name
+
+
+def test_resume_reseeds_the_random_streams_a_checkpoint_cannot_restore(tmp_path, fashion_mnist_dir, capsys):
+    """A checkpoint from another device type (the augmentation generator's state is 16 bytes on CUDA,
+    5,056 on the CPU) or from another number of ranks: resumed deterministically, said in one line."""
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--three-augment", "--depth-drop", "0.3",
+                 "--stop-at-step", "2")
+    saved = torch.load(out / "ckpt.pt", weights_only=True)
+    from_gpu = dict(saved["rng"][0], device_type="cuda", augment=torch.zeros(16, dtype=torch.uint8),
+                    cuda=[torch.zeros(16, dtype=torch.uint8)] * 8)  # 8 GPUs, older format: one state each
+    cases = {"from_gpu": ([from_gpu], "reseeded (augmentation; seed 3): the checkpoint's states were saved "
+                                      "on cuda, they do not apply on cpu"),
+             "two_ranks": (saved["rng"] * 2, "reseeded (all; seed 3): the checkpoint was saved by 2 rank(s), "
+                                             "this run has 1")}
+    for name, (rngs, line) in cases.items():
+        losses = []
+        for _ in range(2):  # twice: the reseeded run is deterministic
+            checkpoint.atomic_save(dict(saved, rng=rngs), out / "ckpt.pt")
+            capsys.readouterr()
+            assert train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])["step"] == 4
+            assert f"override: random streams {line}; the run continues deterministically" in capsys.readouterr().out
+            losses.append([step_losses(out)[s] for s in (3, 4)])
+        assert losses[0] == losses[1], name
+
+
+def test_rng_state_of_this_gpu_only(monkeypatch):
+    """A CUDA checkpoint holds the state of the rank's own GPU; a state that does not fit (older files
+    of an 8-GPU machine hold 8, a CPU generator's is 5,056 bytes) is picked or reseeded, never a traceback."""
+    calls = []
+
+    def set_state(state, device):
+        if state.numel() != 16:
+            raise RuntimeError("RNG state is wrong size")
+        calls.append(("set", state[0].item(), device))
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.full((16,), 5, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(("seed", seed)))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    gpu = torch.device("cuda:1")
+    state = checkpoint.rng_state(None, gpu)
+    assert state["device_type"] == "cuda" and state["cuda"].shape == (16,)  # one state, not one per GPU
+    assert checkpoint.set_rng_state(state, None, gpu, seed=7) == [] and calls == [("set", 5, gpu)]
+    eight = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    calls.clear()
+    assert checkpoint.set_rng_state(dict(state, cuda=eight), None, gpu, seed=7) == [] and calls == [("set", 1, gpu)]
+    calls.clear()
+    assert checkpoint.set_rng_state(dict(state, cuda=eight[:1]), None, gpu, seed=7) == ["cuda"]  # 1 GPU saved
+    cpu_sized = dict(state, cuda=torch.get_rng_state())
+    assert checkpoint.set_rng_state(cpu_sized, None, gpu, seed=7) == ["cuda"] and calls == [("seed", 7)] * 2
+    calls.clear()
+    assert checkpoint.set_rng_state(state, None, torch.device("cpu"), seed=7) == [] and calls == []
 
 
 def free_port():
