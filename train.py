@@ -127,7 +127,7 @@ class TrainConfig:
     save_interval: int = opt(0, "also checkpoint every N optimizer steps (0: only at evaluations and the end)")
     stop_at_step: int = opt(0, "stop (as if killed) after this optimizer step, checkpointing first")
     seed: int = opt(0, "random seed: model init, data order, augmentation")
-    device: str = opt("auto", "auto | cpu | cuda | cuda:N")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps (Apple silicon)")
     bf16: bool = opt(True, "bf16 autocast on CUDA (CPU runs in float32)")
     compile: bool = opt(False, "torch.compile the model (CUDA, or CPU with a C++ compiler)")
     ddp_find_unused: bool = opt(False, "DDP find_unused_parameters (needed if some parameters get no gradient)")
@@ -544,31 +544,38 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
 
 
 def save_checkpoint(run: Run) -> None:
-    """Rank 0 writes model, optimizer, schedule, loop and every rank's RNG state; only finite weights."""
+    """Rank 0 writes model, optimizer, schedule, loop and every rank's RNG state; only finite weights.
+    Every rank learns whether the save failed, and all of them stop with its reason: the outcome is
+    broadcast (a collective that rank 0 always joins), so no rank waits at a barrier for one that failed."""
     rngs = [rng_state(run.augment, run.device)] if run.world == 1 else [None] * run.world
     if run.world > 1:
         dist.all_gather_object(rngs, rng_state(run.augment, run.device))
-    if run.is_main:
-        # a plain dict of tensors: state_dict()'s _metadata must not smuggle objects past weights_only
-        weights = dict(run.trainable.state_dict())
-        bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad:
-            fail(f"weights became non-finite at step {run.step} ({bad[0]}); not saved. Last good checkpoint: "
-                 f"{last_good(run)}. Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
-        cfg = run.cfg
-        ckpt = {"model": weights, "arch": "linear-probe" if cfg.probe else cfg.arch,
-                "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
-                                          else asdict(run.model.config)),
-                "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
-                "scheduler": dict(run.sched, step=run.step), "step": run.step, "rng": rngs,
-                "metrics": primitive(run.metrics)}
-        try:
-            atomic_save(ckpt, run.folder.ckpt)
-        except OSError as e:
-            fail(f"cannot write {run.folder.ckpt}: {e.strerror or e}. Last good checkpoint: {last_good(run)}")
-    if run.world > 1:
-        dist.barrier()
+    problem = broadcast(write_checkpoint(run, rngs) if run.is_main else None, run.world)
+    if problem:
+        fail(problem)
     run.last_good = run.step
+
+
+def write_checkpoint(run: Run, rngs: list) -> str | None:
+    """Rank 0's part of save_checkpoint: the file, or the one-line reason it was not written."""
+    # a plain dict of tensors: state_dict()'s _metadata must not smuggle objects past weights_only
+    weights = dict(run.trainable.state_dict())
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        return (f"weights became non-finite at step {run.step} ({bad[0]}); not saved. Last good checkpoint: "
+                f"{last_good(run)}. Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
+    cfg = run.cfg
+    ckpt = {"model": weights, "arch": "linear-probe" if cfg.probe else cfg.arch,
+            "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
+                                      else asdict(run.model.config)),
+            "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
+            "scheduler": dict(run.sched, step=run.step), "step": run.step, "rng": rngs,
+            "metrics": primitive(run.metrics)}
+    try:
+        atomic_save(ckpt, run.folder.ckpt)
+    except OSError as e:
+        return f"cannot write {run.folder.ckpt}: {e.strerror or e}. Last good checkpoint: {last_good(run)}"
+    return None
 
 
 def last_good(run: Run) -> str:

@@ -435,10 +435,63 @@ def test_device_options_decide_the_cuda_branches():
     assert cpu == {"fused_adamw": False, "tf32": False, "ddp_backend": "gloo", "autocast_dtype": None,
                    "data_on_device": False}
     assert cli.device_options("cuda", bf16=False)["autocast_dtype"] is None
+    assert cli.device_options("mps") == {"fused_adamw": True, "tf32": False, "ddp_backend": "gloo",
+                                         "autocast_dtype": None, "data_on_device": True}
     assert cli.pick_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             cli.pick_device("cuda")
+
+
+def test_device_picker_refuses_what_the_machine_lacks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli.pick_device("auto") == torch.device("cuda") and cli.pick_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match=r"^--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0 to cuda:1$"):
+        cli.pick_device("cuda:2")
+    for name in ("meta", "xpu", "cpu:1"):
+        with pytest.raises(ValueError, match=f"--device '{name}': not a device of this project; use auto, cpu, "):
+            cli.pick_device(name)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device mps: Apple's MPS is not available on this machine"):
+        cli.pick_device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert cli.pick_device("mps") == torch.device("mps")  # asked for by name; auto never picks it
+    assert cli.pick_device("auto") == torch.device("cuda")
+
+
+def test_a_failed_save_stops_every_rank(tmp_path):
+    """Rank 0 cannot save (non-finite weights): rank 1 stops with the same line at once, instead of
+    waiting at a barrier until the process group's timeout (20 s here; NCCL's default is 10 min)."""
+    script = tmp_path / "save.py"
+    script.write_text(f"""
+import datetime, sys, types
+from pathlib import Path
+import torch, torch.distributed as dist
+sys.path.insert(0, {str(ROOT)!r})
+import train
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+rank = dist.get_rank()
+model = torch.nn.Linear(2, 2)
+if rank == 0:
+    torch.nn.init.constant_(model.weight, float("nan"))
+run = types.SimpleNamespace(world=2, rank=rank, is_main=rank == 0, augment=None, device=torch.device("cpu"),
+                            trainable=model, step=5, last_good=None, sched={{"peak_lr": 0.1}},
+                            folder=types.SimpleNamespace(ckpt=Path({str(tmp_path)!r}) / "ckpt.pt"))
+try:
+    train.save_checkpoint(run)
+except SystemExit as e:
+    print(f"rank {{rank}} stopped: {{e}}", flush=True)
+dist.destroy_process_group()
+""")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    for rank in (0, 1):
+        assert f"rank {rank} stopped: save.py: error: weights became non-finite at step 5 (weight)" in result.stdout, \
+            result.stdout[-2000:] + result.stderr[-2000:]
+    assert not (tmp_path / "ckpt.pt").exists()
 
 
 def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
