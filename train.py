@@ -250,6 +250,7 @@ def loop(run: Run) -> dict:
             if note:
                 bar.write(note)
         if run.step % cfg.log_interval == 0 or run.step == total:
+            record = read_loss_parts(record)
             rate = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1) / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
             run.folder.log({**record, "per_s": rate}, run.is_main)
@@ -302,8 +303,15 @@ def train_step(run: Run, inputs, targets) -> dict:
     run.optimizer.zero_grad(set_to_none=True)
     after_optimizer_step(model)
     run.step += 1
-    return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value,
-            **{k: v.item() if torch.is_tensor(v) else v for k, v in parts_sum.items()}}
+    return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, **parts_sum}
+
+
+def read_loss_parts(record: dict) -> dict:
+    """train_step leaves the loss parts on the device (a read per part and step would wait for the GPU
+    each time); the loop reads them only for the steps it logs, in one transfer."""
+    names = [k for k, v in record.items() if torch.is_tensor(v)]
+    values = torch.stack([record[k].float() for k in names]).tolist() if names else []
+    return {**record, **dict(zip(names, values))}
 
 
 def after_optimizer_step(model: nn.Module) -> None:
@@ -481,12 +489,14 @@ def init_distributed(cfg: TrainConfig):
 
 
 def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
-    """What the training step calls: the model, compiled (--compile, any device) and/or DDP-wrapped."""
-    forward = torch.compile(model) if cfg.compile else model
+    """What the training step calls: the model, DDP-wrapped (torchrun) and/or compiled (--compile, any
+    device), in the order PyTorch documents for both: compile(DDP(model)), so that the compiled graph is
+    split at DDP's gradient buckets and their all-reduce overlaps the backward."""
+    forward = model
     if world > 1:
         forward = nn.parallel.DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda"
                                                       else None, find_unused_parameters=cfg.ddp_find_unused)
-    return forward
+    return torch.compile(forward) if cfg.compile else forward
 
 
 def broadcast(obj, world):

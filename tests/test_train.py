@@ -510,6 +510,63 @@ def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     assert seen == [True] and 0 <= summary["test_acc"] <= 1
 
 
+def test_a_training_step_reads_the_device_once(tmp_path, fashion_mnist_dir, monkeypatch):
+    """train.py reads the device once per optimizer step (loss and gradient norm for the divergence guard,
+    together); the loss parts stay on the device and are read only for the steps that are logged, in one
+    read. (AdamW's own .item() reads its step counter, a CPU tensor: no wait for the GPU.)"""
+    from torch.overrides import TorchFunctionMode
+    reads, real_step = [], train.train_step
+
+    class CountReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            caller = sys._getframe(1).f_code.co_filename
+            if func in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__bool__) \
+                    and Path(caller) == ROOT / "train.py":
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def counted(run, inputs, targets):
+        with CountReads():
+            return real_step(run, inputs, targets)
+
+    monkeypatch.setattr(train, "train_step", counted)
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--log-interval", "2")
+    assert reads == ["tolist"] * 4  # the guard's, in train_step
+    logged = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 4] and all(isinstance(r[k], float) for r in logged
+                                                         for k in ("task", "balance", "z_loss", "diversity"))
+
+
+def test_ddp_wraps_the_model_before_compile(monkeypatch):
+    """compile(DDP(model)), the order PyTorch documents; the checkpoint still stores the plain module."""
+    import torch.distributed as dist
+    from torch._dynamo.eval_frame import OptimizedModule
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = revit.create_model("revit-mini", **SMALL_VISION)
+        forward = train.wrap(model, train.TrainConfig(compile=True), torch.device("cpu"), world=2)
+        assert isinstance(forward, OptimizedModule)
+        assert isinstance(forward._orig_mod, torch.nn.parallel.DistributedDataParallel)
+        assert forward.no_sync is not None and checkpoint.unwrap(forward) is model
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_on_the_device_is_gathered_with_an_index_there():
+    """A data set on the GPU: the epoch's order goes to the device once, not an index per batch."""
+    import data
+    from device_check import FAKE, OnFakeDevice
+    seen = []
+    with OnFakeDevice():
+        images = data.TensorImages(torch.arange(40.0).view(10, 1, 2, 2).to(FAKE), torch.arange(10).to(FAKE))
+        real_batches = images.batches
+        images.batches = lambda index_batches: seen.extend(i.device for i in index_batches) or real_batches(index_batches)
+        batches = data.image_batches(images, 4, seed=0, repeats=1, rank=0, world=1, start_step=0)
+        step, x, labels = next(batches)
+        assert (step, x.device, labels.device) == (0, FAKE, FAKE) and torch.equal(x.cpu()[:, 0, 0, 0] / 4, labels.cpu().float())
+    assert seen and set(seen) == {FAKE}
+
+
 @pytest.mark.skip(reason="nccl needs CUDA GPUs; the backend choice is checked by "
                          "test_device_options_decide_the_cuda_branches, DDP itself by the gloo test above")
 def test_nccl_process_group():
