@@ -42,8 +42,32 @@ def is_fake(device) -> bool:
     return device is not None and torch.device(device) == FAKE
 
 
+class CpuAutocast(torch.autocast):
+    """torch.autocast for the fake device: the CPU's (autocast has no meta device)."""
+
+    def __init__(self, device_type, *args, **kwargs):
+        super().__init__("cpu" if device_type == FAKE.type else device_type, *args, **kwargs)
+
+
+def cpu_generator(device="cpu"):
+    """torch.Generator for the fake device: a CPU one."""
+    return REAL_GENERATOR("cpu" if is_fake(device) else device)
+
+
+REAL_GENERATOR, REAL_AUTOCAST = torch.Generator, torch.autocast
+
+
 class OnFakeDevice(TorchFunctionMode):
-    """Every tensor op runs on the CPU; the mode keeps track of which tensors a GPU would hold."""
+    """Every tensor op runs on the CPU; the mode keeps track of which tensors a GPU would hold.
+    While it is on, torch.autocast and torch.Generator given the fake device make the CPU's."""
+
+    def __enter__(self):
+        torch.autocast, torch.Generator = CpuAutocast, cpu_generator
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.autocast, torch.Generator = REAL_AUTOCAST, REAL_GENERATOR
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,6 +75,8 @@ class OnFakeDevice(TorchFunctionMode):
             return FAKE if on_fake(args[0]) else func(*args)
         if func in (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda):
             return move(func, args, kwargs)
+        if func is torch._C._nn._parse_to:  # module.to(device=...) reads its arguments: nothing to create
+            return func(*args, **kwargs)
         factory = is_fake(kwargs.get("device"))
         if factory:
             kwargs = {**kwargs, "device": "cpu"}

@@ -134,6 +134,21 @@ def test_feature_cache_gives_the_same_result(tmp_path, fashion_mnist_dir):
     assert plain["depths"] == first["depths"] == second["depths"]
 
 
+@pytest.mark.parametrize("task", ["seg", "monodepth"])
+def test_probes_with_the_backbone_on_a_device(tmp_path, fashion_mnist_dir, monkeypatch, task):
+    """Feature extraction, head training and evaluation with backbone and heads on an accelerator, here
+    device_check's CPU stand-in: a tensor built on the CPU and mixed with the device's raises there, as
+    on a GPU. Same numbers as on the CPU."""
+    from device_check import FAKE, OnFakeDevice
+    path = save_backbone(tmp_path / "backbone.pt")
+    kwargs = dict(probe=task, eval_depths="2", train_subset=64, test_subset=32, max_steps=3, batch_size=16)
+    on_cpu = probes.run(probe_cfg(path, fashion_mnist_dir, **kwargs))
+    monkeypatch.setattr(probes, "pick_device", lambda name: FAKE)
+    with OnFakeDevice():
+        on_device = probes.run(probe_cfg(path, fashion_mnist_dir, **kwargs))
+    assert on_device["depths"] == on_cpu["depths"] and on_device["constant"] == on_cpu["constant"]
+
+
 def test_cli_writes_results_and_rejects_bad_input(tmp_path, fashion_mnist_dir, capsys):
     path = save_backbone(tmp_path / "vit.pt", arch="vit-mini")
     args = ["--backbone", str(path), "--data-dir", str(fashion_mnist_dir), "--no-download", "--device", "cpu",

@@ -587,6 +587,53 @@ def test_compile_runs_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])  # the plain module is saved
 
 
+# --- the tools' main paths with the model on a device: device_check's CPU stand-in for a GPU ---
+
+
+def test_depth_evaluation_with_the_model_on_a_device(tmp_path, fashion_mnist_dir, monkeypatch):
+    """--eval-only's path (the depth table of bench.py depths too): same numbers as on the CPU, and no
+    tensor built on the CPU meets the model's (device_check raises where a GPU would)."""
+    from device_check import FAKE, OnFakeDevice
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--eval-depths", "2")
+    flags = {"eval_depths": "2,6", "data_dir": str(fashion_mnist_dir), "test_subset": 64}
+    _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
+    on_cpu = train.evaluate_depths(model, task, [None, 2, 6])
+    monkeypatch.setattr(train, "pick_device", lambda name: FAKE)
+    with OnFakeDevice():
+        _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
+        assert next(model.parameters()).device == FAKE
+        on_device = train.evaluate_depths(model, task, [None, 2, 6])
+    assert on_device == on_cpu
+
+
+def test_language_evaluation_with_the_model_on_a_device(tmp_path, monkeypatch):
+    """The language task's evaluation (halted, every fixed depth, causal, the sample) on a device."""
+    from device_check import FAKE, OnFakeDevice
+    out = tmp_path / "lm"
+    train.main(["--arch", "alternet-tiny", "--out-dir", str(out), "--no-progress", "--device", "cpu",
+                *TINY_LM[:1], "1", *TINY_LM[2:]])
+    flags = {"eval_iters": 1}
+    _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
+    on_cpu = train.evaluate_depths(model, task, [None])
+    monkeypatch.setattr(train, "pick_device", lambda name: FAKE)
+    with OnFakeDevice():
+        _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
+        on_device = train.evaluate_depths(model, task, [None])
+    assert on_device == on_cpu
+
+
+def test_fold_and_its_check_with_the_model_on_a_device():
+    """export.py's fold (revit.fold) and its verification, with the model on a device."""
+    import export
+    from device_check import FAKE, OnFakeDevice
+    from helpers import randomise
+    with OnFakeDevice():
+        model = randomise(revit.create_model("revit-mini", **SMALL_VISION, depth=4, num_experts=3)).eval().to(FAKE)
+        vit = export.plain_vit(model, 6)
+        assert next(vit.parameters()).device == FAKE
+        assert export.check_fold(model, vit, 6) < 1e-4
+
+
 # --- on a CUDA GPU: opt-in (REVIT_GPU_TESTS=1, see conftest.py) ---
 
 
