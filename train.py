@@ -13,8 +13,8 @@ is the reViT paper's Table 6 (arXiv 2610.12448; DeiT III: AdamW, warmup + cosine
 binarised mixup/cutmix targets, 3-Augment, colour jitter 0.3), `cifar` shortens it, `text` is the
 language-model schedule (plus alternet.RECIPES for the AlterNet paper's presets), `probe` trains a
 linear head. Tasks supply the loss and the evaluation: classification, distillation (`--teacher`,
-Eq. 5 of the reViT paper, App. A.3), linear probe (`--probe cls --backbone CKPT`; `seg|monodepth`
-run probes.py) and language modelling (an alternet preset). The loop knows nothing about a model
+Eq. 5 of the reViT paper, App. A.3), linear probe (`--probe cls --backbone CKPT`; the dense probes
+are probes.py's) and language modelling (an alternet preset). The loop knows nothing about a model
 beyond: it returns its loss terms, and the optional hooks set_step / no_weight_decay (the model)
 and after_optimizer_step (any of its modules). Checkpoints are atomic, hold only finite weights, and
 resume bit-for-bit on CPU.
@@ -114,11 +114,10 @@ class TrainConfig:
     eval_batch_size: int = opt(256, "batch per rank for evaluation")
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
     teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (needs internet)")
-    probe: str = opt("", "probe of a frozen --backbone: cls (linear classification) | seg (linear segmentation "
-                         "head, mIoU) | monodepth (linear and MLP depth heads, RMSE); seg/monodepth run probes.py")
+    probe: str = opt("", "probe of a frozen --backbone: cls (linear classification; the dense probes seg and "
+                         "monodepth: python probes.py)")
     probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patch tokens)")
     backbone: str = opt("", "probe mode: checkpoint of the frozen backbone")
-    probe_cache: str = opt("", "seg/depth probes: folder caching the frozen backbone's features")
     # system
     out_dir: str = opt("", "run folder for ckpt.pt and metrics.jsonl (auto: out/<arch>-<time>; with --resume: "
                            "the checkpoint's folder)")
@@ -611,12 +610,14 @@ RULES = {**dict.fromkeys(GREATER_THAN_ZERO, (lambda v: v > 0, "> 0")),
          **dict.fromkeys(("beta1", "beta2"), (lambda v: 0 <= v < 1, "in [0, 1)")),
          **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
                          (lambda v: 0 <= v <= 1, "in [0, 1]"))}
-CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"),
-           "probe": ("", *PROBES, *DENSE_PROBES)}
+CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"), "probe": ("", *PROBES)}
 
 
 def check_config(cfg: TrainConfig) -> None:
     """Every value against its allowed range or choices, before anything is read or written."""
+    if cfg.probe in DENSE_PROBES:  # their own loop on cached features, in the tool that owns them
+        fail(f"--probe {cfg.probe} is a dense probe: python probes.py --probe {cfg.probe} --backbone CKPT "
+             f"(train.py trains the linear classification probe, --probe cls)")
     for name, value in asdict(cfg).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, float) and not math.isfinite(value):
@@ -705,9 +706,6 @@ def main(argv=None) -> dict:
     if explicit.pop("list_archs", False):
         print("\n".join(sorted(revit.PRESETS) + sorted(alternet.PRESETS)))
         return {}
-    if explicit.get("probe") in DENSE_PROBES:  # probes.py's own settings and loop, single process
-        import probes  # floor 3: imported only when the run is handed to it
-        return probes.run(probes.config_from_flags(explicit))
     if explicit.get("eval_only"):
         return eval_only(explicit)
     resume_ckpt = None
