@@ -337,6 +337,19 @@ def test_full_analysis_with_the_model_on_a_device(tmp_path, fashion_mnist_dir, m
         assert json.dumps(on_device[part]) == json.dumps(on_cpu[part]), part
 
 
+@pytest.mark.gpu
+def test_full_analysis_on_the_gpu(tmp_path, fashion_mnist_dir):
+    """The same analysis on a CUDA GPU (REVIT_GPU_TESTS=1): the numbers of the CPU run, to float tolerance."""
+    save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
+    args = [str(tmp_path / "student.pt"), "--data-dir", str(fashion_mnist_dir), "--num-images", "24",
+            "--intervention-images", "16", "--random-perturbations", "2", "--gradient-batches", "2"]
+    on_cpu = analyze.main([*args, "--out", str(tmp_path / "cpu"), "--device", "cpu"])
+    on_gpu = analyze.main([*args, "--out", str(tmp_path / "gpu"), "--device", "cuda"])
+    assert on_gpu["interventions"]["permutation_summary"]["count"] == 5
+    torch.testing.assert_close(torch.tensor(on_gpu["self_cka"]), torch.tensor(on_cpu["self_cka"]),
+                               rtol=0, atol=1e-2)  # TF32 matmuls, if an earlier test turned them on
+
+
 def analysis_args(tmp_path, fashion_mnist_dir, *extra):
     return [str(tmp_path / "student.pt"), "--out", str(tmp_path / "analysis"), "--data-dir", str(fashion_mnist_dir),
             "--num-images", "16", "--device", "cpu", *extra]
