@@ -560,10 +560,10 @@ def test_data_on_the_device_is_gathered_with_an_index_there():
     with OnFakeDevice():
         images = data.TensorImages(torch.arange(40.0).view(10, 1, 2, 2).to(FAKE), torch.arange(10).to(FAKE))
         real_batches = images.batches
-        images.batches = lambda index_batches: seen.extend(i.device for i in index_batches) or real_batches(index_batches)
-        batches = data.image_batches(images, 4, seed=0, repeats=1, rank=0, world=1, start_step=0)
-        step, x, labels = next(batches)
-        assert (step, x.device, labels.device) == (0, FAKE, FAKE) and torch.equal(x.cpu()[:, 0, 0, 0] / 4, labels.cpu().float())
+        images.batches = lambda indices: seen.extend(i.device for i in indices) or real_batches(indices)
+        step, x, labels = next(data.image_batches(images, 4, seed=0, repeats=1, rank=0, world=1, start_step=0))
+        assert (step, x.device, labels.device) == (0, FAKE, FAKE)
+        assert torch.equal(x.cpu()[:, 0, 0, 0] / 4, labels.cpu().float())  # image i holds 4 i: the right rows
     assert seen and set(seen) == {FAKE}
 
 
