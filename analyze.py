@@ -120,7 +120,7 @@ def expert_bank(model) -> tuple:
 
 def gate_program(model, depth: int) -> dict:
     """G [L, E], its dominant-expert path (Fig. 3), and where in depth each expert is used."""
-    gates = model.gate_matrix(depth).detach().double().cpu()  # (L, E)
+    gates = model.gate_matrix(depth).detach().cpu().double()  # (L, E); float64 on the CPU (MPS has none)
     s = revit.depth_grid(depth).double()  # (L,) Eq. 1
     dominant = gates.argmax(1)
     usage = gates.sum(0)  # (E,)
@@ -148,7 +148,7 @@ def prior_share(model, gates: torch.Tensor, s: torch.Tensor) -> dict:
 def effective_ranks(model, gates: torch.Tensor) -> dict:
     """Fig. 5 / App. D: r_eff of W1_bank [E, P] (P = d_ff d), G [L, E], W1_traj = G W1_bank [L, P],
     and of the depth-centred G_c = C G and W1_traj,c = C W1_traj (rank <= E - 1: rows of G sum to 1)."""
-    w1_bank = expert_bank(model)[0].detach().double().cpu().flatten(1)  # (E, d_ff * d)
+    w1_bank = expert_bank(model)[0].detach().cpu().double().flatten(1)  # (E, d_ff * d)
     gates = gates.double()
     w1_traj = gates @ w1_bank  # (L, P): row t is vec(merged W1 of step t)
     return {"W1_bank": effective_rank(w1_bank), "G": effective_rank(gates), "W1_traj": effective_rank(w1_traj),
@@ -188,7 +188,7 @@ def gate_permutations(num_experts: int, limit: int, generator: torch.Generator) 
 def bank_gram(model) -> torch.Tensor:
     """K = Theta Theta^T [E, E], Theta [E, P_all] = every bank tensor of each expert, flattened.
     The merge is linear (Eq. 2), so the merged weights of all L steps move by ||dG Theta||_F = sqrt(tr(dG K dG^T))."""
-    theta = torch.cat([p.detach().double().cpu().flatten(1) for p in expert_bank(model)], dim=1)
+    theta = torch.cat([p.detach().cpu().double().flatten(1) for p in expert_bank(model)], dim=1)
     return theta @ theta.T
 
 
@@ -265,9 +265,10 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
     perturbations) and each gate-column permutation. Delta = CKA(modified) - CKA(intact)."""
     vit = revit.fold(model, gates=gates)
     generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device  # the gate matrices are built on the CPU, the bank lives here
 
     def cka_to_reference(modified_gates):
-        revit.load_merged_ffns(vit, model.block.mlp.merge(modified_gates))
+        revit.load_merged_ffns(vit, model.block.mlp.merge(modified_gates.to(device)))
         return linear_cka(residual_features(vit, images, batch_size=batch_size)[-1], reference)
 
     intact = cka_to_reference(gates)
@@ -737,7 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradient measures on the gates and experts, trained and at init (0: skip)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the image subset, permutations and perturbations")
     parser.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
     return parser
 
 

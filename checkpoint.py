@@ -153,25 +153,72 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def rng_state(augment) -> dict:
-    """Every random stream of this process (torch, Python, CUDA, the augmentation's): resume repeats them."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+def rng_state(augment, device: torch.device) -> dict:
+    """Every random stream of this process: torch's CPU generator, Python's, the generator of `device`
+    (this rank's GPU only: a machine that resumes may have another number of GPUs) and the
+    augmentation's (on `device`). Resume repeats them."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "device_type": device.type}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device.type == "mps":
+        state["mps"] = torch.mps.get_rng_state()
     if augment is not None:
         state["augment"] = augment.generator.get_state()
         state["augment_batch"] = augment.batch_rng.getstate()
     return state
 
 
-def set_rng_state(state: dict, augment) -> None:
+def set_rng_state(state: dict | None, augment, device: torch.device, seed: int) -> list[str]:
+    """Restore what `rng_state` saved, on `device`. A stream whose saved state cannot apply here (saved on
+    another device type, or None: by another number of ranks) is reseeded with `seed` instead, so the
+    run continues deterministically but not bit-for-bit. -> the names of the reseeded streams."""
+    if state is None:
+        torch.manual_seed(seed)  # every device's generator
+        random.seed(seed)
+        if augment is not None:
+            augment.generator.manual_seed(seed)
+            augment.batch_rng.seed(seed)
+        return ["all"]
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    reseeded = []
+    if device.type in ("cuda", "mps") and not applied(lambda: set_device_rng_state(state, device)):
+        seed_device(device, seed)
+        reseeded.append(device.type)
     if augment is not None:
-        augment.generator.set_state(state["augment"])
         augment.batch_rng.setstate(state["augment_batch"])
+        same_type = state.get("device_type", device.type) == device.type  # older files: the state's size decides
+        if not (same_type and applied(lambda: augment.generator.set_state(state["augment"]))):
+            augment.generator.manual_seed(seed)  # CPU generator states are 5,056 bytes, CUDA's 16
+            reseeded.append("augmentation")
+    return reseeded
+
+
+def applied(restore) -> bool:
+    """Whether a saved generator state could be restored (False: missing, or of another generator)."""
+    try:
+        restore()
+    except (KeyError, IndexError, RuntimeError, TypeError):  # RuntimeError: "RNG state is wrong size"
+        return False
+    return True
+
+
+def set_device_rng_state(state: dict, device: torch.device) -> None:
+    saved = state[device.type]
+    if isinstance(saved, (list, tuple)):  # older files: one state per visible GPU (get_rng_state_all)
+        saved = saved[device.index or 0]
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(saved, device)
+    else:
+        torch.mps.set_rng_state(saved)
+
+
+def seed_device(device: torch.device, seed: int) -> None:
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    else:
+        torch.mps.manual_seed(seed)
 
 
 # --- the run folder: ckpt.pt, metrics.jsonl, and a lock ---

@@ -98,25 +98,38 @@ def parse_model_args(text: str, config_class=None) -> dict:
 # --- devices: what differs on CUDA is decided by one function of the device type ---
 
 
+DEVICES = "auto, cpu, cuda, cuda:N or mps"
+
+
 def pick_device(name: str = "auto") -> torch.device:
-    """--device: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N. ValueError naming the flag
-    for a device this machine does not have."""
+    """--device: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N, or mps (Apple silicon, asked
+    for by name as in nanoGPT: some ops fall back to the CPU there). ValueError naming the flag for a
+    device this machine does not have."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device {name!r}: not a device; use auto, cpu, cuda or cuda:N") from None
+        raise ValueError(f"--device {name!r}: not a device; use {DEVICES}") from None
+    if device.type not in ("cpu", "cuda", "mps") or device.type != "cuda" and device.index not in (None, 0):
+        raise ValueError(f"--device {name!r}: not a device of this project; use {DEVICES}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {name}: Apple's MPS is not available on this machine (use --device cpu)")
     return device
 
 
 def device_options(device_type: str, bf16: bool = True) -> dict:
-    """The CUDA-only choices of the loop, as data (a CPU test checks them with device_type="cuda")."""
-    cuda = device_type == "cuda"
-    return {"fused_adamw": cuda, "tf32": cuda, "ddp_backend": "nccl" if cuda else "gloo",
-            "autocast_dtype": torch.bfloat16 if cuda and bf16 else None, "data_on_device": cuda}
+    """What differs by device type, as data (a CPU test checks them with device_type="cuda" or "mps").
+    MPS (our choice): fused AdamW and the data set on the device, as on CUDA; float32 without autocast
+    (bf16 there needs a recent macOS, fp16 a gradient scaler); gloo for torchrun; no TF32."""
+    cuda, mps = device_type == "cuda", device_type == "mps"
+    return {"fused_adamw": cuda or mps, "tf32": cuda, "ddp_backend": "nccl" if cuda else "gloo",
+            "autocast_dtype": torch.bfloat16 if cuda and bf16 else None, "data_on_device": cuda or mps}
 
 
 # --- figures: matplotlib is an optional extra ---

@@ -159,6 +159,7 @@ class TensorImages:
 
     def batches(self, index_batches):
         for idx in index_batches:
+            idx = idx.to(self.images.device)  # a set on the GPU is gathered with an index there (no-op on the CPU)
             yield self.images[idx], self.labels[idx]
 
 
@@ -243,6 +244,8 @@ def image_batches(images, batch_size: int, seed: int, repeats: int, rank: int, w
     while True:
         epoch, first = divmod(step, steps_per_epoch)
         order = epoch_order(len(images), seed, epoch, repeats)
+        if isinstance(images, TensorImages):  # one copy per epoch to the data's device, not one per batch
+            order = order.to(images.images.device)
         index_batches = [order[s * batch_size:(s + 1) * batch_size][rank::world]  # strided rank split
                          for s in range(first, steps_per_epoch)]
         for x, labels in images.batches(index_batches):

@@ -118,7 +118,7 @@ def check_close(expected: torch.Tensor, got: torch.Tensor, what: str) -> float:
 @torch.no_grad()
 def check_fold(model: nn.Module, vit: revit.VisionTransformer, depth: int | None) -> float:
     """Folding changes no number (§3.1): folded and dynamic outputs agree to float tolerance."""
-    images = example_images(vit.config, batch=2)
+    images = example_images(vit.config, batch=2).to(next(vit.parameters()).device)
     return check_close(model(images, depth=depth), vit(images), f"folded model vs dynamic model at depth {depth}")
 
 

@@ -2,7 +2,8 @@
 
     python probes.py --probe seg --backbone out/revit-mini/ckpt.pt --eval-depths 2,4,8
     python probes.py --probe monodepth --backbone ckpt.pt --data /datasets/nyu_depth_v2 --probe-cache cache/
-    python train.py --probe seg|monodepth --backbone CKPT ...     # the same run: train.py hands it to run()
+
+The one entry point of the dense probes (train.py trains the linear classification probe, --probe cls).
 
 reViT (arXiv 2610.12448) Table 2 and App. A.3 "Frozen-backbone evaluation": the encoder stays frozen
 and is read out by an ADE20k linear segmentation head and by linear and two-layer MLP depth heads on
@@ -54,7 +55,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,7 +67,7 @@ import checkpoint
 import train
 from cli import dataclass_parser, fail, opt, parse_depths, pick_device
 from data import NORMALISATION, epoch_order, load_images
-from tasks import DENSE_PROBES  # train.py's --probe hands these to run()
+from tasks import DENSE_PROBES
 
 IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabelled pixels)
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
@@ -76,8 +77,7 @@ DELTA_MIN_DEPTH = 1e-3     # predicted depths are clamped to this before the rat
 
 @dataclass
 class ProbeConfig:
-    """The flags of `python probes.py`, with the dense probe's own training settings as defaults
-    (train.py's --probe seg|monodepth passes only the flags a user gave: see config_from_flags)."""
+    """The flags of `python probes.py`, with the dense probe's own training settings as defaults."""
     probe: str = opt("seg", "seg (linear segmentation head, mIoU) | monodepth (linear and MLP monocular "
                             "depth heads, RMSE)")
     backbone: str = opt("", "checkpoint of the frozen backbone (any vision checkpoint of this project)")
@@ -101,23 +101,12 @@ class ProbeConfig:
     probe_cache: str = opt("", "folder caching backbone features, keyed by checkpoint hash, depth and data "
                                "(empty: recompute every run)")
     seed: int = opt(0, "random seed: head init and data order")
-    device: str = opt("auto", "auto | cpu | cuda | cuda:N")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     out_dir: str = opt("", "write probe_results.json and probe_heads.pt here (empty: print only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     return dataclass_parser(ProbeConfig, __doc__.split("\n\n")[0])
-
-
-def config_from_flags(flags: dict) -> ProbeConfig:
-    """train.py --probe seg|monodepth: the flags the user gave (by field name), the probe's defaults for
-    the rest. A flag of train.py that a dense probe has no use for is an error, not silently ignored."""
-    known = {f.name for f in fields(ProbeConfig)}
-    unused = sorted(set(flags) - known)
-    if unused:
-        fail(f"--{unused[0].replace('_', '-')} does not apply to --probe {flags.get('probe')} "
-             f"(its flags: python probes.py --help)")
-    return ProbeConfig(**flags)
 
 
 # --- metrics (numerators and denominators accumulate over batches; the ratio is taken once) ---

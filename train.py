@@ -13,8 +13,8 @@ is the reViT paper's Table 6 (arXiv 2610.12448; DeiT III: AdamW, warmup + cosine
 binarised mixup/cutmix targets, 3-Augment, colour jitter 0.3), `cifar` shortens it, `text` is the
 language-model schedule (plus alternet.RECIPES for the AlterNet paper's presets), `probe` trains a
 linear head. Tasks supply the loss and the evaluation: classification, distillation (`--teacher`,
-Eq. 5 of the reViT paper, App. A.3), linear probe (`--probe cls --backbone CKPT`; `seg|monodepth`
-run probes.py) and language modelling (an alternet preset). The loop knows nothing about a model
+Eq. 5 of the reViT paper, App. A.3), linear probe (`--probe cls --backbone CKPT`; the dense probes
+are probes.py's) and language modelling (an alternet preset). The loop knows nothing about a model
 beyond: it returns its loss terms, and the optional hooks set_step / no_weight_decay (the model)
 and after_optimizer_step (any of its modules). Checkpoints are atomic, hold only finite weights, and
 resume bit-for-bit on CPU.
@@ -114,11 +114,10 @@ class TrainConfig:
     eval_batch_size: int = opt(256, "batch per rank for evaluation")
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
     teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (needs internet)")
-    probe: str = opt("", "probe of a frozen --backbone: cls (linear classification) | seg (linear segmentation "
-                         "head, mIoU) | monodepth (linear and MLP depth heads, RMSE); seg/monodepth run probes.py")
+    probe: str = opt("", "probe of a frozen --backbone: cls (linear classification; the dense probes seg and "
+                         "monodepth: python probes.py)")
     probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patch tokens)")
     backbone: str = opt("", "probe mode: checkpoint of the frozen backbone")
-    probe_cache: str = opt("", "seg/depth probes: folder caching the frozen backbone's features")
     # system
     out_dir: str = opt("", "run folder for ckpt.pt and metrics.jsonl (auto: out/<arch>-<time>; with --resume: "
                            "the checkpoint's folder)")
@@ -127,7 +126,7 @@ class TrainConfig:
     save_interval: int = opt(0, "also checkpoint every N optimizer steps (0: only at evaluations and the end)")
     stop_at_step: int = opt(0, "stop (as if killed) after this optimizer step, checkpointing first")
     seed: int = opt(0, "random seed: model init, data order, augmentation")
-    device: str = opt("auto", "auto | cpu | cuda | cuda:N")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps (Apple silicon)")
     bf16: bool = opt(True, "bf16 autocast on CUDA (CPU runs in float32)")
     compile: bool = opt(False, "torch.compile the model (CUDA, or CPU with a C++ compiler)")
     ddp_find_unused: bool = opt(False, "DDP find_unused_parameters (needed if some parameters get no gradient)")
@@ -250,6 +249,7 @@ def loop(run: Run) -> dict:
             if note:
                 bar.write(note)
         if run.step % cfg.log_interval == 0 or run.step == total:
+            record = read_loss_parts(record)
             rate = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1) / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
             run.folder.log({**record, "per_s": rate}, run.is_main)
@@ -302,8 +302,15 @@ def train_step(run: Run, inputs, targets) -> dict:
     run.optimizer.zero_grad(set_to_none=True)
     after_optimizer_step(model)
     run.step += 1
-    return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value,
-            **{k: v.item() if torch.is_tensor(v) else v for k, v in parts_sum.items()}}
+    return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, **parts_sum}
+
+
+def read_loss_parts(record: dict) -> dict:
+    """train_step leaves the loss parts on the device (a read per part and step would wait for the GPU
+    each time); the loop reads them only for the steps it logs, in one transfer."""
+    names = [k for k, v in record.items() if torch.is_tensor(v)]
+    values = torch.stack([record[k].float() for k in names]).tolist() if names else []
+    return {**record, **dict(zip(names, values))}
 
 
 def after_optimizer_step(model: nn.Module) -> None:
@@ -432,8 +439,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
         run.trainable.load_state_dict(resume_ckpt["model"])
         optimizer.load_state_dict(resume_ckpt["optimizer"])
         run.step, run.metrics, run.last_good = resume_ckpt["step"], resume_ckpt.get("metrics", {}), resume_ckpt["step"]
-        rngs = resume_ckpt["rng"]
-        set_rng_state(rngs[rank] if len(rngs) == world else rngs[0], augment)
+        restore_rng(run, resume_ckpt["rng"])
     else:  # each rank its own stream for drop-path / elastic depth / augmentation
         torch.manual_seed(cfg.seed + 1 + rank)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
@@ -443,6 +449,20 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                 "params": num_params, "peak_lr": sched["peak_lr"]}, run.is_main)
     return run
+
+
+def restore_rng(run: Run, rngs: list) -> None:
+    """Each rank's saved random streams; where they cannot apply (another number of ranks, a state of
+    another device type), a reseed by (seed, rank, step), said in one `override:` line."""
+    rank, world, device = run.rank, run.world, run.device
+    seed = run.cfg.seed * 1_000_003 + run.step * world + rank + 1
+    reseeded = set_rng_state(rngs[rank] if len(rngs) == world else None, run.augment, device, seed)
+    if reseeded:
+        why = (f"the checkpoint was saved by {len(rngs)} rank(s), this run has {world}" if len(rngs) != world else
+               f"the checkpoint's states were saved on {rngs[rank].get('device_type', 'another device')}, "
+               f"they do not apply on {device.type}")
+        say(f"override: random streams reseeded ({', '.join(reseeded)}; seed {seed}): {why}; the run continues "
+            f"deterministically, not bit-for-bit")
 
 
 # --- processes: torchrun, torch.compile, DDP (what differs on CUDA: cli.device_options) ---
@@ -458,6 +478,9 @@ def init_distributed(cfg: TrainConfig):
         return 0, 1, device
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if device.type == "cuda":
+        if local >= torch.cuda.device_count():  # set_device would fail with "invalid device ordinal"
+            fail(f"torchrun started local rank {local}, but this machine has {torch.cuda.device_count()} CUDA "
+                 f"device(s): use at most that many --nproc_per_node, or --device cpu")
         torch.cuda.set_device(local)
         device = torch.device(f"cuda:{local}")
     dist.init_process_group(device_options(device.type)["ddp_backend"])
@@ -465,12 +488,14 @@ def init_distributed(cfg: TrainConfig):
 
 
 def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
-    """What the training step calls: the model, compiled (--compile, any device) and/or DDP-wrapped."""
-    forward = torch.compile(model) if cfg.compile else model
+    """What the training step calls: the model, DDP-wrapped (torchrun) and/or compiled (--compile, any
+    device), in the order PyTorch documents for both: compile(DDP(model)), so that the compiled graph is
+    split at DDP's gradient buckets and their all-reduce overlaps the backward."""
+    forward = model
     if world > 1:
         forward = nn.parallel.DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda"
                                                       else None, find_unused_parameters=cfg.ddp_find_unused)
-    return forward
+    return torch.compile(forward) if cfg.compile else forward
 
 
 def broadcast(obj, world):
@@ -528,31 +553,38 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
 
 
 def save_checkpoint(run: Run) -> None:
-    """Rank 0 writes model, optimizer, schedule, loop and every rank's RNG state; only finite weights."""
-    rngs = [rng_state(run.augment)] if run.world == 1 else [None] * run.world
+    """Rank 0 writes model, optimizer, schedule, loop and every rank's RNG state; only finite weights.
+    Every rank learns whether the save failed, and all of them stop with its reason: the outcome is
+    broadcast (a collective that rank 0 always joins), so no rank waits at a barrier for one that failed."""
+    rngs = [rng_state(run.augment, run.device)] if run.world == 1 else [None] * run.world
     if run.world > 1:
-        dist.all_gather_object(rngs, rng_state(run.augment))
-    if run.is_main:
-        # a plain dict of tensors: state_dict()'s _metadata must not smuggle objects past weights_only
-        weights = dict(run.trainable.state_dict())
-        bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad:
-            fail(f"weights became non-finite at step {run.step} ({bad[0]}); not saved. Last good checkpoint: "
-                 f"{last_good(run)}. Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
-        cfg = run.cfg
-        ckpt = {"model": weights, "arch": "linear-probe" if cfg.probe else cfg.arch,
-                "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
-                                          else asdict(run.model.config)),
-                "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
-                "scheduler": dict(run.sched, step=run.step), "step": run.step, "rng": rngs,
-                "metrics": primitive(run.metrics)}
-        try:
-            atomic_save(ckpt, run.folder.ckpt)
-        except OSError as e:
-            fail(f"cannot write {run.folder.ckpt}: {e.strerror or e}. Last good checkpoint: {last_good(run)}")
-    if run.world > 1:
-        dist.barrier()
+        dist.all_gather_object(rngs, rng_state(run.augment, run.device))
+    problem = broadcast(write_checkpoint(run, rngs) if run.is_main else None, run.world)
+    if problem:
+        fail(problem)
     run.last_good = run.step
+
+
+def write_checkpoint(run: Run, rngs: list) -> str | None:
+    """Rank 0's part of save_checkpoint: the file, or the one-line reason it was not written."""
+    # a plain dict of tensors: state_dict()'s _metadata must not smuggle objects past weights_only
+    weights = dict(run.trainable.state_dict())
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        return (f"weights became non-finite at step {run.step} ({bad[0]}); not saved. Last good checkpoint: "
+                f"{last_good(run)}. Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
+    cfg = run.cfg
+    ckpt = {"model": weights, "arch": "linear-probe" if cfg.probe else cfg.arch,
+            "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
+                                      else asdict(run.model.config)),
+            "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
+            "scheduler": dict(run.sched, step=run.step), "step": run.step, "rng": rngs,
+            "metrics": primitive(run.metrics)}
+    try:
+        atomic_save(ckpt, run.folder.ckpt)
+    except OSError as e:
+        return f"cannot write {run.folder.ckpt}: {e.strerror or e}. Last good checkpoint: {last_good(run)}"
+    return None
 
 
 def last_good(run: Run) -> str:
@@ -578,12 +610,14 @@ RULES = {**dict.fromkeys(GREATER_THAN_ZERO, (lambda v: v > 0, "> 0")),
          **dict.fromkeys(("beta1", "beta2"), (lambda v: 0 <= v < 1, "in [0, 1)")),
          **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
                          (lambda v: 0 <= v <= 1, "in [0, 1]"))}
-CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"),
-           "probe": ("", *PROBES, *DENSE_PROBES)}
+CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"), "probe": ("", *PROBES)}
 
 
 def check_config(cfg: TrainConfig) -> None:
     """Every value against its allowed range or choices, before anything is read or written."""
+    if cfg.probe in DENSE_PROBES:  # their own loop on cached features, in the tool that owns them
+        fail(f"--probe {cfg.probe} is a dense probe: python probes.py --probe {cfg.probe} --backbone CKPT "
+             f"(train.py trains the linear classification probe, --probe cls)")
     for name, value in asdict(cfg).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, float) and not math.isfinite(value):
@@ -672,9 +706,6 @@ def main(argv=None) -> dict:
     if explicit.pop("list_archs", False):
         print("\n".join(sorted(revit.PRESETS) + sorted(alternet.PRESETS)))
         return {}
-    if explicit.get("probe") in DENSE_PROBES:  # probes.py's own settings and loop, single process
-        import probes  # floor 3: imported only when the run is handed to it
-        return probes.run(probes.config_from_flags(explicit))
     if explicit.get("eval_only"):
         return eval_only(explicit)
     resume_ckpt = None

@@ -5,15 +5,52 @@ $REVIT_DATA_DIR and Debian's /usr/share/datasets (`apt-get install dataset-fashi
 README's set-up installs); tests that need it are skipped with the reason when none has it.
 The language-model tests train on the corpus the repository generates (data.grammar_corpus);
 the tinyshakespeare test reads $REVIT_DATA_DIR/tinyshakespeare.txt and is skipped without it.
+
+Devices: the suite runs on the CPU, also on a machine with a GPU. Bit-for-bit resume and 2 ranks =
+1 rank are promised on the CPU only (bf16 autocast and atomics differ run to run on a GPU), so unless
+REVIT_GPU_TESTS=1 the GPUs are hidden (CUDA_VISIBLE_DEVICES="", set here before torch initialises
+CUDA, inherited by torchrun and every subprocess): --device auto is the CPU everywhere. Tests marked
+`gpu` need a CUDA GPU and run only with REVIT_GPU_TESTS=1 on a machine that has one:
+
+    REVIT_GPU_TESTS=1 python -m pytest -q -m gpu
+
+With REVIT_GPU_TESTS=1 the unmarked tests still see no GPU (`cpu_unless_marked_gpu` below).
 """
 import os
 from pathlib import Path
 
-import pytest
-import torch
+GPU_TESTS = os.environ.get("REVIT_GPU_TESTS") == "1"
+if not GPU_TESTS:  # before torch reads it: CUDA initialises lazily, at its first use
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(min(2, torch.get_num_threads()))
+SKIP_GPU = ("needs a CUDA GPU: run with REVIT_GPU_TESTS=1 on a machine that has one" if not GPU_TESTS else
+            "REVIT_GPU_TESTS=1 but torch sees no CUDA GPU")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; runs only with REVIT_GPU_TESTS=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_TESTS and torch.cuda.is_available():
+        return
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=SKIP_GPU))
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """With REVIT_GPU_TESTS=1 the GPUs stay visible to the process: an unmarked test still runs on the
+    CPU (--device auto picks it, and its subprocesses see no GPU)."""
+    if GPU_TESTS and not request.node.get_closest_marker("gpu"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 def _data_roots():

@@ -317,6 +317,39 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir):
     assert "gate_gradients" not in again and "interventions" not in again
 
 
+def test_full_analysis_with_the_model_on_a_device(tmp_path, fashion_mnist_dir, monkeypatch):
+    """Every part (gates, ranks, CKA with a teacher, ablations with matched perturbations, permutations,
+    gradients) with the models on an accelerator, here the CPU stand-in of device_check: a tensor the code
+    builds on the CPU and mixes with the model's raises there, as on a GPU. Same numbers as on the CPU."""
+    from device_check import FAKE, OnFakeDevice
+    save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
+    teacher = revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4)
+    save_checkpoint(teacher, "vit-mini", tmp_path / "teacher.pt")
+    args = [str(tmp_path / "student.pt"), "--teacher", str(tmp_path / "teacher.pt"), "--data-dir",
+            str(fashion_mnist_dir), "--num-images", "24", "--intervention-images", "16", "--random-perturbations",
+            "2", "--gradient-batches", "2"]
+    on_cpu = analyze.main([*args, "--out", str(tmp_path / "cpu"), "--device", "cpu"])
+    monkeypatch.setattr(analyze, "pick_device", lambda name: FAKE)
+    with OnFakeDevice():
+        on_device = analyze.main([*args, "--out", str(tmp_path / "device")])
+    assert on_device["interventions"]["permutation_summary"]["count"] == 5
+    for part in ("gates", "effective_ranks", "self_cka", "cross_cka", "interventions", "gate_gradients"):
+        assert json.dumps(on_device[part]) == json.dumps(on_cpu[part]), part
+
+
+@pytest.mark.gpu
+def test_full_analysis_on_the_gpu(tmp_path, fashion_mnist_dir):
+    """The same analysis on a CUDA GPU (REVIT_GPU_TESTS=1): the numbers of the CPU run, to float tolerance."""
+    save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
+    args = [str(tmp_path / "student.pt"), "--data-dir", str(fashion_mnist_dir), "--num-images", "24",
+            "--intervention-images", "16", "--random-perturbations", "2", "--gradient-batches", "2"]
+    on_cpu = analyze.main([*args, "--out", str(tmp_path / "cpu"), "--device", "cpu"])
+    on_gpu = analyze.main([*args, "--out", str(tmp_path / "gpu"), "--device", "cuda"])
+    assert on_gpu["interventions"]["permutation_summary"]["count"] == 5
+    torch.testing.assert_close(torch.tensor(on_gpu["self_cka"]), torch.tensor(on_cpu["self_cka"]),
+                               rtol=0, atol=1e-2)  # TF32 matmuls, if an earlier test turned them on
+
+
 def analysis_args(tmp_path, fashion_mnist_dir, *extra):
     return [str(tmp_path / "student.pt"), "--out", str(tmp_path / "analysis"), "--data-dir", str(fashion_mnist_dir),
             "--num-images", "16", "--device", "cpu", *extra]

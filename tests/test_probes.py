@@ -4,6 +4,7 @@ import math
 import re
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,6 +135,21 @@ def test_feature_cache_gives_the_same_result(tmp_path, fashion_mnist_dir):
     assert plain["depths"] == first["depths"] == second["depths"]
 
 
+@pytest.mark.parametrize("task", ["seg", "monodepth"])
+def test_probes_with_the_backbone_on_a_device(tmp_path, fashion_mnist_dir, monkeypatch, task):
+    """Feature extraction, head training and evaluation with backbone and heads on an accelerator, here
+    device_check's CPU stand-in: a tensor built on the CPU and mixed with the device's raises there, as
+    on a GPU. Same numbers as on the CPU."""
+    from device_check import FAKE, OnFakeDevice
+    path = save_backbone(tmp_path / "backbone.pt")
+    kwargs = dict(probe=task, eval_depths="2", train_subset=64, test_subset=32, max_steps=3, batch_size=16)
+    on_cpu = probes.run(probe_cfg(path, fashion_mnist_dir, **kwargs))
+    monkeypatch.setattr(probes, "pick_device", lambda name: FAKE)
+    with OnFakeDevice():
+        on_device = probes.run(probe_cfg(path, fashion_mnist_dir, **kwargs))
+    assert on_device["depths"] == on_cpu["depths"] and on_device["constant"] == on_cpu["constant"]
+
+
 def test_cli_writes_results_and_rejects_bad_input(tmp_path, fashion_mnist_dir, capsys):
     path = save_backbone(tmp_path / "vit.pt", arch="vit-mini")
     args = ["--backbone", str(path), "--data-dir", str(fashion_mnist_dir), "--no-download", "--device", "cpu",
@@ -163,16 +179,27 @@ def test_tensor_file_format(tmp_path):
     assert summary["data"].endswith("(tensor files)") and summary["train_images"] == 40
 
 
-def test_train_py_hands_dense_probes_to_probes_py(tmp_path, fashion_mnist_dir):
+def test_dense_probes_have_one_entry_point(tmp_path, fashion_mnist_dir):
+    """python probes.py runs the dense probes; train.py names it in one line (it trains --probe cls) and
+    imports none of the tools, at any level (no import cycle: probes.py imports train.py)."""
+    import ast
     path = save_backbone(tmp_path / "backbone.pt")
     args = ["--probe", "monodepth", "--backbone", str(path), "--data-dir", str(fashion_mnist_dir), "--no-download",
             "--device", "cpu", "--train-subset", "64", "--test-subset", "32", "--max-steps", "3",
             "--batch-size", "16", "--eval-depths", "2"]
-    summary = train.main([*args, "--probe-cache", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")])
+    summary = probes.main([*args, "--probe-cache", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")])
     assert set(summary["depths"]) == {"2", "4"} and (tmp_path / "run" / "probe_results.json").is_file()
     assert summary["probe"] == "monodepth"
-    with pytest.raises(SystemExit, match="--mixup does not apply to --probe monodepth"):  # not silently ignored
-        train.main([*args, "--mixup", "0.5"])
+    for probe in ("seg", "monodepth"):
+        with pytest.raises(SystemExit) as info:
+            train.main(["--probe", probe, "--backbone", str(path), "--out-dir", str(tmp_path / "train")])
+        assert ONE_LINE_ERROR.match(str(info.value)) and \
+            f"--probe {probe} is a dense probe: python probes.py --probe {probe} --backbone CKPT" in str(info.value)
+    assert not (tmp_path / "train").exists()
+    source = ast.parse((Path(train.__file__)).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(source) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    assert not imported & {"probes", "analyze", "export", "bench", "sweep"}, imported
 
 
 def write_png_pairs(root, task):

@@ -4,6 +4,7 @@ Faults (divergence, run folders, bad files and values) are in test_faults.py.
 
 Models are tiny (width 32, 16 tokens) so the whole file runs in well under three minutes on 2 cores.
 """
+import contextlib
 import json
 import os
 import socket
@@ -28,8 +29,8 @@ def run(tmp_path, fashion_mnist_dir, *args, name="run", arch="revit-mini"):
     """train.main on a 512-image subset with a tiny model; returns (summary, out_dir)."""
     out = tmp_path / name
     argv = ["--arch", arch, "--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), "--no-progress",
-            "--train-subset", "512", "--test-subset", "256", "--batch-size", "32", "--patch-size", "7",
-            "--depth", "4", "--model-args", TINY_VISION, "--log-interval", "1", *args]
+            "--device", "cpu", "--train-subset", "512", "--test-subset", "256", "--batch-size", "32",
+            "--patch-size", "7", "--depth", "4", "--model-args", TINY_VISION, "--log-interval", "1", *args]
     return train.main(argv), out
 
 
@@ -122,6 +123,58 @@ def test_resume_matches_uninterrupted_run(tmp_path, fashion_mnist_dir):
         assert torch.equal(tensor, state_b["model"][name]), name
 
 
+def test_resume_reseeds_the_random_streams_a_checkpoint_cannot_restore(tmp_path, fashion_mnist_dir, capsys):
+    """A checkpoint from another device type (the augmentation generator's state is 16 bytes on CUDA,
+    5,056 on the CPU) or from another number of ranks: resumed deterministically, said in one line."""
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--three-augment", "--depth-drop", "0.3",
+                 "--stop-at-step", "2")
+    saved = torch.load(out / "ckpt.pt", weights_only=True)
+    from_gpu = dict(saved["rng"][0], device_type="cuda", augment=torch.zeros(16, dtype=torch.uint8),
+                    cuda=[torch.zeros(16, dtype=torch.uint8)] * 8)  # 8 GPUs, older format: one state each
+    cases = {"from_gpu": ([from_gpu], "reseeded (augmentation; seed 3): the checkpoint's states were saved "
+                                      "on cuda, they do not apply on cpu"),
+             "two_ranks": (saved["rng"] * 2, "reseeded (all; seed 3): the checkpoint was saved by 2 rank(s), "
+                                             "this run has 1")}
+    for name, (rngs, line) in cases.items():
+        losses = []
+        for _ in range(2 if name == "from_gpu" else 1):  # twice: the reseeded run is deterministic
+            checkpoint.atomic_save(dict(saved, rng=rngs), out / "ckpt.pt")
+            capsys.readouterr()
+            assert train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])["step"] == 4
+            assert f"override: random streams {line}; the run continues deterministically" in capsys.readouterr().out
+            losses.append([step_losses(out)[s] for s in (3, 4)])
+        assert losses[0] == losses[-1], name
+
+
+def test_rng_state_of_this_gpu_only(monkeypatch):
+    """A CUDA checkpoint holds the state of the rank's own GPU; a state that does not fit (older files
+    of an 8-GPU machine hold 8, a CPU generator's is 5,056 bytes) is picked or reseeded, never a traceback."""
+    calls = []
+
+    def set_state(state, device):
+        if state.numel() != 16:
+            raise RuntimeError("RNG state is wrong size")
+        calls.append(("set", state[0].item(), device))
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.full((16,), 5, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(("seed", seed)))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    gpu = torch.device("cuda:1")
+    state = checkpoint.rng_state(None, gpu)
+    assert state["device_type"] == "cuda" and state["cuda"].shape == (16,)  # one state, not one per GPU
+    assert checkpoint.set_rng_state(state, None, gpu, seed=7) == [] and calls == [("set", 5, gpu)]
+    eight = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    calls.clear()
+    assert checkpoint.set_rng_state(dict(state, cuda=eight), None, gpu, seed=7) == [] and calls == [("set", 1, gpu)]
+    calls.clear()
+    assert checkpoint.set_rng_state(dict(state, cuda=eight[:1]), None, gpu, seed=7) == ["cuda"]  # 1 GPU saved
+    cpu_sized = dict(state, cuda=torch.get_rng_state())
+    assert checkpoint.set_rng_state(cpu_sized, None, gpu, seed=7) == ["cuda"] and calls == [("seed", 7)] * 2
+    calls.clear()
+    assert checkpoint.set_rng_state(state, None, torch.device("cpu"), seed=7) == [] and calls == []
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -130,7 +183,7 @@ def free_port():
 
 def test_ddp_two_processes_match_single_process(tmp_path, fashion_mnist_dir):
     """torchrun, gloo, 2 ranks x 16 images == 1 process x 32 images (same global batch)."""
-    args = ["--arch", "revit-mini", "--data-dir", str(fashion_mnist_dir), "--no-progress",
+    args = ["--arch", "revit-mini", "--data-dir", str(fashion_mnist_dir), "--no-progress", "--device", "cpu",
             "--train-subset", "512", "--test-subset", "256", "--batch-size", "32", "--patch-size", "7",
             "--depth", "4", "--model-args", TINY_VISION, "--max-steps", "3", "--mixup", "0", "--cutmix", "0",
             "--no-random-crop", "--no-three-augment", "--color-jitter", "0"]
@@ -147,6 +200,25 @@ def test_ddp_two_processes_match_single_process(tmp_path, fashion_mnist_dir):
         torch.testing.assert_close(b["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     assert abs(json.loads((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()[-1])["test_acc"]
                - single["test_acc"]) < 1e-6
+
+
+def test_the_suite_runs_on_the_cpu_by_default():
+    """conftest hides the GPUs before torch initialises CUDA (unless REVIT_GPU_TESTS=1): --device auto
+    is the CPU in the tests and in the processes they start (torchrun's ranks above)."""
+    assert cli.pick_device("auto") == torch.device("cpu")
+    seen = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                          capture_output=True, text=True, timeout=60)
+    assert seen.stdout.strip() == "0", seen.stderr[-2000:]
+
+
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    """torchrun with more processes per node than GPUs: refused before torch.cuda.set_device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail(f"set_device({index})"))
+    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit, match="local rank 1, but this machine has 1 CUDA device"):
+        train.init_distributed(train.TrainConfig(device="cuda"))
 
 
 # --- checkpoints and failures ---
@@ -363,10 +435,63 @@ def test_device_options_decide_the_cuda_branches():
     assert cpu == {"fused_adamw": False, "tf32": False, "ddp_backend": "gloo", "autocast_dtype": None,
                    "data_on_device": False}
     assert cli.device_options("cuda", bf16=False)["autocast_dtype"] is None
+    assert cli.device_options("mps") == {"fused_adamw": True, "tf32": False, "ddp_backend": "gloo",
+                                         "autocast_dtype": None, "data_on_device": True}
     assert cli.pick_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             cli.pick_device("cuda")
+
+
+def test_device_picker_refuses_what_the_machine_lacks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli.pick_device("auto") == torch.device("cuda") and cli.pick_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match=r"^--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0 to cuda:1$"):
+        cli.pick_device("cuda:2")
+    for name in ("meta", "xpu", "cpu:1"):
+        with pytest.raises(ValueError, match=f"--device '{name}': not a device of this project; use auto, cpu, "):
+            cli.pick_device(name)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device mps: Apple's MPS is not available on this machine"):
+        cli.pick_device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert cli.pick_device("mps") == torch.device("mps")  # asked for by name; auto never picks it
+    assert cli.pick_device("auto") == torch.device("cuda")
+
+
+def test_a_failed_save_stops_every_rank(tmp_path):
+    """Rank 0 cannot save (non-finite weights): rank 1 stops with the same line at once, instead of
+    waiting at a barrier until the process group's timeout (20 s here; NCCL's default is 10 min)."""
+    script = tmp_path / "save.py"
+    script.write_text(f"""
+import datetime, sys, types
+from pathlib import Path
+import torch, torch.distributed as dist
+sys.path.insert(0, {str(ROOT)!r})
+import train
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+rank = dist.get_rank()
+model = torch.nn.Linear(2, 2)
+if rank == 0:
+    torch.nn.init.constant_(model.weight, float("nan"))
+run = types.SimpleNamespace(world=2, rank=rank, is_main=rank == 0, augment=None, device=torch.device("cpu"),
+                            trainable=model, step=5, last_good=None, sched={{"peak_lr": 0.1}},
+                            folder=types.SimpleNamespace(ckpt=Path({str(tmp_path)!r}) / "ckpt.pt"))
+try:
+    train.save_checkpoint(run)
+except SystemExit as e:
+    print(f"rank {{rank}} stopped: {{e}}", flush=True)
+dist.destroy_process_group()
+""")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    for rank in (0, 1):
+        assert f"rank {rank} stopped: save.py: error: weights became non-finite at step 5 (weight)" in result.stdout, \
+            result.stdout[-2000:] + result.stderr[-2000:]
+    assert not (tmp_path / "ckpt.pt").exists()
 
 
 def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
@@ -383,6 +508,63 @@ def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     assert seen == [True] and 0 <= summary["test_acc"] <= 1
+
+
+def test_a_training_step_reads_the_device_once(tmp_path, fashion_mnist_dir, monkeypatch):
+    """train.py reads the device once per optimizer step (loss and gradient norm for the divergence guard,
+    together); the loss parts stay on the device and are read only for the steps that are logged, in one
+    read. (AdamW's own .item() reads its step counter, a CPU tensor: no wait for the GPU.)"""
+    from torch.overrides import TorchFunctionMode
+    reads, real_step = [], train.train_step
+
+    class CountReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            caller = sys._getframe(1).f_code.co_filename
+            if func in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__bool__) \
+                    and Path(caller) == ROOT / "train.py":
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def counted(run, inputs, targets):
+        with CountReads():
+            return real_step(run, inputs, targets)
+
+    monkeypatch.setattr(train, "train_step", counted)
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--log-interval", "2")
+    assert reads == ["tolist"] * 4  # the guard's, in train_step
+    logged = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 4] and all(isinstance(r[k], float) for r in logged
+                                                         for k in ("task", "balance", "z_loss", "diversity"))
+
+
+def test_ddp_wraps_the_model_before_compile(monkeypatch):
+    """compile(DDP(model)), the order PyTorch documents; the checkpoint still stores the plain module."""
+    import torch.distributed as dist
+    from torch._dynamo.eval_frame import OptimizedModule
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = revit.create_model("revit-mini", **SMALL_VISION)
+        forward = train.wrap(model, train.TrainConfig(compile=True), torch.device("cpu"), world=2)
+        assert isinstance(forward, OptimizedModule)
+        assert isinstance(forward._orig_mod, torch.nn.parallel.DistributedDataParallel)
+        assert forward.no_sync is not None and checkpoint.unwrap(forward) is model
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_on_the_device_is_gathered_with_an_index_there():
+    """A data set on the GPU: the epoch's order goes to the device once, not an index per batch."""
+    import data
+    from device_check import FAKE, OnFakeDevice
+    seen = []
+    with OnFakeDevice():
+        images = data.TensorImages(torch.arange(40.0).view(10, 1, 2, 2).to(FAKE), torch.arange(10).to(FAKE))
+        real_batches = images.batches
+        images.batches = lambda indices: seen.extend(i.device for i in indices) or real_batches(indices)
+        step, x, labels = next(data.image_batches(images, 4, seed=0, repeats=1, rank=0, world=1, start_step=0))
+        assert (step, x.device, labels.device) == (0, FAKE, FAKE)
+        assert torch.equal(x.cpu()[:, 0, 0, 0] / 4, labels.cpu().float())  # image i holds 4 i: the right rows
+    assert seen and set(seen) == {FAKE}
 
 
 @pytest.mark.skip(reason="nccl needs CUDA GPUs; the backend choice is checked by "
@@ -403,3 +585,74 @@ def test_compile_runs_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     assert len(calls) == 1 and summary["step"] == 2
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])  # the plain module is saved
+
+
+# --- the tools' main paths with the model on a device: device_check's CPU stand-in for a GPU ---
+
+
+def test_depth_evaluation_with_the_model_on_a_device(tmp_path, fashion_mnist_dir, monkeypatch):
+    """--eval-only's path (the depth table of bench.py depths too): same numbers as on the CPU, and no
+    tensor built on the CPU meets the model's (device_check raises where a GPU would)."""
+    from device_check import FAKE, OnFakeDevice
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--eval-depths", "2")
+    flags = {"eval_depths": "2,6", "data_dir": str(fashion_mnist_dir), "test_subset": 64}
+    _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
+    on_cpu = train.evaluate_depths(model, task, [None, 2, 6])
+    monkeypatch.setattr(train, "pick_device", lambda name: FAKE)
+    with OnFakeDevice():
+        _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
+        assert next(model.parameters()).device == FAKE
+        on_device = train.evaluate_depths(model, task, [None, 2, 6])
+    assert on_device == on_cpu
+
+
+def test_language_evaluation_with_the_model_on_a_device(tmp_path, monkeypatch):
+    """The language task's evaluation (halted, every fixed depth, causal, the sample) on a device."""
+    from device_check import FAKE, OnFakeDevice
+    out = tmp_path / "lm"
+    train.main(["--arch", "alternet-tiny", "--out-dir", str(out), "--no-progress", "--device", "cpu",
+                *TINY_LM[:1], "1", *TINY_LM[2:]])
+    flags = {"eval_iters": 1}
+    _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
+    on_cpu = train.evaluate_depths(model, task, [None])
+    monkeypatch.setattr(train, "pick_device", lambda name: FAKE)
+    with OnFakeDevice():
+        _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
+        on_device = train.evaluate_depths(model, task, [None])
+    assert on_device == on_cpu
+
+
+def test_fold_and_its_check_with_the_model_on_a_device():
+    """export.py's fold (revit.fold) and its verification, with the model on a device."""
+    import export
+    from device_check import FAKE, OnFakeDevice
+    from helpers import randomise
+    with OnFakeDevice():
+        model = randomise(revit.create_model("revit-mini", **SMALL_VISION, depth=4, num_experts=3)).eval().to(FAKE)
+        vit = export.plain_vit(model, 6)
+        assert next(vit.parameters()).device == FAKE
+        assert export.check_fold(model, vit, 6) < 1e-4
+
+
+# --- on a CUDA GPU: opt-in (REVIT_GPU_TESTS=1, see conftest.py) ---
+
+
+@pytest.mark.gpu
+def test_training_on_the_gpu(tmp_path, fashion_mnist_dir):
+    """bf16 autocast, fused AdamW, TF32, the data set on the device, torch.compile (inductor)."""
+    summary, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "3", "--device", "cuda", "--compile",
+                       "--depth-drop", "0.3", "--three-augment", "--eval-depths", "2")
+    assert summary["step"] == 3 and 0 <= summary["test_acc"] <= 1
+    assert all(torch.isfinite(t).all() for t in torch.load(out / "ckpt.pt", weights_only=True)["model"].values())
+
+
+@pytest.mark.gpu
+def test_a_cpu_run_resumes_on_the_gpu_and_back(tmp_path, fashion_mnist_dir, capsys):
+    """The augmentation generator's state is 5,056 bytes on the CPU and 16 on CUDA: where a saved state
+    cannot apply, it is reseeded and said so."""
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--three-augment", "--stop-at-step", "2")
+    step4 = train.main(["--resume", str(out / "ckpt.pt"), "--device", "cuda", "--stop-at-step", "4",
+                        "--no-progress"])
+    assert step4["step"] == 4 and "override: " in capsys.readouterr().out
+    done = train.main(["--resume", str(out / "ckpt.pt"), "--device", "cpu", "--no-progress"])
+    assert done["step"] == 6 and 0 <= done["test_acc"] <= 1
