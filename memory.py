@@ -54,16 +54,17 @@ SMALL_VOCAB = 256  # the loss is what a measurement loses when the vocabulary sh
 
 
 class LiveBytes(TorchDispatchMode):
-    """Counts every tensor storage an aten op creates, from its creation until it is freed; `peak` is
-    the most bytes alive at once. Outputs that alias an input (views, in-place ops, per the op's
-    schema) and storages already counted are not new memory. Exact for what the dispatcher sees (a
-    kernel's internal scratch buffers are not); the weights and anything older than the mode are not
-    counted."""
+    """Counts every tensor storage an aten op creates, from its creation until it is freed, and records
+    the bytes alive after each op (`timeline`; its maximum is the peak). Outputs that alias an input
+    (views, in-place ops, per the op's schema) and storages already counted are not new memory. Exact
+    for what the dispatcher sees (a kernel's internal scratch buffers are not); the weights and anything
+    older than the mode are not counted. Works on any device."""
 
     def __init__(self):
         super().__init__()
-        self.live = self.peak = 0
+        self.live = 0
         self.sizes = {}  # id(storage) -> bytes, for the storages alive now
+        self.timeline = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -72,6 +73,7 @@ class LiveBytes(TorchDispatchMode):
             aliases = i < len(returns) and returns[i].alias_info is not None
             if isinstance(value, torch.Tensor) and not aliases:
                 self.count(value.untyped_storage())
+        self.timeline.append(self.live)
         return out
 
     def count(self, storage) -> None:
@@ -80,16 +82,23 @@ class LiveBytes(TorchDispatchMode):
             return
         self.sizes[key] = storage.nbytes()
         self.live += self.sizes[key]
-        self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self.free, key)
 
     def free(self, key) -> None:
         self.live -= self.sizes.pop(key)
 
 
+def live_bytes(fn) -> list:
+    """The bytes alive after each op of fn(), beyond what was alive before it (LiveBytes)."""
+    probe = LiveBytes()
+    with probe:
+        fn()
+    return probe.timeline
+
+
 def peak_bytes(fn, device: torch.device) -> int:
-    """Peak bytes allocated while fn() runs, beyond what was allocated before: exact on a CPU
-    (LiveBytes), torch.cuda.max_memory_allocated on CUDA."""
+    """Peak bytes allocated while fn() runs, beyond what was allocated before: LiveBytes's exact count
+    on a CPU (not the process's RSS), the caching allocator's max_memory_allocated on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -97,10 +106,7 @@ def peak_bytes(fn, device: torch.device) -> int:
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    probe = LiveBytes()
-    with probe:
-        fn()
-    return probe.peak
+    return max(live_bytes(fn), default=0)
 
 
 # --- counted: weights, gradients, AdamW state ---
@@ -147,8 +153,8 @@ def reduced_model(config, device: torch.device, depth: int, **changes) -> nn.Mod
     return model.train()
 
 
-def step_peak(model: nn.Module, batch: int, seq_len: int, device: torch.device, dtype) -> int:
-    """Peak bytes of one training forward + backward (batch samples; seq_len tokens for a language
+def step_timeline(model: nn.Module, batch: int, seq_len: int, device: torch.device, dtype) -> list:
+    """Live bytes after each op of one training forward + backward (batch samples; seq_len tokens for a language
     model) beyond the weights and gradients, under autocast to `dtype` (None: fp32)."""
     config = model.config
     generator = torch.Generator(device).manual_seed(0)
@@ -165,42 +171,55 @@ def step_peak(model: nn.Module, batch: int, seq_len: int, device: torch.device, 
                 loss = F.cross_entropy(out["logits"].float(), labels) + sum(out["aux_losses"].values())
         loss.backward()
 
-    return peak_bytes(step, device)
+    return live_bytes(step)
 
 
 @dataclasses.dataclass
-class Fit:
-    """bytes(N, L) = (constant + constant_per_depth L) + N (per_token + per_token_per_depth L): affine in
-    the tokens N of a micro-batch, each coefficient linear in the depth L (a loop of L steps)."""
-    constant: float
-    constant_per_depth: float
-    per_token: float
-    per_token_per_depth: float
+class PeakLine:
+    """Peak bytes of a training step as a function of the tokens N of its micro-batch. Two measured runs
+    at N1 < N2 execute the same ops in the same order, and each op's live bytes are affine in N: the
+    peak at any N is max over the ops t of (a_t + N b_t), exact where the op sequence is the same.
+    (When the two runs differ in their ops, one line through the two peaks: a lower bound, since a
+    maximum of lines is convex.)"""
+    offsets: list
+    slopes: list
 
-    def __call__(self, tokens: int, depth: int) -> float:
-        per_token = self.per_token + self.per_token_per_depth * depth
-        return max(0.0, self.constant + self.constant_per_depth * depth + tokens * per_token)
+    def __call__(self, tokens: int) -> float:
+        return max(a + tokens * b for a, b in zip(self.offsets, self.slopes))
 
-
-def fit(measured: dict) -> Fit:
-    """The Fit through {(tokens, depth): bytes} at two token counts x one or two depths."""
-    (n1, n2), depths = sorted({n for n, _ in measured}), sorted({d for _, d in measured})
-    lines = []  # (constant, per_token) at each measured depth
-    for d in depths:
-        per_token = (measured[n2, d] - measured[n1, d]) / (n2 - n1)
-        lines.append((measured[n1, d] - n1 * per_token, per_token))
-    (c1, k1), (c2, k2) = lines[0], lines[-1]
-    span = depths[-1] - depths[0] or 1
-    return Fit(c1 - (c2 - c1) / span * depths[0], (c2 - c1) / span, k1 - (k2 - k1) / span * depths[0], (k2 - k1) / span)
+    @classmethod
+    def through(cls, n1: int, live1: list, n2: int, live2: list) -> "PeakLine":
+        if len(live1) != len(live2):
+            live1, live2 = [max(live1)], [max(live2)]
+        slopes = [(b - a) / (n2 - n1) for a, b in zip(live1, live2)]
+        return cls([a - n1 * k for a, k in zip(live1, slopes)], slopes)
 
 
 @dataclasses.dataclass
 class Profile:
-    """What a model family's training step holds beyond its weights, as functions of (tokens, depth)."""
-    activations: Fit
-    loss: Fit
+    """What a model's training step holds beyond its weights and gradients: {depth: PeakLine} at two
+    small depths, for the model and (language) for the same model with a SMALL_VOCAB vocabulary."""
+    model: dict
+    small_vocabulary: dict | None
     precision: str  # the dtype the measurement ran in: "bf16 autocast" | "fp32"
     tokens_per_sample: int | None  # a vision model's 1 + patches; None: a language model's seq_len
+
+    def activations(self, tokens: int, depth: int) -> float:
+        return along_depth(self.small_vocabulary or self.model, tokens, depth)
+
+    def loss(self, tokens: int, depth: int) -> float:
+        """The part that grows with the vocabulary (0 for a vision model: its class logits are tiny)."""
+        if self.small_vocabulary is None:
+            return 0.0
+        return max(0.0, along_depth(self.model, tokens, depth) - along_depth(self.small_vocabulary, tokens, depth))
+
+
+def along_depth(lines: dict, tokens: int, depth: int) -> float:
+    """Linear in the depth through the peaks at the measured depths (a loop saves the same tensors
+    at every step)."""
+    (d1, line1), (d2, line2) = sorted(lines.items())[0], sorted(lines.items())[-1]
+    at1, at2 = line1(tokens), line2(tokens)
+    return max(0.0, at1 + (at2 - at1) * (depth - d1) / (d2 - d1 or 1))
 
 
 SMALL_VOCAB = 16  # the loss is what a measurement loses when the vocabulary shrinks to this
@@ -209,32 +228,26 @@ _PROFILES: dict = {}
 
 def measure(config, device: torch.device, dtype, seq_len: int | None = None) -> Profile:
     """Activations and loss of `config`'s training step, measured on `device` under autocast to `dtype`
-    at micro-batches of 1 and 2 samples of T tokens (language: T = min(64, seq_len); vision: 1 + patches)
-    and depths min(L, 2), min(L, 3). Cached per (config, device, dtype, T); the global RNG (and CUDA's)
-    is left as it was."""
+    at two micro-batches (language: one sequence of T/2 and of T tokens, T = min(64, seq_len); vision:
+    1 and 2 images) and depths min(L, 2), min(L, 3). Cached per (config, device, dtype, T); the global
+    RNG (and CUDA's) is left as it was."""
     language = is_language(config)
-    short = min(64, seq_len or config.seq_len) if language else config.num_patches + 1
-    key = (repr(config), str(device), dtype, short)
-    if key in _PROFILES:
-        return _PROFILES[key]
-    shapes = [(1, short), (2, short)]
-    variants = {"model": {}, "small vocabulary": {"vocab_size": SMALL_VOCAB}} if language else {"model": {}}
-    measured = {name: {} for name in variants}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for depth in sorted({min(2, depth_of(config)), min(3, depth_of(config))}):
-            for name, changes in variants.items():
-                model = reduced_model(config, device, depth, **changes)
-                for batch, length in shapes:
-                    measured[name][batch * length, depth] = step_peak(model, batch, length, device, dtype)
-                del model
-    if language:
-        loss = {key: value - measured["small vocabulary"][key] for key, value in measured["model"].items()}
-        fits = fit(measured["small vocabulary"]), fit(loss)
-    else:
-        fits = fit(measured["model"]), Fit(0.0, 0.0, 0.0, 0.0)  # vision: the class logits are in the activations
-    profile = Profile(*fits, "bf16 autocast" if dtype == torch.bfloat16 else "fp32", None if language else short)
-    _PROFILES[key] = profile
-    return profile
+    length = min(64, seq_len or config.seq_len) if language else config.num_patches + 1
+    key = (repr(config), str(device), dtype, length)
+    if key not in _PROFILES:
+        shapes = [(1, max(1, length // 2)), (1, length)] if language else [(1, length), (2, length)]
+        variants = {"model": {}, "small_vocabulary": {"vocab_size": SMALL_VOCAB}} if language else {"model": {}}
+        lines = {name: {} for name in variants}
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for depth in sorted({min(2, depth_of(config)), min(3, depth_of(config))}):
+                for name, changes in variants.items():
+                    model = reduced_model(config, device, depth, **changes)
+                    runs = [(b * t, step_timeline(model, b, t, device, dtype)) for b, t in shapes]
+                    lines[name][depth] = PeakLine.through(*runs[0], *runs[1])
+                    del model
+        _PROFILES[key] = Profile(lines["model"], lines.get("small_vocabulary"),
+                                 "bf16 autocast" if dtype == torch.bfloat16 else "fp32", None if language else length)
+    return _PROFILES[key]
 
 
 # --- the estimate, and the gradient accumulation that fits ---
