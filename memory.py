@@ -143,10 +143,9 @@ def reduced_model(config, device: torch.device, depth: int, **changes) -> nn.Mod
     with torch.device("meta"):
         model = alternet.AlterNet(config) if language else revit.MODELS[config.arch](config)
     model.to_empty(device=device)
-    generator = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.uniform_(-0.02, 0.02, generator=generator)
+            p.fill_(0.01)  # any finite value: what is allocated depends on shapes only
             p.grad = torch.zeros_like(p)
         for b in model.buffers():
             b.zero_()
@@ -228,11 +227,11 @@ _PROFILES: dict = {}
 
 def measure(config, device: torch.device, dtype, seq_len: int | None = None) -> Profile:
     """Activations and loss of `config`'s training step, measured on `device` under autocast to `dtype`
-    at two micro-batches (language: one sequence of T/2 and of T tokens, T = min(64, seq_len); vision:
+    at two micro-batches (language: one sequence of T/2 and of T tokens, T = min(16, seq_len); vision:
     1 and 2 images) and depths min(L, 2), min(L, 3). Cached per (config, device, dtype, T); the global
     RNG (and CUDA's) is left as it was."""
     language = is_language(config)
-    length = min(64, seq_len or config.seq_len) if language else config.num_patches + 1
+    length = min(16, seq_len or config.seq_len) if language else config.num_patches + 1
     key = (repr(config), str(device), dtype, length)
     if key not in _PROFILES:
         shapes = [(1, max(1, length // 2)), (1, length)] if language else [(1, length), (2, length)]

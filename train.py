@@ -45,6 +45,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import alternet
+import memory
 import revit
 from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, preset_module,
                         primitive, rng_state, set_rng_state, unwrap)
@@ -84,7 +85,10 @@ class TrainConfig:
     epochs: int | None = opt(15, "training epochs")
     max_steps: int = opt(0, "optimizer steps to train; overrides --epochs when > 0")
     batch_size: int = opt(256, "GLOBAL batch per optimizer step, over all ranks and accumulation steps")
-    grad_accum: int = opt(1, "gradient accumulation micro-steps per optimizer step")
+    grad_accum: int | None = opt(None, "gradient accumulation micro-steps per optimizer step (auto: 1, or the fewest "
+                                       "whose estimated peak memory fits the device; memory.py)")
+    gpu_memory: float | None = opt(None, "GB of memory per device the run must fit in (auto: the GPU's; a CPU run is "
+                                         "checked only when given)")
     lr: float | None = opt(3e-3, "peak learning rate at --lr-batch examples (None in a recipe: chosen from the width)")
     lr_batch: int = opt(256, "linear scale rule: peak lr = lr * batch_size / lr_batch (0: use lr as given)")
     min_lr: float = opt(1e-5, "final learning rate of the cosine schedule")
@@ -407,7 +411,7 @@ def summarise(cfg: TrainConfig, model: nn.Module, results: dict) -> tuple[dict, 
 def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     """Everything before the first step. The run folder is the first write: all input is validated."""
     rank, world, device = init_distributed(cfg)
-    if cfg.batch_size % (world * cfg.grad_accum):
+    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
         fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = {world * cfg.grad_accum}")
     options = device_options(device.type, cfg.bf16)
     torch.manual_seed(cfg.seed)
@@ -415,6 +419,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     if options["tf32"]:  # TF32 for the float32 parts outside autocast
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt)
+    fit_in_memory(cfg, model, device, world)
     sched = schedule(cfg, model, steps_per_epoch)
     model.to(device)
     trainable = model.head if cfg.probe else model
@@ -443,6 +448,38 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                 "params": num_params, "peak_lr": sched["peak_lr"]}, run.is_main)
     return run
+
+
+def fit_in_memory(cfg: TrainConfig, model: nn.Module, device, world: int) -> None:
+    """Before the first step: the expected peak memory per device (memory.py) and the fewest --grad-accum
+    micro-steps that fit it (an `override:` line), or a one-line stop saying what would fit. Skipped for
+    probes, distillation and CPU runs of models under MEASURED_FROM parameters without --gpu-memory
+    (measuring would dominate their start-up)."""
+    auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
+    if cfg.gpu_memory is not None and not 0 < cfg.gpu_memory < math.inf:
+        fail(f"--gpu-memory must be a number of GB > 0; got {cfg.gpu_memory}")
+    small = sum(p.numel() for p in model.parameters()) < MEASURED_FROM
+    if cfg.probe or cfg.teacher or (device.type != "cuda" and cfg.gpu_memory is None and small):
+        return
+    budget = cfg.gpu_memory or (torch.cuda.get_device_properties(device).total_memory / memory.GB
+                                if device.type == "cuda" else None)
+    seq_len = cfg.block_size if cfg.dataset in TEXT_DATASETS else None
+    profile = memory.measure(model.config, device, device_options(device.type, cfg.bf16)["autocast_dtype"], seq_len)
+    if budget is None:  # a CPU without --gpu-memory: say, never stop
+        say(f"memory: {memory.estimate(model, profile, cfg.batch_size, seq_len, world, cfg.grad_accum).line()}")
+        return
+    try:
+        planned = memory.plan(model, profile, cfg.batch_size, seq_len, world, budget, None if auto else cfg.grad_accum)
+    except ValueError as e:
+        fail(f"--arch {cfg.arch} at --batch-size {cfg.batch_size} on {world} device(s) of {budget:.0f} GB {e}")
+    accum = broadcast(planned.grad_accum, world)  # every rank steps alike
+    if accum != cfg.grad_accum:
+        say(f"override: grad_accum={accum} (auto: the fewest micro-steps whose peak fits {budget:.0f} GB per device)")
+        cfg.grad_accum = accum
+    say(f"memory: {planned.line()}")
+
+
+MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estimate unless --gpu-memory is given
 
 
 # --- processes: torchrun, torch.compile, DDP (what differs on CUDA: cli.device_options) ---
