@@ -38,8 +38,10 @@ def one_thread():
 @given(st.lists(st.tuples(st.integers(1, 4096), st.booleans()), min_size=1, max_size=12))
 def test_probe_peak_equals_a_hand_count(program):
     """A random program of allocations (n floats each) and frees of the oldest live tensor; views and
-    in-place ops in between allocate nothing. The reference adds and subtracts the sizes by hand."""
+    in-place ops in between allocate nothing, nor does a tensor older than the probe. The reference adds
+    and subtracts the sizes by hand."""
     live, reference_live, reference_peak = [], 0, 0
+    older = torch.zeros(4096)
 
     def run():
         nonlocal reference_live, reference_peak
@@ -47,6 +49,7 @@ def test_probe_peak_equals_a_hand_count(program):
             t = torch.empty(n)  # 4 n bytes
             t.add_(1.0)
             t[: n // 2].mul_(2.0)  # a view, in place: no new storage
+            older[:n].add_(t)
             live.append(t)
             del t  # the list holds the only reference
             reference_live += 4 * n
