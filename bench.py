@@ -1918,7 +1918,9 @@ def run_memory(args, device) -> dict:
     if batch % (args.gpus * (args.grad_accum or 1)):
         raise InputError(f"--batch-size {batch} must be divisible by --gpus x --grad-accum")
     profile = memory.measure(model.config, device, torch.bfloat16, seq_len)
-    settings = {"arch": args.arch, "recipe": cfg.recipe or "", "batch_size": batch, "seq_len": seq_len,
+    recipe = args.recipe or train.RECIPE_OF.get(cfg.dataset, "")
+    recipe += " + alternet.RECIPES (Table 2)" if args.arch in getattr(alternet, "RECIPES", {}) else ""
+    settings = {"arch": args.arch, "recipe": recipe, "batch_size": batch, "seq_len": seq_len,
                 "gpus": args.gpus, "gpu_memory_gb": args.gpu_memory, "measured_on": str(device)}
     try:
         estimate, how_to_fit = memory.plan(model, profile, batch, seq_len, args.gpus, args.gpu_memory,

@@ -14,18 +14,24 @@ a 1/devices share of the batch, split again into grad_accum micro-batches):
   exp_avg_sq (2 x the parameters); DDP adds its gradient buckets (one more copy of the gradients).
 - activations: what a forward + backward of one micro-batch holds at its peak beyond the
   weights and the gradients (saved tensors, the backward's transients, autocast's bf16 copies of
-  the weights). Measured with the preset's real width, heads, experts and vocabulary, at two small
-  micro-batches (1 and 2 samples) and two small depths l1 < l2, then: affine in the tokens N = B x T
-  per depth (a constant + N x bytes-per-token), both linear in the depth (a loop saves the same
-  tensors every iteration). Attention adds no T^2 term: F.scaled_dot_product_attention runs fused
-  kernels that never materialise the T x T scores (flash / memory-efficient on CUDA, flash on CPU).
-- the loss (language models): the part of the same measurement that grows with the vocabulary,
-  i.e. the measurement minus that of the same model with a 256-token vocabulary; same model.
-  A loss computed in chunks of C tokens is over-estimated when C exceeds the 2 x 64 tokens measured.
-- dtype: measured under the target's autocast (bf16 on CUDA unless --no-bf16; fp32 on a CPU),
-  on CPU with CPU autocast when the target is a GPU; say which in the line (`bf16 autocast`).
-- a CPU measurement is exact: every tensor storage an op creates is counted while it lives
-  (LiveBytes below), not the process's RSS; a CUDA one reads torch.cuda.max_memory_allocated.
+  the weights). Measured with the preset's real width, heads, experts and vocabulary on two small
+  micro-batches of N1 < N2 tokens (language: one sequence of 8 and of 16 tokens; vision: 1 and 2
+  images) at two small depths (2 and 3), then extrapolated:
+  - along the tokens N = B x T, op by op: both runs execute the same ops, and after op t the live
+    bytes are a_t + N b_t (every tensor's size is affine in N), so the peak at any N is the maximum
+    over t of those lines. A single line through the two peaks would not do: at small N the peak
+    sits where a constant (a weight-sized gradient) dominates, and the slope there is too small.
+  - along the depth, linearly (a loop saves the same tensors at every step).
+  No T^2 term: F.scaled_dot_product_attention runs fused kernels that never materialise the T x T
+  scores (flash / memory-efficient on CUDA, flash on CPU), so the live bytes are affine in T too.
+- the loss (language models): the part of the same measurement that grows with the vocabulary:
+  the model's minus that of the same model with a 16-token vocabulary. A loss computed in chunks
+  of C tokens is over-estimated when C exceeds the 16 tokens measured.
+- dtype: measured under the run's autocast: bf16 on CUDA (train.py's default; bench.py memory
+  measures a GPU run, with CPU autocast on a CPU), fp32 for a CPU run; the line says which.
+- the probe (LiveBytes, on any device) counts every tensor storage an op creates while it lives:
+  exact for what the dispatcher sees, not the process's RSS; peak_bytes reads
+  torch.cuda.max_memory_allocated on CUDA.
 Not counted: a distillation teacher, torch.compile's own savings (the estimate is for eager
 mode, an upper bound), the CUDA context and allocator fragmentation (the fit keeps 10% free).
 """
@@ -34,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import weakref
 
 import torch
