@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import weakref
 
 import torch
@@ -299,6 +300,18 @@ def estimate(model: nn.Module, profile: Profile, batch: int, seq_len: int | None
                   loss=profile.loss(tokens, depth), precision=profile.precision, batch=batch,
                   seq_len=seq_len if profile.tokens_per_sample is None else None, devices=devices,
                   grad_accum=grad_accum)
+
+
+def device_memory_gb(device: torch.device) -> float | None:
+    """A device's memory in GB: a GPU's total; for a CPU, the machine's RAM shared by its local ranks
+    (None where the OS does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GB
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return ram / GB / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def accumulations(batch: int, devices: int) -> list[int]:

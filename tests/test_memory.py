@@ -114,8 +114,12 @@ def test_alternet_loss_memory_does_not_grow_with_the_iterations():
 # --- the plan: accumulation to fit, and what to change when nothing fits ---
 
 
+TINY = dict(dim=32, heads=2, ffn_dim=64, max_depth=3)
+
+
 def tiny_language_plan():
-    config = alternet.AlterNetConfig(vocab_size=256, seq_len=32, dim=32, heads=2, ffn_dim=64, max_depth=3)
+    """The model of run_train below (train.py measures the same config: the profile is cached)."""
+    config = alternet.AlterNetConfig(**{**alternet.PRESETS["alternet-tiny"], **TINY})
     with torch.device("meta"):
         model = alternet.AlterNet(config)
     return model, memory.measure(config, CPU, None, 32)
@@ -143,7 +147,7 @@ def run_train(tmp_path, *flags):
     with redirect_stdout(out):
         summary = train.main(["--arch", "alternet-tiny", "--out-dir", str(tmp_path / "lm"), "--no-progress",
                               "--max-steps", "2", "--batch-size", "8", "--block-size", "32", "--eval-iters", "1",
-                              "--eval-batch-size", "4", "--model-args", "dim=32,heads=2,ffn_dim=64,max_depth=3",
+                              "--eval-batch-size", "4", "--model-args", ",".join(f"{k}={v}" for k, v in TINY.items()),
                               *flags])
     return summary, out.getvalue()
 
