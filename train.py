@@ -464,8 +464,8 @@ def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
     if cfg.gpu_memory is not None and not 0 < cfg.gpu_memory < math.inf:
         fail(f"--gpu-memory must be a number of GB > 0; got {cfg.gpu_memory}")
     if model is None:
-        overrides = ckpt["model_config"] if ckpt else {**({"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}),
-                                                       **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
+        vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
+        overrides = ckpt["model_config"] if ckpt else {**vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
         try:
             with torch.device("meta"):
                 model = alternet.create_model(cfg.arch, **overrides)

@@ -187,3 +187,20 @@ def test_bench_memory_reports_every_part_and_the_fit(capsys):
     assert "| activations |" in printed and "fits 90% of 80 GB: yes" in printed
     with pytest.raises(SystemExit, match="bench.py: error: --gpus must be > 0"):
         bench.main(["memory", "--arch", "alternet-tiny", "--gpus", "0"])
+
+
+def test_small_cpu_runs_skip_the_measurement(monkeypatch):
+    """train.py's tests run ~100 tiny CPU models: for them the estimate is one parameter count."""
+    monkeypatch.setattr(memory, "measure", lambda *a, **k: pytest.fail("measured a tiny CPU run"))
+    cfg = train.resolve_config({"arch": "alternet-tiny", "max_steps": 1}, announce=False)
+    train.fit_in_memory(cfg, None, CPU, 1)
+    assert cfg.grad_accum == 1
+
+
+def test_device_memory_of_a_gpu_and_of_a_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Properties", (), {"total_memory": 85_520_809_984})())
+    assert memory.device_memory_gb(torch.device("cuda")) == pytest.approx(85.52, abs=0.01)  # an "80 GB" H100
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ram = memory.device_memory_gb(CPU)
+    assert ram is None or 0 < ram < 1e5
