@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import weakref
 
@@ -125,6 +126,14 @@ def model_bytes(model: nn.Module, devices: int = 1) -> dict:
     trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     weights = sum(t.numel() * t.element_size() for t in [*params, *model.buffers()])
     return dict(weights=weights, grads=trained * (2 if devices > 1 else 1), optimizer=2 * trained)
+
+
+@functools.lru_cache(maxsize=None)
+def preset_parameters(name: str) -> int:
+    """Parameters of a preset of alternet.py or revit.py (built once on the meta device, then cached)."""
+    with torch.device("meta"):
+        model = (alternet if name in alternet.PRESETS else revit).create_model(name)
+    return sum(p.numel() for p in model.parameters())
 
 
 # --- measured: activations and the loss, at reduced sizes ---

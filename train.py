@@ -457,12 +457,16 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
 def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int, ckpt: dict | None = None) -> None:
     """Before the first step: the expected peak memory per device (memory.py) and the fewest --grad-accum
     micro-steps that fit it (an `override:` line), or a one-line stop saying what would fit. Skipped for
-    probes, distillation and CPU runs of models under MEASURED_FROM parameters without --gpu-memory
-    (measuring would dominate their start-up). model None: the language model of cfg (or ckpt), built
+    probes, distillation and CPU runs of models (language: presets) under MEASURED_FROM parameters
+    without --gpu-memory (measuring would dominate their start-up). model None: the language model of cfg (or ckpt), built
     here on the meta device."""
     auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
     if cfg.gpu_memory is not None and not 0 < cfg.gpu_memory < math.inf:
         fail(f"--gpu-memory must be a number of GB > 0; got {cfg.gpu_memory}")
+    small = (memory.preset_parameters(cfg.arch) if model is None else sum(p.numel() for p in model.parameters())) \
+        < MEASURED_FROM
+    if cfg.probe or cfg.teacher or (device.type != "cuda" and cfg.gpu_memory is None and small):
+        return
     if model is None:
         vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
         overrides = ckpt["model_config"] if ckpt else {**vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
@@ -471,9 +475,6 @@ def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
                 model = alternet.create_model(cfg.arch, **overrides)
         except (ValueError, TypeError):
             return  # build() reports a bad --model-args in one line
-    small = sum(p.numel() for p in model.parameters()) < MEASURED_FROM
-    if cfg.probe or cfg.teacher or (device.type != "cuda" and cfg.gpu_memory is None and small):
-        return
     budget = cfg.gpu_memory or memory.device_memory_gb(device)
     seq_len = (cfg.block_size or model.config.seq_len) if cfg.dataset in TEXT_DATASETS else None
     profile = memory.measure(model.config, device, device_options(device.type, cfg.bf16)["autocast_dtype"], seq_len)

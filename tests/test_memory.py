@@ -5,7 +5,6 @@ bench.py act on the estimate (gradient accumulation to fit, or a one-line stop s
 Also: AlterNet's loss memory must not grow with the iterations D (the D full-vocabulary logit tensors
 of a naive PonderNet loss grow it ~4x from D = 2 to D = 8).
 """
-import dataclasses
 import io
 import json
 from contextlib import redirect_stdout
