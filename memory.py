@@ -54,7 +54,6 @@ import revit
 
 GB = 1e9
 USABLE = 0.9  # of a device's memory a run may plan to use (our choice: context, fragmentation, workspaces)
-SMALL_VOCAB = 256  # the loss is what a measurement loses when the vocabulary shrinks to this
 
 
 # --- the probe: peak bytes of the tensors an operation sequence creates ---
@@ -168,8 +167,8 @@ def reduced_model(config, device: torch.device, depth: int, **changes) -> nn.Mod
 
 
 def step_timeline(model: nn.Module, batch: int, seq_len: int, device: torch.device, dtype) -> list:
-    """Live bytes after each op of one training forward + backward (batch samples; seq_len tokens for a language
-    model) beyond the weights and gradients, under autocast to `dtype` (None: fp32)."""
+    """Live bytes after each op of one training forward + backward (batch samples; seq_len tokens for a
+    language model) beyond the weights and gradients, under autocast to `dtype` (None: fp32)."""
     config = model.config
     generator = torch.Generator(device).manual_seed(0)
 
@@ -342,7 +341,8 @@ def plan(model: nn.Module, profile: Profile, batch: int, seq_len: int | None, de
                      f"{'to fit: ' + ' or '.join(hints) if hints else 'no accumulation, GPU count or context fits'}")
 
 
-def how_to_fit(model, profile, batch, seq_len, devices, budget_gb, grad_accum) -> list[str]:
+def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | None, devices: int,
+               budget_gb: float, grad_accum: int | None) -> list[str]:
     """The changes that make a run fit: more accumulation, more GPUs (DDP), a shorter context."""
     usable, hints = USABLE * budget_gb * GB, []
     counted = sum(model_bytes(model, devices).values())
