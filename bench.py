@@ -1761,6 +1761,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     add_depths_parser(sub)
     add_quality_parser(sub)
+    add_memory_parser(sub)
     return parser
 
 
@@ -1879,8 +1880,66 @@ def precision(device) -> str:
     return "bf16 autocast" if device.type == "cuda" else "fp32"
 
 
+def add_memory_parser(sub):
+    p = sub.add_parser("memory", help="expected peak memory per GPU of a preset x recipe x batch x accumulation x "
+                                      "GPUs, measured at reduced sizes on this machine (memory.py)")
+    device_flags(p)
+    p.add_argument("--arch", required=True, help="a preset of revit.py or alternet.py")
+    p.add_argument("--recipe", help="train.py's --recipe (default: the preset's: Table 2 for AlterNet through "
+                                    "alternet.RECIPES, imagenet = Table 6 for a vision preset)")
+    p.add_argument("--batch-size", type=int, help="global batch per optimizer step (default: the recipe's)")
+    p.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default: the fewest that fit, as "
+                                                  "train.py picks)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP: each holds the model and "
+                                                       "1/gpus of the batch)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
+    p.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's block size)")
+
+
+def run_memory(args, device) -> dict:
+    """The estimate of memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
+    import memory  # only this command needs it
+    language = args.arch in alternet.PRESETS
+    if not language and args.arch not in revit.PRESETS:
+        raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
+    for flag, value in [("--batch-size", args.batch_size), ("--grad-accum", args.grad_accum), ("--gpus", args.gpus),
+                        ("--seq-len", args.seq_len), ("--gpu-memory", args.gpu_memory)]:
+        if value is not None and not 0 < value < math.inf:
+            raise InputError(f"{flag} must be > 0; got {value}")
+    explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
+                **({} if language else {"dataset": "imagenet"})}
+    cfg = train.resolve_config(explicit, announce=False)
+    with torch.device("meta"):
+        model = (alternet if language else revit).create_model(args.arch)
+    batch = args.batch_size or cfg.batch_size
+    seq_len = (args.seq_len or cfg.block_size or model.config.seq_len) if language else None
+    if language and seq_len > model.config.seq_len:
+        raise InputError(f"--seq-len {seq_len} exceeds {args.arch}'s seq_len {model.config.seq_len}")
+    if batch % (args.gpus * (args.grad_accum or 1)):
+        raise InputError(f"--batch-size {batch} must be divisible by --gpus x --grad-accum")
+    profile = memory.measure(model.config, device, torch.bfloat16, seq_len)
+    recipe = args.recipe or train.RECIPE_OF.get(cfg.dataset, "")
+    recipe += " + alternet.RECIPES (Table 2)" if args.arch in getattr(alternet, "RECIPES", {}) else ""
+    settings = {"arch": args.arch, "recipe": recipe, "batch_size": batch, "seq_len": seq_len,
+                "gpus": args.gpus, "gpu_memory_gb": args.gpu_memory, "measured_on": str(device)}
+    try:
+        estimate, how_to_fit = memory.plan(model, profile, batch, seq_len, args.gpus, args.gpu_memory,
+                                           args.grad_accum), None
+    except ValueError as e:
+        estimate, how_to_fit = memory.estimate(model, profile, batch, seq_len, args.gpus, args.grad_accum or 1), str(e)
+    fits = how_to_fit is None
+    rows = [("weights", estimate.weights), ("gradients", estimate.grads), ("AdamW state", estimate.optimizer),
+            ("activations", estimate.activations), ("loss", estimate.loss), ("total", estimate.total)]
+    print(f"{args.arch}: {estimate.line()}\n\n| per device | GB |\n|---|---|")
+    print("\n".join(f"| {name} | {value / memory.GB:.2f} |" for name, value in rows))
+    print(f"\nfits {memory.USABLE:.0%} of {args.gpu_memory:g} GB: {'yes' if fits else 'no -- ' + how_to_fit}")
+    return {"command": "memory", "settings": settings, "grad_accum": estimate.grad_accum,
+            "micro_batch": estimate.micro_batch, "precision": estimate.precision,
+            "bytes": {name: value for name, value in rows}, "fits": fits, "how_to_fit": how_to_fit}
+
+
 COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "check": run_check,
-            "depths": run_depths, "quality": run_quality}
+            "depths": run_depths, "quality": run_quality, "memory": run_memory}
 
 
 def main(argv=None) -> dict:
