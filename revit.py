@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # ================================ Part I — reViT ================================
 
@@ -236,6 +237,15 @@ class DepthRouter(nn.Sequential):
             return F.linear(hidden, last.weight.float(), last.bias.float())
 
 
+# Optimizer steps taken in this process, counted by a hook on every torch.optim optimizer: fused
+# AdamW (torch._fused_adamw_) updates parameters in place without bumping their version counters.
+OPTIMIZER_STEPS = [0]
+
+def count_optimizer_step(optimizer, args, kwargs) -> None:
+    OPTIMIZER_STEPS[0] += 1
+
+register_optimizer_step_post_hook(count_optimizer_step)
+
 class MergedExpertFFN(ExpertBank, FFN):
     """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router.
 
@@ -244,9 +254,9 @@ class MergedExpertFFN(ExpertBank, FFN):
     Gates and merges are computed in fp32 under any autocast or parameter dtype.
 
     Merge cache: inference without gradients at depth L merges all L FFNs once and reuses them
-    until the weights change. Detected: optimizer steps, load_state_dict, in-place ops on the
-    parameters (also under torch.no_grad), moving or casting the module, and any train()/eval()
-    call. Not detected: in-place writes through `p.data` (they bypass the version counter) —
+    until the weights change. Detected: optimizer steps (fused ones too), load_state_dict, in-place ops
+    on the parameters (also under torch.no_grad), moving or casting the module, edits of `temperature`
+    or `router_prior`, and any train()/eval() call. Not detected: in-place writes through `p.data` (they bypass the version counter) —
     call `clear_cache()` (or model.eval()) after such edits.
     """
 
@@ -291,7 +301,9 @@ class MergedExpertFFN(ExpertBank, FFN):
 
     def weights_version(self) -> tuple:
         # In-place updates bump a tensor's version counter; moving or casting changes data_ptr / dtype.
-        return tuple((p._version, p.data_ptr(), p.dtype) for p in self.parameters())
+        # Fused optimizers write without a version bump: every optimizer step counts as an edit.
+        return (OPTIMIZER_STEPS[0], self.temperature, self.router_prior,
+                *((p._version, p.data_ptr(), p.dtype) for p in self.parameters()))
 
     @torch.compiler.disable  # a Python-side lookup: kept out of compiled graphs (no guards, no recompiles)
     def cached_merge(self, depth: int) -> tuple:
@@ -479,7 +491,7 @@ class ReViT(ViTBase):
         states = self.run_steps(x, depth) if keep is None else self.run_elastic_steps(x, keep)
         # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P).
         aux = self.block.mlp.aux_losses(depth) if return_states or self.training else {}
-        extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.depth_programmed else None
+        extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.ffn == "merge" else None
         return self.finish(states[-1], states, aux, return_states, extra)
 
     def run_steps(self, x: torch.Tensor, depth: int) -> list:
@@ -517,9 +529,9 @@ class ReViT(ViTBase):
         """G [L, E]: the fp32 gates of every step at depth L (rows sum to 1). E = 1 gives ones."""
         depth = self.check_depth(depth)
         ffn = self.block.mlp
-        if not self.config.depth_programmed:
-            raise ValueError(f"ffn={self.config.ffn!r} routes on content: its gates depend on the input, "
-                             "so there is no depth-only gate matrix")
+        if self.config.ffn != "merge":
+            raise ValueError(f"ffn={self.config.ffn!r} has no depth-only gate matrix: only reViT's merge "
+                             "(ffn='merge') gates its experts by the depth alone")
         if not isinstance(ffn, MergedExpertFFN):
             return torch.ones(depth, 1)
         return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
@@ -549,13 +561,14 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     the source computes at step t (Block.unrolled_state): for reViT, the shared attention and merged
     FFN t; for Raptor (below), the block that serves step t.
     """
-    check_foldable(model, gates)
+    check_foldable(model, depth, gates)
     depth = model.check_depth(gates.shape[0] if gates is not None else depth)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(("block.", "blocks."))}
     if isinstance(model, ReViT):
         model.block.check_depth(depth)
-        gates = model.gate_matrix(depth) if gates is None else gates
-        steps = [model.block.unrolled_state(t, gates[t]) for t in range(depth)]
+        if gates is None and isinstance(model.block.mlp, MergedExpertFFN):
+            gates = model.gate_matrix(depth)
+        steps = [model.block.unrolled_state(t, None if gates is None else gates[t]) for t in range(depth)]
     else:  # Raptor: the block that serves step t
         steps = [model.blocks[j].unrolled_state(t) for t, j in enumerate(model.schedule(depth))]
     for t, step_state in enumerate(steps):
@@ -1356,7 +1369,7 @@ def check_model_class(model: nn.Module, c: ViTConfig) -> None:
         raise ValueError(f"arch={c.arch!r} builds revit.{MODELS[c.arch].__name__}, not {type(model).__name__}; "
                          "build models with revit.MODELS[config.arch](config)")
 
-def check_foldable(model: nn.Module, gates: torch.Tensor | None) -> None:
+def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
     """fold's arguments: a depth-programmed reViT (any E, or LoRA) or a Raptor; gates [L, E] for E >= 2."""
     if not isinstance(model, (ReViT, Raptor)):
         raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
@@ -1369,6 +1382,9 @@ def check_foldable(model: nn.Module, gates: torch.Tensor | None) -> None:
             raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
         if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
             raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
+        if depth is not None and depth != gates.shape[0]:
+            raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
+                             "pass gates with one row per step of that depth, or leave depth out")
 
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts of the presets (built on the meta device)
     import sys

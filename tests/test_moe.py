@@ -325,6 +325,18 @@ def test_lora_starts_as_the_tied_block_and_runs_only_its_depth():
         lora(x, depth=6)
 
 
+def test_lora_has_no_gate_matrix_but_folds():
+    """Layer-wise LoRA has no expert bank: no gates to report (neither gate_matrix nor return_states)."""
+    model = randomise(tiny("revit-mini-lora", lora_rank=3), 4).eval()
+    with pytest.raises(ValueError, match="no depth-only gate matrix"):
+        model.gate_matrix()
+    x = images(2, model)
+    with torch.no_grad():
+        out = model(x, return_states=True)
+        assert "gates" not in out
+        torch.testing.assert_close(revit.fold(model)(x), out["logits"], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["revit-mini-smear", "revit-mini-qwen3", "revit-mini-softmoe", "revit-mini-feature"])
 def test_input_dependent_mechanisms_refuse_to_fold(name):
     model = tiny(name)

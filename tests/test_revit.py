@@ -161,6 +161,44 @@ def test_no_cache_when_gradients_are_needed():
     assert model.block.mlp._cache is None
 
 
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "adamw-foreach"])
+def test_cache_follows_optimizer_steps_that_do_not_bump_versions(optimizer):
+    """Fused AdamW writes the parameters in place without bumping their version counters; a model kept
+    in eval mode and stepped between two no_grad calls must still run its new weights."""
+    model = randomise(tiny(num_experts=3), 18).eval()
+    x = images(4, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, **{optimizer.split("-")[1]: True})
+    with torch.no_grad():
+        before = model(x)                            # fills the cache
+    model(x).pow(2).mean().backward()                # eval mode, gradients on: no cache involved
+    versions = [p._version for p in model.parameters()]
+    opt.step()
+    if optimizer == "adamw-fused":  # the case the version counter cannot see
+        assert [p._version for p in model.parameters()] == versions
+    fresh = tiny(num_experts=3, merge_cache=False).eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        after = model(x)
+        assert not torch.allclose(after, before)
+        torch.testing.assert_close(after, fresh(x))
+
+
+@pytest.mark.parametrize("edit", [dict(temperature=0.25), dict(router_prior=4.0)])
+def test_cache_follows_temperature_and_prior_edits(edit):
+    model = randomise(tiny(num_experts=3), 19).eval()
+    uncached = randomise(tiny(num_experts=3, merge_cache=False), 19).eval()
+    x = images(3, model)
+    with torch.no_grad():
+        before = model(x)                                                   # fills the cache
+        torch.testing.assert_close(before, uncached(x))
+        for ffn in (model.block.mlp, uncached.block.mlp):
+            for name, value in edit.items():
+                setattr(ffn, name, value)
+        edited = uncached(x)
+        assert not torch.allclose(edited, before)
+        torch.testing.assert_close(model(x), edited)
+
+
 # --- elastic depth (§3.2, §3.2) ---
 
 @FAST
@@ -396,6 +434,16 @@ def test_fold_with_given_gates_runs_the_chosen_experts():
                                model(images(2, model), depth=6))
     with pytest.raises(ValueError, match="gates must have shape"):
         revit.fold(model, gates=torch.ones(4, 2) / 2)
+
+
+def test_fold_refuses_a_depth_that_disagrees_with_its_gates():
+    model = randomise(tiny(num_experts=3, depth=4), 12).eval()
+    gates = model.gate_matrix(6)
+    with pytest.raises(ValueError, match=r"fold: depth=5 disagrees with gates of shape \[6, 3\]"):
+        revit.fold(model, 5, gates=gates)
+    x = images(2, model)
+    with torch.no_grad():  # a depth that agrees is honoured
+        torch.testing.assert_close(revit.fold(model, 6, gates=gates)(x), model(x, depth=6))
 
 
 # --- merge cache against autocast and hand-written weight edits ---
