@@ -165,8 +165,8 @@ def test_balance_losses_pool_all_steps():
     for name in ("revit-mini-qwen3-u2", "revit-mini-moeut-u2"):
         ffn = randomise(tiny(name), 3).block.mlp
         ffn.begin_forward(3, 2)
-        for t, u in enumerate(steps):
-            ffn(u, None, t)
+        for u in steps:
+            ffn(u)
         logits = x @ ffn.router.weight.T
         probs = torch.softmax(logits, -1)
         if name.startswith("revit-mini-qwen3"):
@@ -398,7 +398,8 @@ def test_flop_count_is_what_the_module_runs(name):
     with FlopCounterMode(display=False) as counter:
         ffn.begin_forward(depth, 1)
         for t in range(depth):
-            ffn(u, revit.depth_grid(depth)[t:t + 1], t)
+            step = revit.Step(t, revit.depth_grid(depth)[t:t + 1])
+            ffn(u, step) if ffn.needs_step else ffn(u)
     flops = revit.active_flops_per_token(ffn, tokens)
     assert counter.get_total_flops() == pytest.approx(depth * tokens * (flops["experts"] + flops["routing"]))
 

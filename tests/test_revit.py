@@ -3,7 +3,10 @@
 Each behaviour is checked against a slow, obviously-correct reference (loops over images,
 steps and experts) or a direct formula, over random shapes with Hypothesis.
 """
+import ast
+import inspect
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -599,3 +602,42 @@ def test_image_dtypes():
     with torch.no_grad():  # other floating dtypes are cast to the model's
         torch.testing.assert_close(model(x.double()), model(x))
         assert model.to(torch.bfloat16)(x).dtype == torch.bfloat16
+
+
+# --- the file's structure: Part I (reViT) reads alone; each FFN gets only what it uses ---
+
+def module_level_names(statements) -> set:
+    names = set()
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name))
+    return names
+
+
+def test_part_one_refers_to_no_name_defined_in_part_two():
+    source = Path(revit.__file__).read_text()
+    part_two = next(i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# ") and "Part II" in line
+                    and "=====" in line)
+    tree = ast.parse(source)
+    part_one = [node for node in tree.body if node.lineno < part_two]
+    defined_later = module_level_names(node for node in tree.body if node.lineno > part_two)
+    defined_later -= module_level_names(part_one)  # a Part I name that Part II extends stays Part I's
+    used = {n.id for node in part_one for n in ast.walk(node) if isinstance(n, ast.Name)}
+    assert used & defined_later == set()
+    assert "dist" in defined_later  # torch.distributed serves only Part II
+
+
+def test_only_ffns_that_need_the_step_receive_it():
+    def subclasses(cls):
+        return {cls} | {s for sub in cls.__subclasses__() for s in subclasses(sub)}
+    # LoRAMlp is never called by Block.forward: LoRABlock calls it with step t's adapters itself
+    for ffn in subclasses(revit.FFN) - {revit.FFN, revit.LoRAMlp}:
+        wanted = ["self", "u", "step"] if ffn.needs_step else ["self", "u"]
+        assert list(inspect.signature(ffn.forward).parameters)[:len(wanted)] == wanted, ffn.__name__
+        assert len(inspect.signature(ffn.forward).parameters) == len(wanted), ffn.__name__
+    assert list(inspect.signature(revit.Mlp.forward).parameters) == ["self", "u"]
