@@ -247,6 +247,11 @@ class DepthRouter(nn.Sequential):
             return F.linear(hidden, last.weight.float(), last.bias.float())
 
 
+def unstack_one(stacks: tuple) -> tuple:
+    """(1, ...) stacks -> their only entries. squeeze, not [0]: its backward is a view, where indexing's
+    would allocate and copy each merged weight's gradient again at every step."""
+    return tuple(w.squeeze(0) for w in stacks)
+
 class MergedExpertFFN(ExpertBank, FFN):
     """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router.
 
@@ -291,7 +296,7 @@ class MergedExpertFFN(ExpertBank, FFN):
 
     def step_weights(self, step: Step) -> tuple:
         """The merged FFN of grid step t (every image at s_t): Eq. 2 on one gate vector."""
-        return tuple(w[0] for w in self.merge(self.gates(step.coords[:1])))
+        return unstack_one(self.merge(self.gates(step.coords[:1])))
 
     def forward(self, u: torch.Tensor, step: Step) -> torch.Tensor:
         if step.rows is None:  # every image at grid step t: one merged FFN for the whole batch
@@ -301,7 +306,7 @@ class MergedExpertFFN(ExpertBank, FFN):
         values, group = torch.unique(step.coords, return_inverse=True)
         merged = self.merge(self.gates(values))                                   # (groups, ...)
         if len(values) == 1:
-            return apply_ffn(u, *(w[0] for w in merged))
+            return apply_ffn(u, *unstack_one(merged))
         order = torch.argsort(group)
         chunks = u[order].split(torch.bincount(group, minlength=len(values)).tolist())
         y = torch.cat([apply_ffn(chunk, *(w[i] for w in merged)) for i, chunk in enumerate(chunks)])
