@@ -627,9 +627,12 @@ class ReViT(ViTBase):
         steps (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs
         (elastic depth); sampled in training when depth_drop > 0."""
         depth = self.check_depth(depth)
+        check_images(images, self.config)
+        # Before any tensor work: under torch.compile the merge cache's lookup (never compiled) then
+        # precedes one graph for the whole forward, instead of splitting it in two.
+        self.block.begin_forward(depth, images.shape[0])
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
-        self.block.begin_forward(depth, x.shape[0])
         states = self.run_steps(x, depth) if keep is None else self.run_elastic_steps(x, keep)
         # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P).
         aux = self.block.mlp.aux_losses(depth) if return_states or self.training else {}
@@ -647,7 +650,12 @@ class ReViT(ViTBase):
 
     @torch.compiler.disable  # data-dependent row sets and coordinate groups: runs eagerly under torch.compile
     def run_elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
-        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
+        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates.
+
+        Eager even in a compiled model (the stem, head and losses still compile): each step picks its
+        rows (nonzero) and coordinate groups (unique, bincount) from data, so on a GPU every step syncs
+        with the host and runs one small FFN per group. A fixed-shape version would sum the merges in
+        another order; this one keeps the numerics of the CPU runs."""
         coords = elastic_plan(keep)                                             # (B, L)
         states = [x]
         for t in range(keep.shape[1]):
