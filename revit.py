@@ -386,6 +386,8 @@ class CachedMergedExpertFFN(MergedExpertFFN):
 
 @dataclass
 class ViTConfig:
+    """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
+    all use these names. Part I's fields first; the last group is read only by Part II's mechanisms."""
     arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
     image_size: int = 224
     patch_size: int = 16
