@@ -195,8 +195,9 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
 
 def maybe_compile(model, compiled: bool, dynamic: bool | None = False):
     """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches);
-    None: torch's automatic dynamic shapes, so elastic depth's varying per-step batch of retained
-    images recompiles once per graph, not once per size."""
+    None: torch's automatic dynamic shapes (a second batch size recompiles once, with a dynamic batch).
+    reViT's elastic step loop is never compiled (revit.ReViT.run_elastic_steps runs eagerly: data-dependent
+    row sets), so elastic rows compile only the stem, head and losses."""
     if not compiled:
         return model
     import torch._dynamo.config as dynamo_config

@@ -15,11 +15,14 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order. Part I: building blocks -> the ViT block (Eq. 3) -> the depth router ψ and the merge
-(Eqs. 1-2) with the auxiliary losses -> config -> ReViT -> fold; then Table 1's baselines (the plain
-ViT, Raptor) and the presets. Part II: the paper's comparison mechanisms (§4.3, App. B), each an
-`FFN` (or a Block variant) that `build_block` plugs into the shared block; a reader of Part I never
-needs them.
+Reading order. Part I, top to bottom, is all of reViT: the building blocks (`Attention`, `FFN`,
+`Mlp`) -> the ViT block (`Block`, Eq. 3) -> the depth router ψ and the merge (`DepthRouter`,
+`MergedExpertFFN`, Eqs. 1-2) with the auxiliary losses (`gate_penalties`, `merge_regularisers`) ->
+`ViTConfig` and its input checks -> `ReViT` (`run_steps`; `run_elastic_steps`, §3.2) -> `fold` ->
+Table 1's baselines (`VisionTransformer`, `Raptor`) -> `PRESETS` and `create_model`. The merge cache
+(`CachedMergedExpertFFN`) is an inference optimisation a first reading may skip. Part II holds the
+paper's comparison mechanisms (§4.3, App. B): each an `FFN` (or, for layer-wise LoRA, a `Block`) that
+Part II registers in `SHARED_BLOCKS`, so Part I refers to none of them.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
+from typing import Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # ================================ Part I — reViT ================================
 
@@ -95,18 +99,28 @@ def apply_ffn(u, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     w1, b1, w2, b2 = (w.to(u.dtype) for w in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
     return F.linear(F.gelu(F.linear(u, w1, b1)), w2, b2)
 
+class Step(NamedTuple):
+    """Where one application of reViT's shared block runs: what an FFN with `needs_step` is given.
+
+      t       int          the step index in 0..L-1
+      coords  (b,)         each image's normalised depth coordinate s (Eq. 1; renumbered under §3.2)
+      rows    (b,) | None  which images of the batch run this step, under elastic depth; None: the
+                           whole batch, every image at the grid coordinate s_t = t / (L - 1)
+    """
+    t: int
+    coords: torch.Tensor
+    rows: torch.Tensor | None = None
+
 class FFN(nn.Module):
     """What the FFN of a block implements (a plain Mlp, reViT's merge, and every Part II mechanism).
 
-    forward(u, coords, step, rows) -> tokens of u's shape, called once per step:
-      u       (b, T, d) LayerNorm'd tokens of the images that run this step
-      coords  (b,)      each image's normalised depth coordinate s (None in a plain ViT)
-      step    int       the step index t in 0..L-1 of this application
-      rows    (b,)      which images of the batch these are, under elastic depth; None: the whole
-                        batch, every image at the grid coordinate s_t = t / (L - 1)
-    begin_forward(depth, batch) runs once before step 0 (per-forward state: a merge cache, pooled
-    router statistics), aux_losses(depth) once after the last step (weighted auxiliary losses).
+    forward(u) -> tokens of u's shape, u (b, T, d) the LayerNorm'd tokens of the images that run this
+    step; an FFN whose weights depend on where it runs sets `needs_step` and gets forward(u, step), step
+    a `Step`. begin_forward(depth, batch) runs once before step 0 (per-forward state: a merge cache,
+    pooled router statistics), aux_losses(depth) once after the last step (weighted auxiliary losses).
     """
+
+    needs_step = False
 
     def begin_forward(self, depth: int, batch: int) -> None:
         pass
@@ -122,12 +136,12 @@ class Mlp(FFN):
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
 
-    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(u)))
 
-    def dense_state(self, gates=None) -> dict:
-        """The Mlp weights this FFN runs with (fold): its own."""
-        return self.state_dict()
+    def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
+        """The Mlp weights of each of `depth` steps (fold): its own at every step."""
+        return [self.state_dict()] * depth
 
 # --- the plain ViT block (Eq. 3) ---
 
@@ -149,23 +163,20 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
         self.drop_path = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        """step: where this application runs (reViT); only an FFN with `needs_step` reads it."""
         x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
-        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), coords, step, rows)))
-
-    def check_depth(self, depth: int) -> None:
-        """Raise ValueError if this block cannot run `depth` steps (every depth is fine here)."""
+        u = self.norm2(x)
+        return x + self.drop_path(self.ls2(self.mlp(u, step) if self.mlp.needs_step else self.mlp(u)))
 
     def begin_forward(self, depth: int, batch: int) -> None:
-        self.check_depth(depth)
         self.mlp.begin_forward(depth, batch)
 
-    def unrolled_state(self, step: int, gates: torch.Tensor | None = None) -> dict:
-        """State dict of a plain Block (dense Mlp) computing what this block computes at `step`;
-        gates: that step's (E,) gate vector for a merged FFN (fold)."""
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith("mlp.")}
-        state.update({f"mlp.{k}": v for k, v in self.mlp.dense_state(gates).items()})
-        return state
+    def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
+        """State dicts of `depth` plain Blocks (dense Mlp): block t computes what this shared block
+        computes at step t (fold); gates: an [L, E] matrix replacing a merged FFN's own gates."""
+        shared = {k: v for k, v in self.state_dict().items() if not k.startswith("mlp.")}
+        return [{**shared, **{f"mlp.{k}": v for k, v in ffn.items()}} for ffn in self.mlp.dense_states(depth, gates)]
 
 # --- the depth router ψ and the weight-space merge (§3.1, Eqs. 1-2); aux losses (App. A.2) ---
 
@@ -236,29 +247,29 @@ class DepthRouter(nn.Sequential):
             return F.linear(hidden, last.weight.float(), last.bias.float())
 
 
+def unstack_one(stacks: tuple) -> tuple:
+    """(1, ...) stacks -> their only entries. squeeze, not [0]: its backward is a view, where indexing's
+    would allocate and copy each merged weight's gradient again at every step."""
+    return tuple(w.squeeze(0) for w in stacks)
+
 class MergedExpertFFN(ExpertBank, FFN):
     """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router.
 
     Eq. 1: z_t = psi(s_t), g_t = softmax(z_t / tau), psi = Linear(1,16) -> SiLU -> Linear(16,E).
     Eq. 2: W1_t = sum_e g_te W1_e (same for b1, W2, b2); FFN_t(u) = W2_t GELU(W1_t u + b1_t) + b2_t.
-    Gates and merges are computed in fp32 under any autocast or parameter dtype.
-
-    Merge cache: inference without gradients at depth L merges all L FFNs once and reuses them
-    until the weights change. Detected: optimizer steps, load_state_dict, in-place ops on the
-    parameters (also under torch.no_grad), moving or casting the module, and any train()/eval()
-    call. Not detected: in-place writes through `p.data` (they bypass the version counter) —
-    call `clear_cache()` (or model.eval()) after such edits.
+    Gates and merges are computed in fp32 under any autocast or parameter dtype. Each step merges its
+    own FFN, so only one merged FFN is alive at a time (the bank stays the only large weight).
     """
+
+    needs_step = True
 
     def __init__(self, dim: int, hidden: int, num_experts: int, router_hidden: int = 16,
                  router_temperature: float = 1.0, aux_weights: tuple = (1e-2, 1e-3, 1e-3),
-                 merge_cache: bool = True, router_prior: float = 0.0):
+                 router_prior: float = 0.0):
         super().__init__(dim, hidden, num_experts)
-        self.temperature, self.aux_weights, self.merge_cache = router_temperature, aux_weights, merge_cache
+        self.temperature, self.aux_weights = router_temperature, aux_weights
         self.router_prior = router_prior
         self.router = DepthRouter(router_hidden, num_experts)
-        self._cache_key, self._cache = None, None
-        self._merged_steps = None  # this forward's cached (L, ...) stacks, set by begin_forward
 
     def reset_router(self) -> None:
         """App. A.1: the output layer is zero-initialised, so all experts start with equal weight.
@@ -283,15 +294,77 @@ class MergedExpertFFN(ExpertBank, FFN):
     def gates(self, coords: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
 
+    def step_weights(self, step: Step) -> tuple:
+        """The merged FFN of grid step t (every image at s_t): Eq. 2 on one gate vector."""
+        return unstack_one(self.merge(self.gates(step.coords[:1])))
+
+    def forward(self, u: torch.Tensor, step: Step) -> torch.Tensor:
+        if step.rows is None:  # every image at grid step t: one merged FFN for the whole batch
+            return apply_ffn(u, *self.step_weights(step))
+        # Elastic depth: images at this step may sit at different coordinates. Group them by
+        # coordinate and run one merged FFN per group, never one weight copy per image.
+        values, group = torch.unique(step.coords, return_inverse=True)
+        merged = self.merge(self.gates(values))                                   # (groups, ...)
+        if len(values) == 1:
+            return apply_ffn(u, *unstack_one(merged))
+        order = torch.argsort(group)
+        chunks = u[order].split(torch.bincount(group, minlength=len(values)).tolist())
+        y = torch.cat([apply_ffn(chunk, *(w[i] for w in merged)) for i, chunk in enumerate(chunks)])
+        return y[torch.argsort(order)]  # back to the batch order
+
+    def aux_losses(self, depth: int) -> dict:
+        """Eqs. 6, 8, 9 on the gates of this forward's grid."""
+        z = self.gate_logits(depth_grid(depth, self.fc1_weight.device))  # (L, E)
+        return merge_regularisers(self, *gate_penalties(z, self.temperature), z.shape[0], self.aux_weights)
+
+    def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
+        """The Mlp weights of each of `depth` steps, from the router's gates or the given [L, E] (fold)."""
+        device = self.fc1_weight.device
+        gates = self.gates(depth_grid(depth, device)) if gates is None else gates.to(device)  # (L, E)
+        names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+        return [dict(zip(names, (w[0] for w in self.merge(g.unsqueeze(0))))) for g in gates]
+
+# --- an optimisation a first reading may skip: the merge cache for inference ---
+
+# Optimizer steps taken in this process, counted by a hook on every torch.optim optimizer: fused
+# AdamW (torch._fused_adamw_) updates parameters in place without bumping their version counters.
+OPTIMIZER_STEPS = [0]
+
+def count_optimizer_step(optimizer, args, kwargs) -> None:
+    OPTIMIZER_STEPS[0] += 1
+
+register_optimizer_step_post_hook(count_optimizer_step)
+
+class CachedMergedExpertFFN(MergedExpertFFN):
+    """MergedExpertFFN plus a cache (ViTConfig.merge_cache, on by default): inference without gradients
+    at depth L merges all L FFNs at once and reuses them until the weights change; the outputs are those
+    of MergedExpertFFN up to float rounding. Training and any call with gradients never use it.
+
+    Detected: optimizer steps (fused ones too), load_state_dict, in-place ops on the parameters (also
+    under torch.no_grad), moving or casting the module, edits of `temperature` or `router_prior`, and any
+    train()/eval() call. Not detected: in-place writes through `p.data` (they bypass the version counter)
+    outside an optimizer step — call `clear_cache()` (or model.eval()) after such edits.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._cache_key, self._cache = None, None
+        self._merged_steps = None  # this forward's cached (L, ...) stacks, set by begin_forward
+
     def begin_forward(self, depth: int, batch: int) -> None:
-        # Inference without gradients uses the cache; otherwise each step merges its own FFN, so
-        # that without a cache only one merged FFN is alive at a time (the bank stays the only large weight).
-        cacheable = self.merge_cache and not self.training and not torch.is_grad_enabled()
+        cacheable = not self.training and not torch.is_grad_enabled()
         self._merged_steps = self.cached_merge(depth) if cacheable else None
+
+    def step_weights(self, step: Step) -> tuple:
+        if self._merged_steps is not None:
+            return tuple(w[step.t] for w in self._merged_steps)
+        return super().step_weights(step)
 
     def weights_version(self) -> tuple:
         # In-place updates bump a tensor's version counter; moving or casting changes data_ptr / dtype.
-        return tuple((p._version, p.data_ptr(), p.dtype) for p in self.parameters())
+        # Fused optimizers write without a version bump: every optimizer step counts as an edit.
+        return (OPTIMIZER_STEPS[0], self.temperature, self.router_prior,
+                *((p._version, p.data_ptr(), p.dtype) for p in self.parameters()))
 
     @torch.compiler.disable  # a Python-side lookup: kept out of compiled graphs (no guards, no recompiles)
     def cached_merge(self, depth: int) -> tuple:
@@ -309,36 +382,12 @@ class MergedExpertFFN(ExpertBank, FFN):
         self.clear_cache()  # a mode switch is where hand-written weight edits usually end
         return super().train(mode)
 
-    def forward(self, u: torch.Tensor, coords: torch.Tensor, step: int = 0, rows=None) -> torch.Tensor:
-        if rows is None:  # every image at grid step t: one merged FFN for the whole batch
-            if self._merged_steps is not None:
-                return apply_ffn(u, *(w[step] for w in self._merged_steps))
-            return apply_ffn(u, *(w[0] for w in self.merge(self.gates(coords[:1]))))
-        # Elastic depth: images at this step may sit at different coordinates. Group them by
-        # coordinate and run one merged FFN per group, never one weight copy per image.
-        values, group = torch.unique(coords, return_inverse=True)
-        merged = self.merge(self.gates(values))                                   # (groups, ...)
-        if len(values) == 1:
-            return apply_ffn(u, *(w[0] for w in merged))
-        order = torch.argsort(group)
-        chunks = u[order].split(torch.bincount(group, minlength=len(values)).tolist())
-        y = torch.cat([apply_ffn(chunk, *(w[i] for w in merged)) for i, chunk in enumerate(chunks)])
-        return y[torch.argsort(order)]  # back to the batch order
-
-    def aux_losses(self, depth: int) -> dict:
-        """Eqs. 6, 8, 9 on the gates of this forward's grid."""
-        z = self.gate_logits(depth_grid(depth, self.fc1_weight.device))  # (L, E)
-        return merge_regularisers(self, *gate_penalties(z, self.temperature), z.shape[0], self.aux_weights)
-
-    def dense_state(self, gates: torch.Tensor) -> dict:
-        """The Mlp weights of the step whose gate vector is `gates` (E,): Eq. 2 (fold)."""
-        merged = [w[0] for w in self.merge(gates.to(self.fc1_weight.device).unsqueeze(0))]
-        return dict(zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), merged))
-
-# --- config, and the stem and head that every model shares ---
+# --- config and its input checks, and the stem and head that every model shares ---
 
 @dataclass
 class ViTConfig:
+    """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
+    all use these names. Part I's fields first; the last group is read only by Part II's mechanisms."""
     arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
     image_size: int = 224
     patch_size: int = 16
@@ -359,19 +408,19 @@ class ViTConfig:
     balance_weight: float = 1e-2  # lambda_bal (Table 6); Qwen3 / MoEUT use it for their own balance loss
     z_loss_weight: float = 1e-3   # lambda_z
     diversity_weight: float = 1e-3  # lambda_div
-    merge_cache: bool = True      # reuse merged FFNs across inference calls at the same depth
-    # Part II: the comparison mechanism of the shared block and its expert layout (App. B, Table 8)
-    ffn: str = "merge"            # "merge": reViT's depth-programmed merge; Part II's FFNS: the comparisons
+    merge_cache: bool = True      # reuse merged FFNs across inference calls at the same depth (CachedMergedExpertFFN)
+    expert_ffn_fraction: float = 1.0  # hidden width of each expert / ffn_dim (the paper's ehr / 4)
+    ffn: str = "merge"            # the shared block's FFN: "merge" (reViT's); Part II registers the others
+    # Part II's settings: read only by the comparison mechanisms Part II registers (App. B, Table 8)
     top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
     shared_experts: int = 0       # DeepSeek-V3's always-active experts
-    expert_ffn_fraction: float = 1.0  # expert hidden width / ffn_dim (the paper's ehr / 4)
     slots_per_expert: int = 0     # Soft-MoE; 0: round(num_patches / 4) (49 for S/16, 64 for B/14)
     bias_update_rate: float = 1e-3  # DeepSeek-V3's aux-loss-free balancing step
     remoe_target_sparsity: float = 0.75  # ReMoE: 1 - K/E
     lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
 
     def __post_init__(self):
-        check_config(self)  # types and ranges of every field (input checks, end of file)
+        check_config(self)  # types and ranges of every field (below)
 
     @property
     def num_patches(self) -> int:
@@ -383,8 +432,109 @@ class ViTConfig:
 
     @property
     def depth_programmed(self) -> bool:
-        """The FFN of step t depends on the depth only: a gate matrix exists and the model folds."""
-        return self.ffn in ("merge", "lora")
+        """The FFN of step t depends on the depth only, so the model folds (a gate matrix: ffn='merge')."""
+        return SHARED_BLOCKS[self.ffn].depth_programmed
+
+# Bad input gets one ValueError naming the field and what it allows (the CLIs print it as one line).
+TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
+CONFIG_CHECKS: list[Callable[[ViTConfig], None]] = []  # range checks of Part II's fields, which Part II adds
+
+def type_ok(value, kind: str) -> bool:
+    if kind.endswith(" | None"):
+        return value is None or type_ok(value, kind[:-7])
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"bool": bool, "str": str}[kind])
+
+def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
+
+def check_config(c: ViTConfig) -> None:
+    """Every field: its type (integers reject floats, strings and bools; floats reject NaN and inf), then its range."""
+    for f in fields(c):
+        if not type_ok(getattr(c, f.name), f.type):
+            allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
+            need(c, False, f.name, allowed)
+    check_core_fields(c)
+    for check in CONFIG_CHECKS:
+        check(c)
+
+def check_core_fields(c: ViTConfig) -> None:
+    need(c, c.arch in MODELS, "arch", f"one of {tuple(MODELS)}")
+    for name in ("image_size", "patch_size", "in_channels", "dim", "heads", "ffn_dim", "router_hidden"):
+        need(c, getattr(c, name) >= 1, name, "a positive integer")
+    need(c, c.image_size % c.patch_size == 0, "image_size", f"a multiple of patch_size={c.patch_size}")
+    need(c, c.dim % c.heads == 0, "dim", f"a multiple of heads={c.heads}")
+    need(c, c.num_classes >= 0, "num_classes", ">= 0")
+    need(c, c.depth >= (2 if c.arch == "revit" else 1), "depth",
+         ">= 2 for reViT (s_t = t/(L-1) needs two steps)" if c.arch == "revit" else ">= 1")
+    need(c, c.num_experts >= 1, "num_experts", ">= 1")
+    need(c, c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth, "raptor_blocks",
+         f"between 1 and depth={c.depth}")
+    need(c, c.layer_scale_init is None or c.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
+    need(c, 0.0 <= c.depth_drop < 1.0, "depth_drop", "in [0, 1)")
+    need(c, 0.0 <= c.drop_path < 1.0, "drop_path", "in [0, 1)")
+    need(c, c.router_temperature > 0, "router_temperature", "> 0")
+    for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight"):
+        need(c, getattr(c, name) >= 0, name, ">= 0")
+    need(c, c.expert_ffn_fraction > 0 and round(c.expert_ffn_fraction * c.ffn_dim) >= 1,
+         "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={c.ffn_dim})")
+    need(c, c.ffn in SHARED_BLOCKS, "ffn", f"one of {tuple(SHARED_BLOCKS)}")
+    need(c, c.ffn == "merge" or c.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
+         "replace the FFN of reViT's shared block)")
+
+def check_depth_value(depth) -> int:
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+        raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
+    return depth
+
+def check_images(images: torch.Tensor, c: ViTConfig) -> None:
+    """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed at)."""
+    if images.ndim != 4 or images.shape[1] != c.in_channels:
+        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
+                         f"got {tuple(images.shape)} (in_channels={c.in_channels})")
+    if images.shape[-2:] != (c.image_size, c.image_size):
+        raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
+                         f"got {images.shape[-2]}x{images.shape[-1]}")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be a floating-point tensor, normalised as in training; got {images.dtype} "
+                         "(convert uint8 pixels with images.float() / 255 and normalise)")
+
+def check_preset(name: str, overrides: dict) -> None:
+    """create_model's arguments: a preset name and fields of ViTConfig."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset name={name!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    allowed = {f.name for f in fields(ViTConfig)}
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
+
+def check_model_class(model: nn.Module, c: ViTConfig) -> None:
+    """A config builds the class its arch names: a Raptor config never becomes a 12-block ViT."""
+    if model.arch != c.arch:
+        raise ValueError(f"arch={c.arch!r} builds revit.{MODELS[c.arch].__name__}, not {type(model).__name__}; "
+                         "build models with revit.MODELS[config.arch](config)")
+
+def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
+    """fold's arguments: a depth-programmed reViT or a Raptor; gates [L, E] for reViT's merge with E >= 2."""
+    if not isinstance(model, (ReViT, Raptor)):
+        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
+    if not model.config.depth_programmed:
+        foldable = tuple(name for name, entry in SHARED_BLOCKS.items() if entry.depth_programmed)
+        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "
+                         f"so it has no fixed per-depth weights to fold; only ffn in {foldable} (reViT's merge: "
+                         "any E) fold into a plain ViT")
+    if gates is not None:
+        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
+            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
+        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
+            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
+        if depth is not None and depth != gates.shape[0]:
+            raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
+                             "pass gates with one row per step of that depth, or leave depth out")
 
 class ViTBase(nn.Module):
     """Patch embedding, class token, positions, final norm and head: common to every model here."""
@@ -444,17 +594,23 @@ def elastic_plan(keep: torch.Tensor) -> torch.Tensor:
     retained = keep.sum(1, keepdim=True)                    # (B, 1) n_b
     return rank.clamp_min(0).float() / (retained - 1).clamp_min(1).float()
 
-def build_block(c: ViTConfig) -> Block:
-    """reViT's shared block: the merged expert FFN (E = 1: a dense Mlp, the tied block), or a Part II mechanism."""
-    if c.ffn != "merge":
-        return build_comparison_block(c)  # Part II
+class SharedBlock(NamedTuple):
+    """How reViT's shared block is built for one value of ViTConfig.ffn."""
+    build: Callable[[ViTConfig], Block]
+    depth_programmed: bool  # the FFN of step t depends on the depth only, so the model folds (§3.1)
+
+def build_merge_block(c: ViTConfig) -> Block:
+    """reViT's shared block: the merged expert FFN (E = 1: a dense Mlp, the tied block)."""
     if c.num_experts == 1:
         ffn = Mlp(c.dim, c.expert_ffn_dim)
     else:
-        ffn = MergedExpertFFN(c.dim, c.expert_ffn_dim, c.num_experts, c.router_hidden, c.router_temperature,
-                              (c.balance_weight, c.z_loss_weight, c.diversity_weight), c.merge_cache,
-                              c.router_prior)
+        merged = CachedMergedExpertFFN if c.merge_cache else MergedExpertFFN
+        ffn = merged(c.dim, c.expert_ffn_dim, c.num_experts, c.router_hidden, c.router_temperature,
+                     (c.balance_weight, c.z_loss_weight, c.diversity_weight), c.router_prior)
     return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
+
+# ViTConfig.ffn -> its shared block. Part I registers reViT's own; Part II registers the paper's comparisons.
+SHARED_BLOCKS = {"merge": SharedBlock(build_merge_block, depth_programmed=True)}
 
 class ReViT(ViTBase):
     """One shared block applied L times (§3.1), at any depth L >= 2, elastic in training (§3.2)."""
@@ -462,7 +618,7 @@ class ReViT(ViTBase):
 
     def __init__(self, config: ViTConfig):
         super().__init__(config)
-        self.block = build_block(config)
+        self.block = SHARED_BLOCKS[config.ffn].build(config)
         self.init_weights()
         if isinstance(self.block.mlp, MergedExpertFFN):
             self.block.mlp.reset_router()
@@ -473,13 +629,16 @@ class ReViT(ViTBase):
         steps (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs
         (elastic depth); sampled in training when depth_drop > 0."""
         depth = self.check_depth(depth)
+        check_images(images, self.config)
+        # Before any tensor work: under torch.compile the merge cache's lookup (never compiled) then
+        # precedes one graph for the whole forward, instead of splitting it in two.
+        self.block.begin_forward(depth, images.shape[0])
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
-        self.block.begin_forward(depth, x.shape[0])
         states = self.run_steps(x, depth) if keep is None else self.run_elastic_steps(x, keep)
         # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P).
         aux = self.block.mlp.aux_losses(depth) if return_states or self.training else {}
-        extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.depth_programmed else None
+        extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.ffn == "merge" else None
         return self.finish(states[-1], states, aux, return_states, extra)
 
     def run_steps(self, x: torch.Tensor, depth: int) -> list:
@@ -487,21 +646,26 @@ class ReViT(ViTBase):
         grid = depth_grid(depth, x.device)                                      # s_t (Eq. 1)
         states = [x]
         for t in range(depth):
-            x = self.block(x, grid[t].expand(x.shape[0]), t)
+            x = self.block(x, Step(t, grid[t].expand(x.shape[0])))
             states.append(x)
         return states
 
     @torch.compiler.disable  # data-dependent row sets and coordinate groups: runs eagerly under torch.compile
     def run_elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
-        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
+        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates.
+
+        Eager even in a compiled model (the stem, head and losses still compile): each step picks its
+        rows (nonzero) and coordinate groups (unique, bincount) from data, so on a GPU every step syncs
+        with the host and runs one small FFN per group. A fixed-shape version would sum the merges in
+        another order; this one keeps the numerics of the CPU runs."""
         coords = elastic_plan(keep)                                             # (B, L)
         states = [x]
         for t in range(keep.shape[1]):
             rows = keep[:, t].nonzero().squeeze(1)  # images that run step t; a dropped step is the identity
             if len(rows) == x.shape[0]:
-                x = self.block(x, coords[:, t], t, rows)
+                x = self.block(x, Step(t, coords[:, t], rows))
             elif len(rows):
-                x = x.index_copy(0, rows, self.block(x[rows], coords[rows, t], t, rows))
+                x = x.index_copy(0, rows, self.block(x[rows], Step(t, coords[rows, t], rows)))
             states.append(x)
         return states
 
@@ -517,9 +681,9 @@ class ReViT(ViTBase):
         """G [L, E]: the fp32 gates of every step at depth L (rows sum to 1). E = 1 gives ones."""
         depth = self.check_depth(depth)
         ffn = self.block.mlp
-        if not self.config.depth_programmed:
-            raise ValueError(f"ffn={self.config.ffn!r} routes on content: its gates depend on the input, "
-                             "so there is no depth-only gate matrix")
+        if self.config.ffn != "merge":
+            raise ValueError(f"ffn={self.config.ffn!r} has no depth-only gate matrix: only reViT's merge "
+                             "(ffn='merge') gates its experts by the depth alone")
         if not isinstance(ffn, MergedExpertFFN):
             return torch.ones(depth, 1)
         return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
@@ -534,7 +698,7 @@ class ReViT(ViTBase):
 
     def clear_cache(self) -> None:
         """Drop cached merged FFNs (needed only after in-place edits through `p.data`)."""
-        if isinstance(self.block.mlp, MergedExpertFFN):
+        if isinstance(self.block.mlp, CachedMergedExpertFFN):
             self.block.mlp.clear_cache()
 
 # --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
@@ -544,20 +708,18 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     """Return a plain untied ViT (VisionTransformer, below) of `depth` blocks with the same outputs
     as `model` at that depth, on the model's device and in its dtype.
 
-    gates: optional [L, E] matrix that replaces the router's gates (reViT only; depth = L) — the
-    analysis tools use it for expert ablation and permutation (§5). Block t of the result is what
-    the source computes at step t (Block.unrolled_state): for reViT, the shared attention and merged
-    FFN t; for Raptor (below), the block that serves step t.
+    gates: optional [L, E] matrix that replaces the router's gates (reViT with E >= 2 only; depth, if
+    given too, must be L) — the analysis tools use it for expert ablation and permutation (§5). Block t
+    of the result is what the source computes at step t (Block.unrolled_states): for reViT, the shared
+    attention and merged FFN t; for Raptor (below), the block that serves step t.
     """
-    check_foldable(model, gates)
+    check_foldable(model, depth, gates)
     depth = model.check_depth(gates.shape[0] if gates is not None else depth)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(("block.", "blocks."))}
     if isinstance(model, ReViT):
-        model.block.check_depth(depth)
-        gates = model.gate_matrix(depth) if gates is None else gates
-        steps = [model.block.unrolled_state(t, gates[t]) for t in range(depth)]
+        steps = model.block.unrolled_states(depth, gates)
     else:  # Raptor: the block that serves step t
-        steps = [model.blocks[j].unrolled_state(t) for t, j in enumerate(model.schedule(depth))]
+        steps = [model.blocks[j].state_dict() for j in model.schedule(depth)]
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
     hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
@@ -666,11 +828,14 @@ def create_model(name: str, **overrides) -> nn.Module:
 
 # ====================== Part II — the paper's comparisons (§4.3, App. B) ======================
 # Every mechanism below is an `FFN` (Part I) of reViT's shared block, or (layer-wise LoRA) a Block
-# variant; `build_comparison_block` builds the one that ViTConfig.ffn names. Each also reports its
-# cost, active_flops_per_token(T) -> {"experts", "routing"} (the measures section). Statistics pooled over
-# the steps of one forward live on the module (reset by begin_forward); statistics for a
-# non-gradient update after the optimizer step (DeepSeek-V3's bias, ReMoE's L1 controller) live on
-# the module too, recorded by training forwards only.
+# variant; Part II registers each in Part I's SHARED_BLOCKS under its ViTConfig.ffn name, and its
+# settings' checks in CONFIG_CHECKS. Each also reports its cost, active_flops_per_token(T) ->
+# {"experts", "routing"} (the measures section). Statistics pooled over the steps of one forward live
+# on the module (reset by begin_forward); statistics for a non-gradient update after the optimizer
+# step (DeepSeek-V3's bias, ReMoE's L1 controller) live on the module too, recorded by training
+# forwards only, and are summed over ranks under torch.distributed.
+
+import torch.distributed as dist  # Part II only: global balancing statistics across ranks
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Router math in fp32 (as Switch, Qwen3 and DeepSeek-V3 do), whatever the autocast dtype."""
@@ -758,11 +923,12 @@ class ContentMergedFFN(ExpertBank, FFN):
         self.router_norm = nn.LayerNorm(dim, eps=1e-6) if self.normalise_router_input else nn.Identity()
         self.router = nn.Linear(dim, num_experts)
 
-    def router_input(self, u: torch.Tensor, rows) -> torch.Tensor:
-        return u.mean(1)  # (b, d): the pooled current state
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.merged_forward(u, u.mean(1))  # routed on the pooled current state (b, d)
 
-    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
-        z = router_logits(self.router_norm(self.router_input(u, rows)), self.router.weight, self.router.bias)  # (b, E)
+    def merged_forward(self, u: torch.Tensor, router_input: torch.Tensor) -> torch.Tensor:
+        """u (b, T, d) through the FFN merged with the gates of router_input (b, d)."""
+        z = router_logits(self.router_norm(router_input), self.router.weight, self.router.bias)  # (b, E)
         self.record_gates(z)
         merged = self.merge(torch.softmax(z, dim=-1))   # per image: (b, d_ff, d), (b, d_ff), (b, d, d_ff), (b, d)
         return apply_ffn_batched(u, *merged)            # (b, T, d)
@@ -817,12 +983,17 @@ class LoryFFN(ContentMergedFFN):
     """
 
     normalise_router_input = False
+    needs_step = True  # step.rows: which images' memories this step reads and writes
 
     def begin_forward(self, depth: int, batch: int) -> None:
         self.previous, self.seen = None, None
         self.batch = batch
 
-    def router_input(self, u: torch.Tensor, rows) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, step: Step) -> torch.Tensor:
+        return self.merged_forward(u, self.router_input(u, step.rows))
+
+    def router_input(self, u: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The pooled FFN input of each image's previous retained step (its own at its first): (b, d)."""
         pooled = u.mean(1)  # (b, d)
         rows = torch.arange(u.shape[0], device=u.device) if rows is None else rows
         if getattr(self, "previous", None) is None:  # first step of this forward
@@ -849,7 +1020,7 @@ class TokenRoutedFFN(ExpertPool, FFN):
         """(n, E) fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
         raise NotImplementedError
 
-    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
         x = rearrange(u, "b t d -> (b t) d")
         expert_index, weights = self.route(router_logits(x, self.router.weight))
         y = self.dispatch(x, expert_index, weights) + self.shared_output(x)
@@ -998,7 +1169,7 @@ class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
         self.register_buffer("l1_weight", torch.tensor(l1_init, dtype=torch.float32))
         self._active, self._total = None, 0  # nonzero gates and gates seen since the last update
 
-    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
         x = rearrange(u, "b t d -> (b t) d")
         gates = F.relu(router_logits(x, self.router.weight))                     # (n, E) fp32
         active = (gates > 0).float()
@@ -1059,7 +1230,7 @@ class SoftMoEFFN(ExpertPool, FFN):
             logits = F.normalize(u.float(), dim=-1) @ slots          # (b, T, S)
         return torch.softmax(logits, dim=1), torch.softmax(logits, dim=2)
 
-    def forward(self, u: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
         dispatch, combine = self.routing_weights(u)
         slots = dispatch.transpose(1, 2).to(u.dtype) @ u                                       # (b, S, d)
         slots = rearrange(slots, "b (e p) d -> e (b p) d", e=self.num_experts)
@@ -1134,30 +1305,37 @@ class LoRABlock(Block):
         self.lora = LayerwiseLoRA(dim, ffn_dim, depth, rank)
         self.trained_depth = depth
 
-    def forward(self, x: torch.Tensor, coords=None, step: int = 0, rows=None) -> torch.Tensor:
-        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), step, self.lora)))
-        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), step, self.lora)))
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), step.t, self.lora)))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), step.t, self.lora)))
 
     def check_depth(self, depth: int) -> None:
         if depth != self.trained_depth:
             raise ValueError(f"depth={depth}: layer-wise LoRA has one adapter per trained step, so it runs only "
                              f"at its own depth ({self.trained_depth})")
 
-    def unrolled_state(self, step: int, gates: torch.Tensor | None = None) -> dict:
-        state = {k: v for k, v in super().unrolled_state(step).items() if not k.startswith("lora.")}
-        for name, layer in LORA_LAYERS.items():
-            state[f"{layer}.weight"] = state[f"{layer}.weight"].float() + self.lora.delta(step, name)
-        return state
+    def begin_forward(self, depth: int, batch: int) -> None:
+        self.check_depth(depth)
+        super().begin_forward(depth, batch)
+
+    def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
+        """Step t: the shared weights plus B_t A_t on qkv, proj, fc1 and fc2 (fp32 sums, cast on loading)."""
+        self.check_depth(depth)
+        states = [{k: v for k, v in state.items() if not k.startswith("lora.")}
+                  for state in super().unrolled_states(depth)]
+        for t, state in enumerate(states):
+            for name, layer in LORA_LAYERS.items():
+                state[f"{layer}.weight"] = state[f"{layer}.weight"].float() + self.lora.delta(t, name)
+        return states
 
 
-# What ViTConfig.ffn may name: "merge" is reViT's own (Part I; num_experts=1: the dense tied block),
-# the others are the comparisons above (§4.3, App. B).
-FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
+# --- registering the comparisons with Part I: ViTConfig.ffn -> the shared block, and their settings' checks ---
+
+def build_lora_block(c: ViTConfig) -> Block:
+    return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
 
 def build_comparison_block(c: ViTConfig) -> Block:
-    """The shared block for a Part II mechanism (hidden width of each expert: expert_ffn_dim)."""
-    if c.ffn == "lora":
-        return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
+    """The shared block for an input-dependent mechanism (hidden width of each expert: expert_ffn_dim)."""
     hidden, aux = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
     slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
     ffn = {
@@ -1172,6 +1350,23 @@ def build_comparison_block(c: ViTConfig) -> Block:
         "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
     }[c.ffn]()
     return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
+
+SHARED_BLOCKS["lora"] = SharedBlock(build_lora_block, depth_programmed=True)
+SHARED_BLOCKS.update({name: SharedBlock(build_comparison_block, depth_programmed=False)
+                      for name in ("lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")})
+FFNS = tuple(SHARED_BLOCKS)  # every value ViTConfig.ffn may take
+
+def check_mechanism_fields(c: ViTConfig) -> None:
+    """The ranges of Part II's settings (ViTConfig's last group)."""
+    need(c, 1 <= c.top_k <= c.num_experts, "top_k", f"between 1 and num_experts={c.num_experts}")
+    need(c, c.shared_experts >= 0, "shared_experts", ">= 0")
+    need(c, c.shared_experts == 0 or c.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
+    need(c, c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
+    need(c, c.bias_update_rate >= 0, "bias_update_rate", ">= 0")
+    need(c, 0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
+    need(c, c.lora_rank >= 1, "lora_rank", ">= 1")
+
+CONFIG_CHECKS.append(check_mechanism_fields)
 
 # --- the paper's measures of a mechanism: stored expert parameters (Table 8) and budget U (§4.3) ---
 
@@ -1264,111 +1459,6 @@ def _moe_presets() -> dict:
 
 PRESETS.update(_moe_presets())
 
-
-# ========================== Input checks (Parts I and II) ==========================
-
-TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
-
-def type_ok(value, kind: str) -> bool:
-    if kind.endswith(" | None"):
-        return value is None or type_ok(value, kind[:-7])
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, {"bool": bool, "str": str}[kind])
-
-def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
-
-def check_config(c: ViTConfig) -> None:
-    """Every field: its type (integers reject floats, strings and bools; floats reject NaN and inf), then its range."""
-    for f in fields(c):
-        if not type_ok(getattr(c, f.name), f.type):
-            allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
-            need(c, False, f.name, allowed)
-    check_core_fields(c)
-    check_mechanism_fields(c)
-
-def check_core_fields(c: ViTConfig) -> None:
-    need(c, c.arch in MODELS, "arch", f"one of {tuple(MODELS)}")
-    for name in ("image_size", "patch_size", "in_channels", "dim", "heads", "ffn_dim", "router_hidden"):
-        need(c, getattr(c, name) >= 1, name, "a positive integer")
-    need(c, c.image_size % c.patch_size == 0, "image_size", f"a multiple of patch_size={c.patch_size}")
-    need(c, c.dim % c.heads == 0, "dim", f"a multiple of heads={c.heads}")
-    need(c, c.num_classes >= 0, "num_classes", ">= 0")
-    need(c, c.depth >= (2 if c.arch == "revit" else 1), "depth",
-         ">= 2 for reViT (s_t = t/(L-1) needs two steps)" if c.arch == "revit" else ">= 1")
-    need(c, c.num_experts >= 1, "num_experts", ">= 1")
-    need(c, c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth, "raptor_blocks",
-         f"between 1 and depth={c.depth}")
-    need(c, c.layer_scale_init is None or c.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
-    need(c, 0.0 <= c.depth_drop < 1.0, "depth_drop", "in [0, 1)")
-    need(c, 0.0 <= c.drop_path < 1.0, "drop_path", "in [0, 1)")
-    need(c, c.router_temperature > 0, "router_temperature", "> 0")
-    for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight", "bias_update_rate"):
-        need(c, getattr(c, name) >= 0, name, ">= 0")
-
-def check_mechanism_fields(c: ViTConfig) -> None:
-    """The fields of Part II's mechanisms."""
-    need(c, c.ffn in FFNS, "ffn", f"one of {FFNS}")
-    need(c, c.ffn == "merge" or c.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
-         "replace the FFN of reViT's shared block)")
-    need(c, 1 <= c.top_k <= c.num_experts, "top_k", f"between 1 and num_experts={c.num_experts}")
-    need(c, c.shared_experts >= 0, "shared_experts", ">= 0")
-    need(c, c.shared_experts == 0 or c.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
-    need(c, c.expert_ffn_fraction > 0 and round(c.expert_ffn_fraction * c.ffn_dim) >= 1,
-         "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={c.ffn_dim})")
-    need(c, c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
-    need(c, 0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
-    need(c, c.lora_rank >= 1, "lora_rank", ">= 1")
-
-def check_depth_value(depth) -> int:
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
-        raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
-    return depth
-
-def check_images(images: torch.Tensor, c: ViTConfig) -> None:
-    """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed at)."""
-    if images.ndim != 4 or images.shape[1] != c.in_channels:
-        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
-                         f"got {tuple(images.shape)} (in_channels={c.in_channels})")
-    if images.shape[-2:] != (c.image_size, c.image_size):
-        raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
-                         f"got {images.shape[-2]}x{images.shape[-1]}")
-    if not images.is_floating_point():
-        raise ValueError(f"images must be a floating-point tensor, normalised as in training; got {images.dtype} "
-                         "(convert uint8 pixels with images.float() / 255 and normalise)")
-
-def check_preset(name: str, overrides: dict) -> None:
-    """create_model's arguments: a preset name and fields of ViTConfig."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset name={name!r}; choose one of: {', '.join(sorted(PRESETS))}")
-    allowed = {f.name for f in fields(ViTConfig)}
-    unknown = sorted(set(overrides) - allowed)
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
-
-def check_model_class(model: nn.Module, c: ViTConfig) -> None:
-    """A config builds the class its arch names: a Raptor config never becomes a 12-block ViT."""
-    if model.arch != c.arch:
-        raise ValueError(f"arch={c.arch!r} builds revit.{MODELS[c.arch].__name__}, not {type(model).__name__}; "
-                         "build models with revit.MODELS[config.arch](config)")
-
-def check_foldable(model: nn.Module, gates: torch.Tensor | None) -> None:
-    """fold's arguments: a depth-programmed reViT (any E, or LoRA) or a Raptor; gates [L, E] for E >= 2."""
-    if not isinstance(model, (ReViT, Raptor)):
-        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
-    if not model.config.depth_programmed:
-        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "
-                         "so it has no fixed per-depth weights to fold; only ffn='merge' (reViT, any E) and "
-                         "ffn='lora' fold into a plain ViT")
-    if gates is not None:
-        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
-            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
-        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
-            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
 
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts of the presets (built on the meta device)
     import sys

@@ -165,8 +165,8 @@ def test_balance_losses_pool_all_steps():
     for name in ("revit-mini-qwen3-u2", "revit-mini-moeut-u2"):
         ffn = randomise(tiny(name), 3).block.mlp
         ffn.begin_forward(3, 2)
-        for t, u in enumerate(steps):
-            ffn(u, None, t)
+        for u in steps:
+            ffn(u)
         logits = x @ ffn.router.weight.T
         probs = torch.softmax(logits, -1)
         if name.startswith("revit-mini-qwen3"):
@@ -325,6 +325,18 @@ def test_lora_starts_as_the_tied_block_and_runs_only_its_depth():
         lora(x, depth=6)
 
 
+def test_lora_has_no_gate_matrix_but_folds():
+    """Layer-wise LoRA has no expert bank: no gates to report (neither gate_matrix nor return_states)."""
+    model = randomise(tiny("revit-mini-lora", lora_rank=3), 4).eval()
+    with pytest.raises(ValueError, match="no depth-only gate matrix"):
+        model.gate_matrix()
+    x = images(2, model)
+    with torch.no_grad():
+        out = model(x, return_states=True)
+        assert "gates" not in out
+        torch.testing.assert_close(revit.fold(model)(x), out["logits"], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["revit-mini-smear", "revit-mini-qwen3", "revit-mini-softmoe", "revit-mini-feature"])
 def test_input_dependent_mechanisms_refuse_to_fold(name):
     model = tiny(name)
@@ -386,7 +398,8 @@ def test_flop_count_is_what_the_module_runs(name):
     with FlopCounterMode(display=False) as counter:
         ffn.begin_forward(depth, 1)
         for t in range(depth):
-            ffn(u, revit.depth_grid(depth)[t:t + 1], t)
+            step = revit.Step(t, revit.depth_grid(depth)[t:t + 1])
+            ffn(u, step) if ffn.needs_step else ffn(u)
     flops = revit.active_flops_per_token(ffn, tokens)
     assert counter.get_total_flops() == pytest.approx(depth * tokens * (flops["experts"] + flops["routing"]))
 

@@ -3,7 +3,10 @@
 Each behaviour is checked against a slow, obviously-correct reference (loops over images,
 steps and experts) or a direct formula, over random shapes with Hypothesis.
 """
+import ast
+import inspect
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,6 +162,44 @@ def test_no_cache_when_gradients_are_needed():
     model(images(2, model)).sum().backward()  # eval mode but grad enabled: the bank must get a gradient
     assert model.block.mlp.fc1_weight.grad is not None and model.block.mlp.fc1_weight.grad.abs().sum() > 0
     assert model.block.mlp._cache is None
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "adamw-foreach"])
+def test_cache_follows_optimizer_steps_that_do_not_bump_versions(optimizer):
+    """Fused AdamW writes the parameters in place without bumping their version counters; a model kept
+    in eval mode and stepped between two no_grad calls must still run its new weights."""
+    model = randomise(tiny(num_experts=3), 18).eval()
+    x = images(4, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, **{optimizer.split("-")[1]: True})
+    with torch.no_grad():
+        before = model(x)                            # fills the cache
+    model(x).pow(2).mean().backward()                # eval mode, gradients on: no cache involved
+    versions = [p._version for p in model.parameters()]
+    opt.step()
+    if optimizer == "adamw-fused":  # the case the version counter cannot see
+        assert [p._version for p in model.parameters()] == versions
+    fresh = tiny(num_experts=3, merge_cache=False).eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        after = model(x)
+        assert not torch.allclose(after, before)
+        torch.testing.assert_close(after, fresh(x))
+
+
+@pytest.mark.parametrize("edit", [dict(temperature=0.25), dict(router_prior=4.0)])
+def test_cache_follows_temperature_and_prior_edits(edit):
+    model = randomise(tiny(num_experts=3), 19).eval()
+    uncached = randomise(tiny(num_experts=3, merge_cache=False), 19).eval()
+    x = images(3, model)
+    with torch.no_grad():
+        before = model(x)                                                   # fills the cache
+        torch.testing.assert_close(before, uncached(x))
+        for ffn in (model.block.mlp, uncached.block.mlp):
+            for name, value in edit.items():
+                setattr(ffn, name, value)
+        edited = uncached(x)
+        assert not torch.allclose(edited, before)
+        torch.testing.assert_close(model(x), edited)
 
 
 # --- elastic depth (§3.2, §3.2) ---
@@ -398,6 +439,16 @@ def test_fold_with_given_gates_runs_the_chosen_experts():
         revit.fold(model, gates=torch.ones(4, 2) / 2)
 
 
+def test_fold_refuses_a_depth_that_disagrees_with_its_gates():
+    model = randomise(tiny(num_experts=3, depth=4), 12).eval()
+    gates = model.gate_matrix(6)
+    with pytest.raises(ValueError, match=r"fold: depth=5 disagrees with gates of shape \[6, 3\]"):
+        revit.fold(model, 5, gates=gates)
+    x = images(2, model)
+    with torch.no_grad():  # a depth that agrees is honoured
+        torch.testing.assert_close(revit.fold(model, 6, gates=gates)(x), model(x, depth=6))
+
+
 # --- merge cache against autocast and hand-written weight edits ---
 
 def autocast_bf16():
@@ -551,3 +602,42 @@ def test_image_dtypes():
     with torch.no_grad():  # other floating dtypes are cast to the model's
         torch.testing.assert_close(model(x.double()), model(x))
         assert model.to(torch.bfloat16)(x).dtype == torch.bfloat16
+
+
+# --- the file's structure: Part I (reViT) reads alone; each FFN gets only what it uses ---
+
+def module_level_names(statements) -> set:
+    names = set()
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name))
+    return names
+
+
+def test_part_one_refers_to_no_name_defined_in_part_two():
+    source = Path(revit.__file__).read_text()
+    part_two = next(i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# ") and "Part II" in line
+                    and "=====" in line)
+    tree = ast.parse(source)
+    part_one = [node for node in tree.body if node.lineno < part_two]
+    defined_later = module_level_names(node for node in tree.body if node.lineno > part_two)
+    defined_later -= module_level_names(part_one)  # a Part I name that Part II extends stays Part I's
+    used = {n.id for node in part_one for n in ast.walk(node) if isinstance(n, ast.Name)}
+    assert used & defined_later == set()
+    assert "dist" in defined_later  # torch.distributed serves only Part II
+
+
+def test_only_ffns_that_need_the_step_receive_it():
+    def subclasses(cls):
+        return {cls} | {s for sub in cls.__subclasses__() for s in subclasses(sub)}
+    # LoRAMlp is never called by Block.forward: LoRABlock calls it with step t's adapters itself
+    for ffn in subclasses(revit.FFN) - {revit.FFN, revit.LoRAMlp}:
+        wanted = ["self", "u", "step"] if ffn.needs_step else ["self", "u"]
+        assert list(inspect.signature(ffn.forward).parameters)[:len(wanted)] == wanted, ffn.__name__
+        assert len(inspect.signature(ffn.forward).parameters) == len(wanted), ffn.__name__
+    assert list(inspect.signature(revit.Mlp.forward).parameters) == ["self", "u"]
