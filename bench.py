@@ -6,7 +6,9 @@
     python bench.py latency --out latency.json   # also write the JSON document to a file
     python bench.py check       # the first minutes on a GPU: correctness, latency, training, a short run
     python bench.py depths CKPT # one checkpoint at every depth: accuracy, latency, GFLOPs, memory (§3.2, §4.4)
-    python bench.py quality     # train.py over seeds: accuracy vs E (Table 5), vs depth (Fig. 2), error bars
+
+Speed and cost only; the quality sweeps (train.py over seeds: accuracy vs E, Table 5; vs depth, Fig. 2)
+are sweep.py's.
 
 Each subcommand prints markdown tables, then the full results as ONE JSON document on the
 last stdout line. The device is picked automatically (CUDA when present, else CPU); CPU
@@ -40,19 +42,16 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import glob
 import gc
 import json
 import math
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-import unittest.mock
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +63,8 @@ import revit
 import train
 from checkpoint import load_model
 from cli import fail, pick_device, pyplot
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # --- the paper's cells (Table 1: params M, GFLOPs/image; Table 10: LoRA-S r=64) ---
 
@@ -1309,22 +1310,31 @@ def timed(fn) -> dict:
 
 
 def check_train_run(argv: list[str], out_dir: str, compile_backend: str) -> dict:
-    """train.py's own main for a short run (in-process); throughput from its metrics log. Its --compile
-    uses the check's backend (--quick: dynamo's eager backend, so the run takes seconds, not minutes)."""
-    run_dir = os.path.join(out_dir, "train-run")
+    """`python train.py ARGV` for a short run, in its own process, its output in out_dir/train-run.log;
+    throughput from its metrics log. --compile-backend: the check's (--quick: dynamo's eager backend, so the
+    run takes seconds, not minutes)."""
+    run_dir, log_path = os.path.join(out_dir, "train-run"), os.path.join(out_dir, "train-run.log")
     shutil.rmtree(run_dir, ignore_errors=True)
-    compile_with_backend = functools.partial(torch.compile, backend=compile_backend)
-    with open(os.path.join(out_dir, "train-run.log"), "w") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log), unittest.mock.patch.object(torch, "compile", compile_with_backend):
-        result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        rates = [r["per_s"] for r in map(json.loads, fh) if "per_s" in r]
+    command = argv + ["--out-dir", run_dir, "--no-progress", "--compile-backend", compile_backend]
+    with open(log_path, "w") as log:
+        done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *command], stdout=log,
+                              stderr=subprocess.STDOUT, cwd=HERE)
+    records = []
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            records = [json.loads(line) for line in fh]
+    final = next((r for r in records if r.get("event") == "final"), {})
+    rates = [r["per_s"] for r in records if "per_s" in r]
     steady = rates[1:] or rates  # the first interval includes torch.compile's build
-    return {"ok": result.get("step") == int(argv[argv.index("--max-steps") + 1]),
-            "command": "python train.py " + " ".join(argv), "steps": result.get("step"),
-            "images_per_s": statistics.median(steady), "first_interval_images_per_s": rates[0],
-            "test_acc": result.get("test_acc"), "minutes": result.get("minutes"),
-            "detail": f"log: {os.path.join(out_dir, 'train-run.log')}"}
+    steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    if done.returncode != 0:
+        with open(log_path, errors="replace") as fh:
+            raise RuntimeError(f"train.py exited with {done.returncode}\n{fh.read()}")
+    return {"ok": steps == int(argv[argv.index("--max-steps") + 1]) and bool(final),
+            "command": "python train.py " + " ".join(command), "steps": steps,
+            "images_per_s": statistics.median(steady) if steady else None,
+            "first_interval_images_per_s": rates[0] if rates else None,
+            "test_acc": final.get("test_acc"), "minutes": final.get("minutes"), "detail": f"log: {log_path}"}
 
 
 def run_check(args, device) -> dict:
@@ -1402,327 +1412,6 @@ def check_markdown(result: dict) -> str:
 def describe(settings: dict, device) -> str:
     return f"{precision(device)}, " + ", ".join(f"{k} {v}" for k, v in settings.items())
 
-# --- quality: small-scale evidence with seeds and error bars (python bench.py quality) ---
-
-# A regime: train.py flags ({field: value}) shared by every cell; each cell below overrides a few fields
-# (its model_args are merged into the regime's, the cell's value winning). Fashion-MNIST at width 48, 7x7
-# patches, 3 epochs, one thread per run. At L = 6 tying the six blocks costs the untied ViT 1.4 +- 0.4
-# points; at L = 12 (the default, ~3 min a run) 2.7 +- 0.1 (`--grids tying --regime d48-L6`): there an
-# expert bank has something to recover.
-QUALITY_REGIMES = {
-    "d48-L12": {"arch": "revit-mini", "epochs": 3, "depth": 12, "model_args": "dim=48,heads=3,ffn_dim=96"},
-    "d48-L6": {"arch": "revit-mini", "epochs": 3, "model_args": "dim=48,heads=3,ffn_dim=96"},
-}
-# --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
-QUALITY_QUICK = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128, "batch_size": 64,
-                 "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
-# {size}: the regime's preset size (revit-mini -> mini); {eval_depths}: 2, 3, 4, L, 1.5L, 2L of the regime's L.
-QUALITY_GRIDS = {
-    "experts": {  # paper Table 5 (E = 1 ... 8) with Table 1's untied ViT and Raptor
-        "ViT (untied)": {"arch": "vit-{size}"},
-        "Raptor k=2": {"arch": "raptor-{size}-k2"},
-        **{f"reViT E={e}": {"num_experts": e} for e in (1, 2, 4, 8)},
-        # not in the paper: a fixed depth prior that starts expert e dominant near s = e/(E-1) (ViTConfig.router_prior)
-        "reViT E=4, depth prior 8": {"num_experts": 4, "model_args": "router_prior=8"},
-    },
-    "elastic": {  # paper Fig. 2: after elastic-depth training (§3.2, rate 0.3), accuracy at other depths
-        "depth-programmed": {"depth_drop": 0.3, "eval_depths": "{eval_depths}"},
-        "feature-only": {"depth_drop": 0.3, "eval_depths": "{eval_depths}", "model_args": "ffn=feature"},
-    },
-    "tying": {  # what tying the L blocks into one costs (untied ViT vs E = 1), narrower and deeper than the regime
-        "regime: ViT": {"arch": "vit-{size}"},
-        "regime: E=1": {"num_experts": 1},
-        "d=32: ViT": {"arch": "vit-{size}", "model_args": "dim=32,heads=2,ffn_dim=64"},
-        "d=32: E=1": {"num_experts": 1, "model_args": "dim=32,heads=2,ffn_dim=64"},
-        "2L: ViT": {"arch": "vit-{size}", "depth": "{double_depth}"},
-        "2L: E=1": {"num_experts": 1, "depth": "{double_depth}"},
-    },
-    "quickstart": {  # the quick start's size and schedule (revit-mini: d = 96, L = 6, 15 epochs): does the prior help?
-        "revit-mini": {"epochs": 15, "depth": 6, "model_args": "dim=96,heads=3,ffn_dim=192"},
-        "revit-mini, depth prior 8": {"epochs": 15, "depth": 6,
-                                      "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
-    },
-}
-QUALITY_DEFAULT_GRIDS = "experts,elastic"
-
-
-def regime_depth(regime: dict) -> int:
-    return regime.get("depth") or revit.PRESETS[regime["arch"]]["depth"]
-
-
-def regime_eval_depths(regime: dict) -> list[int]:
-    depth = regime_depth(regime)
-    return sorted({2, 3, 4, depth, (3 * depth + 1) // 2, 2 * depth})
-
-
-def merge_model_args(base: str, extra: str) -> str:
-    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
-    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
-    return ",".join(f"{key}={value}" for key, value in pairs.items())
-
-
-def cell_argv(regime: dict, cell: dict, seed: int) -> list[str]:
-    """train.py's command line for one cell and seed: the regime, then the cell's fields."""
-    fill = {"size": regime["arch"].split("-", 1)[1], "eval_depths": ",".join(map(str, regime_eval_depths(regime))),
-            "double_depth": 2 * regime_depth(regime)}
-    values = dict(regime)
-    for key, value in cell.items():
-        value = value.format(**fill) if isinstance(value, str) else value
-        values[key] = merge_model_args(values.get(key, ""), value) if key == "model_args" else value
-    values["seed"] = seed
-    argv = []
-    for key, value in values.items():
-        flag = key.replace("_", "-")
-        argv += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
-    return argv
-
-
-def flag_groups(argv: list[str]) -> list[tuple]:
-    """['--a', '1', '--b'] -> [('--a', '1'), ('--b',)], sorted: the command whatever the order of its flags."""
-    groups = []
-    for word in argv:
-        if word.startswith("--") or not groups:
-            groups.append([])
-        groups[-1].append(word)
-    return sorted(map(tuple, groups))
-
-
-def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
-    """A finished run of this command: cells/KEY.json, else any cell (of another grid) with the same flags."""
-    paths = sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")))
-    own = os.path.join(out_dir, "cells", f"{key}.json")
-    for path in ([own] if own in paths else []) + paths:
-        with open(path) as fh:
-            cached = json.load(fh)
-        if flag_groups(cached["argv"]) == flag_groups(argv):
-            return {**cached, "cached": True}
-    return None
-
-
-def gate_summary(checkpoint_path: str) -> dict:
-    """The trained gate matrix at depth L in two numbers a table can hold: its spread (max - min over
-    steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a model without
-    depth-only gates (a ViT, Raptor, content routing) or E = 1."""
-    model, _ = load_model(checkpoint_path)
-    if not isinstance(model, revit.ReViT) or not model.config.depth_programmed or model.config.num_experts < 2:
-        return {}
-    with torch.no_grad():
-        gates = model.gate_matrix()
-    return {"gate_spread": float(gates.max() - gates.min()), "dominant_expert": gates.argmax(1).tolist()}
-
-
-def with_gates(record: dict, out_dir: str) -> dict:
-    """Add gate_summary from the cell's checkpoint when the record lacks it and the run folder is here."""
-    path = os.path.join(out_dir, "runs", record["key"], "ckpt.pt")
-    if "gates" in record or not os.path.exists(path):
-        return record
-    record = {**record, "gates": gate_summary(path)}
-    cell = {k: v for k, v in record.items() if k != "cached"}
-    write_json(cell, os.path.join(out_dir, "cells", f"{record['key']}.json"))
-    return record
-
-
-def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
-    """One train.py run, unless a finished run of the same command line is cached (cached_cell)."""
-    cached = cached_cell(key, argv, out_dir)
-    if cached:
-        return with_gates(cached, out_dir)
-    path = os.path.join(out_dir, "cells", f"{key}.json")
-    run_dir = os.path.join(out_dir, "runs", key)
-    os.makedirs(run_dir, exist_ok=True)
-    checkpoint = os.path.join(run_dir, "ckpt.pt")
-    # a run killed mid-way continues from its last checkpoint; one killed before any checkpoint starts over
-    where = ["--resume", checkpoint] if os.path.exists(checkpoint) else ["--out-dir", run_dir, "--overwrite"]
-    with open(os.path.join(run_dir, "train.log"), "a") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
-        with train_errors(f"cell {key} (python train.py {' '.join(argv)})"):
-            result = train.main(argv + where + ["--no-progress"])
-    record = {"key": key, "argv": argv, "result": result,
-              "gates": gate_summary(checkpoint) if os.path.exists(checkpoint) else None}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json(record, path)
-    return {**record, "cached": False}
-
-
-def mean_std(values: list[float]) -> dict:
-    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "values": values}
-
-
-def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard: tuple = (1, 1)) -> list[dict]:
-    """Each cell over seeds. With shard (K, N) this process trains only every N-th run, starting at the K-th,
-    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'."""
-    cells = [(grid, name, spec) for grid in grids for name, spec in QUALITY_GRIDS[grid].items()]
-    rows, index = [], 0
-    for grid, name, spec in cells:
-        records = []
-        for seed in range(seeds):
-            key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
-            argv = cell_argv(regime, spec, seed)
-            index += 1
-            mine = (index - 1) % shard[1] == shard[0] - 1
-            record = run_cell(key, argv, out_dir) if mine else cached_cell(key, argv, out_dir)
-            records.append(record)
-            print(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
-                "pending (another shard)" if record is None else f"top-1 {100 * record['result']['test_acc']:.2f}%"
-                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")), flush=True)
-        if None not in records:
-            rows.append(quality_row(grid, name, spec, records))
-    return rows
-
-
-def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
-    """One cell over its seeds: mean ± std of accuracy (and at each evaluated depth), the gates' spread."""
-    results = [r["result"] for r in records]
-    depths = sorted({int(d) for r in results for d in r.get("depths", {})})
-    gates = [r.get("gates") for r in records]
-    return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
-            "variant": "model_args" in spec,  # e.g. the depth prior: a point beside the E line, not on it
-            "params": results[0]["params"], "reference_depth": results[0]["reference_depth"],
-            "acc": mean_std([r["test_acc"] for r in results]),
-            "depths": {d: mean_std([r["depths"][str(d)]["acc"] for r in results]) for d in depths},
-            "gate_spread": mean_std([g["gate_spread"] for g in gates]) if all(gates) else None,
-            "dominant_expert": [g["dominant_expert"] for g in gates] if all(gates) else None,
-            "minutes": sum(r["minutes"] for r in results)}
-
-
-def pm(stats: dict) -> str:
-    """'88.12 ± 0.20 [88.0 88.3 88.1]': mean ± std over seeds, then the per-seed values, in %."""
-    seeds = " ".join(f"{100 * v:.1f}" for v in stats["values"])
-    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
-
-
-def gate_cell(row: dict, template: str) -> str:
-    """A gate column of the table: '–' for models without depth-only gates (ViT, Raptor, E = 1)."""
-    if not row["gate_spread"]:
-        return "–"
-    return template.format(**row["gate_spread"], path="".join(map(str, row["dominant_expert"][0])))
-
-
-def tying_gaps(rows: list[dict]) -> list[dict]:
-    """Pair each setting's 'S: ViT' and 'S: E=1' rows; the gap is the difference of the means ± its standard error."""
-    cells = {r["cell"]: r for r in rows}
-    pairs = []
-    for setting in dict.fromkeys(name.split(":")[0] for name in cells):
-        vit, tied = cells.get(f"{setting}: ViT"), cells.get(f"{setting}: E=1")
-        if vit and tied:
-            gap = 100 * (vit["acc"]["mean"] - tied["acc"]["mean"])
-            se = 100 * math.sqrt(sum(r["acc"]["std"] ** 2 / len(r["acc"]["values"]) for r in (vit, tied)))
-            pairs.append({"setting": setting, "vit": vit["acc"], "tied": tied["acc"], "gap": f"{gap:+.2f} ± {se:.2f}"})
-    return pairs
-
-
-ACCURACY_COLUMNS = [("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
-                    ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"])),
-                    ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
-                    ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))]
-
-
-def quality_markdown(result: dict) -> str:
-    out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
-    experts = [r for r in result["rows"] if r["grid"] == "experts"]
-    if experts:
-        out += ["\n### Accuracy against the expert count (paper Table 5, Table 1)\n", markdown(experts, ACCURACY_COLUMNS)]
-    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
-    if elastic:
-        depths = sorted({d for r in elastic for d in r["depths"]})
-        out += ["\n### Accuracy at inference depths after elastic training (paper Fig. 2)\n", markdown(elastic, [
-            ("cell", f("cell", "{}"))] + [(f"depth {d}" + (" (L)" if d == elastic[0]["reference_depth"] else ""),
-                                           lambda r, d=d: pm(r["depths"][d])) for d in depths])]
-    quickstart = [r for r in result["rows"] if r["grid"] == "quickstart"]
-    if quickstart:
-        out += ["\n### At the quick start's size (d = 96, L = 6, 15 epochs)\n", markdown(quickstart, ACCURACY_COLUMNS)]
-    tying = [r for r in result["rows"] if r["grid"] == "tying"]
-    if tying:
-        out += ["\n### What tying the blocks costs: untied ViT vs one shared block (E = 1)\n", markdown(
-            tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
-                                ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
-    out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
-               f"count their original run); cells in {result['out_dir']}/cells.")
-    return "\n".join(out)
-
-
-def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
-    """accuracy vs E with error bars (Table 5 shape) and accuracy vs inference depth with bands (Fig. 2),
-    written to each (folder, file-name pattern with {kind})."""
-    plt = pyplot()
-    if plt is None:
-        return []
-    figures = {}
-    experts = [r for r in result["rows"] if r["grid"] == "experts"]
-    if experts:
-        fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-        bank = [r for r in experts if r["num_experts"] and not r.get("variant")]  # the E line: paper's router
-        ax.errorbar([r["num_experts"] for r in bank], [100 * r["acc"]["mean"] for r in bank],
-                    yerr=[100 * r["acc"]["std"] for r in bank], fmt="o-", capsize=3, label="reViT")
-        for r, marker in zip([r for r in experts if r["num_experts"] and r.get("variant")], "*Ds"):
-            ax.errorbar([r["num_experts"]], [100 * r["acc"]["mean"]], yerr=[100 * r["acc"]["std"]], fmt=marker,
-                        markersize=9, capsize=3, label=r["cell"])
-        for r, style in zip([r for r in experts if not r["num_experts"]], ("--", ":", "-.")):
-            mean, std = 100 * r["acc"]["mean"], 100 * r["acc"]["std"]
-            ax.axhline(mean, ls=style, color="gray", label=r["cell"])
-            ax.axhspan(mean - std, mean + std, color="gray", alpha=0.15)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([r["num_experts"] for r in bank], labels=[str(r["num_experts"]) for r in bank])
-        ax.set(xlabel="experts E", ylabel="top-1 accuracy (%)", title="accuracy vs E (mean ± std over seeds)")
-        ax.legend(fontsize=7)
-        figures["experts"] = fig
-    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
-    if elastic:
-        fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-        for r in elastic:
-            depths = sorted(r["depths"])
-            mean = [100 * r["depths"][d]["mean"] for d in depths]
-            std = [100 * r["depths"][d]["std"] for d in depths]
-            ax.plot(depths, mean, "o-", label=r["cell"])
-            ax.fill_between(depths, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
-        ax.axvline(elastic[0]["reference_depth"], ls=":", color="gray")
-        ax.set(xlabel="inference depth", ylabel="top-1 accuracy (%)", title="after elastic training (mean ± std)")
-        ax.legend(fontsize=7)
-        figures["depths"] = fig
-    paths = []
-    for kind, fig in figures.items():
-        fig.tight_layout()
-        for folder, pattern in folders:
-            os.makedirs(folder, exist_ok=True)
-            paths.append(os.path.join(folder, pattern.format(kind=kind)))
-            fig.savefig(paths[-1])
-        plt.close(fig)
-    return paths
-
-
-def parse_shard(text: str) -> tuple:
-    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not match or not 1 <= int(match[1]) <= int(match[2]):
-        raise InputError(f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {text!r}")
-    return int(match[1]), int(match[2])
-
-
-def run_quality(args, device) -> dict:
-    regime = dict(QUALITY_QUICK if args.quick else QUALITY_REGIMES[args.regime], device=str(device))
-    grids = [g.strip() for g in args.grids.split(",") if g.strip()]
-    unknown = sorted(set(grids) - set(QUALITY_GRIDS))
-    if unknown or not grids:
-        raise InputError(f"--grids must name some of {', '.join(QUALITY_GRIDS)}; got {args.grids!r}")
-    if regime["arch"] not in revit.PRESETS:
-        raise InputError(f"the quality regime's arch {regime['arch']!r} is not a vision preset of revit.py")
-    if args.seeds is not None and args.seeds < 1:
-        raise InputError(f"--seeds must be >= 1; got {args.seeds}")
-    seeds = args.seeds or (2 if args.quick else 3)
-    out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
-    rows = quality_rows(grids, regime, seeds, out_dir, parse_shard(args.shard))
-    result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
-              "seeds": seeds, "grids": grids,
-              "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
-    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-    name = "quick" if args.quick else args.regime  # a smoke run never overwrites a real sweep's pictures
-    folders = [(out_dir, "quality_{kind}.png")] + ([(assets, f"quality-{name}-{{kind}}.png")] if args.assets else [])
-    result["plots"] = plot_quality(result, folders)
-    print(quality_markdown(result))
-    write_json(result, os.path.join(out_dir, "quality.json"))
-    return result
-
-
 # --- command line ---
 
 CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1),
@@ -1760,7 +1449,6 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: table for known GPUs)")
     add_check_parser(sub)
     add_depths_parser(sub)
-    add_quality_parser(sub)
     return parser
 
 
@@ -1802,23 +1490,6 @@ def add_depths_parser(sub):
     p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
 
 
-def add_quality_parser(sub):
-    p = sub.add_parser("quality", help="train.py per cell over seeds: accuracy vs E (Table 5) and vs inference "
-                                       "depth after elastic training (Fig. 2), mean ± std; resumes")
-    device_flags(p)
-    p.add_argument("--grids", default=QUALITY_DEFAULT_GRIDS, help=f"which grids (of {', '.join(QUALITY_GRIDS)}; "
-                                                                 f"default {QUALITY_DEFAULT_GRIDS})")
-    p.add_argument("--regime", default="d48-L12", choices=list(QUALITY_REGIMES),
-                   help="the flags every cell shares (bench.py QUALITY_REGIMES; default d48-L12)")
-    p.add_argument("--seeds", type=int, help="seeds per cell (default 3; --quick 2)")
-    p.add_argument("--out", help="folder of finished cells (resumes from it), runs, quality.json and plots "
-                                 "(default out/quality/REGIME, --quick out/quality-quick)")
-    p.add_argument("--quick", action="store_true", help="a smoke run in seconds: tiny model, two steps per cell")
-    p.add_argument("--assets", action="store_true", help="also write the plots to assets/")
-    p.add_argument("--shard", default="1/1", help="K/N: train only every N-th run from the K-th (run N processes "
-                                                  "on one --out folder to split a sweep; then once more for the table)")
-
-
 def resolve(args, device) -> dict:
     """Fill unset flags with the device's defaults; say which were defaults."""
     defaults = (CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).get(args.command, {})
@@ -1834,8 +1505,62 @@ def write_json(result: dict, path: str) -> None:
     """Write to a temp name, then rename: an interrupted run never leaves a torn file."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
-        fh.write(json.dumps(result, default=str, separators=(",", ":")) + "\n")
+        fh.write(json_text(result) + "\n")
     os.replace(tmp, path)
+
+
+def json_text(result: dict) -> str:
+    """One line of strict JSON. JSON has no NaN or infinity, and no non-finite number is reported as a
+    result: each becomes null, and its place is listed under "non_finite" (e.g. "rows.3.loss")."""
+    places = []
+    clean = finite_or_null(result, "", places)
+    if places:
+        clean["non_finite"] = places
+    return json.dumps(clean, default=str, separators=(",", ":"), allow_nan=False)
+
+
+def finite_or_null(value, place: str, places: list):
+    if isinstance(value, float) and not math.isfinite(value):
+        places.append(place.lstrip("."))
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v, f"{place}.{k}", places) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v, f"{place}.{i}", places) for i, v in enumerate(value)]
+    return value
+
+
+def check_output_folder(path: str, flag: str) -> None:
+    """Before any work: `path` is, or can be made, a writable folder; else an InputError naming the flag."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"{flag} {path}: a file, not a folder")
+    _check_writable_parent(path, flag)
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Before any work: `path` can be written as a file (its folder exists or can be made, and is writable)."""
+    if os.path.isdir(path):
+        raise InputError(f"{flag} {path}: a folder, not a file")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise InputError(f"{flag} {path}: not writable")
+    _check_writable_parent(os.path.dirname(os.path.abspath(path)), flag, path)
+
+
+def _check_writable_parent(folder: str, flag: str, shown: str | None = None) -> None:
+    existing = next(p for p in (folder, *_parents(folder)) if os.path.exists(p))
+    if not os.path.isdir(existing):
+        raise InputError(f"{flag} {shown or folder}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {shown or folder}: {existing} is not a writable folder")
+
+
+def _parents(path: str) -> list[str]:
+    path = os.path.abspath(path)
+    parents = []
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        parents.append(path)
+    return parents
 
 
 def run_params(args, device) -> dict:
@@ -1880,7 +1605,7 @@ def precision(device) -> str:
 
 
 COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "check": run_check,
-            "depths": run_depths, "quality": run_quality}
+            "depths": run_depths}
 
 
 def main(argv=None) -> dict:
@@ -1912,7 +1637,7 @@ def main(argv=None) -> dict:
         print("\n" + environment_line(env))
     if args.command in ("params", "latency", "train") and args.out:
         write_json(result, args.out)
-    print(json.dumps(result, default=str, separators=(",", ":")))
+    print(json_text(result))
     return result
 
 

@@ -12,7 +12,6 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import bench
-import data
 import revit
 import train
 
@@ -334,106 +333,6 @@ def test_smallest_depth_within_half_a_point():
         "depth 4: −0.3 points, 2.0× slower (measured) than the reference (depth 6)"
 
 
-# --- quality: train.py per cell, cached, mean ± std ---
-
-
-def test_cell_argv_merges_the_regime_and_the_cell():
-    regime = {"arch": "revit-mini", "epochs": 15, "model_args": "dim=64", "progress": False}
-    argv = bench.cell_argv(regime, bench.QUALITY_GRIDS["elastic"]["feature-only"], seed=2)
-    assert argv == ["--arch", "revit-mini", "--epochs", "15", "--model-args", "dim=64,ffn=feature", "--no-progress",
-                    "--depth-drop", "0.3", "--eval-depths", "2,3,4,6,9,12", "--seed", "2"]
-    assert bench.cell_argv(regime, bench.QUALITY_GRIDS["experts"]["Raptor k=2"], 0)[:2] == ["--arch", "raptor-mini-k2"]
-
-
-def test_run_cell_reuses_a_finished_cell_of_the_same_command(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(bench.train, "main", lambda argv: calls.append(argv) or {"test_acc": 0.5, "argv": argv})
-    first = bench.run_cell("cell", ["--seed", "0"], str(tmp_path))
-    again = bench.run_cell("cell", ["--seed", "0"], str(tmp_path))
-    changed = bench.run_cell("cell", ["--seed", "1"], str(tmp_path))
-    assert len(calls) == 2 and not first["cached"] and again["cached"] and not changed["cached"]
-    assert again["result"] == first["result"]
-
-
-def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch):
-    import functools
-    monkeypatch.setitem(bench.QUALITY_QUICK, "data_dir", str(fashion_mnist_dir))
-    runs = [bench.cell_argv(bench.QUALITY_QUICK | {"device": "cpu"}, spec, seed) for grid in bench.QUALITY_GRIDS.values()
-            for spec in grid.values() for seed in range(2)]  # two seeds each; the same command runs once
-    cells = len({tuple(argv) for argv in runs})
-    # the runs read the same files: decode them once (gzip is most of a 2-step run's time)
-    monkeypatch.setattr(data, "load_fashion_mnist", functools.lru_cache(data.load_fashion_mnist))
-    argv = ["quality", "--quick", "--device", "cpu", "--out", str(tmp_path), "--grids", ",".join(bench.QUALITY_GRIDS)]
-    result, lines = run_cli(argv)
-    rows = {r["cell"]: r for r in result["rows"]}
-    assert set(rows) == {name for grid in bench.QUALITY_GRIDS.values() for name in grid}
-    for r in rows.values():
-        assert len(r["acc"]["values"]) == 2 and r["acc"]["std"] >= 0
-    assert sorted(rows["feature-only"]["depths"]) == [2, 3, 4, 5, 6]  # 2, 3, 4, L, 1.5L, 2L at L = 3
-    assert rows["reViT E=8"]["params"] > rows["reViT E=1"]["params"]
-    assert len(list((tmp_path / "cells").glob("*.json"))) == cells
-    table = "\n".join(lines)
-    assert "| reViT E=4 |" in table and "±" in table and "| depth 3 (L) |" in table
-    again, lines_again = run_cli(argv)  # every cell cached: no training, the same table
-    assert again["rows"] == result["rows"]
-    assert sum("(cached)" in line for line in lines_again) == len(runs)
-    assert rows["2L: E=1"]["reference_depth"] == 6 and "| d=32 |" in table and "gap (points ± s.e.)" in table
-    # the gates of each seed's checkpoint: a spread and a dominant-expert path for E >= 2, none for a ViT
-    assert rows["reViT E=4"]["gate_spread"]["mean"] >= 0 and len(rows["reViT E=4"]["dominant_expert"][0]) == 3
-    assert rows["ViT (untied)"]["gate_spread"] is None and rows["reViT E=1"]["gate_spread"] is None
-    if bench.pyplot() is not None:
-        assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
-
-
-def fake_train_main(argv):
-    """A stand-in for train.main: accuracy from the seed, so the table's arithmetic can be checked."""
-    seed = int(argv[argv.index("--seed") + 1])
-    vit = argv[argv.index("--arch") + 1].startswith("vit")
-    return {"test_acc": 0.80 + 0.02 * vit + 0.01 * seed, "params": 1, "reference_depth": 6, "minutes": 0.1,
-            "depths": {}}
-
-
-def test_shards_split_the_runs_and_the_last_pass_builds_the_table(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.train, "main", fake_train_main)
-    argv = ["quality", "--device", "cpu", "--grids", "tying", "--out", str(tmp_path)]
-    first, lines = run_cli(argv + ["--shard", "1/2"])
-    assert sum("pending (another shard)" in line for line in lines) == 9 and first["rows"] == []  # 18 runs, 9 each
-    second, _ = run_cli(argv + ["--shard", "2/2"])
-    assert len(list((tmp_path / "cells").glob("*.json"))) == 18 and len(second["rows"]) == 6
-    gaps = {r["setting"]: r["gap"] for r in bench.tying_gaps(second["rows"])}
-    assert gaps == {"regime": "+2.00 ± 0.82", "d=32": "+2.00 ± 0.82", "2L": "+2.00 ± 0.82"}  # s.e. sqrt(2/3) %
-    for bad in ("0/2", "3/2", "1", "a/b"):
-        with pytest.raises(SystemExit, match="--shard takes K/N"):
-            run_cli(argv + ["--shard", bad])
-
-
-def test_a_cached_cell_is_found_whatever_the_order_of_its_flags(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.train, "main", fake_train_main)
-    bench.run_cell("a", ["--arch", "vit-mini", "--seed", "0", "--no-progress"], str(tmp_path))
-    again = bench.run_cell("b", ["--no-progress", "--seed", "0", "--arch", "vit-mini"], str(tmp_path))
-    other = bench.run_cell("c", ["--no-progress", "--seed", "1", "--arch", "vit-mini"], str(tmp_path))
-    assert again["cached"] and not other["cached"]
-
-
-def test_a_cell_killed_mid_run_resumes_from_its_checkpoint(tmp_path, fashion_mnist_dir):
-    regime = dict(bench.QUALITY_QUICK, device="cpu", data_dir=str(fashion_mnist_dir), max_steps=3)
-    argv = bench.cell_argv(regime, bench.QUALITY_GRIDS["experts"]["reViT E=1"], seed=0)
-    run_dir = tmp_path / "runs" / "cell"
-    train.main(argv + ["--out-dir", str(run_dir), "--stop-at-step", "2", "--no-progress"])  # "killed" at step 2
-    record = bench.run_cell("cell", argv, str(tmp_path))
-    events = [json.loads(line)["event"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-              if "event" in json.loads(line)]
-    assert events[:2] == ["start", "resume"] and not record["cached"] and record["result"]["test_acc"] >= 0
-    (tmp_path / "cells" / "cell.json").unlink()
-    (run_dir / "ckpt.pt").unlink()  # killed before its first checkpoint: the folder is reused, the run starts over
-    assert bench.run_cell("cell", argv, str(tmp_path))["result"]["step"] == 3
-
-
-def test_model_args_of_a_cell_override_the_regimes():
-    assert bench.merge_model_args("dim=48,heads=3,ffn_dim=96", "dim=32,ffn=feature") == "dim=32,heads=3,ffn_dim=96,ffn=feature"
-    assert bench.merge_model_args("", "router_prior=8") == "router_prior=8"
-
-
 @pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),
                                         ("revit-mini-e1", "folded"), ("revit-mini-lora", "folded"),
                                         ("revit-mini-smear", "model"), ("revit-mini-qwen3", "model")])
@@ -464,17 +363,3 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
     assert result["best"].startswith("no smaller depth")
     with pytest.raises(SystemExit, match="an untied ViT runs only its own depth 3"):
         run_cli(["depths", str(path), "--device", "cpu", "--depths", "2,3"])
-
-
-def test_a_failing_quality_cell_is_a_one_line_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(bench.QUALITY_QUICK, "batch_size", 100_000)  # more than the 256 training images
-    with pytest.raises(SystemExit) as error:
-        run_cli(["quality", "--quick", "--device", "cpu", "--grids", "elastic", "--out", str(tmp_path)])
-    text = str(error.value.code)
-    assert text.startswith("bench.py: error: cell elastic-depth-programmed-seed0") and "--batch-size 100000" in text
-    assert "\n" not in text
-    monkeypatch.setitem(bench.QUALITY_QUICK, "arch", "revit-nonsense")
-    with pytest.raises(SystemExit, match="not a vision preset"):
-        run_cli(["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--grids must name some of experts, elastic"):
-        run_cli(["quality", "--quick", "--device", "cpu", "--grids", "table9", "--out", str(tmp_path)])
