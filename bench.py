@@ -1097,8 +1097,6 @@ def run_depths(args, device) -> dict:
     language = ckpt["arch"] not in revit.PRESETS
     settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
                 "new_tokens": args.new_tokens, "test_subset": args.test_subset}
-    if args.batch < 2:
-        raise InputError(f"--batch must be >= 2 (batch 1 is always measured); got {args.batch}")
     if language:
         rows = language_depth_rows(model, task, args, device)
         mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
@@ -1501,6 +1499,55 @@ def resolve(args, device) -> dict:
     return used
 
 
+# Every subcommand's flags, checked once before any work (check_flags): name -> (test, what is allowed).
+# The upper bounds are far above any intended use; they stop a typo from running for hours.
+FLAG_RULES = {
+    "batch": (lambda v: 1 <= v <= 65536, "an integer in [1, 65536]"),
+    "warmup": (lambda v: 0 <= v <= 1000, "an integer in [0, 1000]"),
+    "repeats": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
+    "iters": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
+    "threads": (lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
+    "new_tokens": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
+    "test_subset": (lambda v: v >= 0, ">= 0 (0: the whole test set)"),
+    "peak_tflops": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0 (TFLOP/s)"),
+}
+COMMAND_RULES = {"depths": {"batch": (lambda v: 2 <= v <= 65536, ">= 2 (batch 1 is always measured), at most 65536")}}
+LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
+    "batches": (lambda t: int(t) if t.strip().isdigit() and 1 <= int(t) <= 65536 else None,
+                "comma-separated integers in [1, 65536], e.g. 1,8"),
+    "modes": (lambda t: t.strip() if t.strip() in ("eager", "compiled", "reduce-overhead") else None,
+              "comma-separated of eager, compiled, reduce-overhead (CUDA graphs; CUDA only)"),
+    "sizes": (lambda t: t.strip() if t.strip() in ("s", "b", "l") else None, "comma-separated of s, b, l"),
+}
+OUTPUT_FOLDERS = ("check", "depths")  # their --out is a folder; for params, latency and train a file
+
+
+def check_flags(args, device) -> None:
+    """The one validation of flags every subcommand shares, before anything is built, loaded or written:
+    ranges, comma-separated lists (parsed in place) and the output path. InputError naming the flag."""
+    rules = {**FLAG_RULES, **COMMAND_RULES.get(args.command, {})}
+    for name, (ok, allowed) in rules.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise InputError(f"--{name.replace('_', '-')} must be {allowed}; got {value}")
+    for name, (item, allowed) in LIST_FLAGS.items():
+        text = getattr(args, name, None)
+        if isinstance(text, str):
+            items = tuple(item(t) for t in text.split(","))
+            if not items or None in items:
+                raise InputError(f"--{name} must be {allowed}; got {text!r}")
+            setattr(args, name, items)
+    if "reduce-overhead" in (getattr(args, "modes", None) or ()) and device.type != "cuda":
+        raise InputError("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)")
+    if getattr(args, "thresholds", None):
+        parse_thresholds(args.thresholds)
+    out = getattr(args, "out", None)
+    if args.command == "depths":
+        check_output_folder(out or os.path.dirname(os.path.abspath(args.checkpoint)), "--out")
+    elif out:
+        (check_output_folder if args.command in OUTPUT_FOLDERS else check_output_file)(out, "--out")
+
+
 def write_json(result: dict, path: str) -> None:
     """Write to a temp name, then rename: an interrupted run never leaves a torn file."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -1564,14 +1611,14 @@ def _parents(path: str) -> list[str]:
 
 
 def run_params(args, device) -> dict:
-    result = {"command": "params", **bench_params(tuple(args.sizes.split(",")), with_counter=not args.no_counter),
+    result = {"command": "params", **bench_params(args.sizes, with_counter=not args.no_counter),
               "env": environment(torch.device("cpu"))}
     print(params_markdown(result))
     return result
 
 
 def run_latency(args, device) -> dict:
-    batches, modes = tuple(int(b) for b in args.batches.split(",")), tuple(args.modes.split(","))
+    batches, modes = args.batches, args.modes
     settings = {"size": args.size, "batches": batches, "modes": modes, "warmup": args.warmup,
                 "repeats": args.repeats, "iters": args.iters, "precision": precision(device)}
     settings["summary"] = (f"{args.size.upper()}, {precision(device)}, batches {list(batches)}, {'/'.join(modes)}, "
@@ -1622,9 +1669,10 @@ def main(argv=None) -> dict:
     try:
         if device.type == "cuda" and args.command != "check":  # TF32 for float32 parts outside autocast
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        defaults = resolve(args, device)
+        check_flags(args, device)
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
-        defaults = resolve(args, device)
         result = COMMANDS[args.command](args, device)
     except InputError as e:  # the user's input: one line, as argparse reports its own errors
         fail(str(e), "bench.py")

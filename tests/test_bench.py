@@ -363,3 +363,69 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
     assert result["best"].startswith("no smaller depth")
     with pytest.raises(SystemExit, match="an untied ViT runs only its own depth 3"):
         run_cli(["depths", str(path), "--device", "cpu", "--depths", "2,3"])
+
+
+# --- hostile inputs: one line each, before any work, nothing written ---
+
+HOSTILE = [  # (argv, the one line's message); {keep}: an existing file, {file}: an existing file used as a folder
+    (["latency", "--batches", "0"], "--batches must be comma-separated integers in [1, 65536], e.g. 1,8; got '0'"),
+    (["latency", "--batches", "1,-4"], "--batches must be comma-separated integers in [1, 65536]"),
+    (["latency", "--batches", "a,b"], "--batches must be comma-separated integers in [1, 65536]"),
+    (["latency", "--batches", "1,,8"], "--batches must be comma-separated integers"),
+    (["latency", "--repeats", "0"], "--repeats must be an integer in [1, 10000]; got 0"),
+    (["latency", "--iters", "0"], "--iters must be an integer in [1, 10000]; got 0"),
+    (["latency", "--warmup", "-1"], "--warmup must be an integer in [0, 1000]; got -1"),
+    (["latency", "--modes", "turbo"], "--modes must be comma-separated of eager, compiled, reduce-overhead"),
+    (["latency", "--modes", "reduce-overhead"], "--modes reduce-overhead times CUDA graphs: it needs a CUDA device"),
+    (["latency", "--threads", "0"], "--threads must be an integer in [1, 1024]; got 0"),
+    (["latency", "--out", "{dir}"], "--out {dir}: a folder, not a file"),
+    (["params", "--sizes", "s,xxl"], "--sizes must be comma-separated of s, b, l; got 's,xxl'"),
+    (["params", "--out", "{file}/params.json"], "--out {file}/params.json: {file} is a file, not a folder"),
+    (["train", "--batch", "0"], "--batch must be an integer in [1, 65536]; got 0"),
+    (["train", "--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0 (TFLOP/s); got nan"),
+    (["train", "--peak-tflops", "inf"], "--peak-tflops must be a finite number > 0"),
+    (["train", "--peak-tflops", "-3"], "--peak-tflops must be a finite number > 0"),
+    (["check", "--quick", "--threads", "0"], "--threads must be an integer in [1, 1024]; got 0"),
+    (["check", "--quick", "--out", "{file}"], "--out {file}: a file, not a folder"),
+    (["check", "--quick", "--out", "{file}/report"], "--out {file}/report: {file} is a file, not a folder"),
+    (["depths", "{ckpt}", "--new-tokens", "0"], "--new-tokens must be an integer in [1, 10000]; got 0"),
+    (["depths", "{ckpt}", "--new-tokens", "-3"], "--new-tokens must be an integer in [1, 10000]; got -3"),
+    (["depths", "{ckpt}", "--batch", "1"], "--batch must be >= 2 (batch 1 is always measured)"),
+    (["depths", "{ckpt}", "--test-subset", "-1"], "--test-subset must be >= 0"),
+    (["depths", "{ckpt}", "--thresholds", "0,none"], "--thresholds must be comma-separated values in (0, 1]"),
+    (["depths", "{ckpt}", "--out", "{file}/sub"], "--out {file}/sub: {file} is a file, not a folder"),
+    (["depths", "{ckpt}", "--out", "{file}"], "--out {file}: a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("argv, message", HOSTILE, ids=[" ".join(a) for a, _ in HOSTILE])
+def test_hostile_inputs_are_one_line_errors_before_any_work(argv, message, tmp_path):
+    """Each bad flag: `bench.py: error: ...` on one line, and no file written or changed anywhere we look: the
+    checkpoint's folder (depths' default output), an existing --out file, the working folder's files."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = run / "ckpt.pt"
+    ckpt.write_bytes(b"not read: the flags are checked first")
+    keep = tmp_path / "keep.json"
+    keep.write_text("{}")
+    (tmp_path / "dir").mkdir()
+    names = {"ckpt": str(ckpt), "file": str(keep), "dir": str(tmp_path / "dir")}
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as error:
+        run_cli([word.format(**names) for word in argv] + ([] if argv[0] == "params" else ["--device", "cpu"]))
+    text = str(error.value.code)
+    assert text.startswith(f"bench.py: error: {message.format(**names)}"), text
+    assert "\n" not in text
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert keep.read_text() == "{}" and ckpt.read_bytes().startswith(b"not read")
+
+
+def test_no_non_finite_number_is_written_as_json(tmp_path):
+    result = {"rows": [{"loss": float("nan"), "acc": 0.5}, {"loss": float("inf")}], "mean": -float("inf")}
+    path = tmp_path / "r.json"
+    bench.write_json(result, str(path))
+    text = path.read_text()
+    saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert saved == {"rows": [{"loss": None, "acc": 0.5}, {"loss": None}], "mean": None,
+                     "non_finite": ["rows.0.loss", "rows.1.loss", "mean"]}
+    assert json.loads(bench.json_text(result)) == saved
