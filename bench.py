@@ -52,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,7 @@ LORA_RANK = 64  # Table 10: rank-64 updates on qkv, attention out, fc1, fc2 at e
 TABLE_NAMES = {"vit": "DeiT III", "raptor": "Raptor k=4", "revit": "reViT E=4"}
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU; the first substring of the device name that matches wins.
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
                    ("L40S", 362e12), ("L4", 121e12)]
 
 # --- device, environment, timing ---
@@ -135,8 +136,11 @@ def environment(device: torch.device) -> dict:
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None  # CPU peaks depend on SKU, clocks and sharing: we do not guess
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+    return peak_of(torch.cuda.get_device_name(device))
+
+
+def peak_of(gpu_name: str) -> float | None:
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in gpu_name), None)
 
 
 def summary(seconds: list[float]) -> dict:
@@ -194,10 +198,10 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
     return times
 
 
-def maybe_compile(model, compiled: bool, dynamic: bool | None = False):
+def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str | None = None):
     """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches);
     None: torch's automatic dynamic shapes, so elastic depth's varying per-step batch of retained
-    images recompiles once per graph, not once per size."""
+    images recompiles once per graph, not once per size. mode "reduce-overhead": CUDA graphs."""
     if not compiled:
         return model
     import torch._dynamo.config as dynamo_config
@@ -205,7 +209,7 @@ def maybe_compile(model, compiled: bool, dynamic: bool | None = False):
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-    return torch.compile(model, dynamic=dynamic)
+    return torch.compile(model, dynamic=dynamic, mode=mode)
 
 
 # --- counting parameters and FLOPs (the rule that reproduces the paper's Tables 1 and 10) ---
@@ -415,19 +419,21 @@ LATENCY_MODELS = {  # how a fresh process rebuilds a row's model for the CPU mem
 
 
 def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warmup=2, repeats=7, iters=1,
-                  memory=True, profile=False) -> dict:
-    device = torch.device(device)
+                  memory=True, profile=False, dtype="float32") -> dict:
+    """modes: eager, compiled, reduce-overhead (compiled with CUDA graphs: batch 1 is launch-bound without
+    them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast)."""
+    device, weights = torch.device(device), getattr(torch, dtype)
     rows = []
     for mode in modes:
         for batch in batches:
             models = latency_models(size)  # fresh per group: each row's first call builds its own caches
             c = models["DeiT III"].config
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
+            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
             fns, extra = {}, {}
             for label, model in models.items():
-                model = model.to(device).eval()
-                run = maybe_compile(model, mode == "compiled")
-                fn = _inference_call(run, images, device)
+                model = model.to(device, weights).eval()
+                run = maybe_compile(model, mode != "eager", mode=None if mode in ("eager", "compiled") else mode)
+                fn = _inference_call(run, images, device, mixed=weights == torch.float32)
                 extra[label] = {"params_m": model.num_params() / 1e6, **first_call(fn, model, device, "first_call_s")}
                 fns[label] = fn
             times = time_interleaved(fns, device, warmup, repeats, iters)
@@ -436,7 +442,7 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
                        **summary(times[label]), **paired_ratio(times[label], times["DeiT III"]),
                        "recompiled_while_timed": label in times["recompiled"]}
                 row["images_per_s"] = 1e3 * batch / row["median_ms"]
-                if memory and device.type == "cpu" and mode == "eager":
+                if memory and device.type == "cpu" and mode == "eager" and dtype == "float32":
                     row.update(cpu_memory(size, label, batch))
                 rows.append(row)
             if profile:
@@ -458,6 +464,7 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
 
 def first_call(fn, model, device, key: str) -> dict:
     """Run fn once: its wall time (compilation included) under `key`, and on CUDA the memory figures."""
+    warm_up_cublas(device)
     start = time.perf_counter()
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     fn()
@@ -466,6 +473,16 @@ def first_call(fn, model, device, key: str) -> dict:
     if device.type == "cuda":
         out.update(cuda_memory(fn, model, device, allocated))
     return out
+
+
+def warm_up_cublas(device: torch.device) -> None:
+    """The first matmul of a process allocates cuBLAS's workspace (32 MiB on Hopper) through the caching
+    allocator; done here, before any row is measured, it is not charged to the first row."""
+    if device.type == "cuda":
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(64, 64, device=device, dtype=dtype)
+            x @ x
+        synchronize(device)
 
 
 def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
@@ -484,10 +501,11 @@ def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
             "call + max_memory_allocated growth over a second call"}
 
 
-def _inference_call(run, images, device):
-    """run: a model, or any callable of the images (e.g. functools.partial(model, depth=6))."""
+def _inference_call(run, images, device, mixed: bool = True):
+    """run: a model, or any callable of the images (e.g. functools.partial(model, depth=6)). mixed: under
+    autocast on CUDA (fp32 weights); False for weights already in bf16."""
     def call():
-        with torch.inference_mode(), autocast(device):
+        with torch.inference_mode(), autocast(device) if mixed else contextlib.nullcontext():
             return run(images)
     return call
 
@@ -1125,7 +1143,8 @@ def run_depths(args, device) -> dict:
 CHECK_SIZES = {
     "full": dict(
         presets=("vit-s", "revit-s"), overrides={}, batch=4, compile_backend="inductor",
-        latency=dict(size="s", batches=(1, 64), modes=("compiled",), warmup=5, repeats=10, iters=10, memory=True),
+        latency=dict(size="s", batches=(1, 64), modes=("compiled", "reduce-overhead"), warmup=5, repeats=10, iters=10,
+                     memory=True, dtype="bfloat16"),
         train=dict(size="s", batch=128, compiled=True, warmup=3, repeats=10, iters=3),
         run=["--arch", "revit-s", "--compile", "--max-steps", "100", "--log-interval", "10"]),
     "quick": dict(
@@ -1263,8 +1282,9 @@ def check_elastic(model, images) -> dict:
             "detail": "kept steps per image: " + ", ".join(str(int(k.sum())) for k in keep)}
 
 
-def correctness_rows(sizes: dict, device: torch.device) -> list[dict]:
+def correctness_rows(sizes: dict, device: torch.device, parts: Parts | None = None) -> list[dict]:
     """Each check in turn; an exception is a failed row, never the end of the run."""
+    parts = parts or Parts()
     models = check_models(sizes, device)
     c = models["revit"].config
     images = torch.randn(sizes["batch"], c.in_channels, c.image_size, c.image_size, device=device)
@@ -1276,11 +1296,8 @@ def correctness_rows(sizes: dict, device: torch.device) -> list[dict]:
                ("fold = reViT", functools.partial(check_fold, models["revit"], images)),
                ("merge cache = dynamic merge", functools.partial(check_cache, models["revit"], images)),
                ("elastic keep mask = smaller depth", functools.partial(check_elastic, models["revit"], images))]
-    rows = []
     with tf32(device, False):  # the equivalences compare float32 computations
-        for name, fn in checks:
-            rows.append({"check": name, **timed(fn)})
-    return rows
+        return [{"check": name, **parts.run(f"correctness: {name}", fn)} for name, fn in checks]
 
 
 @contextlib.contextmanager
@@ -1296,15 +1313,60 @@ def tf32(device: torch.device, enabled: bool):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+# torch's trailing advice on an error, never the error itself (the table shows the first line that is not one)
+TORCH_HINTS = ("TORCHDYNAMO_VERBOSE", "TORCH_LOGS", "TORCH_USE_CUDA_DSA", "CUDA_LAUNCH_BLOCKING",
+               "might be asynchronously reported", "suppress_errors", "You can suppress this exception")
+
+
 def timed(fn) -> dict:
-    """fn's result dict with its wall time; an exception becomes ok=False with its last line."""
+    """fn's result dict with its wall time; an exception becomes ok=False with its first informative line
+    (detail) and the full traceback (traceback), and says whether it left the CUDA context unusable."""
     start = time.perf_counter()
     try:
         out = fn()
     except (Exception, SystemExit) as e:  # noqa: BLE001 - record every failure and go on
-        text = str(e).strip().splitlines()
-        out = {"ok": False, "detail": f"{type(e).__name__}: {text[-1] if text else ''}"}
+        out = {"ok": False, "detail": first_informative_line(e), "cuda_error": is_cuda_error(e),
+               "traceback": "".join(traceback.format_exception(e))}
     return {**out, "seconds": time.perf_counter() - start}
+
+
+def first_informative_line(error: BaseException) -> str:
+    """'Type: line' with the first line of the message that is neither one of torch's hints (TORCH_HINTS)
+    nor a heading such as dynamo's "backend='inductor' raised:"."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    useful = [line for line in lines if not any(h in line for h in TORCH_HINTS) and not line.endswith("raised:")]
+    return f"{type(error).__name__}: {(useful or lines or [''])[0]}"
+
+
+def is_cuda_error(error: BaseException) -> bool:
+    """A CUDA runtime error (illegal address, device-side assert, ...): it stays in the process's CUDA context,
+    so every later CUDA call fails with it. Out-of-memory is not one (the allocator recovers)."""
+    return isinstance(error, getattr(torch, "AcceleratorError", ())) or str(error).lstrip().startswith("CUDA error")
+
+
+class Parts:
+    """The check's parts (and correctness rows) in turn, each timed; a failure is recorded and the next part
+    runs, except after a CUDA error: the later parts would all fail with the same line, so they are marked
+    skipped, naming the part whose error poisoned the context, and the error is said once."""
+
+    def __init__(self):
+        self.poisoned_by = None
+
+    def run(self, name: str, fn) -> dict:
+        if self.poisoned_by:
+            return {"ok": False, "skipped": True, "seconds": 0.0,
+                    "detail": f"skipped: the CUDA context is unusable after the CUDA error in {self.poisoned_by}"}
+        out = timed(fn)
+        if out.pop("cuda_error", False):
+            self.poisoned_by = name
+        return out
+
+
+def failure_log(result: dict) -> str:
+    """Every traceback of a check report (parts and correctness rows), for check-errors.log."""
+    entries = [(name, part) for name, part in result["parts"].items()]
+    entries += [(f"correctness: {row['check']}", row) for row in result["parts"]["correctness"].get("rows", [])]
+    return "".join(f"=== {name}\n{entry['traceback']}\n" for name, entry in entries if "traceback" in entry)
 
 
 def check_train_run(argv: list[str], out_dir: str, compile_backend: str) -> dict:
@@ -1327,7 +1389,9 @@ def check_train_run(argv: list[str], out_dir: str, compile_backend: str) -> dict
     steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
     if done.returncode != 0:
         with open(log_path, errors="replace") as fh:
-            raise RuntimeError(f"train.py exited with {done.returncode}\n{fh.read()}")
+            log = fh.read()
+        last = [line for line in log.splitlines() if line.strip() and not any(h in line for h in TORCH_HINTS)]
+        raise RuntimeError(f"train.py exited with {done.returncode}: {last[-1] if last else 'no output'}\n{log}")
     return {"ok": steps == int(argv[argv.index("--max-steps") + 1]) and bool(final),
             "command": "python train.py " + " ".join(command), "steps": steps,
             "images_per_s": statistics.median(steady) if steady else None,
@@ -1345,9 +1409,12 @@ def run_check(args, device) -> dict:
         print("note: the full sizes are for a GPU (S/16 at 224², compiled); on a CPU this takes long, --quick "
               "runs the same code paths at tiny sizes", flush=True)
 
+    runner = Parts()
+
     def correctness():
-        rows = correctness_rows(sizes, device)
-        return {"ok": all(r["ok"] for r in rows), "rows": rows}
+        rows = correctness_rows(sizes, device, runner)
+        failed = [r["check"] for r in rows if not r["ok"]]
+        return {"ok": not failed, "rows": rows, **({"detail": "failed: " + ", ".join(failed)} if failed else {})}
 
     def latency():
         s = sizes["latency"]
@@ -1366,7 +1433,7 @@ def run_check(args, device) -> dict:
     parts = {}
     for name, fn in [("correctness", correctness), ("latency", latency), ("train step", train_step),
                      ("train.py run", lambda: check_train_run(sizes["run"], out_dir, sizes["compile_backend"]))]:
-        parts[name] = timed(fn)
+        parts[name] = runner.run(name, fn)
         print(f"{name}: {'ok' if parts[name]['ok'] else 'FAILED'} ({parts[name]['seconds']:.1f} s)", flush=True)
     result = {"command": "check", "quick": args.quick, "env": environment(device), "sizes": sizes, "parts": parts,
               "ok": all(p["ok"] for p in parts.values()), "out_dir": out_dir}
@@ -1374,6 +1441,11 @@ def run_check(args, device) -> dict:
     print(report)
     with open(os.path.join(out_dir, "check.md"), "w") as fh:
         fh.write(report + "\n")
+    errors = failure_log(result)
+    if errors:
+        result["errors_log"] = os.path.join(out_dir, "check-errors.log")
+        with open(result["errors_log"], "w") as fh:
+            fh.write(errors)
     write_json(result, os.path.join(out_dir, "check.json"))
     return result
 
@@ -1412,10 +1484,11 @@ def describe(settings: dict, device) -> str:
 
 # --- command line ---
 
-CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1),
+CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1, dtype="float32"),
                 "train": dict(batch=8, compile=False, warmup=1, repeats=5, iters=1),
                 "depths": dict(batch=16, warmup=1, repeats=5, iters=1)}
-CUDA_DEFAULTS = {"latency": dict(batches="1,64", modes="compiled", warmup=10, repeats=30, iters=20),
+CUDA_DEFAULTS = {"latency": dict(batches="1,64", modes="compiled,reduce-overhead", warmup=10, repeats=30, iters=20,
+                                 dtype="bfloat16"),
                  "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5),
                  "depths": dict(batch=64, warmup=10, repeats=20, iters=10)}
 
@@ -1439,7 +1512,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--profile", action="store_true", help="also print a torch.profiler op table per row")
     lat, tr = sub.choices["latency"], sub.choices["train"]
     lat.add_argument("--batches", help="comma-separated batch sizes (CPU 1,8; CUDA 1,64 as in Table 7)")
-    lat.add_argument("--modes", help="comma-separated: eager, compiled (CPU both; CUDA compiled)")
+    lat.add_argument("--modes", help="comma-separated: eager, compiled, reduce-overhead (CUDA graphs, CUDA only); "
+                                     "CPU eager,compiled; CUDA compiled,reduce-overhead")
+    lat.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and images, cast once before timing "
+                                                                     "(CPU float32; CUDA bfloat16)")
     lat.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     tr.add_argument("--batch", type=int, help="batch size (CPU 8, CUDA 128)")
     tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -1620,12 +1696,12 @@ def run_params(args, device) -> dict:
 def run_latency(args, device) -> dict:
     batches, modes = args.batches, args.modes
     settings = {"size": args.size, "batches": batches, "modes": modes, "warmup": args.warmup,
-                "repeats": args.repeats, "iters": args.iters, "precision": precision(device)}
-    settings["summary"] = (f"{args.size.upper()}, {precision(device)}, batches {list(batches)}, {'/'.join(modes)}, "
+                "repeats": args.repeats, "iters": args.iters, "precision": f"{args.dtype} weights"}
+    settings["summary"] = (f"{args.size.upper()}, {args.dtype} weights, batches {list(batches)}, {'/'.join(modes)}, "
                            f"warm-up {args.warmup}, {args.repeats} repeats x {args.iters} calls")
     result = {"command": "latency", "settings": settings,
               **bench_latency(args.size, batches, modes, device, args.warmup, args.repeats, args.iters,
-                              memory=not args.no_memory, profile=args.profile)}
+                              memory=not args.no_memory, profile=args.profile, dtype=args.dtype)}
     result["targets"] = latency_targets(result["rows"]) if args.size == "s" else []
     print(latency_markdown(result))
     return result

@@ -215,19 +215,75 @@ def test_check_quick_runs_every_part(tmp_path):
     assert report.startswith("# bench.py check") and "| fold = reViT | yes |" in report
 
 
+CUDA_ERROR = ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously "
+              "reported at some other API call, so the stacktrace below might be incorrect.\nFor debugging consider "
+              "passing CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+
+
 def test_check_records_a_failure_and_goes_on(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
-        raise RuntimeError("first line\nthe last line names the fault")
-    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device: [{"check": "stub", "ok": True}])
+        raise RuntimeError("the first line names the fault\nmore context\n\nSet TORCHDYNAMO_VERBOSE=1 for more")
+    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device, parts: [{"check": "stub", "ok": True}])
     monkeypatch.setattr(bench, "bench_latency", broken)
     monkeypatch.setattr(bench, "bench_train", lambda **kwargs: {"rows": []})
     monkeypatch.setattr(bench, "check_train_run", lambda argv, out, backend: {"ok": True})
-    result, _ = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    result, lines = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
     assert not result["ok"]
-    assert result["parts"]["latency"] == {"ok": False, "detail": "RuntimeError: the last line names the fault",
-                                          "seconds": result["parts"]["latency"]["seconds"]}
+    latency = result["parts"]["latency"]
+    assert latency["detail"] == "RuntimeError: the first line names the fault"
+    assert "Traceback (most recent call last)" in latency["traceback"] and "in broken" in latency["traceback"]
     assert result["parts"]["train step"]["ok"] and result["parts"]["train.py run"]["ok"]  # the run went on
     assert "**FAILED**" in (tmp_path / "check.md").read_text()
+    assert "in broken" in (tmp_path / "check-errors.log").read_text()
+    strict = json.loads((tmp_path / "check.json").read_text(), parse_constant=pytest.fail)
+    assert strict == json.loads(lines[-1]) and strict["parts"]["latency"]["traceback"] == latency["traceback"]
+
+
+def test_a_cuda_error_is_reported_once_and_the_later_parts_skipped(tmp_path, monkeypatch):
+    """A CUDA error poisons the process's CUDA context: every later part would fail with the same line."""
+    def cuda_fault(*args, **kwargs):
+        raise torch.AcceleratorError(CUDA_ERROR) if hasattr(torch, "AcceleratorError") else RuntimeError(CUDA_ERROR)
+    monkeypatch.setattr(bench, "bench_latency", cuda_fault)
+    monkeypatch.setattr(bench, "bench_train", lambda **kwargs: pytest.fail("ran after a CUDA error"))
+    monkeypatch.setattr(bench, "check_train_run", lambda *a: pytest.fail("ran after a CUDA error"))
+    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device, parts: [{"check": "stub", "ok": True}])
+    result, _ = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    parts = result["parts"]
+    assert parts["latency"]["detail"].endswith(": CUDA error: an illegal memory access was encountered")
+    for name in ("train step", "train.py run"):
+        assert parts[name]["skipped"] and parts[name]["detail"] == \
+            "skipped: the CUDA context is unusable after the CUDA error in latency"
+    report = (tmp_path / "check.md").read_text()
+    assert report.count("illegal memory access") == 1 and "TORCH_USE_CUDA_DSA" not in report
+
+
+def test_the_first_informative_line_of_a_compile_failure():
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no kernel for aten::frobnicate on this device")
+    import torch._dynamo
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as error:
+        torch.compile(lambda x: x * 2 + 1, backend=failing_backend)(torch.ones(3))
+    assert "TORCHDYNAMO_VERBOSE" in str(error.value)  # torch ends its message with this hint
+    line = bench.first_informative_line(error.value)
+    assert line.endswith("no kernel for aten::frobnicate on this device") and "\n" not in line
+    assert bench.first_informative_line(RuntimeError(CUDA_ERROR)) == \
+        "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert bench.is_cuda_error(RuntimeError(CUDA_ERROR)) and not bench.is_cuda_error(RuntimeError("shape mismatch"))
+    assert not bench.is_cuda_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+
+
+def test_peak_flops_table_names_the_h100_variants():
+    assert bench.peak_of("NVIDIA H100 NVL") == 835e12 and bench.peak_of("NVIDIA H100 PCIe") == 756e12
+    assert bench.peak_of("NVIDIA H100 80GB HBM3") == 989e12 and bench.peak_of("a CPU") is None
+
+
+def test_latency_rows_with_bf16_weights():
+    """The bf16 timing path of CUDA (weights and images cast once, no autocast), here on the CPU."""
+    result = bench.bench_latency(size="mini", batches=(1,), modes=("eager",), warmup=0, repeats=1, memory=False,
+                                 dtype="bfloat16")
+    assert {r["model"] for r in result["rows"]} == set(bench.LATENCY_MODELS)
+    assert all(r["median_ms"] > 0 for r in result["rows"])
 
 
 # --- depths: one checkpoint at every depth ---
