@@ -47,6 +47,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -151,11 +152,24 @@ def summary(seconds: list[float]) -> dict:
             "repeats": len(ms)}
 
 
-def paired_ratio(times: list[float], reference: list[float]) -> dict:
-    """Median and IQR of per-round ratios: both rows were timed in the same round, under the same load."""
+def paired_ratio(times: list[float], reference: list[float], target: float = 0.03) -> dict:
+    """The per-round ratios (both rows timed in the same round, under the same load): their median, IQR and
+    a 95% bootstrap interval of the median (ratio_pm: its half-width); repeats_needed: rounds for an
+    interval of +-target, from the 1/sqrt(n) shrinking of its width."""
     ratios = [a / b for a, b in zip(times, reference)]
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0],) * 3
-    return {"ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3}
+    low, high = bootstrap_interval(ratios)
+    half = (high - low) / 2
+    needed = math.ceil(len(ratios) * (half / target) ** 2) if half > 0 else len(ratios)
+    return {"ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3, "ratio_ci95": [low, high],
+            "ratio_pm": half, "repeats": len(ratios), "repeats_needed": max(needed, 2)}
+
+
+def bootstrap_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median (seeded: the same data give the same interval)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def compiled_graphs() -> int:
@@ -169,10 +183,7 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
 
     Warm-up: at least `warmup` rounds over all fns (and one), more (up to 10) until a whole round
     compiles no new graph: torch.compile can recompile on the 2nd or 3rd call (guards on caches),
-    and rows sharing code (ReViT.forward) can evict each other's graphs. Then round r times one
-    region of `iters` calls of every fn, starting at a rotated position; the device is synchronized
-    once at the end of each region (the previous region's end already synchronized its start).
-    A row whose timed regions still compiled something is flagged in the result's "recompiled".
+    and rows sharing code (ReViT.forward) can evict each other's graphs. Then timed_rounds.
     """
     labels = list(fns)
     for round_ in range(max(warmup, 1) + 10):
@@ -182,23 +193,39 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
         if round_ + 1 >= warmup and compiled_graphs() == before:
             break
     synchronize(device)
-    times = {label: [] for label in labels}
-    recompiled = set()
-    for r in range(repeats):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            fn, graphs = fns[label], compiled_graphs()
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            synchronize(device)
-            times[label].append((time.perf_counter() - start) / iters)
-            if compiled_graphs() != graphs:
-                recompiled.add(label)
+    return timed_rounds(fns, device, repeats, iters)
+
+
+def timed_rounds(fns: dict, device: torch.device, repeats: int, iters: int, first: int = 0,
+                 times: dict | None = None) -> dict:
+    """Round r (from `first`) times one region of `iters` calls of every fn, starting at a rotated position;
+    the device is synchronized once at the end of each region (the previous region's end already
+    synchronized its start); the garbage collector waits until the rounds end. Appends to `times`. A row
+    whose timed regions still compiled something is flagged in the result's "recompiled"."""
+    labels = list(fns)
+    times = times or {label: [] for label in labels}
+    recompiled = set(times.pop("recompiled", []))
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(first, first + repeats):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                fn, graphs = fns[label], compiled_graphs()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                synchronize(device)
+                times[label].append((time.perf_counter() - start) / iters)
+                if compiled_graphs() != graphs:
+                    recompiled.add(label)
+    finally:
+        gc.enable()
     times["recompiled"] = sorted(recompiled)
     return times
 
 
-def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str | None = None):
+def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str | None = None,
+                  backend: str = "inductor"):
     """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches);
     None: torch's automatic dynamic shapes, so elastic depth's varying per-step batch of retained
     images recompiles once per graph, not once per size. mode "reduce-overhead": CUDA graphs."""
@@ -209,7 +236,7 @@ def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-    return torch.compile(model, dynamic=dynamic, mode=mode)
+    return torch.compile(model, dynamic=dynamic, mode=mode, backend=backend)
 
 
 # --- counting parameters and FLOPs (the rule that reproduces the paper's Tables 1 and 10) ---
@@ -641,11 +668,16 @@ def _ru_maxrss_kib() -> int:
 # --- training step (img/s, MFU) ---
 
 
-def train_models(size: str) -> dict:
-    rows = {"DeiT III": ("vit-" + size, {}), "reViT fixed": ("revit-" + size, {}),
-            "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3})}
+def train_models(size: str, compiled: bool = False) -> dict:
+    """label -> (preset, overrides, compiled). Elastic depth runs its step loop eagerly (revit.py), so where the
+    rows are compiled an eager fixed-depth row is added: against it, elastic depth's cost is the method's,
+    not the missing compilation's."""
+    rows = {"DeiT III": ("vit-" + size, {}, compiled), "reViT fixed": ("revit-" + size, {}, compiled),
+            "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3}, compiled)}
+    if compiled:
+        rows["reViT fixed, eager"] = ("revit-" + size, {}, False)
     for name in token_dispatch_presets(size):
-        rows[name] = (name, {})
+        rows[name] = (name, {}, compiled)
     return rows
 
 
@@ -663,43 +695,64 @@ def forward_flops(name: str, overrides: dict) -> float:
 
 
 def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repeats=5, iters=1,
-                peak=None, lr=1e-4, profile=False, labels=None) -> dict:
-    """labels: only these rows of train_models (default all)."""
+                peak=None, lr=1e-4, profile=False, labels=None, resolve=None, max_repeats=200,
+                backend="inductor") -> dict:
+    """Training-step time of each row, all rows in this process, timed in interleaved rounds (the per-round
+    ratio to DeiT III cancels load that drifts between rounds). labels: only these rows of train_models.
+    resolve: more rounds (up to max_repeats) until reViT fixed / DeiT III is known to +- resolve (95%
+    bootstrap interval of the median ratio; paired_ratio)."""
     device = torch.device(device)
-    specs = {k: v for k, v in train_models(size).items() if labels is None or k in labels}
+    specs = {k: v for k, v in train_models(size, compiled).items() if labels is None or k in labels}
     fns, extra = {}, {}
-    for label, (name, overrides) in specs.items():
+    for label, (name, overrides, compile_row) in specs.items():
         torch.manual_seed(0)
         model = revit.create_model(name, **overrides).to(device).train()
         c = model.config
         images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-        labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
+        targets = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05,
                                       fused=device.type == "cuda")
-        fn = _train_step(model, maybe_compile(model, compiled, dynamic=None), optimizer, images, labels, device)
+        run = maybe_compile(model, compile_row, dynamic=None, backend=backend)
+        fn = _train_step(model, run, optimizer, images, targets, device)
         extra[label] = {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
-                        "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
+                        "compiled": compile_row, "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
                         **first_call(fn, model, device, "first_step_s")}
         fns[label] = fn
     times = time_interleaved(fns, device, warmup, repeats, iters)
-    rows = []
-    for label in fns:
-        row = {"model": label, "batch": batch, "compiled": compiled, **extra[label], **summary(times[label]),
-               **paired_ratio(times[label], times["DeiT III"]),
-               "recompiled_while_timed": label in times["recompiled"]}
-        row["images_per_s"] = 1e3 * batch / row["median_ms"]
-        if peak:
-            achieved = 3 * row["forward_gflops_per_image"] * 1e9 * batch / (row["median_ms"] / 1e3)
-            row["mfu"] = achieved / peak
-        rows.append(row)
-    if "reViT elastic 0.3" in fns:
-        vs_fixed = paired_ratio(times["reViT elastic 0.3"], times["reViT fixed"])
-        next(r for r in rows if r["model"] == "reViT elastic 0.3")["ratio_vs_fixed"] = vs_fixed
+    times = resolve_ratio(fns, times, device, iters, resolve, max_repeats)
+    rows = [train_row(label, times, batch, extra[label], peak) for label in fns]
+    elastic = next((r for r in rows if r["model"] == "reViT elastic 0.3"), None)
+    for reference, key in (("reViT fixed", "ratio_vs_fixed"), ("reViT fixed, eager", "ratio_vs_fixed_eager")):
+        if elastic and reference in fns:
+            elastic[key] = paired_ratio(times["reViT elastic 0.3"], times[reference])
     if profile:
         for label, fn in fns.items():
             print(f"\n### profile: train step, {label}, batch {batch}\n", flush=True)
             print(profile_table(fn, device), flush=True)
     return {"rows": rows}
+
+
+def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT fixed", "DeiT III")) -> dict:
+    """More interleaved rounds until pair[0] / pair[1] is known to +- target, or max_repeats rounds in all."""
+    if not target or not all(label in fns for label in pair):
+        return times
+    while True:
+        done = len(times[pair[1]])
+        ratio = paired_ratio(times[pair[0]], times[pair[1]], target)
+        if ratio["ratio_pm"] <= target or done >= max_repeats:
+            return times
+        more = min(max_repeats - done, max(ratio["repeats_needed"] - done, 2))
+        times = timed_rounds(fns, device, more, iters, first=done, times=times)
+
+
+def train_row(label: str, times: dict, batch: int, extra: dict, peak: float | None) -> dict:
+    row = {"model": label, "batch": batch, **extra, **summary(times[label]),
+           **paired_ratio(times[label], times["DeiT III"]), "recompiled_while_timed": label in times["recompiled"]}
+    row["images_per_s"] = 1e3 * batch / row["median_ms"]
+    if peak:
+        achieved = 3 * row["forward_gflops_per_image"] * 1e9 * batch / (row["median_ms"] / 1e3)
+        row["mfu"] = achieved / peak
+    return row
 
 
 def _train_step(model, run, optimizer, images, labels, device):
@@ -752,6 +805,9 @@ def train_targets(rows: list[dict]) -> list[dict]:
         if r["model"] == "reViT elastic 0.3":
             ratio = r["ratio_vs_fixed"]["ratio"]
             out.append(_target("train step elastic 0.3 <= fixed depth", ratio, ratio <= 1.0))
+            if "ratio_vs_fixed_eager" in r:  # elastic depth runs eagerly: the like-for-like comparison
+                ratio = r["ratio_vs_fixed_eager"]["ratio"]
+                out.append(_target("train step elastic 0.3 <= fixed depth, eager", ratio, ratio <= 1.0))
     return out
 
 
@@ -844,18 +900,31 @@ def train_markdown(result: dict) -> str:
     table = markdown(result["rows"], [
         ("model", f("model", "{}")), ("params (M)", f("params_m")), ("step ms (median)", f("median_ms")),
         ("IQR", lambda r: f"{r['q1_ms']:.1f}–{r['q3_ms']:.1f}"),
-        ("vs DeiT III", lambda r: f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"),
+        ("vs DeiT III (95% CI)", lambda r: ratio_text(r)),
         ("img/s", f("images_per_s", "{:.1f}")), ("fwd GFLOPs/img", f("forward_gflops_per_image")),
         ("MFU", lambda r: f"{100 * r['mfu']:.1f}%" if "mfu" in r else "unknown"),
         ("memory (MiB)", f("memory_mib", "{:.0f}"))])
     text = f"## Training step ({result['settings']['summary']})\n\n{table}" + recompiled_note(result["rows"])
     elastic = next((r for r in result["rows"] if "ratio_vs_fixed" in r), None)
     if elastic:
-        v = elastic["ratio_vs_fixed"]
-        text += f"\n\nelastic 0.3 vs fixed depth: {v['ratio']:.3f} ({v['ratio_q1']:.3f}–{v['ratio_q3']:.3f})"
+        text += f"\n\nelastic 0.3 vs fixed depth: {ratio_text(elastic['ratio_vs_fixed'])}"
+    if elastic and "ratio_vs_fixed_eager" in elastic:
+        text += (f"; vs fixed depth run eagerly (elastic depth's step loop is eager): "
+                 f"{ratio_text(elastic['ratio_vs_fixed_eager'])}")
+    fixed = next((r for r in result["rows"] if r["model"] == "reViT fixed"), None)
+    if fixed:
+        text += (f"\n\nreViT fixed / DeiT III: {ratio_text(fixed)}: median of {fixed['repeats']} paired rounds, 95% "
+                 f"bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
+                 f"{fixed['repeats_needed']} rounds at this spread.")
     return text + ("\n\nMFU = 3 x forward FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent "
                    "part x 0.7) x img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the "
                    "table (always on CPU).") + targets_markdown(result.get("targets", []))
+
+
+def ratio_text(r: dict) -> str:
+    """'1.062 ± 0.021 (1.041–1.083)': the median per-round ratio, the half-width of its 95% interval, the interval."""
+    low, high = r["ratio_ci95"]
+    return f"{r['ratio']:.3f} ± {r['ratio_pm']:.3f} ({low:.3f}–{high:.3f})"
 
 
 def recompiled_note(rows) -> str:
@@ -1155,7 +1224,8 @@ CHECK_SIZES = {
         run=["--arch", "revit-mini", "--compile", "--max-steps", "4", "--train-subset", "512", "--test-subset", "256",
              "--batch-size", "64", "--log-interval", "2", "--model-args", "dim=24,heads=2,ffn_dim=48,depth=3"]),
 }
-CHECK_TRAIN_ROWS = ("DeiT III", "reViT fixed", "reViT elastic 0.3")  # the token-dispatch rows: python bench.py train
+# the token-dispatch rows: python bench.py train; the eager fixed-depth row exists where the rows are compiled
+CHECK_TRAIN_ROWS = ("DeiT III", "reViT fixed", "reViT elastic 0.3", "reViT fixed, eager")
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -1485,11 +1555,12 @@ def describe(settings: dict, device) -> str:
 # --- command line ---
 
 CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1, dtype="float32"),
-                "train": dict(batch=8, compile=False, warmup=1, repeats=5, iters=1),
+                "train": dict(batch=8, compile=False, warmup=1, repeats=10, iters=1, resolve=0.03, max_repeats=60),
                 "depths": dict(batch=16, warmup=1, repeats=5, iters=1)}
+QUICK_DEFAULTS = {"train": dict(batch=4, compile=False, warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=6)}
 CUDA_DEFAULTS = {"latency": dict(batches="1,64", modes="compiled,reduce-overhead", warmup=10, repeats=30, iters=20,
                                  dtype="bfloat16"),
-                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5),
+                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5, resolve=0.03, max_repeats=200),
                  "depths": dict(batch=64, warmup=10, repeats=20, iters=10)}
 
 
@@ -1521,6 +1592,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (CUDA default on, CPU off)")
     tr.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: table for known GPUs)")
+    tr.add_argument("--resolve", type=float, help="repeat paired rounds until reViT fixed / DeiT III is known to "
+                                                  "+- this (95%% bootstrap interval; default 0.03; 0: --repeats only)")
+    tr.add_argument("--max-repeats", type=int, help="at most this many paired rounds (default CPU 60, CUDA 200)")
+    tr.add_argument("--rows", help="comma-separated rows to time (default all; DeiT III always), e.g. 'reViT fixed'")
+    tr.add_argument("--quick", action="store_true", help="a smoke run in seconds: mini size, batch 4, few rounds")
     add_check_parser(sub)
     add_depths_parser(sub)
     return parser
@@ -1567,6 +1643,9 @@ def add_depths_parser(sub):
 def resolve(args, device) -> dict:
     """Fill unset flags with the device's defaults; say which were defaults."""
     defaults = (CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).get(args.command, {})
+    if getattr(args, "quick", False) and args.command in QUICK_DEFAULTS:
+        args.size = "mini"
+        defaults = {**defaults, **QUICK_DEFAULTS[args.command]}
     used = {}
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
@@ -1586,6 +1665,8 @@ FLAG_RULES = {
     "new_tokens": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
     "test_subset": (lambda v: v >= 0, ">= 0 (0: the whole test set)"),
     "peak_tflops": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0 (TFLOP/s)"),
+    "resolve": (lambda v: math.isfinite(v) and 0 <= v < 1, "a ratio in [0, 1) (0: no extra rounds)"),
+    "max_repeats": (lambda v: 2 <= v <= 10000, "an integer in [2, 10000]"),
 }
 COMMAND_RULES = {"depths": {"batch": (lambda v: 2 <= v <= 65536, ">= 2 (batch 1 is always measured), at most 65536")}}
 LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
@@ -1708,19 +1789,38 @@ def run_latency(args, device) -> dict:
 
 
 def run_train(args, device) -> dict:
+    """The training-step protocol: every row in this process, a fixed thread count, warm-up, interleaved
+    paired rounds, repeated until reViT fixed / DeiT III is resolved to +- --resolve (or --max-repeats)."""
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device)
+    labels = parse_rows(args.rows, args.size, args.compile)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # fixed for the whole run, and recorded
     settings = {"size": args.size, "batch": args.batch, "compiled": args.compile, "warmup": args.warmup,
                 "repeats": args.repeats, "iters": args.iters, "precision": precision(device), "peak_flops": peak,
-                "token_dispatch_presets": token_dispatch_presets(args.size)}
+                "token_dispatch_presets": token_dispatch_presets(args.size), "resolve": args.resolve,
+                "max_repeats": args.max_repeats, "threads": threads, "rows": labels}
     settings["summary"] = (f"{args.size.upper()}, {precision(device)}, batch {args.batch}, "
-                           f"{'compiled' if args.compile else 'eager'}, AdamW, warm-up {args.warmup}, "
-                           f"{args.repeats} repeats x {args.iters} steps")
+                           f"{'compiled' if args.compile else 'eager'}, AdamW, {threads} threads, warm-up "
+                           f"{args.warmup}, {args.repeats} to {max(args.repeats, args.max_repeats)} paired rounds "
+                           f"x {args.iters} steps until +-{args.resolve}")
     result = {"command": "train", "settings": settings,
               **bench_train(args.size, args.batch, device, args.compile, args.warmup, args.repeats, args.iters,
-                            peak, profile=args.profile)}
+                            peak, profile=args.profile, labels=labels, resolve=args.resolve,
+                            max_repeats=args.max_repeats)}
     result["targets"] = train_targets(result["rows"]) if args.size == "s" else []
     print(train_markdown(result))
     return result
+
+
+def parse_rows(text: str | None, size: str, compiled: bool) -> list[str] | None:
+    """--rows: some of train_models' labels (DeiT III always, as every ratio's reference)."""
+    if not text:
+        return None
+    known = train_models(size, compiled)
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    if not rows or any(r not in known for r in rows):
+        raise InputError(f"--rows must name some of {', '.join(known)}; got {text!r}")
+    return ["DeiT III"] + [r for r in rows if r != "DeiT III"]
 
 
 def precision(device) -> str:

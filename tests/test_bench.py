@@ -5,6 +5,7 @@ they return, never how fast anything was.
 """
 import io
 import json
+import math
 from contextlib import redirect_stdout
 
 import pytest
@@ -151,6 +152,59 @@ def test_train_rows_are_well_formed():
     json.dumps(result)
 
 
+
+def test_compiled_train_rows_add_an_eager_fixed_depth_row(monkeypatch):
+    """Elastic depth's step loop runs eagerly: where the rows are compiled, it is also compared against an
+    eager fixed-depth row. (Compilation itself stands aside here: dynamo takes minutes on a loaded CPU.)"""
+    compiled_rows = []
+    monkeypatch.setattr(bench, "maybe_compile", lambda model, compiled, **kw: compiled_rows.append(compiled) or model)
+    assert bench.train_models("mini", compiled=True)["reViT fixed, eager"] == ("revit-mini", {}, False)
+    assert "reViT fixed, eager" not in bench.train_models("mini")
+    result = bench.bench_train(size="mini", batch=4, warmup=0, repeats=2, compiled=True,
+                               labels=("DeiT III", "reViT elastic 0.3", "reViT fixed", "reViT fixed, eager"))
+    rows = {r["model"]: r for r in result["rows"]}
+    assert compiled_rows == [True, True, True, False]
+    assert rows["reViT fixed, eager"]["compiled"] is False and rows["reViT fixed"]["compiled"] is True
+    assert rows["reViT elastic 0.3"]["ratio_vs_fixed_eager"]["ratio"] > 0
+
+
+def test_train_quick_protocol_prints_the_ratio_with_its_spread():
+    result, lines = run_cli(["train", "--quick", "--device", "cpu", "--rows", "reViT fixed"])
+    rows = {r["model"]: r for r in result["rows"]}
+    assert list(rows) == ["DeiT III", "reViT fixed"]
+    fixed = rows["reViT fixed"]
+    low, high = fixed["ratio_ci95"]
+    assert low <= fixed["ratio"] <= high and fixed["ratio_pm"] == pytest.approx((high - low) / 2)
+    assert 3 <= fixed["repeats"] <= 6 and fixed["repeats_needed"] >= 2  # --quick: 3 rounds, at most 6
+    assert (fixed["ratio_pm"] <= 0.03) or fixed["repeats"] == 6  # resolved, or stopped at --max-repeats
+    settings = result["settings"]
+    assert settings["threads"] == torch.get_num_threads() and settings["resolve"] == 0.03
+    assert any(line.startswith("reViT fixed / DeiT III: ") and " ± " in line for line in lines)
+    with pytest.raises(SystemExit, match="--rows must name some of DeiT III, reViT fixed"):
+        run_cli(["train", "--quick", "--device", "cpu", "--rows", "reViT huge"])
+
+
+def test_paired_ratio_interval_and_rounds_needed():
+    same = bench.paired_ratio([2.0] * 5, [1.0] * 5)
+    assert same["ratio"] == 2.0 and same["ratio_ci95"] == [2.0, 2.0] and same["ratio_pm"] == 0
+    spread = [1.0, 1.2] * 10
+    wide = bench.paired_ratio(spread, [1.0] * 20, target=0.03)
+    low, high = wide["ratio_ci95"]
+    assert low <= wide["ratio"] <= high and low >= 1.0 and high <= 1.2
+    # the interval's width shrinks as 1/sqrt(n): four times the rounds for half the width
+    assert wide["repeats_needed"] == math.ceil(20 * (wide["ratio_pm"] / 0.03) ** 2)
+    assert bench.paired_ratio(spread, [1.0] * 20) == wide  # seeded bootstrap: the same data, the same interval
+
+
+def test_resolve_ratio_stops_when_resolved_or_at_max_repeats():
+    fns = {"DeiT III": lambda: None, "reViT fixed": lambda: None}
+    times = {"DeiT III": [1.0, 1.0, 1.0], "reViT fixed": [1.0, 1.5, 2.0], "recompiled": []}
+    device = torch.device("cpu")
+    assert bench.resolve_ratio(fns, dict(times), device, 1, 0.9, 100)["DeiT III"] == [1.0] * 3  # already resolved
+    grown = bench.resolve_ratio(fns, {k: list(v) for k, v in times.items()}, device, 1, 1e-12, 8)
+    assert len(grown["DeiT III"]) == len(grown["reViT fixed"]) == 8 and grown["recompiled"] == []
+
+
 def test_time_interleaved_calls_and_rotation():
     calls = []
     fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
@@ -207,7 +261,9 @@ def test_check_quick_runs_every_part(tmp_path):
     assert list(result["parts"]) == ["correctness", "latency", "train step", "train.py run"]
     checks = {r["check"]: r for r in result["parts"]["correctness"]["rows"]}
     assert len(checks) == 7 and all(r["ok"] and r["value"] <= r["limit"] for r in checks.values())
-    assert {r["model"] for r in result["parts"]["train step"]["rows"]} == set(bench.CHECK_TRAIN_ROWS)
+    # --quick trains eagerly: no separate eager fixed-depth row
+    assert {r["model"] for r in result["parts"]["train step"]["rows"]} == set(bench.CHECK_TRAIN_ROWS) - {
+        "reViT fixed, eager"}
     run = result["parts"]["train.py run"]
     assert run["steps"] == 4 and run["images_per_s"] > 0 and 0 <= run["test_acc"] <= 1
     assert json.loads(lines[-1]) == json.loads((tmp_path / "check.json").read_text())
