@@ -23,13 +23,16 @@ runs use smaller defaults, printed with the results. How we measure, and why:
 - Timing: warm-up first (until torch.compile stops building graphs); each timed region runs
   `iters` calls and synchronizes the device once, at its end (a no-op on CPU); regions of all
   rows are interleaved round-robin, so background load hits every row alike; the ratio column
-  is the median over repeats of the per-round ratio against DeiT III timed in the same round.
-  We report median, IQR and min-max.
-- CUDA: bf16 autocast and torch.compile (the paper's setting); CPU: fp32, eager and compiled.
+  is the median over repeats of the per-round ratio against DeiT III timed in the same round,
+  with a 95% bootstrap interval. We report median, IQR and min-max. `train` repeats rounds (one
+  process, a fixed thread count) until reViT fixed / DeiT III is known to +-0.03 (--resolve).
+- CUDA: torch.compile (the paper's setting); latency with bf16 weights cast once, also under CUDA
+  graphs (reduce-overhead; batch 1 is launch-bound without them); training under bf16 autocast.
+  CPU: fp32, eager and compiled.
 - Memory is total runtime memory, as in the paper's Table 7: weights, what stays allocated
   after the first call (reViT's merged-weight cache), and the peak of activations/workspace.
   CUDA: weights + allocated growth of the first call + max_memory_allocated growth over a second
-  call. CPU: a fresh process per row (so no row reuses another's freed memory uncounted); a
+  call, after a matmul has allocated cuBLAS's workspace (not charged to the first row). CPU: a fresh process per row (so no row reuses another's freed memory uncounted); a
   narrow 2-step model of the same family runs first to load kernels and thread pools; then
   peak RSS (VmHWM, reset via /proc/self/clear_refs once the model is built) minus the RSS
   before the model was built. CPU memory is measured in eager mode.
@@ -54,6 +57,7 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -1751,20 +1755,11 @@ def check_output_file(path: str, flag: str) -> None:
 
 
 def _check_writable_parent(folder: str, flag: str, shown: str | None = None) -> None:
-    existing = next(p for p in (folder, *_parents(folder)) if os.path.exists(p))
-    if not os.path.isdir(existing):
+    existing = next(p for p in (Path(folder), *Path(folder).absolute().parents) if p.exists())
+    if not existing.is_dir():
         raise InputError(f"{flag} {shown or folder}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {shown or folder}: {existing} is not a writable folder")
-
-
-def _parents(path: str) -> list[str]:
-    path = os.path.abspath(path)
-    parents = []
-    while os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-        parents.append(path)
-    return parents
 
 
 def run_params(args, device) -> dict:
