@@ -6,7 +6,9 @@
     python bench.py latency --out latency.json   # also write the JSON document to a file
     python bench.py check       # the first minutes on a GPU: correctness, latency, training, a short run
     python bench.py depths CKPT # one checkpoint at every depth: accuracy, latency, GFLOPs, memory (§3.2, §4.4)
-    python bench.py quality     # train.py over seeds: accuracy vs E (Table 5), vs depth (Fig. 2), error bars
+
+Speed and cost only; the quality sweeps (train.py over seeds: accuracy vs E, Table 5; vs depth, Fig. 2)
+are sweep.py's.
 
 Each subcommand prints markdown tables, then the full results as ONE JSON document on the
 last stdout line. The device is picked automatically (CUDA when present, else CPU); CPU
@@ -21,13 +23,16 @@ runs use smaller defaults, printed with the results. How we measure, and why:
 - Timing: warm-up first (until torch.compile stops building graphs); each timed region runs
   `iters` calls and synchronizes the device once, at its end (a no-op on CPU); regions of all
   rows are interleaved round-robin, so background load hits every row alike; the ratio column
-  is the median over repeats of the per-round ratio against DeiT III timed in the same round.
-  We report median, IQR and min-max.
-- CUDA: bf16 autocast and torch.compile (the paper's setting); CPU: fp32, eager and compiled.
+  is the median over repeats of the per-round ratio against DeiT III timed in the same round,
+  with a 95% bootstrap interval. We report median, IQR and min-max. `train` repeats rounds (one
+  process, a fixed thread count) until reViT fixed / DeiT III is known to +-0.03 (--resolve).
+- CUDA: torch.compile (the paper's setting); latency with bf16 weights cast once, also under CUDA
+  graphs (reduce-overhead; batch 1 is launch-bound without them); training under bf16 autocast.
+  CPU: fp32, eager and compiled.
 - Memory is total runtime memory, as in the paper's Table 7: weights, what stays allocated
   after the first call (reViT's merged-weight cache), and the peak of activations/workspace.
   CUDA: weights + allocated growth of the first call + max_memory_allocated growth over a second
-  call. CPU: a fresh process per row (so no row reuses another's freed memory uncounted); a
+  call, after a matmul has allocated cuBLAS's workspace (not charged to the first row). CPU: a fresh process per row (so no row reuses another's freed memory uncounted); a
   narrow 2-step model of the same family runs first to load kernels and thread pools; then
   peak RSS (VmHWM, reset via /proc/self/clear_refs once the model is built) minus the RSS
   before the model was built. CPU memory is measured in eager mode.
@@ -40,19 +45,19 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import glob
 import gc
 import json
 import math
 import os
 import platform
-import re
+import random
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-import unittest.mock
+import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +69,8 @@ import revit
 import train
 from checkpoint import load_model
 from cli import fail, pick_device, pyplot
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # --- the paper's cells (Table 1: params M, GFLOPs/image; Table 10: LoRA-S r=64) ---
 
@@ -79,7 +86,7 @@ LORA_RANK = 64  # Table 10: rank-64 updates on qkv, attention out, fc1, fc2 at e
 TABLE_NAMES = {"vit": "DeiT III", "raptor": "Raptor k=4", "revit": "reViT E=4"}
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU; the first substring of the device name that matches wins.
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
                    ("L40S", 362e12), ("L4", 121e12)]
 
 # --- device, environment, timing ---
@@ -134,8 +141,11 @@ def environment(device: torch.device) -> dict:
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None  # CPU peaks depend on SKU, clocks and sharing: we do not guess
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+    return peak_of(torch.cuda.get_device_name(device))
+
+
+def peak_of(gpu_name: str) -> float | None:
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in gpu_name), None)
 
 
 def summary(seconds: list[float]) -> dict:
@@ -146,11 +156,24 @@ def summary(seconds: list[float]) -> dict:
             "repeats": len(ms)}
 
 
-def paired_ratio(times: list[float], reference: list[float]) -> dict:
-    """Median and IQR of per-round ratios: both rows were timed in the same round, under the same load."""
+def paired_ratio(times: list[float], reference: list[float], target: float = 0.03) -> dict:
+    """The per-round ratios (both rows timed in the same round, under the same load): their median, IQR and
+    a 95% bootstrap interval of the median (ratio_pm: its half-width); repeats_needed: rounds for an
+    interval of +-target, from the 1/sqrt(n) shrinking of its width."""
     ratios = [a / b for a, b in zip(times, reference)]
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0],) * 3
-    return {"ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3}
+    low, high = bootstrap_interval(ratios)
+    half = (high - low) / 2
+    needed = math.ceil(len(ratios) * (half / target) ** 2) if half > 0 else len(ratios)
+    return {"ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3, "ratio_ci95": [low, high],
+            "ratio_pm": half, "repeats": len(ratios), "repeats_needed": max(needed, 2)}
+
+
+def bootstrap_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median (seeded: the same data give the same interval)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def compiled_graphs() -> int:
@@ -164,10 +187,7 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
 
     Warm-up: at least `warmup` rounds over all fns (and one), more (up to 10) until a whole round
     compiles no new graph: torch.compile can recompile on the 2nd or 3rd call (guards on caches),
-    and rows sharing code (ReViT.forward) can evict each other's graphs. Then round r times one
-    region of `iters` calls of every fn, starting at a rotated position; the device is synchronized
-    once at the end of each region (the previous region's end already synchronized its start).
-    A row whose timed regions still compiled something is flagged in the result's "recompiled".
+    and rows sharing code (ReViT.forward) can evict each other's graphs. Then timed_rounds.
     """
     labels = list(fns)
     for round_ in range(max(warmup, 1) + 10):
@@ -177,27 +197,43 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
         if round_ + 1 >= warmup and compiled_graphs() == before:
             break
     synchronize(device)
-    times = {label: [] for label in labels}
-    recompiled = set()
-    for r in range(repeats):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            fn, graphs = fns[label], compiled_graphs()
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            synchronize(device)
-            times[label].append((time.perf_counter() - start) / iters)
-            if compiled_graphs() != graphs:
-                recompiled.add(label)
+    return timed_rounds(fns, device, repeats, iters)
+
+
+def timed_rounds(fns: dict, device: torch.device, repeats: int, iters: int, first: int = 0,
+                 times: dict | None = None) -> dict:
+    """Round r (from `first`) times one region of `iters` calls of every fn, starting at a rotated position;
+    the device is synchronized once at the end of each region (the previous region's end already
+    synchronized its start); the garbage collector waits until the rounds end. Appends to `times`. A row
+    whose timed regions still compiled something is flagged in the result's "recompiled"."""
+    labels = list(fns)
+    times = times or {label: [] for label in labels}
+    recompiled = set(times.pop("recompiled", []))
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(first, first + repeats):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                fn, graphs = fns[label], compiled_graphs()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                synchronize(device)
+                times[label].append((time.perf_counter() - start) / iters)
+                if compiled_graphs() != graphs:
+                    recompiled.add(label)
+    finally:
+        gc.enable()
     times["recompiled"] = sorted(recompiled)
     return times
 
 
-def maybe_compile(model, compiled: bool, dynamic: bool | None = False):
+def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str | None = None,
+                  backend: str = "inductor"):
     """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches);
     None: torch's automatic dynamic shapes (a second batch size recompiles once, with a dynamic batch).
     reViT's elastic step loop is never compiled (revit.ReViT.run_elastic_steps runs eagerly: data-dependent
-    row sets), so elastic rows compile only the stem, head and losses."""
+    row sets), so elastic rows compile only the stem, head and losses. mode "reduce-overhead": CUDA graphs."""
     if not compiled:
         return model
     import torch._dynamo.config as dynamo_config
@@ -205,7 +241,7 @@ def maybe_compile(model, compiled: bool, dynamic: bool | None = False):
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-    return torch.compile(model, dynamic=dynamic)
+    return torch.compile(model, dynamic=dynamic, mode=mode, backend=backend)
 
 
 # --- counting parameters and FLOPs (the rule that reproduces the paper's Tables 1 and 10) ---
@@ -415,19 +451,21 @@ LATENCY_MODELS = {  # how a fresh process rebuilds a row's model for the CPU mem
 
 
 def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warmup=2, repeats=7, iters=1,
-                  memory=True, profile=False) -> dict:
-    device = torch.device(device)
+                  memory=True, profile=False, dtype="float32") -> dict:
+    """modes: eager, compiled, reduce-overhead (compiled with CUDA graphs: batch 1 is launch-bound without
+    them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast)."""
+    device, weights = torch.device(device), getattr(torch, dtype)
     rows = []
     for mode in modes:
         for batch in batches:
             models = latency_models(size)  # fresh per group: each row's first call builds its own caches
             c = models["DeiT III"].config
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
+            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
             fns, extra = {}, {}
             for label, model in models.items():
-                model = model.to(device).eval()
-                run = maybe_compile(model, mode == "compiled")
-                fn = _inference_call(run, images, device)
+                model = model.to(device, weights).eval()
+                run = maybe_compile(model, mode != "eager", mode=None if mode in ("eager", "compiled") else mode)
+                fn = _inference_call(run, images, device, mixed=weights == torch.float32)
                 extra[label] = {"params_m": model.num_params() / 1e6, **first_call(fn, model, device, "first_call_s")}
                 fns[label] = fn
             times = time_interleaved(fns, device, warmup, repeats, iters)
@@ -436,7 +474,7 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
                        **summary(times[label]), **paired_ratio(times[label], times["DeiT III"]),
                        "recompiled_while_timed": label in times["recompiled"]}
                 row["images_per_s"] = 1e3 * batch / row["median_ms"]
-                if memory and device.type == "cpu" and mode == "eager":
+                if memory and device.type == "cpu" and mode == "eager" and dtype == "float32":
                     row.update(cpu_memory(size, label, batch))
                 rows.append(row)
             if profile:
@@ -458,6 +496,7 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
 
 def first_call(fn, model, device, key: str) -> dict:
     """Run fn once: its wall time (compilation included) under `key`, and on CUDA the memory figures."""
+    warm_up_cublas(device)
     start = time.perf_counter()
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     fn()
@@ -466,6 +505,16 @@ def first_call(fn, model, device, key: str) -> dict:
     if device.type == "cuda":
         out.update(cuda_memory(fn, model, device, allocated))
     return out
+
+
+def warm_up_cublas(device: torch.device) -> None:
+    """The first matmul of a process allocates cuBLAS's workspace (32 MiB on Hopper) through the caching
+    allocator; done here, before any row is measured, it is not charged to the first row."""
+    if device.type == "cuda":
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(64, 64, device=device, dtype=dtype)
+            x @ x
+        synchronize(device)
 
 
 def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
@@ -484,10 +533,11 @@ def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
             "call + max_memory_allocated growth over a second call"}
 
 
-def _inference_call(run, images, device):
-    """run: a model, or any callable of the images (e.g. functools.partial(model, depth=6))."""
+def _inference_call(run, images, device, mixed: bool = True):
+    """run: a model, or any callable of the images (e.g. functools.partial(model, depth=6)). mixed: under
+    autocast on CUDA (fp32 weights); False for weights already in bf16."""
     def call():
-        with torch.inference_mode(), autocast(device):
+        with torch.inference_mode(), autocast(device) if mixed else contextlib.nullcontext():
             return run(images)
     return call
 
@@ -623,11 +673,16 @@ def _ru_maxrss_kib() -> int:
 # --- training step (img/s, MFU) ---
 
 
-def train_models(size: str) -> dict:
-    rows = {"DeiT III": ("vit-" + size, {}), "reViT fixed": ("revit-" + size, {}),
-            "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3})}
+def train_models(size: str, compiled: bool = False) -> dict:
+    """label -> (preset, overrides, compiled). Elastic depth runs its step loop eagerly (revit.py), so where the
+    rows are compiled an eager fixed-depth row is added: against it, elastic depth's cost is the method's,
+    not the missing compilation's."""
+    rows = {"DeiT III": ("vit-" + size, {}, compiled), "reViT fixed": ("revit-" + size, {}, compiled),
+            "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3}, compiled)}
+    if compiled:
+        rows["reViT fixed, eager"] = ("revit-" + size, {}, False)
     for name in token_dispatch_presets(size):
-        rows[name] = (name, {})
+        rows[name] = (name, {}, compiled)
     return rows
 
 
@@ -645,43 +700,64 @@ def forward_flops(name: str, overrides: dict) -> float:
 
 
 def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repeats=5, iters=1,
-                peak=None, lr=1e-4, profile=False, labels=None) -> dict:
-    """labels: only these rows of train_models (default all)."""
+                peak=None, lr=1e-4, profile=False, labels=None, resolve=None, max_repeats=200,
+                backend="inductor") -> dict:
+    """Training-step time of each row, all rows in this process, timed in interleaved rounds (the per-round
+    ratio to DeiT III cancels load that drifts between rounds). labels: only these rows of train_models.
+    resolve: more rounds (up to max_repeats) until reViT fixed / DeiT III is known to +- resolve (95%
+    bootstrap interval of the median ratio; paired_ratio)."""
     device = torch.device(device)
-    specs = {k: v for k, v in train_models(size).items() if labels is None or k in labels}
+    specs = {k: v for k, v in train_models(size, compiled).items() if labels is None or k in labels}
     fns, extra = {}, {}
-    for label, (name, overrides) in specs.items():
+    for label, (name, overrides, compile_row) in specs.items():
         torch.manual_seed(0)
         model = revit.create_model(name, **overrides).to(device).train()
         c = model.config
         images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-        labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
+        targets = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05,
                                       fused=device.type == "cuda")
-        fn = _train_step(model, maybe_compile(model, compiled, dynamic=None), optimizer, images, labels, device)
+        run = maybe_compile(model, compile_row, dynamic=None, backend=backend)
+        fn = _train_step(model, run, optimizer, images, targets, device)
         extra[label] = {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
-                        "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
+                        "compiled": compile_row, "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
                         **first_call(fn, model, device, "first_step_s")}
         fns[label] = fn
     times = time_interleaved(fns, device, warmup, repeats, iters)
-    rows = []
-    for label in fns:
-        row = {"model": label, "batch": batch, "compiled": compiled, **extra[label], **summary(times[label]),
-               **paired_ratio(times[label], times["DeiT III"]),
-               "recompiled_while_timed": label in times["recompiled"]}
-        row["images_per_s"] = 1e3 * batch / row["median_ms"]
-        if peak:
-            achieved = 3 * row["forward_gflops_per_image"] * 1e9 * batch / (row["median_ms"] / 1e3)
-            row["mfu"] = achieved / peak
-        rows.append(row)
-    if "reViT elastic 0.3" in fns:
-        vs_fixed = paired_ratio(times["reViT elastic 0.3"], times["reViT fixed"])
-        next(r for r in rows if r["model"] == "reViT elastic 0.3")["ratio_vs_fixed"] = vs_fixed
+    times = resolve_ratio(fns, times, device, iters, resolve, max_repeats)
+    rows = [train_row(label, times, batch, extra[label], peak) for label in fns]
+    elastic = next((r for r in rows if r["model"] == "reViT elastic 0.3"), None)
+    for reference, key in (("reViT fixed", "ratio_vs_fixed"), ("reViT fixed, eager", "ratio_vs_fixed_eager")):
+        if elastic and reference in fns:
+            elastic[key] = paired_ratio(times["reViT elastic 0.3"], times[reference])
     if profile:
         for label, fn in fns.items():
             print(f"\n### profile: train step, {label}, batch {batch}\n", flush=True)
             print(profile_table(fn, device), flush=True)
     return {"rows": rows}
+
+
+def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT fixed", "DeiT III")) -> dict:
+    """More interleaved rounds until pair[0] / pair[1] is known to +- target, or max_repeats rounds in all."""
+    if not target or not all(label in fns for label in pair):
+        return times
+    while True:
+        done = len(times[pair[1]])
+        ratio = paired_ratio(times[pair[0]], times[pair[1]], target)
+        if ratio["ratio_pm"] <= target or done >= max_repeats:
+            return times
+        more = min(max_repeats - done, max(ratio["repeats_needed"] - done, 2))
+        times = timed_rounds(fns, device, more, iters, first=done, times=times)
+
+
+def train_row(label: str, times: dict, batch: int, extra: dict, peak: float | None) -> dict:
+    row = {"model": label, "batch": batch, **extra, **summary(times[label]),
+           **paired_ratio(times[label], times["DeiT III"]), "recompiled_while_timed": label in times["recompiled"]}
+    row["images_per_s"] = 1e3 * batch / row["median_ms"]
+    if peak:
+        achieved = 3 * row["forward_gflops_per_image"] * 1e9 * batch / (row["median_ms"] / 1e3)
+        row["mfu"] = achieved / peak
+    return row
 
 
 def _train_step(model, run, optimizer, images, labels, device):
@@ -734,6 +810,9 @@ def train_targets(rows: list[dict]) -> list[dict]:
         if r["model"] == "reViT elastic 0.3":
             ratio = r["ratio_vs_fixed"]["ratio"]
             out.append(_target("train step elastic 0.3 <= fixed depth", ratio, ratio <= 1.0))
+            if "ratio_vs_fixed_eager" in r:  # elastic depth runs eagerly: the like-for-like comparison
+                ratio = r["ratio_vs_fixed_eager"]["ratio"]
+                out.append(_target("train step elastic 0.3 <= fixed depth, eager", ratio, ratio <= 1.0))
     return out
 
 
@@ -826,18 +905,31 @@ def train_markdown(result: dict) -> str:
     table = markdown(result["rows"], [
         ("model", f("model", "{}")), ("params (M)", f("params_m")), ("step ms (median)", f("median_ms")),
         ("IQR", lambda r: f"{r['q1_ms']:.1f}–{r['q3_ms']:.1f}"),
-        ("vs DeiT III", lambda r: f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"),
+        ("vs DeiT III (95% CI)", lambda r: ratio_text(r)),
         ("img/s", f("images_per_s", "{:.1f}")), ("fwd GFLOPs/img", f("forward_gflops_per_image")),
         ("MFU", lambda r: f"{100 * r['mfu']:.1f}%" if "mfu" in r else "unknown"),
         ("memory (MiB)", f("memory_mib", "{:.0f}"))])
     text = f"## Training step ({result['settings']['summary']})\n\n{table}" + recompiled_note(result["rows"])
     elastic = next((r for r in result["rows"] if "ratio_vs_fixed" in r), None)
     if elastic:
-        v = elastic["ratio_vs_fixed"]
-        text += f"\n\nelastic 0.3 vs fixed depth: {v['ratio']:.3f} ({v['ratio_q1']:.3f}–{v['ratio_q3']:.3f})"
+        text += f"\n\nelastic 0.3 vs fixed depth: {ratio_text(elastic['ratio_vs_fixed'])}"
+    if elastic and "ratio_vs_fixed_eager" in elastic:
+        text += (f"; vs fixed depth run eagerly (elastic depth's step loop is eager): "
+                 f"{ratio_text(elastic['ratio_vs_fixed_eager'])}")
+    fixed = next((r for r in result["rows"] if r["model"] == "reViT fixed"), None)
+    if fixed:
+        text += (f"\n\nreViT fixed / DeiT III: {ratio_text(fixed)}: median of {fixed['repeats']} paired rounds, 95% "
+                 f"bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
+                 f"{fixed['repeats_needed']} rounds at this spread.")
     return text + ("\n\nMFU = 3 x forward FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent "
                    "part x 0.7) x img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the "
                    "table (always on CPU).") + targets_markdown(result.get("targets", []))
+
+
+def ratio_text(r: dict) -> str:
+    """'1.062 ± 0.021 (1.041–1.083)': the median per-round ratio, the half-width of its 95% interval, the interval."""
+    low, high = r["ratio_ci95"]
+    return f"{r['ratio']:.3f} ± {r['ratio_pm']:.3f} ({low:.3f}–{high:.3f})"
 
 
 def recompiled_note(rows) -> str:
@@ -1097,8 +1189,6 @@ def run_depths(args, device) -> dict:
     language = ckpt["arch"] not in revit.PRESETS
     settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
                 "new_tokens": args.new_tokens, "test_subset": args.test_subset}
-    if args.batch < 2:
-        raise InputError(f"--batch must be >= 2 (batch 1 is always measured); got {args.batch}")
     if language:
         rows = language_depth_rows(model, task, args, device)
         mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
@@ -1127,7 +1217,8 @@ def run_depths(args, device) -> dict:
 CHECK_SIZES = {
     "full": dict(
         presets=("vit-s", "revit-s"), overrides={}, batch=4, compile_backend="inductor",
-        latency=dict(size="s", batches=(1, 64), modes=("compiled",), warmup=5, repeats=10, iters=10, memory=True),
+        latency=dict(size="s", batches=(1, 64), modes=("compiled", "reduce-overhead"), warmup=5, repeats=10, iters=10,
+                     memory=True, dtype="bfloat16"),
         train=dict(size="s", batch=128, compiled=True, warmup=3, repeats=10, iters=3),
         run=["--arch", "revit-s", "--compile", "--max-steps", "100", "--log-interval", "10"]),
     "quick": dict(
@@ -1138,7 +1229,8 @@ CHECK_SIZES = {
         run=["--arch", "revit-mini", "--compile", "--max-steps", "4", "--train-subset", "512", "--test-subset", "256",
              "--batch-size", "64", "--log-interval", "2", "--model-args", "dim=24,heads=2,ffn_dim=48,depth=3"]),
 }
-CHECK_TRAIN_ROWS = ("DeiT III", "reViT fixed", "reViT elastic 0.3")  # the token-dispatch rows: python bench.py train
+# the token-dispatch rows: python bench.py train; the eager fixed-depth row exists where the rows are compiled
+CHECK_TRAIN_ROWS = ("DeiT III", "reViT fixed", "reViT elastic 0.3", "reViT fixed, eager")
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -1265,8 +1357,9 @@ def check_elastic(model, images) -> dict:
             "detail": "kept steps per image: " + ", ".join(str(int(k.sum())) for k in keep)}
 
 
-def correctness_rows(sizes: dict, device: torch.device) -> list[dict]:
+def correctness_rows(sizes: dict, device: torch.device, parts: Parts | None = None) -> list[dict]:
     """Each check in turn; an exception is a failed row, never the end of the run."""
+    parts = parts or Parts()
     models = check_models(sizes, device)
     c = models["revit"].config
     images = torch.randn(sizes["batch"], c.in_channels, c.image_size, c.image_size, device=device)
@@ -1278,11 +1371,8 @@ def correctness_rows(sizes: dict, device: torch.device) -> list[dict]:
                ("fold = reViT", functools.partial(check_fold, models["revit"], images)),
                ("merge cache = dynamic merge", functools.partial(check_cache, models["revit"], images)),
                ("elastic keep mask = smaller depth", functools.partial(check_elastic, models["revit"], images))]
-    rows = []
     with tf32(device, False):  # the equivalences compare float32 computations
-        for name, fn in checks:
-            rows.append({"check": name, **timed(fn)})
-    return rows
+        return [{"check": name, **parts.run(f"correctness: {name}", fn)} for name, fn in checks]
 
 
 @contextlib.contextmanager
@@ -1298,34 +1388,90 @@ def tf32(device: torch.device, enabled: bool):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+# torch's trailing advice on an error, never the error itself (the table shows the first line that is not one)
+TORCH_HINTS = ("TORCHDYNAMO_VERBOSE", "TORCH_LOGS", "TORCH_USE_CUDA_DSA", "CUDA_LAUNCH_BLOCKING",
+               "might be asynchronously reported", "suppress_errors", "You can suppress this exception")
+
+
 def timed(fn) -> dict:
-    """fn's result dict with its wall time; an exception becomes ok=False with its last line."""
+    """fn's result dict with its wall time; an exception becomes ok=False with its first informative line
+    (detail) and the full traceback (traceback), and says whether it left the CUDA context unusable."""
     start = time.perf_counter()
     try:
         out = fn()
     except (Exception, SystemExit) as e:  # noqa: BLE001 - record every failure and go on
-        text = str(e).strip().splitlines()
-        out = {"ok": False, "detail": f"{type(e).__name__}: {text[-1] if text else ''}"}
+        out = {"ok": False, "detail": first_informative_line(e), "cuda_error": is_cuda_error(e),
+               "traceback": "".join(traceback.format_exception(e))}
     return {**out, "seconds": time.perf_counter() - start}
 
 
+def first_informative_line(error: BaseException) -> str:
+    """'Type: line' with the first line of the message that is neither one of torch's hints (TORCH_HINTS)
+    nor a heading such as dynamo's "backend='inductor' raised:"."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    useful = [line for line in lines if not any(h in line for h in TORCH_HINTS) and not line.endswith("raised:")]
+    return f"{type(error).__name__}: {(useful or lines or [''])[0]}"
+
+
+def is_cuda_error(error: BaseException) -> bool:
+    """A CUDA runtime error (illegal address, device-side assert, ...): it stays in the process's CUDA context,
+    so every later CUDA call fails with it. Out-of-memory is not one (the allocator recovers)."""
+    return isinstance(error, getattr(torch, "AcceleratorError", ())) or str(error).lstrip().startswith("CUDA error")
+
+
+class Parts:
+    """The check's parts (and correctness rows) in turn, each timed; a failure is recorded and the next part
+    runs, except after a CUDA error: the later parts would all fail with the same line, so they are marked
+    skipped, naming the part whose error poisoned the context, and the error is said once."""
+
+    def __init__(self):
+        self.poisoned_by = None
+
+    def run(self, name: str, fn) -> dict:
+        if self.poisoned_by:
+            return {"ok": False, "skipped": True, "seconds": 0.0,
+                    "detail": f"skipped: the CUDA context is unusable after the CUDA error in {self.poisoned_by}"}
+        out = timed(fn)
+        if out.pop("cuda_error", False):
+            self.poisoned_by = name
+        return out
+
+
+def failure_log(result: dict) -> str:
+    """Every traceback of a check report (parts and correctness rows), for check-errors.log."""
+    entries = [(name, part) for name, part in result["parts"].items()]
+    entries += [(f"correctness: {row['check']}", row) for row in result["parts"]["correctness"].get("rows", [])]
+    return "".join(f"=== {name}\n{entry['traceback']}\n" for name, entry in entries if "traceback" in entry)
+
+
 def check_train_run(argv: list[str], out_dir: str, compile_backend: str) -> dict:
-    """train.py's own main for a short run (in-process); throughput from its metrics log. Its --compile
-    uses the check's backend (--quick: dynamo's eager backend, so the run takes seconds, not minutes)."""
-    run_dir = os.path.join(out_dir, "train-run")
+    """`python train.py ARGV` for a short run, in its own process, its output in out_dir/train-run.log;
+    throughput from its metrics log. --compile-backend: the check's (--quick: dynamo's eager backend, so the
+    run takes seconds, not minutes)."""
+    run_dir, log_path = os.path.join(out_dir, "train-run"), os.path.join(out_dir, "train-run.log")
     shutil.rmtree(run_dir, ignore_errors=True)
-    compile_with_backend = functools.partial(torch.compile, backend=compile_backend)
-    with open(os.path.join(out_dir, "train-run.log"), "w") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log), unittest.mock.patch.object(torch, "compile", compile_with_backend):
-        result = train.main(argv + ["--out-dir", run_dir, "--no-progress"])
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        rates = [r["per_s"] for r in map(json.loads, fh) if "per_s" in r]
+    command = argv + ["--out-dir", run_dir, "--no-progress", "--compile-backend", compile_backend]
+    with open(log_path, "w") as log:
+        done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *command], stdout=log,
+                              stderr=subprocess.STDOUT, cwd=HERE)
+    records = []
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            records = [json.loads(line) for line in fh]
+    final = next((r for r in records if r.get("event") == "final"), {})
+    rates = [r["per_s"] for r in records if "per_s" in r]
     steady = rates[1:] or rates  # the first interval includes torch.compile's build
-    return {"ok": result.get("step") == int(argv[argv.index("--max-steps") + 1]),
-            "command": "python train.py " + " ".join(argv), "steps": result.get("step"),
-            "images_per_s": statistics.median(steady), "first_interval_images_per_s": rates[0],
-            "test_acc": result.get("test_acc"), "minutes": result.get("minutes"),
-            "detail": f"log: {os.path.join(out_dir, 'train-run.log')}"}
+    steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    if done.returncode != 0:
+        with open(log_path, errors="replace") as fh:
+            log = fh.read()
+        last = [line for line in log.splitlines() if line.strip() and not any(h in line for h in TORCH_HINTS)]
+        raise RuntimeError(f"train.py exited with {done.returncode}: {last[-1] if last else 'no output'}\n{log}")
+    return {"ok": steps == int(argv[argv.index("--max-steps") + 1]) and bool(final),
+            "command": "python train.py " + " ".join(command), "steps": steps,
+            "images_per_s": statistics.median(steady) if steady else None,
+            "first_interval_images_per_s": rates[0] if rates else None,
+            "test_acc": final.get("test_acc"), "minutes": final.get("minutes"), "detail": f"log: {log_path}"}
 
 
 def run_check(args, device) -> dict:
@@ -1338,9 +1484,12 @@ def run_check(args, device) -> dict:
         print("note: the full sizes are for a GPU (S/16 at 224², compiled); on a CPU this takes long, --quick "
               "runs the same code paths at tiny sizes", flush=True)
 
+    runner = Parts()
+
     def correctness():
-        rows = correctness_rows(sizes, device)
-        return {"ok": all(r["ok"] for r in rows), "rows": rows}
+        rows = correctness_rows(sizes, device, runner)
+        failed = [r["check"] for r in rows if not r["ok"]]
+        return {"ok": not failed, "rows": rows, **({"detail": "failed: " + ", ".join(failed)} if failed else {})}
 
     def latency():
         s = sizes["latency"]
@@ -1359,7 +1508,7 @@ def run_check(args, device) -> dict:
     parts = {}
     for name, fn in [("correctness", correctness), ("latency", latency), ("train step", train_step),
                      ("train.py run", lambda: check_train_run(sizes["run"], out_dir, sizes["compile_backend"]))]:
-        parts[name] = timed(fn)
+        parts[name] = runner.run(name, fn)
         print(f"{name}: {'ok' if parts[name]['ok'] else 'FAILED'} ({parts[name]['seconds']:.1f} s)", flush=True)
     result = {"command": "check", "quick": args.quick, "env": environment(device), "sizes": sizes, "parts": parts,
               "ok": all(p["ok"] for p in parts.values()), "out_dir": out_dir}
@@ -1367,6 +1516,11 @@ def run_check(args, device) -> dict:
     print(report)
     with open(os.path.join(out_dir, "check.md"), "w") as fh:
         fh.write(report + "\n")
+    errors = failure_log(result)
+    if errors:
+        result["errors_log"] = os.path.join(out_dir, "check-errors.log")
+        with open(result["errors_log"], "w") as fh:
+            fh.write(errors)
     write_json(result, os.path.join(out_dir, "check.json"))
     return result
 
@@ -1403,334 +1557,15 @@ def check_markdown(result: dict) -> str:
 def describe(settings: dict, device) -> str:
     return f"{precision(device)}, " + ", ".join(f"{k} {v}" for k, v in settings.items())
 
-# --- quality: small-scale evidence with seeds and error bars (python bench.py quality) ---
-
-# A regime: train.py flags ({field: value}) shared by every cell; each cell below overrides a few fields
-# (its model_args are merged into the regime's, the cell's value winning). Fashion-MNIST at width 48, 7x7
-# patches, 3 epochs, one thread per run. At L = 6 tying the six blocks costs the untied ViT 1.4 +- 0.4
-# points; at L = 12 (the default, ~3 min a run) 2.7 +- 0.1 (`--grids tying --regime d48-L6`): there an
-# expert bank has something to recover.
-QUALITY_REGIMES = {
-    "d48-L12": {"arch": "revit-mini", "epochs": 3, "depth": 12, "model_args": "dim=48,heads=3,ffn_dim=96"},
-    "d48-L6": {"arch": "revit-mini", "epochs": 3, "model_args": "dim=48,heads=3,ffn_dim=96"},
-}
-# --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
-QUALITY_QUICK = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128, "batch_size": 64,
-                 "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
-# {size}: the regime's preset size (revit-mini -> mini); {eval_depths}: 2, 3, 4, L, 1.5L, 2L of the regime's L.
-QUALITY_GRIDS = {
-    "experts": {  # paper Table 5 (E = 1 ... 8) with Table 1's untied ViT and Raptor
-        "ViT (untied)": {"arch": "vit-{size}"},
-        "Raptor k=2": {"arch": "raptor-{size}-k2"},
-        **{f"reViT E={e}": {"num_experts": e} for e in (1, 2, 4, 8)},
-        # not in the paper: a fixed depth prior that starts expert e dominant near s = e/(E-1) (ViTConfig.router_prior)
-        "reViT E=4, depth prior 8": {"num_experts": 4, "model_args": "router_prior=8"},
-    },
-    "elastic": {  # paper Fig. 2: after elastic-depth training (§3.2, rate 0.3), accuracy at other depths
-        "depth-programmed": {"depth_drop": 0.3, "eval_depths": "{eval_depths}"},
-        "feature-only": {"depth_drop": 0.3, "eval_depths": "{eval_depths}", "model_args": "ffn=feature"},
-    },
-    "tying": {  # what tying the L blocks into one costs (untied ViT vs E = 1), narrower and deeper than the regime
-        "regime: ViT": {"arch": "vit-{size}"},
-        "regime: E=1": {"num_experts": 1},
-        "d=32: ViT": {"arch": "vit-{size}", "model_args": "dim=32,heads=2,ffn_dim=64"},
-        "d=32: E=1": {"num_experts": 1, "model_args": "dim=32,heads=2,ffn_dim=64"},
-        "2L: ViT": {"arch": "vit-{size}", "depth": "{double_depth}"},
-        "2L: E=1": {"num_experts": 1, "depth": "{double_depth}"},
-    },
-    "quickstart": {  # the quick start's size and schedule (revit-mini: d = 96, L = 6, 15 epochs): does the prior help?
-        "revit-mini": {"epochs": 15, "depth": 6, "model_args": "dim=96,heads=3,ffn_dim=192"},
-        "revit-mini, depth prior 8": {"epochs": 15, "depth": 6,
-                                      "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
-    },
-}
-QUALITY_DEFAULT_GRIDS = "experts,elastic"
-
-
-def regime_depth(regime: dict) -> int:
-    return regime.get("depth") or revit.PRESETS[regime["arch"]]["depth"]
-
-
-def regime_eval_depths(regime: dict) -> list[int]:
-    depth = regime_depth(regime)
-    return sorted({2, 3, 4, depth, (3 * depth + 1) // 2, 2 * depth})
-
-
-def merge_model_args(base: str, extra: str) -> str:
-    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
-    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
-    return ",".join(f"{key}={value}" for key, value in pairs.items())
-
-
-def cell_argv(regime: dict, cell: dict, seed: int) -> list[str]:
-    """train.py's command line for one cell and seed: the regime, then the cell's fields."""
-    fill = {"size": regime["arch"].split("-", 1)[1], "eval_depths": ",".join(map(str, regime_eval_depths(regime))),
-            "double_depth": 2 * regime_depth(regime)}
-    values = dict(regime)
-    for key, value in cell.items():
-        value = value.format(**fill) if isinstance(value, str) else value
-        values[key] = merge_model_args(values.get(key, ""), value) if key == "model_args" else value
-    values["seed"] = seed
-    argv = []
-    for key, value in values.items():
-        flag = key.replace("_", "-")
-        argv += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
-    return argv
-
-
-def flag_groups(argv: list[str]) -> list[tuple]:
-    """['--a', '1', '--b'] -> [('--a', '1'), ('--b',)], sorted: the command whatever the order of its flags."""
-    groups = []
-    for word in argv:
-        if word.startswith("--") or not groups:
-            groups.append([])
-        groups[-1].append(word)
-    return sorted(map(tuple, groups))
-
-
-def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
-    """A finished run of this command: cells/KEY.json, else any cell (of another grid) with the same flags."""
-    paths = sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")))
-    own = os.path.join(out_dir, "cells", f"{key}.json")
-    for path in ([own] if own in paths else []) + paths:
-        with open(path) as fh:
-            cached = json.load(fh)
-        if flag_groups(cached["argv"]) == flag_groups(argv):
-            return {**cached, "cached": True}
-    return None
-
-
-def gate_summary(checkpoint_path: str) -> dict:
-    """The trained gate matrix at depth L in two numbers a table can hold: its spread (max - min over
-    steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a model without
-    depth-only gates (a ViT, Raptor, content routing) or E = 1."""
-    model, _ = load_model(checkpoint_path)
-    if not isinstance(model, revit.ReViT) or not model.config.depth_programmed or model.config.num_experts < 2:
-        return {}
-    with torch.no_grad():
-        gates = model.gate_matrix()
-    return {"gate_spread": float(gates.max() - gates.min()), "dominant_expert": gates.argmax(1).tolist()}
-
-
-def with_gates(record: dict, out_dir: str) -> dict:
-    """Add gate_summary from the cell's checkpoint when the record lacks it and the run folder is here."""
-    path = os.path.join(out_dir, "runs", record["key"], "ckpt.pt")
-    if "gates" in record or not os.path.exists(path):
-        return record
-    record = {**record, "gates": gate_summary(path)}
-    cell = {k: v for k, v in record.items() if k != "cached"}
-    write_json(cell, os.path.join(out_dir, "cells", f"{record['key']}.json"))
-    return record
-
-
-def run_cell(key: str, argv: list[str], out_dir: str) -> dict:
-    """One train.py run, unless a finished run of the same command line is cached (cached_cell)."""
-    cached = cached_cell(key, argv, out_dir)
-    if cached:
-        return with_gates(cached, out_dir)
-    path = os.path.join(out_dir, "cells", f"{key}.json")
-    run_dir = os.path.join(out_dir, "runs", key)
-    os.makedirs(run_dir, exist_ok=True)
-    checkpoint = os.path.join(run_dir, "ckpt.pt")
-    # a run killed mid-way continues from its last checkpoint; one killed before any checkpoint starts over
-    where = ["--resume", checkpoint] if os.path.exists(checkpoint) else ["--out-dir", run_dir, "--overwrite"]
-    with open(os.path.join(run_dir, "train.log"), "a") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
-        with train_errors(f"cell {key} (python train.py {' '.join(argv)})"):
-            result = train.main(argv + where + ["--no-progress"])
-    record = {"key": key, "argv": argv, "result": result,
-              "gates": gate_summary(checkpoint) if os.path.exists(checkpoint) else None}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json(record, path)
-    return {**record, "cached": False}
-
-
-def mean_std(values: list[float]) -> dict:
-    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "values": values}
-
-
-def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard: tuple = (1, 1)) -> list[dict]:
-    """Each cell over seeds. With shard (K, N) this process trains only every N-th run, starting at the K-th,
-    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'."""
-    cells = [(grid, name, spec) for grid in grids for name, spec in QUALITY_GRIDS[grid].items()]
-    rows, index = [], 0
-    for grid, name, spec in cells:
-        records = []
-        for seed in range(seeds):
-            key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
-            argv = cell_argv(regime, spec, seed)
-            index += 1
-            mine = (index - 1) % shard[1] == shard[0] - 1
-            record = run_cell(key, argv, out_dir) if mine else cached_cell(key, argv, out_dir)
-            records.append(record)
-            print(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
-                "pending (another shard)" if record is None else f"top-1 {100 * record['result']['test_acc']:.2f}%"
-                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")), flush=True)
-        if None not in records:
-            rows.append(quality_row(grid, name, spec, records))
-    return rows
-
-
-def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
-    """One cell over its seeds: mean ± std of accuracy (and at each evaluated depth), the gates' spread."""
-    results = [r["result"] for r in records]
-    depths = sorted({int(d) for r in results for d in r.get("depths", {})})
-    gates = [r.get("gates") for r in records]
-    return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
-            "variant": "model_args" in spec,  # e.g. the depth prior: a point beside the E line, not on it
-            "params": results[0]["params"], "reference_depth": results[0]["reference_depth"],
-            "acc": mean_std([r["test_acc"] for r in results]),
-            "depths": {d: mean_std([r["depths"][str(d)]["acc"] for r in results]) for d in depths},
-            "gate_spread": mean_std([g["gate_spread"] for g in gates]) if all(gates) else None,
-            "dominant_expert": [g["dominant_expert"] for g in gates] if all(gates) else None,
-            "minutes": sum(r["minutes"] for r in results)}
-
-
-def pm(stats: dict) -> str:
-    """'88.12 ± 0.20 [88.0 88.3 88.1]': mean ± std over seeds, then the per-seed values, in %."""
-    seeds = " ".join(f"{100 * v:.1f}" for v in stats["values"])
-    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
-
-
-def gate_cell(row: dict, template: str) -> str:
-    """A gate column of the table: '–' for models without depth-only gates (ViT, Raptor, E = 1)."""
-    if not row["gate_spread"]:
-        return "–"
-    return template.format(**row["gate_spread"], path="".join(map(str, row["dominant_expert"][0])))
-
-
-def tying_gaps(rows: list[dict]) -> list[dict]:
-    """Pair each setting's 'S: ViT' and 'S: E=1' rows; the gap is the difference of the means ± its standard error."""
-    cells = {r["cell"]: r for r in rows}
-    pairs = []
-    for setting in dict.fromkeys(name.split(":")[0] for name in cells):
-        vit, tied = cells.get(f"{setting}: ViT"), cells.get(f"{setting}: E=1")
-        if vit and tied:
-            gap = 100 * (vit["acc"]["mean"] - tied["acc"]["mean"])
-            se = 100 * math.sqrt(sum(r["acc"]["std"] ** 2 / len(r["acc"]["values"]) for r in (vit, tied)))
-            pairs.append({"setting": setting, "vit": vit["acc"], "tied": tied["acc"], "gap": f"{gap:+.2f} ± {se:.2f}"})
-    return pairs
-
-
-ACCURACY_COLUMNS = [("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
-                    ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"])),
-                    ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
-                    ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))]
-
-
-def quality_markdown(result: dict) -> str:
-    out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
-    experts = [r for r in result["rows"] if r["grid"] == "experts"]
-    if experts:
-        out += ["\n### Accuracy against the expert count (paper Table 5, Table 1)\n", markdown(experts, ACCURACY_COLUMNS)]
-    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
-    if elastic:
-        depths = sorted({d for r in elastic for d in r["depths"]})
-        out += ["\n### Accuracy at inference depths after elastic training (paper Fig. 2)\n", markdown(elastic, [
-            ("cell", f("cell", "{}"))] + [(f"depth {d}" + (" (L)" if d == elastic[0]["reference_depth"] else ""),
-                                           lambda r, d=d: pm(r["depths"][d])) for d in depths])]
-    quickstart = [r for r in result["rows"] if r["grid"] == "quickstart"]
-    if quickstart:
-        out += ["\n### At the quick start's size (d = 96, L = 6, 15 epochs)\n", markdown(quickstart, ACCURACY_COLUMNS)]
-    tying = [r for r in result["rows"] if r["grid"] == "tying"]
-    if tying:
-        out += ["\n### What tying the blocks costs: untied ViT vs one shared block (E = 1)\n", markdown(
-            tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
-                                ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
-    out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
-               f"count their original run); cells in {result['out_dir']}/cells.")
-    return "\n".join(out)
-
-
-def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
-    """accuracy vs E with error bars (Table 5 shape) and accuracy vs inference depth with bands (Fig. 2),
-    written to each (folder, file-name pattern with {kind})."""
-    plt = pyplot()
-    if plt is None:
-        return []
-    figures = {}
-    experts = [r for r in result["rows"] if r["grid"] == "experts"]
-    if experts:
-        fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-        bank = [r for r in experts if r["num_experts"] and not r.get("variant")]  # the E line: paper's router
-        ax.errorbar([r["num_experts"] for r in bank], [100 * r["acc"]["mean"] for r in bank],
-                    yerr=[100 * r["acc"]["std"] for r in bank], fmt="o-", capsize=3, label="reViT")
-        for r, marker in zip([r for r in experts if r["num_experts"] and r.get("variant")], "*Ds"):
-            ax.errorbar([r["num_experts"]], [100 * r["acc"]["mean"]], yerr=[100 * r["acc"]["std"]], fmt=marker,
-                        markersize=9, capsize=3, label=r["cell"])
-        for r, style in zip([r for r in experts if not r["num_experts"]], ("--", ":", "-.")):
-            mean, std = 100 * r["acc"]["mean"], 100 * r["acc"]["std"]
-            ax.axhline(mean, ls=style, color="gray", label=r["cell"])
-            ax.axhspan(mean - std, mean + std, color="gray", alpha=0.15)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([r["num_experts"] for r in bank], labels=[str(r["num_experts"]) for r in bank])
-        ax.set(xlabel="experts E", ylabel="top-1 accuracy (%)", title="accuracy vs E (mean ± std over seeds)")
-        ax.legend(fontsize=7)
-        figures["experts"] = fig
-    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
-    if elastic:
-        fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-        for r in elastic:
-            depths = sorted(r["depths"])
-            mean = [100 * r["depths"][d]["mean"] for d in depths]
-            std = [100 * r["depths"][d]["std"] for d in depths]
-            ax.plot(depths, mean, "o-", label=r["cell"])
-            ax.fill_between(depths, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
-        ax.axvline(elastic[0]["reference_depth"], ls=":", color="gray")
-        ax.set(xlabel="inference depth", ylabel="top-1 accuracy (%)", title="after elastic training (mean ± std)")
-        ax.legend(fontsize=7)
-        figures["depths"] = fig
-    paths = []
-    for kind, fig in figures.items():
-        fig.tight_layout()
-        for folder, pattern in folders:
-            os.makedirs(folder, exist_ok=True)
-            paths.append(os.path.join(folder, pattern.format(kind=kind)))
-            fig.savefig(paths[-1])
-        plt.close(fig)
-    return paths
-
-
-def parse_shard(text: str) -> tuple:
-    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not match or not 1 <= int(match[1]) <= int(match[2]):
-        raise InputError(f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {text!r}")
-    return int(match[1]), int(match[2])
-
-
-def run_quality(args, device) -> dict:
-    regime = dict(QUALITY_QUICK if args.quick else QUALITY_REGIMES[args.regime], device=str(device))
-    grids = [g.strip() for g in args.grids.split(",") if g.strip()]
-    unknown = sorted(set(grids) - set(QUALITY_GRIDS))
-    if unknown or not grids:
-        raise InputError(f"--grids must name some of {', '.join(QUALITY_GRIDS)}; got {args.grids!r}")
-    if regime["arch"] not in revit.PRESETS:
-        raise InputError(f"the quality regime's arch {regime['arch']!r} is not a vision preset of revit.py")
-    if args.seeds is not None and args.seeds < 1:
-        raise InputError(f"--seeds must be >= 1; got {args.seeds}")
-    seeds = args.seeds or (2 if args.quick else 3)
-    out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
-    rows = quality_rows(grids, regime, seeds, out_dir, parse_shard(args.shard))
-    result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
-              "seeds": seeds, "grids": grids,
-              "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
-    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-    name = "quick" if args.quick else args.regime  # a smoke run never overwrites a real sweep's pictures
-    folders = [(out_dir, "quality_{kind}.png")] + ([(assets, f"quality-{name}-{{kind}}.png")] if args.assets else [])
-    result["plots"] = plot_quality(result, folders)
-    print(quality_markdown(result))
-    write_json(result, os.path.join(out_dir, "quality.json"))
-    return result
-
-
 # --- command line ---
 
-CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1),
-                "train": dict(batch=8, compile=False, warmup=1, repeats=5, iters=1),
+CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1, dtype="float32"),
+                "train": dict(batch=8, compile=False, warmup=1, repeats=10, iters=1, resolve=0.03, max_repeats=60),
                 "depths": dict(batch=16, warmup=1, repeats=5, iters=1)}
-CUDA_DEFAULTS = {"latency": dict(batches="1,64", modes="compiled", warmup=10, repeats=30, iters=20),
-                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5),
+QUICK_DEFAULTS = {"train": dict(batch=4, compile=False, warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=6)}
+CUDA_DEFAULTS = {"latency": dict(batches="1,64", modes="compiled,reduce-overhead", warmup=10, repeats=30, iters=20,
+                                 dtype="bfloat16"),
+                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5, resolve=0.03, max_repeats=200),
                  "depths": dict(batch=64, warmup=10, repeats=20, iters=10)}
 
 
@@ -1753,15 +1588,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--profile", action="store_true", help="also print a torch.profiler op table per row")
     lat, tr = sub.choices["latency"], sub.choices["train"]
     lat.add_argument("--batches", help="comma-separated batch sizes (CPU 1,8; CUDA 1,64 as in Table 7)")
-    lat.add_argument("--modes", help="comma-separated: eager, compiled (CPU both; CUDA compiled)")
+    lat.add_argument("--modes", help="comma-separated: eager, compiled, reduce-overhead (CUDA graphs, CUDA only); "
+                                     "CPU eager,compiled; CUDA compiled,reduce-overhead")
+    lat.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and images, cast once before timing "
+                                                                     "(CPU float32; CUDA bfloat16)")
     lat.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     tr.add_argument("--batch", type=int, help="batch size (CPU 8, CUDA 128)")
     tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (CUDA default on, CPU off)")
     tr.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: table for known GPUs)")
+    tr.add_argument("--resolve", type=float, help="repeat paired rounds until reViT fixed / DeiT III is known to "
+                                                  "+- this (95%% bootstrap interval; default 0.03; 0: --repeats only)")
+    tr.add_argument("--max-repeats", type=int, help="at most this many paired rounds (default CPU 60, CUDA 200)")
+    tr.add_argument("--rows", help="comma-separated rows to time (default all; DeiT III always), e.g. 'reViT fixed'")
+    tr.add_argument("--quick", action="store_true", help="a smoke run in seconds: mini size, batch 4, few rounds")
     add_check_parser(sub)
     add_depths_parser(sub)
-    add_quality_parser(sub)
     add_memory_parser(sub)
     return parser
 
@@ -1804,26 +1646,12 @@ def add_depths_parser(sub):
     p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
 
 
-def add_quality_parser(sub):
-    p = sub.add_parser("quality", help="train.py per cell over seeds: accuracy vs E (Table 5) and vs inference "
-                                       "depth after elastic training (Fig. 2), mean ± std; resumes")
-    device_flags(p)
-    p.add_argument("--grids", default=QUALITY_DEFAULT_GRIDS, help=f"which grids (of {', '.join(QUALITY_GRIDS)}; "
-                                                                 f"default {QUALITY_DEFAULT_GRIDS})")
-    p.add_argument("--regime", default="d48-L12", choices=list(QUALITY_REGIMES),
-                   help="the flags every cell shares (bench.py QUALITY_REGIMES; default d48-L12)")
-    p.add_argument("--seeds", type=int, help="seeds per cell (default 3; --quick 2)")
-    p.add_argument("--out", help="folder of finished cells (resumes from it), runs, quality.json and plots "
-                                 "(default out/quality/REGIME, --quick out/quality-quick)")
-    p.add_argument("--quick", action="store_true", help="a smoke run in seconds: tiny model, two steps per cell")
-    p.add_argument("--assets", action="store_true", help="also write the plots to assets/")
-    p.add_argument("--shard", default="1/1", help="K/N: train only every N-th run from the K-th (run N processes "
-                                                  "on one --out folder to split a sweep; then once more for the table)")
-
-
 def resolve(args, device) -> dict:
     """Fill unset flags with the device's defaults; say which were defaults."""
     defaults = (CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).get(args.command, {})
+    if getattr(args, "quick", False) and args.command in QUICK_DEFAULTS:
+        args.size = "mini"
+        defaults = {**defaults, **QUICK_DEFAULTS[args.command]}
     used = {}
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
@@ -1832,49 +1660,164 @@ def resolve(args, device) -> dict:
     return used
 
 
+# Every subcommand's flags, checked once before any work (check_flags): name -> (test, what is allowed).
+# The upper bounds are far above any intended use; they stop a typo from running for hours.
+FLAG_RULES = {
+    "batch": (lambda v: 1 <= v <= 65536, "an integer in [1, 65536]"),
+    "warmup": (lambda v: 0 <= v <= 1000, "an integer in [0, 1000]"),
+    "repeats": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
+    "iters": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
+    "threads": (lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
+    "new_tokens": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
+    "test_subset": (lambda v: v >= 0, ">= 0 (0: the whole test set)"),
+    "peak_tflops": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0 (TFLOP/s)"),
+    "resolve": (lambda v: math.isfinite(v) and 0 <= v < 1, "a ratio in [0, 1) (0: no extra rounds)"),
+    "max_repeats": (lambda v: 2 <= v <= 10000, "an integer in [2, 10000]"),
+}
+COMMAND_RULES = {"depths": {"batch": (lambda v: 2 <= v <= 65536, ">= 2 (batch 1 is always measured), at most 65536")}}
+LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
+    "batches": (lambda t: int(t) if t.strip().isdigit() and 1 <= int(t) <= 65536 else None,
+                "comma-separated integers in [1, 65536], e.g. 1,8"),
+    "modes": (lambda t: t.strip() if t.strip() in ("eager", "compiled", "reduce-overhead") else None,
+              "comma-separated of eager, compiled, reduce-overhead (CUDA graphs; CUDA only)"),
+    "sizes": (lambda t: t.strip() if t.strip() in ("s", "b", "l") else None, "comma-separated of s, b, l"),
+}
+OUTPUT_FOLDERS = ("check", "depths")  # their --out is a folder; for params, latency and train a file
+
+
+def check_flags(args, device) -> None:
+    """The one validation of flags every subcommand shares, before anything is built, loaded or written:
+    ranges, comma-separated lists (parsed in place) and the output path. InputError naming the flag."""
+    rules = {**FLAG_RULES, **COMMAND_RULES.get(args.command, {})}
+    for name, (ok, allowed) in rules.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise InputError(f"--{name.replace('_', '-')} must be {allowed}; got {value}")
+    for name, (item, allowed) in LIST_FLAGS.items():
+        text = getattr(args, name, None)
+        if isinstance(text, str):
+            items = tuple(item(t) for t in text.split(","))
+            if not items or None in items:
+                raise InputError(f"--{name} must be {allowed}; got {text!r}")
+            setattr(args, name, items)
+    if "reduce-overhead" in (getattr(args, "modes", None) or ()) and device.type != "cuda":
+        raise InputError("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)")
+    if getattr(args, "thresholds", None):
+        parse_thresholds(args.thresholds)
+    out = getattr(args, "out", None)
+    if args.command == "depths":
+        check_output_folder(out or os.path.dirname(os.path.abspath(args.checkpoint)), "--out")
+    elif out:
+        (check_output_folder if args.command in OUTPUT_FOLDERS else check_output_file)(out, "--out")
+
+
 def write_json(result: dict, path: str) -> None:
     """Write to a temp name, then rename: an interrupted run never leaves a torn file."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
-        fh.write(json.dumps(result, default=str, separators=(",", ":")) + "\n")
+        fh.write(json_text(result) + "\n")
     os.replace(tmp, path)
 
 
+def json_text(result: dict) -> str:
+    """One line of strict JSON. JSON has no NaN or infinity, and no non-finite number is reported as a
+    result: each becomes null, and its place is listed under "non_finite" (e.g. "rows.3.loss")."""
+    places = []
+    clean = finite_or_null(result, "", places)
+    if places:
+        clean["non_finite"] = places
+    return json.dumps(clean, default=str, separators=(",", ":"), allow_nan=False)
+
+
+def finite_or_null(value, place: str, places: list):
+    if isinstance(value, float) and not math.isfinite(value):
+        places.append(place.lstrip("."))
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v, f"{place}.{k}", places) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v, f"{place}.{i}", places) for i, v in enumerate(value)]
+    return value
+
+
+def check_output_folder(path: str, flag: str) -> None:
+    """Before any work: `path` is, or can be made, a writable folder; else an InputError naming the flag."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"{flag} {path}: a file, not a folder")
+    _check_writable_parent(path, flag)
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Before any work: `path` can be written as a file (its folder exists or can be made, and is writable)."""
+    if os.path.isdir(path):
+        raise InputError(f"{flag} {path}: a folder, not a file")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise InputError(f"{flag} {path}: not writable")
+    _check_writable_parent(os.path.dirname(os.path.abspath(path)), flag, path)
+
+
+def _check_writable_parent(folder: str, flag: str, shown: str | None = None) -> None:
+    existing = next(p for p in (Path(folder), *Path(folder).absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise InputError(f"{flag} {shown or folder}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {shown or folder}: {existing} is not a writable folder")
+
+
 def run_params(args, device) -> dict:
-    result = {"command": "params", **bench_params(tuple(args.sizes.split(",")), with_counter=not args.no_counter),
+    result = {"command": "params", **bench_params(args.sizes, with_counter=not args.no_counter),
               "env": environment(torch.device("cpu"))}
     print(params_markdown(result))
     return result
 
 
 def run_latency(args, device) -> dict:
-    batches, modes = tuple(int(b) for b in args.batches.split(",")), tuple(args.modes.split(","))
+    batches, modes = args.batches, args.modes
     settings = {"size": args.size, "batches": batches, "modes": modes, "warmup": args.warmup,
-                "repeats": args.repeats, "iters": args.iters, "precision": precision(device)}
-    settings["summary"] = (f"{args.size.upper()}, {precision(device)}, batches {list(batches)}, {'/'.join(modes)}, "
+                "repeats": args.repeats, "iters": args.iters, "precision": f"{args.dtype} weights"}
+    settings["summary"] = (f"{args.size.upper()}, {args.dtype} weights, batches {list(batches)}, {'/'.join(modes)}, "
                            f"warm-up {args.warmup}, {args.repeats} repeats x {args.iters} calls")
     result = {"command": "latency", "settings": settings,
               **bench_latency(args.size, batches, modes, device, args.warmup, args.repeats, args.iters,
-                              memory=not args.no_memory, profile=args.profile)}
+                              memory=not args.no_memory, profile=args.profile, dtype=args.dtype)}
     result["targets"] = latency_targets(result["rows"]) if args.size == "s" else []
     print(latency_markdown(result))
     return result
 
 
 def run_train(args, device) -> dict:
+    """The training-step protocol: every row in this process, a fixed thread count, warm-up, interleaved
+    paired rounds, repeated until reViT fixed / DeiT III is resolved to +- --resolve (or --max-repeats)."""
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device)
+    labels = parse_rows(args.rows, args.size, args.compile)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # fixed for the whole run, and recorded
     settings = {"size": args.size, "batch": args.batch, "compiled": args.compile, "warmup": args.warmup,
                 "repeats": args.repeats, "iters": args.iters, "precision": precision(device), "peak_flops": peak,
-                "token_dispatch_presets": token_dispatch_presets(args.size)}
+                "token_dispatch_presets": token_dispatch_presets(args.size), "resolve": args.resolve,
+                "max_repeats": args.max_repeats, "threads": threads, "rows": labels}
     settings["summary"] = (f"{args.size.upper()}, {precision(device)}, batch {args.batch}, "
-                           f"{'compiled' if args.compile else 'eager'}, AdamW, warm-up {args.warmup}, "
-                           f"{args.repeats} repeats x {args.iters} steps")
+                           f"{'compiled' if args.compile else 'eager'}, AdamW, {threads} threads, warm-up "
+                           f"{args.warmup}, {args.repeats} to {max(args.repeats, args.max_repeats)} paired rounds "
+                           f"x {args.iters} steps until +-{args.resolve}")
     result = {"command": "train", "settings": settings,
               **bench_train(args.size, args.batch, device, args.compile, args.warmup, args.repeats, args.iters,
-                            peak, profile=args.profile)}
+                            peak, profile=args.profile, labels=labels, resolve=args.resolve,
+                            max_repeats=args.max_repeats)}
     result["targets"] = train_targets(result["rows"]) if args.size == "s" else []
     print(train_markdown(result))
     return result
+
+
+def parse_rows(text: str | None, size: str, compiled: bool) -> list[str] | None:
+    """--rows: some of train_models' labels (DeiT III always, as every ratio's reference)."""
+    if not text:
+        return None
+    known = train_models(size, compiled)
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    if not rows or any(r not in known for r in rows):
+        raise InputError(f"--rows must name some of {', '.join(known)}; got {text!r}")
+    return ["DeiT III"] + [r for r in rows if r != "DeiT III"]
 
 
 def precision(device) -> str:
@@ -1940,7 +1883,7 @@ def run_memory(args, device) -> dict:
 
 
 COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "check": run_check,
-            "depths": run_depths, "quality": run_quality, "memory": run_memory}
+            "depths": run_depths, "memory": run_memory}
 
 
 def main(argv=None) -> dict:
@@ -1957,9 +1900,10 @@ def main(argv=None) -> dict:
     try:
         if device.type == "cuda" and args.command != "check":  # TF32 for float32 parts outside autocast
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        defaults = resolve(args, device)
+        check_flags(args, device)
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
-        defaults = resolve(args, device)
         result = COMMANDS[args.command](args, device)
     except InputError as e:  # the user's input: one line, as argparse reports its own errors
         fail(str(e), "bench.py")
@@ -1972,7 +1916,7 @@ def main(argv=None) -> dict:
         print("\n" + environment_line(env))
     if args.command in ("params", "latency", "train") and args.out:
         write_json(result, args.out)
-    print(json.dumps(result, default=str, separators=(",", ":")))
+    print(json_text(result))
     return result
 
 

@@ -133,6 +133,8 @@ class TrainConfig:
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps (Apple silicon)")
     bf16: bool = opt(True, "bf16 autocast on CUDA (CPU runs in float32)")
     compile: bool = opt(False, "torch.compile the model (CUDA, or CPU with a C++ compiler)")
+    compile_backend: str = opt("inductor", "--compile's backend: inductor (generated kernels) | eager (graph "
+                                           "capture only: seconds, for a quick check)")
     ddp_find_unused: bool = opt(False, "DDP find_unused_parameters (needed if some parameters get no gradient)")
     log_interval: int = opt(10, "write a metrics line every N optimizer steps")
     progress: bool = opt(True, "show a tqdm progress bar")
@@ -540,13 +542,13 @@ def init_distributed(cfg: TrainConfig):
 
 def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
     """What the training step calls: the model, DDP-wrapped (torchrun) and/or compiled (--compile, any
-    device), in the order PyTorch documents for both: compile(DDP(model)), so that the compiled graph is
-    split at DDP's gradient buckets and their all-reduce overlaps the backward."""
+    device, --compile-backend), in the order PyTorch documents for both: compile(DDP(model)), so that the
+    compiled graph is split at DDP's gradient buckets and their all-reduce overlaps the backward."""
     forward = model
     if world > 1:
         forward = nn.parallel.DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda"
                                                       else None, find_unused_parameters=cfg.ddp_find_unused)
-    return torch.compile(forward) if cfg.compile else forward
+    return torch.compile(forward, backend=cfg.compile_backend) if cfg.compile else forward
 
 
 def broadcast(obj, world):
@@ -661,7 +663,8 @@ RULES = {**dict.fromkeys(GREATER_THAN_ZERO, (lambda v: v > 0, "> 0")),
          **dict.fromkeys(("beta1", "beta2"), (lambda v: 0 <= v < 1, "in [0, 1)")),
          **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
                          (lambda v: 0 <= v <= 1, "in [0, 1]"))}
-CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"), "probe": ("", *PROBES)}
+CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"), "probe": ("", *PROBES),
+           "compile_backend": ("inductor", "eager", "aot_eager")}
 
 
 def check_config(cfg: TrainConfig) -> None:

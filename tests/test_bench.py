@@ -5,6 +5,7 @@ they return, never how fast anything was.
 """
 import io
 import json
+import math
 from contextlib import redirect_stdout
 
 import pytest
@@ -12,7 +13,6 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import bench
-import data
 import revit
 import train
 
@@ -152,6 +152,59 @@ def test_train_rows_are_well_formed():
     json.dumps(result)
 
 
+
+def test_compiled_train_rows_add_an_eager_fixed_depth_row(monkeypatch):
+    """Elastic depth's step loop runs eagerly: where the rows are compiled, it is also compared against an
+    eager fixed-depth row. (Compilation itself stands aside here: dynamo takes minutes on a loaded CPU.)"""
+    compiled_rows = []
+    monkeypatch.setattr(bench, "maybe_compile", lambda model, compiled, **kw: compiled_rows.append(compiled) or model)
+    assert bench.train_models("mini", compiled=True)["reViT fixed, eager"] == ("revit-mini", {}, False)
+    assert "reViT fixed, eager" not in bench.train_models("mini")
+    result = bench.bench_train(size="mini", batch=4, warmup=0, repeats=2, compiled=True,
+                               labels=("DeiT III", "reViT elastic 0.3", "reViT fixed", "reViT fixed, eager"))
+    rows = {r["model"]: r for r in result["rows"]}
+    assert compiled_rows == [True, True, True, False]
+    assert rows["reViT fixed, eager"]["compiled"] is False and rows["reViT fixed"]["compiled"] is True
+    assert rows["reViT elastic 0.3"]["ratio_vs_fixed_eager"]["ratio"] > 0
+
+
+def test_train_quick_protocol_prints_the_ratio_with_its_spread():
+    result, lines = run_cli(["train", "--quick", "--device", "cpu", "--rows", "reViT fixed"])
+    rows = {r["model"]: r for r in result["rows"]}
+    assert list(rows) == ["DeiT III", "reViT fixed"]
+    fixed = rows["reViT fixed"]
+    low, high = fixed["ratio_ci95"]
+    assert low <= fixed["ratio"] <= high and fixed["ratio_pm"] == pytest.approx((high - low) / 2)
+    assert 3 <= fixed["repeats"] <= 6 and fixed["repeats_needed"] >= 2  # --quick: 3 rounds, at most 6
+    assert (fixed["ratio_pm"] <= 0.03) or fixed["repeats"] == 6  # resolved, or stopped at --max-repeats
+    settings = result["settings"]
+    assert settings["threads"] == torch.get_num_threads() and settings["resolve"] == 0.03
+    assert any(line.startswith("reViT fixed / DeiT III: ") and " ± " in line for line in lines)
+    with pytest.raises(SystemExit, match="--rows must name some of DeiT III, reViT fixed"):
+        run_cli(["train", "--quick", "--device", "cpu", "--rows", "reViT huge"])
+
+
+def test_paired_ratio_interval_and_rounds_needed():
+    same = bench.paired_ratio([2.0] * 5, [1.0] * 5)
+    assert same["ratio"] == 2.0 and same["ratio_ci95"] == [2.0, 2.0] and same["ratio_pm"] == 0
+    spread = [1.0, 1.2] * 10
+    wide = bench.paired_ratio(spread, [1.0] * 20, target=0.03)
+    low, high = wide["ratio_ci95"]
+    assert low <= wide["ratio"] <= high and low >= 1.0 and high <= 1.2
+    # the interval's width shrinks as 1/sqrt(n): four times the rounds for half the width
+    assert wide["repeats_needed"] == math.ceil(20 * (wide["ratio_pm"] / 0.03) ** 2)
+    assert bench.paired_ratio(spread, [1.0] * 20) == wide  # seeded bootstrap: the same data, the same interval
+
+
+def test_resolve_ratio_stops_when_resolved_or_at_max_repeats():
+    fns = {"DeiT III": lambda: None, "reViT fixed": lambda: None}
+    times = {"DeiT III": [1.0, 1.0, 1.0], "reViT fixed": [1.0, 1.5, 2.0], "recompiled": []}
+    device = torch.device("cpu")
+    assert bench.resolve_ratio(fns, dict(times), device, 1, 0.9, 100)["DeiT III"] == [1.0] * 3  # already resolved
+    grown = bench.resolve_ratio(fns, {k: list(v) for k, v in times.items()}, device, 1, 1e-12, 8)
+    assert len(grown["DeiT III"]) == len(grown["reViT fixed"]) == 8 and grown["recompiled"] == []
+
+
 def test_time_interleaved_calls_and_rotation():
     calls = []
     fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
@@ -208,7 +261,9 @@ def test_check_quick_runs_every_part(tmp_path):
     assert list(result["parts"]) == ["correctness", "latency", "train step", "train.py run"]
     checks = {r["check"]: r for r in result["parts"]["correctness"]["rows"]}
     assert len(checks) == 7 and all(r["ok"] and r["value"] <= r["limit"] for r in checks.values())
-    assert {r["model"] for r in result["parts"]["train step"]["rows"]} == set(bench.CHECK_TRAIN_ROWS)
+    # --quick trains eagerly: no separate eager fixed-depth row
+    assert {r["model"] for r in result["parts"]["train step"]["rows"]} == set(bench.CHECK_TRAIN_ROWS) - {
+        "reViT fixed, eager"}
     run = result["parts"]["train.py run"]
     assert run["steps"] == 4 and run["images_per_s"] > 0 and 0 <= run["test_acc"] <= 1
     assert json.loads(lines[-1]) == json.loads((tmp_path / "check.json").read_text())
@@ -216,19 +271,75 @@ def test_check_quick_runs_every_part(tmp_path):
     assert report.startswith("# bench.py check") and "| fold = reViT | yes |" in report
 
 
+CUDA_ERROR = ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously "
+              "reported at some other API call, so the stacktrace below might be incorrect.\nFor debugging consider "
+              "passing CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+
+
 def test_check_records_a_failure_and_goes_on(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
-        raise RuntimeError("first line\nthe last line names the fault")
-    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device: [{"check": "stub", "ok": True}])
+        raise RuntimeError("the first line names the fault\nmore context\n\nSet TORCHDYNAMO_VERBOSE=1 for more")
+    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device, parts: [{"check": "stub", "ok": True}])
     monkeypatch.setattr(bench, "bench_latency", broken)
     monkeypatch.setattr(bench, "bench_train", lambda **kwargs: {"rows": []})
     monkeypatch.setattr(bench, "check_train_run", lambda argv, out, backend: {"ok": True})
-    result, _ = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    result, lines = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
     assert not result["ok"]
-    assert result["parts"]["latency"] == {"ok": False, "detail": "RuntimeError: the last line names the fault",
-                                          "seconds": result["parts"]["latency"]["seconds"]}
+    latency = result["parts"]["latency"]
+    assert latency["detail"] == "RuntimeError: the first line names the fault"
+    assert "Traceback (most recent call last)" in latency["traceback"] and "in broken" in latency["traceback"]
     assert result["parts"]["train step"]["ok"] and result["parts"]["train.py run"]["ok"]  # the run went on
     assert "**FAILED**" in (tmp_path / "check.md").read_text()
+    assert "in broken" in (tmp_path / "check-errors.log").read_text()
+    strict = json.loads((tmp_path / "check.json").read_text(), parse_constant=pytest.fail)
+    assert strict == json.loads(lines[-1]) and strict["parts"]["latency"]["traceback"] == latency["traceback"]
+
+
+def test_a_cuda_error_is_reported_once_and_the_later_parts_skipped(tmp_path, monkeypatch):
+    """A CUDA error poisons the process's CUDA context: every later part would fail with the same line."""
+    def cuda_fault(*args, **kwargs):
+        raise torch.AcceleratorError(CUDA_ERROR) if hasattr(torch, "AcceleratorError") else RuntimeError(CUDA_ERROR)
+    monkeypatch.setattr(bench, "bench_latency", cuda_fault)
+    monkeypatch.setattr(bench, "bench_train", lambda **kwargs: pytest.fail("ran after a CUDA error"))
+    monkeypatch.setattr(bench, "check_train_run", lambda *a: pytest.fail("ran after a CUDA error"))
+    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device, parts: [{"check": "stub", "ok": True}])
+    result, _ = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    parts = result["parts"]
+    assert parts["latency"]["detail"].endswith(": CUDA error: an illegal memory access was encountered")
+    for name in ("train step", "train.py run"):
+        assert parts[name]["skipped"] and parts[name]["detail"] == \
+            "skipped: the CUDA context is unusable after the CUDA error in latency"
+    report = (tmp_path / "check.md").read_text()
+    assert report.count("illegal memory access") == 1 and "TORCH_USE_CUDA_DSA" not in report
+
+
+def test_the_first_informative_line_of_a_compile_failure():
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no kernel for aten::frobnicate on this device")
+    import torch._dynamo
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as error:
+        torch.compile(lambda x: x * 2 + 1, backend=failing_backend)(torch.ones(3))
+    assert "TORCHDYNAMO_VERBOSE" in str(error.value)  # torch ends its message with this hint
+    line = bench.first_informative_line(error.value)
+    assert line.endswith("no kernel for aten::frobnicate on this device") and "\n" not in line
+    assert bench.first_informative_line(RuntimeError(CUDA_ERROR)) == \
+        "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert bench.is_cuda_error(RuntimeError(CUDA_ERROR)) and not bench.is_cuda_error(RuntimeError("shape mismatch"))
+    assert not bench.is_cuda_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+
+
+def test_peak_flops_table_names_the_h100_variants():
+    assert bench.peak_of("NVIDIA H100 NVL") == 835e12 and bench.peak_of("NVIDIA H100 PCIe") == 756e12
+    assert bench.peak_of("NVIDIA H100 80GB HBM3") == 989e12 and bench.peak_of("a CPU") is None
+
+
+def test_latency_rows_with_bf16_weights():
+    """The bf16 timing path of CUDA (weights and images cast once, no autocast), here on the CPU."""
+    result = bench.bench_latency(size="mini", batches=(1,), modes=("eager",), warmup=0, repeats=1, memory=False,
+                                 dtype="bfloat16")
+    assert {r["model"] for r in result["rows"]} == set(bench.LATENCY_MODELS)
+    assert all(r["median_ms"] > 0 for r in result["rows"])
 
 
 # --- depths: one checkpoint at every depth ---
@@ -334,106 +445,6 @@ def test_smallest_depth_within_half_a_point():
         "depth 4: −0.3 points, 2.0× slower (measured) than the reference (depth 6)"
 
 
-# --- quality: train.py per cell, cached, mean ± std ---
-
-
-def test_cell_argv_merges_the_regime_and_the_cell():
-    regime = {"arch": "revit-mini", "epochs": 15, "model_args": "dim=64", "progress": False}
-    argv = bench.cell_argv(regime, bench.QUALITY_GRIDS["elastic"]["feature-only"], seed=2)
-    assert argv == ["--arch", "revit-mini", "--epochs", "15", "--model-args", "dim=64,ffn=feature", "--no-progress",
-                    "--depth-drop", "0.3", "--eval-depths", "2,3,4,6,9,12", "--seed", "2"]
-    assert bench.cell_argv(regime, bench.QUALITY_GRIDS["experts"]["Raptor k=2"], 0)[:2] == ["--arch", "raptor-mini-k2"]
-
-
-def test_run_cell_reuses_a_finished_cell_of_the_same_command(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(bench.train, "main", lambda argv: calls.append(argv) or {"test_acc": 0.5, "argv": argv})
-    first = bench.run_cell("cell", ["--seed", "0"], str(tmp_path))
-    again = bench.run_cell("cell", ["--seed", "0"], str(tmp_path))
-    changed = bench.run_cell("cell", ["--seed", "1"], str(tmp_path))
-    assert len(calls) == 2 and not first["cached"] and again["cached"] and not changed["cached"]
-    assert again["result"] == first["result"]
-
-
-def test_quality_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch):
-    import functools
-    monkeypatch.setitem(bench.QUALITY_QUICK, "data_dir", str(fashion_mnist_dir))
-    runs = [bench.cell_argv(bench.QUALITY_QUICK | {"device": "cpu"}, spec, seed) for grid in bench.QUALITY_GRIDS.values()
-            for spec in grid.values() for seed in range(2)]  # two seeds each; the same command runs once
-    cells = len({tuple(argv) for argv in runs})
-    # the runs read the same files: decode them once (gzip is most of a 2-step run's time)
-    monkeypatch.setattr(data, "load_fashion_mnist", functools.lru_cache(data.load_fashion_mnist))
-    argv = ["quality", "--quick", "--device", "cpu", "--out", str(tmp_path), "--grids", ",".join(bench.QUALITY_GRIDS)]
-    result, lines = run_cli(argv)
-    rows = {r["cell"]: r for r in result["rows"]}
-    assert set(rows) == {name for grid in bench.QUALITY_GRIDS.values() for name in grid}
-    for r in rows.values():
-        assert len(r["acc"]["values"]) == 2 and r["acc"]["std"] >= 0
-    assert sorted(rows["feature-only"]["depths"]) == [2, 3, 4, 5, 6]  # 2, 3, 4, L, 1.5L, 2L at L = 3
-    assert rows["reViT E=8"]["params"] > rows["reViT E=1"]["params"]
-    assert len(list((tmp_path / "cells").glob("*.json"))) == cells
-    table = "\n".join(lines)
-    assert "| reViT E=4 |" in table and "±" in table and "| depth 3 (L) |" in table
-    again, lines_again = run_cli(argv)  # every cell cached: no training, the same table
-    assert again["rows"] == result["rows"]
-    assert sum("(cached)" in line for line in lines_again) == len(runs)
-    assert rows["2L: E=1"]["reference_depth"] == 6 and "| d=32 |" in table and "gap (points ± s.e.)" in table
-    # the gates of each seed's checkpoint: a spread and a dominant-expert path for E >= 2, none for a ViT
-    assert rows["reViT E=4"]["gate_spread"]["mean"] >= 0 and len(rows["reViT E=4"]["dominant_expert"][0]) == 3
-    assert rows["ViT (untied)"]["gate_spread"] is None and rows["reViT E=1"]["gate_spread"] is None
-    if bench.pyplot() is not None:
-        assert {p.name for p in tmp_path.glob("*.png")} == {"quality_experts.png", "quality_depths.png"}
-
-
-def fake_train_main(argv):
-    """A stand-in for train.main: accuracy from the seed, so the table's arithmetic can be checked."""
-    seed = int(argv[argv.index("--seed") + 1])
-    vit = argv[argv.index("--arch") + 1].startswith("vit")
-    return {"test_acc": 0.80 + 0.02 * vit + 0.01 * seed, "params": 1, "reference_depth": 6, "minutes": 0.1,
-            "depths": {}}
-
-
-def test_shards_split_the_runs_and_the_last_pass_builds_the_table(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.train, "main", fake_train_main)
-    argv = ["quality", "--device", "cpu", "--grids", "tying", "--out", str(tmp_path)]
-    first, lines = run_cli(argv + ["--shard", "1/2"])
-    assert sum("pending (another shard)" in line for line in lines) == 9 and first["rows"] == []  # 18 runs, 9 each
-    second, _ = run_cli(argv + ["--shard", "2/2"])
-    assert len(list((tmp_path / "cells").glob("*.json"))) == 18 and len(second["rows"]) == 6
-    gaps = {r["setting"]: r["gap"] for r in bench.tying_gaps(second["rows"])}
-    assert gaps == {"regime": "+2.00 ± 0.82", "d=32": "+2.00 ± 0.82", "2L": "+2.00 ± 0.82"}  # s.e. sqrt(2/3) %
-    for bad in ("0/2", "3/2", "1", "a/b"):
-        with pytest.raises(SystemExit, match="--shard takes K/N"):
-            run_cli(argv + ["--shard", bad])
-
-
-def test_a_cached_cell_is_found_whatever_the_order_of_its_flags(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.train, "main", fake_train_main)
-    bench.run_cell("a", ["--arch", "vit-mini", "--seed", "0", "--no-progress"], str(tmp_path))
-    again = bench.run_cell("b", ["--no-progress", "--seed", "0", "--arch", "vit-mini"], str(tmp_path))
-    other = bench.run_cell("c", ["--no-progress", "--seed", "1", "--arch", "vit-mini"], str(tmp_path))
-    assert again["cached"] and not other["cached"]
-
-
-def test_a_cell_killed_mid_run_resumes_from_its_checkpoint(tmp_path, fashion_mnist_dir):
-    regime = dict(bench.QUALITY_QUICK, device="cpu", data_dir=str(fashion_mnist_dir), max_steps=3)
-    argv = bench.cell_argv(regime, bench.QUALITY_GRIDS["experts"]["reViT E=1"], seed=0)
-    run_dir = tmp_path / "runs" / "cell"
-    train.main(argv + ["--out-dir", str(run_dir), "--stop-at-step", "2", "--no-progress"])  # "killed" at step 2
-    record = bench.run_cell("cell", argv, str(tmp_path))
-    events = [json.loads(line)["event"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-              if "event" in json.loads(line)]
-    assert events[:2] == ["start", "resume"] and not record["cached"] and record["result"]["test_acc"] >= 0
-    (tmp_path / "cells" / "cell.json").unlink()
-    (run_dir / "ckpt.pt").unlink()  # killed before its first checkpoint: the folder is reused, the run starts over
-    assert bench.run_cell("cell", argv, str(tmp_path))["result"]["step"] == 3
-
-
-def test_model_args_of_a_cell_override_the_regimes():
-    assert bench.merge_model_args("dim=48,heads=3,ffn_dim=96", "dim=32,ffn=feature") == "dim=32,heads=3,ffn_dim=96,ffn=feature"
-    assert bench.merge_model_args("", "router_prior=8") == "router_prior=8"
-
-
 @pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),
                                         ("revit-mini-e1", "folded"), ("revit-mini-lora", "folded"),
                                         ("revit-mini-smear", "model"), ("revit-mini-qwen3", "model")])
@@ -466,15 +477,67 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
         run_cli(["depths", str(path), "--device", "cpu", "--depths", "2,3"])
 
 
-def test_a_failing_quality_cell_is_a_one_line_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(bench.QUALITY_QUICK, "batch_size", 100_000)  # more than the 256 training images
+# --- hostile inputs: one line each, before any work, nothing written ---
+
+HOSTILE = [  # (argv, the one line's message); {keep}: an existing file, {file}: an existing file used as a folder
+    (["latency", "--batches", "0"], "--batches must be comma-separated integers in [1, 65536], e.g. 1,8; got '0'"),
+    (["latency", "--batches", "1,-4"], "--batches must be comma-separated integers in [1, 65536]"),
+    (["latency", "--batches", "a,b"], "--batches must be comma-separated integers in [1, 65536]"),
+    (["latency", "--batches", "1,,8"], "--batches must be comma-separated integers"),
+    (["latency", "--repeats", "0"], "--repeats must be an integer in [1, 10000]; got 0"),
+    (["latency", "--iters", "0"], "--iters must be an integer in [1, 10000]; got 0"),
+    (["latency", "--warmup", "-1"], "--warmup must be an integer in [0, 1000]; got -1"),
+    (["latency", "--modes", "turbo"], "--modes must be comma-separated of eager, compiled, reduce-overhead"),
+    (["latency", "--modes", "reduce-overhead"], "--modes reduce-overhead times CUDA graphs: it needs a CUDA device"),
+    (["latency", "--threads", "0"], "--threads must be an integer in [1, 1024]; got 0"),
+    (["latency", "--out", "{dir}"], "--out {dir}: a folder, not a file"),
+    (["params", "--sizes", "s,xxl"], "--sizes must be comma-separated of s, b, l; got 's,xxl'"),
+    (["params", "--out", "{file}/params.json"], "--out {file}/params.json: {file} is a file, not a folder"),
+    (["train", "--batch", "0"], "--batch must be an integer in [1, 65536]; got 0"),
+    (["train", "--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0 (TFLOP/s); got nan"),
+    (["train", "--peak-tflops", "inf"], "--peak-tflops must be a finite number > 0"),
+    (["train", "--peak-tflops", "-3"], "--peak-tflops must be a finite number > 0"),
+    (["check", "--quick", "--threads", "0"], "--threads must be an integer in [1, 1024]; got 0"),
+    (["check", "--quick", "--out", "{file}"], "--out {file}: a file, not a folder"),
+    (["check", "--quick", "--out", "{file}/report"], "--out {file}/report: {file} is a file, not a folder"),
+    (["depths", "{ckpt}", "--new-tokens", "0"], "--new-tokens must be an integer in [1, 10000]; got 0"),
+    (["depths", "{ckpt}", "--new-tokens", "-3"], "--new-tokens must be an integer in [1, 10000]; got -3"),
+    (["depths", "{ckpt}", "--batch", "1"], "--batch must be >= 2 (batch 1 is always measured)"),
+    (["depths", "{ckpt}", "--test-subset", "-1"], "--test-subset must be >= 0"),
+    (["depths", "{ckpt}", "--thresholds", "0,none"], "--thresholds must be comma-separated values in (0, 1]"),
+    (["depths", "{ckpt}", "--out", "{file}/sub"], "--out {file}/sub: {file} is a file, not a folder"),
+    (["depths", "{ckpt}", "--out", "{file}"], "--out {file}: a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("argv, message", HOSTILE, ids=[" ".join(a) for a, _ in HOSTILE])
+def test_hostile_inputs_are_one_line_errors_before_any_work(argv, message, tmp_path):
+    """Each bad flag: `bench.py: error: ...` on one line, and no file written or changed anywhere we look: the
+    checkpoint's folder (depths' default output), an existing --out file, the working folder's files."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = run / "ckpt.pt"
+    ckpt.write_bytes(b"not read: the flags are checked first")
+    keep = tmp_path / "keep.json"
+    keep.write_text("{}")
+    (tmp_path / "dir").mkdir()
+    names = {"ckpt": str(ckpt), "file": str(keep), "dir": str(tmp_path / "dir")}
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     with pytest.raises(SystemExit) as error:
-        run_cli(["quality", "--quick", "--device", "cpu", "--grids", "elastic", "--out", str(tmp_path)])
+        run_cli([word.format(**names) for word in argv] + ([] if argv[0] == "params" else ["--device", "cpu"]))
     text = str(error.value.code)
-    assert text.startswith("bench.py: error: cell elastic-depth-programmed-seed0") and "--batch-size 100000" in text
+    assert text.startswith(f"bench.py: error: {message.format(**names)}"), text
     assert "\n" not in text
-    monkeypatch.setitem(bench.QUALITY_QUICK, "arch", "revit-nonsense")
-    with pytest.raises(SystemExit, match="not a vision preset"):
-        run_cli(["quality", "--quick", "--device", "cpu", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--grids must name some of experts, elastic"):
-        run_cli(["quality", "--quick", "--device", "cpu", "--grids", "table9", "--out", str(tmp_path)])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert keep.read_text() == "{}" and ckpt.read_bytes().startswith(b"not read")
+
+
+def test_no_non_finite_number_is_written_as_json(tmp_path):
+    result = {"rows": [{"loss": float("nan"), "acc": 0.5}, {"loss": float("inf")}], "mean": -float("inf")}
+    path = tmp_path / "r.json"
+    bench.write_json(result, str(path))
+    text = path.read_text()
+    saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert saved == {"rows": [{"loss": None, "acc": 0.5}, {"loss": None}], "mean": None,
+                     "non_finite": ["rows.0.loss", "rows.1.loss", "mean"]}
+    assert json.loads(bench.json_text(result)) == saved

@@ -1,0 +1,536 @@
+"""sweep.py: small-scale evidence with seeds and error bars, for reViT (arXiv 2610.12448).
+
+    python sweep.py                          # experts + elastic grids at d48-L12, 3 seeds per cell
+    python sweep.py --grids tying --regime d48-L6     # what tying the blocks costs at L = 6
+    python sweep.py --quick                  # the same code paths in seconds (tiny model, two steps a cell)
+    python sweep.py --shard 1/2 & python sweep.py --shard 2/2; wait; python sweep.py    # two processes
+
+Each cell of a grid is one `python train.py ...` run per seed, in its own process (one thread unless
+--threads or OMP_NUM_THREADS says otherwise), its output in OUT/runs/KEY/train.log. A finished run is
+recorded in OUT/cells/KEY.json with the commit and torch version it was trained at; a sweep run again
+reuses every finished cell with the same train.py command (whatever its file name), and a run killed
+mid-way continues from its checkpoint. The tables (accuracy vs E: Table 5; accuracy vs inference
+depth after elastic training: Fig. 2; mean ± std over seeds) are printed, written to OUT/quality.json
+and drawn in OUT/quality_*.png. The last stdout line is the JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+import torch
+
+import revit
+from bench import InputError, check_output_folder, f, json_text, markdown, write_json
+from checkpoint import load_model
+from cli import fail, pick_device, pyplot
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN_COMMAND = (sys.executable, os.path.join(HERE, "train.py"))  # what a cell runs, before its flags
+
+# A regime: train.py flags ({field: value}) shared by every cell; each cell below overrides a few fields
+# (its model_args are merged into the regime's, the cell's value winning). Fashion-MNIST at width 48, 7x7
+# patches, 3 epochs, one thread per run. At L = 6 tying the six blocks costs the untied ViT 1.4 +- 0.4
+# points; at L = 12 (the default, ~3 min a run) 2.7 +- 0.1 (`--grids tying --regime d48-L6`): there an
+# expert bank has something to recover.
+REGIMES = {
+    "d48-L12": {"arch": "revit-mini", "epochs": 3, "depth": 12, "model_args": "dim=48,heads=3,ffn_dim=96"},
+    "d48-L6": {"arch": "revit-mini", "epochs": 3, "model_args": "dim=48,heads=3,ffn_dim=96"},
+}
+# --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
+QUICK_REGIME = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128, "batch_size": 64,
+                "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
+# {size}: the regime's preset size (revit-mini -> mini); {eval_depths}: 2, 3, 4, L, 1.5L, 2L of the regime's L.
+GRIDS = {
+    "experts": {  # paper Table 5 (E = 1 ... 8) with Table 1's untied ViT and Raptor
+        "ViT (untied)": {"arch": "vit-{size}"},
+        "Raptor k=2": {"arch": "raptor-{size}-k2"},
+        **{f"reViT E={e}": {"num_experts": e} for e in (1, 2, 4, 8)},
+        # not in the paper: a fixed depth prior that starts expert e dominant near s = e/(E-1) (ViTConfig.router_prior)
+        "reViT E=4, depth prior 8": {"num_experts": 4, "model_args": "router_prior=8"},
+    },
+    "elastic": {  # paper Fig. 2: after elastic-depth training (§3.2, rate 0.3), accuracy at other depths
+        "depth-programmed": {"depth_drop": 0.3, "eval_depths": "{eval_depths}"},
+        "feature-only": {"depth_drop": 0.3, "eval_depths": "{eval_depths}", "model_args": "ffn=feature"},
+    },
+    "tying": {  # what tying the L blocks into one costs (untied ViT vs E = 1), narrower and deeper than the regime
+        "regime: ViT": {"arch": "vit-{size}"},
+        "regime: E=1": {"num_experts": 1},
+        "d=32: ViT": {"arch": "vit-{size}", "model_args": "dim=32,heads=2,ffn_dim=64"},
+        "d=32: E=1": {"num_experts": 1, "model_args": "dim=32,heads=2,ffn_dim=64"},
+        "2L: ViT": {"arch": "vit-{size}", "depth": "{double_depth}"},
+        "2L: E=1": {"num_experts": 1, "depth": "{double_depth}"},
+    },
+    "quickstart": {  # the quick start's size and schedule (revit-mini: d = 96, L = 6, 15 epochs): does the prior help?
+        "revit-mini": {"epochs": 15, "depth": 6, "model_args": "dim=96,heads=3,ffn_dim=192"},
+        "revit-mini, depth prior 8": {"epochs": 15, "depth": 6,
+                                      "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
+    },
+}
+DEFAULT_GRIDS = "experts,elastic"
+
+
+class SweepError(ValueError):
+    """Bad input to the sweep, a failed cell or an unreadable cell file: main reports it as one line."""
+
+
+# --- cells: a regime and a grid entry -> train.py's command line ---
+
+
+def regime_depth(regime: dict) -> int:
+    return regime.get("depth") or revit.PRESETS[regime["arch"]]["depth"]
+
+
+def regime_eval_depths(regime: dict) -> list[int]:
+    depth = regime_depth(regime)
+    return sorted({2, 3, 4, depth, (3 * depth + 1) // 2, 2 * depth})
+
+
+def merge_model_args(base: str, extra: str) -> str:
+    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
+    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
+    return ",".join(f"{key}={value}" for key, value in pairs.items())
+
+
+def cell_argv(regime: dict, cell: dict, seed: int) -> list[str]:
+    """train.py's command line for one cell and seed: the regime, then the cell's fields."""
+    fill = {"size": regime["arch"].split("-", 1)[1], "eval_depths": ",".join(map(str, regime_eval_depths(regime))),
+            "double_depth": 2 * regime_depth(regime)}
+    values = dict(regime)
+    for key, value in cell.items():
+        value = value.format(**fill) if isinstance(value, str) else value
+        values[key] = merge_model_args(values.get(key, ""), value) if key == "model_args" else value
+    values["seed"] = seed
+    argv = []
+    for key, value in values.items():
+        flag = key.replace("_", "-")
+        argv += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
+    return argv
+
+
+def flag_groups(argv: list[str]) -> list[tuple]:
+    """['--a', '1', '--b'] -> [('--a', '1'), ('--b',)], sorted: the command whatever the order of its flags."""
+    groups = []
+    for word in argv:
+        if word.startswith("--") or not groups:
+            groups.append([])
+        groups[-1].append(word)
+    return sorted(map(tuple, groups))
+
+
+# --- cell files: what a finished run left, read back with every field checked ---
+
+
+def read_cell(path: str) -> dict:
+    """A cell record from its JSON file; a torn or edited file is a SweepError naming it."""
+    try:
+        with open(path) as fh:
+            cell = json.load(fh)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SweepError(f"{path}: not a readable cell record ({type(e).__name__}: {e}); delete it to re-run "
+                         f"the cell") from None
+    problem = cell_problem(cell)
+    if problem:
+        raise SweepError(f"{path}: not a cell record ({problem}); delete it to re-run the cell")
+    return cell
+
+
+def cell_problem(cell) -> str | None:
+    """What is wrong with a cell record's structure, or None. Older cells lack commit/torch: still valid."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    if not isinstance(cell, dict):
+        return f"a JSON {type(cell).__name__}, not an object"
+    if not isinstance(cell.get("argv"), list) or not all(isinstance(a, str) for a in cell["argv"]):
+        return "argv must be a list of strings"
+    result = cell.get("result")
+    if not isinstance(result, dict):
+        return "result must be an object"
+    for key in ("test_acc", "params", "reference_depth", "minutes"):
+        if not number(result.get(key)):
+            return f"result.{key} must be a finite number; got {result.get(key)!r}"
+    depths = result.get("depths", {})
+    if not isinstance(depths, dict) or not all(isinstance(v, dict) and number(v.get("acc")) for v in depths.values()):
+        return "result.depths must map depths to {\"acc\": number}"
+    if not all(str(d).isdigit() for d in depths):
+        return "result.depths keys must be depths (integers)"
+    gates = cell.get("gates")
+    if gates and not (isinstance(gates, dict) and number(gates.get("gate_spread"))
+                      and isinstance(gates.get("dominant_expert"), list)):
+        return "gates must be null, {} or {gate_spread, dominant_expert}"
+    return None
+
+
+def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
+    """A finished run of this command: cells/KEY.json, else any cell (of another grid) with the same flags."""
+    paths = sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")))
+    own = os.path.join(out_dir, "cells", f"{key}.json")
+    for path in ([own] if own in paths else []) + paths:
+        cached = read_cell(path)
+        if flag_groups(cached["argv"]) == flag_groups(argv):
+            return {**cached, "cached": True}
+    return None
+
+
+def gate_summary(checkpoint_path: str) -> dict:
+    """The trained gate matrix at depth L in two numbers a table can hold: its spread (max - min over
+    steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a model without
+    depth-only gates (a ViT, Raptor, content routing) or E = 1."""
+    model, _ = load_model(checkpoint_path)
+    if not isinstance(model, revit.ReViT) or not model.config.depth_programmed or model.config.num_experts < 2:
+        return {}
+    with torch.no_grad():
+        gates = model.gate_matrix()
+    return {"gate_spread": float(gates.max() - gates.min()), "dominant_expert": gates.argmax(1).tolist()}
+
+
+def with_gates(record: dict, out_dir: str) -> dict:
+    """Add gate_summary from the cell's checkpoint when the record lacks it and the run folder is here."""
+    path = os.path.join(out_dir, "runs", record["key"], "ckpt.pt")
+    if "gates" in record or not os.path.exists(path):
+        return record
+    record = {**record, "gates": gate_summary(path)}
+    cell = {k: v for k, v in record.items() if k != "cached"}
+    write_json(cell, os.path.join(out_dir, "cells", f"{record['key']}.json"))
+    return record
+
+
+# --- running a cell: python train.py in its own process ---
+
+
+def code_version() -> dict:
+    """The commit the cells are trained at (`-dirty` when tracked files outside results/ differ from it;
+    None outside git) and the torch version."""
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=HERE, capture_output=True, text=True, timeout=30)
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
+        commit = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"commit": commit, "torch": torch.__version__}
+
+
+def train_cell(key: str, argv: list[str], run_dir: str, threads: int) -> dict:
+    """`python train.py ARGV` in its own process, stdout and stderr to run_dir/train.log; -> its summary
+    (the metrics log's final record, with step, checkpoint and out_dir as train.main returns them)."""
+    checkpoint = os.path.join(run_dir, "ckpt.pt")
+    # a run killed mid-way continues from its last checkpoint; one killed before any checkpoint starts over
+    where = ["--resume", checkpoint] if os.path.exists(checkpoint) else ["--out-dir", run_dir, "--overwrite"]
+    log_path = os.path.join(run_dir, "train.log")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with open(log_path, "a") as log:
+        done = subprocess.run([*TRAIN_COMMAND, *argv, *where, "--no-progress"], stdout=log, stderr=subprocess.STDOUT,
+                              env=env, cwd=HERE)
+    if done.returncode != 0:
+        raise SweepError(f"cell {key} (python train.py {' '.join(argv)}): {failure_line(log_path)}")
+    return run_summary(run_dir)
+
+
+def failure_line(log_path: str) -> str:
+    """train.py's one-line error (after 'error: '), else the last line of the log and where the log is."""
+    with open(log_path, errors="replace") as fh:
+        lines = [line.strip() for line in fh if line.strip()]
+    last = lines[-1] if lines else "no output"
+    if ": error: " in last:
+        return last.partition(": error: ")[2]
+    return f"{last} (full output: {log_path})"
+
+
+def run_summary(run_dir: str) -> dict:
+    """What train.main returns for a finished run, from the run's metrics log."""
+    steps, final = [], None
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        for record in map(json.loads, fh):
+            steps += [record["step"]] if isinstance(record.get("step"), int) else []
+            final = {k: v for k, v in record.items() if k != "event"} if record.get("event") == "final" else final
+    if final is None:
+        raise SweepError(f"{run_dir}/metrics.jsonl has no final record: the run did not finish")
+    return {**final, "step": max(steps), "checkpoint": os.path.abspath(os.path.join(run_dir, "ckpt.pt")),
+            "out_dir": os.path.abspath(run_dir)}
+
+
+def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1, version: dict | None = None) -> dict:
+    """One train.py run, unless a finished run of the same command line is cached (cached_cell)."""
+    cached = cached_cell(key, argv, out_dir)
+    if cached:
+        return with_gates(cached, out_dir)
+    run_dir = os.path.join(out_dir, "runs", key)
+    os.makedirs(run_dir, exist_ok=True)
+    version = version or code_version()
+    result = train_cell(key, argv, run_dir, threads)
+    checkpoint = os.path.join(run_dir, "ckpt.pt")
+    record = {"key": key, "argv": argv, "result": result,
+              "gates": gate_summary(checkpoint) if os.path.exists(checkpoint) else None, **version,
+              "threads": threads}
+    os.makedirs(os.path.join(out_dir, "cells"), exist_ok=True)
+    write_json(record, os.path.join(out_dir, "cells", f"{key}.json"))
+    return {**record, "cached": False}
+
+
+# --- rows: each cell over its seeds ---
+
+
+def mean_std(values: list[float]) -> dict:
+    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard: tuple = (1, 1),
+                 threads: int = 1) -> list[dict]:
+    """Each cell over seeds. With shard (K, N) this process trains only every N-th run, starting at the K-th,
+    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'."""
+    cells = [(grid, name, spec) for grid in grids for name, spec in GRIDS[grid].items()]
+    rows, index, version = [], 0, code_version()
+    for grid, name, spec in cells:
+        records = []
+        for seed in range(seeds):
+            key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
+            argv = cell_argv(regime, spec, seed)
+            index += 1
+            mine = (index - 1) % shard[1] == shard[0] - 1
+            record = run_cell(key, argv, out_dir, threads, version) if mine else cached_cell(key, argv, out_dir)
+            records.append(record)
+            print(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
+                "pending (another shard)" if record is None else f"top-1 {100 * record['result']['test_acc']:.2f}%"
+                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")), flush=True)
+        if None not in records:
+            rows.append(quality_row(grid, name, spec, records))
+    return rows
+
+
+def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
+    """One cell over its seeds: mean ± std of accuracy (and at each evaluated depth), the gates' spread, and
+    the commits its seeds were trained at (None: a cell recorded before commits were)."""
+    results = [r["result"] for r in records]
+    depths = sorted({int(d) for r in results for d in r.get("depths", {})})
+    gates = [r.get("gates") for r in records]
+    return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
+            "variant": "model_args" in spec,  # e.g. the depth prior: a point beside the E line, not on it
+            "params": results[0]["params"], "reference_depth": results[0]["reference_depth"],
+            "acc": mean_std([r["test_acc"] for r in results]),
+            "depths": {d: mean_std([r["depths"][str(d)]["acc"] for r in results]) for d in depths},
+            "gate_spread": mean_std([g["gate_spread"] for g in gates]) if all(gates) else None,
+            "dominant_expert": [g["dominant_expert"] for g in gates] if all(gates) else None,
+            "minutes": sum(r["minutes"] for r in results),
+            "commits": sorted({r.get("commit") for r in records}, key=str)}
+
+
+def read_quality(path: str) -> dict:
+    """OUT/quality.json as quality_markdown and plot_quality take it (JSON keys the depths as strings)."""
+    with open(path) as fh:
+        result = json.load(fh)
+    for row in result["rows"]:
+        row["depths"] = {int(d): stats for d, stats in row["depths"].items()}
+    return result
+
+
+# --- tables and plots ---
+
+
+def pm(stats: dict) -> str:
+    """'88.12 ± 0.20 [88.0 88.3 88.1]': mean ± std over seeds, then the per-seed values, in %."""
+    seeds = " ".join(f"{100 * v:.1f}" for v in stats["values"])
+    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
+
+
+def gate_cell(row: dict, template: str) -> str:
+    """A gate column of the table: '–' for models without depth-only gates (ViT, Raptor, E = 1)."""
+    if not row["gate_spread"]:
+        return "–"
+    return template.format(**row["gate_spread"], path="".join(map(str, row["dominant_expert"][0])))
+
+
+def tying_gaps(rows: list[dict]) -> list[dict]:
+    """Pair each setting's 'S: ViT' and 'S: E=1' rows; the gap is the difference of the means ± its standard error."""
+    cells = {r["cell"]: r for r in rows}
+    pairs = []
+    for setting in dict.fromkeys(name.split(":")[0] for name in cells):
+        vit, tied = cells.get(f"{setting}: ViT"), cells.get(f"{setting}: E=1")
+        if vit and tied:
+            gap = 100 * (vit["acc"]["mean"] - tied["acc"]["mean"])
+            se = 100 * math.sqrt(sum(r["acc"]["std"] ** 2 / len(r["acc"]["values"]) for r in (vit, tied)))
+            pairs.append({"setting": setting, "vit": vit["acc"], "tied": tied["acc"], "gap": f"{gap:+.2f} ± {se:.2f}"})
+    return pairs
+
+
+ACCURACY_COLUMNS = [("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
+                    ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"])),
+                    ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
+                    ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))]
+
+
+def quality_markdown(result: dict) -> str:
+    """The sweep's tables, from run_sweep's result or read_quality(OUT/quality.json)."""
+    out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
+    experts = [r for r in result["rows"] if r["grid"] == "experts"]
+    if experts:
+        out += ["\n### Accuracy against the expert count (paper Table 5, Table 1)\n", markdown(experts, ACCURACY_COLUMNS)]
+    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
+    if elastic:
+        depths = sorted({d for r in elastic for d in r["depths"]})
+        out += ["\n### Accuracy at inference depths after elastic training (paper Fig. 2)\n", markdown(elastic, [
+            ("cell", f("cell", "{}"))] + [(f"depth {d}" + (" (L)" if d == elastic[0]["reference_depth"] else ""),
+                                           lambda r, d=d: pm(r["depths"][d])) for d in depths])]
+    quickstart = [r for r in result["rows"] if r["grid"] == "quickstart"]
+    if quickstart:
+        out += ["\n### At the quick start's size (d = 96, L = 6, 15 epochs)\n", markdown(quickstart, ACCURACY_COLUMNS)]
+    tying = [r for r in result["rows"] if r["grid"] == "tying"]
+    if tying:
+        out += ["\n### What tying the blocks costs: untied ViT vs one shared block (E = 1)\n", markdown(
+            tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
+                                ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
+    out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
+               f"count their original run); cells in {result['out_dir']}/cells.")
+    return "\n".join(out)
+
+
+def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
+    """accuracy vs E with error bars (Table 5 shape) and accuracy vs inference depth with bands (Fig. 2),
+    written to each (folder, file-name pattern with {kind})."""
+    plt = pyplot()
+    if plt is None:
+        return []
+    figures = {}
+    experts = [r for r in result["rows"] if r["grid"] == "experts"]
+    if experts:
+        figures["experts"] = plot_experts(plt, experts)
+    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
+    if elastic:
+        figures["depths"] = plot_elastic(plt, elastic)
+    paths = []
+    for kind, fig in figures.items():
+        fig.tight_layout()
+        for folder, pattern in folders:
+            os.makedirs(folder, exist_ok=True)
+            paths.append(os.path.join(folder, pattern.format(kind=kind)))
+            fig.savefig(paths[-1])
+        plt.close(fig)
+    return paths
+
+
+def plot_experts(plt, experts: list[dict]):
+    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+    bank = [r for r in experts if r["num_experts"] and not r.get("variant")]  # the E line: paper's router
+    ax.errorbar([r["num_experts"] for r in bank], [100 * r["acc"]["mean"] for r in bank],
+                yerr=[100 * r["acc"]["std"] for r in bank], fmt="o-", capsize=3, label="reViT")
+    for r, marker in zip([r for r in experts if r["num_experts"] and r.get("variant")], "*Ds"):
+        ax.errorbar([r["num_experts"]], [100 * r["acc"]["mean"]], yerr=[100 * r["acc"]["std"]], fmt=marker,
+                    markersize=9, capsize=3, label=r["cell"])
+    for r, style in zip([r for r in experts if not r["num_experts"]], ("--", ":", "-.")):
+        mean, std = 100 * r["acc"]["mean"], 100 * r["acc"]["std"]
+        ax.axhline(mean, ls=style, color="gray", label=r["cell"])
+        ax.axhspan(mean - std, mean + std, color="gray", alpha=0.15)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["num_experts"] for r in bank], labels=[str(r["num_experts"]) for r in bank])
+    ax.set(xlabel="experts E", ylabel="top-1 accuracy (%)", title="accuracy vs E (mean ± std over seeds)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def plot_elastic(plt, elastic: list[dict]):
+    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+    for r in elastic:
+        depths = sorted(r["depths"])
+        mean = [100 * r["depths"][d]["mean"] for d in depths]
+        std = [100 * r["depths"][d]["std"] for d in depths]
+        ax.plot(depths, mean, "o-", label=r["cell"])
+        ax.fill_between(depths, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    ax.axvline(elastic[0]["reference_depth"], ls=":", color="gray")
+    ax.set(xlabel="inference depth", ylabel="top-1 accuracy (%)", title="after elastic training (mean ± std)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+# --- command line ---
+
+
+def parse_shard(text: str) -> tuple:
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise SweepError(f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def parse_grids(text: str) -> list[str]:
+    grids = [g.strip() for g in text.split(",") if g.strip()]
+    unknown = sorted(set(grids) - set(GRIDS))
+    if unknown or not grids:
+        raise SweepError(f"--grids must name some of {', '.join(GRIDS)}; got {text!r}")
+    return grids
+
+
+def thread_count(threads: int | None) -> int:
+    """--threads, else OMP_NUM_THREADS when the user set it, else one thread per run."""
+    if threads is None:
+        threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else 1
+    if threads < 1:
+        raise SweepError(f"--threads must be >= 1; got {threads}")
+    return threads
+
+
+def run_sweep(args) -> dict:
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        raise SweepError(str(e)) from None
+    regime = dict(QUICK_REGIME if args.quick else REGIMES[args.regime], device=str(device))
+    grids, shard, threads = parse_grids(args.grids), parse_shard(args.shard), thread_count(args.threads)
+    if regime["arch"] not in revit.PRESETS:
+        raise SweepError(f"the regime's arch {regime['arch']!r} is not a vision preset of revit.py")
+    if args.seeds is not None and args.seeds < 1:
+        raise SweepError(f"--seeds must be >= 1; got {args.seeds}")
+    seeds = args.seeds or (2 if args.quick else 3)
+    out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
+    check_output_folder(out_dir, "--out")
+    rows = quality_rows(grids, regime, seeds, out_dir, shard, threads)
+    result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
+              "seeds": seeds, "grids": grids,
+              "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
+    name = "quick" if args.quick else args.regime  # a smoke run never overwrites a real sweep's pictures
+    folders = [(out_dir, "quality_{kind}.png")] + ([(os.path.join(HERE, "assets"), f"quality-{name}-{{kind}}.png")]
+                                                   if args.assets else [])
+    result["plots"] = plot_quality(result, folders)
+    print(quality_markdown(result))
+    write_json(result, os.path.join(out_dir, "quality.json"))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grids", default=DEFAULT_GRIDS, help=f"which grids (of {', '.join(GRIDS)}; default {DEFAULT_GRIDS})")
+    p.add_argument("--regime", default="d48-L12", choices=list(REGIMES),
+                   help="the flags every cell shares (sweep.py REGIMES; default d48-L12)")
+    p.add_argument("--seeds", type=int, help="seeds per cell (default 3; --quick 2)")
+    p.add_argument("--out", help="folder of finished cells (resumes from it), runs, quality.json and plots "
+                                 "(default out/quality/REGIME, --quick out/quality-quick)")
+    p.add_argument("--quick", action="store_true", help="a smoke run in seconds: tiny model, two steps per cell")
+    p.add_argument("--assets", action="store_true", help="also write the plots to assets/")
+    p.add_argument("--shard", default="1/1", help="K/N: train only every N-th run from the K-th (run N processes "
+                                                  "on one --out folder to split a sweep; then once more for the table)")
+    p.add_argument("--device", default="auto", help="train.py's --device for every cell: auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, help="CPU threads per train.py run (default: $OMP_NUM_THREADS if set, else 1)")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    try:
+        result = run_sweep(args)
+    except (SweepError, InputError) as e:  # bad input, a failed cell, a damaged cell file: one line
+        fail(str(e), "sweep.py")
+    print(json_text(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
