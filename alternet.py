@@ -21,7 +21,14 @@ How it differs from a GPT:
   final LayerNorm + LM head (tied to the token embedding) decodes every iteration,
   and the loss is the p-weighted sum of the per-iteration cross-entropies plus
   KL(p||prior), Switch load balance, router z-loss and a relative-improvement loss
-  for the halt heads.
+  for the halt heads. The cross-entropies are taken in chunks of tokens recomputed in
+  backward, so the loss never holds the D full-vocabulary logit tensors.
+
+Named outputs (AlterNet's docstring lists them): every call returns the halting
+distribution, iterations, routing record and aux losses. Without targets (generation,
+analysis) it returns `logits` and the per-iteration `step_logits`; with targets
+(training, and the loss at evaluation) it returns the losses (`loss`, `task_loss`,
+`step_losses`, `step_ce`, `token_losses`) and no logits.
 - At inference a sequence stops when its cumulative halting probability passes a
   threshold (or by sampling); the iteration count may also be capped below D without
   retraining. `halting=False` is the paper's fixed-depth baseline "Model I".
@@ -63,6 +70,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
 
 # --- depth encoding (paper §3, Eq. 1) -------------------------------------------
 
@@ -323,17 +331,28 @@ CONFIG_RULES = {
 # --- the model -------------------------------------------------------------------
 
 
+# The loss decodes this many logits at a time (our choice: 2^25, 128 MiB in fp32, ~670 tokens at
+# GPT-2's V = 50,257), so its memory grows with neither the iterations D nor the tokens B x T.
+LOSS_CHUNK_LOGITS = 2 ** 25
+
+
 class AlterNet(nn.Module):
-    """The looped expert bank. forward returns a dict (OUTPUTS):
-      logits (B, T, V)           output of the iteration each sequence stopped at
-      step_logits (D', B, T, V)  per iteration; after a sequence halts its row repeats its output
+    """The looped expert bank. forward returns a dict; every call has
       halting_distribution (B, D')  p of Eq. 5; a sequence halted early at iteration h has
                                  lambda_h := 1 (all remaining mass), like a cap at h + 1
       iterations (B,) long; aux_losses {kl, balance, z[, rir]} already weighted;
       router_logits (D', B, E); expert_indices (D', B, k) (-1 after halting); gates (D', B, k);
       halt_lambdas (B, D') raw lambda_d (before the last-iteration and curriculum overrides);
-      states (list of D'+1 (B, T, H)) when return_states;
-      with targets: task_loss (L_PN), loss, step_losses (D',) token-mean CE per iteration.
+      states (list of D'+1 (B, T, H)) when return_states.
+    Without targets (generation, analysis), the logits:
+      logits (B, T, V)           output of the iteration each sequence stopped at ((B, 1, V) with
+                                 last_token_only)
+      step_logits (D', B, T, V)  per iteration (not with last_token_only); after a sequence halts
+                                 its row repeats its output
+    With targets (training, and the loss at evaluation), the losses and no logits (decoding all
+    iterations at once would hold D' x B x T x V floats):
+      loss, task_loss (L_PN, Eq. 7); step_losses (D',) token-mean CE per iteration;
+      step_ce (D', B) per-sequence mean CE; token_losses (D', B, T) per-token CE, 0 where ignored.
     """
 
     def __init__(self, config):
@@ -488,6 +507,24 @@ class AlterNet(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         return self.lm_head(self.norm(x))
 
+    def token_losses(self, x, targets):
+        """Per-token cross-entropy of decode(x): x (n, T, H), targets (n, T) -> (n, T) fp32, 0 where -1.
+
+        Never holds the (n, T, V) logits: the tokens go through the final norm, the LM head and the
+        CE in chunks of LOSS_CHUNK_LOGITS // V tokens, each recomputed in backward (activation
+        checkpointing), so the loss's extra memory is one chunk's logits whatever D and T are.
+        """
+        chunk = max(1, LOSS_CHUNK_LOGITS // self.config.vocab_size)
+        flat_x, flat_targets = rearrange(x, "n t h -> (n t) h"), targets.flatten()
+        losses = [checkpoint(self._chunk_cross_entropy, xs, ts, use_reentrant=False, preserve_rng_state=False)
+                  if torch.is_grad_enabled() else self._chunk_cross_entropy(xs, ts)
+                  for xs, ts in zip(flat_x.split(chunk), flat_targets.split(chunk))]
+        return torch.cat(losses).view(targets.shape)  # (n, T)
+
+    def _chunk_cross_entropy(self, x, targets):
+        """(N, H), (N,) -> (N,) fp32: CE of the decoded logits, taken in fp32 also under autocast."""
+        return F.cross_entropy(self.lm_head(self.norm(x)).float(), targets, ignore_index=-1, reduction="none")
+
     # -- the forward pass --
 
     def forward(self, tokens, targets=None, max_depth=None, halt_threshold=None, lengths=None, *,
@@ -498,60 +535,85 @@ class AlterNet(nn.Module):
         depth; more extrapolates). halt_threshold: stop a sequence once its cumulative halting
         probability reaches it; sample_halting: stop with probability lambda_d (the conditional,
         not p_d). Either needs halting=True; no sequence stops before minimum_depth (curriculum).
-        targets: (B, T) long, -1 = ignore (as are positions >= lengths).
+        targets: (B, T) long, -1 = ignore (as are positions >= lengths); with targets the outputs
+        are the losses, without them the logits.
         """
         num_iterations, last = self._check_inputs(tokens, targets, max_depth, halt_threshold, lengths,
                                                   sample_halting, last_token_only)
+        if targets is not None:
+            targets = scored_targets(targets, lengths)
+        run = self._depth_loop(tokens, last, targets, num_iterations, halt_threshold, sample_halting,
+                               last_token_only)
+        out = self._outputs(run["records"], run["iterations"])
+        if targets is None:
+            out["logits"] = run["outputs"][-1]
+            if not last_token_only:
+                out["step_logits"] = torch.stack(run["outputs"])  # (D', B, T, V)
+        else:
+            out.update(self._task_losses(torch.stack(run["outputs"]), targets, out["halting_distribution"]))
+            if self.config.halting:
+                out["aux_losses"]["rir"] = self._rir_loss(run["records"], out["step_ce"], targets)
+            out["loss"] = out["task_loss"] + sum(out["aux_losses"].values())
+        if return_states:
+            out["states"] = run["states"]
+        return out
+
+    def _depth_loop(self, tokens, last, targets, num_iterations, halt_threshold, sample_halting, last_token_only):
+        """Iterate, decode (or score against targets), decide who halts; halted rows keep their state
+        and output. -> dict(outputs: per iteration (B, T or 1, V) logits, or (B, T) token CE with
+        targets; records: per iteration, full batch; states: D'+1 (B, T, H); iterations: (B,) long)."""
         B, T = tokens.shape
         x = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))  # (B, T, H), positions once
         min_depth = self.minimum_depth(num_iterations)
         active = torch.arange(B, device=tokens.device)  # sequences still iterating
         log_unhalted = torch.zeros(B, device=tokens.device)  # log P_unhalted,d (detached, for decisions)
         iterations = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        logits, states, records = None, [x], []
+        output, outputs, records, states = None, [], [], [x]
         for iteration in range(num_iterations):
             everyone = active.numel() == B
             x_run, last_run = (x, last) if everyone else (x[active], last[active])
             x_next, record = self.iterate(x_run, last_run, iteration)
-            step_logits = self.decode(x_next, last_run if last_token_only else None)
-            halt_now = self._stop(record, iteration, num_iterations, min_depth, log_unhalted[active],
-                                  halt_threshold, sample_halting)
+            if targets is None:
+                step_output = self.decode(x_next, last_run if last_token_only else None)
+            else:
+                step_output = self.token_losses(x_next, targets if everyone else targets[active])
+            record, halt_now = self._halting_decision(record, iteration, num_iterations, min_depth,
+                                                      log_unhalted[active], halt_threshold, sample_halting)
             log_unhalted = log_unhalted.index_copy(0, active, log_unhalted[active] + record["log_continue"].detach())
             iterations = iterations.index_add(0, active, torch.ones_like(active))
             # write the running sequences back; halted ones keep their state and output
             x = x_next if everyone else x.index_copy(0, active, x_next)
-            logits = step_logits if logits is None or everyone else logits.index_copy(0, active, step_logits)
-            records.append((logits, self._scatter_record(record, active, B)))
+            output = step_output if output is None or everyone else output.index_copy(0, active, step_output)
+            outputs.append(output)
+            records.append(self._scatter_record(record, active, B))
             states.append(x)
             active = active[~halt_now]
             if active.numel() == 0:
                 break
-        out = self._outputs(records, iterations, targets, lengths)
-        if return_states:
-            out["states"] = states
-        return out
+        return dict(outputs=outputs, records=records, states=states, iterations=iterations)
 
-    def _stop(self, record, iteration, num_iterations, min_depth, log_unhalted, halt_threshold, sample_halting):
-        """Which running sequences stop after this iteration -> (n,) bool. Also writes the
-        lambda that p uses into record (log space): 0 before min_depth (forced to continue),
-        1 where a sequence stops (all remaining mass, Eq. 5), else the halt heads' lambda."""
-        n, device = record["log_halt"].shape[0], record["log_halt"].device
-        record["raw_log_halt"] = record["log_halt"]
-        if iteration < min_depth - 1:  # forced to continue: lambda := 0
-            record["log_halt"] = torch.full((n,), float("-inf"), device=device)
-            record["log_continue"] = torch.zeros(n, device=device)
+    def _halting_decision(self, record, iteration, num_iterations, min_depth, log_unhalted, halt_threshold,
+                          sample_halting):
+        """Which running sequences stop after this iteration -> (record, halt_now (n,) bool). The
+        returned record holds the lambda that p uses (log space): 0 before min_depth (forced to
+        continue), 1 where a sequence stops (all remaining mass, Eq. 5), else the halt heads' lambda;
+        raw_log_halt keeps the heads' own."""
+        log_halt, log_continue = record["log_halt"], record["log_continue"]
+        n, device = log_halt.shape[0], log_halt.device
+        forced = iteration < min_depth - 1
+        if forced:  # lambda := 0
+            log_halt, log_continue = torch.full((n,), float("-inf"), device=device), torch.zeros(n, device=device)
         if iteration == num_iterations - 1:
             halt_now = torch.ones(n, dtype=torch.bool, device=device)
-        elif iteration < min_depth - 1 or (halt_threshold is None and not sample_halting):
+        elif forced or (halt_threshold is None and not sample_halting):
             halt_now = torch.zeros(n, dtype=torch.bool, device=device)
         elif sample_halting:
-            halt_now = torch.bernoulli(record["log_halt"].detach().exp()).bool()
+            halt_now = torch.bernoulli(log_halt.detach().exp()).bool()
         else:  # cumulative halted mass sum_{i<=d} p_i = 1 - prod_{i<=d} (1 - lambda_i)
-            halt_now = 1 - (log_unhalted + record["log_continue"].detach()).exp() >= halt_threshold
-        record["log_halt"] = torch.where(halt_now, torch.zeros_like(record["log_halt"]), record["log_halt"])
-        record["log_continue"] = torch.where(halt_now, torch.full_like(record["log_continue"], float("-inf")),
-                                             record["log_continue"])
-        return halt_now
+            halt_now = 1 - (log_unhalted + log_continue.detach()).exp() >= halt_threshold
+        log_halt = torch.where(halt_now, torch.zeros_like(log_halt), log_halt)
+        log_continue = torch.where(halt_now, torch.full_like(log_continue, float("-inf")), log_continue)
+        return dict(record, raw_log_halt=record["log_halt"], log_halt=log_halt, log_continue=log_continue), halt_now
 
     def _scatter_record(self, record, active, batch_size):
         """Per-iteration record of the running sequences -> full batch; halted rows get fills."""
@@ -567,18 +629,13 @@ class AlterNet(nn.Module):
         full["ran"] = torch.zeros(batch_size, dtype=torch.bool, device=active.device).index_fill(0, active, True)
         return full
 
-    def _outputs(self, records, iterations, targets, lengths):
-        """Stack the per-iteration records into the output dict; add the losses."""
-        step_logits = torch.stack([r[0] for r in records])  # (D', B, T, V)
-        rec = {key: torch.stack([r[1][key] for r in records]) for key in records[0][1]}  # each (D', B, ...)
+    def _outputs(self, records, iterations):
+        """The per-iteration records stacked into the outputs every call returns, with the aux losses."""
+        rec = {key: torch.stack([r[key] for r in records]) for key in records[0]}  # each (D', B, ...)
         log_p = halting_log_distribution(rec["log_halt"].T, rec["log_continue"].T)  # (B, D')
-        out = dict(logits=records[-1][0], step_logits=step_logits, halting_distribution=log_p.exp(),
-                   iterations=iterations, router_logits=rec["router_logits"], expert_indices=rec["expert_indices"],
-                   gates=rec["gates"], halt_lambdas=rec["raw_log_halt"].T.exp())
-        out["aux_losses"] = self._aux_losses(rec, log_p)
-        if targets is not None:
-            self._task_losses(out, rec, targets, lengths)
-        return out
+        return dict(halting_distribution=log_p.exp(), iterations=iterations, router_logits=rec["router_logits"],
+                    expert_indices=rec["expert_indices"], gates=rec["gates"],
+                    halt_lambdas=rec["raw_log_halt"].T.exp(), aux_losses=self._aux_losses(rec, log_p))
 
     def _aux_losses(self, rec, log_p):
         """Router losses pooled over every (iteration, sequence) decision made; halting KL (Eq. 6, 8)."""
@@ -592,25 +649,20 @@ class AlterNet(nn.Module):
             aux["kl"] = cfg.kl_weight * self.kl_scale * kl_divergence(log_p, log_prior)
         return aux
 
-    def _task_losses(self, out, rec, targets, lengths):
-        """L_PN (Eq. 7), L_RIR (Eq. 9) and per-iteration CE for logging."""
-        cfg = self.config
-        step_logits, p = out["step_logits"], out["halting_distribution"]
-        D, B, T, V = step_logits.shape
-        valid = targets != -1
-        if lengths is not None:
-            valid &= torch.arange(T, device=targets.device) < lengths[:, None]
-        targets = targets.masked_fill(~valid, -1)
-        ce = torch.stack([F.cross_entropy(rearrange(logits.float(), "b t v -> (b t) v"), targets.flatten(),
-                                          ignore_index=-1, reduction="none").view(B, T)
-                          for logits in step_logits])  # (D, B, T), one iteration at a time to bound memory
-        step_ce = ce.sum(-1) / valid.sum(1).clamp(min=1)  # (D, B): per-sequence mean CE of each iteration
-        out["task_loss"] = (p * step_ce.T).sum(1).mean()  # Eq. 7
-        out["step_losses"] = (ce.sum((1, 2)) / valid.sum().clamp(min=1)).detach()  # (D,)
-        if cfg.halting:
-            rir = relative_improvement_loss(rec["rir_log_halt"], rec["rir_log_continue"], step_ce, rec["ran"])
-            out["aux_losses"]["rir"] = cfg.rir_weight * rir
-        out["loss"] = out["task_loss"] + sum(out["aux_losses"].values())
+    def _task_losses(self, token_losses, targets, p):
+        """L_PN (Eq. 7) from the per-token CE of every iteration, token_losses: (D', B, T); p: (B, D').
+        -> task_loss, step_ce (D', B) per-sequence mean CE, step_losses (D',) token-mean CE, token_losses."""
+        scored = targets != -1  # (B, T)
+        step_ce = token_losses.sum(-1) / scored.sum(1).clamp(min=1)  # (D', B)
+        return dict(task_loss=(p * step_ce.T).sum(1).mean(),  # Eq. 7
+                    step_ce=step_ce, step_losses=(token_losses.sum((1, 2)) / scored.sum().clamp(min=1)).detach(),
+                    token_losses=token_losses)
+
+    def _rir_loss(self, records, step_ce, targets):
+        """a_RIR L_RIR (Eq. 9) over the iterations each sequence ran; the halt heads' inputs detached."""
+        log_halt, log_continue, ran = (torch.stack([r[key] for r in records])
+                                       for key in ("rir_log_halt", "rir_log_continue", "ran"))  # each (D', B)
+        return self.config.rir_weight * relative_improvement_loss(log_halt, log_continue, step_ce, ran)
 
     def _check_inputs(self, tokens, targets, max_depth, halt_threshold, lengths, sample_halting, last_token_only):
         """ValueError naming the argument for any bad input -> (iterations this call, last valid index (B,))."""
@@ -682,6 +734,14 @@ class AlterNet(nn.Module):
         return tokens
 
     sample = generate  # alias
+
+
+def scored_targets(targets, lengths):
+    """targets with -1 (ignored) also at the padding, positions >= lengths: (B, T) long."""
+    if lengths is None:
+        return targets
+    padding = torch.arange(targets.shape[1], device=targets.device) >= lengths[:, None]  # (B, T)
+    return targets.masked_fill(padding, -1)
 
 
 def check_ids(name, ids, vocab_size, ignore=None):
