@@ -52,7 +52,10 @@ Defaults where the paper is ambiguous (each reachable or documented at its code)
 - The Gaussian prior is over iteration counts n = 1..D with mean D/2 (§3, Table 2).
 - Load balance and z-loss pool every (sequence, iteration) routing decision, so experts may
   specialise by depth; f_i counts top-k selections (sums to k, as in Mixtral), so a_LB
-  acts as k x the Switch weight. z-loss uses the clamped logits the router acts on.
+  acts as k x the Switch weight. z-loss uses the logits before the clamp (ST-MoE's order),
+  the gates and the balance the clamped ones.
+- A sequence with no scored target (all -1) counts in neither L_PN's nor L_RIR's 1/B; the
+  KL and the router losses, which do not read targets, count every sequence.
 - The "global" halt-head ablation is one head reading the new state x_{d+1} at the last
   valid token (PonderNet-style), instead of one head per expert.
 - L_RIR uses the raw lambda_d of the halt heads (also at d = D-1, where p forces 1).
@@ -126,6 +129,12 @@ def halting_distribution(lambdas):
 
 def depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
     """Prior q over iterations 1..num_steps, truncated and renormalised to sum to 1: (num_steps,).
+    Far-tail entries may round to 0; the loss uses log_depth_prior, which stays finite."""
+    return log_depth_prior(num_steps, max_depth, kind, geometric_p).exp()
+
+
+def log_depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
+    """log q over iterations 1..num_steps, normalised in log space: (num_steps,), every entry finite.
 
     gaussian: q_n ∝ N(n; D/2, D/4) with D = max_depth (paper §3; Table 2: mu = 6, sigma = 3 at
     D = 12); geometric: q_n ∝ p (1-p)^(n-1) (PonderNet). A cap num_steps < D at inference
@@ -141,7 +150,9 @@ def depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
         log_q = (iterations - 1) * math.log1p(-geometric_p)
     else:
         raise ValueError(f"prior must be one of 'gaussian', 'geometric', got {kind!r}")
-    return log_q.softmax(0)  # softmax of log-weights = normalisation over 1..num_steps
+    # log_softmax, never softmax(...).log(): far beyond D (a cap of 24 at D = 4, or past ~49 for the
+    # 350M prior) q_n underflows to 0 in float32 and its log, the KL and the loss would be inf
+    return log_q.log_softmax(0)
 
 
 def kl_divergence(log_p, log_q):
@@ -440,7 +451,8 @@ class AlterNet(nn.Module):
     # -- one iteration of the depth loop (Eq. 1-4) --
 
     def route(self, h, iteration):
-        """Sequence-level router (Eq. 1-2). h: (n, H) last-valid-token states -> logits (n, E), fp32."""
+        """Sequence-level router (Eq. 1-2). h: (n, H) last-valid-token states -> (raw logits, the
+        clamped ones the router acts on), each (n, E) fp32."""
         cfg = self.config
         t = depth_coordinate(iteration, cfg.max_depth)
         encodings = [depth_encoding(t, cfg.depth_dim)]  # e_t
@@ -449,9 +461,8 @@ class AlterNet(nn.Module):
         encodings = torch.cat(encodings).to(h.device).expand(h.shape[0], -1)  # (n, m or 2m)
         with torch.autocast(h.device.type, enabled=False):  # router math in fp32 (Switch)
             logits = F.linear(torch.cat([h.float(), encodings], dim=-1), self.router.weight.float())
-        if cfg.logit_clamp is not None:
-            logits = logits.clamp(-cfg.logit_clamp, cfg.logit_clamp)
-        return logits
+        clamp = cfg.logit_clamp
+        return logits, logits if clamp is None else logits.clamp(-clamp, clamp)
 
     def iterate(self, x, last, iteration):
         """x: (n, T, H) states of the sequences still running, last: (n,) last valid index.
@@ -460,7 +471,7 @@ class AlterNet(nn.Module):
         on the sequences routed to them (a loop over experts, never over sequences).
         """
         n, k = x.shape[0], self.config.top_k
-        router_logits = self.route(x[torch.arange(n, device=x.device), last], iteration)  # (n, E)
+        raw_logits, router_logits = self.route(x[torch.arange(n, device=x.device), last], iteration)  # (n, E)
         top_logits, expert_indices = router_logits.topk(k, dim=-1)  # (n, k)
         log_gates = top_logits.log_softmax(-1)  # Eq. 2: renormalised over the selected experts only
         gates = log_gates.exp()
@@ -481,7 +492,8 @@ class AlterNet(nn.Module):
                 rir_halt_logits = rir_halt_logits.index_put((seq, slot), rir_lhat)
         x_next = x + update  # Eq. 3: gated residual step
         halting = self._halting(x_next, last, log_gates, halt_logits, rir_halt_logits)
-        record = dict(router_logits=router_logits, expert_indices=expert_indices, gates=gates, **halting)
+        record = dict(router_logits=router_logits, raw_router_logits=raw_logits, expert_indices=expert_indices,
+                      gates=gates, **halting)
         return x_next, record
 
     def _halting(self, x_next, last, log_gates, halt_logits, rir_halt_logits):
@@ -642,10 +654,12 @@ class AlterNet(nn.Module):
         cfg = self.config
         ran = rec["ran"]  # (D', B)
         router_logits, expert_indices = rec["router_logits"][ran], rec["expert_indices"][ran]  # (N, E), (N, k)
+        # ST-MoE's order: the z-loss on the logits before the clamp (it keeps pulling a logit past
+        # +-c back), the gates and the balance on the clamped ones the router acts on
         aux = dict(balance=cfg.balance_weight * load_balance_loss(router_logits, expert_indices, cfg.num_experts),
-                   z=cfg.z_loss_weight * router_z_loss(router_logits))
+                   z=cfg.z_loss_weight * router_z_loss(rec["raw_router_logits"][ran]))
         if cfg.halting:
-            log_prior = depth_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p).log().to(log_p.device)
+            log_prior = log_depth_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p).to(log_p.device)
             aux["kl"] = cfg.kl_weight * self.kl_scale * kl_divergence(log_p, log_prior)
         return aux
 
@@ -654,14 +668,17 @@ class AlterNet(nn.Module):
         -> task_loss, step_ce (D', B) per-sequence mean CE, step_losses (D',) token-mean CE, token_losses."""
         scored = targets != -1  # (B, T)
         step_ce = token_losses.sum(-1) / scored.sum(1).clamp(min=1)  # (D', B)
-        return dict(task_loss=(p * step_ce.T).sum(1).mean(),  # Eq. 7
+        rows = scored.any(1).sum().clamp(min=1)  # 1/B over the sequences with a scored target (our choice)
+        return dict(task_loss=(p * step_ce.T).sum() / rows,  # Eq. 7
                     step_ce=step_ce, step_losses=(token_losses.sum((1, 2)) / scored.sum().clamp(min=1)).detach(),
                     token_losses=token_losses)
 
     def _rir_loss(self, records, step_ce, targets):
-        """a_RIR L_RIR (Eq. 9) over the iterations each sequence ran; the halt heads' inputs detached."""
+        """a_RIR L_RIR (Eq. 9) over the iterations each sequence ran; the halt heads' inputs detached.
+        A sequence without a scored target has no CE to improve on: it neither counts nor trains."""
         log_halt, log_continue, ran = (torch.stack([r[key] for r in records])
                                        for key in ("rir_log_halt", "rir_log_continue", "ran"))  # each (D', B)
+        ran = ran & (targets != -1).any(1)  # (D', B)
         return self.config.rir_weight * relative_improvement_loss(log_halt, log_continue, step_ce, ran)
 
     def _check_inputs(self, tokens, targets, max_depth, halt_threshold, lengths, sample_halting, last_token_only):

@@ -251,9 +251,15 @@ def test_topk_gates_and_router_losses_equal_direct_formulas():
     model = small_model(num_experts=5, top_k=3)
     with torch.no_grad():
         model.router.weight.mul_(200)  # spread the logits, some past the clamp
-    out = model(tokens_for(model, B=4))
+    out = model(tokens_for(model, B=4), return_states=True)
     logits, idx, gates = out["router_logits"], out["expert_indices"], out["gates"]  # (D, B, E), (D, B, k)
     assert logits.abs().max() <= 10 + 1e-6 and logits.abs().max() > 9
+    cfg = model.config
+    raw = torch.stack([torch.stack([model.router.weight @ torch.cat([state[b, -1], *(
+        loop_depth_encoding(t, cfg.depth_dim) for t in (d / (cfg.max_depth - 1), 1 - d / (cfg.max_depth - 1)))])
+        for b in range(4)]) for d, state in enumerate(out["states"][:-1])])  # (D, B, E) before the clamp
+    assert raw.abs().max() > 11
+    torch.testing.assert_close(logits, raw.clamp(-10, 10), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gates.sum(-1), torch.ones(gates.shape[:2]))
     D, B, E = logits.shape
     decisions = [(d, b) for d in range(D) for b in range(B)]
@@ -267,13 +273,12 @@ def test_topk_gates_and_router_losses_equal_direct_formulas():
         for j, e in enumerate(idx[d, b].tolist()):
             assert abs(gates[d, b, j].item() - math.exp(row[e]) / norm) < 1e-5
         total = sum(math.exp(v) for v in row)
-        z += math.log(total) ** 2
+        z += math.log(sum(math.exp(v) for v in raw[d, b].tolist())) ** 2  # z-loss: before the clamp
         for e in range(E):
             counts[e] += e in chosen
             probs[e] += math.exp(row[e]) / total
     z /= len(decisions)
     lb_counts = E * sum(counts[e] / len(decisions) * probs[e] / len(decisions) for e in range(E))
-    cfg = model.config
     assert abs(out["aux_losses"]["z"].item() - cfg.z_loss_weight * z) < 1e-5 * cfg.z_loss_weight * z
     assert abs(out["aux_losses"]["balance"].item() - cfg.balance_weight * lb_counts) < 1e-6
 
@@ -1107,3 +1112,75 @@ def test_chunked_loss_equals_the_stacked_logits_loss(case, monkeypatch):
         assert (grads[name] is None) == (p.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, msg=name, **close)
+
+
+# --- edges: the clamp, extrapolated caps, rows without targets --------------------------------
+
+
+def test_z_loss_reads_the_logits_before_the_clamp():
+    """ST-MoE's order: at logits [12, 12, -12], clamped to [10, 10, -10], the z-loss still pulls the
+    router back (on the clamped logits no loss term would move it: gradient exactly 0)."""
+    model = small_model(num_experts=3, top_k=2, max_depth=1)
+    H = model.config.dim
+    with torch.no_grad():
+        model.tok_emb.weight.zero_()
+        model.tok_emb.weight[:, 0] = 1.0  # every state: 1 in feature 0, 0 elsewhere
+        model.pos_emb.weight.zero_()
+        model.router.weight.zero_()
+        model.router.weight[:, 0] = torch.tensor([12.0, 12.0, -12.0])
+    out = model(tokens_for(model, B=2, T=4))
+    torch.testing.assert_close(out["router_logits"][0], torch.tensor([[10.0, 10.0, -10.0]] * 2))
+    raw_z = torch.logsumexp(torch.tensor([12.0, 12.0, -12.0]), 0) ** 2
+    torch.testing.assert_close(out["aux_losses"]["z"], model.config.z_loss_weight * raw_z)
+    out["aux_losses"]["z"].backward()
+    assert model.router.weight.grad[:, 0].abs().min() > 0
+    assert model.router.weight.grad[:, 1:H].abs().max() == 0
+
+
+@pytest.mark.parametrize("num_steps, max_depth, kind", [(24, 4, "gaussian"), (64, 12, "gaussian"),
+                                                        (400, 8, "geometric")])
+def test_depth_prior_is_finite_far_beyond_the_trained_depth(num_steps, max_depth, kind):
+    """Log-space normalisation: the far tail of the prior does not underflow to log 0 = -inf."""
+    log_q = alternet.log_depth_prior(num_steps, max_depth, kind, geometric_p=0.12)
+    n = torch.arange(1, num_steps + 1, dtype=torch.float64)
+    if kind == "gaussian":
+        log_weights = -0.5 * ((n - max_depth / 2) / (max_depth / 4)) ** 2
+    else:
+        log_weights = (n - 1) * math.log(0.88)
+    expected = log_weights - torch.logsumexp(log_weights, 0)
+    assert torch.isfinite(log_q).all()
+    torch.testing.assert_close(log_q.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_kl_and_loss_are_finite_at_an_extrapolated_cap():
+    """D = 4 run with a cap of 24: the Gaussian prior's tail is ~e^-242, below float32's range."""
+    model = spread_halting(small_model(max_depth=4)).eval()
+    tokens = tokens_for(model, B=2, T=5)
+    out = model(tokens, targets=torch.roll(tokens, -1, 1), max_depth=24)
+    assert out["halting_distribution"].shape == (2, 24)
+    assert torch.isfinite(out["aux_losses"]["kl"]) and torch.isfinite(out["loss"])
+
+
+def test_a_row_without_scored_targets_neither_counts_nor_trains():
+    """L_PN and L_RIR average over the sequences that have a target; a row of -1 adds nothing to
+    them and no gradient to the halt heads (without the fix: 1/B counted it, and L_RIR trained its
+    halt heads toward lambda = 1 - sigmoid(-0.25) = 0.56)."""
+    model = spread_halting(small_model(rir_weight=0.3, kl_weight=0.0))
+    tokens = tokens_for(model, B=4, T=6)
+    targets = torch.roll(tokens, -1, 1)
+    targets[2] = -1
+    kept = [0, 1, 3]
+    runs = []
+    for rows, row_targets in ((tokens, targets), (tokens[kept], targets[kept])):
+        model.zero_grad(set_to_none=True)
+        out = model(rows, targets=row_targets)
+        (out["task_loss"] + out["aux_losses"]["rir"]).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if "halt_head" in n and p.grad is not None}
+        runs.append((out, grads))
+    (with_empty, grads), (without, grads_without) = runs
+    torch.testing.assert_close(with_empty["task_loss"], without["task_loss"])
+    torch.testing.assert_close(with_empty["aux_losses"]["rir"], without["aux_losses"]["rir"])
+    assert grads_without
+    for name in grads.keys() | grads_without.keys():  # an expert only the empty row took: zero gradient
+        zero = torch.zeros_like(grads.get(name, grads_without.get(name)))
+        torch.testing.assert_close(grads.get(name, zero), grads_without.get(name, zero), msg=name)
