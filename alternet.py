@@ -388,7 +388,10 @@ class AlterNet(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.max_depth))
             if name.endswith("halt_head.bias"):
                 nn.init.constant_(p, config.halt_bias_init)  # sigmoid(-3) ~ 0.05: start by not halting
-        self.train_step = None  # optimizer step from set_step(); None (no trainer) = schedules finished
+        # the schedules at the optimizer step of set_step(); without a trainer they are finished
+        self.train_step = None
+        self.curriculum_depth = 1  # minimum iterations in training (curriculum, paper §4)
+        self.register_buffer("kl_scale", torch.ones(()), persistent=False)  # a_KL ramp; not in the state dict
 
     @staticmethod
     def _init_weights(module):
@@ -408,45 +411,47 @@ class AlterNet(nn.Module):
 
     # -- training schedules (paper §4, Table 2) --
 
-    def set_step(self, step):
-        """Called by the training loop before the forward of optimizer step `step`."""
+    def set_step(self, step: int) -> None:
+        """Called by the training loop before the forward of optimizer step `step`.
+
+        The schedules are evaluated here, not in forward: forward reads a curriculum depth that
+        changes at most D times and the a_KL scale as a 0-d tensor, so torch.compile has no
+        per-step Python value to guard on (a step counter read in forward recompiles every step).
+        """
         self.train_step = int(step)
+        self.curriculum_depth = self._curriculum_depth(self.train_step)
+        self.kl_scale.fill_(self._kl_ramp(self.train_step))
 
-    def minimum_depth(self, num_iterations):
-        """Iterations a sequence runs before it may halt, capped at num_iterations.
-
-        Curriculum release (paper §4): for the first min_depth_warmup training steps the model
+    def _curriculum_depth(self, step: int) -> int:
+        """Curriculum release (paper §4): for the first min_depth_warmup training steps the model
         is "forced to stick to its maximum number of iterations": lambda_d := 0 before the
         last, so p puts all mass on iteration D and L_PN is its CE (the halt heads keep
         learning from L_RIR). Then the minimum is released, at once by default or linearly
-        from D to 1 over min_depth_release_steps. Evaluation and inference have no minimum.
-        """
+        from D to 1 over min_depth_release_steps."""
         cfg = self.config
-        if not cfg.halting:
-            return num_iterations  # Model I: always every iteration
-        if not self.training or self.train_step is None:
-            return 1
-        since_release = self.train_step - cfg.min_depth_warmup
+        since_release = step - cfg.min_depth_warmup
         if since_release < 0:
-            depth = cfg.max_depth
-        elif since_release < cfg.min_depth_release_steps:
-            depth = math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release / cfg.min_depth_release_steps)
-        else:
-            depth = 1
-        return min(depth, num_iterations)
+            return cfg.max_depth
+        if since_release < cfg.min_depth_release_steps:
+            return math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release / cfg.min_depth_release_steps)
+        return 1
 
-    @property
-    def kl_scale(self):
+    def _kl_ramp(self, step: int) -> float:
         """a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1
         over kl_ramp_steps. During the curriculum the KL has no gradient, so a ramp running
         from step 0 would jump to its full value at the release."""
-        if self.train_step is None:
-            return 1.0
-        since_release = self.train_step - self.config.min_depth_warmup
+        since_release = step - self.config.min_depth_warmup
         ramp = self.config.kl_ramp_steps
         if ramp == 0:
             return float(since_release >= 0)
         return min(1.0, max(0.0, since_release / ramp))
+
+    def minimum_depth(self, num_iterations: int) -> int:
+        """Iterations a sequence runs before it may halt in training (the curriculum of set_step),
+        capped at num_iterations. Evaluation and inference have no minimum; Model I runs them all."""
+        if not self.config.halting:
+            return num_iterations
+        return min(self.curriculum_depth, num_iterations) if self.training else 1
 
     # -- one iteration of the depth loop (Eq. 1-4) --
 

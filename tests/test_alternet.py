@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch._dynamo.testing
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -1184,3 +1185,30 @@ def test_a_row_without_scored_targets_neither_counts_nor_trains():
     for name in grads.keys() | grads_without.keys():  # an expert only the empty row took: zero gradient
         zero = torch.zeros_like(grads.get(name, grads_without.get(name)))
         torch.testing.assert_close(grads.get(name, zero), grads_without.get(name, zero), msg=name)
+
+
+def test_compiled_training_recompiles_only_when_the_curriculum_depth_changes():
+    """The schedules reach forward as a depth that changes at most D times and a 0-d tensor (the
+    a_KL scale), not as the step counter: dynamo guards on neither the step nor the ramp's value.
+    Reading the step in forward recompiled at every step until the recompile limit."""
+    # top_k = E: every expert runs every sequence, so no routing-dependent shape recompiles either
+    model = small_model(num_experts=2, top_k=2, max_depth=2, min_depth_warmup=3, kl_ramp_steps=10)
+    counter = torch._dynamo.testing.CompileCounter()  # dynamo's capture only (backend: the eager graph)
+    compiled = torch.compile(model, backend=counter)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tokens = tokens_for(model, B=4, T=12)
+    depths, compiles, kl_scales = [], [], []
+    for step in range(20):
+        model.set_step(step)
+        out = compiled(tokens, targets=torch.roll(tokens, -1, 1))
+        out["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        depths.append(model.minimum_depth(2))
+        compiles.append(counter.frame_count)
+        kl_scales.append(float(model.kl_scale))
+    assert depths == [2, 2, 2] + [1] * 17 and len(set(kl_scales)) == 11  # the ramp moved every step
+    for step in range(1, 20):
+        if depths[step] == depths[step - 1]:
+            assert compiles[step] == compiles[step - 1], f"recompiled at step {step}: {compiles}"
+    torch._dynamo.reset()
