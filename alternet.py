@@ -62,7 +62,8 @@ Defaults where the paper is ambiguous (each reachable or documented at its code)
 
 File layout: depth encoding -> halting / loss functions -> attention, FFN, expert ->
 config -> model -> causal evaluation -> presets and recipes -> create_model -> the
-`python alternet.py sample` command.
+tokenizers (text_codec). Imports nothing of the project; sampling from a checkpoint is
+sample.py.
 """
 
 import dataclasses
@@ -319,13 +320,22 @@ def _finite(value):
     return math.isfinite(value)
 
 
-_POSITIVE_INT = (int, lambda v: v >= 1, "a positive integer")
+# Sizes a user would not reach by intent (our choice, far above the paper's V = 50,257 and D <= 12): a
+# typo or an edited checkpoint config is refused before anything is allocated or run.
+MAX_ITERATIONS = 1024  # D, and a call's cap on iterations
+SIZE_LIMITS = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
+                   num_experts=2 ** 10, top_k=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
+
+
+def _size(limit):
+    return (int, lambda v: 1 <= v <= limit, f"an integer in 1..{limit}")
+
+
 _COUNT = (int, lambda v: v >= 0, "an integer >= 0")
 _WEIGHT = ((int, float), lambda v: _finite(v) and v >= 0, "a finite number >= 0")
 # field -> (accepted types, check, what is allowed): every field is checked on construction
 CONFIG_RULES = {
-    **{name: _POSITIVE_INT for name in ("vocab_size", "seq_len", "dim", "heads", "ffn_dim", "num_experts",
-                                         "top_k", "max_depth", "depth_dim")},
+    **{name: _size(limit) for name, limit in SIZE_LIMITS.items()},
     **{name: (bool, lambda v: True, "True or False") for name in ("budget_signal", "tie_embeddings", "halting")},
     "logit_clamp": ((int, float), lambda v: _finite(v) and v > 0, "a positive number or None (off)"),
     "norm_eps": ((int, float), lambda v: _finite(v) and v > 0, "a positive number"),
@@ -703,8 +713,9 @@ class AlterNet(nn.Module):
             if last_token_only:
                 raise ValueError("targets: not supported with last_token_only=True (the loss needs every position)")
         num_iterations = cfg.max_depth if max_depth is None else max_depth
-        if not isinstance(num_iterations, int) or isinstance(num_iterations, bool) or num_iterations < 1:
-            raise ValueError(f"max_depth must be None or an integer >= 1, got {max_depth!r}")
+        if not isinstance(num_iterations, int) or isinstance(num_iterations, bool) or \
+                not 1 <= num_iterations <= MAX_ITERATIONS:
+            raise ValueError(f"max_depth must be None or an integer in 1..{MAX_ITERATIONS}, got {max_depth!r}")
         if halt_threshold is not None and not 0 < halt_threshold <= 1:
             raise ValueError(f"halt_threshold must be None or in (0, 1], got {halt_threshold!r}")
         if halt_threshold is not None and sample_halting:
@@ -867,7 +878,7 @@ def create_model(name, **overrides):
     return AlterNet(AlterNetConfig(**{**PRESETS[name], **overrides}))
 
 
-# --- `python alternet.py sample CKPT`: text from a trained checkpoint (as nanoGPT's sample.py) ---
+# --- text: the tokenizers of train.py (sample.py decodes with them) ---------------------------
 
 
 def text_codec(tokenizer):
@@ -882,96 +893,3 @@ def text_codec(tokenizer):
             raise ValueError(f"the gpt2 tokenizer needs the tiktoken package and its encoding files ({e})") from e
         return encoding.encode_ordinary, encoding.decode
     raise ValueError(f"unknown tokenizer {tokenizer!r} (byte or gpt2)")
-
-
-def iteration_marks(iterations):
-    """One character per generated token: 1-9, then a, b, ... for 10, 11, ... iterations."""
-    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(n, 35)] for n in iterations)
-
-
-def sample_parser():
-    import argparse
-    parser = argparse.ArgumentParser(prog="alternet.py", description="Sample text from an AlterNet checkpoint.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("sample", help="generate text from a checkpoint of train.py")
-    p.add_argument("checkpoint", metavar="CKPT", help="ckpt.pt written by train.py for an alternet-* preset")
-    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
-    p.add_argument("--halt-threshold", type=float, default=0.5,
-                   help="stop iterating once the cumulative halting probability reaches this, in (0, 1]")
-    p.add_argument("--max-depth", type=int, default=None, help="cap on iterations per token (default: trained D)")
-    p.add_argument("--seed", type=int, default=1337, help="random seed")
-    p.add_argument("--num-samples", type=int, default=1, help="number of samples")
-    p.add_argument("--show-iterations", action="store_true",
-                   help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
-    p.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N")
-    return parser
-
-
-def check_sample_args(args):
-    """The first bad argument as (flag, message), or None."""
-    checks = [("--max-new-tokens", args.max_new_tokens >= 0, "must be >= 0"),
-              ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0, "must be >= 0"),
-              ("--top-k", args.top_k is None or args.top_k >= 1, "must be >= 1"),
-              ("--halt-threshold", 0 < args.halt_threshold <= 1, "must be in (0, 1]"),
-              ("--max-depth", args.max_depth is None or args.max_depth >= 1, "must be >= 1"),
-              ("--num-samples", args.num_samples >= 1, "must be >= 1"),
-              ("--prompt", len(args.prompt) > 0, "must not be empty")]
-    for flag, ok, message in checks:
-        if not ok:
-            return f"{flag} {message}, got {getattr(args, flag[2:].replace('-', '_'))!r}"
-    return None
-
-
-def load_language_model(path, device):
-    """(model, encode, decode) from a train.py checkpoint; ValueError with one line if it is not usable."""
-    import checkpoint  # the checkpoint reader, only for this command: the model above needs torch and einops alone
-    model, ckpt = checkpoint.load_model(path, device=device, flag="CKPT")
-    # by name: run as a script this module is __main__, while the loader builds `alternet.AlterNet`
-    if type(model).__name__ != "AlterNet":
-        raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
-                         f"(one of {', '.join(sorted(PRESETS))})")
-    encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))
-    return model, encode, decode
-
-
-def main(argv=None):
-    """`python alternet.py sample CKPT --prompt TEXT`: prints each sample, and with --show-iterations a
-    line of per-token iteration marks and their mean. Returns the samples (text, iterations)."""
-    from cli import fail, pick_device  # the command line's floor, only for this command
-    args = sample_parser().parse_args(argv)
-    problem = check_sample_args(args)
-    try:
-        if problem:
-            raise ValueError(problem)
-        device = pick_device(args.device)
-        model, encode, decode = load_language_model(args.checkpoint, device)
-        prompt = torch.tensor([encode(args.prompt)], dtype=torch.long, device=device)  # (1, P)
-        if prompt.max() >= model.config.vocab_size:
-            raise ValueError(f"--prompt {args.prompt!r} has tokens outside this model's vocabulary "
-                             f"(ids 0..{model.config.vocab_size - 1}; the prompt has {prompt.max().item()})")
-        if args.top_k is not None and args.top_k > model.config.vocab_size:
-            raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
-    except ValueError as e:
-        fail(str(e), "alternet.py sample")
-    torch.manual_seed(args.seed)
-    samples = []
-    for i in range(args.num_samples):
-        ids, used = model.generate(prompt, args.max_new_tokens, halt_threshold=args.halt_threshold,
-                                   max_depth=args.max_depth, temperature=args.temperature, top_k=args.top_k,
-                                   return_iterations=True)
-        used = used[0].tolist()
-        samples.append((decode(ids[0].tolist()), used))
-        print(samples[-1][0])
-        if args.show_iterations:
-            mean = sum(used) / max(len(used), 1)
-            print(f"{iteration_marks(used)}\nmean iterations per generated token: {mean:.2f}")
-        if i < args.num_samples - 1:
-            print("---------------")
-    return samples
-
-
-if __name__ == "__main__":
-    main()
