@@ -66,8 +66,11 @@ tokenizers (text_codec). Imports nothing of the project; sampling from a checkpo
 sample.py.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +82,12 @@ from torch.utils.checkpoint import checkpoint
 # --- depth encoding (paper §3, Eq. 1) -------------------------------------------
 
 
-def depth_coordinate(iteration, max_depth):
+def depth_coordinate(iteration: int, max_depth: int) -> float:
     """t = d / (D - 1) (Eq. 1), D = the trained max_depth. D = 1 has a single iteration; we give it t = 0."""
     return iteration / (max_depth - 1) if max_depth > 1 else 0.0
 
 
-def depth_encoding(t, dim):
+def depth_encoding(t: float, dim: int) -> torch.Tensor:
     """Vaswani sinusoidal encoding of a scalar position t: (dim,), interleaved sin/cos.
 
     Parameter-free, so it is defined for t outside [0, 1] too (depths beyond the
@@ -101,7 +104,7 @@ def depth_encoding(t, dim):
 # stays finite, and the KL treats p_d = 0 exactly (its term and gradient are 0).
 
 
-def halting_log_probabilities(log_gates, halt_logits):
+def halting_log_probabilities(log_gates: torch.Tensor, halt_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 4 in log space: lambda = sum_j g_j sigmoid(lhat_j) over the selected experts.
 
     log_gates, halt_logits: (..., k) -> (log lambda, log(1 - lambda)), each (...,). The
@@ -112,7 +115,7 @@ def halting_log_probabilities(log_gates, halt_logits):
     return log_halt, log_continue
 
 
-def halting_log_distribution(log_halt, log_continue):
+def halting_log_distribution(log_halt: torch.Tensor, log_continue: torch.Tensor) -> torch.Tensor:
     """Eq. 5, PonderNet, in log space: log p_d = log lambda_d + sum_{i<d} log(1 - lambda_i).
 
     log_halt, log_continue: (B, D) -> log p: (B, D). The last iteration takes the remaining
@@ -123,18 +126,18 @@ def halting_log_distribution(log_halt, log_continue):
     return log_halt + log_unhalted  # log P_unhalted,d + log lambda_d
 
 
-def halting_distribution(lambdas):
+def halting_distribution(lambdas: torch.Tensor) -> torch.Tensor:
     """Eq. 5 in probability space, p: (B, D) from lambdas: (B, D) (for reading; the model uses log space)."""
     return halting_log_distribution(lambdas.log(), torch.log1p(-lambdas)).exp()
 
 
-def depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
+def depth_prior(num_steps: int, max_depth: int, kind: str = "gaussian", geometric_p: float = 0.12) -> torch.Tensor:
     """Prior q over iterations 1..num_steps, truncated and renormalised to sum to 1: (num_steps,).
     Far-tail entries may round to 0; the loss uses log_depth_prior, which stays finite."""
     return log_depth_prior(num_steps, max_depth, kind, geometric_p).exp()
 
 
-def log_depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
+def log_depth_prior(num_steps: int, max_depth: int, kind: str = "gaussian", geometric_p: float = 0.12) -> torch.Tensor:
     """log q over iterations 1..num_steps, normalised in log space: (num_steps,), every entry finite.
 
     gaussian: q_n ∝ N(n; D/2, D/4) with D = max_depth (paper §3; Table 2: mu = 6, sigma = 3 at
@@ -156,7 +159,7 @@ def log_depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
     return log_q.log_softmax(0)
 
 
-def kl_divergence(log_p, log_q):
+def kl_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """Eq. 8: KL(p || q) = mean_b sum_d p_d (log p_d - log q_d). log_p: (B, D), log_q: (D,).
 
     Exact at p_d = 0 (log p_d = -inf): the term is 0 and so is its gradient; both branches of
@@ -169,7 +172,7 @@ def kl_divergence(log_p, log_q):
     return terms.sum(-1).mean()
 
 
-def load_balance_loss(router_logits, expert_indices, num_experts):
+def load_balance_loss(router_logits: torch.Tensor, expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Switch load balance E * sum_i f_i P_i over routing decisions (paper §3, Fedus et al. 2022).
 
     router_logits: (N, E) (N = every (sequence, iteration) decision, pooled), expert_indices:
@@ -182,12 +185,12 @@ def load_balance_loss(router_logits, expert_indices, num_experts):
     return num_experts * (fraction * mean_probability).sum()
 
 
-def router_z_loss(router_logits):
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
     """z-loss (Zoph et al. 2022): mean over decisions of logsumexp(l)^2. router_logits: (N, E)."""
     return torch.logsumexp(router_logits, dim=-1).pow(2).mean()
 
 
-def improvement_weights(step_ce):
+def improvement_weights(step_ce: torch.Tensor) -> torch.Tensor:
     """Eq. 10: w_d = sigmoid(50 (max(CE_{d-1} - CE_d, 0) - 0.005)) for d = 1..D-1.
 
     step_ce: (D, B) per-sequence CE -> (D-1, B), detached (it is a target).
@@ -196,7 +199,8 @@ def improvement_weights(step_ce):
     return torch.sigmoid(50 * ((step_ce[:-1] - step_ce[1:]).clamp(min=0) - 0.005))
 
 
-def relative_improvement_loss(log_halt, log_continue, step_ce, ran=None):
+def relative_improvement_loss(log_halt: torch.Tensor, log_continue: torch.Tensor, step_ce: torch.Tensor,
+                              ran: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 9: L_RIR = 1/B sum_b 1/(D-1) sum_{d>=1} BCE(lambda_d, 1 - w_d), BCE from log lambda.
 
     log_halt, log_continue: (D, B) log lambda and log(1 - lambda) of the halt heads; step_ce:
@@ -217,25 +221,25 @@ def relative_improvement_loss(log_halt, log_continue, step_ce, ran=None):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x):  # (B, T, H)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H)
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.heads)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, H/heads)
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim, hidden_dim):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, dim)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
 
 
@@ -248,7 +252,7 @@ class Expert(nn.Module):
     The per-expert halt head lives here (None with a global head or halting off).
     """
 
-    def __init__(self, config):
+    def __init__(self, config: AlterNetConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.dim, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config.dim, config.heads)
@@ -257,7 +261,7 @@ class Expert(nn.Module):
         per_expert = config.halting and config.halt_head == "per_expert"
         self.halt_head = nn.Linear(config.dim, 1) if per_expert else None
 
-    def forward(self, x):  # (B, T, H) -> (B, T, H)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T, H)
         attn_update = self.attn(self.norm1(x))
         return attn_update + self.ffn(self.norm2(x + attn_update))
 
@@ -300,53 +304,75 @@ class AlterNetConfig:
     # length, so routing and halting learn every position that generation will route on.
     random_length_fraction: float = 0.5
 
-    def __post_init__(self):
-        for name, (kind, ok, allowed) in CONFIG_RULES.items():
-            value = getattr(self, name)
-            if value is None and name == "logit_clamp":
-                continue
-            type_ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-            if not type_ok or not ok(value):
-                raise ValueError(f"AlterNetConfig.{name} must be {allowed}, got {value!r}")
-        if self.dim % self.heads:
-            raise ValueError(f"AlterNetConfig.dim ({self.dim}) must be divisible by heads ({self.heads})")
-        if self.depth_dim % 2:
-            raise ValueError(f"AlterNetConfig.depth_dim must be even (sin/cos pairs), got {self.depth_dim}")
-        if not self.top_k <= self.num_experts:
-            raise ValueError(f"AlterNetConfig.top_k must be in 1..num_experts={self.num_experts}, got {self.top_k}")
+    def __post_init__(self) -> None:
+        check_config(self)  # types and ranges of every field (below)
 
 
-def _finite(value):
-    return math.isfinite(value)
-
+# --- config checks: ValueError naming the field and what it allows ----------------------------
 
 # Sizes a user would not reach by intent (our choice, far above the paper's V = 50,257 and D <= 12): a
 # typo or an edited checkpoint config is refused before anything is allocated or run.
 MAX_ITERATIONS = 1024  # D, and a call's cap on iterations
 SIZE_LIMITS = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
                    num_experts=2 ** 10, top_k=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
+TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
 
 
-def _size(limit):
-    return (int, lambda v: 1 <= v <= limit, f"an integer in 1..{limit}")
+def type_ok(value: object, kind: str) -> bool:
+    """Integers reject floats, strings and bools; floats accept integers and reject NaN and inf."""
+    if kind.endswith(" | None"):
+        return value is None or type_ok(value, kind[:-7])
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"bool": bool, "str": str}[kind])
 
 
-_COUNT = (int, lambda v: v >= 0, "an integer >= 0")
-_WEIGHT = ((int, float), lambda v: _finite(v) and v >= 0, "a finite number >= 0")
-# field -> (accepted types, check, what is allowed): every field is checked on construction
-CONFIG_RULES = {
-    **{name: _size(limit) for name, limit in SIZE_LIMITS.items()},
-    **{name: (bool, lambda v: True, "True or False") for name in ("budget_signal", "tie_embeddings", "halting")},
-    "logit_clamp": ((int, float), lambda v: _finite(v) and v > 0, "a positive number or None (off)"),
-    "norm_eps": ((int, float), lambda v: _finite(v) and v > 0, "a positive number"),
-    "halt_head": (str, lambda v: v in ("per_expert", "global"), "one of 'per_expert', 'global'"),
-    "halt_bias_init": ((int, float), _finite, "a finite number"),
-    "prior": (str, lambda v: v in ("gaussian", "geometric"), "one of 'gaussian', 'geometric'"),
-    "geometric_p": ((int, float), lambda v: 0 < v < 1, "in (0, 1)"),
-    **{name: _WEIGHT for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight")},
-    **{name: _COUNT for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps")},
-    "random_length_fraction": ((int, float), lambda v: 0 <= v <= 1, "in [0, 1]"),
-}
+def need(config: AlterNetConfig, ok: bool, name: str, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
+
+
+def check_config(c: AlterNetConfig) -> None:
+    """Every field: its type, then its range."""
+    for f in dataclasses.fields(c):
+        if not type_ok(getattr(c, f.name), f.type):
+            allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
+            need(c, False, f.name, allowed)
+    check_sizes(c)
+    check_halting_and_loss_fields(c)
+
+
+def check_sizes(c: AlterNetConfig) -> None:
+    for name, limit in SIZE_LIMITS.items():
+        need(c, 1 <= getattr(c, name) <= limit, name, f"an integer in 1..{limit}")
+    need(c, c.top_k <= c.num_experts, "top_k", f"in 1..num_experts={c.num_experts}")
+    need(c, c.dim % c.heads == 0, "dim", f"divisible by heads={c.heads}")
+    need(c, c.depth_dim % 2 == 0, "depth_dim", "even (sin/cos pairs)")
+    need(c, c.logit_clamp is None or c.logit_clamp > 0, "logit_clamp", "a positive number or None (off)")
+    need(c, c.norm_eps > 0, "norm_eps", "a positive number")
+
+
+def check_halting_and_loss_fields(c: AlterNetConfig) -> None:
+    need(c, c.halt_head in ("per_expert", "global"), "halt_head", "one of 'per_expert', 'global'")
+    need(c, c.prior in ("gaussian", "geometric"), "prior", "one of 'gaussian', 'geometric'")
+    need(c, 0 < c.geometric_p < 1, "geometric_p", "in (0, 1)")
+    for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight"):
+        need(c, getattr(c, name) >= 0, name, "a finite number >= 0")
+    for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps"):
+        need(c, getattr(c, name) >= 0, name, "an integer >= 0")
+    need(c, 0 <= c.random_length_fraction <= 1, "random_length_fraction", "in [0, 1]")
+
+
+def check_preset(name: str, overrides: dict) -> None:
+    """create_model's arguments: a preset name and fields of AlterNetConfig."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    fields = [f.name for f in dataclasses.fields(AlterNetConfig)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; AlterNetConfig fields are {fields}")
 
 
 # --- the model -------------------------------------------------------------------
@@ -376,7 +402,7 @@ class AlterNet(nn.Module):
       step_ce (D', B) per-sequence mean CE; token_losses (D', B, T) per-token CE, 0 where ignored.
     """
 
-    def __init__(self, config):
+    def __init__(self, config: AlterNetConfig) -> None:
         super().__init__()
         self.config = config
         H, E = config.dim, config.num_experts
@@ -404,18 +430,18 @@ class AlterNet(nn.Module):
         self.register_buffer("kl_scale", torch.ones(()), persistent=False)  # a_KL ramp; not in the state dict
 
     @staticmethod
-    def _init_weights(module):
+    def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def num_params(self, non_embedding=False):
+    def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (the tied LM head counted once); non_embedding drops the position table."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.pos_emb.weight.numel() if non_embedding else n
 
-    def no_weight_decay(self):
+    def no_weight_decay(self) -> set[str]:
         """Names to exclude from weight decay beyond the p.ndim < 2 rule: none."""
         return set()
 
@@ -465,7 +491,7 @@ class AlterNet(nn.Module):
 
     # -- one iteration of the depth loop (Eq. 1-4) --
 
-    def route(self, h, iteration):
+    def route(self, h: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence-level router (Eq. 1-2). h: (n, H) last-valid-token states -> (raw logits, the
         clamped ones the router acts on), each (n, E) fp32."""
         cfg = self.config
@@ -479,7 +505,7 @@ class AlterNet(nn.Module):
         clamp = cfg.logit_clamp
         return logits, logits if clamp is None else logits.clamp(-clamp, clamp)
 
-    def iterate(self, x, last, iteration):
+    def iterate(self, x: torch.Tensor, last: torch.Tensor, iteration: int) -> tuple[torch.Tensor, dict]:
         """x: (n, T, H) states of the sequences still running, last: (n,) last valid index.
 
         Returns the next states and the routing/halting record of this iteration. Experts run
@@ -511,7 +537,8 @@ class AlterNet(nn.Module):
                       gates=gates, **halting)
         return x_next, record
 
-    def _halting(self, x_next, last, log_gates, halt_logits, rir_halt_logits):
+    def _halting(self, x_next: torch.Tensor, last: torch.Tensor, log_gates: torch.Tensor, halt_logits: torch.Tensor,
+                 rir_halt_logits: torch.Tensor) -> dict:
         """log lambda and log(1 - lambda) of this iteration (Eq. 4), each (n,) fp32, and the
         L_RIR copies (gradient to the halt heads only). Halting off: lambda = 0."""
         n = x_next.shape[0]
@@ -528,13 +555,13 @@ class AlterNet(nn.Module):
             log_halt, log_continue, rir = torch.full_like(zeros, -math.inf), zeros, (zeros, zeros)
         return dict(log_halt=log_halt, log_continue=log_continue, rir_log_halt=rir[0], rir_log_continue=rir[1])
 
-    def decode(self, x, last=None):
+    def decode(self, x: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
         """Shared final norm + LM head: (n, T, H) -> (n, T, V), or (n, 1, V) at `last` only."""
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         return self.lm_head(self.norm(x))
 
-    def token_losses(self, x, targets):
+    def token_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy of decode(x): x (n, T, H), targets (n, T) -> (n, T) fp32, 0 where -1.
 
         Never holds the (n, T, V) logits: the tokens go through the final norm, the LM head and the
@@ -548,14 +575,15 @@ class AlterNet(nn.Module):
                   for xs, ts in zip(flat_x.split(chunk), flat_targets.split(chunk))]
         return torch.cat(losses).view(targets.shape)  # (n, T)
 
-    def _chunk_cross_entropy(self, x, targets):
+    def _chunk_cross_entropy(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(N, H), (N,) -> (N,) fp32: CE of the decoded logits, taken in fp32 also under autocast."""
         return F.cross_entropy(self.lm_head(self.norm(x)).float(), targets, ignore_index=-1, reduction="none")
 
     # -- the forward pass --
 
-    def forward(self, tokens, targets=None, max_depth=None, halt_threshold=None, lengths=None, *,
-                sample_halting=False, return_states=False, last_token_only=False):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, max_depth: int | None = None,
+                halt_threshold: float | None = None, lengths: torch.Tensor | None = None, *,
+                sample_halting: bool = False, return_states: bool = False, last_token_only: bool = False) -> dict:
         """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of OUTPUTS.
 
         max_depth: this call's cap D' on iterations (default: config.max_depth = D, the trained
@@ -585,7 +613,8 @@ class AlterNet(nn.Module):
             out["states"] = run["states"]
         return out
 
-    def _depth_loop(self, tokens, last, targets, num_iterations, halt_threshold, sample_halting, last_token_only):
+    def _depth_loop(self, tokens: torch.Tensor, last: torch.Tensor, targets: torch.Tensor | None, num_iterations: int,
+                    halt_threshold: float | None, sample_halting: bool, last_token_only: bool) -> dict:
         """Iterate, decode (or score against targets), decide who halts; halted rows keep their state
         and output. -> dict(outputs: per iteration (B, T or 1, V) logits, or (B, T) token CE with
         targets; records: per iteration, full batch; states: D'+1 (B, T, H); iterations: (B,) long)."""
@@ -619,8 +648,9 @@ class AlterNet(nn.Module):
                 break
         return dict(outputs=outputs, records=records, states=states, iterations=iterations)
 
-    def _halting_decision(self, record, iteration, num_iterations, min_depth, log_unhalted, halt_threshold,
-                          sample_halting):
+    def _halting_decision(self, record: dict, iteration: int, num_iterations: int, min_depth: int,
+                          log_unhalted: torch.Tensor, halt_threshold: float | None,
+                          sample_halting: bool) -> tuple[dict, torch.Tensor]:
         """Which running sequences stop after this iteration -> (record, halt_now (n,) bool). The
         returned record holds the lambda that p uses (log space): 0 before min_depth (forced to
         continue), 1 where a sequence stops (all remaining mass, Eq. 5), else the halt heads' lambda;
@@ -642,7 +672,7 @@ class AlterNet(nn.Module):
         log_continue = torch.where(halt_now, torch.full_like(log_continue, float("-inf")), log_continue)
         return dict(record, raw_log_halt=record["log_halt"], log_halt=log_halt, log_continue=log_continue), halt_now
 
-    def _scatter_record(self, record, active, batch_size):
+    def _scatter_record(self, record: dict, active: torch.Tensor, batch_size: int) -> dict:
         """Per-iteration record of the running sequences -> full batch; halted rows get fills."""
         if active.numel() == batch_size:
             ran = torch.ones(batch_size, dtype=torch.bool, device=active.device)
@@ -656,7 +686,7 @@ class AlterNet(nn.Module):
         full["ran"] = torch.zeros(batch_size, dtype=torch.bool, device=active.device).index_fill(0, active, True)
         return full
 
-    def _outputs(self, records, iterations):
+    def _outputs(self, records: list[dict], iterations: torch.Tensor) -> dict:
         """The per-iteration records stacked into the outputs every call returns, with the aux losses."""
         rec = {key: torch.stack([r[key] for r in records]) for key in records[0]}  # each (D', B, ...)
         log_p = halting_log_distribution(rec["log_halt"].T, rec["log_continue"].T)  # (B, D')
@@ -664,7 +694,7 @@ class AlterNet(nn.Module):
                     expert_indices=rec["expert_indices"], gates=rec["gates"],
                     halt_lambdas=rec["raw_log_halt"].T.exp(), aux_losses=self._aux_losses(rec, log_p))
 
-    def _aux_losses(self, rec, log_p):
+    def _aux_losses(self, rec: dict, log_p: torch.Tensor) -> dict:
         """Router losses pooled over every (iteration, sequence) decision made; halting KL (Eq. 6, 8)."""
         cfg = self.config
         ran = rec["ran"]  # (D', B)
@@ -678,7 +708,7 @@ class AlterNet(nn.Module):
             aux["kl"] = cfg.kl_weight * self.kl_scale * kl_divergence(log_p, log_prior)
         return aux
 
-    def _task_losses(self, token_losses, targets, p):
+    def _task_losses(self, token_losses: torch.Tensor, targets: torch.Tensor, p: torch.Tensor) -> dict:
         """L_PN (Eq. 7) from the per-token CE of every iteration, token_losses: (D', B, T); p: (B, D').
         -> task_loss, step_ce (D', B) per-sequence mean CE, step_losses (D',) token-mean CE, token_losses."""
         scored = targets != -1  # (B, T)
@@ -688,7 +718,7 @@ class AlterNet(nn.Module):
                     step_ce=step_ce, step_losses=(token_losses.sum((1, 2)) / scored.sum().clamp(min=1)).detach(),
                     token_losses=token_losses)
 
-    def _rir_loss(self, records, step_ce, targets):
+    def _rir_loss(self, records: list[dict], step_ce: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """a_RIR L_RIR (Eq. 9) over the iterations each sequence ran; the halt heads' inputs detached.
         A sequence without a scored target has no CE to improve on: it neither counts nor trains."""
         log_halt, log_continue, ran = (torch.stack([r[key] for r in records])
@@ -696,7 +726,9 @@ class AlterNet(nn.Module):
         ran = ran & (targets != -1).any(1)  # (D', B)
         return self.config.rir_weight * relative_improvement_loss(log_halt, log_continue, step_ce, ran)
 
-    def _check_inputs(self, tokens, targets, max_depth, halt_threshold, lengths, sample_halting, last_token_only):
+    def _check_inputs(self, tokens: torch.Tensor, targets: torch.Tensor | None, max_depth: int | None,
+                      halt_threshold: float | None, lengths: torch.Tensor | None, sample_halting: bool,
+                      last_token_only: bool) -> tuple[int, torch.Tensor]:
         """ValueError naming the argument for any bad input -> (iterations this call, last valid index (B,))."""
         cfg = self.config
         if tokens.dim() != 2 or tokens.dtype != torch.long:
@@ -731,8 +763,10 @@ class AlterNet(nn.Module):
     # -- generation --
 
     @torch.no_grad()
-    def generate(self, tokens, max_new_tokens, halt_threshold=0.5, max_depth=None, temperature=1.0, top_k=None,
-                 sample_halting=False, return_iterations=False):
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, halt_threshold: float | None = 0.5,
+                 max_depth: int | None = None, temperature: float = 1.0, top_k: int | None = None,
+                 sample_halting: bool = False,
+                 return_iterations: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Autoregressive sampling with the same halting as forward (call .eval() first).
 
         tokens: (B, T) long -> (B, T + max_new_tokens); the context is cropped to seq_len.
@@ -769,7 +803,7 @@ class AlterNet(nn.Module):
     sample = generate  # alias
 
 
-def scored_targets(targets, lengths):
+def scored_targets(targets: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     """targets with -1 (ignored) also at the padding, positions >= lengths: (B, T) long."""
     if lengths is None:
         return targets
@@ -777,7 +811,7 @@ def scored_targets(targets, lengths):
     return targets.masked_fill(padding, -1)
 
 
-def check_ids(name, ids, vocab_size, ignore=None):
+def check_ids(name: str, ids: torch.Tensor, vocab_size: int, ignore: int | None = None) -> None:
     """ValueError unless every entry of ids is a token id in 0..vocab_size-1 (or the ignore value)."""
     if ids.numel() == 0:
         return
@@ -791,7 +825,8 @@ def check_ids(name, ids, vocab_size, ignore=None):
 # --- causal evaluation: every position routed and halted on its own prefix ------------
 
 
-def training_lengths(batch_size, seq_len, fraction, generator=None):
+def training_lengths(batch_size: int, seq_len: int, fraction: float,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
     """Valid lengths for a training batch: (batch_size,) long. A `fraction` of the rows (chosen at
     random) get a uniform random length in 1..seq_len, the rest the full window."""
     cut = torch.rand(batch_size, generator=generator) < fraction
@@ -800,7 +835,8 @@ def training_lengths(batch_size, seq_len, fraction, generator=None):
 
 
 @torch.no_grad()
-def causal_loss(model, tokens, targets, max_depth=None, halt_threshold=None, rows_per_call=512):
+def causal_loss(model: AlterNet, tokens: torch.Tensor, targets: torch.Tensor, max_depth: int | None = None,
+                halt_threshold: float | None = None, rows_per_call: int = 512) -> dict:
     """Score each position as autoregressive use sees it (call model.eval() first).
 
     The full-window forward routes and halts every position on the window's last token, which
@@ -867,21 +903,16 @@ RECIPES = {
 }
 
 
-def create_model(name, **overrides):
+def create_model(name: str, **overrides) -> AlterNet:
     """Build a preset, e.g. create_model("alternet-tiny", max_depth=8). Unknown names -> ValueError."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    fields = [f.name for f in dataclasses.fields(AlterNetConfig)]
-    unknown = sorted(set(overrides) - set(fields))
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; AlterNetConfig fields are {fields}")
+    check_preset(name, overrides)
     return AlterNet(AlterNetConfig(**{**PRESETS[name], **overrides}))
 
 
 # --- text: the tokenizers of train.py (sample.py decodes with them) ---------------------------
 
 
-def text_codec(tokenizer):
+def text_codec(tokenizer: str) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """(encode: str -> list of ids, decode: list of ids -> str) for train.py's --tokenizer names."""
     if tokenizer == "byte":
         return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
