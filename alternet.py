@@ -23,15 +23,15 @@ How it differs from a GPT:
   KL(p||prior), Switch load balance, router z-loss and a relative-improvement loss
   for the halt heads. The cross-entropies are taken in chunks of tokens recomputed in
   backward, so the loss never holds the D full-vocabulary logit tensors.
+- At inference a sequence stops when its cumulative halting probability passes a
+  threshold (or by sampling); the iteration count may also be capped below D without
+  retraining. `halting=False` is the paper's fixed-depth baseline "Model I".
 
-Named outputs (AlterNet's docstring lists them): every call returns the halting
+Named outputs (listed in AlterNet's docstring): every call returns the halting
 distribution, iterations, routing record and aux losses. Without targets (generation,
 analysis) it returns `logits` and the per-iteration `step_logits`; with targets
 (training, and the loss at evaluation) it returns the losses (`loss`, `task_loss`,
 `step_losses`, `step_ce`, `token_losses`) and no logits.
-- At inference a sequence stops when its cumulative halting probability passes a
-  threshold (or by sampling); the iteration count may also be capped below D without
-  retraining. `halting=False` is the paper's fixed-depth baseline "Model I".
 
 A property of the design worth knowing: the router (and the halt heads) read the LAST
 valid token, so on a full window the expert choice for the whole sequence is made with
@@ -45,6 +45,8 @@ router and halt heads see every position. Generation is exact.
 
 Defaults where the paper is ambiguous (each reachable or documented at its code):
 - y_j is the block's residual update, so Eq. 3 is a gated residual step.
+- Iteration d is scored on its own output x_{d+1} (p_d halts after d + 1 iterations);
+  the embedding x_0 is never decoded or scored: every token runs at least one iteration.
 - The curriculum ("forced to stick to its maximum number of iterations", §4) forces
   the halting distribution onto iteration D in training; the a_KL ramp (Table 2's
   "a_KL warmup steps") starts when the curriculum ends. A gradual release of the
