@@ -21,10 +21,17 @@ How it differs from a GPT:
   final LayerNorm + LM head (tied to the token embedding) decodes every iteration,
   and the loss is the p-weighted sum of the per-iteration cross-entropies plus
   KL(p||prior), Switch load balance, router z-loss and a relative-improvement loss
-  for the halt heads.
+  for the halt heads. The cross-entropies are taken in chunks of tokens recomputed in
+  backward, so the loss never holds the D full-vocabulary logit tensors.
 - At inference a sequence stops when its cumulative halting probability passes a
   threshold (or by sampling); the iteration count may also be capped below D without
   retraining. `halting=False` is the paper's fixed-depth baseline "Model I".
+
+Named outputs (listed in AlterNet's docstring): every call returns the halting
+distribution, iterations, routing record and aux losses. Without targets (generation,
+analysis) it returns `logits` and the per-iteration `step_logits`; with targets
+(training, and the loss at evaluation) it returns the losses (`loss`, `task_loss`,
+`step_losses`, `step_ce`, `token_losses`) and no logits.
 
 A property of the design worth knowing: the router (and the halt heads) read the LAST
 valid token, so on a full window the expert choice for the whole sequence is made with
@@ -38,6 +45,8 @@ router and halt heads see every position. Generation is exact.
 
 Defaults where the paper is ambiguous (each reachable or documented at its code):
 - y_j is the block's residual update, so Eq. 3 is a gated residual step.
+- Iteration d is scored on its own output x_{d+1} (p_d halts after d + 1 iterations);
+  the embedding x_0 is never decoded or scored: every token runs at least one iteration.
 - The curriculum ("forced to stick to its maximum number of iterations", §4) forces
   the halting distribution onto iteration D in training; the a_KL ramp (Table 2's
   "a_KL warmup steps") starts when the curriculum ends. A gradual release of the
@@ -45,34 +54,42 @@ Defaults where the paper is ambiguous (each reachable or documented at its code)
 - The Gaussian prior is over iteration counts n = 1..D with mean D/2 (§3, Table 2).
 - Load balance and z-loss pool every (sequence, iteration) routing decision, so experts may
   specialise by depth; f_i counts top-k selections (sums to k, as in Mixtral), so a_LB
-  acts as k x the Switch weight. z-loss uses the clamped logits the router acts on.
+  acts as k x the Switch weight. z-loss uses the logits before the clamp (ST-MoE's order),
+  the gates and the balance the clamped ones.
+- A sequence with no scored target (all -1) counts in neither L_PN's nor L_RIR's 1/B; the
+  KL and the router losses, which do not read targets, count every sequence.
 - The "global" halt-head ablation is one head reading the new state x_{d+1} at the last
   valid token (PonderNet-style), instead of one head per expert.
 - L_RIR uses the raw lambda_d of the halt heads (also at d = D-1, where p forces 1).
 
 File layout: depth encoding -> halting / loss functions -> attention, FFN, expert ->
 config -> model -> causal evaluation -> presets and recipes -> create_model -> the
-`python alternet.py sample` command.
+tokenizers (text_codec). Imports nothing of the project; sampling from a checkpoint is
+sample.py.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
 
 # --- depth encoding (paper §3, Eq. 1) -------------------------------------------
 
 
-def depth_coordinate(iteration, max_depth):
+def depth_coordinate(iteration: int, max_depth: int) -> float:
     """t = d / (D - 1) (Eq. 1), D = the trained max_depth. D = 1 has a single iteration; we give it t = 0."""
     return iteration / (max_depth - 1) if max_depth > 1 else 0.0
 
 
-def depth_encoding(t, dim):
+def depth_encoding(t: float, dim: int) -> torch.Tensor:
     """Vaswani sinusoidal encoding of a scalar position t: (dim,), interleaved sin/cos.
 
     Parameter-free, so it is defined for t outside [0, 1] too (depths beyond the
@@ -89,7 +106,7 @@ def depth_encoding(t, dim):
 # stays finite, and the KL treats p_d = 0 exactly (its term and gradient are 0).
 
 
-def halting_log_probabilities(log_gates, halt_logits):
+def halting_log_probabilities(log_gates: torch.Tensor, halt_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 4 in log space: lambda = sum_j g_j sigmoid(lhat_j) over the selected experts.
 
     log_gates, halt_logits: (..., k) -> (log lambda, log(1 - lambda)), each (...,). The
@@ -100,7 +117,7 @@ def halting_log_probabilities(log_gates, halt_logits):
     return log_halt, log_continue
 
 
-def halting_log_distribution(log_halt, log_continue):
+def halting_log_distribution(log_halt: torch.Tensor, log_continue: torch.Tensor) -> torch.Tensor:
     """Eq. 5, PonderNet, in log space: log p_d = log lambda_d + sum_{i<d} log(1 - lambda_i).
 
     log_halt, log_continue: (B, D) -> log p: (B, D). The last iteration takes the remaining
@@ -111,13 +128,19 @@ def halting_log_distribution(log_halt, log_continue):
     return log_halt + log_unhalted  # log P_unhalted,d + log lambda_d
 
 
-def halting_distribution(lambdas):
+def halting_distribution(lambdas: torch.Tensor) -> torch.Tensor:
     """Eq. 5 in probability space, p: (B, D) from lambdas: (B, D) (for reading; the model uses log space)."""
     return halting_log_distribution(lambdas.log(), torch.log1p(-lambdas)).exp()
 
 
-def depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
+def depth_prior(num_steps: int, max_depth: int, kind: str = "gaussian", geometric_p: float = 0.12) -> torch.Tensor:
     """Prior q over iterations 1..num_steps, truncated and renormalised to sum to 1: (num_steps,).
+    Far-tail entries may round to 0; the loss uses log_depth_prior, which stays finite."""
+    return log_depth_prior(num_steps, max_depth, kind, geometric_p).exp()
+
+
+def log_depth_prior(num_steps: int, max_depth: int, kind: str = "gaussian", geometric_p: float = 0.12) -> torch.Tensor:
+    """log q over iterations 1..num_steps, normalised in log space: (num_steps,), every entry finite.
 
     gaussian: q_n ∝ N(n; D/2, D/4) with D = max_depth (paper §3; Table 2: mu = 6, sigma = 3 at
     D = 12); geometric: q_n ∝ p (1-p)^(n-1) (PonderNet). A cap num_steps < D at inference
@@ -133,10 +156,12 @@ def depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
         log_q = (iterations - 1) * math.log1p(-geometric_p)
     else:
         raise ValueError(f"prior must be one of 'gaussian', 'geometric', got {kind!r}")
-    return log_q.softmax(0)  # softmax of log-weights = normalisation over 1..num_steps
+    # log_softmax, never softmax(...).log(): far beyond D (a cap of 24 at D = 4, or past ~49 for the
+    # 350M prior) q_n underflows to 0 in float32 and its log, the KL and the loss would be inf
+    return log_q.log_softmax(0)
 
 
-def kl_divergence(log_p, log_q):
+def kl_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """Eq. 8: KL(p || q) = mean_b sum_d p_d (log p_d - log q_d). log_p: (B, D), log_q: (D,).
 
     Exact at p_d = 0 (log p_d = -inf): the term is 0 and so is its gradient; both branches of
@@ -149,7 +174,7 @@ def kl_divergence(log_p, log_q):
     return terms.sum(-1).mean()
 
 
-def load_balance_loss(router_logits, expert_indices, num_experts):
+def load_balance_loss(router_logits: torch.Tensor, expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Switch load balance E * sum_i f_i P_i over routing decisions (paper §3, Fedus et al. 2022).
 
     router_logits: (N, E) (N = every (sequence, iteration) decision, pooled), expert_indices:
@@ -162,12 +187,12 @@ def load_balance_loss(router_logits, expert_indices, num_experts):
     return num_experts * (fraction * mean_probability).sum()
 
 
-def router_z_loss(router_logits):
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
     """z-loss (Zoph et al. 2022): mean over decisions of logsumexp(l)^2. router_logits: (N, E)."""
     return torch.logsumexp(router_logits, dim=-1).pow(2).mean()
 
 
-def improvement_weights(step_ce):
+def improvement_weights(step_ce: torch.Tensor) -> torch.Tensor:
     """Eq. 10: w_d = sigmoid(50 (max(CE_{d-1} - CE_d, 0) - 0.005)) for d = 1..D-1.
 
     step_ce: (D, B) per-sequence CE -> (D-1, B), detached (it is a target).
@@ -176,7 +201,8 @@ def improvement_weights(step_ce):
     return torch.sigmoid(50 * ((step_ce[:-1] - step_ce[1:]).clamp(min=0) - 0.005))
 
 
-def relative_improvement_loss(log_halt, log_continue, step_ce, ran=None):
+def relative_improvement_loss(log_halt: torch.Tensor, log_continue: torch.Tensor, step_ce: torch.Tensor,
+                              ran: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 9: L_RIR = 1/B sum_b 1/(D-1) sum_{d>=1} BCE(lambda_d, 1 - w_d), BCE from log lambda.
 
     log_halt, log_continue: (D, B) log lambda and log(1 - lambda) of the halt heads; step_ce:
@@ -197,25 +223,25 @@ def relative_improvement_loss(log_halt, log_continue, step_ce, ran=None):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x):  # (B, T, H)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H)
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.heads)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, H/heads)
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim, hidden_dim):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, dim)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
 
 
@@ -228,7 +254,7 @@ class Expert(nn.Module):
     The per-expert halt head lives here (None with a global head or halting off).
     """
 
-    def __init__(self, config):
+    def __init__(self, config: AlterNetConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.dim, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config.dim, config.heads)
@@ -237,7 +263,7 @@ class Expert(nn.Module):
         per_expert = config.halting and config.halt_head == "per_expert"
         self.halt_head = nn.Linear(config.dim, 1) if per_expert else None
 
-    def forward(self, x):  # (B, T, H) -> (B, T, H)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T, H)
         attn_update = self.attn(self.norm1(x))
         return attn_update + self.ffn(self.norm2(x + attn_update))
 
@@ -280,63 +306,105 @@ class AlterNetConfig:
     # length, so routing and halting learn every position that generation will route on.
     random_length_fraction: float = 0.5
 
-    def __post_init__(self):
-        for name, (kind, ok, allowed) in CONFIG_RULES.items():
-            value = getattr(self, name)
-            if value is None and name == "logit_clamp":
-                continue
-            type_ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-            if not type_ok or not ok(value):
-                raise ValueError(f"AlterNetConfig.{name} must be {allowed}, got {value!r}")
-        if self.dim % self.heads:
-            raise ValueError(f"AlterNetConfig.dim ({self.dim}) must be divisible by heads ({self.heads})")
-        if self.depth_dim % 2:
-            raise ValueError(f"AlterNetConfig.depth_dim must be even (sin/cos pairs), got {self.depth_dim}")
-        if not self.top_k <= self.num_experts:
-            raise ValueError(f"AlterNetConfig.top_k must be in 1..num_experts={self.num_experts}, got {self.top_k}")
+    def __post_init__(self) -> None:
+        check_config(self)  # types and ranges of every field (below)
 
 
-def _finite(value):
-    return math.isfinite(value)
+# --- config checks: ValueError naming the field and what it allows ----------------------------
+
+# Sizes a user would not reach by intent (our choice, far above the paper's V = 50,257 and D <= 12): a
+# typo or an edited checkpoint config is refused before anything is allocated or run.
+MAX_ITERATIONS = 1024  # D, and a call's cap on iterations
+SIZE_LIMITS = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
+                   num_experts=2 ** 10, top_k=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
+TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
 
 
-_POSITIVE_INT = (int, lambda v: v >= 1, "a positive integer")
-_COUNT = (int, lambda v: v >= 0, "an integer >= 0")
-_WEIGHT = ((int, float), lambda v: _finite(v) and v >= 0, "a finite number >= 0")
-# field -> (accepted types, check, what is allowed): every field is checked on construction
-CONFIG_RULES = {
-    **{name: _POSITIVE_INT for name in ("vocab_size", "seq_len", "dim", "heads", "ffn_dim", "num_experts",
-                                         "top_k", "max_depth", "depth_dim")},
-    **{name: (bool, lambda v: True, "True or False") for name in ("budget_signal", "tie_embeddings", "halting")},
-    "logit_clamp": ((int, float), lambda v: _finite(v) and v > 0, "a positive number or None (off)"),
-    "norm_eps": ((int, float), lambda v: _finite(v) and v > 0, "a positive number"),
-    "halt_head": (str, lambda v: v in ("per_expert", "global"), "one of 'per_expert', 'global'"),
-    "halt_bias_init": ((int, float), _finite, "a finite number"),
-    "prior": (str, lambda v: v in ("gaussian", "geometric"), "one of 'gaussian', 'geometric'"),
-    "geometric_p": ((int, float), lambda v: 0 < v < 1, "in (0, 1)"),
-    **{name: _WEIGHT for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight")},
-    **{name: _COUNT for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps")},
-    "random_length_fraction": ((int, float), lambda v: 0 <= v <= 1, "in [0, 1]"),
-}
+def type_ok(value: object, kind: str) -> bool:
+    """Integers reject floats, strings and bools; floats accept integers and reject NaN and inf."""
+    if kind.endswith(" | None"):
+        return value is None or type_ok(value, kind[:-7])
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"bool": bool, "str": str}[kind])
+
+
+def need(config: AlterNetConfig, ok: bool, name: str, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
+
+
+def check_config(c: AlterNetConfig) -> None:
+    """Every field: its type, then its range."""
+    for f in dataclasses.fields(c):
+        if not type_ok(getattr(c, f.name), f.type):
+            allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
+            need(c, False, f.name, allowed)
+    check_sizes(c)
+    check_halting_and_loss_fields(c)
+
+
+def check_sizes(c: AlterNetConfig) -> None:
+    for name, limit in SIZE_LIMITS.items():
+        need(c, 1 <= getattr(c, name) <= limit, name, f"an integer in 1..{limit}")
+    need(c, c.top_k <= c.num_experts, "top_k", f"in 1..num_experts={c.num_experts}")
+    need(c, c.dim % c.heads == 0, "dim", f"divisible by heads={c.heads}")
+    need(c, c.depth_dim % 2 == 0, "depth_dim", "even (sin/cos pairs)")
+    need(c, c.logit_clamp is None or c.logit_clamp > 0, "logit_clamp", "a positive number or None (off)")
+    need(c, c.norm_eps > 0, "norm_eps", "a positive number")
+
+
+def check_halting_and_loss_fields(c: AlterNetConfig) -> None:
+    need(c, c.halt_head in ("per_expert", "global"), "halt_head", "one of 'per_expert', 'global'")
+    need(c, c.prior in ("gaussian", "geometric"), "prior", "one of 'gaussian', 'geometric'")
+    need(c, 0 < c.geometric_p < 1, "geometric_p", "in (0, 1)")
+    for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight"):
+        need(c, getattr(c, name) >= 0, name, "a finite number >= 0")
+    for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps"):
+        need(c, getattr(c, name) >= 0, name, "an integer >= 0")
+    need(c, 0 <= c.random_length_fraction <= 1, "random_length_fraction", "in [0, 1]")
+
+
+def check_preset(name: str, overrides: dict) -> None:
+    """create_model's arguments: a preset name and fields of AlterNetConfig."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    fields = [f.name for f in dataclasses.fields(AlterNetConfig)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; AlterNetConfig fields are {fields}")
 
 
 # --- the model -------------------------------------------------------------------
 
 
+# The loss decodes this many logits at a time (our choice: 2^25, 128 MiB in fp32, ~670 tokens at
+# GPT-2's V = 50,257), so its memory grows with neither the iterations D nor the tokens B x T.
+LOSS_CHUNK_LOGITS = 2 ** 25
+
+
 class AlterNet(nn.Module):
-    """The looped expert bank. forward returns a dict (OUTPUTS):
-      logits (B, T, V)           output of the iteration each sequence stopped at
-      step_logits (D', B, T, V)  per iteration; after a sequence halts its row repeats its output
+    """The looped expert bank. forward returns a dict; every call has
       halting_distribution (B, D')  p of Eq. 5; a sequence halted early at iteration h has
                                  lambda_h := 1 (all remaining mass), like a cap at h + 1
       iterations (B,) long; aux_losses {kl, balance, z[, rir]} already weighted;
       router_logits (D', B, E); expert_indices (D', B, k) (-1 after halting); gates (D', B, k);
       halt_lambdas (B, D') raw lambda_d (before the last-iteration and curriculum overrides);
-      states (list of D'+1 (B, T, H)) when return_states;
-      with targets: task_loss (L_PN), loss, step_losses (D',) token-mean CE per iteration.
+      states (list of D'+1 (B, T, H)) when return_states.
+    Without targets (generation, analysis), the logits:
+      logits (B, T, V)           output of the iteration each sequence stopped at ((B, 1, V) with
+                                 last_token_only)
+      step_logits (D', B, T, V)  per iteration (not with last_token_only); after a sequence halts
+                                 its row repeats its output
+    With targets (training, and the loss at evaluation), the losses and no logits (decoding all
+    iterations at once would hold D' x B x T x V floats):
+      loss, task_loss (L_PN, Eq. 7); step_losses (D',) token-mean CE per iteration;
+      step_ce (D', B) per-sequence mean CE; token_losses (D', B, T) per-token CE, 0 where ignored.
     """
 
-    def __init__(self, config):
+    def __init__(self, config: AlterNetConfig) -> None:
         super().__init__()
         self.config = config
         H, E = config.dim, config.num_experts
@@ -358,70 +426,76 @@ class AlterNet(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.max_depth))
             if name.endswith("halt_head.bias"):
                 nn.init.constant_(p, config.halt_bias_init)  # sigmoid(-3) ~ 0.05: start by not halting
-        self.train_step = None  # optimizer step from set_step(); None (no trainer) = schedules finished
+        # the schedules at the optimizer step of set_step(); without a trainer they are finished
+        self.train_step = None
+        self.curriculum_depth = 1  # minimum iterations in training (curriculum, paper §4)
+        self.register_buffer("kl_scale", torch.ones(()), persistent=False)  # a_KL ramp; not in the state dict
 
     @staticmethod
-    def _init_weights(module):
+    def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def num_params(self, non_embedding=False):
+    def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (the tied LM head counted once); non_embedding drops the position table."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.pos_emb.weight.numel() if non_embedding else n
 
-    def no_weight_decay(self):
+    def no_weight_decay(self) -> set[str]:
         """Names to exclude from weight decay beyond the p.ndim < 2 rule: none."""
         return set()
 
     # -- training schedules (paper §4, Table 2) --
 
-    def set_step(self, step):
-        """Called by the training loop before the forward of optimizer step `step`."""
+    def set_step(self, step: int) -> None:
+        """Called by the training loop before the forward of optimizer step `step`.
+
+        The schedules are evaluated here, not in forward: forward reads a curriculum depth that
+        changes at most D times and the a_KL scale as a 0-d tensor, so torch.compile has no
+        per-step Python value to guard on (a step counter read in forward recompiles every step).
+        """
         self.train_step = int(step)
+        self.curriculum_depth = self._curriculum_depth(self.train_step)
+        self.kl_scale.fill_(self._kl_ramp(self.train_step))
 
-    def minimum_depth(self, num_iterations):
-        """Iterations a sequence runs before it may halt, capped at num_iterations.
-
-        Curriculum release (paper §4): for the first min_depth_warmup training steps the model
+    def _curriculum_depth(self, step: int) -> int:
+        """Curriculum release (paper §4): for the first min_depth_warmup training steps the model
         is "forced to stick to its maximum number of iterations": lambda_d := 0 before the
         last, so p puts all mass on iteration D and L_PN is its CE (the halt heads keep
         learning from L_RIR). Then the minimum is released, at once by default or linearly
-        from D to 1 over min_depth_release_steps. Evaluation and inference have no minimum.
-        """
+        from D to 1 over min_depth_release_steps."""
         cfg = self.config
-        if not cfg.halting:
-            return num_iterations  # Model I: always every iteration
-        if not self.training or self.train_step is None:
-            return 1
-        since_release = self.train_step - cfg.min_depth_warmup
+        since_release = step - cfg.min_depth_warmup
         if since_release < 0:
-            depth = cfg.max_depth
-        elif since_release < cfg.min_depth_release_steps:
-            depth = math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release / cfg.min_depth_release_steps)
-        else:
-            depth = 1
-        return min(depth, num_iterations)
+            return cfg.max_depth
+        if since_release < cfg.min_depth_release_steps:
+            return math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release / cfg.min_depth_release_steps)
+        return 1
 
-    @property
-    def kl_scale(self):
+    def _kl_ramp(self, step: int) -> float:
         """a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1
         over kl_ramp_steps. During the curriculum the KL has no gradient, so a ramp running
         from step 0 would jump to its full value at the release."""
-        if self.train_step is None:
-            return 1.0
-        since_release = self.train_step - self.config.min_depth_warmup
+        since_release = step - self.config.min_depth_warmup
         ramp = self.config.kl_ramp_steps
         if ramp == 0:
             return float(since_release >= 0)
         return min(1.0, max(0.0, since_release / ramp))
 
+    def minimum_depth(self, num_iterations: int) -> int:
+        """Iterations a sequence runs before it may halt in training (the curriculum of set_step),
+        capped at num_iterations. Evaluation and inference have no minimum; Model I runs them all."""
+        if not self.config.halting:
+            return num_iterations
+        return min(self.curriculum_depth, num_iterations) if self.training else 1
+
     # -- one iteration of the depth loop (Eq. 1-4) --
 
-    def route(self, h, iteration):
-        """Sequence-level router (Eq. 1-2). h: (n, H) last-valid-token states -> logits (n, E), fp32."""
+    def route(self, h: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence-level router (Eq. 1-2). h: (n, H) last-valid-token states -> (raw logits, the
+        clamped ones the router acts on), each (n, E) fp32."""
         cfg = self.config
         t = depth_coordinate(iteration, cfg.max_depth)
         encodings = [depth_encoding(t, cfg.depth_dim)]  # e_t
@@ -430,18 +504,17 @@ class AlterNet(nn.Module):
         encodings = torch.cat(encodings).to(h.device).expand(h.shape[0], -1)  # (n, m or 2m)
         with torch.autocast(h.device.type, enabled=False):  # router math in fp32 (Switch)
             logits = F.linear(torch.cat([h.float(), encodings], dim=-1), self.router.weight.float())
-        if cfg.logit_clamp is not None:
-            logits = logits.clamp(-cfg.logit_clamp, cfg.logit_clamp)
-        return logits
+        clamp = cfg.logit_clamp
+        return logits, logits if clamp is None else logits.clamp(-clamp, clamp)
 
-    def iterate(self, x, last, iteration):
+    def iterate(self, x: torch.Tensor, last: torch.Tensor, iteration: int) -> tuple[torch.Tensor, dict]:
         """x: (n, T, H) states of the sequences still running, last: (n,) last valid index.
 
         Returns the next states and the routing/halting record of this iteration. Experts run
         on the sequences routed to them (a loop over experts, never over sequences).
         """
         n, k = x.shape[0], self.config.top_k
-        router_logits = self.route(x[torch.arange(n, device=x.device), last], iteration)  # (n, E)
+        raw_logits, router_logits = self.route(x[torch.arange(n, device=x.device), last], iteration)  # (n, E)
         top_logits, expert_indices = router_logits.topk(k, dim=-1)  # (n, k)
         log_gates = top_logits.log_softmax(-1)  # Eq. 2: renormalised over the selected experts only
         gates = log_gates.exp()
@@ -462,10 +535,12 @@ class AlterNet(nn.Module):
                 rir_halt_logits = rir_halt_logits.index_put((seq, slot), rir_lhat)
         x_next = x + update  # Eq. 3: gated residual step
         halting = self._halting(x_next, last, log_gates, halt_logits, rir_halt_logits)
-        record = dict(router_logits=router_logits, expert_indices=expert_indices, gates=gates, **halting)
+        record = dict(router_logits=router_logits, raw_router_logits=raw_logits, expert_indices=expert_indices,
+                      gates=gates, **halting)
         return x_next, record
 
-    def _halting(self, x_next, last, log_gates, halt_logits, rir_halt_logits):
+    def _halting(self, x_next: torch.Tensor, last: torch.Tensor, log_gates: torch.Tensor, halt_logits: torch.Tensor,
+                 rir_halt_logits: torch.Tensor) -> dict:
         """log lambda and log(1 - lambda) of this iteration (Eq. 4), each (n,) fp32, and the
         L_RIR copies (gradient to the halt heads only). Halting off: lambda = 0."""
         n = x_next.shape[0]
@@ -482,78 +557,124 @@ class AlterNet(nn.Module):
             log_halt, log_continue, rir = torch.full_like(zeros, -math.inf), zeros, (zeros, zeros)
         return dict(log_halt=log_halt, log_continue=log_continue, rir_log_halt=rir[0], rir_log_continue=rir[1])
 
-    def decode(self, x, last=None):
+    def decode(self, x: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
         """Shared final norm + LM head: (n, T, H) -> (n, T, V), or (n, 1, V) at `last` only."""
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         return self.lm_head(self.norm(x))
 
+    def token_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy of decode(x): x (n, T, H), targets (n, T) -> (n, T) fp32, 0 where -1.
+
+        Never holds the (n, T, V) logits: the tokens go through the final norm, the LM head and the
+        CE in chunks of LOSS_CHUNK_LOGITS // V tokens, each recomputed in backward (activation
+        checkpointing), so the loss's extra memory is one chunk's logits whatever D and T are.
+        """
+        chunk = max(1, LOSS_CHUNK_LOGITS // self.config.vocab_size)
+        flat_x, flat_targets = rearrange(x, "n t h -> (n t) h"), targets.flatten()
+        losses = [checkpoint(self._chunk_cross_entropy, xs, ts, use_reentrant=False, preserve_rng_state=False)
+                  if torch.is_grad_enabled() else self._chunk_cross_entropy(xs, ts)
+                  for xs, ts in zip(flat_x.split(chunk), flat_targets.split(chunk))]
+        return torch.cat(losses).view(targets.shape)  # (n, T)
+
+    def _chunk_cross_entropy(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(N, H), (N,) -> (N,) fp32: CE of the decoded logits, taken in fp32 also under autocast."""
+        return F.cross_entropy(self.lm_head(self.norm(x)).float(), targets, ignore_index=-1, reduction="none")
+
     # -- the forward pass --
 
-    def forward(self, tokens, targets=None, max_depth=None, halt_threshold=None, lengths=None, *,
-                sample_halting=False, return_states=False, last_token_only=False):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, max_depth: int | None = None,
+                halt_threshold: float | None = None, lengths: torch.Tensor | None = None, *,
+                sample_halting: bool = False, return_states: bool = False, last_token_only: bool = False) -> dict:
         """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of OUTPUTS.
 
         max_depth: this call's cap D' on iterations (default: config.max_depth = D, the trained
         depth; more extrapolates). halt_threshold: stop a sequence once its cumulative halting
         probability reaches it; sample_halting: stop with probability lambda_d (the conditional,
         not p_d). Either needs halting=True; no sequence stops before minimum_depth (curriculum).
-        targets: (B, T) long, -1 = ignore (as are positions >= lengths).
+        targets: (B, T) long, -1 = ignore (as are positions >= lengths); with targets the outputs
+        are the losses, without them the logits.
         """
         num_iterations, last = self._check_inputs(tokens, targets, max_depth, halt_threshold, lengths,
                                                   sample_halting, last_token_only)
+        if targets is not None:
+            targets = scored_targets(targets, lengths)
+        run = self._depth_loop(tokens, last, targets, num_iterations, halt_threshold, sample_halting,
+                               last_token_only)
+        out = self._outputs(run["records"], run["iterations"])
+        if targets is None:
+            out["logits"] = run["outputs"][-1]
+            if not last_token_only:
+                out["step_logits"] = torch.stack(run["outputs"])  # (D', B, T, V)
+        else:
+            out.update(self._task_losses(torch.stack(run["outputs"]), targets, out["halting_distribution"]))
+            if self.config.halting:
+                out["aux_losses"]["rir"] = self._rir_loss(run["records"], out["step_ce"], targets)
+            out["loss"] = out["task_loss"] + sum(out["aux_losses"].values())
+        if return_states:
+            out["states"] = run["states"]
+        return out
+
+    def _depth_loop(self, tokens: torch.Tensor, last: torch.Tensor, targets: torch.Tensor | None, num_iterations: int,
+                    halt_threshold: float | None, sample_halting: bool, last_token_only: bool) -> dict:
+        """Iterate, decode (or score against targets), decide who halts; halted rows keep their state
+        and output. -> dict(outputs: per iteration (B, T or 1, V) logits, or (B, T) token CE with
+        targets; records: per iteration, full batch; states: D'+1 (B, T, H); iterations: (B,) long)."""
         B, T = tokens.shape
         x = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))  # (B, T, H), positions once
         min_depth = self.minimum_depth(num_iterations)
         active = torch.arange(B, device=tokens.device)  # sequences still iterating
         log_unhalted = torch.zeros(B, device=tokens.device)  # log P_unhalted,d (detached, for decisions)
         iterations = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        logits, states, records = None, [x], []
+        output, outputs, records, states = None, [], [], [x]
         for iteration in range(num_iterations):
             everyone = active.numel() == B
             x_run, last_run = (x, last) if everyone else (x[active], last[active])
             x_next, record = self.iterate(x_run, last_run, iteration)
-            step_logits = self.decode(x_next, last_run if last_token_only else None)
-            halt_now = self._stop(record, iteration, num_iterations, min_depth, log_unhalted[active],
-                                  halt_threshold, sample_halting)
+            if targets is None:
+                step_output = self.decode(x_next, last_run if last_token_only else None)
+            else:
+                step_output = self.token_losses(x_next, targets if everyone else targets[active])
+            record, halt_now = self._halting_decision(record, iteration, num_iterations, min_depth,
+                                                      log_unhalted[active], halt_threshold, sample_halting)
             log_unhalted = log_unhalted.index_copy(0, active, log_unhalted[active] + record["log_continue"].detach())
             iterations = iterations.index_add(0, active, torch.ones_like(active))
             # write the running sequences back; halted ones keep their state and output
             x = x_next if everyone else x.index_copy(0, active, x_next)
-            logits = step_logits if logits is None or everyone else logits.index_copy(0, active, step_logits)
-            records.append((logits, self._scatter_record(record, active, B)))
+            output = step_output if output is None or everyone else output.index_copy(0, active, step_output)
+            outputs.append(output)
+            records.append(self._scatter_record(record, active, B))
             states.append(x)
             active = active[~halt_now]
             if active.numel() == 0:
                 break
-        out = self._outputs(records, iterations, targets, lengths)
-        if return_states:
-            out["states"] = states
-        return out
+        return dict(outputs=outputs, records=records, states=states, iterations=iterations)
 
-    def _stop(self, record, iteration, num_iterations, min_depth, log_unhalted, halt_threshold, sample_halting):
-        """Which running sequences stop after this iteration -> (n,) bool. Also writes the
-        lambda that p uses into record (log space): 0 before min_depth (forced to continue),
-        1 where a sequence stops (all remaining mass, Eq. 5), else the halt heads' lambda."""
-        n, device = record["log_halt"].shape[0], record["log_halt"].device
-        record["raw_log_halt"] = record["log_halt"]
-        if iteration < min_depth - 1:  # forced to continue: lambda := 0
-            record["log_halt"] = torch.full((n,), float("-inf"), device=device)
-            record["log_continue"] = torch.zeros(n, device=device)
+    def _halting_decision(self, record: dict, iteration: int, num_iterations: int, min_depth: int,
+                          log_unhalted: torch.Tensor, halt_threshold: float | None,
+                          sample_halting: bool) -> tuple[dict, torch.Tensor]:
+        """Which running sequences stop after this iteration -> (record, halt_now (n,) bool). The
+        returned record holds the lambda that p uses (log space): 0 before min_depth (forced to
+        continue), 1 where a sequence stops (all remaining mass, Eq. 5), else the halt heads' lambda;
+        raw_log_halt keeps the heads' own."""
+        log_halt, log_continue = record["log_halt"], record["log_continue"]
+        n, device = log_halt.shape[0], log_halt.device
+        forced = iteration < min_depth - 1
+        if forced:  # lambda := 0
+            log_halt, log_continue = torch.full((n,), float("-inf"), device=device), torch.zeros(n, device=device)
         if iteration == num_iterations - 1:
             halt_now = torch.ones(n, dtype=torch.bool, device=device)
-        elif iteration < min_depth - 1 or (halt_threshold is None and not sample_halting):
+        elif forced or (halt_threshold is None and not sample_halting):
             halt_now = torch.zeros(n, dtype=torch.bool, device=device)
         elif sample_halting:
-            halt_now = torch.bernoulli(record["log_halt"].detach().exp()).bool()
+            halt_now = torch.bernoulli(log_halt.detach().exp()).bool()
         else:  # cumulative halted mass sum_{i<=d} p_i = 1 - prod_{i<=d} (1 - lambda_i)
-            halt_now = 1 - (log_unhalted + record["log_continue"].detach()).exp() >= halt_threshold
-        record["log_halt"] = torch.where(halt_now, torch.zeros_like(record["log_halt"]), record["log_halt"])
-        record["log_continue"] = torch.where(halt_now, torch.full_like(record["log_continue"], float("-inf")),
-                                             record["log_continue"])
-        return halt_now
+            halt_now = 1 - (log_unhalted + log_continue.detach()).exp() >= halt_threshold
+        log_halt = torch.where(halt_now, torch.zeros_like(log_halt), log_halt)
+        log_continue = torch.where(halt_now, torch.full_like(log_continue, float("-inf")), log_continue)
+        return dict(record, raw_log_halt=record["log_halt"], log_halt=log_halt, log_continue=log_continue), halt_now
 
-    def _scatter_record(self, record, active, batch_size):
+    def _scatter_record(self, record: dict, active: torch.Tensor, batch_size: int) -> dict:
         """Per-iteration record of the running sequences -> full batch; halted rows get fills."""
         if active.numel() == batch_size:
             ran = torch.ones(batch_size, dtype=torch.bool, device=active.device)
@@ -567,52 +688,49 @@ class AlterNet(nn.Module):
         full["ran"] = torch.zeros(batch_size, dtype=torch.bool, device=active.device).index_fill(0, active, True)
         return full
 
-    def _outputs(self, records, iterations, targets, lengths):
-        """Stack the per-iteration records into the output dict; add the losses."""
-        step_logits = torch.stack([r[0] for r in records])  # (D', B, T, V)
-        rec = {key: torch.stack([r[1][key] for r in records]) for key in records[0][1]}  # each (D', B, ...)
+    def _outputs(self, records: list[dict], iterations: torch.Tensor) -> dict:
+        """The per-iteration records stacked into the outputs every call returns, with the aux losses."""
+        rec = {key: torch.stack([r[key] for r in records]) for key in records[0]}  # each (D', B, ...)
         log_p = halting_log_distribution(rec["log_halt"].T, rec["log_continue"].T)  # (B, D')
-        out = dict(logits=records[-1][0], step_logits=step_logits, halting_distribution=log_p.exp(),
-                   iterations=iterations, router_logits=rec["router_logits"], expert_indices=rec["expert_indices"],
-                   gates=rec["gates"], halt_lambdas=rec["raw_log_halt"].T.exp())
-        out["aux_losses"] = self._aux_losses(rec, log_p)
-        if targets is not None:
-            self._task_losses(out, rec, targets, lengths)
-        return out
+        return dict(halting_distribution=log_p.exp(), iterations=iterations, router_logits=rec["router_logits"],
+                    expert_indices=rec["expert_indices"], gates=rec["gates"],
+                    halt_lambdas=rec["raw_log_halt"].T.exp(), aux_losses=self._aux_losses(rec, log_p))
 
-    def _aux_losses(self, rec, log_p):
+    def _aux_losses(self, rec: dict, log_p: torch.Tensor) -> dict:
         """Router losses pooled over every (iteration, sequence) decision made; halting KL (Eq. 6, 8)."""
         cfg = self.config
         ran = rec["ran"]  # (D', B)
         router_logits, expert_indices = rec["router_logits"][ran], rec["expert_indices"][ran]  # (N, E), (N, k)
+        # ST-MoE's order: the z-loss on the logits before the clamp (it keeps pulling a logit past
+        # +-c back), the gates and the balance on the clamped ones the router acts on
         aux = dict(balance=cfg.balance_weight * load_balance_loss(router_logits, expert_indices, cfg.num_experts),
-                   z=cfg.z_loss_weight * router_z_loss(router_logits))
+                   z=cfg.z_loss_weight * router_z_loss(rec["raw_router_logits"][ran]))
         if cfg.halting:
-            log_prior = depth_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p).log().to(log_p.device)
+            log_prior = log_depth_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p).to(log_p.device)
             aux["kl"] = cfg.kl_weight * self.kl_scale * kl_divergence(log_p, log_prior)
         return aux
 
-    def _task_losses(self, out, rec, targets, lengths):
-        """L_PN (Eq. 7), L_RIR (Eq. 9) and per-iteration CE for logging."""
-        cfg = self.config
-        step_logits, p = out["step_logits"], out["halting_distribution"]
-        D, B, T, V = step_logits.shape
-        valid = targets != -1
-        if lengths is not None:
-            valid &= torch.arange(T, device=targets.device) < lengths[:, None]
-        targets = targets.masked_fill(~valid, -1)
-        ce = torch.stack([F.cross_entropy(rearrange(logits.float(), "b t v -> (b t) v"), targets.flatten(),
-                                          ignore_index=-1, reduction="none").view(B, T)
-                          for logits in step_logits])  # (D, B, T), one iteration at a time to bound memory
-        step_ce = ce.sum(-1) / valid.sum(1).clamp(min=1)  # (D, B): per-sequence mean CE of each iteration
-        out["task_loss"] = (p * step_ce.T).sum(1).mean()  # Eq. 7
-        out["step_losses"] = (ce.sum((1, 2)) / valid.sum().clamp(min=1)).detach()  # (D,)
-        if cfg.halting:
-            rir = relative_improvement_loss(rec["rir_log_halt"], rec["rir_log_continue"], step_ce, rec["ran"])
-            out["aux_losses"]["rir"] = cfg.rir_weight * rir
-        out["loss"] = out["task_loss"] + sum(out["aux_losses"].values())
+    def _task_losses(self, token_losses: torch.Tensor, targets: torch.Tensor, p: torch.Tensor) -> dict:
+        """L_PN (Eq. 7) from the per-token CE of every iteration, token_losses: (D', B, T); p: (B, D').
+        -> task_loss, step_ce (D', B) per-sequence mean CE, step_losses (D',) token-mean CE, token_losses."""
+        scored = targets != -1  # (B, T)
+        step_ce = token_losses.sum(-1) / scored.sum(1).clamp(min=1)  # (D', B)
+        rows = scored.any(1).sum().clamp(min=1)  # 1/B over the sequences with a scored target (our choice)
+        return dict(task_loss=(p * step_ce.T).sum() / rows,  # Eq. 7
+                    step_ce=step_ce, step_losses=(token_losses.sum((1, 2)) / scored.sum().clamp(min=1)).detach(),
+                    token_losses=token_losses)
 
-    def _check_inputs(self, tokens, targets, max_depth, halt_threshold, lengths, sample_halting, last_token_only):
+    def _rir_loss(self, records: list[dict], step_ce: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """a_RIR L_RIR (Eq. 9) over the iterations each sequence ran; the halt heads' inputs detached.
+        A sequence without a scored target has no CE to improve on: it neither counts nor trains."""
+        log_halt, log_continue, ran = (torch.stack([r[key] for r in records])
+                                       for key in ("rir_log_halt", "rir_log_continue", "ran"))  # each (D', B)
+        ran = ran & (targets != -1).any(1)  # (D', B)
+        return self.config.rir_weight * relative_improvement_loss(log_halt, log_continue, step_ce, ran)
+
+    def _check_inputs(self, tokens: torch.Tensor, targets: torch.Tensor | None, max_depth: int | None,
+                      halt_threshold: float | None, lengths: torch.Tensor | None, sample_halting: bool,
+                      last_token_only: bool) -> tuple[int, torch.Tensor]:
         """ValueError naming the argument for any bad input -> (iterations this call, last valid index (B,))."""
         cfg = self.config
         if tokens.dim() != 2 or tokens.dtype != torch.long:
@@ -629,8 +747,9 @@ class AlterNet(nn.Module):
             if last_token_only:
                 raise ValueError("targets: not supported with last_token_only=True (the loss needs every position)")
         num_iterations = cfg.max_depth if max_depth is None else max_depth
-        if not isinstance(num_iterations, int) or isinstance(num_iterations, bool) or num_iterations < 1:
-            raise ValueError(f"max_depth must be None or an integer >= 1, got {max_depth!r}")
+        if not isinstance(num_iterations, int) or isinstance(num_iterations, bool) or \
+                not 1 <= num_iterations <= MAX_ITERATIONS:
+            raise ValueError(f"max_depth must be None or an integer in 1..{MAX_ITERATIONS}, got {max_depth!r}")
         if halt_threshold is not None and not 0 < halt_threshold <= 1:
             raise ValueError(f"halt_threshold must be None or in (0, 1], got {halt_threshold!r}")
         if halt_threshold is not None and sample_halting:
@@ -646,8 +765,10 @@ class AlterNet(nn.Module):
     # -- generation --
 
     @torch.no_grad()
-    def generate(self, tokens, max_new_tokens, halt_threshold=0.5, max_depth=None, temperature=1.0, top_k=None,
-                 sample_halting=False, return_iterations=False):
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, halt_threshold: float | None = 0.5,
+                 max_depth: int | None = None, temperature: float = 1.0, top_k: int | None = None,
+                 sample_halting: bool = False,
+                 return_iterations: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Autoregressive sampling with the same halting as forward (call .eval() first).
 
         tokens: (B, T) long -> (B, T + max_new_tokens); the context is cropped to seq_len.
@@ -684,7 +805,15 @@ class AlterNet(nn.Module):
     sample = generate  # alias
 
 
-def check_ids(name, ids, vocab_size, ignore=None):
+def scored_targets(targets: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """targets with -1 (ignored) also at the padding, positions >= lengths: (B, T) long."""
+    if lengths is None:
+        return targets
+    padding = torch.arange(targets.shape[1], device=targets.device) >= lengths[:, None]  # (B, T)
+    return targets.masked_fill(padding, -1)
+
+
+def check_ids(name: str, ids: torch.Tensor, vocab_size: int, ignore: int | None = None) -> None:
     """ValueError unless every entry of ids is a token id in 0..vocab_size-1 (or the ignore value)."""
     if ids.numel() == 0:
         return
@@ -698,7 +827,8 @@ def check_ids(name, ids, vocab_size, ignore=None):
 # --- causal evaluation: every position routed and halted on its own prefix ------------
 
 
-def training_lengths(batch_size, seq_len, fraction, generator=None):
+def training_lengths(batch_size: int, seq_len: int, fraction: float,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
     """Valid lengths for a training batch: (batch_size,) long. A `fraction` of the rows (chosen at
     random) get a uniform random length in 1..seq_len, the rest the full window."""
     cut = torch.rand(batch_size, generator=generator) < fraction
@@ -707,7 +837,8 @@ def training_lengths(batch_size, seq_len, fraction, generator=None):
 
 
 @torch.no_grad()
-def causal_loss(model, tokens, targets, max_depth=None, halt_threshold=None, rows_per_call=512):
+def causal_loss(model: AlterNet, tokens: torch.Tensor, targets: torch.Tensor, max_depth: int | None = None,
+                halt_threshold: float | None = None, rows_per_call: int = 512) -> dict:
     """Score each position as autoregressive use sees it (call model.eval() first).
 
     The full-window forward routes and halts every position on the window's last token, which
@@ -774,21 +905,16 @@ RECIPES = {
 }
 
 
-def create_model(name, **overrides):
+def create_model(name: str, **overrides) -> AlterNet:
     """Build a preset, e.g. create_model("alternet-tiny", max_depth=8). Unknown names -> ValueError."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    fields = [f.name for f in dataclasses.fields(AlterNetConfig)]
-    unknown = sorted(set(overrides) - set(fields))
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; AlterNetConfig fields are {fields}")
+    check_preset(name, overrides)
     return AlterNet(AlterNetConfig(**{**PRESETS[name], **overrides}))
 
 
-# --- `python alternet.py sample CKPT`: text from a trained checkpoint (as nanoGPT's sample.py) ---
+# --- text: the tokenizers of train.py (sample.py decodes with them) ---------------------------
 
 
-def text_codec(tokenizer):
+def text_codec(tokenizer: str) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """(encode: str -> list of ids, decode: list of ids -> str) for train.py's --tokenizer names."""
     if tokenizer == "byte":
         return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
@@ -800,96 +926,3 @@ def text_codec(tokenizer):
             raise ValueError(f"the gpt2 tokenizer needs the tiktoken package and its encoding files ({e})") from e
         return encoding.encode_ordinary, encoding.decode
     raise ValueError(f"unknown tokenizer {tokenizer!r} (byte or gpt2)")
-
-
-def iteration_marks(iterations):
-    """One character per generated token: 1-9, then a, b, ... for 10, 11, ... iterations."""
-    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(n, 35)] for n in iterations)
-
-
-def sample_parser():
-    import argparse
-    parser = argparse.ArgumentParser(prog="alternet.py", description="Sample text from an AlterNet checkpoint.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("sample", help="generate text from a checkpoint of train.py")
-    p.add_argument("checkpoint", metavar="CKPT", help="ckpt.pt written by train.py for an alternet-* preset")
-    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
-    p.add_argument("--halt-threshold", type=float, default=0.5,
-                   help="stop iterating once the cumulative halting probability reaches this, in (0, 1]")
-    p.add_argument("--max-depth", type=int, default=None, help="cap on iterations per token (default: trained D)")
-    p.add_argument("--seed", type=int, default=1337, help="random seed")
-    p.add_argument("--num-samples", type=int, default=1, help="number of samples")
-    p.add_argument("--show-iterations", action="store_true",
-                   help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
-    p.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N")
-    return parser
-
-
-def check_sample_args(args):
-    """The first bad argument as (flag, message), or None."""
-    checks = [("--max-new-tokens", args.max_new_tokens >= 0, "must be >= 0"),
-              ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0, "must be >= 0"),
-              ("--top-k", args.top_k is None or args.top_k >= 1, "must be >= 1"),
-              ("--halt-threshold", 0 < args.halt_threshold <= 1, "must be in (0, 1]"),
-              ("--max-depth", args.max_depth is None or args.max_depth >= 1, "must be >= 1"),
-              ("--num-samples", args.num_samples >= 1, "must be >= 1"),
-              ("--prompt", len(args.prompt) > 0, "must not be empty")]
-    for flag, ok, message in checks:
-        if not ok:
-            return f"{flag} {message}, got {getattr(args, flag[2:].replace('-', '_'))!r}"
-    return None
-
-
-def load_language_model(path, device):
-    """(model, encode, decode) from a train.py checkpoint; ValueError with one line if it is not usable."""
-    import checkpoint  # the checkpoint reader, only for this command: the model above needs torch and einops alone
-    model, ckpt = checkpoint.load_model(path, device=device, flag="CKPT")
-    # by name: run as a script this module is __main__, while the loader builds `alternet.AlterNet`
-    if type(model).__name__ != "AlterNet":
-        raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
-                         f"(one of {', '.join(sorted(PRESETS))})")
-    encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))
-    return model, encode, decode
-
-
-def main(argv=None):
-    """`python alternet.py sample CKPT --prompt TEXT`: prints each sample, and with --show-iterations a
-    line of per-token iteration marks and their mean. Returns the samples (text, iterations)."""
-    from cli import fail, pick_device  # the command line's floor, only for this command
-    args = sample_parser().parse_args(argv)
-    problem = check_sample_args(args)
-    try:
-        if problem:
-            raise ValueError(problem)
-        device = pick_device(args.device)
-        model, encode, decode = load_language_model(args.checkpoint, device)
-        prompt = torch.tensor([encode(args.prompt)], dtype=torch.long, device=device)  # (1, P)
-        if prompt.max() >= model.config.vocab_size:
-            raise ValueError(f"--prompt {args.prompt!r} has tokens outside this model's vocabulary "
-                             f"(ids 0..{model.config.vocab_size - 1}; the prompt has {prompt.max().item()})")
-        if args.top_k is not None and args.top_k > model.config.vocab_size:
-            raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
-    except ValueError as e:
-        fail(str(e), "alternet.py sample")
-    torch.manual_seed(args.seed)
-    samples = []
-    for i in range(args.num_samples):
-        ids, used = model.generate(prompt, args.max_new_tokens, halt_threshold=args.halt_threshold,
-                                   max_depth=args.max_depth, temperature=args.temperature, top_k=args.top_k,
-                                   return_iterations=True)
-        used = used[0].tolist()
-        samples.append((decode(ids[0].tolist()), used))
-        print(samples[-1][0])
-        if args.show_iterations:
-            mean = sum(used) / max(len(used), 1)
-            print(f"{iteration_marks(used)}\nmean iterations per generated token: {mean:.2f}")
-        if i < args.num_samples - 1:
-            print("---------------")
-    return samples
-
-
-if __name__ == "__main__":
-    main()

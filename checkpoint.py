@@ -1,5 +1,5 @@
 """Checkpoints and run folders: the floor that train.py and every tool (probes.py, analyze.py,
-export.py, bench.py, `alternet.py sample`) read checkpoints through, without importing the trainer.
+export.py, bench.py, sample.py) read checkpoints through, without importing the trainer.
 
 A checkpoint of this project is a dict of tensors and plain values, loaded with weights_only=True:
 arch, model_config and model (the weights) rebuild a model (`load_model`); train_config, optimizer,

@@ -236,18 +236,19 @@ class LanguageTask:
         causal_left = self.causal_windows
         for x, y in self.windows(rank, world):
             with self.autocast():  # a fixed-depth model (halting off) "halts" at its last step
-                halted = lm(x, halt_threshold=threshold)
-                fixed = lm(x, halt_threshold=None)  # all D steps: step_logits (D, B, T, V)
-            for row, logits in enumerate([halted["logits"], *fixed["step_logits"]]):
-                stats[row] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+                # with targets the model returns per-token CE (D', B, T), never D' full-vocabulary logits
+                halted = lm(x, targets=y, halt_threshold=threshold)
+                fixed = lm(x, targets=y, halt_threshold=None)  # all D steps
+            halted_losses = halted["token_losses"][-1]  # (B, T): each row at the iteration it stopped at
+            for row, token_losses in enumerate([halted_losses, *fixed["token_losses"]]):
+                stats[row] += token_losses.sum()
             stats[depth + 1:depth + 4] += torch.tensor([halted["iterations"].sum().item(), y.numel(), len(x)],
                                                        dtype=torch.float64, device=self.device)
             if causal_left > 0:
-                x, y, halted_logits = x[:causal_left], y[:causal_left], halted["logits"][:causal_left]
+                x, y, full = x[:causal_left], y[:causal_left], halted_losses[:causal_left].sum()
                 causal_left -= len(x)
                 with self.autocast():
                     causal = alternet.causal_loss(lm, x, y, halt_threshold=threshold)
-                full = F.cross_entropy(halted_logits.float().flatten(0, 1), y.flatten(), reduction="sum")
                 stats[depth + 4:] += torch.tensor([causal["ce"].sum().item(), causal["iterations"].sum().item(),
                                                    y.numel(), full.item()], dtype=torch.float64, device=self.device)
         if world > 1:

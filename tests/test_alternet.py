@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch._dynamo.testing
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,14 +22,14 @@ def small_model(seed=0, **overrides):
     return alternet.create_model("alternet-tiny", **{**SMALL, **overrides})
 
 
-def spread_halting(model, seed=1, halting=True):
+def spread_halting(model, seed=1, halting=True, router_scale=20.0):
     """Larger random router (state columns) and halt heads, so that sequences take different
     experts and halt at different steps (at init all of them look alike)."""
     g = torch.Generator().manual_seed(seed)
     heads = [e.halt_head for e in model.experts if e.halt_head is not None] + [model.halt_head]
     with torch.no_grad():
         H = model.config.dim
-        model.router.weight[:, :H] = torch.randn(model.router.weight[:, :H].shape, generator=g) * 20
+        model.router.weight[:, :H] = torch.randn(model.router.weight[:, :H].shape, generator=g) * router_scale
         for head in filter(None, heads if halting else []):
             head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 100)
             head.bias.zero_()
@@ -251,9 +252,15 @@ def test_topk_gates_and_router_losses_equal_direct_formulas():
     model = small_model(num_experts=5, top_k=3)
     with torch.no_grad():
         model.router.weight.mul_(200)  # spread the logits, some past the clamp
-    out = model(tokens_for(model, B=4))
+    out = model(tokens_for(model, B=4), return_states=True)
     logits, idx, gates = out["router_logits"], out["expert_indices"], out["gates"]  # (D, B, E), (D, B, k)
     assert logits.abs().max() <= 10 + 1e-6 and logits.abs().max() > 9
+    cfg = model.config
+    raw = torch.stack([torch.stack([model.router.weight @ torch.cat([state[b, -1], *(
+        loop_depth_encoding(t, cfg.depth_dim) for t in (d / (cfg.max_depth - 1), 1 - d / (cfg.max_depth - 1)))])
+        for b in range(4)]) for d, state in enumerate(out["states"][:-1])])  # (D, B, E) before the clamp
+    assert raw.abs().max() > 11
+    torch.testing.assert_close(logits, raw.clamp(-10, 10), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gates.sum(-1), torch.ones(gates.shape[:2]))
     D, B, E = logits.shape
     decisions = [(d, b) for d in range(D) for b in range(B)]
@@ -267,13 +274,12 @@ def test_topk_gates_and_router_losses_equal_direct_formulas():
         for j, e in enumerate(idx[d, b].tolist()):
             assert abs(gates[d, b, j].item() - math.exp(row[e]) / norm) < 1e-5
         total = sum(math.exp(v) for v in row)
-        z += math.log(total) ** 2
+        z += math.log(sum(math.exp(v) for v in raw[d, b].tolist())) ** 2  # z-loss: before the clamp
         for e in range(E):
             counts[e] += e in chosen
             probs[e] += math.exp(row[e]) / total
     z /= len(decisions)
     lb_counts = E * sum(counts[e] / len(decisions) * probs[e] / len(decisions) for e in range(E))
-    cfg = model.config
     assert abs(out["aux_losses"]["z"].item() - cfg.z_loss_weight * z) < 1e-5 * cfg.z_loss_weight * z
     assert abs(out["aux_losses"]["balance"].item() - cfg.balance_weight * lb_counts) < 1e-6
 
@@ -383,11 +389,12 @@ def test_task_loss_is_p_weighted_step_cross_entropy():
     targets = torch.roll(tokens, -1, 1)
     targets[0, :4] = -1  # ignored: sequence 0 averages over its 2 valid targets
     out = model(tokens, targets=targets)
+    step_logits = model(tokens)["step_logits"]  # same path: targets only add the losses
     p, D = out["halting_distribution"], model.config.max_depth
-    ce = torch.stack([torch.stack([F.cross_entropy(out["step_logits"][d, b], targets[b], ignore_index=-1)
+    ce = torch.stack([torch.stack([F.cross_entropy(step_logits[d, b], targets[b], ignore_index=-1)
                                    for d in range(D)]) for b in range(3)])  # (B, D) per-sequence mean CE
     torch.testing.assert_close(out["task_loss"], (p * ce).sum(1).mean())
-    token_mean = [F.cross_entropy(out["step_logits"][d].flatten(0, 1), targets.flatten(), ignore_index=-1)
+    token_mean = [F.cross_entropy(step_logits[d].flatten(0, 1), targets.flatten(), ignore_index=-1)
                   for d in range(D)]
     torch.testing.assert_close(out["step_losses"], torch.stack(token_mean).detach())
     # L_RIR, Eq. 9-10, with loops
@@ -444,8 +451,8 @@ def test_fixed_depth_model_one():
     targets = torch.roll(tokens, -1, 1)
     out = model(tokens, targets=targets, max_depth=3)
     assert out["aux_losses"].keys() == {"balance", "z"}
-    assert (out["iterations"] == 3).all() and out["step_logits"].shape[0] == 3
-    last_ce = F.cross_entropy(out["step_logits"][-1].flatten(0, 1), targets.flatten())
+    assert (out["iterations"] == 3).all() and out["token_losses"].shape == (3, *tokens.shape)
+    last_ce = F.cross_entropy(model(tokens, max_depth=3)["step_logits"][-1].flatten(0, 1), targets.flatten())
     torch.testing.assert_close(out["task_loss"], last_ce)
     with pytest.raises(ValueError, match="halting=False"):
         model(tokens, halt_threshold=0.5)
@@ -550,6 +557,7 @@ def test_early_halt_equals_a_run_capped_at_that_depth():
     tokens = tokens_for(model, B=6, T=5)
     targets = torch.roll(tokens, -1, 1)
     out = model(tokens, targets=targets, halt_threshold=0.5)
+    logits = model(tokens, halt_threshold=0.5)
     assert out["iterations"].unique().numel() > 1
     capped_rir = []
     for b in range(6):
@@ -557,12 +565,15 @@ def test_early_halt_equals_a_run_capped_at_that_depth():
         capped = model(tokens[b : b + 1], targets=targets[b : b + 1], max_depth=n)
         if n > 1:
             capped_rir.append(capped["aux_losses"]["rir"])
-        torch.testing.assert_close(out["logits"][b], capped["logits"][0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(logits["logits"][b], model(tokens[b : b + 1], max_depth=n)["logits"][0],
+                                   atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out["token_losses"][-1, b], capped["token_losses"][-1, 0], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(out["halting_distribution"][b, :n], capped["halting_distribution"][0])
         assert (out["halting_distribution"][b, n:] == 0).all()
-        # halted outputs are frozen: later rows repeat the halted logits
-        for d in range(n, out["step_logits"].shape[0]):
-            assert torch.equal(out["step_logits"][d, b], out["step_logits"][n - 1, b])
+        # halted outputs are frozen: later rows repeat the halted logits and their losses
+        for d in range(n, logits["step_logits"].shape[0]):
+            assert torch.equal(logits["step_logits"][d, b], logits["step_logits"][n - 1, b])
+            assert torch.equal(out["token_losses"][d, b], out["token_losses"][n - 1, b])
         assert (out["expert_indices"][n:, b] == -1).all()
     # L_RIR of an early-halted batch covers only the steps each sequence ran
     torch.testing.assert_close(out["aux_losses"]["rir"], torch.stack(capped_rir).mean())
@@ -725,17 +736,21 @@ def test_bad_inputs_raise_value_error():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(dim=32.0), "dim must be a positive integer, got 32.0"),
-    (dict(dim="32"), "dim must be a positive integer, got '32'"),
-    (dict(max_depth=True), "max_depth must be a positive integer"),
-    (dict(num_experts=2.5), "num_experts must be a positive integer"),
+    (dict(dim=32.0), "^dim=32.0 is not allowed: dim must be an integer$"),
+    (dict(dim="32"), "^dim='32' is not allowed: dim must be an integer$"),
+    (dict(max_depth=True), "max_depth must be an integer$"),
+    (dict(num_experts=2.5), "num_experts must be an integer$"),
     (dict(halting=1), "halting must be True or False"),
-    (dict(kl_weight=float("nan")), "kl_weight must be a finite number >= 0"),
-    (dict(kl_ramp_steps=10.0), "kl_ramp_steps must be an integer >= 0"),
+    (dict(kl_weight=float("nan")), "kl_weight must be a finite number$"),
+    (dict(kl_ramp_steps=10.0), "kl_ramp_steps must be an integer$"),
     (dict(min_depth_release_steps=-1), "min_depth_release_steps must be an integer >= 0"),
     (dict(random_length_fraction=1.5), r"random_length_fraction must be in \[0, 1\]"),
-    (dict(logit_clamp="10"), "logit_clamp must be a positive number or None"),
-    (dict(top_k=0), "top_k must be a positive integer"),
+    (dict(logit_clamp="10"), "logit_clamp must be a finite number or None"),
+    (dict(top_k=0), "top_k must be an integer in 1"),
+    (dict(max_depth=10 ** 9), r"max_depth must be an integer in 1\.\.1024"),
+    (dict(vocab_size=10 ** 9), r"vocab_size must be an integer in 1\.\.1048576"),
+    (dict(kl_weight=-0.5), "kl_weight must be a finite number >= 0"),
+    (dict(logit_clamp=-1.0), r"logit_clamp must be a positive number or None \(off\)"),
 ])
 def test_config_fields_are_type_and_range_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -835,10 +850,13 @@ def test_bf16_autocast_forward_backward_close_to_fp32(halting):
     # dtypes: the router, its gates and the halting distribution in fp32; logits in bf16 (the LM
     # head runs under autocast); the losses in fp32 (CE on logits.float())
     assert out["router_logits"].dtype == out["gates"].dtype == out["halting_distribution"].dtype == torch.float32
-    assert out["logits"].dtype == torch.bfloat16 and out["loss"].dtype == torch.float32
+    assert out["loss"].dtype == out["token_losses"].dtype == torch.float32
     assert torch.equal(out["expert_indices"], reference["expert_indices"])
     assert abs(out["loss"].item() - reference["loss"].item()) < 0.02 * reference["loss"].item()
-    torch.testing.assert_close(out["logits"].float(), reference["logits"], atol=0.05, rtol=0.05)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)["logits"]
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), model(tokens)["logits"], atol=0.05, rtol=0.05)
     for name, p in model.named_parameters():
         assert torch.isfinite(p.grad).all(), name
         cosine = F.cosine_similarity(p.grad.flatten(), ref_grads[name].flatten(), dim=0)
@@ -864,3 +882,353 @@ def test_torch_compile_training_step_matches_eager():
     torch.testing.assert_close(losses[1], losses[0])
     for (name, a), b in zip(eager.named_parameters(), compiled_copy.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name, atol=1e-6, rtol=1e-5)
+
+
+# --- the loss as it was first written, as a reference for the memory-bounded one ---------------
+# A copy of the original formulation (renamed and self-contained; it reads only the model's
+# parameters and submodules): every iteration decodes the full (B, T, V) logits, they are stacked
+# into (D', B, T, V), and the cross-entropies are taken from the stack. Simple, and memory-hungry:
+# the model now computes the same loss in chunks of tokens (the tests below check it is the same
+# loss with the same gradients). Its edges are the original ones too: z-loss on the clamped logits,
+# the depth prior normalised in probability space, rows without targets counted in 1/B.
+
+
+def stacked_depth_encoding(t, dim):
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = t * freqs
+    return torch.stack([angles.sin(), angles.cos()], dim=1).flatten()  # interleaved sin/cos
+
+
+def stacked_halting(log_gates, halt_logits):
+    return (torch.logsumexp(log_gates + F.logsigmoid(halt_logits), dim=-1),
+            torch.logsumexp(log_gates + F.logsigmoid(-halt_logits), dim=-1))
+
+
+def stacked_log_p(log_halt, log_continue):
+    log_halt = torch.cat([log_halt[:, :-1], torch.zeros_like(log_halt[:, -1:])], dim=1)
+    log_unhalted = torch.cat([torch.zeros_like(log_continue[:, :1]), log_continue[:, :-1]], dim=1).cumsum(1)
+    return log_halt + log_unhalted
+
+
+def stacked_prior(num_steps, max_depth, kind, geometric_p):
+    iterations = torch.arange(1, num_steps + 1, dtype=torch.float32)
+    if kind == "gaussian":
+        log_q = -0.5 * ((iterations - max_depth / 2) / (max_depth / 4)) ** 2
+    else:
+        log_q = (iterations - 1) * math.log1p(-geometric_p)
+    return log_q.softmax(0)
+
+
+def stacked_kl(log_p, log_q):
+    reached = log_p > float("-inf")
+    safe_log_p = torch.where(reached, log_p, torch.zeros_like(log_p))
+    terms = torch.where(reached, safe_log_p.exp() * (safe_log_p - log_q), torch.zeros_like(log_p))
+    return terms.sum(-1).mean()
+
+
+def stacked_rir(log_halt, log_continue, step_ce, ran):
+    if log_halt.shape[0] < 2:
+        return log_halt.sum() * 0
+    step_ce = step_ce.detach()
+    target = 1 - torch.sigmoid(50 * ((step_ce[:-1] - step_ce[1:]).clamp(min=0) - 0.005))
+    bce = -(target * log_halt[1:] + (1 - target) * log_continue[1:])
+    ran = ran[1:]
+    per_sequence = (bce * ran).sum(0) / ran.sum(0).clamp(min=1)
+    has_pairs = ran.any(0)
+    return (per_sequence * has_pairs).sum() / has_pairs.sum().clamp(min=1)
+
+
+def stacked_schedules(model, num_iterations):
+    """(minimum depth, a_KL scale) of the curriculum and the ramp at the model's training step."""
+    cfg, step = model.config, model.train_step
+    if not cfg.halting:
+        return num_iterations, 1.0
+    if step is None:
+        return 1, 1.0
+    since = step - cfg.min_depth_warmup
+    if not model.training:
+        depth = 1
+    elif since < 0:
+        depth = cfg.max_depth
+    elif since < cfg.min_depth_release_steps:
+        depth = math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since / cfg.min_depth_release_steps)
+    else:
+        depth = 1
+    scale = float(since >= 0) if cfg.kl_ramp_steps == 0 else min(1.0, max(0.0, since / cfg.kl_ramp_steps))
+    return min(depth, num_iterations), scale
+
+
+def stacked_iteration(model, x, last, iteration):
+    """One iteration (Eq. 1-4) for the running sequences: next states and the routing/halting record."""
+    cfg = model.config
+    n, k = x.shape[0], cfg.top_k
+    t = iteration / (cfg.max_depth - 1) if cfg.max_depth > 1 else 0.0
+    encodings = [stacked_depth_encoding(t, cfg.depth_dim)]
+    if cfg.budget_signal:
+        encodings.append(stacked_depth_encoding(1 - t, cfg.depth_dim))
+    h = x[torch.arange(n), last]
+    router_logits = torch.cat([h.float(), torch.cat(encodings).expand(n, -1)], -1) @ model.router.weight.float().T
+    if cfg.logit_clamp is not None:
+        router_logits = router_logits.clamp(-cfg.logit_clamp, cfg.logit_clamp)
+    top_logits, expert_indices = router_logits.topk(k, dim=-1)
+    log_gates = top_logits.log_softmax(-1)
+    gates = log_gates.exp()
+    update = torch.zeros_like(x)
+    halt_logits, rir_halt_logits = x.new_zeros(n, k), x.new_zeros(n, k)
+    for e, expert in enumerate(model.experts):
+        seq, slot = (expert_indices == e).nonzero(as_tuple=True)
+        if seq.numel() == 0:
+            continue
+        y = expert(x[seq])
+        update = update.index_add(0, seq, gates[seq, slot][:, None, None] * y)
+        if expert.halt_head is not None:
+            y_last = y[torch.arange(seq.numel()), last[seq]]
+            halt_logits = halt_logits.index_put((seq, slot), expert.halt_head(y_last).squeeze(-1))
+            rir_halt_logits = rir_halt_logits.index_put((seq, slot), expert.halt_head(y_last.detach()).squeeze(-1))
+    x_next = x + update
+    if model.halt_head is not None:
+        h_last = x_next[torch.arange(n), last]
+        logit, rir_logit = model.halt_head(h_last).squeeze(-1), model.halt_head(h_last.detach()).squeeze(-1)
+        halting = (F.logsigmoid(logit), F.logsigmoid(-logit), F.logsigmoid(rir_logit), F.logsigmoid(-rir_logit))
+    elif cfg.halting:
+        halting = (*stacked_halting(log_gates, halt_logits), *stacked_halting(log_gates.detach(), rir_halt_logits))
+    else:
+        zeros = x.new_zeros(n)
+        halting = (torch.full_like(zeros, -math.inf), zeros, zeros, zeros)
+    record = dict(router_logits=router_logits, expert_indices=expert_indices, gates=gates,
+                  **dict(zip(("log_halt", "log_continue", "rir_log_halt", "rir_log_continue"), halting)))
+    return x_next, record
+
+
+def stacked_stop(record, iteration, num_iterations, min_depth, log_unhalted, halt_threshold):
+    n = record["log_halt"].shape[0]
+    if iteration < min_depth - 1:
+        record["log_halt"] = torch.full((n,), float("-inf"))
+        record["log_continue"] = torch.zeros(n)
+    if iteration == num_iterations - 1:
+        halt_now = torch.ones(n, dtype=torch.bool)
+    elif iteration < min_depth - 1 or halt_threshold is None:
+        halt_now = torch.zeros(n, dtype=torch.bool)
+    else:
+        halt_now = 1 - (log_unhalted + record["log_continue"].detach()).exp() >= halt_threshold
+    record["log_halt"] = torch.where(halt_now, torch.zeros_like(record["log_halt"]), record["log_halt"])
+    record["log_continue"] = torch.where(halt_now, torch.full_like(record["log_continue"], float("-inf")),
+                                         record["log_continue"])
+    return halt_now
+
+
+def stacked_scatter(record, active, batch_size):
+    full = {key: value.new_full((batch_size, *value.shape[1:]), -1 if key == "expert_indices" else 0)
+            .index_copy(0, active, value) for key, value in record.items()}
+    full["ran"] = torch.zeros(batch_size, dtype=torch.bool).index_fill(0, active, True)
+    return full
+
+
+def stacked_logits_loss(model, tokens, targets, max_depth=None, halt_threshold=None, lengths=None):
+    """The original loss: every iteration's (B, T, V) logits kept and stacked, CE taken from the stack."""
+    cfg = model.config
+    B, T = tokens.shape
+    num_iterations = max_depth or cfg.max_depth
+    last = torch.full((B,), T - 1) if lengths is None else lengths - 1
+    min_depth, kl_scale = stacked_schedules(model, num_iterations)
+    x = model.tok_emb(tokens) + model.pos_emb(torch.arange(T))
+    active, log_unhalted = torch.arange(B), torch.zeros(B)
+    logits, records = None, []
+    for iteration in range(num_iterations):
+        everyone = active.numel() == B
+        x_next, record = stacked_iteration(model, x[active], last[active], iteration)
+        step_logits = model.lm_head(model.norm(x_next))
+        halt_now = stacked_stop(record, iteration, num_iterations, min_depth, log_unhalted[active], halt_threshold)
+        log_unhalted = log_unhalted.index_copy(0, active, log_unhalted[active] + record["log_continue"].detach())
+        x = x_next if everyone else x.index_copy(0, active, x_next)
+        logits = step_logits if logits is None or everyone else logits.index_copy(0, active, step_logits)
+        records.append((logits, stacked_scatter(record, active, B)))
+        active = active[~halt_now]
+        if active.numel() == 0:
+            break
+    step_logits = torch.stack([r[0] for r in records])  # (D', B, T, V)
+    rec = {key: torch.stack([r[1][key] for r in records]) for key in records[0][1]}
+    log_p = stacked_log_p(rec["log_halt"].T, rec["log_continue"].T)
+    ran = rec["ran"]
+    router_logits, expert_indices = rec["router_logits"][ran], rec["expert_indices"][ran]
+    routed = F.one_hot(expert_indices, cfg.num_experts).sum(1).float()
+    balance = cfg.num_experts * (routed.mean(0) * router_logits.softmax(-1).mean(0)).sum()
+    aux = dict(balance=cfg.balance_weight * balance,
+               z=cfg.z_loss_weight * torch.logsumexp(router_logits, dim=-1).pow(2).mean())
+    if cfg.halting:
+        log_prior = stacked_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p).log()
+        aux["kl"] = cfg.kl_weight * kl_scale * stacked_kl(log_p, log_prior)
+    D = step_logits.shape[0]
+    valid = targets != -1
+    if lengths is not None:
+        valid &= torch.arange(T) < lengths[:, None]
+    targets = targets.masked_fill(~valid, -1)
+    ce = torch.stack([F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1,
+                                      reduction="none").view(B, T) for logits in step_logits])  # (D, B, T)
+    step_ce = ce.sum(-1) / valid.sum(1).clamp(min=1)
+    task_loss = (log_p.exp() * step_ce.T).sum(1).mean()
+    if cfg.halting:
+        aux["rir"] = cfg.rir_weight * stacked_rir(rec["rir_log_halt"], rec["rir_log_continue"], step_ce, ran)
+    return dict(loss=task_loss + sum(aux.values()), task_loss=task_loss, aux_losses=aux,
+                step_losses=ce.sum((1, 2)) / valid.sum().clamp(min=1), halting_distribution=log_p.exp(),
+                iterations=rec["ran"].sum(0), token_losses=ce)
+
+
+LOSS_CASES = {  # name: (config overrides, training step or None, train mode, forward arguments)
+    "curriculum": (dict(min_depth_warmup=3), 1, True, dict()),
+    "gradual release, halting": (dict(min_depth_warmup=2, min_depth_release_steps=4), 4, True,
+                                 dict(halt_threshold=0.3)),
+    "released, halting": (dict(), None, True, dict(halt_threshold=0.5)),
+    "evaluation, cap": (dict(max_depth=5), None, False, dict(halt_threshold=0.4, max_depth=3)),
+    "global head": (dict(halt_head="global"), None, False, dict(halt_threshold=0.5)),
+    "fixed depth": (dict(halting=False), None, True, dict(max_depth=3)),
+}
+
+
+@pytest.mark.parametrize("case", LOSS_CASES)
+def test_chunked_loss_equals_the_stacked_logits_loss(case, monkeypatch):
+    """Same loss, same gradients, as every iteration's logits stacked (fp32), with halting, caps, the
+    curriculum's release, right-padded lengths and ignored targets; chunks smaller than the batch."""
+    overrides, step, train_mode, kwargs = LOSS_CASES[case]
+    monkeypatch.setattr(alternet, "LOSS_CHUNK_LOGITS", 7 * 50)  # 7 tokens per chunk at V = 50
+    model = spread_halting(small_model(rir_weight=0.3, **overrides), router_scale=10.0).train(train_mode)
+    if step is not None:
+        model.set_step(step)
+    tokens = tokens_for(model, B=5, T=9)
+    targets = torch.roll(tokens, -1, 1)
+    targets[0, 2:5] = -1
+    lengths = torch.tensor([9, 6, 3, 1, 9])
+    out = model(tokens, targets=targets, lengths=lengths, **kwargs)
+    assert out["router_logits"].abs().max() < model.config.logit_clamp, "the reference clamps the z-loss"
+    if "halt_threshold" in kwargs and case != "curriculum":
+        assert out["iterations"].unique().numel() > 1, "the case needs sequences that halt at different depths"
+    out["loss"].backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ref = stacked_logits_loss(model, tokens, targets, lengths=lengths, **kwargs)
+    ref["loss"].backward()
+    close = dict(atol=1e-6, rtol=1e-5)
+    for key in ("loss", "task_loss", "step_losses", "token_losses", "halting_distribution", "iterations"):
+        torch.testing.assert_close(out[key], ref[key], msg=key, **close)
+    assert out["aux_losses"].keys() == ref["aux_losses"].keys()
+    for key, value in ref["aux_losses"].items():
+        torch.testing.assert_close(out["aux_losses"][key], value, msg=key, **close)
+    for name, p in model.named_parameters():
+        assert (grads[name] is None) == (p.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, msg=name, **close)
+
+
+# --- edges: the clamp, extrapolated caps, rows without targets --------------------------------
+
+
+def test_z_loss_reads_the_logits_before_the_clamp():
+    """ST-MoE's order: at logits [12, 12, -12], clamped to [10, 10, -10], the z-loss still pulls the
+    router back (on the clamped logits no loss term would move it: gradient exactly 0)."""
+    model = small_model(num_experts=3, top_k=2, max_depth=1)
+    H = model.config.dim
+    with torch.no_grad():
+        model.tok_emb.weight.zero_()
+        model.tok_emb.weight[:, 0] = 1.0  # every state: 1 in feature 0, 0 elsewhere
+        model.pos_emb.weight.zero_()
+        model.router.weight.zero_()
+        model.router.weight[:, 0] = torch.tensor([12.0, 12.0, -12.0])
+    out = model(tokens_for(model, B=2, T=4))
+    torch.testing.assert_close(out["router_logits"][0], torch.tensor([[10.0, 10.0, -10.0]] * 2))
+    raw_z = torch.logsumexp(torch.tensor([12.0, 12.0, -12.0]), 0) ** 2
+    torch.testing.assert_close(out["aux_losses"]["z"], model.config.z_loss_weight * raw_z)
+    out["aux_losses"]["z"].backward()
+    assert model.router.weight.grad[:, 0].abs().min() > 0
+    assert model.router.weight.grad[:, 1:H].abs().max() == 0
+
+
+@pytest.mark.parametrize("num_steps, max_depth, kind", [(24, 4, "gaussian"), (64, 12, "gaussian"),
+                                                        (400, 8, "geometric")])
+def test_depth_prior_is_finite_far_beyond_the_trained_depth(num_steps, max_depth, kind):
+    """Log-space normalisation: the far tail of the prior does not underflow to log 0 = -inf."""
+    log_q = alternet.log_depth_prior(num_steps, max_depth, kind, geometric_p=0.12)
+    n = torch.arange(1, num_steps + 1, dtype=torch.float64)
+    if kind == "gaussian":
+        log_weights = -0.5 * ((n - max_depth / 2) / (max_depth / 4)) ** 2
+    else:
+        log_weights = (n - 1) * math.log(0.88)
+    expected = log_weights - torch.logsumexp(log_weights, 0)
+    assert torch.isfinite(log_q).all()
+    torch.testing.assert_close(log_q.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_kl_and_loss_are_finite_at_an_extrapolated_cap():
+    """D = 4 run with a cap of 24: the Gaussian prior's tail is ~e^-242, below float32's range."""
+    model = spread_halting(small_model(max_depth=4)).eval()
+    tokens = tokens_for(model, B=2, T=5)
+    out = model(tokens, targets=torch.roll(tokens, -1, 1), max_depth=24)
+    assert out["halting_distribution"].shape == (2, 24)
+    assert torch.isfinite(out["aux_losses"]["kl"]) and torch.isfinite(out["loss"])
+
+
+def test_a_row_without_scored_targets_neither_counts_nor_trains():
+    """L_PN and L_RIR average over the sequences that have a target; a row of -1 adds nothing to
+    them and no gradient to the halt heads (without the fix: 1/B counted it, and L_RIR trained its
+    halt heads toward lambda = 1 - sigmoid(-0.25) = 0.56)."""
+    model = spread_halting(small_model(rir_weight=0.3, kl_weight=0.0))
+    tokens = tokens_for(model, B=4, T=6)
+    targets = torch.roll(tokens, -1, 1)
+    targets[2] = -1
+    kept = [0, 1, 3]
+    runs = []
+    for rows, row_targets in ((tokens, targets), (tokens[kept], targets[kept])):
+        model.zero_grad(set_to_none=True)
+        out = model(rows, targets=row_targets)
+        (out["task_loss"] + out["aux_losses"]["rir"]).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if "halt_head" in n and p.grad is not None}
+        runs.append((out, grads))
+    (with_empty, grads), (without, grads_without) = runs
+    torch.testing.assert_close(with_empty["task_loss"], without["task_loss"])
+    torch.testing.assert_close(with_empty["aux_losses"]["rir"], without["aux_losses"]["rir"])
+    assert grads_without
+    for name in grads.keys() | grads_without.keys():  # an expert only the empty row took: zero gradient
+        zero = torch.zeros_like(grads.get(name, grads_without.get(name)))
+        torch.testing.assert_close(grads.get(name, zero), grads_without.get(name, zero), msg=name)
+
+
+def test_compiled_training_recompiles_only_when_the_curriculum_depth_changes():
+    """The schedules reach forward as a depth that changes at most D times and a 0-d tensor (the
+    a_KL scale), not as the step counter: dynamo guards on neither the step nor the ramp's value.
+    Reading the step in forward recompiled at every step until the recompile limit."""
+    # top_k = E: every expert runs every sequence, so no routing-dependent shape recompiles either
+    model = small_model(num_experts=2, top_k=2, max_depth=2, min_depth_warmup=3, kl_ramp_steps=10)
+    counter = torch._dynamo.testing.CompileCounter()  # dynamo's capture only (backend: the eager graph)
+    compiled = torch.compile(model, backend=counter)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tokens = tokens_for(model, B=4, T=12)
+    depths, compiles, kl_scales = [], [], []
+    for step in range(20):
+        model.set_step(step)
+        out = compiled(tokens, targets=torch.roll(tokens, -1, 1))
+        out["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        depths.append(model.minimum_depth(2))
+        compiles.append(counter.frame_count)
+        kl_scales.append(float(model.kl_scale))
+    assert depths == [2, 2, 2] + [1] * 17 and len(set(kl_scales)) == 11  # the ramp moved every step
+    for step in range(1, 20):
+        if depths[step] == depths[step - 1]:
+            assert compiles[step] == compiles[step - 1], f"recompiled at step {step}: {compiles}"
+    torch._dynamo.reset()
+
+
+def test_the_model_file_imports_nothing_of_the_project():
+    """alternet.py stands alone: torch, einops and the standard library at any level (tiktoken, for the
+    GPT-2 tokenizer, optionally); sampling from a checkpoint lives in sample.py."""
+    import ast
+    from pathlib import Path
+    root = Path(alternet.__file__).parent
+    tree = ast.parse((root / "alternet.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
+    assert imported <= {"__future__", "collections", "dataclasses", "math", "torch", "einops", "tiktoken"}, imported
+    assert not imported & {path.stem for path in root.glob("*.py")}

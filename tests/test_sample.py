@@ -1,9 +1,12 @@
-"""`python alternet.py sample CKPT`: text from a trained checkpoint, with per-token iteration marks.
+"""`python sample.py CKPT`: text from a trained AlterNet checkpoint, with per-token iteration marks.
 
 The checkpoint is a tiny AlterNet trained for 2 steps by train.main on a small ASCII text written
-to a temporary folder (vocab_size 128, so bytes >= 128 are outside its vocabulary).
+to a temporary folder (vocab_size 128, so bytes >= 128 are outside its vocabulary). The script is
+run as a user runs it (a subprocess); the table of hostile inputs calls sample.main in-process (the
+same code path, without a Python start-up per row) and checks the one line each must print.
 """
 import dataclasses
+import os
 import random
 import re
 import subprocess
@@ -13,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import alternet
 import revit
+import sample
 import train
 from checkpoint import atomic_save, load_model, primitive
 
@@ -41,86 +44,111 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def revit_checkpoint(tmp_path_factory):
-    """A vision checkpoint of this project: the wrong kind for `sample`."""
+    """A vision checkpoint of this project: the wrong kind for sample.py."""
     model = revit.create_model("revit-mini")
     path = tmp_path_factory.mktemp("revit") / "ckpt.pt"
     atomic_save({"arch": "revit-mini", "model_config": primitive(dataclasses.asdict(model.config)),
-                       "model": dict(model.state_dict()), "train_config": dataclasses.asdict(train.TrainConfig()),
-                       "step": 0}, path)
+                 "model": dict(model.state_dict()), "train_config": dataclasses.asdict(train.TrainConfig()),
+                 "step": 0}, path)
     return path
 
 
-def sample(checkpoint, capsys, *flags):
-    samples = alternet.main(["sample", str(checkpoint), *flags])
-    return samples, capsys.readouterr().out
+@pytest.fixture(scope="module")
+def edited_checkpoint(checkpoint, tmp_path_factory):
+    """The trained checkpoint with its model_config's max_depth edited to 10^9."""
+    ckpt = torch.load(checkpoint, weights_only=True)
+    ckpt["model_config"]["max_depth"] = 10 ** 9
+    path = tmp_path_factory.mktemp("edited") / "ckpt.pt"
+    atomic_save(ckpt, path)
+    return path
 
 
-def test_fixed_seed_is_reproducible(checkpoint, capsys):
-    flags = ["--prompt", "the king", "--max-new-tokens", "24", "--seed", "3", "--num-samples", "2"]
-    first, printed = sample(checkpoint, capsys, *flags)
-    again, printed_again = sample(checkpoint, capsys, *flags)
-    assert first == again and printed == printed_again
-    assert len(first) == 2 and printed.count("---------------") == 1
-    assert all(text.startswith("the king") for text, _ in first)
-    other, _ = sample(checkpoint, capsys, *flags[:-4], "--seed", "4", "--num-samples", "2")
-    assert other != first
+def run_script(*args):
+    """`python sample.py ARGS` as a user runs it: (return code, stdout, stderr)."""
+    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), *map(str, args)], capture_output=True,
+                            cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+def test_script_samples_reproducibly_with_iteration_marks(checkpoint):
+    flags = [checkpoint, "--prompt", "the king", "--max-new-tokens", "12", "--seed", "3", "--num-samples", "2",
+             "--show-iterations"]
+    code, printed, errors = run_script(*flags)
+    assert code == 0 and errors == "", errors
+    assert run_script(*flags)[1] == printed  # a fixed seed repeats
+    first, second = printed.split("---------------\n")
+    for block in (first, second):
+        text, marks, mean = block[:-1].rsplit("\n", 2)  # the sample may hold newlines of its own
+        assert text.startswith("the king") and len(marks) == 12 and set(marks) <= set("123")
+        assert mean == f"mean iterations per generated token: {sum(map(int, marks)) / 12:.2f}"
 
 
 def test_iteration_marks_equal_generate(checkpoint, capsys):
     flags = ["--prompt", "a river", "--max-new-tokens", "30", "--seed", "7", "--halt-threshold", "0.1",
              "--temperature", "1.0", "--top-k", "20", "--show-iterations"]
-    [(text, used)], printed = sample(checkpoint, capsys, *flags)
+    [(text, used)] = sample.main([str(checkpoint), *flags])
+    lines = capsys.readouterr().out.split("\n")[-3:-1]
     model, _ = load_model(checkpoint, flag="CKPT")
-    prompt = torch.tensor([list(b"a river")])
     torch.manual_seed(7)
-    ids, iterations = model.generate(prompt, 30, halt_threshold=0.1, temperature=1.0, top_k=20,
-                                     return_iterations=True)
+    ids, iterations = model.generate(torch.tensor([list(b"a river")]), 30, halt_threshold=0.1, temperature=1.0,
+                                     top_k=20, return_iterations=True)
     assert bytes(ids[0].tolist()).decode() == text and iterations[0].tolist() == used
-    marks = "".join(str(n) for n in used)
-    lines = printed.splitlines()
-    assert lines[-2] == marks and len(marks) == 30
+    assert lines[-2] == "".join(str(n) for n in used) and len(used) == 30
     assert lines[-1] == f"mean iterations per generated token: {sum(used) / 30:.2f}"
 
 
 def test_max_depth_is_respected(checkpoint, capsys):
-    flags = ["--prompt", "the", "--max-new-tokens", "20", "--show-iterations"]
-    (_, full), = sample(checkpoint, capsys, *flags)[0]
-    (_, capped), = sample(checkpoint, capsys, *flags, "--max-depth", "2")[0]
-    (_, one), = sample(checkpoint, capsys, *flags, "--max-depth", "1")[0]
+    flags = [str(checkpoint), "--prompt", "the", "--max-new-tokens", "20"]
+    (_, full), = sample.main(flags)
+    (_, capped), = sample.main([*flags, "--max-depth", "2"])
+    (_, one), = sample.main([*flags, "--max-depth", "1"])
     assert max(full) == 3 and max(capped) == 2 and set(one) == {1}
 
 
-@pytest.mark.parametrize("make_flags, message", [
-    (lambda ckpt, rv, tmp: [str(rv)], "CKPT .*ckpt.pt is a checkpoint of 'revit-mini', not of an AlterNet"),
-    (lambda ckpt, rv, tmp: [str(tmp / "none.pt")], "CKPT .*none.pt"),
-    (lambda ckpt, rv, tmp: [str(ckpt), "--prompt", "café"], "--prompt 'café' has tokens outside this model's "
-                                                             r"vocabulary \(ids 0..127; the prompt has 195\)"),
-    (lambda ckpt, rv, tmp: [str(ckpt), "--max-depth", "0"], "--max-depth must be >= 1, got 0"),
-    (lambda ckpt, rv, tmp: [str(ckpt), "--temperature", "-1"], "--temperature must be >= 0"),
-    (lambda ckpt, rv, tmp: [str(ckpt), "--halt-threshold", "1.5"], r"--halt-threshold must be in \(0, 1\]"),
-    (lambda ckpt, rv, tmp: [str(ckpt), "--top-k", "500"], "--top-k must be <= vocab_size=128"),
-    (lambda ckpt, rv, tmp: [str(ckpt), "--prompt", ""], "--prompt must not be empty"),
-])
-def test_bad_arguments_give_one_line_errors(checkpoint, revit_checkpoint, tmp_path, make_flags, message):
+HOSTILE = [  # (arguments after CKPT, or a whole argument list; the one line sample.py must print)
+    (["{revit}"], r"CKPT .*ckpt.pt is a checkpoint of 'revit-mini', not of an AlterNet"),
+    (["{tmp}/none.pt"], "CKPT .*none.pt: no such file"),
+    (["{tmp}"], "CKPT .*: a folder, not a checkpoint file"),
+    (["{tmp}/text.pt"], "CKPT .*text.pt: "),
+    (["{edited}"], r"CKPT .*ckpt.pt: its model_config does not build alternet-tiny: .*max_depth.*1\.\.1024"),
+    (["{ckpt}", "--prompt", "café"], r"--prompt 'café' has tokens outside this model's vocabulary \(ids 0..127; "
+                                     r"the prompt has 195\)"),
+    (["{ckpt}", "--prompt", "\udcff\udcfe"], r"--prompt '\\udcff\\udcfe' is not UTF-8 text"),
+    (["{ckpt}", "--prompt", ""], "--prompt must not be empty"),
+    (["{ckpt}", "--max-new-tokens", str(10 ** 12)], r"--max-new-tokens must be in 0..100,000 \(a bound against "),
+    (["{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens must be in 0..100,000"),
+    (["{ckpt}", "--max-depth", "0"], r"--max-depth must be in 1..1024, got 0"),
+    (["{ckpt}", "--max-depth", str(10 ** 9)], r"--max-depth must be in 1..1024, got 1000000000"),
+    (["{ckpt}", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["{ckpt}", "--temperature", "nan"], "--temperature must be >= 0, got nan"),
+    (["{ckpt}", "--halt-threshold", "1.5"], r"--halt-threshold must be in \(0, 1\]"),
+    (["{ckpt}", "--halt-threshold", "nan"], r"--halt-threshold must be in \(0, 1\]"),
+    (["{ckpt}", "--top-k", "500"], "--top-k must be <= vocab_size=128"),
+    (["{ckpt}", "--top-k", "0"], "--top-k must be >= 1"),
+    (["{ckpt}", "--num-samples", "0"], "--num-samples must be in 1..1,000"),
+    (["{ckpt}", "--num-samples", str(10 ** 6)], "--num-samples must be in 1..1,000"),
+    (["{ckpt}", "--seed", "-1"], r"--seed must be in 0..2\*\*64-1"),
+    (["{ckpt}", "--device", "gpu"], "--device 'gpu': not a device"),
+]
+
+
+@pytest.mark.parametrize("args, message", HOSTILE, ids=[f"{i}" for i in range(len(HOSTILE))])
+def test_hostile_inputs_get_one_line(checkpoint, revit_checkpoint, edited_checkpoint, tmp_path, args, message):
+    (tmp_path / "text.pt").write_text("not a checkpoint")
+    names = dict(ckpt=checkpoint, revit=revit_checkpoint, edited=edited_checkpoint, tmp=tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        alternet.main(["sample", *make_flags(checkpoint, revit_checkpoint, tmp_path)])
+        sample.main([a.format(**names) for a in args])
     error = str(exit_info.value.code)
-    assert error.startswith("alternet.py sample: error: ") and "\n" not in error
+    assert error.startswith("sample.py: error: ") and "\n" not in error
     assert re.search(message, error), error
 
 
-def test_cli_prints_no_traceback(checkpoint):
-    result = subprocess.run([sys.executable, str(ROOT / "alternet.py"), "sample", str(checkpoint), "--max-depth", "0"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == "alternet.py sample: error: --max-depth must be >= 1, got 0"
-
-
-def test_script_samples_from_a_trained_checkpoint(checkpoint):
-    """Run as a script the module is __main__, while the checkpoint loader builds `alternet.AlterNet`:
-    a real checkpoint must still be accepted (this once failed only outside the in-process tests)."""
-    result = subprocess.run([sys.executable, str(ROOT / "alternet.py"), "sample", str(checkpoint), "--prompt", "the",
-                             "--max-new-tokens", "5", "--seed", "1", "--show-iterations"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("the") and "mean iterations per generated token" in result.stdout
+def test_script_errors_are_one_line_without_traceback(checkpoint, edited_checkpoint):
+    code, _, errors = run_script(checkpoint, "--max-depth", "0")
+    assert code != 0 and errors.strip() == "sample.py: error: --max-depth must be in 1..1024, got 0"
+    # bytes that are not UTF-8, as a shell passes them ($'\xff\xfe')
+    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), str(checkpoint), "--prompt", b"\xff\xfe"],
+                            capture_output=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = result.stderr.decode()
+    assert result.returncode != 0 and "Traceback" not in errors and errors.count("\n") == 1
+    assert errors.startswith("sample.py: error: --prompt ") and "is not UTF-8 text" in errors

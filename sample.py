@@ -1,0 +1,135 @@
+"""Sample text from a trained AlterNet checkpoint (nanoGPT's sample.py convention).
+
+    python sample.py out/alternet-tiny-<time>/ckpt.pt --prompt "ROMEO:" --max-new-tokens 200 --show-iterations
+
+Prints each sample; with --show-iterations, under it one mark per generated token for the iterations
+that token used (AlterNet, arXiv 2611.08741, halts per token: 1-9, then a = 10, b = 11, ...) and
+their mean. Every bad argument or unusable checkpoint is one line `sample.py: error: ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import alternet
+from checkpoint import load_model
+from cli import fail, pick_device
+
+# Bounds a user would not hit by intent (a typo, or a script gone wrong, stops at once instead of
+# running for hours without a word)
+MAX_NEW_TOKENS = 100_000
+MAX_SAMPLES = 1_000
+
+
+def iteration_marks(iterations: list[int]) -> str:
+    """One character per generated token: 1-9, then a, b, ... for 10, 11, ... iterations."""
+    return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[min(n, 35)] for n in iterations)
+
+
+def sample_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sample.py", description="Sample text from an AlterNet checkpoint.")
+    p.add_argument("checkpoint", metavar="CKPT", help="ckpt.pt written by train.py for an alternet-* preset")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help=f"tokens to generate per sample, 0..{MAX_NEW_TOKENS:,}")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
+    p.add_argument("--halt-threshold", type=float, default=0.5,
+                   help="stop iterating once the cumulative halting probability reaches this, in (0, 1]")
+    p.add_argument("--max-depth", type=int, default=None,
+                   help=f"cap on iterations per token, 1..{alternet.MAX_ITERATIONS} (default: trained D)")
+    p.add_argument("--seed", type=int, default=1337, help="random seed")
+    p.add_argument("--num-samples", type=int, default=1, help=f"number of samples, 1..{MAX_SAMPLES}")
+    p.add_argument("--show-iterations", action="store_true",
+                   help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
+    p.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N")
+    return p
+
+
+def check_sample_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first bad flag and what it allows."""
+    checks = [
+        ("--max-new-tokens", 0 <= args.max_new_tokens <= MAX_NEW_TOKENS,
+         f"must be in 0..{MAX_NEW_TOKENS:,} (a bound against typos)"),
+        ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0, "must be >= 0"),
+        ("--top-k", args.top_k is None or args.top_k >= 1, "must be >= 1"),
+        ("--halt-threshold", 0 < args.halt_threshold <= 1, "must be in (0, 1]"),
+        ("--max-depth", args.max_depth is None or 1 <= args.max_depth <= alternet.MAX_ITERATIONS,
+         f"must be in 1..{alternet.MAX_ITERATIONS}"),
+        ("--seed", 0 <= args.seed < 2 ** 64, "must be in 0..2**64-1"),
+        ("--num-samples", 1 <= args.num_samples <= MAX_SAMPLES, f"must be in 1..{MAX_SAMPLES:,}"),
+        ("--prompt", len(args.prompt) > 0, "must not be empty"),
+    ]
+    for flag, ok, message in checks:
+        if not ok:
+            raise ValueError(f"{flag} {message}, got {getattr(args, flag[2:].replace('-', '_'))!r}")
+
+
+def load_language_model(path: str, device: torch.device) -> tuple[alternet.AlterNet, dict]:
+    """(model in eval mode, checkpoint) of a train.py checkpoint; ValueError with one line if it is not
+    usable. The loader builds the model from the checkpoint's config under the rules of a new one."""
+    model, ckpt = load_model(path, device=device, flag="CKPT")
+    if not isinstance(model, alternet.AlterNet):
+        raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
+                         f"(one of {', '.join(sorted(alternet.PRESETS))})")
+    return model, ckpt
+
+
+def encode_prompt(prompt: str, encode, model: alternet.AlterNet, device: torch.device) -> torch.Tensor:
+    """--prompt as token ids (1, P) in the model's vocabulary; ValueError naming --prompt otherwise."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (kept as surrogates by Python)
+        raise ValueError(f"--prompt {prompt!r} is not UTF-8 text (give the prompt as UTF-8)") from None
+    ids = torch.tensor([encode(prompt)], dtype=torch.long, device=device)  # (1, P)
+    if ids.numel() == 0:
+        raise ValueError(f"--prompt {prompt!r} encodes to no tokens")
+    vocab = model.config.vocab_size
+    if ids.max() >= vocab:
+        raise ValueError(f"--prompt {prompt!r} has tokens outside this model's vocabulary "
+                         f"(ids 0..{vocab - 1}; the prompt has {ids.max().item()})")
+    return ids
+
+
+def prepare(args: argparse.Namespace):
+    """Everything the sampling needs, checked before any work: (model, prompt ids, decode)."""
+    check_sample_args(args)
+    device = pick_device(args.device)
+    model, ckpt = load_language_model(args.checkpoint, device)
+    encode, decode = alternet.text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))
+    prompt = encode_prompt(args.prompt, encode, model, device)
+    if args.top_k is not None and args.top_k > model.config.vocab_size:
+        raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
+    return model, prompt, decode
+
+
+def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
+    """`python sample.py CKPT --prompt TEXT`: prints each sample, and with --show-iterations a line of
+    per-token iteration marks and their mean. Returns the samples (text, iterations)."""
+    args = sample_parser().parse_args(argv)
+    try:
+        model, prompt, decode = prepare(args)
+    except ValueError as e:
+        fail(str(e), "sample.py")
+    torch.manual_seed(args.seed)
+    samples = []
+    for i in range(args.num_samples):
+        ids, used = model.generate(prompt, args.max_new_tokens, halt_threshold=args.halt_threshold,
+                                   max_depth=args.max_depth, temperature=args.temperature, top_k=args.top_k,
+                                   return_iterations=True)
+        used = used[0].tolist()
+        samples.append((decode(ids[0].tolist()), used))
+        print(samples[-1][0])
+        if args.show_iterations:
+            mean = sum(used) / max(len(used), 1)
+            print(f"{iteration_marks(used)}\nmean iterations per generated token: {mean:.2f}")
+        if i < args.num_samples - 1:
+            print("---------------")
+    return samples
+
+
+if __name__ == "__main__":
+    main()
