@@ -385,6 +385,11 @@ def check_preset(name: str, overrides: dict) -> None:
 LOSS_CHUNK_LOGITS = 2 ** 25
 
 
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the loss (LOSS_CHUNK_LOGITS // V, at least 1)."""
+    return max(1, LOSS_CHUNK_LOGITS // vocab_size)
+
+
 class AlterNet(nn.Module):
     """The looped expert bank. forward returns a dict; every call has
       halting_distribution (B, D')  p of Eq. 5; a sequence halted early at iteration h has
@@ -570,7 +575,7 @@ class AlterNet(nn.Module):
         CE in chunks of LOSS_CHUNK_LOGITS // V tokens, each recomputed in backward (activation
         checkpointing), so the loss's extra memory is one chunk's logits whatever D and T are.
         """
-        chunk = max(1, LOSS_CHUNK_LOGITS // self.config.vocab_size)
+        chunk = loss_chunk_tokens(self.config.vocab_size)
         flat_x, flat_targets = rearrange(x, "n t h -> (n t) h"), targets.flatten()
         losses = [checkpoint(self._chunk_cross_entropy, xs, ts, use_reentrant=False, preserve_rng_state=False)
                   if torch.is_grad_enabled() else self._chunk_cross_entropy(xs, ts)

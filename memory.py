@@ -15,8 +15,8 @@ a 1/devices share of the batch, split again into grad_accum micro-batches):
 - activations: what a forward + backward of one micro-batch holds at its peak beyond the
   weights and the gradients (saved tensors, the backward's transients, autocast's bf16 copies of
   the weights). Measured with the preset's real width, heads, experts and vocabulary on two small
-  micro-batches of N1 < N2 tokens (language: one sequence of 8 and of 16 tokens; vision: 1 and 2
-  images) at two small depths (2 and 3), then extrapolated:
+  micro-batches of N1 < N2 tokens (language: one sequence of 8 and of 16 tokens, fewer if one chunk
+  of the loss is shorter; vision: 1 and 2 images) at two small depths (2 and 3), then extrapolated:
   - along the tokens N = B x T, op by op: both runs execute the same ops, and after op t the live
     bytes are a_t + N b_t (every tensor's size is affine in N), so the peak at any N is the maximum
     over t of those lines. A single line through the two peaks would not do: at small N the peak
@@ -24,9 +24,15 @@ a 1/devices share of the batch, split again into grad_accum micro-batches):
   - along the depth, linearly (a loop saves the same tensors at every step).
   No T^2 term: F.scaled_dot_product_attention runs fused kernels that never materialise the T x T
   scores (flash / memory-efficient on CUDA, flash on CPU), so the live bytes are affine in T too.
-- the loss (language models): the part of the same measurement that grows with the vocabulary:
-  the model's minus that of the same model with a 16-token vocabulary. A loss computed in chunks
-  of C tokens is over-estimated when C exceeds the 16 tokens measured.
+- the loss (language models): AlterNet decodes and scores C = alternet.loss_chunk_tokens(V) tokens
+  at a time (~670 at V = 50,257), each chunk recomputed in backward, so beyond the per-token tensors
+  (in the activations) the loss holds one chunk's logits and their gradients at a time, whatever
+  N and D. Modelled as loss(N) = extra(min(N, C)), where extra(n) is the part of a one-chunk
+  measurement that grows with the vocabulary: the model's peak minus that of the same model with a
+  16-token vocabulary, both measured at n <= C tokens (so in a single chunk: the same ops at both
+  sizes) and extrapolated op by op in n, as above; the most of the measured depths, not
+  extrapolated along D. Added on top of the activations' peak: the last iteration's chunks are
+  the first thing backward recomputes, when nearly every activation is still saved.
 - dtype: measured under the run's autocast: bf16 on CUDA (train.py's default; bench.py memory
   measures a GPU run, with CPU autocast on a CPU), fp32 for a CPU run; the line says which.
 - the probe (LiveBytes, on any device) counts every tensor storage an op creates while it lives:
@@ -216,15 +222,19 @@ class Profile:
     small_vocabulary: dict | None
     precision: str  # the dtype the measurement ran in: "bf16 autocast" | "fp32"
     tokens_per_sample: int | None  # a vision model's 1 + patches; None: a language model's seq_len
+    loss_chunk: int | None = None  # tokens per chunk of a language model's loss (alternet.loss_chunk_tokens)
 
     def activations(self, tokens: int, depth: int) -> float:
         return along_depth(self.small_vocabulary or self.model, tokens, depth)
 
     def loss(self, tokens: int, depth: int) -> float:
-        """The part that grows with the vocabulary (0 for a vision model: its class logits are tiny)."""
+        """The part that grows with the vocabulary, of one chunk of min(tokens, C) tokens at most; the
+        most of the measured depths, whatever `depth` (a chunk is freed before the next one is
+        decoded). 0 for a vision model: its class logits are tiny."""
         if self.small_vocabulary is None:
             return 0.0
-        return max(0.0, along_depth(self.model, tokens, depth) - along_depth(self.small_vocabulary, tokens, depth))
+        n = min(tokens, self.loss_chunk)
+        return max(0.0, *(self.model[d](n) - self.small_vocabulary[d](n) for d in self.model))
 
 
 def along_depth(lines: dict, tokens: int, depth: int) -> float:
@@ -241,12 +251,13 @@ _PROFILES: dict = {}
 
 def measure(config, device: torch.device, dtype, seq_len: int | None = None) -> Profile:
     """Activations and loss of `config`'s training step, measured on `device` under autocast to `dtype`
-    at two micro-batches (language: one sequence of T/2 and of T tokens, T = min(16, seq_len); vision:
-    1 and 2 images) and depths min(L, 2), min(L, 3). Cached per (config, device, dtype, T); the global
-    RNG (and CUDA's) is left as it was."""
+    at two micro-batches (language: one sequence of T/2 and of T tokens, T = min(16, seq_len, C) with C
+    the loss's chunk, at least 2; vision: 1 and 2 images) and depths min(L, 2), min(L, 3). Cached per
+    (config, device, dtype, T, C); the global RNG (and CUDA's) is left as it was."""
     language = is_language(config)
-    length = min(16, seq_len or config.seq_len) if language else config.num_patches + 1
-    key = (repr(config), str(device), dtype, length)
+    chunk = alternet.loss_chunk_tokens(config.vocab_size) if language else None
+    length = max(2, min(16, seq_len or config.seq_len, chunk)) if language else config.num_patches + 1
+    key = (repr(config), str(device), dtype, length, chunk)
     if key not in _PROFILES:
         shapes = [(1, max(1, length // 2)), (1, length)] if language else [(1, length), (2, length)]
         variants = {"model": {}, "small_vocabulary": {"vocab_size": SMALL_VOCAB}} if language else {"model": {}}
@@ -259,7 +270,8 @@ def measure(config, device: torch.device, dtype, seq_len: int | None = None) -> 
                     lines[name][depth] = PeakLine.through(*runs[0], *runs[1])
                     del model
         _PROFILES[key] = Profile(lines["model"], lines.get("small_vocabulary"),
-                                 "bf16 autocast" if dtype == torch.bfloat16 else "fp32", None if language else length)
+                                 "bf16 autocast" if dtype == torch.bfloat16 else "fp32", None if language else length,
+                                 chunk)
     return _PROFILES[key]
 
 

@@ -91,14 +91,35 @@ def test_prediction_within_15_percent_of_the_measured_step(config, batch, seq_le
     """Measured at 1-2 samples of <= 16 tokens (language) and depths 2, 3; predicted at the preset's full
     depth and a larger batch; then that step measured. The RNG is left as it was."""
     rng = torch.get_rng_state()
-    profile = memory.measure(config, CPU, None, seq_len)
+    predicted, measured, model = predict_and_measure(config, batch, seq_len)
     assert torch.equal(torch.get_rng_state(), rng)
-    model = memory.reduced_model(config, CPU, memory.depth_of(config))
-    predicted = memory.estimate(model, profile, batch, seq_len)
-    measured = max(memory.step_timeline(model, batch, seq_len, CPU, None))
     assert abs(predicted.activations + predicted.loss - measured) / measured <= 0.15
     assert predicted.total == pytest.approx(sum(memory.model_bytes(model).values()) + predicted.activations
                                             + predicted.loss)
+
+
+def predict_and_measure(config, batch: int, seq_len: int | None):
+    """The estimate from measure() (fp32) at the config's full depth, the peak of that step measured, the model."""
+    profile = memory.measure(config, CPU, None, seq_len)
+    model = memory.reduced_model(config, CPU, memory.depth_of(config))
+    measured = max(memory.step_timeline(model, batch, seq_len, CPU, None))
+    return memory.estimate(model, profile, batch, seq_len), measured, model
+
+
+@pytest.mark.parametrize("chunk", [48, 6])
+def test_prediction_of_a_loss_in_several_chunks_within_15_percent(monkeypatch, chunk):
+    """AlterNet's loss decodes C = LOSS_CHUNK_LOGITS // V tokens at a time, so it holds one chunk's
+    logits whatever the tokens. C shrunk here (48 > the 16 tokens measured; 6 < them, measured at 3 and 6)
+    at V = 8192 and a tiny width, so that the chunk's logits are a large part of the step: 4 x 64 tokens
+    run >= 6 chunks. A loss extrapolated linearly in the tokens (all 256 tokens' logits at once) predicts
+    4-10x the measured step."""
+    monkeypatch.setattr(alternet, "LOSS_CHUNK_LOGITS", chunk * 8192)
+    config = alternet.AlterNetConfig(vocab_size=8192, seq_len=64, dim=16, heads=2, ffn_dim=32, num_experts=2,
+                                     top_k=1, depth_dim=4, max_depth=4)
+    predicted, measured, _ = predict_and_measure(config, 4, 64)
+    assert alternet.loss_chunk_tokens(config.vocab_size) == chunk and 4 * 64 >= 5 * chunk
+    assert predicted.loss > 0.2 * measured  # the loss matters here: a wrong model of it shows
+    assert abs(predicted.activations + predicted.loss - measured) / measured <= 0.15
 
 
 def test_alternet_loss_memory_does_not_grow_with_the_iterations():
