@@ -329,7 +329,8 @@ def test_aux_losses_backpropagate_to_psi_and_the_bank_as_the_formulas_do():
              + c.diversity_weight * diversity(leaves))
     total.backward()
     for name, p in model.named_parameters():
-        if name.startswith("block.mlp.") and p.grad is not None:
+        if name.startswith("block.mlp."):
+            assert p.grad is not None, name
             close(p.grad, leaves[name].grad, rtol=1e-3, atol=1e-6)
 
 
@@ -419,6 +420,20 @@ def test_untied_vit_has_layer_scale_and_its_own_blocks():
     x = images(model, 2, 11)
     with torch.no_grad():
         close(model(x), reference_vit(model, x))
+
+
+def test_deit3_bce_binarises_the_mixed_targets_and_ce_takes_them_soft():
+    """DeiT III (Table 6's loss): after mixup/cutmix the targets are binarised (> 0), then per-class
+    binary cross-entropy; the cross-entropy alternative takes the soft targets as they are."""
+    import tasks
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5, generator=g)
+    targets = torch.softmax(torch.randn(4, 5, generator=g), -1) * (torch.rand(4, 5, generator=g) > 0.4)
+    y, z = (targets > 0).double(), logits.double()
+    bce = -(y * torch.log(sigmoid(z)) + (1 - y) * torch.log(1 - sigmoid(z))).mean()
+    close(tasks.classification_loss(logits, targets, "bce"), bce, atol=1e-6)
+    ce = -(targets.double() * (z - logsumexp(z).unsqueeze(-1))).sum(-1).mean()
+    close(tasks.classification_loss(logits, targets, "ce"), ce, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
