@@ -833,6 +833,9 @@ def reference_alternet(sd, c, tokens, targets, lengths=None, kl_scale=1.0):
             decisions.append(r["logits"])
             counts[r["chosen"]] += 1
     logits = torch.stack(decisions)
+    # Strictly inside the clamp (a clamped logit would sit at +-c): the losses then do not depend on
+    # whether L_z reads the logits before or after the clamp.
+    assert c.logit_clamp is None or logits.abs().max() < c.logit_clamp
     f, P = counts / len(logits), softmax(logits).mean(0)
     aux = {"kl": c.kl_weight * kl_scale * kl / B, "balance": c.balance_weight * E * (f * P).sum(),
            "z": c.z_loss_weight * (logsumexp(logits) ** 2).mean(), "rir": c.rir_weight * rir / B}
