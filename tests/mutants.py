@@ -238,6 +238,10 @@ MUTANTS = [
            'halt_now = 1 - (log_unhalted + record["log_continue"].detach()).exp() >= halt_threshold',
            'halt_now = record["log_halt"].detach().exp() >= halt_threshold',
            "test_halt_threshold_stops_when_the_cumulative_halting_probability_passes_it"),
+    mutant("alternet: global halt head on the last position", A,
+           "h_last = x_next[torch.arange(n, device=x_next.device), last]", "h_last = x_next[:, -1]", *ALTER_LOSS),
+    mutant("alternet: Model I halts", A, "torch.full_like(zeros, -math.inf), zeros", "torch.full_like(zeros, -1.0), zeros",
+           *ALTER_LOSS),
     # --- AlterNet, Eqs. 6-10: the losses ---
     mutant("alternet: Eq. 7 p detached", A, 'out["task_loss"] = (p * step_ce.T).sum(1).mean()',
            'out["task_loss"] = (p.detach() * step_ce.T).sum(1).mean()', *ALTER_LOSS),
@@ -268,6 +272,8 @@ MUTANTS = [
            "target = improvement_weights(step_ce)", *ALTER_LOSS),
     mutant("alternet: L_RIR reaches the experts", A, "rir_lhat = expert.halt_head(y_last.detach())",
            "rir_lhat = expert.halt_head(y_last)", *ALTER_TERMS),
+    mutant("alternet: global head's L_RIR reaches the experts", A, "for h in (h_last, h_last.detach()))",
+           "for h in (h_last, h_last))", *ALTER_TERMS),
     mutant("alternet: L_RIR reaches the router", A, "rir = halting_log_probabilities(log_gates.detach(), rir_halt_logits)",
            "rir = halting_log_probabilities(log_gates, rir_halt_logits)", *ALTER_TERMS),
     # --- AlterNet, §4: the curriculum and the a_KL ramp ---

@@ -713,14 +713,14 @@ ALTER = dict(vocab_size=13, seq_len=8, dim=8, heads=2, ffn_dim=12, num_experts=3
 
 
 def alter_model(seed=0, **overrides):
-    """Random weights: a router whose logits spread over [-5, 5] (inside the clamp), halt heads whose
+    """Random weights: a router whose logits spread widely but stay inside the clamp, halt heads whose
     lambdas spread over (0, 1), so that sequences take different experts and halting is not trivial."""
     torch.manual_seed(seed)
     model = alternet.create_model("alternet-tiny", **{**ALTER, **overrides})
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            scale = {"router.weight": 1.2}.get(name, 1.0 if "halt_head" in name else 0.3)
+            scale = {"router.weight": 0.7}.get(name, 1.0 if "halt_head" in name else 0.3)
             p.copy_(torch.randn(p.shape, generator=g) * scale)
             if name.endswith(("norm1.weight", "norm2.weight", "norm.weight")):
                 p.add_(1.0)
@@ -765,12 +765,23 @@ def alter_sequence(sd, c, tokens, last, num_iterations, detach=lambda v: v.detac
         g = softmax(logits[chosen])                                       # Eq. 2: over the selected only
         ys = [alter_expert(sd, c, j, x) for j in chosen]
         x = x + sum(gj * y for gj, y in zip(g, ys))                       # Eq. 3
-        lam = sum(gj * sigmoid(sd[f"experts.{j}.halt_head.weight"][0] @ y[last] + sd[f"experts.{j}.halt_head.bias"][0])
-                  for gj, j, y in zip(g, chosen, ys))                     # Eq. 4
-        lam_rir = sum(detach(gj) * sigmoid(sd[f"experts.{j}.halt_head.weight"][0] @ detach(y[last])
-                                           + sd[f"experts.{j}.halt_head.bias"][0]) for gj, j, y in zip(g, chosen, ys))
+        lam, lam_rir = halting_lambda(sd, c, g, chosen, ys, x, last, detach)
         record.append(dict(logits=logits, chosen=chosen, x=x, lam=lam, lam_rir=lam_rir))
     return record
+
+
+def halting_lambda(sd, c, g, chosen, ys, x_next, last, detach):
+    """Eq. 4: lambda = sum_j g_j sigmoid(w_j . y_j[last] + b_j) over the selected experts; the "global"
+    ablation: one head on the new state, sigmoid(w . x_{d+1}[last] + b); halting off (Model I): 0.
+    Also lambda for L_RIR, from detached inputs and gates."""
+    if not c.halting:
+        return torch.tensor(0.0, dtype=F64), torch.tensor(0.0, dtype=F64)
+    if c.halt_head == "global":
+        head = lambda h: sigmoid(sd["halt_head.weight"][0] @ h + sd["halt_head.bias"][0])
+        return head(x_next[last]), head(detach(x_next[last]))
+    head = lambda j, h: sigmoid(sd[f"experts.{j}.halt_head.weight"][0] @ h + sd[f"experts.{j}.halt_head.bias"][0])
+    return (sum(gj * head(j, y[last]) for gj, j, y in zip(g, chosen, ys)),
+            sum(detach(gj) * head(j, detach(y[last])) for gj, j, y in zip(g, chosen, ys)))
 
 
 def halting_p(lams):
@@ -822,13 +833,13 @@ def reference_alternet(sd, c, tokens, targets, lengths=None, kl_scale=1.0):
         p = halting_p([r["lam"] for r in record])
         ps.append(p)
         pn = pn + sum(p[d] * ce[d] for d in range(D))
-        kl = kl + sum(p[d] * torch.log(p[d] / q[d]) for d in range(D))
-        terms = []
-        for d in range(1, D):
+        kl = kl + sum(p[d] * torch.log(p[d] / q[d]) for d in range(D) if p[d] > 0)
+        terms = [torch.tensor(0.0, dtype=F64)]
+        for d in range(1, D if c.halting else 1):
             w = sigmoid(50 * (torch.clamp(ce[d - 1].detach() - ce[d].detach(), min=0) - 0.005))
             target, lam = 1 - w, record[d]["lam_rir"]
             terms.append(-(target * torch.log(lam) + (1 - target) * torch.log(1 - lam)))
-        rir = rir + sum(terms) / (D - 1)
+        rir = rir + sum(terms) / (D - 1)  # (the halt heads' own lambda, also at d = D - 1)
         for r in record:
             decisions.append(r["logits"])
             counts[r["chosen"]] += 1
@@ -837,8 +848,9 @@ def reference_alternet(sd, c, tokens, targets, lengths=None, kl_scale=1.0):
     # whether L_z reads the logits before or after the clamp.
     assert c.logit_clamp is None or logits.abs().max() < c.logit_clamp
     f, P = counts / len(logits), softmax(logits).mean(0)
-    aux = {"kl": c.kl_weight * kl_scale * kl / B, "balance": c.balance_weight * E * (f * P).sum(),
-           "z": c.z_loss_weight * (logsumexp(logits) ** 2).mean(), "rir": c.rir_weight * rir / B}
+    aux = {"balance": c.balance_weight * E * (f * P).sum(), "z": c.z_loss_weight * (logsumexp(logits) ** 2).mean()}
+    if c.halting:  # Model I (halting off) has p = one-hot on iteration D: no KL, no L_RIR
+        aux.update(kl=c.kl_weight * kl_scale * kl / B, rir=c.rir_weight * rir / B)
     task = pn / B
     return dict(task_loss=task, aux_losses=aux, loss=task + sum(aux.values()), halting_distribution=torch.stack(ps))
 
@@ -929,7 +941,8 @@ def test_router_logits_are_clamped_before_top_k_and_the_gates():
 # --- Eqs. 6-10: the training loss by value and by gradient ---
 
 @pytest.mark.parametrize("overrides", [{}, dict(prior="geometric", geometric_p=0.3, kl_weight=0.7),
-                                       dict(rir_weight=1.5, balance_weight=0.4, z_loss_weight=0.05)])
+                                       dict(rir_weight=1.5, balance_weight=0.4, z_loss_weight=0.05),
+                                       dict(halt_head="global"), dict(halting=False)])
 def test_alternet_training_loss_is_eqs_6_to_10_by_value_and_gradient(overrides):
     model = alter_model(4, **overrides).train()
     c = model.config
@@ -949,9 +962,11 @@ def test_alternet_training_loss_is_eqs_6_to_10_by_value_and_gradient(overrides):
     assert_gradients(model, leaves)
 
 
-def test_each_alternet_loss_term_has_its_own_gradient():
+@pytest.mark.parametrize("halt_head", ["per_expert", "global"])
+def test_each_alternet_loss_term_has_its_own_gradient(halt_head):
     """Per term, so that a weight or a detach on one term cannot hide behind the others."""
-    model = alter_model(5, rir_weight=1.0, balance_weight=0.5, z_loss_weight=0.1, kl_weight=0.8).train()
+    model = alter_model(5, rir_weight=1.0, balance_weight=0.5, z_loss_weight=0.1, kl_weight=0.8,
+                        halt_head=halt_head).train()
     tokens, targets = alter_batch(model, 5)
     for term in ("task_loss", "kl", "balance", "z", "rir"):
         model.zero_grad()
