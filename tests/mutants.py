@@ -331,6 +331,15 @@ def run_tests(root: Path, tests: tuple, timeout: int) -> tuple:
     return status, time.time() - start
 
 
+def baseline_failures(root: Path, selections: list, timeout: int) -> list:
+    """The selections that fail on the unmodified copy: all of them run at once first (one pytest
+    start), and one by one only if that fails."""
+    union = tuple(dict.fromkeys(node for tests in selections for node in tests))
+    if not union or run_tests(root, union, timeout)[0] == 0:
+        return []
+    return [tests for tests in sorted(set(selections)) if run_tests(root, tests, timeout)[0] != 0]
+
+
 def copy_repository(dest: Path) -> Path:
     ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", ".pytest_cache", "results", "runs",
                                     "data", ".venv", "*.pt", "*.safetensors")
@@ -367,11 +376,9 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="revit-mutants-") as tmp:
         root = copy_repository(Path(tmp) / "repo")
-        for tests in sorted({m.tests for m in chosen if m.name not in stale}):
-            status, seconds = run_tests(root, tests, args.timeout)
-            if status != 0:
-                print(f"BASELINE FAILS ({status}) without any bug: {' '.join(tests)}")
-                results.update({m.name: "baseline fails" for m in chosen if m.tests == tests})
+        for tests in baseline_failures(root, [m.tests for m in chosen if m.name not in stale], args.timeout):
+            print(f"BASELINE FAILS without any bug: {' '.join(tests)}")
+            results.update({m.name: "baseline fails" for m in chosen if m.tests == tests})
         for m in chosen:
             if m.name in stale or m.name in results:
                 continue
