@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -319,16 +320,63 @@ def apply(m: Mutant, root: Path) -> str:
     return original_text
 
 
+PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "--no-header")
+
+
+def without_shrinking() -> None:
+    """Hypothesis told not to shrink a failing example: a mutant needs the first failure only
+    (shrinking one can take minutes). Loaded before the tests import, so their @settings inherit it."""
+    from hypothesis import Phase, settings
+    settings.register_profile("mutants", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    settings.load_profile("mutants")
+
+
 def run_tests(root: Path, tests: tuple, timeout: int) -> tuple:
-    """pytest -x on the selection in the copy -> (status, seconds); status is pytest's exit code or 'timeout'."""
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
+    """pytest -x on the selection in the copy -> (status, seconds); status is pytest's exit code or 'timeout'.
+
+    On POSIX each run is a fork of this process, which imported torch, pytest and Hypothesis once
+    (not the project: the child imports the planted copy), so a run costs no interpreter start."""
     start = time.time()
-    try:
-        status = subprocess.run(cmd, cwd=root, env=env, capture_output=True, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        status = "timeout"
-    return status, time.time() - start
+    if not hasattr(os, "fork"):
+        code = "import sys, pytest, mutants; mutants.without_shrinking(); sys.exit(pytest.main(sys.argv[1:]))"
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(Path(__file__).parent))
+        try:
+            status = subprocess.run([sys.executable, "-c", code, *PYTEST_ARGS, *tests], cwd=root, env=env,
+                                    capture_output=True, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        return status, time.time() - start
+    pid = os.fork()
+    if pid == 0:  # the child: its own process group (a timeout kills all of it), quiet, in the copy
+        os.setpgrp()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.chdir(root)
+        sys.path.insert(0, str(root))
+        import pytest
+        without_shrinking()
+        os._exit(int(pytest.main([*PYTEST_ARGS, *tests])))
+    while time.time() - start < timeout:
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(wait_status), time.time() - start
+        time.sleep(0.2)
+    os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "timeout", time.time() - start
+
+
+def preload() -> None:
+    """What every test run imports anyway (never the project's own modules: those must come from the copy)."""
+    sys.dont_write_bytecode = True  # the copy's files change under the same names: no stale .pyc
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import einops  # noqa: F401
+    import hypothesis  # noqa: F401
+    import numpy  # noqa: F401
+    import pytest  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
 
 
 def baseline_failures(root: Path, selections: list, timeout: int) -> list:
@@ -376,6 +424,7 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="revit-mutants-") as tmp:
         root = copy_repository(Path(tmp) / "repo")
+        preload()
         for tests in baseline_failures(root, [m.tests for m in chosen if m.name not in stale], args.timeout):
             print(f"BASELINE FAILS without any bug: {' '.join(tests)}")
             results.update({m.name: "baseline fails" for m in chosen if m.tests == tests})
