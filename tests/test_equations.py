@@ -151,8 +151,8 @@ def block_step(sd, prefix, x, heads, mlp, deltas=None):
     w = {name: sd[f"{prefix}{name}"] + deltas.get(name, 0.0)
          for name in ("attn.qkv.weight", "attn.proj.weight")}
     a = attention(layer_norm(x, sd[f"{prefix}norm1.weight"], sd[f"{prefix}norm1.bias"], 1e-6),
-                  w["attn.qkv.weight"], sd[f"{prefix}attn.qkv.bias"], w["attn.proj.weight"], sd[f"{prefix}attn.proj.bias"],
-                  heads)
+                  w["attn.qkv.weight"], sd[f"{prefix}attn.qkv.bias"],
+                  w["attn.proj.weight"], sd[f"{prefix}attn.proj.bias"], heads)
     h = x + a * sd.get(f"{prefix}ls1.gamma", 1.0)
     y = mlp(layer_norm(h, sd[f"{prefix}norm2.weight"], sd[f"{prefix}norm2.bias"], 1e-6))
     return h + y * sd.get(f"{prefix}ls2.gamma", 1.0)
@@ -309,7 +309,8 @@ def test_aux_loss_weights_default_to_table_6_and_cosines_are_not_trivial():
     assert (c.balance_weight, c.z_loss_weight, c.diversity_weight) == (1e-2, 1e-3, 1e-3)  # Table 6
     assert c.router_temperature == 1.0 and c.router_hidden == 16  # App. A.1
     sd = float64_state(model)
-    theta = torch.cat([sd["block.mlp." + k].flatten(1) for k in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")], 1)
+    theta = torch.cat([sd["block.mlp." + k].flatten(1)
+                       for k in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")], 1)
     cos = [cosine(theta[i], theta[j]).item() for i in range(4) for j in range(i + 1, 4)]
     assert all(0.1 < v < 0.9 for v in cos)  # cos^2 != |cos| != cos here
     aux = forward(model, images(model, 1))["aux_losses"]
@@ -688,7 +689,8 @@ def test_layerwise_lora_runs_adapter_t_at_step_t_and_folds_to_it():
     sd, vsd = float64_state(model), float64_state(vit)
     for t in range(3):
         for n, w in LORA.items():
-            close(vsd[f"blocks.{t}.{w}"], sd[f"block.{w}"] + sd[f"block.lora.{n}_up"][t] @ sd[f"block.lora.{n}_down"][t])
+            delta = sd[f"block.lora.{n}_up"][t] @ sd[f"block.lora.{n}_down"][t]  # B_t A_t
+            close(vsd[f"blocks.{t}.{w}"], sd[f"block.{w}"] + delta)
 
 
 def test_layerwise_lora_gradient_reaches_each_adapter_as_the_reference_does():
@@ -740,8 +742,8 @@ def alter_expert(sd, c, j, x):
     """Expert j: one pre-norm causal block; y_j is its residual update block(x) - x (Eq. 3's default)."""
     P, eps = f"experts.{j}.", c.norm_eps
     a = attention(layer_norm(x, sd[P + "norm1.weight"], sd[P + "norm1.bias"], eps),
-                  sd[P + "attn.qkv.weight"], sd[P + "attn.qkv.bias"], sd[P + "attn.proj.weight"], sd[P + "attn.proj.bias"],
-                  c.heads, causal=True)
+                  sd[P + "attn.qkv.weight"], sd[P + "attn.qkv.bias"],
+                  sd[P + "attn.proj.weight"], sd[P + "attn.proj.bias"], c.heads, causal=True)
     f = ffn(layer_norm(x + a, sd[P + "norm2.weight"], sd[P + "norm2.bias"], eps),
             sd[P + "ffn.fc1.weight"], sd[P + "ffn.fc1.bias"], sd[P + "ffn.fc2.weight"], sd[P + "ffn.fc2.bias"])
     return a + f
