@@ -446,10 +446,10 @@ def expert(sd, prefix, e):
 
 
 class Recorder:
-    """Collects what a reference FFN sees (gate vectors, router probabilities) over one forward."""
+    """What a reference FFN saw over one forward: router rows (logits or gates), their steps, top-K choices."""
 
     def __init__(self):
-        self.rows, self.steps = [], []
+        self.rows, self.steps, self.chosen = [], [], []
 
 
 def content_merge(kind, recorder):
@@ -541,7 +541,7 @@ def token_routed(kind, config, recorder):
                 score = sigmoid(logits)
                 chosen = torch.topk(score, K).indices.tolist()
                 weight, shared = {e: score[e] for e in chosen}, 0.0
-            recorder.chosen = getattr(recorder, "chosen", []) + [chosen]
+            recorder.chosen.append(chosen)
             return sum(weight[e] * expert(sd, P, e)(x) for e in chosen) + shared
         return lambda u: torch.stack([token(x) for x in u])
     return mlp_of
