@@ -910,14 +910,17 @@ def test_alternet_forward_is_eqs_1_to_5_per_sequence(overrides):
 
 
 def test_halt_threshold_stops_when_the_cumulative_halting_probability_passes_it():
-    model = alter_model(2).eval()
+    """§3 at inference: a sequence stops after the first iteration d with sum_{i<=d} p_i =
+    1 - prod_{i<=d} (1 - lambda_i) >= threshold (not lambda_d >= threshold: the test checks both differ)."""
+    model = alter_model(4).eval()  # lambdas between 0.1 and 0.5: the two rules differ
     c, sd = model.config, float64_state(model)
-    tokens, _ = alter_batch(model, 2, B=4)
-    for threshold in (0.3, 0.6, 0.9):
+    tokens, _ = alter_batch(model, 4, B=6)
+    records = [alter_sequence(sd, c, tokens[b], tokens.shape[1] - 1, c.max_depth) for b in range(6)]
+    differs = False
+    for threshold in (0.25, 0.4, 0.55, 0.7, 0.85):
         with torch.no_grad():
             out = model(tokens, halt_threshold=threshold)
-        for b in range(4):
-            record = alter_sequence(sd, c, tokens[b], tokens.shape[1] - 1, c.max_depth)
+        for b, record in enumerate(records):
             halted, stop = 0.0, c.max_depth
             for d, r in enumerate(record):
                 halted = halted + (1 - halted) * r["lam"]
@@ -926,6 +929,9 @@ def test_halt_threshold_stops_when_the_cumulative_halting_probability_passes_it(
                     break
             assert int(out["iterations"][b]) == stop
             close(out["logits"][b], decode_ce(sd, c, record[stop - 1]["x"], tokens[b], torch.ones(7))[1], atol=1e-4)
+            by_lambda = next((d + 1 for d, r in enumerate(record) if r["lam"] >= threshold), c.max_depth)
+            differs |= by_lambda != stop
+    assert differs
 
 
 def test_router_logits_are_clamped_before_top_k_and_the_gates():
