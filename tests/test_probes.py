@@ -205,7 +205,7 @@ def test_dense_probes_have_one_entry_point(tmp_path, fashion_mnist_dir):
 def write_png_pairs(root, task):
     """A few random images and targets in the ADE20k (seg) or NYUv2 official-split (depth) layout."""
     import numpy as np
-    Image = pytest.importorskip("PIL.Image")
+    Image = pytest.importorskip("PIL.Image", reason="Pillow not installed (an optional extra: pip install -r requirements-extra.txt)")
     rng = np.random.default_rng(0)
     for split in (("training", "validation") if task == "seg" else ("train", "test")):
         for i in range(8):

@@ -1,0 +1,472 @@
+"""Planted bugs, one at a time: every equation, loss, prior, schedule and update rule of both papers
+(reViT, arXiv 2610.12448; AlterNet, arXiv 2611.08741) has a mutant here, and the test suite must
+catch each of them. Run by hand, not in CI (it takes a while; run subsets with -k):
+
+    OMP_NUM_THREADS=1 python tests/mutants.py                  # every mutant
+    OMP_NUM_THREADS=1 python tests/mutants.py -k alternet -k lora   # names containing either word
+    python tests/mutants.py --check                            # only: does every snippet still match?
+    python tests/mutants.py --list
+
+Each mutant is (name, file, [(original snippet, replacement), ...], tests). The repository is copied
+once into a temporary folder (the working tree is never touched); for each mutant its file is edited
+there, the tests that should catch it run (`pytest -x`), and the file is restored. A mutant is
+"caught" when those tests fail, "SURVIVED" when they pass. Before the mutants, the same tests run on
+the unmodified copy: a selection that fails without a bug proves nothing ("BASELINE FAILS").
+
+When code is refactored a snippet may stop matching: the mutant is then reported as "STALE" with the
+snippet that no longer occurs exactly once, and tests/test_mutants.py (in CI) fails until the entry
+is updated to the new code. Snippets are short and distinctive on purpose.
+Exit status: 0 if every mutant was caught, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EQ = "tests/test_equations.py::"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    edits: tuple  # ((original, replacement), ...): every original must occur exactly once in `file`
+    tests: tuple  # pytest node ids (a bare test name means one of tests/test_equations.py)
+
+
+def mutant(name, file, original, replacement, *tests, more=()):
+    return Mutant(name, file, ((original, replacement), *more), tuple(t if "/" in t else EQ + t for t in tests))
+
+
+# Test selections of tests/test_equations.py, by what they check.
+GATES = ("test_gate_matrix_is_eq1_psi_with_silu_temperature_and_prior",
+         "test_router_output_is_softmax_of_z_over_tau_not_z")
+FORWARD = ("test_forward_is_eq3_with_the_eq2_merge_of_each_step",)
+AUX = ("test_aux_losses_are_eqs_6_8_9_by_value",
+       "test_aux_loss_weights_default_to_table_6_and_cosines_are_not_trivial")
+ELASTIC = ("test_elastic_depth_renumbers_the_retained_steps_per_image",)
+FOLD = ("test_fold_is_the_reference_forward_as_a_plain_vit", "test_fold_with_given_gates_merges_those_gates")
+LORA = ("test_layerwise_lora_runs_adapter_t_at_step_t_and_folds_to_it",
+        "test_layerwise_lora_gradient_reaches_each_adapter_as_the_reference_does")
+CONTENT = ("test_content_merges_gate_each_image_on_its_own_state",)
+ROUTED = ("test_token_dispatch_mechanisms_are_their_papers_routing",)
+ALTER_FORWARD = ("test_alternet_forward_is_eqs_1_to_5_per_sequence",)
+ALTER_LOSS = ("test_alternet_training_loss_is_eqs_6_to_10_by_value_and_gradient",)
+ALTER_TERMS = ("test_each_alternet_loss_term_has_its_own_gradient",)
+
+R, A, T = "revit.py", "alternet.py", "train.py"
+
+MUTANTS = [
+    # --- reViT, Eq. 1: the depth router psi, tau, the depth grid, the prior (App. A.1) ---
+    mutant("psi SiLU -> ReLU", R, "hidden = F.silu(F.linear(s.float()", "hidden = F.relu(F.linear(s.float()", *GATES),
+    mutant("psi SiLU -> tanh", R, "hidden = F.silu(F.linear(s.float()", "hidden = torch.tanh(F.linear(s.float()",
+           *GATES),
+    mutant("tau ignored by the gates", R, "torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)",
+           "torch.softmax(self.gate_logits(coords), dim=-1)", *GATES),
+    mutant("tau multiplies", R, "torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)",
+           "torch.softmax(self.gate_logits(coords) * self.temperature, dim=-1)", *GATES),
+    mutant("depth grid t / L", R, "dtype=torch.float32) / (depth - 1)", "dtype=torch.float32) / depth", *GATES),
+    mutant("depth prior dropped", R, "return z + self.depth_prior(s) if self.router_prior else z", "return z", *GATES),
+    mutant("depth prior sign", R, "return -self.router_prior * (s.float() - centres)",
+           "return self.router_prior * (s.float() - centres)", *GATES),
+    mutant("depth prior centres", R, "centres = torch.linspace(0.0, 1.0, self.num_experts",
+           "centres = torch.linspace(0.0, 2.0, self.num_experts", *GATES),
+    mutant("psi output layer not zero-initialised", R, "nn.init.zeros_(self.router[2].weight)", "pass",
+           "tests/test_revit.py::test_zero_initialised_router_gives_uniform_gates"),
+    # --- Eqs. 2-3: the merge, the FFN, the recurrent step, the stem and head ---
+    mutant("merge uses uniform gates", R, "(gates.float() @ p.float().flatten(1))",
+           "(torch.full_like(gates.float(), 1.0 / gates.shape[1]) @ p.float().flatten(1))", *FORWARD),
+    mutant("FFN GELU -> ReLU", R, "F.linear(F.gelu(F.linear(u, w1, b1)), w2, b2)",
+           "F.linear(F.relu(F.linear(u, w1, b1)), w2, b2)", *FORWARD),
+    mutant("attention heads split wrongly", R, '"b t (three h c) -> three b h t c"',
+           '"b t (three c h) -> three b h t c"', *FORWARD),
+    mutant("block: attention residual dropped", R, "x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))",
+           "x = self.drop_path(self.ls1(self.attn(self.norm1(x))))", *FORWARD),
+    mutant("block: FFN on the wrong norm", R, "self.ls2(self.mlp(self.norm2(x), coords, step, rows))",
+           "self.ls2(self.mlp(self.norm1(x), coords, step, rows))", *FORWARD),
+    mutant("class token gets no final norm", R, "logits = self.head(tokens[:, 0])", "logits = self.head(x[:, 0])",
+           *FORWARD),
+    mutant("no position embedding", R, "x = x + self.pos_embed  # DeiT III", "x = x + 0 * self.pos_embed  # DeiT III",
+           *FORWARD),
+    mutant("cached merge uses step 0", R, "return apply_ffn(u, *(w[step] for w in self._merged_steps))",
+           "return apply_ffn(u, *(w[0] for w in self._merged_steps))", *FORWARD),
+    # --- App. A.2: Eqs. 6, 8, 9 and their weights (Table 6) ---
+    mutant("Eq. 6 entropy of softmax(z), not z / tau", R, "g = torch.softmax(z / temperature, dim=-1)",
+           "g = torch.softmax(z, dim=-1)", *AUX),
+    mutant("Eq. 6 without / log E", R, "(1.0 - entropy / math.log(z.shape[-1])).sum()", "(1.0 - entropy).sum()", *AUX),
+    mutant("Eq. 8 |lse| instead of lse^2", R, "torch.logsumexp(z, dim=-1).pow(2).sum()",
+           "torch.logsumexp(z, dim=-1).abs().sum()", *AUX),
+    mutant("Eqs. 6, 8 on step 0's gates only", R, "z = self.gate_logits(depth_grid(depth, self.fc1_weight.device))",
+           "z = self.gate_logits(depth_grid(depth, self.fc1_weight.device)[:1].expand(depth))", *AUX),
+    mutant("Eq. 9 |cos| instead of cos^2", R, "return cos[i, j].pow(2).mean()", "return cos[i, j].abs().mean()", *AUX),
+    mutant("Eq. 9 with the diagonal", R, "triu_indices(self.num_experts, self.num_experts, offset=1",
+           "triu_indices(self.num_experts, self.num_experts, offset=0", *AUX),
+    mutant("Eq. 9 weight x10", R, '"diversity": diversity_weight * bank.diversity()',
+           '"diversity": 10 * diversity_weight * bank.diversity()', *AUX),
+    mutant("Eq. 6 weighted by lambda_z", R, '"balance": balance_weight * balance_sum / rows',
+           '"balance": z_weight * balance_sum / rows', *AUX),
+    mutant("Eq. 8 summed, not averaged", R, '"z_loss": z_weight * z_sum / rows', '"z_loss": z_weight * z_sum', *AUX),
+    mutant("lambda_bal default 1e-3", R, "balance_weight: float = 1e-2  # lambda_bal",
+           "balance_weight: float = 1e-3  #",
+           "test_aux_loss_weights_default_to_table_6_and_cosines_are_not_trivial"),
+    mutant("lambda_div default 1e-2", R, "diversity_weight: float = 1e-3", "diversity_weight: float = 1e-2",
+           "test_aux_loss_weights_default_to_table_6_and_cosines_are_not_trivial"),
+    mutant("aux losses get no gradient to psi", R, "z = self.router(s)  ", "z = self.router(s).detach()  ",
+           "test_aux_losses_backpropagate_to_psi_and_the_bank_as_the_formulas_do"),
+    # --- §3.2: elastic depth ---
+    mutant("elastic: coordinates not renumbered", R, "rank.clamp_min(0).float() / (retained - 1).clamp_min(1).float()",
+           "rank.clamp_min(0).float() / (keep.shape[1] - 1)", *ELASTIC),
+    mutant("elastic: grid coordinates", R, "coords = elastic_plan(keep)",
+           "coords = elastic_plan(torch.ones_like(keep))",
+           *ELASTIC),
+    mutant("elastic: a dropped step still runs", R, "rows = keep[:, t].nonzero().squeeze(1)",
+           "rows = keep[:, t].new_ones(keep.shape[0]).nonzero().squeeze(1)", *ELASTIC),
+    # --- §3.1: fold ---
+    mutant("fold: gate row 0 for every block", R, "model.block.unrolled_state(t, gates[t])",
+           "model.block.unrolled_state(t, gates[0])", *FOLD),
+    mutant("fold: gates of the trained depth", R, "gates = model.gate_matrix(depth) if gates is None else gates",
+           "gates = model.gate_matrix() if gates is None else gates", *FOLD),
+    # --- Table 1's baselines: Raptor's schedule, DeiT III's LayerScale ---
+    mutant("Raptor thresholds", R, "known = {2: [7], 3: [7, 10], 4: [4, 7, 10]}",
+           "known = {2: [6], 3: [6, 9], 4: [3, 6, 9]}", "test_raptor_runs_its_blocks_on_raptors_segments"),
+    mutant("Raptor thresholds not scaled with L", R, "scaled = [round(th * depth / 12)",
+           "scaled = [round(th * depth // 12)",
+           "test_raptor_runs_its_blocks_on_raptors_segments"),
+    mutant("DeiT III LayerScale 1e-5", R, "DEIT3_LAYER_SCALE = 1e-4", "DEIT3_LAYER_SCALE = 1e-5",
+           "tests/test_revit.py::test_deit3_numerics",
+           "tests/test_revit.py::test_raptor_presets_keep_layer_scale_like_deit3"),
+    # --- App. B: content merges (SMEAR, Lory, the feature-only control of Fig. 2) ---
+    mutant("content merge: image 0's gates for all", R, "merged = self.merge(torch.softmax(z, dim=-1))",
+           "merged = self.merge(torch.softmax(z, dim=-1)[:1].expand_as(z))", *CONTENT),
+    mutant("SMEAR pools the class token", R, "return u.mean(1)  # (b, d)", "return u[:, 0]  # (b, d)", *CONTENT),
+    mutant("Lory routes on the current step", R,
+           "source = torch.where(self.seen[rows].unsqueeze(1), self.previous[rows], pooled)", "source = pooled",
+           *CONTENT),
+    mutant("feature-only normaliser", R, "self.pool(balance_sum=balance_sum, z_sum=z_sum, rows=z.shape[0])",
+           "self.pool(balance_sum=balance_sum, z_sum=z_sum, rows=1)",
+           "test_feature_only_control_carries_eqs_6_8_9_over_every_gate_of_every_step"),
+    mutant("feature-only tau 2", R, "balance_sum, z_sum = gate_penalties(z, 1.0)",
+           "balance_sum, z_sum = gate_penalties(z, 2.0)",
+           "test_feature_only_control_carries_eqs_6_8_9_over_every_gate_of_every_step"),
+    # --- App. B: token dispatch (DeepSeek-V3, Qwen3, MoEUT) ---
+    mutant("DeepSeek-V3 bias in the gate value", R, "gates = scores.gather(1, expert_index)",
+           "gates = (scores + self.expert_bias.float()).gather(1, expert_index)", *ROUTED),
+    mutant("DeepSeek-V3 no renormalisation", R, "return expert_index, gates / gates.sum(-1, keepdim=True)",
+           "return expert_index, gates", *ROUTED),
+    mutant("DeepSeek-V3 no shared expert", R, "return 0.0 if self.shared is None else self.shared.mixture(x)",
+           "return 0.0", *ROUTED),
+    mutant("DeepSeek-V3 bias update sign", R, "torch.sign(load.mean() - load)", "torch.sign(load - load.mean())",
+           "test_remoe_controller_and_deepseek_bias_follow_their_update_rules"),
+    mutant("DeepSeek-V3 bias not zero-mean", R, "self.expert_bias -= self.expert_bias.mean()", "pass",
+           "test_remoe_controller_and_deepseek_bias_follow_their_update_rules"),
+    mutant("Qwen3 no renormalisation", R, "return expert_index, top / top.sum(-1, keepdim=True)",
+           "return expert_index, top", *ROUTED),
+    mutant("Qwen3 balance without E", R, "self.balance_weight * self.num_experts * (f * P).sum()",
+           "self.balance_weight * (f * P).sum()", "test_qwen3_global_batch_balance_loss_pools_every_step"),
+    mutant("Qwen3 f over tokens, not choices", R, "f = counts / tokens ", "f = counts / tokens / self.top_k ",
+           "test_qwen3_global_batch_balance_loss_pools_every_step"),
+    mutant("MoEUT renormalised", R, "return expert_index, scores",
+           "return expert_index, scores / scores.sum(-1, keepdim=True)",
+           *ROUTED),
+    mutant("MoEUT balance sign", R, '{"balance": self.balance_weight * neg_entropy}',
+           '{"balance": -self.balance_weight * neg_entropy}',
+           "test_moeut_balance_is_minus_the_entropy_of_the_mean_selection"),
+    # --- App. B: output mixtures (ReMoE, Soft-MoE) ---
+    mutant("ReMoE softplus gates", R, "gates = F.relu(router_logits(x, self.router.weight))",
+           "gates = F.softplus(router_logits(x, self.router.weight))", *ROUTED),
+    mutant("ReMoE L1 over n, not n^2", R, '(stats["tokens"] ** 2 * k)', '(stats["tokens"] * k)',
+           "test_remoe_l1_penalty_is_load_balanced_over_all_steps"),
+    mutant("ReMoE controller reversed", R, "self.l1_step if sparsity < self.target_sparsity else 1.0 / self.l1_step",
+           "1.0 / self.l1_step if sparsity < self.target_sparsity else self.l1_step",
+           "test_remoe_controller_and_deepseek_bias_follow_their_update_rules"),
+    mutant("Soft-MoE dispatch over slots", R, "return torch.softmax(logits, dim=1), torch.softmax(logits, dim=2)",
+           "return torch.softmax(logits, dim=2), torch.softmax(logits, dim=2)", "test_soft_moe_slots"),
+    mutant("Soft-MoE tokens not l2-normalised", R, "logits = F.normalize(u.float(), dim=-1) @ slots",
+           "logits = u.float() @ slots", "test_soft_moe_slots"),
+    # --- App. B.1: layer-wise LoRA ---
+    mutant("LoRA update uses adapter 0", R, 'getattr(self, f"{name}_down")[t]), getattr(self, f"{name}_up")[t])',
+           'getattr(self, f"{name}_down")[0]), getattr(self, f"{name}_up")[0])', *LORA),
+    mutant("LoRA fold uses adapter 0", R,
+           'getattr(self, f"{name}_up")[t].float() @ getattr(self, f"{name}_down")[t].float()',
+           'getattr(self, f"{name}_up")[0].float() @ getattr(self, f"{name}_down")[0].float()', *LORA),
+    mutant("LoRA adapter 0 in update and fold", R,
+           'getattr(self, f"{name}_down")[t]), getattr(self, f"{name}_up")[t])',
+           'getattr(self, f"{name}_down")[0]), getattr(self, f"{name}_up")[0])', *LORA,
+           more=[('getattr(self, f"{name}_up")[t].float() @ getattr(self, f"{name}_down")[t].float()',
+                  'getattr(self, f"{name}_up")[0].float() @ getattr(self, f"{name}_down")[0].float()')]),
+    mutant("LoRA B_t gets no gradient", R, 'getattr(self, f"{name}_up")[t])',
+           'getattr(self, f"{name}_up")[t].detach())',
+           *LORA[1:]),
+    mutant("LoRA proj update on the block input", R, 'return self.proj(h) + lora.update("proj", step, h)',
+           'return self.proj(h) + lora.update("proj", step, x)', *LORA),
+    mutant("LoRA B_t random at init", R, 'nn.Parameter(torch.zeros(depth, fan_out, rank))',
+           'nn.Parameter(torch.randn(depth, fan_out, rank))',
+           "tests/test_moe.py::test_lora_starts_as_the_tied_block_and_runs_only_its_depth"),
+
+    # --- AlterNet, Eqs. 1-3: depth encoding, router, gated residual step ---
+    mutant("alternet: t = d / D", A, "return iteration / (max_depth - 1) if max_depth > 1",
+           "return iteration / max_depth if max_depth > 1",
+           *ALTER_FORWARD),
+    mutant("alternet: sin/cos order", A, "torch.stack([angles.sin(), angles.cos()])",
+           "torch.stack([angles.cos(), angles.sin()])",
+           "test_depth_encoding_is_vaswanis_sinusoid_of_t_and_of_one_minus_t", *ALTER_FORWARD),
+    mutant("alternet: encoding frequencies", A, "torch.arange(0, dim, 2, dtype=torch.float32) / dim)",
+           "torch.arange(0, dim, 2, dtype=torch.float32) / (2 * dim))",
+           "test_depth_encoding_is_vaswanis_sinusoid_of_t_and_of_one_minus_t", *ALTER_FORWARD),
+    mutant("alternet: budget signal e_t, not e_(1-t)", A, "encodings.append(depth_encoding(1 - t, cfg.depth_dim))",
+           "encodings.append(depth_encoding(t, cfg.depth_dim))", *ALTER_FORWARD),
+    mutant("alternet: router on the final position", A,
+           "router_logits = self.route(x[torch.arange(n, device=x.device), last]",
+           "router_logits = self.route(x[:, -1]", *ALTER_FORWARD),
+    mutant("alternet: no logit clamp", A, "logits = logits.clamp(-cfg.logit_clamp, cfg.logit_clamp)", "logits = logits",
+           "test_router_logits_are_clamped_before_top_k_and_the_gates"),
+    mutant("alternet: Eq. 2 softmax over all experts", A, "log_gates = top_logits.log_softmax(-1)",
+           "log_gates = router_logits.log_softmax(-1).gather(1, expert_indices)", *ALTER_FORWARD),
+    mutant("alternet: Eq. 3 not residual", A, "x_next = x + update", "x_next = update", *ALTER_FORWARD),
+    mutant("alternet: expert drops its attention update", A,
+           "return attn_update + self.ffn(self.norm2(x + attn_update))",
+           "return self.ffn(self.norm2(x + attn_update))", *ALTER_FORWARD),
+    mutant("alternet: attention not causal", A, "is_causal=True)", "is_causal=False)", *ALTER_FORWARD),
+    mutant("alternet: no position embedding", A, "x = self.tok_emb(tokens) + self.pos_emb(",
+           "x = self.tok_emb(tokens) + 0 * self.pos_emb(",
+           *ALTER_FORWARD),
+    # --- AlterNet, Eqs. 4-5: halting ---
+    mutant("alternet: Eq. 4 ignores the gates", A,
+           "log_halt = torch.logsumexp(log_gates + F.logsigmoid(halt_logits), dim=-1)",
+           "log_halt = torch.logsumexp(F.logsigmoid(halt_logits), dim=-1) - math.log(halt_logits.shape[-1])",
+           *ALTER_FORWARD),
+    mutant("alternet: halt head on the last position", A,
+           "y_last = y[torch.arange(seq.numel(), device=x.device), last[seq]]",
+           "y_last = y[:, -1]", *ALTER_FORWARD),
+    # p's last iteration gets the remaining mass in two places (the halting decision, then Eq. 5): plant both
+    mutant("alternet: Eq. 5 last iteration not forced", A,
+           "log_halt = torch.cat([log_halt[:, :-1], torch.zeros_like(log_halt[:, -1:])], dim=1)", "log_halt = log_halt",
+           *ALTER_FORWARD, more=[("halt_now = torch.ones(n, dtype=torch.bool, device=device)",
+                                  "halt_now = torch.zeros(n, dtype=torch.bool, device=device)")]),
+    mutant("alternet: Eq. 5 unhalted includes d", A,
+           "torch.cat([torch.zeros_like(log_continue[:, :1]), log_continue[:, :-1]], dim=1).cumsum(1)",
+           "log_continue.cumsum(1)", *ALTER_FORWARD),
+    mutant("alternet: threshold on lambda_d, not the cumulative mass", A,
+           'halt_now = 1 - (log_unhalted + record["log_continue"].detach()).exp() >= halt_threshold',
+           'halt_now = record["log_halt"].detach().exp() >= halt_threshold',
+           "test_halt_threshold_stops_when_the_cumulative_halting_probability_passes_it"),
+    mutant("alternet: global halt head on the last position", A,
+           "h_last = x_next[torch.arange(n, device=x_next.device), last]", "h_last = x_next[:, -1]", *ALTER_LOSS),
+    mutant("alternet: Model I gets a KL term", A, "if cfg.halting:\n            log_prior = depth_prior(",
+           "if True:\n            log_prior = depth_prior(", *ALTER_LOSS),
+    # --- AlterNet, Eqs. 6-10: the losses ---
+    mutant("alternet: Eq. 7 p detached", A, 'out["task_loss"] = (p * step_ce.T).sum(1).mean()',
+           'out["task_loss"] = (p.detach() * step_ce.T).sum(1).mean()', *ALTER_LOSS),
+    mutant("alternet: Eq. 7 scores iteration d on x_d", A, 'out["task_loss"] = (p * step_ce.T).sum(1).mean()',
+           'out["task_loss"] = (p[:, 1:] * step_ce.T[:, :-1]).sum(1).mean()', *ALTER_LOSS),
+    mutant("alternet: Gaussian prior mean D/2 + 1", A, "mean, std = max_depth / 2, max_depth / 4",
+           "mean, std = max_depth / 2 + 1, max_depth / 4", *ALTER_LOSS),
+    mutant("alternet: Gaussian prior std D/2", A, "mean, std = max_depth / 2, max_depth / 4",
+           "mean, std = max_depth / 2, max_depth / 2", *ALTER_LOSS),
+    mutant("alternet: geometric prior ratio p", A, "log_q = (iterations - 1) * math.log1p(-geometric_p)",
+           "log_q = (iterations - 1) * math.log(geometric_p)", *ALTER_LOSS),
+    mutant("alternet: prior not normalised", A, "return log_q.softmax(0)", "return log_q.exp()", *ALTER_LOSS),
+    mutant("alternet: KL(q || p)", A, "safe_log_p.exp() * (safe_log_p - log_q)", "log_q.exp() * (log_q - safe_log_p)",
+           *ALTER_LOSS),
+    mutant("alternet: load balance without E", A, "return num_experts * (fraction * mean_probability).sum()",
+           "return (fraction * mean_probability).sum()", *ALTER_LOSS),
+    mutant("alternet: load balance with sigmoid P", A, "mean_probability = router_logits.softmax(-1).mean(0)",
+           "mean_probability = router_logits.sigmoid().mean(0)", *ALTER_LOSS),
+    mutant("alternet: z-loss not squared", A, "return torch.logsumexp(router_logits, dim=-1).pow(2).mean()",
+           "return torch.logsumexp(router_logits, dim=-1).abs().mean()", *ALTER_LOSS),
+    mutant("alternet: balance weighted by a_z", A, "balance=cfg.balance_weight * load_balance_loss(",
+           "balance=cfg.z_loss_weight * load_balance_loss(", *ALTER_LOSS),
+    mutant("alternet: Eq. 10 slope 5", A, "torch.sigmoid(50 * ((step_ce[:-1] - step_ce[1:]).clamp(min=0) - 0.005))",
+           "torch.sigmoid(5 * ((step_ce[:-1] - step_ce[1:]).clamp(min=0) - 0.005))", *ALTER_LOSS),
+    mutant("alternet: Eq. 10 improvement reversed", A, "torch.sigmoid(50 * ((step_ce[:-1] - step_ce[1:])",
+           "torch.sigmoid(50 * ((step_ce[1:] - step_ce[:-1])", *ALTER_LOSS),
+    mutant("alternet: Eq. 9 target w, not 1 - w", A, "target = 1 - improvement_weights(step_ce)",
+           "target = improvement_weights(step_ce)", *ALTER_LOSS),
+    mutant("alternet: L_RIR reaches the experts", A, "rir_lhat = expert.halt_head(y_last.detach())",
+           "rir_lhat = expert.halt_head(y_last)", *ALTER_TERMS),
+    mutant("alternet: global head's L_RIR reaches the experts", A, "for h in (h_last, h_last.detach()))",
+           "for h in (h_last, h_last))", *ALTER_TERMS),
+    mutant("alternet: L_RIR reaches the router", A,
+           "rir = halting_log_probabilities(log_gates.detach(), rir_halt_logits)",
+           "rir = halting_log_probabilities(log_gates, rir_halt_logits)", *ALTER_TERMS),
+    # --- AlterNet, §4: the curriculum and the a_KL ramp ---
+    mutant("alternet: curriculum one iteration short", A, "if iteration < min_depth - 1:  # forced",
+           "if iteration < min_depth - 2:  # forced",
+           "test_curriculum_forces_the_last_iteration_and_the_kl_ramp_starts_at_its_end"),
+    mutant("alternet: a_KL ramp from step 0", A, "return min(1.0, max(0.0, since_release / ramp))",
+           "return min(1.0, max(0.0, self.train_step / ramp))",
+           "test_curriculum_forces_the_last_iteration_and_the_kl_ramp_starts_at_its_end"),
+    mutant("alternet: halt bias init -1", A, "halt_bias_init: float = -3.0", "halt_bias_init: float = -1.0",
+           "tests/test_alternet.py"),
+
+    # --- train.py: the schedule, weight decay (DeiT III recipe, Table 6) ---
+    mutant("train: warmup from 0", T, 'return sched["warmup_lr"] + (peak - sched["warmup_lr"]) * step / warmup',
+           "return peak * step / warmup", "tests/test_train.py::test_warmup_cosine_schedule"),
+    mutant("train: quarter cosine", T, "(1 + math.cos(math.pi * progress))", "(1 + math.cos(math.pi * progress / 2))",
+           "tests/test_train.py::test_warmup_cosine_schedule"),
+    mutant("train: 1-D weights decayed", T, "decay if p.ndim >= 2 and", "decay if p.ndim >= 1 and",
+           "tests/test_train.py::test_weight_decay_groups"),
+    mutant("train: biases decayed", T, 'and not name.endswith("bias") and', "and",
+           "tests/test_train.py::test_no_bias_is_decayed_for_any_preset"),
+    mutant("train: psi's output layer decayed", R, 'names.add("block.mlp.router.2.weight")', "pass",
+           "tests/test_train.py::test_weight_decay_groups"),
+    mutant("tasks: DeiT III BCE on soft targets", "tasks.py", "targets.gt(0.0).to(logits.dtype)",
+           "targets.to(logits.dtype)",
+           "test_deit3_bce_binarises_the_mixed_targets_and_ce_takes_them_soft"),
+]
+
+
+def occurrences(m: Mutant, root: Path = ROOT) -> list:
+    """(snippet, count) for every edit of m whose original does not occur exactly once in its file."""
+    path = root / m.file
+    text = path.read_text() if path.exists() else ""
+    return [(original, text.count(original)) for original, _ in m.edits if text.count(original) != 1]
+
+
+def apply(m: Mutant, root: Path) -> str:
+    """Plant m in the copy at root; returns the file's original text."""
+    path = root / m.file
+    original_text = text = path.read_text()
+    for original, replacement in m.edits:
+        text = text.replace(original, replacement)
+    assert text != original_text, m.name
+    path.write_text(text)
+    return original_text
+
+
+PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "--no-header")
+
+
+def without_shrinking() -> None:
+    """Hypothesis told not to shrink a failing example: a mutant needs the first failure only
+    (shrinking one can take minutes). Loaded before the tests import, so their @settings inherit it."""
+    from hypothesis import Phase, settings
+    settings.register_profile("mutants", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    settings.load_profile("mutants")
+
+
+def run_tests(root: Path, tests: tuple, timeout: int) -> tuple:
+    """pytest -x on the selection in the copy -> (status, seconds); status is pytest's exit code or 'timeout'.
+
+    On POSIX each run is a fork of this process, which imported torch, pytest and Hypothesis once
+    (not the project: the child imports the planted copy), so a run costs no interpreter start."""
+    start = time.time()
+    if not hasattr(os, "fork"):
+        code = "import sys, pytest, mutants; mutants.without_shrinking(); sys.exit(pytest.main(sys.argv[1:]))"
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(Path(__file__).parent))
+        try:
+            status = subprocess.run([sys.executable, "-c", code, *PYTEST_ARGS, *tests], cwd=root, env=env,
+                                    capture_output=True, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        return status, time.time() - start
+    pid = os.fork()
+    if pid == 0:  # the child: its own process group (a timeout kills all of it), quiet, in the copy
+        os.setpgrp()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.chdir(root)
+        sys.path.insert(0, str(root))
+        import pytest
+        without_shrinking()
+        os._exit(int(pytest.main([*PYTEST_ARGS, *tests])))
+    while time.time() - start < timeout:
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(wait_status), time.time() - start
+        time.sleep(0.2)
+    os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "timeout", time.time() - start
+
+
+def preload() -> None:
+    """What every test run imports anyway (never the project's own modules: those must come from the copy)."""
+    sys.dont_write_bytecode = True  # the copy's files change under the same names: no stale .pyc
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import einops  # noqa: F401
+    import hypothesis  # noqa: F401
+    import numpy  # noqa: F401
+    import pytest  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+
+def baseline_failures(root: Path, selections: list, timeout: int) -> list:
+    """The selections that fail on the unmodified copy: all of them run at once first (one pytest
+    start), and one by one only if that fails."""
+    union = tuple(dict.fromkeys(node for tests in selections for node in tests))
+    if not union or run_tests(root, union, timeout)[0] == 0:
+        return []
+    return [tests for tests in sorted(set(selections)) if run_tests(root, tests, timeout)[0] != 0]
+
+
+def copy_repository(dest: Path) -> Path:
+    ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", ".pytest_cache", "results", "runs",
+                                    "data", ".venv", "*.pt", "*.safetensors")
+    shutil.copytree(ROOT, dest, ignore=ignore)
+    return dest
+
+
+def select(names: list) -> list:
+    if not names:
+        return MUTANTS
+    return [m for m in MUTANTS if any(k.lower() in m.name.lower() for k in names)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Plant one bug at a time and check the tests catch it.")
+    parser.add_argument("-k", action="append", default=[], help="run the mutants whose name contains this (repeatable)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and their tests, run nothing")
+    parser.add_argument("--check", action="store_true", help="only check that every snippet occurs exactly once")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per pytest run (default 900)")
+    args = parser.parse_args(argv)
+    chosen = select(args.k)
+    stale = {m.name: occurrences(m) for m in chosen if occurrences(m)}
+    for name, problems in stale.items():
+        for snippet, count in problems:
+            print(f"STALE     {name}: snippet found {count} times (need exactly 1) in "
+                  f"{next(m.file for m in MUTANTS if m.name == name)}: {snippet!r}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}  [{m.file}]  ->  {' '.join(m.tests)}")
+        return 0
+    if args.check:
+        print(f"{len(chosen) - len(stale)} of {len(chosen)} mutants match the code")
+        return 1 if stale else 0
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="revit-mutants-") as tmp:
+        root = copy_repository(Path(tmp) / "repo")
+        preload()
+        for tests in baseline_failures(root, [m.tests for m in chosen if m.name not in stale], args.timeout):
+            print(f"BASELINE FAILS without any bug: {' '.join(tests)}")
+            results.update({m.name: "baseline fails" for m in chosen if m.tests == tests})
+        for m in chosen:
+            if m.name in stale or m.name in results:
+                continue
+            original_text = apply(m, root)
+            try:
+                status, seconds = run_tests(root, m.tests, args.timeout)
+            finally:
+                (root / m.file).write_text(original_text)
+            verdict = {0: "SURVIVED", 1: "caught", "timeout": "timeout"}.get(status, f"error (pytest status {status})")
+            results[m.name] = verdict
+            print(f"{verdict:<9} {m.name}  ({seconds:.0f} s)", flush=True)
+    survived = [n for n, v in results.items() if v != "caught"]
+    print(f"\n{len(results) - len(survived)} of {len(chosen)} mutants caught; "
+          f"{len(stale)} stale, {len(survived)} not caught{': ' + ', '.join(survived) if survived else ''}")
+    return 0 if not stale and not survived else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
