@@ -46,9 +46,10 @@ from tqdm import tqdm
 
 import alternet
 import revit
-from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, preset_module,
-                        primitive, rng_state, set_rng_state, unwrap)
-from cli import dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, pick_device, say
+from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
+                        preset_module, primitive, rng_state, set_rng_state, unwrap)
+from cli import (dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, pick_device, say,
+                 wrong_type)
 from tasks import DENSE_PROBES, PROBES, build
 
 
@@ -420,9 +421,11 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     trainable = model.head if cfg.probe else model
     optimizer = torch.optim.AdamW(param_groups(trainable, cfg.weight_decay), lr=sched["peak_lr"],
                                   betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
+    if resume_ckpt is not None:  # all of it, before the run folder is touched
+        check_resume(cfg, resume_ckpt, trainable, optimizer, augment, sched["total_steps"])
     out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
     cfg.out_dir = out_dir
-    folder = RunFolder(out_dir)
+    folder = RunFolder(out_dir, cfg.resume)
     if rank == 0:
         folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
                     resume_step=resume_ckpt["step"] if resume_ckpt else None)
@@ -625,8 +628,8 @@ def resume_config(explicit: dict) -> tuple[dict, dict]:
     """The checkpoint and the saved run's config; flags given now may extend it (e.g. more --epochs)."""
     path = explicit["resume"]
     ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
-    saved = ckpt["train_config"]
-    if "arch" in explicit and explicit["arch"] != saved["arch"]:
+    saved = saved_config(ckpt, path, "--resume")
+    if "arch" in explicit and explicit["arch"] != saved.get("arch"):
         fail(f"--resume {path} is a checkpoint of {saved['arch']}, not {explicit['arch']}")
     for name in FIXED_ON_RESUME:
         if name in explicit and explicit[name] != saved.get(name):
@@ -636,6 +639,40 @@ def resume_config(explicit: dict) -> tuple[dict, dict]:
     merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
     merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
     return ckpt, merged
+
+
+def saved_config(ckpt: dict, path, flag: str) -> dict:
+    """A checkpoint's train_config, each known value of the type its flag takes (the values' ranges are
+    checked with the flags', by resolve_config)."""
+    saved = ckpt["train_config"]
+    problem = wrong_type(saved, TrainConfig)
+    if problem:
+        fail(f"{flag} {path}: its train_config has {problem}")
+    return saved
+
+
+def check_resume(cfg: TrainConfig, ckpt: dict, trainable: nn.Module, optimizer, augment, total_steps: int) -> None:
+    """What set-up applies from a resumed checkpoint, checked against the rebuilt run without changing it:
+    a failure here leaves the run folder as it was."""
+    flag = f"--resume {cfg.resume}"
+    if ckpt["step"] > total_steps:
+        fail(f"{flag} is at step {ckpt['step']}, past this run's {total_steps} steps; give a larger --max-steps "
+             f"or --epochs (the checkpoint is left as it is)")
+    problem = fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = ckpt["optimizer"]["param_groups"]
+    if not problem and [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        problem = "its optimizer state does not fit the model (parameter groups differ)"
+    for index, state in ckpt["optimizer"]["state"].items() if not problem else ():
+        shapes = {tuple(v.shape) for k, v in state.items() if torch.is_tensor(v) and k != "step"} \
+            if isinstance(state, dict) else {None}
+        if not isinstance(index, int) or not 0 <= index < len(params) or shapes - {tuple(params[index].shape)}:
+            problem = f"its optimizer state does not fit the model (entry {index!r})"
+            break
+    if not problem and augment is not None and any("augment" not in r for r in ckpt["rng"]):
+        problem = "its rng holds no augmentation state (an image run saves one)"
+    if problem:
+        fail(f"{flag}: {problem}")
 
 
 def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only"):
@@ -648,12 +685,16 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
              f"{', '.join('--' + f.replace('_', '-') for f in sorted(EVAL_ONLY_FLAGS))}; got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
-    cfg = resolve_config({**{k: v for k, v in ckpt["train_config"].items() if k in known}, **flags}, announce=False)
+    saved = saved_config(ckpt, path, flag)
+    cfg = resolve_config({**{k: v for k, v in saved.items() if k in known}, **flags}, announce=False)
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
         fail(str(e))
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
+    problem = fit_problem((model.head if cfg.probe else model).state_dict(), ckpt["model"], ckpt["arch"])
+    if problem:
+        fail(f"{flag} {path}: {problem}")
     (model.head if cfg.probe else model).load_state_dict(ckpt["model"])
     return cfg, model.to(device).eval(), task
 
@@ -687,7 +728,7 @@ def main(argv=None) -> dict:
         explicit.setdefault("arch", arch)
     cfg = resolve_config(explicit, announce=resume_ckpt is None)
     if cfg.out_dir:
-        RunFolder(cfg.out_dir).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
+        RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
     try:
         return train(cfg, resume_ckpt)
     finally:
