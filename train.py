@@ -48,8 +48,8 @@ import alternet
 import revit
 from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
                         preset_module, primitive, rng_state, set_rng_state, unwrap)
-from cli import (dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, pick_device, say,
-                 wrong_type)
+from cli import (dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, path_problem,
+                 pick_device, say, wrong_type)
 from tasks import DENSE_PROBES, PROBES, build
 
 
@@ -604,13 +604,15 @@ def check_config(cfg: TrainConfig) -> None:
         fail("--probe needs --backbone CHECKPOINT (the frozen model to probe)")
     if cfg.probe and cfg.teacher:
         fail("--probe and --teacher cannot be combined")
-    if cfg.data_dir and not Path(cfg.data_dir).is_dir():
-        fail(f"--data-dir {cfg.data_dir} does not exist (omit it to search ./data, $REVIT_DATA_DIR and "
-             f"/usr/share/datasets)")
-    if cfg.data and not Path(cfg.data).exists():
-        fail(f"--data {cfg.data} does not exist")
-    if cfg.teacher and not cfg.teacher.startswith("hub:") and not Path(cfg.teacher).is_file():
-        fail(f"--teacher {cfg.teacher}: no such file (a checkpoint of this project, or hub:dinov2_vitb14)")
+    problem = cfg.data_dir and path_problem(cfg.data_dir, "folder")
+    if problem:
+        fail(f"--data-dir {cfg.data_dir} {'does not exist' if problem == 'no such folder' else 'is ' + problem} "
+             f"(omit it to search ./data, $REVIT_DATA_DIR and /usr/share/datasets)")
+    if cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file"):
+        fail(f"--data {cfg.data}: {path_problem(cfg.data, 'file')}")
+    if cfg.teacher and not cfg.teacher.startswith("hub:") and path_problem(cfg.teacher, "file"):
+        fail(f"--teacher {cfg.teacher}: {path_problem(cfg.teacher, 'file')} (a checkpoint of this project, or "
+             f"hub:dinov2_vitb14)")
     parse_depths(cfg.eval_depths)
     module = preset_module(cfg.arch)
     parse_model_args(cfg.model_args, module.ViTConfig if module is revit else module.AlterNetConfig)
