@@ -284,7 +284,7 @@ class RunFolder:
         """Before any work, without writing: can the folder be written, is it free for this run?"""
         problem = output_problem(self.path, "folder")
         if problem:
-            fail(f"--out-dir {self.path}: {problem}")
+            fail(f"--out-dir {self.path} {problem}")
         holds_run = self.ckpt.exists() or self.metrics.exists()
         if fresh and not overwrite and holds_run:
             fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "

@@ -75,8 +75,10 @@ def parse_depths(text: str) -> list[int]:
         depths = [int(d) for d in items]
     except ValueError:
         fail(f"--eval-depths must be comma-separated integers, e.g. 4,8,12; got {text!r}")
-    if any(d < 1 or d > MAX_DEPTH for d in depths):
-        fail(f"--eval-depths must be between 1 and {MAX_DEPTH}; got {text!r}")
+    if any(d < 1 for d in depths):
+        fail(f"--eval-depths must be positive; got {text!r}")
+    if any(d > MAX_DEPTH for d in depths):
+        fail(f"--eval-depths must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}; got {text!r}")
     return depths
 
 
@@ -135,9 +137,11 @@ DEPTH_FIELDS = ("depth", "max_depth", "raptor_blocks")  # config fields that cou
 
 def check_depth(depth, flag: str, minimum: int = 2) -> None:
     """A depth given on the command line: ValueError naming the flag unless minimum <= depth <= MAX_DEPTH."""
-    if depth is not None and not minimum <= depth <= MAX_DEPTH:
+    if depth is not None and depth < minimum:
         why = " (s_t = t/(L-1) needs two steps)" if minimum == 2 else ""
-        raise ValueError(f"{flag} must be between {minimum} and {MAX_DEPTH}{why}; got {depth}")
+        raise ValueError(f"{flag} must be >= {minimum}{why}; got {depth}")
+    if depth is not None and depth > MAX_DEPTH:
+        raise ValueError(f"{flag} must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}; got {depth}")
 
 
 def path_problem(path, kind: str = "file") -> str | None:
@@ -151,34 +155,36 @@ def path_problem(path, kind: str = "file") -> str | None:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return "a symbolic link to a missing target" if os.path.islink(path) else f"no such {kind}"
         return f"cannot be read ({e.strerror or e})"
-    if stat.S_ISDIR(mode):
-        return None if kind == "folder" else "a folder, not a file"
-    if kind == "folder":
-        return "a file, not a folder"
-    if not stat.S_ISREG(mode):
+    if stat.S_ISDIR(mode) != (kind == "folder"):
+        return "a folder, not a file" if kind == "file" else "a file, not a folder"
+    if kind == "file" and not stat.S_ISREG(mode):
         return f"a {'FIFO' if stat.S_ISFIFO(mode) else 'socket or device'}, not a regular file"
-    return None if os.access(path, os.R_OK) else "not readable (permission denied)"
+    readable = os.access(path, os.R_OK | (os.X_OK if kind == "folder" else 0))
+    return None if readable else "not readable (permission denied)"
 
 
 def output_problem(path, kind: str = "file") -> str | None:
-    """Why `path` cannot be written as a `kind` ("file" or "folder"): an existing path of the other kind,
-    or a first existing ancestor that is not a writable folder; None when it can be written."""
+    """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path ("PATH is
+    a file; give a folder"): an existing path of the other kind, or a first existing ancestor that is not
+    a writable folder; None when it can be written (parent folders are created)."""
     path = Path(path)
     if path.is_symlink() and not path.exists():
-        return "a broken symbolic link or a symbolic link loop"
+        return "is a broken symbolic link or a symbolic link loop"
     if path.exists():
         if path.is_dir() != (kind == "folder"):
             return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"
         if kind == "file" and not path.is_file():
-            return "is not a regular file"
+            return "is not a regular file (a FIFO, socket or device)"
+        if not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
+            return "is not writable"
     for parent in path.absolute().parents:
         if parent.is_symlink() and not parent.exists():
-            return f"{parent} is a broken symbolic link or a symbolic link loop"
+            return f"cannot be created: {parent} is a broken symbolic link or a symbolic link loop"
         if parent.exists():
             if not parent.is_dir():
-                return f"{parent} is a file, not a folder"
+                return f"cannot be created: {parent} is a file, not a folder"
             if not os.access(parent, os.W_OK | os.X_OK):
-                return f"{parent} is not a writable folder"
+                return f"cannot be created: {parent} is not a writable folder"
             return None
     return None
 

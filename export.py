@@ -325,7 +325,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model'}")
     problem = output_problem(args.out, "file")
     if problem:
-        raise ValueError(f"--out {args.out}: {problem}")
+        raise ValueError(f"--out {args.out} {problem}")
     if Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise ValueError(f"--out {args.out} is the checkpoint being exported; give another file")
 

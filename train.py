@@ -606,7 +606,7 @@ def check_config(cfg: TrainConfig) -> None:
         fail("--probe and --teacher cannot be combined")
     problem = cfg.data_dir and path_problem(cfg.data_dir, "folder")
     if problem:
-        fail(f"--data-dir {cfg.data_dir} {'does not exist' if problem == 'no such folder' else 'is ' + problem} "
+        fail(f"--data-dir {cfg.data_dir}{' does not exist' if problem == 'no such folder' else ': ' + problem} "
              f"(omit it to search ./data, $REVIT_DATA_DIR and /usr/share/datasets)")
     if cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file"):
         fail(f"--data {cfg.data}: {path_problem(cfg.data, 'file')}")
