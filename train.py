@@ -48,8 +48,8 @@ import alternet
 import revit
 from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
                         preset_module, primitive, rng_state, set_rng_state, unwrap)
-from cli import (dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, path_problem,
-                 pick_device, say, wrong_type)
+from cli import (MAX_DEPTH, MAX_DEPTH_REASON, dataclass_parser, device_options, fail, opt, parse_depths,
+                 parse_model_args, path_problem, pick_device, say, wrong_type)
 from tasks import DENSE_PROBES, PROBES, build
 
 
@@ -580,7 +580,9 @@ RULES = {**dict.fromkeys(GREATER_THAN_ZERO, (lambda v: v > 0, "> 0")),
          **dict.fromkeys(AT_LEAST_ZERO, (lambda v: v >= 0, ">= 0")),
          **dict.fromkeys(("beta1", "beta2"), (lambda v: 0 <= v < 1, "in [0, 1)")),
          **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
-                         (lambda v: 0 <= v <= 1, "in [0, 1]"))}
+                         (lambda v: 0 <= v <= 1, "in [0, 1]")),
+         "depth": (lambda v: 0 < v <= MAX_DEPTH, f"in 1..{MAX_DEPTH} {MAX_DEPTH_REASON}"),
+         "seed": (lambda v: 0 <= v < 2 ** 32, "in 0..2**32-1")}  # data orders seed with seed * 1_000_003 + epoch
 CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"),
            "probe": ("", *PROBES, *DENSE_PROBES)}
 
