@@ -132,7 +132,8 @@ def read_file(path: Path) -> bytes:
         with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
             raw = f.read(MAX_FILE_BYTES + 1)
     except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut-short .gz an EOFError
-        raise ValueError(f"{path}: cannot be read ({e.strerror if isinstance(e, OSError) and e.strerror else e or 'cut short'})") from None
+        reason = getattr(e, "strerror", None) or str(e) or "cut short"
+        raise ValueError(f"{path}: cannot be read ({reason})") from None
     if len(raw) > MAX_FILE_BYTES:
         raise ValueError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB (decompressed); not a data file of this set")
     return raw

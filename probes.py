@@ -349,7 +349,7 @@ def read_image_folders(root: Path, task: str, cfg: ProbeConfig, size: int, chann
 def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseData:
     """--data ROOT in one of the four documented formats (module docstring), detected in that order."""
     root = Path(cfg.data)
-    if (root / "train.pt").is_file() and (root / "val.pt").is_file():
+    if all(os.path.lexists(root / name) for name in ("train.pt", "val.pt")):  # read_tensor_files checks them
         return read_tensor_files(root, task, cfg)
     ade = root / "ADEChallengeData2016" if (root / "ADEChallengeData2016").is_dir() else root
     if (ade / "annotations" / "training").is_dir():
