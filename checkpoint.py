@@ -285,6 +285,10 @@ class RunFolder:
         problem = output_problem(self.path, "folder")
         if problem:
             fail(f"--out-dir {self.path} {problem}")
+        for file in (self.ckpt, self.metrics):
+            if os.path.lexists(file) and (file.is_symlink() or not file.is_file()):  # written through or hung on
+                fail(f"--out-dir {self.path}: its {file.name} is not a regular file (a symbolic link, a folder or a "
+                     f"FIFO); move it away or choose another --out-dir")
         holds_run = self.ckpt.exists() or self.metrics.exists()
         if fresh and not overwrite and holds_run:
             fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "

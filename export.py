@@ -328,6 +328,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out} {problem}")
     if Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise ValueError(f"--out {args.out} is the checkpoint being exported; give another file")
+    if Path(args.out).name in ("ckpt.pt", "metrics.jsonl") and Path(args.out).exists():
+        raise ValueError(f"--out {args.out} is a file of a training run; give another file")
 
 
 def write_atomically(out: Path, write):

@@ -424,7 +424,10 @@ class FrozenBackbone:
         path = Path(self.cache) / f"{self.ckpt_hash[:16]}-depth{depth}-data{data.hexdigest()[:16]}.safetensors"
         if path.is_file():
             with contextlib.suppress(SafetensorError, KeyError, OSError):  # an unreadable entry is recomputed
-                return load_file(path)["features"]
+                cached = load_file(path)["features"]
+                config = self.model.config
+                if cached.shape == (len(images), config.num_patches, config.dim) and torch.isfinite(cached).all():
+                    return cached  # else an edited or foreign entry: recomputed, and replaced below
         feats = extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

@@ -317,6 +317,8 @@ def bad_inputs(tmp_path, checkpoint):
         diverged.block.attn.qkv.weight[0, 0] = float("nan")
     write_checkpoint(tmp_path / "diverged.pt", diverged)
     (tmp_path / "afile").write_text("a file where a folder is expected")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_bytes(b"another run's checkpoint")
     (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
     (tmp_path / "loop.safetensors").symlink_to(tmp_path / "loop.safetensors")
     os.mkfifo(tmp_path / "fifo.pt")  # reading it would wait forever
@@ -344,6 +346,7 @@ def bad_inputs(tmp_path, checkpoint):
     (["{ckpt}", "--format", "safetensors", "--opset", "5", "--out", "{tmp}/x"], "--opset applies to --format onnx only"),
     (["{ckpt}", "--format", "compact", "--out", "{tmp}/afile/x"], "afile is a file, not a folder"),
     (["{ckpt}", "--format", "compact", "--out", "{ckpt}"], "is the checkpoint being exported"),
+    (["{ckpt}", "--format", "compact", "--out", "{tmp}/run/ckpt.pt"], "is a file of a training run"),
     (["{tmp}/loop.pt", "--format", "onnx", "--out", "{tmp}/x"], "loop.pt: a symbolic link loop"),
     (["{tmp}/fifo.pt", "--format", "onnx", "--out", "{tmp}/x"], "fifo.pt: a FIFO, not a regular file"),
     (["{tmp}/loop.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "a symbolic link loop"),

@@ -139,11 +139,20 @@ def test_resume_past_the_last_step_is_refused(runs):
     assert contents(runs / "A") == before
 
 
+class CallsOsSystem:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
 def test_a_pickled_call_is_reported_as_what_it_is(tmp_path):
+    """torch words this refusal differently ("unsupported GLOBAL posix.system whose module posix is blocked")."""
     marker = tmp_path / "pwned"
-    torch.save({"model": WritesMarker(marker)}, tmp_path / "call.pt")
+    torch.save({"model": CallsOsSystem(f"touch {marker}")}, tmp_path / "call.pt")
     message = one_line(train.main, ["--eval-only", tmp_path / "call.pt"], "train.py")
-    assert "it stores the Python object io.open, which a safe load refuses" in message
+    assert f"it stores the Python object {os.system.__module__}.system, which a safe load refuses" in message
     assert not marker.exists()
 
 
@@ -248,3 +257,33 @@ def test_command_line_refusal_of_a_diverged_checkpoint_is_one_line(runs, tmp_pat
     assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"train.py: error: --eval-only {nan}: its weights are not finite "
                                                   "(cls_token holds NaN or inf): a diverged run; use an earlier checkpoint"]
+
+
+def test_a_run_file_that_is_a_link_or_fifo_is_refused(runs, tmp_path, fashion_mnist_dir):
+    """Continuing a run cuts its metrics.jsonl: through a symbolic link that would cut another run's log."""
+    (tmp_path / "run").mkdir()
+    shutil.copy(runs / "A" / "ckpt.pt", tmp_path / "run" / "ckpt.pt")
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(runs / "B" / "metrics.jsonl")
+    before = contents(runs / "B")
+    message = one_line(train.main, ["--resume", tmp_path / "run" / "ckpt.pt", "--max-steps", "6"], "train.py")
+    assert "its metrics.jsonl is not a regular file" in message
+    os.mkfifo(tmp_path / "fifo_run_ckpt")
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "ckpt.pt").symlink_to(tmp_path / "fifo_run_ckpt")
+    message = one_line(train.main, ["--data-dir", fashion_mnist_dir, "--out-dir", tmp_path / "fresh", *TINY,
+                                    "--overwrite"], "train.py")
+    assert "its ckpt.pt is not a regular file" in message
+    assert contents(runs / "B") == before
+
+
+def test_an_edited_feature_cache_entry_is_recomputed(runs, tmp_path, fashion_mnist_dir):
+    argv = ["--backbone", str(runs / "A" / "ckpt.pt"), "--data-dir", str(fashion_mnist_dir), "--train-subset", "64",
+            "--test-subset", "32", "--max-steps", "2", "--batch-size", "16", "--probe-cache", str(tmp_path / "cache"),
+            "--no-download"]
+    first = probes.main(argv)
+    from safetensors.torch import save_file
+    entries = sorted((tmp_path / "cache").glob("*.safetensors"))
+    for entry in entries:  # planted entries under the right names: wrong shape, or non-finite
+        save_file({"features": torch.full((2, 3), float("nan"))}, str(entry))
+    again = probes.main(argv)
+    assert again["test_miou"] == first["test_miou"] and again["depths"] == first["depths"]
