@@ -147,9 +147,6 @@ def config_problem(ckpt: dict, keys) -> str | None:
     module = preset_module(arch)
     if module is None:
         return f"checkpoint of unknown arch {arch!r} (not a preset of revit.py or alternet.py)"
-    saved_arch = ckpt["train_config"].get("arch") if "train_config" in keys else arch
-    if saved_arch != arch:
-        return f"its arch {arch!r} and its train_config's arch {saved_arch!r} differ"
     for name in DEPTH_FIELDS:
         if isinstance(config.get(name), int) and config[name] > MAX_DEPTH:
             return f"its model_config has {name}={config[name]}; at most {MAX_DEPTH} {MAX_DEPTH_REASON}"

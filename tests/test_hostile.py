@@ -78,7 +78,7 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
     "nan_optimizer": (lambda c: c["optimizer"]["state"][0]["exp_avg"].fill_(float("inf")),
                       "its weights are not finite (optimizer state 0.exp_avg holds NaN or inf)"),
     "arch_number": (lambda c: c.update(arch=12345), "its arch must be a preset name (a string); got 12345"),
-    "arch_other": (lambda c: c.update(arch="vit-mini"), "its arch 'vit-mini' and its train_config's arch 'revit-mini'"),
+    "arch_unknown": (lambda c: c.update(arch="revit-huge"), "checkpoint of unknown arch 'revit-huge'"),
     "depth_huge": (lambda c: c["model_config"].update(depth=10 ** 9), "model_config has depth=1000000000; at most 256"),
     "dim_other": (lambda c: c["model_config"].update(dim=64, heads=2), "its weights do not fit revit-mini"),
     "config_bad": (lambda c: c["model_config"].update(heads=0), "its model_config does not build revit-mini: heads=0"),
