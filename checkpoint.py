@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import alternet
 import revit
-from cli import DEPTH_FIELDS, MAX_DEPTH, MAX_DEPTH_REASON, fail, output_problem, path_problem
+from cli import fail, output_problem, path_problem, too_deep
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---
@@ -147,9 +147,8 @@ def config_problem(ckpt: dict, keys) -> str | None:
     module = preset_module(arch)
     if module is None:
         return f"checkpoint of unknown arch {arch!r} (not a preset of revit.py or alternet.py)"
-    for name in DEPTH_FIELDS:
-        if isinstance(config.get(name), int) and config[name] > MAX_DEPTH:
-            return f"its model_config has {name}={config[name]}; at most {MAX_DEPTH} {MAX_DEPTH_REASON}"
+    if too_deep(config):
+        return f"its model_config has {too_deep(config)}"
     try:
         with torch.device("meta"):
             model = module.create_model(arch, **config)

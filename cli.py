@@ -144,6 +144,14 @@ def check_depth(depth, flag: str, minimum: int = 2) -> None:
         raise ValueError(f"{flag} must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}; got {depth}")
 
 
+def too_deep(config: dict) -> str | None:
+    """A saved model config (checkpoint, safetensors metadata) whose depth exceeds MAX_DEPTH, in words."""
+    for name in DEPTH_FIELDS:
+        if isinstance(config.get(name), int) and config[name] > MAX_DEPTH:
+            return f"{name}={config[name]}; at most {MAX_DEPTH} {MAX_DEPTH_REASON}"
+    return None
+
+
 def path_problem(path, kind: str = "file") -> str | None:
     """Why `path` cannot be read as a `kind` ("file" or "folder"), in a few words; None when it can.
     A FIFO is refused before it is opened (reading one would wait forever)."""

@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 import revit
 from checkpoint import load_vision_model, non_finite
-from cli import DEPTH_FIELDS, MAX_DEPTH, MAX_DEPTH_REASON, check_depth, fail, output_problem, path_problem
+from cli import check_depth, fail, output_problem, path_problem, too_deep
 
 FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
@@ -159,9 +159,8 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
                              "for a timm-layout file use load_timm_state_dict(model, tensors)")
         try:
             fields = json.loads(metadata["config"])
-            deep = [f"{k}={fields[k]}" for k in DEPTH_FIELDS if isinstance(fields.get(k), int) and fields[k] > MAX_DEPTH]
-            if deep:
-                raise ValueError(f"{deep[0]}: at most {MAX_DEPTH} {MAX_DEPTH_REASON}")
+            if isinstance(fields, dict) and too_deep(fields):
+                raise ValueError(too_deep(fields))
             config = revit.ViTConfig(**fields)
         except (KeyError, TypeError, ValueError, RecursionError) as e:  # no config, not JSON, fields revit.py lacks
             raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "

@@ -351,7 +351,7 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}/fifo.pt", "--format", "onnx", "--out", "{tmp}/x"], "fifo.pt: a FIFO, not a regular file"),
     (["{tmp}/loop.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "a symbolic link loop"),
     (["{tmp}/os_system.pt", "--format", "onnx", "--out", "{tmp}/x"], "it stores the Python object posix.system"),
-    (["{tmp}/deep.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "depth=1000000000: at most 256"),
+    (["{tmp}/deep.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "depth=1000000000; at most 256"),
     (["{tmp}/wide.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "does not fit its own config"),
     (["{tmp}/nan.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "nan.safetensors: its weights are not "
                                                                         "finite (head.bias"),
