@@ -38,7 +38,7 @@ import torch
 
 import revit
 from checkpoint import load_vision_model
-from cli import fail, pick_device, pyplot
+from cli import check_depth, fail, output_problem, path_problem, pick_device, pyplot
 from data import NORMALISATION, FolderImages, load_images
 
 
@@ -381,24 +381,34 @@ class Inputs:
     teacher_path: str = ""
 
 
+# Counts of repeated work: bounds a user would not reach by intent (the paper uses 64 of each).
+MAX_REPEATS = 10_000
+MAX_SEED = 2 ** 63 - 1  # torch.Generator seeds are 64-bit signed
+
+
 def check_args(args) -> None:
     """The flags that need no file, each a ValueError naming the flag and what is allowed."""
-    at_least = {"num_images": 2, "intervention_images": 2, "batch_size": 1,  # CKA centres over >= 2 images
-                "random_perturbations": 0, "num_permutations": 0}
-    for name, minimum in at_least.items():
-        if getattr(args, name) < minimum:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}; got {getattr(args, name)}")
-    if args.depth is not None and args.depth < 2:
-        raise ValueError(f"--depth must be >= 2 (s_t = t/(L-1) needs two steps); got {args.depth}")
+    if args.intervention_images is None:  # the paper's 256, or all of a smaller subset
+        args.intervention_images = min(256, args.num_images)
+    bounds = {"num_images": (2, None), "intervention_images": (2, args.num_images), "batch_size": (1, None),
+              "random_perturbations": (0, MAX_REPEATS), "num_permutations": (0, MAX_REPEATS), "seed": (0, MAX_SEED)}
+    for name, (minimum, maximum) in bounds.items():  # CKA centres over >= 2 images
+        flag, value = "--" + name.replace("_", "-"), getattr(args, name)
+        if value < minimum:
+            raise ValueError(f"{flag} must be >= {minimum}; got {value}")
+        if maximum is not None and value > maximum:
+            why = " (--num-images: they are the first N of that subset)" if name == "intervention_images" else ""
+            raise ValueError(f"{flag} must be <= {maximum}{why}; got {value}")
+    check_depth(args.depth, "--depth")
     if args.gradient_batches == 1 or not 0 <= args.gradient_batches <= args.num_images:
         raise ValueError(f"--gradient-batches must be 0 (skip) or between 2 and --num-images ({args.num_images}); "
                          f"got {args.gradient_batches}")
     if args.dataset and args.dataset not in DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {args.dataset!r}")
-    if args.data_dir and not Path(args.data_dir).is_dir():
-        raise ValueError(f"--data-dir {args.data_dir}: no such folder")
-    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a file; give a folder for the outputs")
+    if args.data_dir and path_problem(args.data_dir, "folder"):
+        raise ValueError(f"--data-dir {args.data_dir}: {path_problem(args.data_dir, 'folder')}")
+    if args.out and output_problem(args.out, "folder"):
+        raise ValueError(f"--out {args.out} {output_problem(args.out, 'folder')}")
 
 
 def evaluation_images(args, ckpt: dict, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,6 +467,8 @@ def load_inputs(args) -> Inputs:
     except ValueError as e:  # e.g. layer-wise LoRA runs only at its trained depth
         raise ValueError(f"--depth {depth}: {ckpt['arch']} cannot run at this depth ({e})") from None
     out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent / "analysis"
+    if output_problem(out, "folder"):  # the default, next to the checkpoint (given ones: check_args)
+        raise ValueError(f"{out} (the default --out) {output_problem(out, 'folder')}; give --out")
     return Inputs(model, ckpt, depth, images, labels, out, teacher, teacher_ckpt, args.teacher)
 
 
@@ -727,8 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "then $REVIT_DATA_DIR, then /usr/share/datasets); never downloads")
     parser.add_argument("--data", default="", help="imagenet only: ImageFolder root holding val/")
     parser.add_argument("--num-images", type=int, default=1000, help="seeded test subset for CKA (paper: 1000)")
-    parser.add_argument("--intervention-images", type=int, default=256,
-                        help="first N of that subset for ablations and permutations (paper: 256)")
+    parser.add_argument("--intervention-images", type=int, default=None,
+                        help="first N of that subset for ablations and permutations (paper: 256; default: 256, or "
+                             "--num-images when fewer)")
     parser.add_argument("--random-perturbations", type=int, default=64,
                         help="matched random gate perturbations per expert ablation (paper: 64)")
     parser.add_argument("--num-permutations", type=int, default=64,

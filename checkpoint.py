@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn as nn
 
 import alternet
 import revit
-from cli import fail
+from cli import fail, output_problem, path_problem, too_deep
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---
@@ -46,22 +47,29 @@ def atomic_save(obj: dict, path: Path) -> None:
 def unreadable(error: Exception) -> str:
     """Why torch.load refused a file, in one line. Its refusal of a file that holds arbitrary Python
     objects is reduced to the reason: its advice to load with weights_only=False is never passed on
-    (that would run code stored in the file)."""
+    (that would run code stored in the file). torch words that refusal in several ways ("Unsupported
+    global: GLOBAL x.y", "unsupported GLOBAL x.y whose module x is blocked"): the name after GLOBAL
+    is what they share."""
     text = " ".join(str(error).split())
-    if "Unsupported global: GLOBAL " in text:  # a pickled Python object: never loaded, never run
-        stored = text.split("GLOBAL ", 1)[1].split()[0]
-        return (f"it stores the Python object {stored}, which a safe load refuses "
+    stored = re.search(r"\bGLOBAL ([\w.]+)", text)
+    if stored:  # a pickled Python object (a class, os.system, ...): never loaded, never run
+        return (f"it stores the Python object {stored.group(1)}, which a safe load refuses "
                 "(files of this project hold only tensors and plain values)")
     if "WeightsUnpickler error:" in text:
         return f"not a PyTorch file ({text.split('WeightsUnpickler error:', 1)[1].split(' Check the')[0].strip()})"
+    if "weights_only" in text or "Weights only load failed" in text:  # any other refusal: never the advice
+        return "not a PyTorch file of plain tensors and values (a safe load refuses it)"
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
-    """A checkpoint of this project as a dict (tensors and plain values only: weights_only=True).
-    ValueError with one line naming the flag, the file and what is wrong."""
-    if not Path(path).is_file():
-        raise ValueError(f"{flag} {path}: {'a folder, not a checkpoint file' if Path(path).is_dir() else 'no such file'}")
+    """A checkpoint of this project as a dict (tensors and plain values only: weights_only=True), with
+    every part named in `keys` checked: its type, finite weights and optimizer state, a model config
+    that builds its arch within the size bounds and fits the weights. ValueError with one line naming
+    the flag, the file and what is wrong."""
+    problem = path_problem(path, "file")
+    if problem:
+        raise ValueError(f"{flag} {path}: {problem}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
@@ -70,7 +78,96 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     if missing:
         raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
                          f"project (missing {', '.join(missing)})")
+    problem = structure_problem(ckpt, keys) or non_finite(ckpt, keys) or config_problem(ckpt, keys)
+    if problem:
+        raise ValueError(f"{flag} {path}: {problem}")
     return ckpt
+
+
+# What each part of a checkpoint must be: (check, what it must be). A file edited or written by other
+# code fails here, by name, instead of deep inside a model or an optimizer.
+PARTS = {
+    "arch": (lambda v: isinstance(v, str), "a preset name (a string)"),
+    "model_config": (lambda v: isinstance(v, dict), "a dict of config fields"),
+    "model": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t) for k, t in v.items()),
+              "a dict of named tensors"),
+    "train_config": (lambda v: isinstance(v, dict), "a dict of train.py's settings"),
+    "optimizer": (lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
+                  and isinstance(v.get("param_groups"), list) and all(isinstance(g, dict) and isinstance(
+                      g.get("params"), list) for g in v["param_groups"]),
+                  "an optimizer state dict (state, param_groups)"),
+    "step": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "rng": (lambda v: isinstance(v, list) and len(v) > 0 and all(map(rng_ok, v)),
+            "a list of RNG states, one per rank (torch, python, ...)"),
+    "metrics": (lambda v: isinstance(v, dict), "a dict"),
+}
+
+
+def rng_ok(state) -> bool:
+    """One rank's RNG states as rng_state() writes them (what set_rng_state can restore)."""
+    def python_ok(s):
+        return isinstance(s, tuple) and len(s) == 3 and isinstance(s[1], tuple) and len(s[1]) == 625
+
+    def generator_ok(t):
+        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.ndim == 1
+
+    return (isinstance(state, dict) and generator_ok(state.get("torch")) and python_ok(state.get("python"))
+            and ("augment" not in state or generator_ok(state["augment"]))
+            and ("augment_batch" not in state or python_ok(state["augment_batch"])))
+
+
+def structure_problem(ckpt: dict, keys) -> str | None:
+    for key in (*keys, "metrics"):
+        if key in ckpt and key in PARTS and not PARTS[key][0](ckpt[key]):
+            shown = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
+            return f"its {key} must be {PARTS[key][1]}; got {shown[:80]}"
+    return None
+
+
+def non_finite(ckpt: dict, keys) -> str | None:
+    """The first NaN / inf in the weights (and, for a run to continue, the optimizer state): nothing
+    non-finite is evaluated, exported or trained on."""
+    named = dict(ckpt["model"]) if "model" in keys else {}
+    if "optimizer" in keys:
+        named.update({f"optimizer state {i}.{k}": v for i, s in ckpt["optimizer"]["state"].items()
+                      if isinstance(s, dict) for k, v in s.items() if torch.is_tensor(v)})
+    for name, tensor in named.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            return f"its weights are not finite ({name} holds NaN or inf): a diverged run; use an earlier checkpoint"
+    return None
+
+
+def config_problem(ckpt: dict, keys) -> str | None:
+    """The model config with the rules of a new model (revit.ViTConfig / alternet.AlterNetConfig, and
+    the depth bound of the command line), checked by building the model on the meta device (no
+    memory, no RNG): then the weights must fit it exactly."""
+    if "model_config" not in keys or ckpt["arch"] == "linear-probe":
+        return None
+    arch, config = ckpt["arch"], ckpt["model_config"]
+    module = preset_module(arch)
+    if module is None:
+        return f"checkpoint of unknown arch {arch!r} (not a preset of revit.py or alternet.py)"
+    if too_deep(config):
+        return f"its model_config has {too_deep(config)}"
+    try:
+        with torch.device("meta"):
+            model = module.create_model(arch, **config)
+    except (ValueError, TypeError) as e:
+        return f"its model_config does not build {arch}: {e}"
+    return fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None
+
+
+def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
+    """How `weights` differ from a model's state dict `expected` (names and shapes), or None."""
+    problems = {"missing": [k for k in expected if k not in weights],
+                "unexpected": [k for k in weights if k not in expected],
+                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
+                                       if k in weights and weights[k].shape != v.shape]}
+    for problem, names in problems.items():
+        if names:
+            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return None
 
 
 def preset_module(arch: str):
@@ -80,27 +177,14 @@ def preset_module(arch: str):
 
 def load_model(path, device="cpu", flag: str = "checkpoint"):
     """Rebuild a trained model from a checkpoint of this project -> (model in eval mode, ckpt dict).
-    ValueError with one line naming the flag, the file and what is wrong."""
+    ValueError with one line naming the flag, the file and what is wrong (load_checkpoint's checks)."""
     ckpt = load_checkpoint(path, flag)
     arch = ckpt["arch"]
     if arch == "linear-probe":
         raise ValueError(f"{flag} {path} is a linear-probe head, not a model; its backbone is "
                          f"{ckpt['model_config'].get('backbone')}")
-    module = preset_module(arch)
-    if module is None:
-        raise ValueError(f"{flag} {path}: checkpoint of unknown arch {arch!r} (not a preset of revit.py or alternet.py)")
-    try:
-        model = module.create_model(arch, **ckpt["model_config"])
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{flag} {path}: its model_config does not build {arch}: {e}") from None
-    try:
-        missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
-    except RuntimeError as e:  # shapes that differ
-        raise ValueError(f"{flag} {path}: its weights do not fit {arch}: {' '.join(str(e).split())[:300]}") from None
-    for problem, names in (("missing", missing), ("unexpected", unexpected)):
-        if names:
-            raise ValueError(f"{flag} {path}: its weights do not fit {arch}: {len(names)} {problem} tensors "
-                             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    model = preset_module(arch).create_model(arch, **ckpt["model_config"])
+    model.load_state_dict(ckpt["model"])  # names and shapes checked by load_checkpoint
     return model.to(device).eval(), ckpt
 
 
@@ -225,21 +309,37 @@ def seed_device(device: torch.device, seed: int) -> None:
 
 
 class RunFolder:
-    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (fcntl.flock) while a process trains there."""
+    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (fcntl.flock) while a process trains there.
+    `resume`: the checkpoint a resumed run continues; the folder is that run's own when its ckpt.pt is
+    that file, and then its log is continued, else the folder must hold no run (or --overwrite)."""
 
-    def __init__(self, path):
+    def __init__(self, path, resume: str = ""):
         self.path = Path(path)
         self.ckpt, self.metrics = self.path / "ckpt.pt", self.path / "metrics.jsonl"
+        self.resume = resume
         self.lock = self.log_file = None
 
+    def continues_run(self) -> bool:
+        """A resume whose checkpoint is this folder's ckpt.pt: the run carries on here."""
+        return bool(self.resume) and self.ckpt.exists() and self.ckpt.resolve() == Path(self.resume).resolve()
+
     def check(self, fresh: bool, overwrite: bool) -> None:
-        """Before any work, without writing: can the folder be written, is it free for a new run?"""
-        existing = next(p for p in (self.path, *self.path.absolute().parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            fail(f"--out-dir {self.path}: {existing} is not a writable folder")
-        if fresh and not overwrite and (self.ckpt.exists() or self.metrics.exists()):
+        """Before any work, without writing: can the folder be written, is it free for this run?"""
+        problem = output_problem(self.path, "folder")
+        if problem:
+            fail(f"--out-dir {self.path} {problem}")
+        for file in (self.ckpt, self.metrics):
+            if os.path.lexists(file) and (file.is_symlink() or not file.is_file()):  # written through or hung on
+                fail(f"--out-dir {self.path}: its {file.name} is not a regular file (a symbolic link, a folder or a "
+                     f"FIFO); move it away or choose another --out-dir")
+        holds_run = self.ckpt.exists() or self.metrics.exists()
+        if fresh and not overwrite and holds_run:
             fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "
                  f"another --out-dir, or replace it with --overwrite")
+        if not fresh and not overwrite and holds_run and not self.continues_run():
+            fail(f"--out-dir {self.path} holds a run other than --resume {self.resume} (its own checkpoint is "
+                 f"{self.ckpt}); continuing here would overwrite {self.ckpt.name} and cut {self.metrics.name}: give "
+                 f"the run a new --out-dir, or replace the folder's run with --overwrite")
 
     def open(self, fresh: bool, overwrite: bool, resume_step: int | None) -> None:
         try:
@@ -253,7 +353,7 @@ class RunFolder:
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
         for stale in self.path.glob(f".{self.ckpt.name}.tmp*"):  # saves interrupted by a kill
             stale.unlink()
-        if fresh:
+        if fresh or not self.continues_run():  # a new run, or a resumed one moved here: nothing to keep
             self.ckpt.unlink(missing_ok=True)
             self.metrics.unlink(missing_ok=True)
         elif self.metrics.exists():  # the steps after the checkpoint will be logged again
@@ -280,5 +380,7 @@ def logged_by(line: str, step: int) -> bool:
     try:
         record = json.loads(line)
     except json.JSONDecodeError:
+        return False
+    if not isinstance(record, dict) or not isinstance(record.get("step", 0), (int, float)):
         return False
     return record.get("event") != "final" and record.get("step", 0) <= step

@@ -1,7 +1,8 @@
 """What train.py and the tools (probes.py, analyze.py, export.py, bench.py) share on the command line:
 one-line user errors (`fail`), flags generated from a config dataclass, the --eval-depths and
---model-args parsers, the device (`pick_device`, `device_options`) and optional matplotlib (`pyplot`).
-Imports nothing of the project.
+--model-args parsers, the bounds and path checks every tool applies before it reads or writes
+(`MAX_DEPTH`, `path_problem`, `output_problem`), the device (`pick_device`, `device_options`) and
+optional matplotlib (`pyplot`). Imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import errno
 import os
+import stat
 import sys
 import typing
 from dataclasses import field, fields
+from pathlib import Path
 
 import torch
 
@@ -65,13 +69,16 @@ def dataclass_parser(config_class, description: str, suppress_defaults: bool = F
 
 
 def parse_depths(text: str) -> list[int]:
-    """--eval-depths '4,8,12' -> [4, 8, 12] (empty: [])."""
+    """--eval-depths '4,8,12' -> [4, 8, 12] (empty: []); each in 1..MAX_DEPTH."""
+    items = [d.strip() for d in text.split(",")] if text.strip() else []
     try:
-        depths = [int(d) for d in text.split(",") if d.strip()]
+        depths = [int(d) for d in items]
     except ValueError:
         fail(f"--eval-depths must be comma-separated integers, e.g. 4,8,12; got {text!r}")
     if any(d < 1 for d in depths):
         fail(f"--eval-depths must be positive; got {text!r}")
+    if any(d > MAX_DEPTH for d in depths):
+        fail(f"--eval-depths must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}; got {text!r}")
     return depths
 
 
@@ -83,16 +90,111 @@ def parse_model_args(text: str, config_class=None) -> dict:
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep:
             fail(f"--model-args expects key=value pairs separated by commas; got {item!r}")
-        with contextlib.suppress(ValueError, SyntaxError):
+        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
             value = ast.literal_eval(value)
         if hints and key not in hints:
             fail(f"--model-args {key}: not a field of {config_class.__name__}; fields: {', '.join(hints)}")
-        kinds = tuple(k for k in (typing.get_args(hints[key]) or (hints[key],)) if isinstance(k, type)) if hints else ()
-        wrong = kinds and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds)
-        if wrong and not (float in kinds and type(value) is int):
-            fail(f"--model-args {key}={value!r}: {key} takes {' or '.join(k.__name__ for k in kinds)}")
+        if hints and not takes(hints[key], value):
+            fail(f"--model-args {key}={value!r}: {key} takes {type_names(hints[key])}")
+        if key in DEPTH_FIELDS and isinstance(value, int) and value > MAX_DEPTH:
+            fail(f"--model-args {key}={value}: must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}")
         overrides[key] = value
     return overrides
+
+
+def takes(hint, value) -> bool:
+    """Whether a field annotated `hint` (int, float, str, bool, X | None) takes `value`; a float field
+    takes an int, an int field never takes a bool."""
+    kinds = tuple(k for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
+    if isinstance(value, bool):
+        return bool in kinds
+    return isinstance(value, kinds) or float in kinds and type(value) is int
+
+
+def type_names(hint) -> str:
+    return " or ".join(k.__name__ for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
+
+
+def wrong_type(values: dict, config_class) -> str | None:
+    """The first of `values` (a saved config) whose field in config_class does not take it, as
+    'name=value: name takes int'; None when every known field fits (unknown names are ignored)."""
+    hints = typing.get_type_hints(config_class)
+    for name, value in values.items():
+        if name in hints and not takes(hints[name], value):
+            return f"{name}={value!r}: {name} takes {type_names(hints[name])}"
+    return None
+
+
+# --- bounds and paths: checked before anything is read or written ---
+
+# Recurrent steps / blocks of any model, at training or evaluation. A bound against typos and edited
+# files (a depth of 10**9 would allocate or loop for hours), far above any use (our choice): the
+# deepest preset has 24 blocks, the papers extrapolate to a few times the trained depth.
+MAX_DEPTH = 256
+MAX_DEPTH_REASON = "(the deepest preset has 24 steps; a bound against typos)"
+DEPTH_FIELDS = ("depth", "max_depth", "raptor_blocks")  # config fields that count steps or blocks
+
+
+def check_depth(depth, flag: str, minimum: int = 2) -> None:
+    """A depth given on the command line: ValueError naming the flag unless minimum <= depth <= MAX_DEPTH."""
+    if depth is not None and depth < minimum:
+        why = " (s_t = t/(L-1) needs two steps)" if minimum == 2 else ""
+        raise ValueError(f"{flag} must be >= {minimum}{why}; got {depth}")
+    if depth is not None and depth > MAX_DEPTH:
+        raise ValueError(f"{flag} must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}; got {depth}")
+
+
+def too_deep(config: dict) -> str | None:
+    """A saved model config (checkpoint, safetensors metadata) whose depth exceeds MAX_DEPTH, in words."""
+    for name in DEPTH_FIELDS:
+        if isinstance(config.get(name), int) and config[name] > MAX_DEPTH:
+            return f"{name}={config[name]}; at most {MAX_DEPTH} {MAX_DEPTH_REASON}"
+    return None
+
+
+def path_problem(path, kind: str = "file") -> str | None:
+    """Why `path` cannot be read as a `kind` ("file" or "folder"), in a few words; None when it can.
+    A FIFO is refused before it is opened (reading one would wait forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "a symbolic link to a missing target" if os.path.islink(path) else f"no such {kind}"
+        return f"cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(mode) != (kind == "folder"):
+        return "a folder, not a file" if kind == "file" else "a file, not a folder"
+    if kind == "file" and not stat.S_ISREG(mode):
+        return f"a {'FIFO' if stat.S_ISFIFO(mode) else 'socket or device'}, not a regular file"
+    readable = os.access(path, os.R_OK | (os.X_OK if kind == "folder" else 0))
+    return None if readable else "not readable (permission denied)"
+
+
+def output_problem(path, kind: str = "file") -> str | None:
+    """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path ("PATH is
+    a file; give a folder"): an existing path of the other kind, or a first existing ancestor that is not
+    a writable folder; None when it can be written (parent folders are created)."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return "is a broken symbolic link or a symbolic link loop"
+    if path.exists():
+        if path.is_dir() != (kind == "folder"):
+            return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"
+        if kind == "file" and not path.is_file():
+            return "is not a regular file (a FIFO, socket or device)"
+        if not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
+            return "is not writable"
+    for parent in path.absolute().parents:
+        if parent.is_symlink() and not parent.exists():
+            return f"cannot be created: {parent} is a broken symbolic link or a symbolic link loop"
+        if parent.exists():
+            if not parent.is_dir():
+                return f"cannot be created: {parent} is a file, not a folder"
+            if not os.access(parent, os.W_OK | os.X_OK):
+                return f"cannot be created: {parent} is not a writable folder"
+            return None
+    return None
 
 
 # --- devices: what differs on CUDA is decided by one function of the device type ---

@@ -3,7 +3,8 @@
 Everything here takes plain arguments and raises ValueError / FileNotFoundError with a message a
 user can act on; train.py turns those into one line (`train.py: error: ...`).
 
-- images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python pickles), any ImageFolder tree;
+- images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python archives, read by an unpickler that
+  builds only plain data: nothing in a data folder can run code), any ImageFolder tree;
   whole small data sets are uint8 tensors, batches are index gathers in a (seed, epoch) order;
 - text: bytes or GPT-2 BPE (tiktoken) of a UTF-8 file / folder, tinyshakespeare, or the default
   corpus `grammar_corpus()` that the repository generates itself (no download, no file);
@@ -16,17 +17,21 @@ Nothing here touches the network unless asked (`download=True`).
 from __future__ import annotations
 
 import gzip
+import io
 import math
 import os
 import pickle
 import random
 import tarfile
 import urllib.request
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from cli import path_problem
 
 # --- where the built-in data sets live ---
 
@@ -67,8 +72,11 @@ def find_builtin(name: str, data_dir: str = "", download: bool = False) -> Path:
     """The folder holding data set `name`: search the roots, else download when asked, else explain."""
     subfolder, marker, how = BUILTIN[name]
     for root in data_roots(data_dir):
+        problem = path_problem(root, "folder")
+        if problem and not problem.startswith("no such"):  # a root that is there but cannot be searched
+            raise ValueError(f"data folder {root}: {problem}")
         for folder in (root / subfolder, root) if subfolder else (root,):
-            if (folder / marker).exists():
+            if os.path.lexists(folder / marker):  # a marker that is a FIFO or a loop: its reader says so
                 return folder
     target = Path(data_dir or "data")
     where = ", ".join(map(str, data_roots(data_dir)))
@@ -111,38 +119,159 @@ def download_builtin(name: str, target: Path) -> None:
 # --- image readers ---
 
 
+MAX_FILE_BYTES = 1 << 30  # a data file, decompressed: 6x CIFAR-10's whole training set (our bound)
+
+
+def read_file(path: Path) -> bytes:
+    """The bytes of a data file (.gz decompressed). ValueError naming the file for anything that is not
+    a readable, complete file: a FIFO, a symlink loop, a torn or random .gz, a decompression bomb."""
+    problem = path_problem(path, "file")
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    try:
+        with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut-short .gz an EOFError
+        reason = getattr(e, "strerror", None) or str(e) or "cut short"
+        raise ValueError(f"{path}: cannot be read ({reason})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB (decompressed); not a data file of this set")
+    return raw
+
+
 def read_idx(path: Path) -> torch.Tensor:
     """IDX format (LeCun): 2 zero bytes, dtype code 0x08 (uint8), rank, big-endian dims, data."""
     path = Path(path)
-    raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
-    if raw[:3] != b"\x00\x00\x08":
+    raw = read_file(path)
+    if raw[:3] != b"\x00\x00\x08" or len(raw) < 4:
         raise ValueError(f"{path} is not an uint8 IDX file")
     rank = raw[3]
+    header = 4 + 4 * rank
+    if not 1 <= rank <= 4 or len(raw) < header:
+        raise ValueError(f"{path}: its IDX header is cut short or holds {rank} dimensions (1 to 4 expected)")
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
-    return torch.frombuffer(bytearray(raw[4 + 4 * rank:]), dtype=torch.uint8).view(*dims)
+    if math.prod(dims) != len(raw) - header:
+        raise ValueError(f"{path}: its IDX header says {'x'.join(map(str, dims))} = {math.prod(dims)} values, "
+                         f"the file holds {len(raw) - header}")
+    return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).view(*dims)
 
 
 def load_fashion_mnist(folder: Path):
     """-> ((train images (N, 1, 28, 28) uint8, labels), (test images, labels), 10)."""
     def split(prefix):
-        images = read_idx(Path(folder) / f"{prefix}-images-idx3-ubyte.gz").unsqueeze(1)  # (N, 1, 28, 28)
-        return images, read_idx(Path(folder) / f"{prefix}-labels-idx1-ubyte.gz").long()
+        images = read_idx(Path(folder) / f"{prefix}-images-idx3-ubyte.gz")
+        labels = read_idx(Path(folder) / f"{prefix}-labels-idx1-ubyte.gz")
+        if images.shape[1:] != (28, 28) or labels.shape != images.shape[:1] or labels.numel() and labels.max() > 9:
+            raise ValueError(f"{folder}: the {prefix} files are not Fashion-MNIST (28x28 images, one label "
+                             f"0-9 per image); got images {tuple(images.shape)}, labels {tuple(labels.shape)}")
+        return images.unsqueeze(1), labels.long()  # (N, 1, 28, 28)
     return split("train"), split("t10k"), 10
+
+
+# --- CIFAR's python archives, without running anything they hold ---
+
+
+class ArchiveArray:
+    """A numpy array of the archive as plain data (shape, dtype code, raw bytes): numpy is never imported
+    and nothing of the file is called; the unpickler hands its arguments here instead."""
+
+    def __init__(self, *args):
+        self.shape, self.dtype, self.raw = None, None, None
+
+    @classmethod
+    def from_buffer(cls, buffer, dtype, shape, order="C"):
+        """numpy's pickle protocol 5 form: numpy.core.numeric._frombuffer(buffer, dtype, shape, order)."""
+        array = cls()
+        array.__setstate__((1, shape, dtype, order != "C", bytes(buffer) if isinstance(buffer, bytearray) else buffer))
+        return array
+
+    def __setstate__(self, state):
+        if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[4], bytes) and not state[3]):
+            raise pickle.UnpicklingError("an array that is not a plain C-ordered array of numbers")
+        _, self.shape, self.dtype, _, self.raw = state
+
+
+class ArchiveDtype:
+    def __init__(self, code, *args):
+        self.code, self.order = code.decode() if isinstance(code, bytes) else code, "|"
+
+    def __setstate__(self, state):
+        self.order = state[1].decode() if isinstance(state[1], bytes) else state[1]
+
+
+def latin1(text, encoding="latin1"):
+    """How Python 3 pickles bytes at protocol 2 (_codecs.encode(text, 'latin1')), and nothing else."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("only latin1-encoded bytes are allowed")
+    return text.encode("latin1")
+
+
+class ArchiveUnpickler(pickle.Unpickler):
+    """Admits what CIFAR's archives hold: dicts, lists, bytes, str, numbers and numpy arrays (as ArchiveArray).
+    Any other global (a class, os.system, ...) is refused before it is looked up."""
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"): lambda cls, shape, dtype: ArchiveArray(),
+               ("numpy._core.multiarray", "_reconstruct"): lambda cls, shape, dtype: ArchiveArray(),
+               ("numpy.core.numeric", "_frombuffer"): ArchiveArray.from_buffer,
+               ("numpy._core.numeric", "_frombuffer"): ArchiveArray.from_buffer,
+               ("numpy", "ndarray"): ArchiveArray, ("numpy", "dtype"): ArchiveDtype, ("_codecs", "encode"): latin1}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it refers to the Python object {module}.{name}, which a data archive "
+                                         "never holds (refused, nothing run)")
+        return self.ALLOWED[(module, name)]
+
+
+ARCHIVE_DTYPES = {"u1": torch.uint8, "i1": torch.int8, "i2": torch.int16, "i4": torch.int32, "i8": torch.int64}
+
+
+def archive_tensor(value, what: str) -> torch.Tensor:
+    """An array or (nested) list of the archive -> int64 tensor; ValueError naming `what` otherwise."""
+    if isinstance(value, ArchiveArray):
+        code = getattr(value.dtype, "code", None)
+        if code not in ARCHIVE_DTYPES or getattr(value.dtype, "order", "|") == ">":
+            raise ValueError(f"{what} is an array of {code!r}; integers were expected")
+        dtype = ARCHIVE_DTYPES[code]
+        shape_ok = isinstance(value.shape, tuple) and all(isinstance(d, int) and d >= 0 for d in value.shape)
+        count = math.prod(value.shape) if shape_ok else -1
+        if count * dtype.itemsize != len(value.raw):
+            raise ValueError(f"{what}: its shape {value.shape} does not match its {len(value.raw)} bytes")
+        return torch.frombuffer(bytearray(value.raw), dtype=dtype).view(value.shape).long() if count else \
+            torch.zeros(value.shape, dtype=torch.long)
+    try:
+        return torch.tensor(value, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise ValueError(f"{what} is not a list of integers") from None
+
+
+def read_cifar_batch(path: Path, label_key: bytes, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One file of the archive -> (images (N, 3, 32, 32) uint8, labels (N,) int64)."""
+    raw = read_file(path)
+    try:
+        batch = ArchiveUnpickler(io.BytesIO(raw), encoding="bytes").load()  # the archive is Python 2's
+    except Exception as e:  # noqa: BLE001 -- whatever a torn or crafted pickle raises, the file is unusable
+        raise ValueError(f"{path}: not a CIFAR python archive ({' '.join(str(e).split())[:200] or type(e).__name__})") \
+            from None
+    if isinstance(batch, dict):  # Python 2's str keys load as bytes; a re-pickled archive may have str
+        batch = {k.encode() if isinstance(k, str) else k: v for k, v in batch.items()}
+    if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
+        raise ValueError(f"{path}: not a CIFAR python archive (a dict with {b'data'!r} and {label_key!r} expected)")
+    images, labels = archive_tensor(batch[b"data"], f"{path} data"), archive_tensor(batch[label_key], f"{path} labels")
+    if images.ndim != 2 or images.shape[1] != 3 * 32 * 32 or labels.shape != images.shape[:1]:
+        raise ValueError(f"{path}: expected N rows of 3072 pixels and N labels; got {tuple(images.shape)} and "
+                         f"{tuple(labels.shape)}")
+    if images.numel() and (images.min() < 0 or images.max() > 255) or labels.numel() and (
+            labels.min() < 0 or labels.max() >= classes):
+        raise ValueError(f"{path}: pixels must be 0..255 and labels 0..{classes - 1}")
+    return images.to(torch.uint8).view(-1, 3, 32, 32), labels  # row-major channel planes, as the archive stores them
 
 
 def load_cifar(folder: Path, classes: int):
     """The official python archives -> ((train (N, 3, 32, 32) uint8, labels), (test ...), classes)."""
     def read(names):
-        images, labels = [], []
-        for name in names:
-            with open(Path(folder) / name, "rb") as f:
-                try:
-                    batch = pickle.load(f, encoding="bytes")  # the official archive format
-                except ModuleNotFoundError as e:
-                    raise ValueError(f"reading the CIFAR archives needs numpy (pip install numpy): {e}") from None
-            images.append(torch.tensor(batch[b"data"], dtype=torch.uint8).view(-1, 3, 32, 32))
-            labels.append(torch.tensor(batch[b"labels" if classes == 10 else b"fine_labels"]))
-        return torch.cat(images), torch.cat(labels).long()
+        batches = [read_cifar_batch(Path(folder) / name, b"labels" if classes == 10 else b"fine_labels", classes)
+                   for name in names]
+        return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     if classes == 10:
         return read([f"data_batch_{i}" for i in range(1, 6)]), read(["test_batch"]), 10
     return read(["train"]), read(["test"]), 100
@@ -312,13 +441,22 @@ def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", downl
     """The training text: a UTF-8 file or folder of .txt files (`path`), else the named corpus."""
     if path:
         path = Path(path)
-        files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        try:
+            files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        except OSError as e:
+            raise ValueError(f"{path}: cannot be searched ({e.strerror or e})") from None
         if not files:
             raise FileNotFoundError(f"{path} holds no .txt files")
+        for f in files:  # a FIFO would make read_text wait forever
+            problem = path_problem(f, "file")
+            if problem:
+                raise ValueError(f"{f}: {problem}")
         try:
             text = "\n".join(f.read_text(encoding="utf-8") for f in files)
         except UnicodeDecodeError as e:
             raise ValueError(f"{path} is not UTF-8 text ({e})") from None
+        except OSError as e:
+            raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
         if not text.strip():
             raise ValueError(f"{path} holds no text (empty or only whitespace)")
         return text

@@ -42,8 +42,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import revit
-from checkpoint import load_vision_model
-from cli import fail
+from checkpoint import load_vision_model, non_finite
+from cli import check_depth, fail, output_problem, path_problem, too_deep
 
 FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
@@ -79,10 +79,12 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
 
 
 def load_source(path) -> nn.Module:
-    """export.py's input: a checkpoint of this project, or a compact / folded .safetensors -> model in eval mode."""
+    """export.py's input: a checkpoint of this project, or a compact / folded .safetensors -> model in eval mode.
+    Either way its weights are finite (checkpoint.non_finite, the loader's one check)."""
     if Path(path).suffix == ".safetensors":
-        if not Path(path).is_file():
-            raise ValueError(f"checkpoint {path}: no such file")
+        problem = path_problem(path, "file")
+        if problem:
+            raise ValueError(f"checkpoint {path}: {problem}")
         return load_safetensors(path)
     return load_vision_model(path, "checkpoint")[0]
 
@@ -156,11 +158,21 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
             raise ValueError(f"{path} is not a revit safetensors export (format={kind!r}); "
                              "for a timm-layout file use load_timm_state_dict(model, tensors)")
         try:
-            config = revit.ViTConfig(**json.loads(metadata["config"]))
-        except (KeyError, TypeError, ValueError) as e:  # no config, not JSON, or fields this revit.py lacks
+            fields = json.loads(metadata["config"])
+            if isinstance(fields, dict) and too_deep(fields):
+                raise ValueError(too_deep(fields))
+            config = revit.ViTConfig(**fields)
+        except (KeyError, TypeError, ValueError, RecursionError) as e:  # no config, not JSON, fields revit.py lacks
             raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "
-                             f"({type(e).__name__}: {e})") from None
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+        with torch.device("meta"):  # shapes first, without memory: a config that says 10**6 experts allocates nothing
+            report = shape_report(revit.MODELS[config.arch](config), tensors)
+        if report:
+            raise ValueError(f"{path} does not fit its own config: {report}")
         model = revit.MODELS[config.arch](config)
+    problem = non_finite({"model": tensors}, ("model",))
+    if problem:
+        raise ValueError(f"checkpoint {path}: {problem}")
     return load_weights(model, tensors, str(path)).eval()
 
 
@@ -295,27 +307,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors: folded ViT; onnx: folded graph; timm: folded ViT in timm's layout; "
                         "compact: the dynamic model (experts + router), depth chosen later")
     p.add_argument("--out", required=True, help="output file (parent folders are created)")
-    p.add_argument("--opset", type=int, default=18, help="ONNX opset version (--format onnx; 14..20)")
+    p.add_argument("--opset", type=int, default=None, help="ONNX opset version (--format onnx; 14..20) [default: 18]")
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The flags that need no file: a ValueError naming the flag and what is allowed."""
-    if args.depth is not None and args.depth < 2:
-        raise ValueError(f"--depth must be >= 2 (s_t = t/(L-1) needs two steps); got {args.depth}")
-    if args.format == "onnx":
-        if args.opset not in ONNX_OPSETS:
-            raise ValueError(f"--opset must be in {ONNX_OPSETS.start}..{ONNX_OPSETS.stop - 1}; got {args.opset}")
-        require_onnx()
+    """The flags that need no file: a ValueError naming the flag and what is allowed. Optional packages
+    are looked for only after every argument and the source checked out (export)."""
+    check_depth(args.depth, "--depth")
+    if args.opset is not None and args.format != "onnx":
+        raise ValueError(f"--opset applies to --format onnx only; got --format {args.format} --opset {args.opset}")
+    args.opset = 18 if args.opset is None else args.opset
+    if args.opset not in ONNX_OPSETS:
+        raise ValueError(f"--opset must be in {ONNX_OPSETS.start}..{ONNX_OPSETS.stop - 1}; got {args.opset}")
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model'}")
-
-
-def check_finite(model: nn.Module, source) -> None:
-    """Nothing non-finite is exported: a diverged checkpoint is refused, naming its first bad tensor."""
-    for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ValueError(f"checkpoint {source}: its weights are not finite ({name} holds NaN or inf)")
+    problem = output_problem(args.out, "file")
+    if problem:
+        raise ValueError(f"--out {args.out} {problem}")
+    if Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve():
+        raise ValueError(f"--out {args.out} is the checkpoint being exported; give another file")
+    if Path(args.out).name in ("ckpt.pt", "metrics.jsonl") and Path(args.out).exists():
+        raise ValueError(f"--out {args.out} is a file of a training run; give another file")
 
 
 def write_atomically(out: Path, write):
@@ -334,7 +347,6 @@ def write_atomically(out: Path, write):
 def export(args: argparse.Namespace) -> dict:
     """Read and check everything first (the source, its weights, the fold at --depth), then write --out."""
     model = load_source(args.checkpoint)
-    check_finite(model, args.checkpoint)
     out = Path(args.out)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
     if args.format == "compact":
@@ -352,6 +364,7 @@ def export(args: argparse.Namespace) -> dict:
         print(f"load in timm: model = timm.create_model({summary['timm_model']!r}{kwargs}); "
               f"model.load_state_dict({read}({str(out)!r}), strict=True)", file=sys.stderr)
     else:
+        require_onnx()  # after every argument and the source: a bad input is reported as such without onnx
         summary["onnx_max_abs_diff"] = write_atomically(out, lambda path: export_onnx(vit, path, args.opset))
         if summary["onnx_max_abs_diff"] is None:
             print("onnxruntime is not installed: the ONNX graph was written but not checked "

@@ -65,7 +65,7 @@ from einops import rearrange
 
 import checkpoint
 import train
-from cli import dataclass_parser, fail, opt, parse_depths, pick_device
+from cli import check_depth, dataclass_parser, fail, opt, output_problem, parse_depths, path_problem, pick_device
 from data import NORMALISATION, epoch_order, load_images
 from tasks import DENSE_PROBES
 
@@ -282,6 +282,8 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
     splits = []
     for name, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
         path = root / f"{name}.pt"
+        if path_problem(path, "file"):  # a FIFO would make torch.load wait forever
+            fail(f"--data {path}: {path_problem(path, 'file')}")
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, the file is unusable
@@ -336,7 +338,7 @@ def read_image_folders(root: Path, task: str, cfg: ProbeConfig, size: int, chann
 def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseData:
     """--data ROOT in one of the four documented formats (module docstring), detected in that order."""
     root = Path(cfg.data)
-    if (root / "train.pt").is_file() and (root / "val.pt").is_file():
+    if all(os.path.lexists(root / name) for name in ("train.pt", "val.pt")):  # read_tensor_files checks them
         return read_tensor_files(root, task, cfg)
     ade = root / "ADEChallengeData2016" if (root / "ADEChallengeData2016").is_dir() else root
     if (ade / "annotations" / "training").is_dir():
@@ -411,7 +413,10 @@ class FrozenBackbone:
         path = Path(self.cache) / f"{self.ckpt_hash[:16]}-depth{depth}-data{data.hexdigest()[:16]}.safetensors"
         if path.is_file():
             with contextlib.suppress(SafetensorError, KeyError, OSError):  # an unreadable entry is recomputed
-                return load_file(path)["features"]
+                cached = load_file(path)["features"]
+                config = self.model.config
+                if cached.shape == (len(images), config.num_patches, config.dim) and torch.isfinite(cached).all():
+                    return cached  # else an edited or foreign entry: recomputed, and replaced below
         feats = extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -506,14 +511,18 @@ def check_config(cfg: ProbeConfig) -> None:
         fail(f"--lr must be a finite number > 0; got {cfg.lr}")
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
         fail(f"--weight-decay must be a finite number >= 0; got {cfg.weight_decay}")
-    if cfg.depth is not None and cfg.depth < 1:
-        fail(f"--depth must be >= 1; got {cfg.depth}")
+    try:
+        check_depth(cfg.depth, "--depth", minimum=1)
+    except ValueError as e:
+        fail(str(e))
+    if not 0 <= cfg.seed < 2 ** 63:
+        fail(f"--seed must be in 0..2**63-1; got {cfg.seed}")
     parse_depths(cfg.eval_depths)
-    if cfg.data and not Path(cfg.data).is_dir():
-        fail(f"--data {cfg.data}: no such folder")
+    if cfg.data and path_problem(cfg.data, "folder"):
+        fail(f"--data {cfg.data}: {path_problem(cfg.data, 'folder')}")
     for flag, folder in (("--probe-cache", cfg.probe_cache), ("--out-dir", cfg.out_dir)):
-        if folder and Path(folder).exists() and not Path(folder).is_dir():
-            fail(f"{flag} {folder} is a file; give a folder")
+        if folder and output_problem(folder, "folder"):
+            fail(f"{flag} {folder} {output_problem(folder, 'folder')}")
 
 
 def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:

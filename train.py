@@ -47,9 +47,10 @@ from tqdm import tqdm
 import alternet
 import memory
 import revit
-from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, preset_module,
-                        primitive, rng_state, set_rng_state, unwrap)
-from cli import dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, pick_device, say
+from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
+                        preset_module, primitive, rng_state, set_rng_state, unwrap)
+from cli import (MAX_DEPTH, MAX_DEPTH_REASON, dataclass_parser, device_options, fail, opt, parse_depths,
+                 parse_model_args, path_problem, pick_device, say, wrong_type)
 from tasks import DENSE_PROBES, PROBES, build
 
 
@@ -438,9 +439,11 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     trainable = model.head if cfg.probe else model
     optimizer = torch.optim.AdamW(param_groups(trainable, cfg.weight_decay), lr=sched["peak_lr"],
                                   betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
+    if resume_ckpt is not None:  # all of it, before the run folder is touched
+        check_resume(cfg, resume_ckpt, trainable, optimizer, augment, sched["total_steps"])
     out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
     cfg.out_dir = out_dir
-    folder = RunFolder(out_dir)
+    folder = RunFolder(out_dir, cfg.resume)
     if rank == 0:
         folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
                     resume_step=resume_ckpt["step"] if resume_ckpt else None)
@@ -662,7 +665,9 @@ RULES = {**dict.fromkeys(GREATER_THAN_ZERO, (lambda v: v > 0, "> 0")),
          **dict.fromkeys(AT_LEAST_ZERO, (lambda v: v >= 0, ">= 0")),
          **dict.fromkeys(("beta1", "beta2"), (lambda v: 0 <= v < 1, "in [0, 1)")),
          **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
-                         (lambda v: 0 <= v <= 1, "in [0, 1]"))}
+                         (lambda v: 0 <= v <= 1, "in [0, 1]")),
+         "depth": (lambda v: 0 < v <= MAX_DEPTH, f"in 1..{MAX_DEPTH} {MAX_DEPTH_REASON}"),
+         "seed": (lambda v: 0 <= v < 2 ** 32, "in 0..2**32-1")}  # data orders seed with seed * 1_000_003 + epoch
 CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"), "probe": ("", *PROBES),
            "compile_backend": ("inductor", "eager", "aot_eager")}
 
@@ -689,13 +694,15 @@ def check_config(cfg: TrainConfig) -> None:
         fail("--probe needs --backbone CHECKPOINT (the frozen model to probe)")
     if cfg.probe and cfg.teacher:
         fail("--probe and --teacher cannot be combined")
-    if cfg.data_dir and not Path(cfg.data_dir).is_dir():
-        fail(f"--data-dir {cfg.data_dir} does not exist (omit it to search ./data, $REVIT_DATA_DIR and "
-             f"/usr/share/datasets)")
-    if cfg.data and not Path(cfg.data).exists():
-        fail(f"--data {cfg.data} does not exist")
-    if cfg.teacher and not cfg.teacher.startswith("hub:") and not Path(cfg.teacher).is_file():
-        fail(f"--teacher {cfg.teacher}: no such file (a checkpoint of this project, or hub:dinov2_vitb14)")
+    problem = cfg.data_dir and path_problem(cfg.data_dir, "folder")
+    if problem:
+        fail(f"--data-dir {cfg.data_dir}{' does not exist' if problem == 'no such folder' else ': ' + problem} "
+             f"(omit it to search ./data, $REVIT_DATA_DIR and /usr/share/datasets)")
+    if cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file"):
+        fail(f"--data {cfg.data}: {path_problem(cfg.data, 'file')}")
+    if cfg.teacher and not cfg.teacher.startswith("hub:") and path_problem(cfg.teacher, "file"):
+        fail(f"--teacher {cfg.teacher}: {path_problem(cfg.teacher, 'file')} (a checkpoint of this project, or "
+             f"hub:dinov2_vitb14)")
     parse_depths(cfg.eval_depths)
     module = preset_module(cfg.arch)
     parse_model_args(cfg.model_args, module.ViTConfig if module is revit else module.AlterNetConfig)
@@ -713,8 +720,8 @@ def resume_config(explicit: dict) -> tuple[dict, dict]:
     """The checkpoint and the saved run's config; flags given now may extend it (e.g. more --epochs)."""
     path = explicit["resume"]
     ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
-    saved = ckpt["train_config"]
-    if "arch" in explicit and explicit["arch"] != saved["arch"]:
+    saved = saved_config(ckpt, path, "--resume")
+    if "arch" in explicit and explicit["arch"] != saved.get("arch"):
         fail(f"--resume {path} is a checkpoint of {saved['arch']}, not {explicit['arch']}")
     for name in FIXED_ON_RESUME:
         if name in explicit and explicit[name] != saved.get(name):
@@ -724,6 +731,40 @@ def resume_config(explicit: dict) -> tuple[dict, dict]:
     merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
     merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
     return ckpt, merged
+
+
+def saved_config(ckpt: dict, path, flag: str) -> dict:
+    """A checkpoint's train_config, each known value of the type its flag takes (the values' ranges are
+    checked with the flags', by resolve_config)."""
+    saved = ckpt["train_config"]
+    problem = wrong_type(saved, TrainConfig)
+    if problem:
+        fail(f"{flag} {path}: its train_config has {problem}")
+    return saved
+
+
+def check_resume(cfg: TrainConfig, ckpt: dict, trainable: nn.Module, optimizer, augment, total_steps: int) -> None:
+    """What set-up applies from a resumed checkpoint, checked against the rebuilt run without changing it:
+    a failure here leaves the run folder as it was."""
+    flag = f"--resume {cfg.resume}"
+    if ckpt["step"] > total_steps:
+        fail(f"{flag} is at step {ckpt['step']}, past this run's {total_steps} steps; give a larger --max-steps "
+             f"or --epochs (the checkpoint is left as it is)")
+    problem = fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = ckpt["optimizer"]["param_groups"]
+    if not problem and [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        problem = "its optimizer state does not fit the model (parameter groups differ)"
+    for index, state in ckpt["optimizer"]["state"].items() if not problem else ():
+        shapes = {tuple(v.shape) for k, v in state.items() if torch.is_tensor(v) and k != "step"} \
+            if isinstance(state, dict) else {None}
+        if not isinstance(index, int) or not 0 <= index < len(params) or shapes - {tuple(params[index].shape)}:
+            problem = f"its optimizer state does not fit the model (entry {index!r})"
+            break
+    if not problem and augment is not None and any("augment" not in r for r in ckpt["rng"]):
+        problem = "its rng holds no augmentation state (an image run saves one)"
+    if problem:
+        fail(f"{flag}: {problem}")
 
 
 def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only"):
@@ -736,12 +777,16 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
              f"{', '.join('--' + f.replace('_', '-') for f in sorted(EVAL_ONLY_FLAGS))}; got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
-    cfg = resolve_config({**{k: v for k, v in ckpt["train_config"].items() if k in known}, **flags}, announce=False)
+    saved = saved_config(ckpt, path, flag)
+    cfg = resolve_config({**{k: v for k, v in saved.items() if k in known}, **flags}, announce=False)
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
         fail(str(e))
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
+    problem = fit_problem((model.head if cfg.probe else model).state_dict(), ckpt["model"], ckpt["arch"])
+    if problem:
+        fail(f"{flag} {path}: {problem}")
     (model.head if cfg.probe else model).load_state_dict(ckpt["model"])
     return cfg, model.to(device).eval(), task
 
@@ -772,7 +817,7 @@ def main(argv=None) -> dict:
         explicit.setdefault("arch", arch)
     cfg = resolve_config(explicit, announce=resume_ckpt is None)
     if cfg.out_dir:
-        RunFolder(cfg.out_dir).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
+        RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
     try:
         return train(cfg, resume_ckpt)
     finally:

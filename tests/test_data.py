@@ -1,4 +1,6 @@
 """data.py: the readers of the built-in data sets, the default text corpus, batches and augmentation."""
+import gzip
+import os
 import pickle
 import re
 from pathlib import Path
@@ -117,3 +119,102 @@ def test_augment_shapes_and_soft_targets():
     x, targets = data.Augment(gray, torch.device("cpu"), 0)(images[:4], labels[:4])  # all off: normalise only
     assert torch.allclose(x, (images[:4].float() / 255 - 0.286) / 0.353)
     assert torch.equal(targets, torch.nn.functional.one_hot(labels[:4], 10).float())
+
+
+# --- hostile data folders: nothing runs, every problem is one line naming the file ---
+
+
+class WritesMarker:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+# data_batch_1 as Python 2 pickled it (protocol 2, str as SHORT_BINSTRING, numpy 1.x global names):
+# {'data': uint8 array (2, 3072), 'labels': [1, 2]}, the layout of the official archive
+PY2_PIXELS = bytes(range(256)) * 24
+PY2_ARCHIVE = (b"\x80\x02}q\x00(U\x04dataq\x01cnumpy.core.multiarray\n_reconstruct\nq\x02cnumpy\nndarray\nq\x03K\x00"
+               b"\x85U\x01b\x87Rq\x04(K\x01K\x02M\x00\x0c\x86cnumpy\ndtype\nq\x05U\x02u1K\x00K\x01\x87Rq\x06(K\x03U\x01|"
+               b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89T\x00\x18\x00\x00" + PY2_PIXELS +
+               b"tbU\x06labelsq\x07]q\x08(K\x01K\x02eu.")
+
+
+def test_cifar_python2_archive_is_read_without_numpy(tmp_path, monkeypatch):
+    (tmp_path / "data_batch_1").write_bytes(PY2_ARCHIVE)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", None)  # never imported: arrays are read as bytes
+    images, labels = data.read_cifar_batch(tmp_path / "data_batch_1", b"labels", 10)
+    assert images.shape == (2, 3, 32, 32) and labels.tolist() == [1, 2]
+    assert torch.equal(images.flatten(), torch.tensor(list(PY2_PIXELS), dtype=torch.uint8))
+
+
+def test_a_cifar_archive_that_pickles_code_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (tmp_path / name).write_bytes(pickle.dumps({b"data": WritesMarker(marker), b"labels": [0]}))
+    with pytest.raises(ValueError) as info:
+        data.load_cifar(tmp_path, 10)
+    assert "data_batch_1: not a CIFAR python archive (it refers to the Python object io.open" in str(info.value)
+    assert not marker.exists() and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("content, needle", [
+    ({b"data": [[0] * 3072], b"labels": [0, 1]}, "expected N rows of 3072 pixels and N labels"),
+    ({b"data": [[300] * 3072], b"labels": [0]}, "pixels must be 0..255 and labels 0..9"),
+    ({b"data": [[0] * 3072], b"labels": [10]}, "pixels must be 0..255 and labels 0..9"),
+    ({b"data": "pixels", b"labels": [0]}, "data is not a list of integers"),
+    ({b"labels": [0]}, "not a CIFAR python archive (a dict with b'data'"),
+    ([1, 2, 3], "not a CIFAR python archive"),
+])
+def test_cifar_archives_with_wrong_contents(tmp_path, content, needle):
+    (tmp_path / "batch").write_bytes(pickle.dumps(content))
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        data.read_cifar_batch(tmp_path / "batch", b"labels", 10)
+
+
+def test_torn_cifar_archive(tmp_path):
+    (tmp_path / "batch").write_bytes(PY2_ARCHIVE[:500])
+    with pytest.raises(ValueError, match="batch: not a CIFAR python archive"):
+        data.read_cifar_batch(tmp_path / "batch", b"labels", 10)
+
+
+def idx_bytes(count, stored):
+    return b"\x00\x00\x08\x01" + count.to_bytes(4, "big") + bytes(stored)
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p.write_bytes(bytes(range(256)) * 4), "cannot be read (Not a gzipped file"),
+    (lambda p: p.write_bytes(gzip.compress(idx_bytes(100, 100))[:-12]), "cannot be read (Compressed file ended"),
+    (lambda p: p.write_bytes(gzip.compress(idx_bytes(100, 60))), "its IDX header says 100 = 100 values, the file holds 60"),
+    (lambda p: p.write_bytes(gzip.compress(b"\x00\x00\x08\x09")), "its IDX header is cut short or holds 9 dimensions"),
+    (lambda p: p.symlink_to(p), "a symbolic link loop"),
+    (lambda p: os.mkfifo(p), "a FIFO, not a regular file"),
+    (lambda p: p.mkdir(), "a folder, not a file"),
+])
+def test_bad_idx_files_are_one_line(tmp_path, make, needle):
+    make(tmp_path / "x.gz")
+    with pytest.raises(ValueError) as info:
+        data.read_idx(tmp_path / "x.gz")
+    assert needle in str(info.value) and "\n" not in str(info.value) and str(tmp_path / "x.gz") in str(info.value)
+
+
+def test_a_fashion_mnist_folder_of_random_files(tmp_path):
+    for name in data.FMNIST_FILES:
+        (tmp_path / name).write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz: cannot be read"):
+        data.load_images("fashion-mnist", data_dir=str(tmp_path))
+
+
+def test_an_unreadable_data_folder(tmp_path, monkeypatch):
+    (tmp_path / "fashion-mnist").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == tmp_path else real_access(p, mode))
+    with pytest.raises(ValueError, match=f"data folder {tmp_path}: not readable \\(permission denied\\)"):
+        data.find_builtin("fashion-mnist", str(tmp_path))
+
+
+def test_a_text_fifo_is_refused_before_it_is_read(tmp_path):
+    os.mkfifo(tmp_path / "corpus.txt")
+    with pytest.raises(ValueError, match="corpus.txt: a FIFO, not a regular file"):
+        data.read_text(path=str(tmp_path / "corpus.txt"))

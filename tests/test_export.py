@@ -7,6 +7,7 @@ implements timm's VisionTransformer numerics on a timm-layout state dict.
 """
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import alternet
 import export
@@ -284,6 +286,18 @@ def test_mismatched_shapes_list_the_keys(tmp_path):
     assert "missing (4 keys)" in message and "blocks.0.ls1.gamma: expected [16]" in message
 
 
+class OsSystem:
+    """A pickled call of os.system: a safe load must refuse it, and say so."""
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def edit_safetensors_config(path, **fields):
+    tensors, metadata = export.read_safetensors(path)
+    metadata["config"] = json.dumps({**json.loads(metadata["config"]), **fields})
+    save_file(tensors, str(path), metadata=metadata)
+
+
 def bad_inputs(tmp_path, checkpoint):
     """Files a user might pass by mistake, each next to the checkpoint fixture."""
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
@@ -302,6 +316,24 @@ def bad_inputs(tmp_path, checkpoint):
     with torch.no_grad():
         diverged.block.attn.qkv.weight[0, 0] = float("nan")
     write_checkpoint(tmp_path / "diverged.pt", diverged)
+    (tmp_path / "afile").write_text("a file where a folder is expected")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_bytes(b"another run's checkpoint")
+    (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
+    (tmp_path / "loop.safetensors").symlink_to(tmp_path / "loop.safetensors")
+    os.mkfifo(tmp_path / "fifo.pt")  # reading it would wait forever
+    torch.save({"model": OsSystem()}, tmp_path / "os_system.pt")
+    folded = revit.fold(checkpoint[0], 2)
+    export.save_safetensors(folded, tmp_path / "deep.safetensors", "folded")
+    edit_safetensors_config(tmp_path / "deep.safetensors", depth=10 ** 9)
+    export.save_safetensors(folded, tmp_path / "wide.safetensors", "folded")
+    edit_safetensors_config(tmp_path / "wide.safetensors", dim=2 ** 20, heads=1, ffn_dim=2 ** 20)
+    with torch.no_grad():
+        folded.head.bias[0] = float("inf")
+    export.save_safetensors(folded, tmp_path / "nan.safetensors", "folded")
+    deep = torch.load(checkpoint[1], weights_only=True)
+    deep["model_config"]["depth"] = 10 ** 9
+    torch.save(deep, tmp_path / "deep.pt")
     lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
     torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": asdict(lm.config)},
                tmp_path / "language.pt")
@@ -309,10 +341,25 @@ def bad_inputs(tmp_path, checkpoint):
 
 @pytest.mark.parametrize("argv, needle", [
     (["{ckpt}", "--depth", "1", "--format", "onnx", "--out", "{tmp}/x"], "--depth must be >= 2"),
+    (["{ckpt}", "--depth", "1000000000", "--format", "safetensors", "--out", "{tmp}/x"],
+     "--depth must be <= 256"),
+    (["{ckpt}", "--format", "safetensors", "--opset", "5", "--out", "{tmp}/x"], "--opset applies to --format onnx only"),
+    (["{ckpt}", "--format", "compact", "--out", "{tmp}/afile/x"], "afile is a file, not a folder"),
+    (["{ckpt}", "--format", "compact", "--out", "{ckpt}"], "is the checkpoint being exported"),
+    (["{ckpt}", "--format", "compact", "--out", "{tmp}/run/ckpt.pt"], "is a file of a training run"),
+    (["{tmp}/loop.pt", "--format", "onnx", "--out", "{tmp}/x"], "loop.pt: a symbolic link loop"),
+    (["{tmp}/fifo.pt", "--format", "onnx", "--out", "{tmp}/x"], "fifo.pt: a FIFO, not a regular file"),
+    (["{tmp}/loop.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "a symbolic link loop"),
+    (["{tmp}/os_system.pt", "--format", "onnx", "--out", "{tmp}/x"], "it stores the Python object posix.system"),
+    (["{tmp}/deep.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "depth=1000000000; at most 256"),
+    (["{tmp}/wide.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "does not fit its own config"),
+    (["{tmp}/nan.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "nan.safetensors: its weights are not "
+                                                                        "finite (head.bias"),
+    (["{tmp}/deep.pt", "--format", "onnx", "--out", "{tmp}/x"], "model_config has depth=1000000000; at most 256"),
     (["{ckpt}", "--format", "onnx", "--opset", "9", "--out", "{tmp}/x"], "--opset must be in 14..20; got 9"),
     (["{ckpt}", "--format", "safetensors", "--out", "{tmp}"], "is a folder"),
     (["{tmp}/missing.pt", "--depth", "4", "--format", "onnx", "--out", "{tmp}/x"], "missing.pt: no such file"),
-    (["{tmp}", "--format", "onnx", "--out", "{tmp}/x"], "a folder, not a checkpoint file"),
+    (["{tmp}", "--format", "onnx", "--out", "{tmp}/x"], "a folder, not a file"),
     (["{tmp}/garbage.pt", "--format", "onnx", "--out", "{tmp}/x"], "garbage.pt: not a PyTorch file"),
     (["{tmp}/empty.pt", "--format", "onnx", "--out", "{tmp}/x"], "empty.pt: not a PyTorch file"),
     (["{tmp}/list.pt", "--format", "onnx", "--out", "{tmp}/x"], "list.pt: not a checkpoint of this project"),
@@ -335,6 +382,24 @@ def test_bad_input_gives_one_line_naming_it_and_writes_nothing(checkpoint, tmp_p
     assert ONE_LINE_ERROR.match(message) and needle in message, message
     assert "weights_only" not in message
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp*"))
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+    assert torch.load(checkpoint[1], weights_only=True)["arch"] == "revit-mini"  # the input is never overwritten
+
+
+def test_argument_errors_come_before_the_onnx_package_is_looked_for(checkpoint, tmp_path, monkeypatch):
+    """Without onnx installed, a bad input is still reported as what it is."""
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    bad_inputs(tmp_path, checkpoint)
+    for argv, needle in [([checkpoint[1], "--depth", "1"], "--depth must be >= 2"),
+                         ([checkpoint[1], "--opset", "9"], "--opset must be in 14..20"),
+                         ([tmp_path / "missing.pt"], "no such file"),
+                         ([tmp_path / "diverged.pt"], "weights are not finite")]:
+        with pytest.raises(SystemExit) as info:
+            export.main([str(a) for a in argv] + ["--format", "onnx", "--out", str(tmp_path / "x")])
+        assert needle in str(info.value) and "onnx package" not in str(info.value)
+    with pytest.raises(SystemExit, match="needs the onnx package"):  # a good input: then the package is asked for
+        export.main([str(checkpoint[1]), "--format", "onnx", "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("argv, needle", [

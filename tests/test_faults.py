@@ -150,7 +150,7 @@ def test_an_unwritable_out_dir_is_found_before_training(tmp_path, fashion_mnist_
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setattr(data, "load_images", lambda *a, **k: pytest.fail("data loaded before the check"))
     message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(tmp_path / "file" / "run"), *TINY)
-    assert f"{tmp_path / 'file'} is not a writable folder" in message
+    assert f"cannot be created: {tmp_path / 'file'} is a file, not a folder" in message
 
 
 # --- one error path for every file a user passes ---

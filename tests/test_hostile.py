@@ -1,0 +1,289 @@
+"""Hostile inputs, one table per entry point (train.py, analyze.py, probes.py; export.py's is in
+test_export.py, the data readers' in test_data.py): each must end in the one line it names, run no
+code from a file, leave every file of every run as it was, and never score a non-finite model."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import analyze
+import probes
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--no-progress", "--train-subset", "256", "--test-subset", "64", "--batch-size", "32", "--patch-size", "7",
+        "--depth", "2", "--model-args", "dim=32,heads=2,ffn_dim=64", "--log-interval", "1"]
+
+
+def one_line(main, argv, prog) -> str:
+    """The exit message of main(argv): `prog: error: ...`, one line, never torch's weights_only advice."""
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    message = str(e.value.code)
+    assert message.startswith(f"{prog}: error: ") and "\n" not in message, message
+    assert "weights_only" not in message and "Traceback" not in message
+    return message
+
+
+def contents(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class WritesMarker:
+    """What a hostile pickle holds: unpickling it would create `path`."""
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, fashion_mnist_dir):
+    """Run A (4 steps; snapshot.pt is a copy of its step-2 checkpoint) and run B (another run, 1 step)."""
+    base = tmp_path_factory.mktemp("runs")
+    common = ["--data-dir", str(fashion_mnist_dir), *TINY]
+    train.main(["--out-dir", str(base / "A"), *common, "--max-steps", "4", "--stop-at-step", "2"])
+    shutil.copy(base / "A" / "ckpt.pt", base / "A" / "snapshot.pt")
+    train.main(["--resume", str(base / "A" / "ckpt.pt"), "--no-progress"])
+    train.main(["--out-dir", str(base / "B"), *common, "--max-steps", "1", "--seed", "1"])
+    return base
+
+
+def edited(runs, tmp_path, name, edit) -> Path:
+    """A copy of run A's checkpoint with one part edited by `edit(ckpt)`."""
+    ckpt = torch.load(runs / "A" / "ckpt.pt", weights_only=True)
+    edit(ckpt)
+    torch.save(ckpt, tmp_path / name)
+    return tmp_path / name
+
+
+def set_nan(ckpt):
+    next(iter(ckpt["model"].values())).view(-1)[0] = float("nan")
+
+
+EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only must print)
+    "step_negative": (lambda c: c.update(step=-5), "its step must be an integer >= 0; got -5"),
+    "step_text": (lambda c: c.update(step="five"), "its step must be an integer >= 0; got 'five'"),
+    "model_string": (lambda c: c.update(model="x"), "its model must be a dict of named tensors"),
+    "rng_empty": (lambda c: c.update(rng={}), "its rng must be a list of RNG states"),
+    "optimizer_empty": (lambda c: c.update(optimizer={}), "its optimizer must be an optimizer state dict"),
+    "train_config_text": (lambda c: c.update(train_config="x"), "its train_config must be a dict"),
+    "train_config_types": (lambda c: c["train_config"].update(lr="fast"), "its train_config has lr='fast': lr takes float"),
+    "nan_weights": (set_nan, "its weights are not finite (cls_token holds NaN or inf)"),
+    "nan_optimizer": (lambda c: c["optimizer"]["state"][0]["exp_avg"].fill_(float("inf")),
+                      "its weights are not finite (optimizer state 0.exp_avg holds NaN or inf)"),
+    "arch_number": (lambda c: c.update(arch=12345), "its arch must be a preset name (a string); got 12345"),
+    "arch_unknown": (lambda c: c.update(arch="revit-huge"), "checkpoint of unknown arch 'revit-huge'"),
+    "depth_huge": (lambda c: c["model_config"].update(depth=10 ** 9), "model_config has depth=1000000000; at most 256"),
+    "dim_other": (lambda c: c["model_config"].update(dim=64, heads=2), "its weights do not fit revit-mini"),
+    "config_bad": (lambda c: c["model_config"].update(heads=0), "its model_config does not build revit-mini: heads=0"),
+    "optimizer_misfit": (lambda c: c["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
+                         "its optimizer state does not fit the model (entry 0)"),
+}
+
+
+@pytest.mark.parametrize("name", list(EDITS))
+def test_edited_checkpoints_are_refused_before_anything_is_written(runs, tmp_path, name):
+    """Each as the checkpoint of its own run folder: a resume would continue (and cut) that folder's log."""
+    edit, needle = EDITS[name]
+    path = edited(runs, tmp_path, "ckpt.pt", edit)
+    (tmp_path / "metrics.jsonl").write_text((runs / "A" / "metrics.jsonl").read_text())  # a log to protect
+    before = contents(tmp_path)
+    message = one_line(train.main, ["--resume", path], "train.py")
+    assert needle in message and "--lr" not in message and "Last good" not in message, message
+    assert contents(tmp_path) == before  # the log was not cut, nothing was written
+    loop_state = ("step_negative", "step_text", "rng_empty", "optimizer_empty", "optimizer_misfit", "nan_optimizer")
+    if name not in loop_state:  # an evaluation reads no loop state
+        assert needle in one_line(train.main, ["--eval-only", path], "train.py")
+    assert contents(tmp_path) == before
+
+
+def test_non_finite_weights_are_refused_by_every_reader(runs, tmp_path, fashion_mnist_dir):
+    """One check in the loader: no tool evaluates, distils from, probes or continues a diverged model."""
+    nan = edited(runs, tmp_path, "nan.pt", set_nan)
+    common = ["--data-dir", fashion_mnist_dir, "--out-dir", tmp_path / "out", *TINY, "--max-steps", "1"]
+    needle = f"{nan}: its weights are not finite (cls_token holds NaN or inf)"
+    for argv in (["--teacher", nan, *common], ["--probe", "cls", "--backbone", nan, *common]):
+        assert needle in one_line(train.main, argv, "train.py")
+    assert needle in one_line(analyze.main, [nan, "--data-dir", fashion_mnist_dir], "analyze.py")
+    assert needle in one_line(probes.main, ["--backbone", nan, "--data-dir", fashion_mnist_dir], "train.py")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "analysis").exists()
+
+
+def test_resume_never_writes_into_another_run(runs):
+    before = {name: contents(runs / name) for name in ("A", "B")}
+    message = one_line(train.main, ["--resume", runs / "A" / "ckpt.pt", "--out-dir", runs / "B"], "train.py")
+    assert f"--out-dir {runs / 'B'} holds a run other than --resume" in message and "--overwrite" in message
+    message = one_line(train.main, ["--resume", runs / "A" / "snapshot.pt"], "train.py")  # the default folder is A
+    assert f"its own checkpoint is {runs / 'A' / 'ckpt.pt'}" in message and "new --out-dir" in message
+    assert {name: contents(runs / name) for name in ("A", "B")} == before
+
+
+def test_a_snapshot_continues_in_a_new_folder(runs, tmp_path):
+    before = contents(runs / "A")
+    summary = train.main(["--resume", str(runs / "A" / "snapshot.pt"), "--out-dir", str(tmp_path / "C"),
+                          "--no-progress"])
+    assert summary["step"] == 4 and (tmp_path / "C" / "ckpt.pt").is_file()
+    assert contents(runs / "A") == before
+
+
+def test_resume_past_the_last_step_is_refused(runs):
+    before = contents(runs / "A")
+    message = one_line(train.main, ["--resume", runs / "A" / "ckpt.pt", "--max-steps", "2"], "train.py")
+    assert "is at step 4, past this run's 2 steps; give a larger --max-steps" in message
+    assert contents(runs / "A") == before
+
+
+class CallsOsSystem:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_pickled_call_is_reported_as_what_it_is(tmp_path):
+    """torch words this refusal differently ("unsupported GLOBAL posix.system whose module posix is blocked")."""
+    marker = tmp_path / "pwned"
+    torch.save({"model": CallsOsSystem(f"touch {marker}")}, tmp_path / "call.pt")
+    message = one_line(train.main, ["--eval-only", tmp_path / "call.pt"], "train.py")
+    assert f"it stores the Python object {os.system.__module__}.system, which a safe load refuses" in message
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--eval-depths", "2,,4"], "--eval-depths must be comma-separated integers"),
+    (["--eval-depths", "100000"], "--eval-depths must be <= 256"),
+    (["--depth", "1000000000"], "--depth must be in 1..256"),
+    (["--model-args", "depth=1000000000"], "--model-args depth=1000000000: must be <= 256"),
+    (["--arch", "alternet-tiny", "--model-args", "max_depth=100000", "--max-steps", "1"], "max_depth=100000: must be"),
+    (["--seed", str(2 ** 70)], "--seed must be in 0..2**32-1"),
+    (["--resume", "{tmp}/loop.pt"], "--resume {tmp}/loop.pt: a symbolic link loop"),
+    (["--resume", "{tmp}/fifo.pt"], "--resume {tmp}/fifo.pt: a FIFO, not a regular file"),
+    (["--eval-only", "{tmp}"], "--eval-only {tmp}: a folder, not a file"),
+    (["--teacher", "{tmp}/fifo.pt"], "--teacher {tmp}/fifo.pt: a FIFO, not a regular file"),
+    (["--data-dir", "{tmp}/loop.pt"], "--data-dir {tmp}/loop.pt: a symbolic link loop"),
+    (["--data-dir", "{tmp}/fifo.pt"], "--data-dir {tmp}/fifo.pt: a file, not a folder"),
+    (["--out-dir", "{tmp}/fifo.pt/run"], "cannot be created: {tmp}/fifo.pt is a file, not a folder"),
+])
+def test_train_flags_and_paths(tmp_path, argv, needle):
+    (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
+    os.mkfifo(tmp_path / "fifo.pt")  # reading it would wait forever
+    before = sorted(tmp_path.iterdir())
+    message = one_line(train.main, [a.format(tmp=tmp_path) for a in argv], "train.py")
+    assert needle.format(tmp=tmp_path) in message, message
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def hostile_cifar(root: Path, marker: Path) -> Path:
+    """A CIFAR-10 folder whose data_batch_1 would create `marker` if unpickled with pickle.load."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in ["test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]:
+        torch.save({}, folder / name)  # present; data_batch_1 is read first
+    import pickle
+    (folder / "data_batch_1").write_bytes(pickle.dumps({b"data": WritesMarker(marker), b"labels": [0]}))
+    return root
+
+
+def test_a_data_folder_runs_no_code(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    data_dir = hostile_cifar(tmp_path / "data", marker)
+    needle = "not a CIFAR python archive (it refers to the Python object io.open"
+    argv = ["--arch", "revit-mini", "--dataset", "cifar10", "--out-dir", tmp_path / "out", "--max-steps", "1"]
+    assert needle in one_line(train.main, [*argv, "--data-dir", data_dir], "train.py")
+    monkeypatch.setenv("REVIT_DATA_DIR", str(data_dir))
+    monkeypatch.chdir(tmp_path)
+    assert needle in one_line(train.main, argv, "train.py")
+    checkpoint = tmp_path / "model.pt"
+    model = __import__("revit").create_model("revit-mini", image_size=32, in_channels=3, patch_size=8, dim=16,
+                                             heads=2, ffn_dim=16, depth=2)
+    torch.save({"model": model.state_dict(), "arch": "revit-mini", "model_config": model.config.__dict__},
+               checkpoint)
+    assert needle in one_line(analyze.main, [checkpoint, "--dataset", "cifar10", "--data-dir", data_dir],
+                              "analyze.py")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--depth", "100000"], "--depth must be <= 256"),
+    (["--intervention-images", "64"], "--intervention-images must be <= 16 (--num-images"),
+    (["--random-perturbations", "1000000000"], "--random-perturbations must be <= 10000"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--out", "{tmp}/file/analysis"], "cannot be created: {tmp}/file is a file, not a folder"),
+    (["--data-dir", "{tmp}/loop"], "--data-dir {tmp}/loop: a symbolic link loop"),
+])
+def test_analyze_flags(runs, tmp_path, fashion_mnist_dir, extra, needle):
+    (tmp_path / "file").write_text("a file")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    argv = [runs / "A" / "ckpt.pt", "--data-dir", fashion_mnist_dir, "--num-images", "16",
+            *[a.format(tmp=tmp_path) for a in extra]]
+    assert needle.format(tmp=tmp_path) in one_line(analyze.main, argv, "analyze.py")
+    assert not (runs / "A" / "analysis").exists()
+
+
+def test_analyze_clamps_the_default_intervention_subset_to_num_images():
+    args = analyze.build_parser().parse_args(["ckpt.pt", "--num-images", "16"])
+    analyze.check_args(args)
+    assert args.intervention_images == 16
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--depth", "1000000000"], "--depth must be <= 256"),
+    (["--eval-depths", "3,100000"], "--eval-depths must be <= 256"),
+    (["--out-dir", "{tmp}/file/out"], "--out-dir {tmp}/file/out cannot be created: {tmp}/file is a file"),
+    (["--probe-cache", "{tmp}/file"], "--probe-cache {tmp}/file is a file; give a folder"),
+    (["--data", "{tmp}/fifo_data"], "--data {tmp}/fifo_data/train.pt: a FIFO, not a regular file"),
+    (["--seed", str(2 ** 70)], "--seed must be in 0..2**63-1"),
+])
+def test_probes_flags(runs, tmp_path, extra, needle):
+    (tmp_path / "file").write_text("a file")
+    (tmp_path / "fifo_data").mkdir()
+    os.mkfifo(tmp_path / "fifo_data" / "train.pt")
+    (tmp_path / "fifo_data" / "val.pt").write_bytes(b"")
+    argv = ["--backbone", runs / "A" / "ckpt.pt", *[a.format(tmp=tmp_path) for a in extra]]
+    assert needle.format(tmp=tmp_path) in one_line(probes.main, argv, "train.py")
+
+
+def test_command_line_refusal_of_a_diverged_checkpoint_is_one_line(runs, tmp_path):
+    nan = edited(runs, tmp_path, "nan.pt", set_nan)
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--eval-only", str(nan)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"train.py: error: --eval-only {nan}: its weights are not finite "
+                                                  "(cls_token holds NaN or inf): a diverged run; use an earlier checkpoint"]
+
+
+def test_a_run_file_that_is_a_link_or_fifo_is_refused(runs, tmp_path, fashion_mnist_dir):
+    """Continuing a run cuts its metrics.jsonl: through a symbolic link that would cut another run's log."""
+    (tmp_path / "run").mkdir()
+    shutil.copy(runs / "A" / "ckpt.pt", tmp_path / "run" / "ckpt.pt")
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(runs / "B" / "metrics.jsonl")
+    before = contents(runs / "B")
+    message = one_line(train.main, ["--resume", tmp_path / "run" / "ckpt.pt", "--max-steps", "6"], "train.py")
+    assert "its metrics.jsonl is not a regular file" in message
+    os.mkfifo(tmp_path / "fifo_run_ckpt")
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "ckpt.pt").symlink_to(tmp_path / "fifo_run_ckpt")
+    message = one_line(train.main, ["--data-dir", fashion_mnist_dir, "--out-dir", tmp_path / "fresh", *TINY,
+                                    "--overwrite"], "train.py")
+    assert "its ckpt.pt is not a regular file" in message
+    assert contents(runs / "B") == before
+
+
+def test_an_edited_feature_cache_entry_is_recomputed(runs, tmp_path, fashion_mnist_dir):
+    argv = ["--backbone", str(runs / "A" / "ckpt.pt"), "--data-dir", str(fashion_mnist_dir), "--train-subset", "64",
+            "--test-subset", "32", "--max-steps", "2", "--batch-size", "16", "--probe-cache", str(tmp_path / "cache"),
+            "--no-download"]
+    first = probes.main(argv)
+    from safetensors.torch import save_file
+    entries = sorted((tmp_path / "cache").glob("*.safetensors"))
+    for entry in entries:  # planted entries under the right names: wrong shape, or non-finite
+        save_file({"features": torch.full((2, 3), float("nan"))}, str(entry))
+    again = probes.main(argv)
+    assert again["test_miou"] == first["test_miou"] and again["depths"] == first["depths"]
