@@ -314,7 +314,7 @@ class AlterNetConfig:
 
 # Sizes a user would not reach by intent (our choice, far above the paper's V = 50,257 and D <= 12): a
 # typo or an edited checkpoint config is refused before anything is allocated or run.
-MAX_ITERATIONS = 1024  # D, and a call's cap on iterations
+MAX_ITERATIONS = 256  # D, and a call's cap on iterations: a bound against typos, as for every depth of the project
 SIZE_LIMITS = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
                    num_experts=2 ** 10, top_k=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
 TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}

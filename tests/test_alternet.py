@@ -747,7 +747,7 @@ def test_bad_inputs_raise_value_error():
     (dict(random_length_fraction=1.5), r"random_length_fraction must be in \[0, 1\]"),
     (dict(logit_clamp="10"), "logit_clamp must be a finite number or None"),
     (dict(top_k=0), "top_k must be an integer in 1"),
-    (dict(max_depth=10 ** 9), r"max_depth must be an integer in 1\.\.1024"),
+    (dict(max_depth=10 ** 9), r"max_depth must be an integer in 1\.\.256"),
     (dict(vocab_size=10 ** 9), r"vocab_size must be an integer in 1\.\.1048576"),
     (dict(kl_weight=-0.5), "kl_weight must be a finite number >= 0"),
     (dict(logit_clamp=-1.0), r"logit_clamp must be a positive number or None \(off\)"),
