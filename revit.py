@@ -438,6 +438,11 @@ class ViTConfig:
 # Bad input gets one ValueError naming the field and what it allows (the CLIs print it as one line).
 TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
 CONFIG_CHECKS: list[Callable[[ViTConfig], None]] = []  # range checks of Part II's fields, which Part II adds
+# Sizes a user would not reach by intent (our choice, far above the paper's ViT-L): a typo or an edited
+# checkpoint config is refused before anything is allocated.
+MAX_DEPTH = 256
+SIZE_LIMITS = dict(image_size=2 ** 14, patch_size=2 ** 10, in_channels=2 ** 10, dim=2 ** 15, heads=2 ** 10,
+                   ffn_dim=2 ** 17, router_hidden=2 ** 12, num_experts=2 ** 10)
 
 def type_ok(value, kind: str) -> bool:
     if kind.endswith(" | None"):
@@ -464,14 +469,14 @@ def check_config(c: ViTConfig) -> None:
 
 def check_core_fields(c: ViTConfig) -> None:
     need(c, c.arch in MODELS, "arch", f"one of {tuple(MODELS)}")
-    for name in ("image_size", "patch_size", "in_channels", "dim", "heads", "ffn_dim", "router_hidden"):
-        need(c, getattr(c, name) >= 1, name, "a positive integer")
+    for name, limit in SIZE_LIMITS.items():
+        need(c, 1 <= getattr(c, name) <= limit, name, f"an integer in 1..{limit}")
     need(c, c.image_size % c.patch_size == 0, "image_size", f"a multiple of patch_size={c.patch_size}")
     need(c, c.dim % c.heads == 0, "dim", f"a multiple of heads={c.heads}")
-    need(c, c.num_classes >= 0, "num_classes", ">= 0")
-    need(c, c.depth >= (2 if c.arch == "revit" else 1), "depth",
-         ">= 2 for reViT (s_t = t/(L-1) needs two steps)" if c.arch == "revit" else ">= 1")
-    need(c, c.num_experts >= 1, "num_experts", ">= 1")
+    need(c, 0 <= c.num_classes <= 2 ** 20, "num_classes", "in 0..2**20")
+    revit_note = " for reViT (s_t = t/(L-1) needs two steps)" if c.arch == "revit" else ""
+    need(c, (2 if c.arch == "revit" else 1) <= c.depth <= MAX_DEPTH, "depth",
+         f"in {2 if c.arch == 'revit' else 1}..{MAX_DEPTH}{revit_note}")
     need(c, c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth, "raptor_blocks",
          f"between 1 and depth={c.depth}")
     need(c, c.layer_scale_init is None or c.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
@@ -1364,7 +1369,9 @@ def check_mechanism_fields(c: ViTConfig) -> None:
     need(c, c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
     need(c, c.bias_update_rate >= 0, "bias_update_rate", ">= 0")
     need(c, 0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
-    need(c, c.lora_rank >= 1, "lora_rank", ">= 1")
+    need(c, 1 <= c.lora_rank <= 2 ** 12, "lora_rank", "in 1..4096")
+    need(c, c.shared_experts <= 2 ** 10, "shared_experts", "at most 1024")
+    need(c, c.slots_per_expert <= 2 ** 12, "slots_per_expert", "at most 4096")
 
 CONFIG_CHECKS.append(check_mechanism_fields)
 

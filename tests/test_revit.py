@@ -584,7 +584,11 @@ def test_raptor_presets_keep_layer_scale_like_deit3():
     (dict(layer_scale_init=float("inf")), "layer_scale_init must be a finite number or None"),
     (dict(layer_scale_init=0.0), "layer_scale_init must be > 0 or None"),
     (dict(router_prior=-1.0), "router_prior must be >= 0"),
-    (dict(router_hidden=0), "router_hidden must be a positive integer"),
+    (dict(router_hidden=0), r"router_hidden must be an integer in 1\.\.4096"),
+    (dict(num_experts=10 ** 8), r"num_experts must be an integer in 1\.\.1024"),
+    (dict(dim=10 ** 9, heads=1), r"dim must be an integer in 1\.\.32768"),
+    (dict(depth=10 ** 9), r"depth must be in 2\.\.256"),
+    (dict(ffn="remoe", num_experts=4, top_k=10 ** 6), "top_k must be between 1 and num_experts=4"),
     (dict(balance_weight=-1e-3), "balance_weight must be >= 0"),
 ])
 def test_config_types_and_ranges_are_checked_up_front(overrides, match):
