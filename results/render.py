@@ -137,12 +137,18 @@ def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 GRIDS = {"experts": accuracy_grid, "quickstart": accuracy_grid, "elastic": depth_grid, "tying": tying_grid}
 
 
+def short_commit(commit: str) -> str:
+    """git's short form of a full hash sweep.py records ('-dirty' kept): 'b3a91df699ae...' -> 'b3a91df'."""
+    match = re.fullmatch(r"([0-9a-f]{40})(-dirty)?", commit or "")
+    return match[1][:7] + (match[2] or "") if match else commit
+
+
 def row_commit(row: dict, sweep: dict) -> str:
     """The commit a row was trained at: its own record (sweep.py writes it), else the sweep's provenance."""
     if row.get("commit"):
-        return row["commit"]
+        return short_commit(row["commit"])
     if row.get("commits"):
-        return "/".join(sorted(set(row["commits"])))
+        return "/".join(sorted({short_commit(c) for c in row["commits"]}))
     return sweep.get("commit_of_cell", {}).get(f"{row['grid']}/{row['cell']}", sweep["commit"])
 
 
