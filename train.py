@@ -667,7 +667,10 @@ RULES = {**dict.fromkeys(GREATER_THAN_ZERO, (lambda v: v > 0, "> 0")),
          **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
                          (lambda v: 0 <= v <= 1, "in [0, 1]")),
          "depth": (lambda v: 0 < v <= MAX_DEPTH, f"in 1..{MAX_DEPTH} {MAX_DEPTH_REASON}"),
-         "seed": (lambda v: 0 <= v < 2 ** 32, "in 0..2**32-1")}  # data orders seed with seed * 1_000_003 + epoch
+         "seed": (lambda v: 0 <= v < 2 ** 32, "in 0..2**32-1"),  # data orders seed with seed * 1_000_003 + epoch
+         # bounds a user would not hit by intent (our choice): a typo is refused, not run for centuries
+         "epochs": (lambda v: 0 <= v <= 100_000, "in 0..100,000"),
+         "max_steps": (lambda v: 0 <= v <= 10 ** 9, "in 0..1,000,000,000")}
 CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"), "probe": ("", *PROBES),
            "compile_backend": ("inductor", "eager", "aot_eager")}
 
