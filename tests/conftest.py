@@ -17,6 +17,7 @@ CUDA, inherited by torchrun and every subprocess): --device auto is the CPU ever
 With REVIT_GPU_TESTS=1 the unmarked tests still see no GPU (`cpu_unless_marked_gpu` below).
 """
 import os
+import sys
 from pathlib import Path
 
 GPU_TESTS = os.environ.get("REVIT_GPU_TESTS") == "1"
@@ -24,7 +25,13 @@ if not GPU_TESTS:  # before torch reads it: CUDA initialises lazily, at its firs
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+
+try:
+    import torch  # noqa: E402
+except ModuleNotFoundError as missing:  # a python without README's set-up: say so in one line, not per test file
+    pytest.exit(f"the tests need the packages of requirements.txt, and {missing.name!r} is not installed for "
+                f"{sys.executable}: python -m pip install -r requirements.txt (README's set-up, in its .venv)",
+                returncode=4)
 
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(min(2, torch.get_num_threads()))
