@@ -57,7 +57,6 @@ import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +64,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import alternet
+import memory
 import revit
 import train
 from checkpoint import load_model
-from cli import fail, pick_device, pyplot
+from cli import (InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot,
+                 write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,10 +91,6 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12)
                    ("L40S", 362e12), ("L4", 121e12)]
 
 # --- device, environment, timing ---
-
-
-class InputError(ValueError):
-    """Bad input to a bench command (a flag, a checkpoint): main reports it as one line."""
 
 
 def synchronize(device: torch.device) -> None:
@@ -560,114 +557,7 @@ def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int
     """Peak RSS of one latency row (see cpu_memory_of)."""
     arch, overrides, fold = LATENCY_MODELS[label]
     config = dataclasses.asdict(revit.ViTConfig(**{**revit.PRESETS[f"{arch}-{size}"], **overrides}))
-    return cpu_memory_of([{"config": config, "fold": fold}], batch, calls, processes)[0]
-
-
-def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int = 2) -> list[dict]:
-    """Peak RSS of each model (spec: its config dict, fold, optional depth), `processes` times each.
-
-    One fresh Python process imports torch once, then forks a child per measurement (memory_rows), so
-    no measurement reuses another's freed heap. Heap fragmentation can only add to a peak, so we report
-    the smallest; all values are kept.
-    """
-    payload = json.dumps([{**spec, "batch": batch, "calls": calls} for spec in specs for _ in range(processes)])
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "_memory", payload], capture_output=True,
-                         text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=900)
-    if out.returncode != 0:
-        return [{"memory_error": out.stderr.strip().splitlines()[-1:]}] * len(specs)
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
-    results = []
-    for i in range(len(specs)):
-        group = measured[i * processes:(i + 1) * processes]
-        failed = [g for g in group if "memory_error" in g]
-        values = [g["memory_mib"] for g in group if "memory_mib" in g]
-        results.append(failed[0] if failed else {
-            "memory_mib": min(values), "memory_mib_all": values,
-            "memory_method": group[0]["memory_method"] + f", min over {processes} processes"})
-    return results
-
-
-def memory_rows(specs: list[dict]) -> list[dict]:
-    """Each spec measured by _memory_worker in its own child, forked from this (fresh) process."""
-    rows = []
-    for spec in specs:
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: measure, report through the pipe, exit without cleanup
-            os.close(read_end)
-            try:
-                row = _memory_worker(spec)
-            except BaseException as e:  # noqa: BLE001 - reported as the row's error
-                row = {"memory_error": f"{type(e).__name__}: {e}"}
-            os.write(write_end, json.dumps(row).encode())
-            os._exit(0)
-        os.close(write_end)
-        with os.fdopen(read_end) as fh:
-            text = fh.read()
-        os.waitpid(pid, 0)
-        rows.append(json.loads(text) if text else {"memory_error": "the measuring process died"})
-    return rows
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{field} not in /proc/self/status")
-
-
-def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
-    """The config of the plain ViT that revit.fold(model) returns at the model's own depth."""
-    return dataclasses.replace(config, arch="vit", ffn="merge", depth_drop=0.0, raptor_blocks=1)
-
-
-def _memory_worker(spec: dict) -> dict:
-    """In a fresh (forked) process: RSS before the model, then peak RSS over the forward calls.
-
-    The input is allocated first (not counted); the peak is reset (clear_refs) after the model is
-    built, so construction temporaries do not count, only what the model holds and its calls use.
-    """
-    torch.manual_seed(0)
-    torch.set_num_threads(1)  # one heap arena: multi-threaded allocation made peaks vary by 30%
-    c = revit.ViTConfig(**spec["config"])
-    depth = spec.get("depth") or c.depth
-    images = torch.randn(spec["batch"], c.in_channels, c.image_size, c.image_size)
-    # Prime the runtime (thread pool, kernel libraries, lazily loaded code) with a narrow, 2-step
-    # model of the same family on the same input, so their one-off RSS is not charged to the row.
-    primer = model_of(dataclasses.replace(c, dim=8 * c.heads, ffn_dim=16 * c.heads, depth=2, raptor_blocks=1))
-    with torch.inference_mode():
-        primer(images)
-    del primer
-    gc.collect()
-    before = _rss_kib("VmRSS")
-    if spec["fold"]:
-        # the plain ViT revit.fold builds (same shapes; values do not change memory): folding a real
-        # reViT here would leave its freed heap in the RSS baseline
-        model = revit.VisionTransformer(folded_config(dataclasses.replace(c, depth=depth))).eval()
-    else:
-        model = functools.partial(model_of(c), depth=depth) if c.arch != "vit" else model_of(c)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        method = "fresh process: peak VmHWM - RSS before the model (incl. weights)"
-    except OSError:
-        method = "fresh process: ru_maxrss - RSS before the model (peak may include model building)"
-    with torch.inference_mode():
-        for _ in range(spec["calls"]):
-            model(images)
-    peak = _rss_kib("VmHWM") if "VmHWM" in method else _ru_maxrss_kib()
-    return {"memory_mib": (peak - before) / 1024, "memory_method": method}
-
-
-def model_of(config: revit.ViTConfig) -> torch.nn.Module:
-    """The module a config describes, in eval mode (what revit.create_model builds from a preset)."""
-    return revit.MODELS[config.arch](config).eval()
-
-
-def _ru_maxrss_kib() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return memory.cpu_memory_of([{"config": config, "fold": fold}], batch, calls, processes)[0]
 
 
 # --- training step (img/s, MFU) ---
@@ -821,25 +711,6 @@ def _target(text, value, ok):
 
 
 # --- output ---
-
-
-def markdown(rows: list[dict], columns: list[tuple]) -> str:
-    """columns: (header, function of a row -> str)."""
-    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(_cell(fn, r) for _, fn in columns) + " |")
-    return "\n".join(lines)
-
-
-def _cell(fn, row):
-    try:
-        return fn(row)
-    except (KeyError, TypeError):
-        return "–"
-
-
-def f(key, fmt="{:.2f}"):
-    return lambda r: fmt.format(r[key])
 
 
 def params_markdown(result: dict) -> str:
@@ -1039,8 +910,8 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
     if args.memory and device.type == "cpu":
         specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
                  for r in rows]
-        for row, memory in zip(rows, cpu_memory_of(specs, batch=1, processes=1)):
-            row["memory_mib"] = memory.get("memory_mib")
+        for row, measured in zip(rows, memory.cpu_memory_of(specs, batch=1, processes=1)):
+            row["memory_mib"] = measured.get("memory_mib")
     return rows
 
 
@@ -1704,64 +1575,11 @@ def check_flags(args, device) -> None:
         raise InputError("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)")
     if getattr(args, "thresholds", None):
         parse_thresholds(args.thresholds)
-    out = getattr(args, "out", None)
+    out, kind = getattr(args, "out", None), "folder" if args.command in OUTPUT_FOLDERS else "file"
     if args.command == "depths":
-        check_output_folder(out or os.path.dirname(os.path.abspath(args.checkpoint)), "--out")
-    elif out:
-        (check_output_folder if args.command in OUTPUT_FOLDERS else check_output_file)(out, "--out")
-
-
-def write_json(result: dict, path: str) -> None:
-    """Write to a temp name, then rename: an interrupted run never leaves a torn file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(json_text(result) + "\n")
-    os.replace(tmp, path)
-
-
-def json_text(result: dict) -> str:
-    """One line of strict JSON. JSON has no NaN or infinity, and no non-finite number is reported as a
-    result: each becomes null, and its place is listed under "non_finite" (e.g. "rows.3.loss")."""
-    places = []
-    clean = finite_or_null(result, "", places)
-    if places:
-        clean["non_finite"] = places
-    return json.dumps(clean, default=str, separators=(",", ":"), allow_nan=False)
-
-
-def finite_or_null(value, place: str, places: list):
-    if isinstance(value, float) and not math.isfinite(value):
-        places.append(place.lstrip("."))
-        return None
-    if isinstance(value, dict):
-        return {k: finite_or_null(v, f"{place}.{k}", places) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v, f"{place}.{i}", places) for i, v in enumerate(value)]
-    return value
-
-
-def check_output_folder(path: str, flag: str) -> None:
-    """Before any work: `path` is, or can be made, a writable folder; else an InputError naming the flag."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise InputError(f"{flag} {path}: a file, not a folder")
-    _check_writable_parent(path, flag)
-
-
-def check_output_file(path: str, flag: str) -> None:
-    """Before any work: `path` can be written as a file (its folder exists or can be made, and is writable)."""
-    if os.path.isdir(path):
-        raise InputError(f"{flag} {path}: a folder, not a file")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise InputError(f"{flag} {path}: not writable")
-    _check_writable_parent(os.path.dirname(os.path.abspath(path)), flag, path)
-
-
-def _check_writable_parent(folder: str, flag: str, shown: str | None = None) -> None:
-    existing = next(p for p in (Path(folder), *Path(folder).absolute().parents) if p.exists())
-    if not existing.is_dir():
-        raise InputError(f"{flag} {shown or folder}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {shown or folder}: {existing} is not a writable folder")
+        out = out or os.path.dirname(os.path.abspath(args.checkpoint))
+    if out and output_problem(out, kind):
+        raise InputError(f"--out {out} {output_problem(out, kind)}")
 
 
 def run_params(args, device) -> dict:
@@ -1842,7 +1660,6 @@ def add_memory_parser(sub):
 
 def run_memory(args, device) -> dict:
     """The estimate of memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
-    import memory  # only this command needs it
     language = args.arch in alternet.PRESETS
     if not language and args.arch not in revit.PRESETS:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
@@ -1888,10 +1705,6 @@ COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "c
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_memory"]:  # internal: CPU memory rows, in the fresh process cpu_memory_of starts
-        rows = memory_rows(json.loads(argv[1]))
-        print(json.dumps(rows))
-        return {"memory_rows": rows}
     args = build_parser().parse_args(argv)
     try:
         device = pick_device(getattr(args, "device", "cpu"))

@@ -1,8 +1,9 @@
-"""What train.py and the tools (probes.py, analyze.py, export.py, bench.py) share on the command line:
-one-line user errors (`fail`), flags generated from a config dataclass, the --eval-depths and
---model-args parsers, the bounds and path checks every tool applies before it reads or writes
-(`MAX_DEPTH`, `path_problem`, `output_problem`), the device (`pick_device`, `device_options`) and
-optional matplotlib (`pyplot`). Imports nothing of the project.
+"""What train.py and the tools (probes.py, analyze.py, export.py, bench.py, sweep.py) share on the command
+line: one-line user errors (`InputError`, `fail`), flags generated from a config dataclass, the
+--eval-depths and --model-args parsers, the bounds and path checks every tool applies before it reads or
+writes (`MAX_DEPTH`, `path_problem`, `output_problem`), the device (`pick_device`, `device_options`),
+markdown tables and strict JSON (`markdown`, `write_json`), and optional matplotlib (`pyplot`). Imports
+nothing of the project.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 import ast
 import contextlib
 import errno
+import json
+import math
 import os
 import stat
 import sys
@@ -22,6 +25,10 @@ import torch
 
 
 # --- one-line errors and rank-0 output ---
+
+
+class InputError(ValueError):
+    """Bad input to a tool (a flag, a checkpoint), found before any work: its main reports it with `fail`."""
 
 
 def fail(message: str, prog: str | None = None):
@@ -232,6 +239,58 @@ def device_options(device_type: str, bf16: bool = True) -> dict:
     cuda, mps = device_type == "cuda", device_type == "mps"
     return {"fused_adamw": cuda or mps, "tf32": cuda, "ddp_backend": "nccl" if cuda else "gloo",
             "autocast_dtype": torch.bfloat16 if cuda and bf16 else None, "data_on_device": cuda or mps}
+
+
+# --- output: markdown tables on stdout, strict JSON on disk ---
+
+
+def markdown(rows: list[dict], columns: list[tuple]) -> str:
+    """columns: (header, function of a row -> str); a cell whose key is missing shows as "–"."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(fn, r) for _, fn in columns) + " |")
+    return "\n".join(lines)
+
+
+def _cell(fn, row):
+    try:
+        return fn(row)
+    except (KeyError, TypeError):
+        return "–"
+
+
+def f(key, fmt="{:.2f}"):
+    """A column of markdown(): row[key], formatted."""
+    return lambda r: fmt.format(r[key])
+
+
+def write_json(result: dict, path: str) -> None:
+    """Write to a temp name, then rename: an interrupted run never leaves a torn file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(json_text(result) + "\n")
+    os.replace(tmp, path)
+
+
+def json_text(result: dict) -> str:
+    """One line of strict JSON. JSON has no NaN or infinity, and no non-finite number is reported as a
+    result: each becomes null, and its place is listed under "non_finite" (e.g. "rows.3.loss")."""
+    places = []
+    clean = finite_or_null(result, "", places)
+    if places:
+        clean["non_finite"] = places
+    return json.dumps(clean, default=str, separators=(",", ":"), allow_nan=False)
+
+
+def finite_or_null(value, place: str, places: list):
+    if isinstance(value, float) and not math.isfinite(value):
+        places.append(place.lstrip("."))
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v, f"{place}.{k}", places) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v, f"{place}.{i}", places) for i, v in enumerate(value)]
+    return value
 
 
 # --- figures: matplotlib is an optional extra ---

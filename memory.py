@@ -47,7 +47,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
+import json
 import os
+import resource
+import subprocess
+import sys
 import weakref
 
 import torch
@@ -379,3 +384,122 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
                          f"{memory.total / GB:.1f} GB)")
             break
     return hints
+
+# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, bench.py depths) ---
+#
+# The CUDA allocator reports what a model holds (bench.cuda_memory); on a CPU only the process's resident
+# set says it, and a process's freed heap stays resident: so each model is measured in a child of a fresh
+# process, and the peak is the growth of VmHWM after the model is built.
+
+
+def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int = 2) -> list[dict]:
+    """Peak RSS of each model (spec: its config dict, fold, optional depth), `processes` times each.
+
+    One fresh Python process imports torch once, then forks a child per measurement (memory_rows), so
+    no measurement reuses another's freed heap. Heap fragmentation can only add to a peak, so we report
+    the smallest; all values are kept.
+    """
+    payload = json.dumps([{**spec, "batch": batch, "calls": calls} for spec in specs for _ in range(processes)])
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "rss", payload], capture_output=True,
+                         text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=900)
+    if out.returncode != 0:
+        return [{"memory_error": out.stderr.strip().splitlines()[-1:]}] * len(specs)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    results = []
+    for i in range(len(specs)):
+        group = measured[i * processes:(i + 1) * processes]
+        failed = [g for g in group if "memory_error" in g]
+        values = [g["memory_mib"] for g in group if "memory_mib" in g]
+        results.append(failed[0] if failed else {
+            "memory_mib": min(values), "memory_mib_all": values,
+            "memory_method": group[0]["memory_method"] + f", min over {processes} processes"})
+    return results
+
+
+def memory_rows(specs: list[dict]) -> list[dict]:
+    """Each spec measured by _memory_worker in its own child, forked from this (fresh) process:
+    `python memory.py rss PAYLOAD`, started by cpu_memory_of."""
+    rows = []
+    for spec in specs:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: measure, report through the pipe, exit without cleanup
+            os.close(read_end)
+            try:
+                row = _memory_worker(spec)
+            except BaseException as e:  # noqa: BLE001 - reported as the row's error
+                row = {"memory_error": f"{type(e).__name__}: {e}"}
+            os.write(write_end, json.dumps(row).encode())
+            os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end) as fh:
+            text = fh.read()
+        os.waitpid(pid, 0)
+        rows.append(json.loads(text) if text else {"memory_error": "the measuring process died"})
+    return rows
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
+    """The config of the plain ViT that revit.fold(model) returns at the model's own depth."""
+    return dataclasses.replace(config, arch="vit", ffn="merge", depth_drop=0.0, raptor_blocks=1)
+
+
+def _memory_worker(spec: dict) -> dict:
+    """In a fresh (forked) process: RSS before the model, then peak RSS over the forward calls.
+
+    The input is allocated first (not counted); the peak is reset (clear_refs) after the model is
+    built, so construction temporaries do not count, only what the model holds and its calls use.
+    """
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # one heap arena: multi-threaded allocation made peaks vary by 30%
+    c = revit.ViTConfig(**spec["config"])
+    depth = spec.get("depth") or c.depth
+    images = torch.randn(spec["batch"], c.in_channels, c.image_size, c.image_size)
+    # Prime the runtime (thread pool, kernel libraries, lazily loaded code) with a narrow, 2-step
+    # model of the same family on the same input, so their one-off RSS is not charged to the row.
+    primer = model_of(dataclasses.replace(c, dim=8 * c.heads, ffn_dim=16 * c.heads, depth=2, raptor_blocks=1))
+    with torch.inference_mode():
+        primer(images)
+    del primer
+    gc.collect()
+    before = _rss_kib("VmRSS")
+    if spec["fold"]:
+        # the plain ViT revit.fold builds (same shapes; values do not change memory): folding a real
+        # reViT here would leave its freed heap in the RSS baseline
+        model = revit.VisionTransformer(folded_config(dataclasses.replace(c, depth=depth))).eval()
+    else:
+        model = functools.partial(model_of(c), depth=depth) if c.arch != "vit" else model_of(c)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        method = "fresh process: peak VmHWM - RSS before the model (incl. weights)"
+    except OSError:
+        method = "fresh process: ru_maxrss - RSS before the model (peak may include model building)"
+    with torch.inference_mode():
+        for _ in range(spec["calls"]):
+            model(images)
+    peak = _rss_kib("VmHWM") if "VmHWM" in method else _ru_maxrss_kib()
+    return {"memory_mib": (peak - before) / 1024, "memory_method": method}
+
+
+def model_of(config: revit.ViTConfig) -> torch.nn.Module:
+    """The module a config describes, in eval mode (what revit.create_model builds from a preset)."""
+    return revit.MODELS[config.arch](config).eval()
+
+
+def _ru_maxrss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+if __name__ == "__main__":  # internal: the fresh process cpu_memory_of starts
+    if sys.argv[1:2] != ["rss"] or len(sys.argv) != 3:
+        sys.exit("memory.py: error: internal use only (bench.py measures with it): memory.py rss PAYLOAD")
+    print(json.dumps(memory_rows(json.loads(sys.argv[2]))))

@@ -29,9 +29,9 @@ import sys
 import torch
 
 import revit
-from bench import InputError, check_output_folder, f, json_text, markdown, write_json
 from checkpoint import load_model
-from cli import fail, pick_device, pyplot
+from cli import (InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot,
+                 write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_COMMAND = (sys.executable, os.path.join(HERE, "train.py"))  # what a cell runs, before its flags
@@ -490,7 +490,8 @@ def run_sweep(args) -> dict:
         raise SweepError(f"--seeds must be >= 1; got {args.seeds}")
     seeds = args.seeds or (2 if args.quick else 3)
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
-    check_output_folder(out_dir, "--out")
+    if output_problem(out_dir, "folder"):
+        raise InputError(f"--out {out_dir} {output_problem(out_dir, 'folder')}")
     rows = quality_rows(grids, regime, seeds, out_dir, shard, threads)
     result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
               "seeds": seeds, "grids": grids,

@@ -224,3 +224,18 @@ def test_device_memory_of_a_gpu_and_of_a_cpu(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     ram = memory.device_memory_gb(CPU)
     assert ram is None or 0 < ram < 1e5
+
+
+def test_folded_config_is_what_fold_builds():
+    model = revit.create_model("revit-mini", image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16,
+                               heads=2, ffn_dim=24, depth=4)
+    assert memory.folded_config(model.config) == revit.fold(model).config
+
+
+def test_rss_of_a_folded_and_a_compact_model_in_fresh_processes():
+    """The folded ViT of a 12-step reViT stores 12 FFNs; the compact model, merging on every call, 4 experts
+    and one merged FFN at a time: the folded one needs more."""
+    config = dict(revit.PRESETS["revit-mini"], depth=12, dim=64, heads=2, ffn_dim=1024, merge_cache=False)
+    compact, folded = memory.cpu_memory_of([{"config": config, "fold": False}, {"config": config, "fold": True}],
+                                           batch=1, calls=1, processes=1)
+    assert 0 < compact["memory_mib"] < folded["memory_mib"] and "fresh process" in folded["memory_method"]

@@ -219,7 +219,7 @@ def test_bad_flags_are_one_line_errors_before_any_work(argv, message, tmp_path, 
 def test_an_output_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, fake_train):
     blocker = tmp_path / "a-file"
     blocker.write_text("keep")
-    for out, message in [(blocker, "a file, not a folder"), (blocker / "sub", "is a file, not a folder")]:
+    for out, message in [(blocker, "is a file; give a folder"), (blocker / "sub", "is a file, not a folder")]:
         with pytest.raises(SystemExit) as error:
             run_cli(["--device", "cpu", "--grids", "tying", "--out", str(out)])
         assert message in str(error.value.code) and "\n" not in str(error.value.code)
