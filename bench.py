@@ -5,10 +5,10 @@
     python bench.py train       # training-step throughput (img/s) and MFU
     python bench.py latency --out latency.json   # also write the JSON document to a file
     python bench.py check       # the first minutes on a GPU: correctness, latency, training, a short run
-    python bench.py depths CKPT # one checkpoint at every depth: accuracy, latency, GFLOPs, memory (§3.2, §4.4)
+    python bench.py memory --arch alternet-50m   # peak memory per GPU of a training recipe, before the run
 
-Speed and cost only; the quality sweeps (train.py over seeds: accuracy vs E, Table 5; vs depth, Fig. 2)
-are sweep.py's.
+Speed and cost only: the quality sweeps (train.py over seeds: accuracy vs E, Table 5; vs depth, Fig. 2)
+are sweep.py's, one checkpoint's accuracy and cost at every depth is depths.py's (it times with this file).
 
 Each subcommand prints markdown tables, then the full results as ONE JSON document on the
 last stdout line. The device is picked automatically (CUDA when present, else CPU); CPU
@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import functools
 import gc
 import json
 import math
@@ -57,6 +56,7 @@ import subprocess
 import sys
 import time
 import traceback
+from xml.etree import ElementTree
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +67,7 @@ import alternet
 import memory
 import revit
 import train
-from checkpoint import load_model
-from cli import (InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot,
-                 write_json)
+from cli import InputError, f, fail, json_text, markdown, output_problem, pick_device, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -331,21 +329,12 @@ def count_preset(name: str, **overrides) -> tuple:
 
 
 def moe_presets(size: str = "s") -> list[str]:
-    """The paper's expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1), when revit.py has them."""
+    """The paper's expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1)."""
     return sorted(n for n in revit.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
 
 
 def token_dispatch_presets(size: str = "s") -> list[str]:
     return [n for n in moe_presets(size) if any(k in n for k in ("deepseek", "qwen3", "moeut"))]
-
-
-def nominal_budget(model) -> float | None:
-    """The nominal FFN budget U (paper §4.3) the module states for itself (`revit.ffn_budget`), if any."""
-    budget = getattr(revit, "ffn_budget", None)
-    try:
-        return float(budget(model)) if budget else None
-    except (AttributeError, TypeError):
-        return None
 
 
 def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_counter: bool = True) -> dict:
@@ -370,18 +359,12 @@ def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_c
             rows.append(row)
     if "s" in sizes:
         rows += _table10_rows(with_counter)
-        for name in moe_presets("s") if with_counter else []:
+        for name in moe_presets("s") if with_counter else []:  # the module's nominal U (§4.3) against its real cost
             model, counted = count_preset(name)
             dense = 2 * analytic_macs(model.config, online=False)["ffn"]
-            row = {"table": "MoE U=1", "name": name, "model": name, "params_m": model.num_params() / 1e6}
-            if with_counter:
-                row.update({"counter_gflops": counted["total"] / 1e9,
-                            "counter_attention_gflops": counted["attention"] / 1e9,
-                            "measured_u": counted["ffn_module"] / dense})
-            nominal = nominal_budget(model)
-            if nominal is not None:
-                row["nominal_u"] = nominal
-            rows.append(row)
+            rows.append({"table": "MoE U=1", "name": name, "model": name, "params_m": model.num_params() / 1e6,
+                         "counter_gflops": counted["total"] / 1e9, "counter_attention_gflops": counted["attention"] / 1e9,
+                         "measured_u": counted["ffn_module"] / dense, "nominal_u": float(revit.ffn_budget(model))})
     return {"rows": rows}
 
 
@@ -411,15 +394,14 @@ def _table10_rows(with_counter: bool) -> list[dict]:
                "gflops_online_t198": 2 * online["total"] / 1e9, "gflops_folded_t198": 2 * folded["total"] / 1e9,
                "paper_gflops_online": paper[1], "paper_gflops_folded": paper[2]}
         if key == "lora-s":
-            row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6, source="analytic")
-            if "revit-s-lora" in revit.PRESETS:  # revit.py's LoRA module: its own count, online and folded
-                with torch.device("meta"):
-                    row.update(source="module", params_m=revit.create_model("revit-s-lora").num_params() / 1e6)
-                if with_counter:
-                    counted = count_preset("revit-s-lora")[1]
-                    folded_module = revit.fold(revit.create_model("revit-s-lora").eval())
-                    row.update(counter_online_gflops=counted["total"] / 1e9,
-                               counter_folded_gflops=counted_flops(folded_module)["total"] / 1e9)
+            with torch.device("meta"):  # revit.py's LoRA module: its own count, online and folded
+                module_params = revit.create_model("revit-s-lora").num_params()
+            row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6, params_m=module_params / 1e6)
+            if with_counter:
+                counted = count_preset("revit-s-lora")[1]
+                folded_module = revit.fold(revit.create_model("revit-s-lora").eval())
+                row.update(counter_online_gflops=counted["total"] / 1e9,
+                           counter_folded_gflops=counted_flops(folded_module)["total"] / 1e9)
         rows.append(row)
     return rows
 
@@ -462,7 +444,7 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
             for label, model in models.items():
                 model = model.to(device, weights).eval()
                 run = maybe_compile(model, mode != "eager", mode=None if mode in ("eager", "compiled") else mode)
-                fn = _inference_call(run, images, device, mixed=weights == torch.float32)
+                fn = inference_call(run, images, device, mixed=weights == torch.float32)
                 extra[label] = {"params_m": model.num_params() / 1e6, **first_call(fn, model, device, "first_call_s")}
                 fns[label] = fn
             times = time_interleaved(fns, device, warmup, repeats, iters)
@@ -530,7 +512,7 @@ def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
             "call + max_memory_allocated growth over a second call"}
 
 
-def _inference_call(run, images, device, mixed: bool = True):
+def inference_call(run, images, device, mixed: bool = True):
     """run: a model, or any callable of the images (e.g. functools.partial(model, depth=6)). mixed: under
     autocast on CUDA (fp32 weights); False for weights already in bf16."""
     def call():
@@ -727,11 +709,10 @@ def params_markdown(result: dict) -> str:
         [r for r in rows if r["table"] == "10"], [
             ("model", f("model", "{}")), ("compact params (M)", f("params_m")), ("paper", f("paper_params_m", "{}")),
             ("GFLOPs online / folded", lambda r: f"{r['gflops_online_t198']:.2f} / {r['gflops_folded_t198']:.2f}"),
-            ("paper", lambda r: f"{r['paper_gflops_online']} / {r['paper_gflops_folded']}"),
-            ("source", lambda r: r.get("source", "module"))])]
+            ("paper", lambda r: f"{r['paper_gflops_online']} / {r['paper_gflops_folded']}")])]
     lora = next(r for r in rows if r["name"] == "lora-s")
     out.append(f"\nLoRA-S: shared model {lora['lora_shared_m']:.2f}M + adapters {lora['lora_adapters_m']:.2f}M "
-               f"(paper 2.53M + 4.72M); source: {lora['source']}.")
+               f"(paper 2.53M + 4.72M; the module's count: {lora['params_m']:.2f}M).")
     moe = [r for r in rows if r["table"] == "MoE U=1"]
     if moe:
         out += ["\n## Expert mechanisms at U = 1, S/16 (paper §4.3, App. B): real cost against nominal U\n",
@@ -822,264 +803,6 @@ def environment_line(env: dict) -> str:
             f"{env['cpu_count']} CPUs, {env['torch_threads']} threads · git {env.get('git', '?')}")
 
 
-# --- a checkpoint at any depth: train.py's evaluation, this tool's timing (python bench.py depths CKPT) ---
-
-
-def checkpoint_evaluation(path: str, test_subset: int, device: torch.device):
-    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from checkpoint.load_model,
-    the task (its own test data or validation text, as trained) from train.evaluation_setup. Every failure is
-    one line naming CKPT (InputError)."""
-    try:
-        model, ckpt = load_model(path, device, "CKPT")
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    if ckpt["arch"] in revit.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
-        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
-    flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",  # --depths decides
-             **({"test_subset": test_subset} if test_subset else {})}
-    with train_errors("CKPT"):
-        _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
-    return model, ckpt, task
-
-
-@contextlib.contextmanager
-def train_errors(what: str):
-    """train.py's one-line user errors (cli.fail's SystemExit) as this tool's InputError about `what`."""
-    try:
-        yield
-    except SystemExit as e:
-        if not isinstance(e.code, str):
-            raise
-        raise InputError(f"{what}: {e.code.partition(': error: ')[2] or e.code}") from None
-
-
-def parse_depth_list(text: str, model) -> list[int]:
-    """--depths for a vision model: integers >= 2; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
-    c = model.config
-    single = c.arch == "vit" or c.ffn == "lora"
-    if not text:
-        return [c.depth] if single else list(range(2, 2 * c.depth + 1))
-    try:
-        depths = sorted({int(d) for d in text.split(",") if d.strip()})
-    except ValueError:
-        depths = []
-    if not depths or depths[0] < 2:
-        raise InputError(f"--depths must be comma-separated integers >= 2 (a recurrent step grid needs two "
-                         f"steps); got {text!r}")
-    if single and depths != [c.depth]:
-        kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
-        raise InputError(f"--depths {text}: {kind} runs only its own depth {c.depth}")
-    return depths
-
-
-def deployed_model(model, depth: int) -> tuple:
-    """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the model
-    folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge cache)."""
-    c = model.config
-    if c.arch == "raptor" or (c.arch == "revit" and c.depth_programmed):
-        return revit.fold(model, depth), None
-    return model, None if c.arch == "vit" else depth
-
-
-def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
-    """One row per depth: train.py's accuracy, GFLOPs/image (deployed form), latency per image of the deployed
-    and the dynamic form (the compact checkpoint run at that depth; reViT rebuilds its merged FFNs on every
-    call, as the paper's Table 7 measured), runtime memory of the deployed form at batch 1."""
-    c = model.config
-    dynamic = model
-    if c.arch == "revit" and c.ffn == "merge" and c.num_experts > 1:
-        dynamic = copy_module(model, merge_cache=False).eval()
-    rows = []
-    for depth in depths:
-        row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
-               **train.evaluate(model, task, None if depth == c.depth else depth)}
-        module, depth_arg = deployed_model(model, depth)
-        row["deployed_form"] = "folded" if module is not model else "model"
-        row["gflops"] = counted_flops(module, depth_arg)["total"] / 1e9
-        forms = {"deployed": functools.partial(module, depth=depth_arg) if depth_arg else module,
-                 "dynamic": functools.partial(dynamic, depth=depth) if c.arch != "vit" else dynamic}
-        fns = {}
-        for batch in (1, args.batch):
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-            fns.update({(form, batch): _inference_call(run, images, device) for form, run in forms.items()})
-        row["memory_mib"] = first_call(fns["deployed", 1], module, device, "first_call_s").get("memory_mib")
-        times = time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
-        for form, batch in fns:
-            row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
-        rows.append(row)
-    if args.memory and device.type == "cpu":
-        specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
-                 for r in rows]
-        for row, measured in zip(rows, memory.cpu_memory_of(specs, batch=1, processes=1)):
-            row["memory_mib"] = measured.get("memory_mib")
-    return rows
-
-
-def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: bool) -> None:
-    """Flag the Pareto-optimal rows: no other row is at least as good and as cheap, and better in one."""
-    sign = 1 if higher_is_better else -1
-    for r in rows:
-        r["pareto"] = not any(sign * o[quality] >= sign * r[quality] and o[cost] <= r[cost] and
-                              (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
-
-
-def language_windows(task, test_subset: int) -> torch.Tensor:
-    """The validation windows (n, T+1) of train.py's LanguageTask (the checkpoint's own text, as trained)."""
-    n = (len(task.val) - 1) // task.block_size
-    windows = task.val[:n * task.block_size + 1].unfold(0, task.block_size + 1, task.block_size)  # (n, T+1)
-    return windows[:test_subset or n]
-
-
-def causal_cross_entropy(lm, x, y, cap, threshold) -> tuple:
-    """(summed next-token CE in nats, summed iterations) at iteration cap `cap` and halting `threshold`, each
-    position routed and halted on its own prefix as in generation (alternet.causal_loss)."""
-    causal = alternet.causal_loss(lm, x, y, max_depth=cap, halt_threshold=threshold)
-    return float(causal["ce"].sum()), float(causal["iterations"].sum())
-
-
-def language_depth_rows(lm, task, args, device) -> list[dict]:
-    """Rows over iteration caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations
-    per position, latency per generated token (greedy, batch 1)."""
-    windows, tokens_per_byte, eval_batch = language_windows(task, args.test_subset), task.tokens_per_byte, \
-        task.cfg.eval_batch_size
-    thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
-    prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
-    rows, fns = [], {}
-    with torch.inference_mode():
-        for cap in range(1, lm.config.max_depth + 1):
-            for threshold in thresholds:
-                ce = iterations = 0.0
-                for chunk in windows.split(eval_batch):
-                    chunk = chunk.to(device)
-                    with autocast(device):
-                        part = causal_cross_entropy(lm, chunk[:, :-1], chunk[:, 1:], cap, threshold)
-                    ce, iterations = ce + part[0], iterations + part[1]
-                tokens = windows[:, 1:].numel()
-                rows.append({"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * tokens_per_byte /
-                             math.log(2), "mean_iterations": iterations / tokens,
-                             "reference": cap == lm.config.max_depth and threshold == thresholds[0]})
-                fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold,
-                                                        device)
-    times = time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
-    for row in rows:
-        row["ms_per_token"] = statistics.median(times[row["max_depth"], row["halt_threshold"]]) * 1e3 / args.new_tokens
-    for row in rows:
-        row["bpb_metric"] = "alternet.causal_loss"
-    return rows
-
-
-def _generate_call(lm, prompt, new_tokens, cap, threshold, device):
-    with torch.inference_mode(), autocast(device):
-        return lm.generate(prompt, max_new_tokens=new_tokens, halt_threshold=threshold, max_depth=cap,
-                           temperature=0)
-
-
-def parse_thresholds(text: str) -> list:
-    """--thresholds: 'none' (run every iteration up to the cap) and values in (0, 1]."""
-    try:
-        values = [None if t.strip().lower() == "none" else float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v is not None and not 0 < v <= 1 for v in values):
-        raise InputError(f"--thresholds must be comma-separated values in (0, 1] or 'none'; got {text!r}")
-    return values
-
-
-def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
-                    unit: str, scale: float = 1.0, name: str = "depth") -> str:
-    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
-    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"."""
-    ref = next(r for r in rows if r["reference"])
-    sign = 1 if higher_is_better else -1
-    good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
-               key=lambda r: (r[size_key], r[cost]))
-    if good is ref:
-        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
-    delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
-    speed = ref[cost] / good[cost]
-    timing = f"{speed:.1f}× faster" if speed >= 1 else f"{1 / speed:.1f}× slower (measured)"
-    return f"{name} {good[size_key]}: {delta} {unit}, {timing} than the reference ({name} {ref[size_key]})"
-
-
-def depths_markdown(result: dict) -> str:
-    rows, s = result["rows"], result["settings"]
-    mark = lambda r: ("**ref** " if r["reference"] else "") + ("pareto" if r["pareto"] else "")  # noqa: E731
-    if result["family"] == "language":
-        table = markdown(rows, [
-            ("cap D'", f("max_depth", "{}")), ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
-            ("bits/byte", f("bpb", "{:.4f}")), ("mean iterations", f("mean_iterations")),
-            ("ms/token", f("ms_per_token", "{:.3f}")), ("", mark)])
-        note = f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} tokens, batch 1."
-    else:
-        table = markdown(rows, [
-            ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
-            ("GFLOPs/img", f("gflops", "{:.4f}")),
-            (f"ms/img b1 ({rows[0]['deployed_form']})", f("deployed_ms_b1", "{:.3f}")),
-            ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
-            (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
-            (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
-            ("memory MiB (b1)", f("memory_mib", "{:.1f}")), ("", mark)])
-        note = (f"test images: {s['test_images']}; latency per image, median of {s['repeats']} x {s['iters']} "
-                f"calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
-                f"checkpoint at that depth (reViT merges its experts on every call); pareto: no other depth is "
-                f"both as accurate and as fast (deployed, batch 1).")
-    return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
-
-
-def plot_depths(result: dict, path: str) -> str | None:
-    """Accuracy (or bits/byte) against latency, one point per depth (cap), the reference ringed."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-    language = result["family"] == "language"
-    x_key, y_key, size_key = ("ms_per_token", "bpb", "max_depth") if language else ("deployed_ms_b1", "acc", "depth")
-    groups = {}
-    for r in result["rows"]:
-        groups.setdefault(r.get("halt_threshold", "deployed"), []).append(r)
-    for name, rows in groups.items():
-        ys = [r[y_key] * (1 if language else 100) for r in rows]
-        ax.plot([r[x_key] for r in rows], ys, "o-", label=f"threshold {name}" if language else None)
-        for r, y in zip(rows, ys):
-            ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-            if r["reference"]:
-                ax.plot([r[x_key]], [y], "o", ms=11, mfc="none", mec="k")
-    ax.set_xlabel("ms per generated token" if language else "ms per image (deployed, batch 1)")
-    ax.set_ylabel("bits per byte" if language else "top-1 accuracy (%)")
-    ax.set_title(f"{result['arch']}: {'iteration cap' if language else 'depth'} vs cost", fontsize=9)
-    if language:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def run_depths(args, device) -> dict:
-    model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device)
-    language = ckpt["arch"] not in revit.PRESETS
-    settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
-                "new_tokens": args.new_tokens, "test_subset": args.test_subset}
-    if language:
-        rows = language_depth_rows(model, task, args, device)
-        mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
-        best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte", name="cap D'")
-    else:
-        depths = sorted(set(parse_depth_list(args.depths, model)) | {model.config.depth})
-        rows = vision_depth_rows(model, ckpt, task, depths, args, device)
-        mark_tradeoffs(rows, "acc", "deployed_ms_b1", higher_is_better=True)
-        best = smallest_within(rows, "depth", "acc", 0.005, "deployed_ms_b1", True, "points", scale=100)
-        settings["test_images"] = len(task.data.test)
-    result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"],
-              "family": "language" if language else "vision", "settings": settings, "rows": rows, "best": best}
-    out_dir = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
-    os.makedirs(out_dir, exist_ok=True)
-    result["plot"] = plot_depths(result, os.path.join(out_dir, "depths.png"))
-    print(depths_markdown(result))
-    write_json(result, os.path.join(out_dir, "depths.json"))
-    return result
-
-
 # --- check: the first minutes on a GPU, every CUDA path in one report (python bench.py check) ---
 
 # Sizes. CUDA: S/16 at 224² as the paper's Table 7, sized for about 8 minutes on one H100 (an estimate until
@@ -1087,14 +810,13 @@ def run_depths(args, device) -> dict:
 # (torch.compile with the eager backend: dynamo's graph capture, guards and recompiles, no code generation).
 CHECK_SIZES = {
     "full": dict(
-        presets=("vit-s", "revit-s"), overrides={}, batch=4, compile_backend="inductor",
+        compile_backend="inductor",
         latency=dict(size="s", batches=(1, 64), modes=("compiled", "reduce-overhead"), warmup=5, repeats=10, iters=10,
                      memory=True, dtype="bfloat16"),
         train=dict(size="s", batch=128, compiled=True, warmup=3, repeats=10, iters=3),
         run=["--arch", "revit-s", "--compile", "--max-steps", "100", "--log-interval", "10"]),
     "quick": dict(
-        presets=("vit-mini", "revit-mini"), overrides=dict(image_size=8, patch_size=4, dim=16, heads=2, ffn_dim=24,
-                                                         depth=4), batch=2, compile_backend="eager",
+        compile_backend="eager",
         latency=dict(size="mini", batches=(1, 2), modes=("eager",), warmup=1, repeats=2, iters=1, memory=False),
         train=dict(size="mini", batch=4, compiled=False, warmup=0, repeats=2, iters=1),
         run=["--arch", "revit-mini", "--compile", "--max-steps", "4", "--train-subset", "512", "--test-subset", "256",
@@ -1104,146 +826,34 @@ CHECK_SIZES = {
 CHECK_TRAIN_ROWS = ("DeiT III", "reViT fixed", "reViT elastic 0.3", "reViT fixed, eager")
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-def check_models(sizes: dict, device: torch.device) -> dict:
-    """A ViT and a reViT, weights nudged off their initial symmetries (zero router output layer, equal
-    experts) so that every equivalence below has something to compare."""
-    models = {}
-    g = torch.Generator().manual_seed(0)
-    for name in sizes["presets"]:
-        torch.manual_seed(0)
-        model = revit.create_model(name, **sizes["overrides"])
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=g))
-        models[name.split("-")[0]] = model.to(device)
-    return models
-
-
-def forward_backward(model, images, bf16: bool):
-    """Logits and the flat gradient of a scalar of them, with or without bf16 autocast."""
-    model.zero_grad(set_to_none=True)
-    with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(images, return_states=True)
-        loss = out["logits"].float().logsumexp(-1).mean() + sum(out["aux_losses"].values())
-    loss.backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return out["logits"].detach(), grads
-
-
-def check_autocast(model, images) -> dict:
-    """bf16 autocast forward/backward close to fp32 (train mode); an fp32 call after an autocast call is
-    unchanged (the merge cache must key on the autocast state, eval mode)."""
-    model.train()
-    ref_logits, ref_grads = forward_backward(model, images, bf16=False)
-    logits, grads = forward_backward(model, images, bf16=True)
-    model.eval()
-    with torch.no_grad():
-        before = model(images)
-        with torch.autocast(images.device.type, dtype=torch.bfloat16):
-            model(images)
-        after = model(images)
-    errors = {"logits": relative_error(logits, ref_logits), "grads": relative_error(grads, ref_grads),
-              "fp32 after bf16": relative_error(after, before)}
-    return {"value": max(errors["logits"], errors["grads"]), "limit": 0.05,
-            "ok": errors["logits"] <= 0.05 and errors["grads"] <= 0.05 and errors["fp32 after bf16"] <= 1e-6,
-            "detail": ", ".join(f"{k} {v:.2e}" for k, v in errors.items()) + f"; logits dtype {logits.dtype}"}
-
-
-def check_compile(model, images, backend: str) -> dict:
-    """torch.compile matches eager on a training forward/backward; a repeated call builds no new graph."""
-    import torch._dynamo
-    torch._dynamo.reset()
-    model.train()
-    ref_logits, ref_grads = forward_backward(model, images, bf16=False)
-    compiled = torch.compile(model, backend=backend)
-    logits, grads = forward_backward(compiled, images, bf16=False)
-    graphs = compiled_graphs()
-    forward_backward(compiled, images, bf16=False)
-    error = max(relative_error(logits, ref_logits), relative_error(grads, ref_grads))
-    rebuilt = compiled_graphs() - graphs
-    return {"value": error, "limit": 1e-4, "ok": error <= 1e-4 and rebuilt == 0,
-            "detail": f"backend {backend}, {graphs} graph(s), {rebuilt} new on a repeated call"}
-
-
-def check_fused_adamw(model, images) -> dict:
-    """One fused AdamW step equals the for-each implementation's step."""
-    model.train()
-    after = []
-    for fused in (True, False):
-        copy = copy_module(model)
-        optimizer = torch.optim.AdamW(copy.parameters(), lr=1e-3, weight_decay=0.05, fused=fused,
-                                      foreach=None if fused else True)
-        forward_backward(copy, images, bf16=False)
-        optimizer.step()
-        after.append(torch.cat([p.detach().flatten() for p in copy.parameters()]))
-    before = torch.cat([p.detach().flatten() for p in model.parameters()])
-    error = relative_error(after[0] - before, after[1] - before)
-    return {"value": error, "limit": 1e-5, "ok": error <= 1e-5, "detail": "relative difference of the updates"}
-
-
-def copy_module(model, **changes):
-    """A second module with the same weights (and config `changes` that do not change the parameters)."""
-    copy = type(model)(dataclasses.replace(model.config, **changes)).to(next(model.parameters()).device)
-    copy.load_state_dict(model.state_dict())
-    return copy
-
-
-@torch.no_grad()
-def check_fold(model, images) -> dict:
-    """§3.1: revit.fold's plain ViT equals the reViT at its own depth and at another."""
-    model.eval()
-    depths = (model.config.depth, max(2, model.config.depth // 2))
-    errors = [relative_error(revit.fold(model, d)(images), model(images, depth=d)) for d in depths]
-    return {"value": max(errors), "limit": 1e-4, "ok": max(errors) <= 1e-4,
-            "detail": ", ".join(f"depth {d}: {e:.2e}" for d, e in zip(depths, errors))}
-
-
-@torch.no_grad()
-def check_cache(model, images) -> dict:
-    """The merge cache equals merging on every call, also after the weights change (the cache invalidates)."""
-    model.eval()
-    dynamic = copy_module(model, merge_cache=False).eval()
-    errors = [relative_error(model(images), dynamic(images))]
-    for m in (model, dynamic):
-        m.block.mlp.fc1_weight.mul_(1.01)
-    errors.append(relative_error(model(images), dynamic(images)))
-    return {"value": max(errors), "limit": 1e-5, "ok": max(errors) <= 1e-5,
-            "detail": f"before {errors[0]:.2e}, after a weight change {errors[1]:.2e}"}
-
-
-@torch.no_grad()
-def check_elastic(model, images) -> dict:
-    """§3.2: an image that keeps n of the L steps (renumbered to k / (n - 1)) equals the model run at depth n."""
-    model.eval()
-    depth = model.config.depth
-    keep = torch.ones(len(images), depth, dtype=torch.bool, device=images.device)
-    keep[1:, 1::2] = False  # every other step dropped for all but the first image
-    out = model(images, keep=keep)
-    errors = [relative_error(out[i], model(images[i:i + 1], depth=int(keep[i].sum()))[0]) for i in range(len(images))]
-    return {"value": max(errors), "limit": 1e-4, "ok": max(errors) <= 1e-4,
-            "detail": "kept steps per image: " + ", ".join(str(int(k.sum())) for k in keep)}
-
-
-def correctness_rows(sizes: dict, device: torch.device, parts: Parts | None = None) -> list[dict]:
-    """Each check in turn; an exception is a failed row, never the end of the run."""
-    parts = parts or Parts()
-    models = check_models(sizes, device)
-    c = models["revit"].config
-    images = torch.randn(sizes["batch"], c.in_channels, c.image_size, c.image_size, device=device)
-    checks = [(f"bf16 autocast {name}", functools.partial(check_autocast, model, images))
-              for name, model in models.items()]
-    checks += [("torch.compile = eager (reViT)", functools.partial(check_compile, models["revit"], images,
-                                                                    sizes["compile_backend"])),
-               ("fused AdamW step (reViT)", functools.partial(check_fused_adamw, models["revit"], images)),
-               ("fold = reViT", functools.partial(check_fold, models["revit"], images)),
-               ("merge cache = dynamic merge", functools.partial(check_cache, models["revit"], images)),
-               ("elastic keep mask = smaller depth", functools.partial(check_elastic, models["revit"], images))]
-    with tf32(device, False):  # the equivalences compare float32 computations
-        return [{"check": name, **parts.run(f"correctness: {name}", fn)} for name, fn in checks]
+def device_tests(device: torch.device, out_dir: str) -> dict:
+    """Correctness on the device: tests/test_on_device.py (bf16 autocast, torch.compile, fused AdamW, fold, merge
+    cache, elastic depth) run by pytest in its own process: its cuda cases on a GPU (REVIT_GPU_TESTS=1), its cpu
+    cases on a CPU. One row per test, from pytest's JUnit XML report."""
+    report, log = (os.path.join(os.path.abspath(out_dir), name) for name in ("correctness.xml", "correctness.log"))
+    gpu = device.type == "cuda"
+    env = {**os.environ, "REVIT_GPU_TESTS": "1" if gpu else "0",
+           **({"CUDA_VISIBLE_DEVICES": str(device.index)} if gpu and device.index is not None else {})}
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(report)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                           "gpu" if gpu else "not gpu", os.path.join("tests", "test_on_device.py"),
+                           f"--junitxml={report}"], cwd=HERE, env=env, capture_output=True, text=True)
+    with open(log, "w") as fh:  # pytest's own output: the tracebacks of any failure
+        fh.write(done.stdout + done.stderr)
+    if not os.path.exists(report):
+        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"pytest wrote no report (exit {done.returncode}): {last[0]}")
+    rows = []
+    for case in ElementTree.parse(report).iter("testcase"):
+        problem = next(iter(case.findall("failure") + case.findall("error") + case.findall("skipped")), None)
+        message = "" if problem is None else (problem.get("message") or problem.text or "").strip()
+        rows.append({"check": case.get("name"), "ok": problem is None, "seconds": float(case.get("time") or 0),
+                     "detail": message.splitlines()[0][:200] if message else ""})
+    failed = [r["check"] for r in rows if not r["ok"]]
+    return {"ok": bool(rows) and not failed and done.returncode == 0, "rows": rows,
+            "detail": ("failed: " + ", ".join(failed) if failed else f"{len(rows)} tests, pytest exit {done.returncode}")
+            + f"; log: {log}"}
 
 
 @contextlib.contextmanager
@@ -1309,10 +919,8 @@ class Parts:
 
 
 def failure_log(result: dict) -> str:
-    """Every traceback of a check report (parts and correctness rows), for check-errors.log."""
-    entries = [(name, part) for name, part in result["parts"].items()]
-    entries += [(f"correctness: {row['check']}", row) for row in result["parts"]["correctness"].get("rows", [])]
-    return "".join(f"=== {name}\n{entry['traceback']}\n" for name, entry in entries if "traceback" in entry)
+    """Every traceback of a check report's parts, for check-errors.log (the correctness tests': correctness.log)."""
+    return "".join(f"=== {name}\n{part['traceback']}\n" for name, part in result["parts"].items() if "traceback" in part)
 
 
 def check_train_run(argv: list[str], out_dir: str, compile_backend: str) -> dict:
@@ -1357,11 +965,6 @@ def run_check(args, device) -> dict:
 
     runner = Parts()
 
-    def correctness():
-        rows = correctness_rows(sizes, device, runner)
-        failed = [r["check"] for r in rows if not r["ok"]]
-        return {"ok": not failed, "rows": rows, **({"detail": "failed: " + ", ".join(failed)} if failed else {})}
-
     def latency():
         s = sizes["latency"]
         with tf32(device, True):
@@ -1377,7 +980,7 @@ def run_check(args, device) -> dict:
         return {"ok": True, **result, "targets": targets, "settings": {"summary": describe(s, device)}}
 
     parts = {}
-    for name, fn in [("correctness", correctness), ("latency", latency), ("train step", train_step),
+    for name, fn in [("correctness", lambda: device_tests(device, out_dir)), ("latency", latency), ("train step", train_step),
                      ("train.py run", lambda: check_train_run(sizes["run"], out_dir, sizes["compile_backend"]))]:
         parts[name] = runner.run(name, fn)
         print(f"{name}: {'ok' if parts[name]['ok'] else 'FAILED'} ({parts[name]['seconds']:.1f} s)", flush=True)
@@ -1408,9 +1011,8 @@ def check_markdown(result: dict) -> str:
            "## Correctness on the device\n"]
     correctness = parts["correctness"]
     if "rows" in correctness:
-        out.append(markdown(correctness["rows"], [
-            ("check", f("check", "{}")), ("ok", lambda r: "yes" if r["ok"] else "**no**"),
-            ("measured", f("value", "{:.2e}")), ("limit", f("limit", "{:.0e}")), ("detail", f("detail", "{}")),
+        out.append("tests/test_on_device.py, one row per test:\n\n" + markdown(correctness["rows"], [
+            ("test", f("check", "{}")), ("ok", lambda r: "yes" if r["ok"] else "**no**"), ("detail", f("detail", "{}")),
             ("s", f("seconds", "{:.1f}"))]))
     for name, to_markdown in (("latency", latency_markdown), ("train step", train_markdown)):
         if "rows" in parts[name]:
@@ -1431,13 +1033,11 @@ def describe(settings: dict, device) -> str:
 # --- command line ---
 
 CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1, dtype="float32"),
-                "train": dict(batch=8, compile=False, warmup=1, repeats=10, iters=1, resolve=0.03, max_repeats=60),
-                "depths": dict(batch=16, warmup=1, repeats=5, iters=1)}
+                "train": dict(batch=8, compile=False, warmup=1, repeats=10, iters=1, resolve=0.03, max_repeats=60)}
 QUICK_DEFAULTS = {"train": dict(batch=4, compile=False, warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=6)}
 CUDA_DEFAULTS = {"latency": dict(batches="1,64", modes="compiled,reduce-overhead", warmup=10, repeats=30, iters=20,
                                  dtype="bfloat16"),
-                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5, resolve=0.03, max_repeats=200),
-                 "depths": dict(batch=64, warmup=10, repeats=20, iters=10)}
+                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5, resolve=0.03, max_repeats=200)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1474,7 +1074,6 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rows", help="comma-separated rows to time (default all; DeiT III always), e.g. 'reViT fixed'")
     tr.add_argument("--quick", action="store_true", help="a smoke run in seconds: mini size, batch 4, few rounds")
     add_check_parser(sub)
-    add_depths_parser(sub)
     add_memory_parser(sub)
     return parser
 
@@ -1496,25 +1095,6 @@ def add_check_parser(sub):
     device_flags(p)
     p.add_argument("--out", help="folder for check.md, check.json and the run's files (default: out/check-TIME)")
     p.add_argument("--quick", action="store_true", help="the same code paths at tiny sizes (CPU: well under a minute)")
-
-
-def add_depths_parser(sub):
-    p = sub.add_parser("depths", help="accuracy, latency, GFLOPs and memory of one checkpoint at every depth "
-                                      "(AlterNet: iteration caps and halting thresholds)")
-    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
-    device_flags(p)
-    p.add_argument("--depths", default="", help="comma-separated depths >= 2 (default 2 ... 2L; a ViT: L)")
-    p.add_argument("--test-subset", type=int, default=0, help="evaluate on the first N test images / validation "
-                                                              "windows (default: the checkpoint's own test set)")
-    p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
-    timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure runtime memory at batch 1 (CPU: a forked fresh process per depth)")
-    p.add_argument("--thresholds", default="0.5,none",
-                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); the first "
-                        "is the reference")
-    p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
-    p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
 
 
 def resolve(args, device) -> dict:
@@ -1539,13 +1119,10 @@ FLAG_RULES = {
     "repeats": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
     "iters": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
     "threads": (lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
-    "new_tokens": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
-    "test_subset": (lambda v: v >= 0, ">= 0 (0: the whole test set)"),
     "peak_tflops": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0 (TFLOP/s)"),
     "resolve": (lambda v: math.isfinite(v) and 0 <= v < 1, "a ratio in [0, 1) (0: no extra rounds)"),
     "max_repeats": (lambda v: 2 <= v <= 10000, "an integer in [2, 10000]"),
 }
-COMMAND_RULES = {"depths": {"batch": (lambda v: 2 <= v <= 65536, ">= 2 (batch 1 is always measured), at most 65536")}}
 LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
     "batches": (lambda t: int(t) if t.strip().isdigit() and 1 <= int(t) <= 65536 else None,
                 "comma-separated integers in [1, 65536], e.g. 1,8"),
@@ -1553,17 +1130,13 @@ LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowe
               "comma-separated of eager, compiled, reduce-overhead (CUDA graphs; CUDA only)"),
     "sizes": (lambda t: t.strip() if t.strip() in ("s", "b", "l") else None, "comma-separated of s, b, l"),
 }
-OUTPUT_FOLDERS = ("check", "depths")  # their --out is a folder; for params, latency and train a file
+OUTPUT_FOLDERS = ("check",)  # its --out is a folder; for params, latency and train a file
 
 
 def check_flags(args, device) -> None:
     """The one validation of flags every subcommand shares, before anything is built, loaded or written:
     ranges, comma-separated lists (parsed in place) and the output path. InputError naming the flag."""
-    rules = {**FLAG_RULES, **COMMAND_RULES.get(args.command, {})}
-    for name, (ok, allowed) in rules.items():
-        value = getattr(args, name, None)
-        if value is not None and not ok(value):
-            raise InputError(f"--{name.replace('_', '-')} must be {allowed}; got {value}")
+    check_ranges(args, FLAG_RULES)
     for name, (item, allowed) in LIST_FLAGS.items():
         text = getattr(args, name, None)
         if isinstance(text, str):
@@ -1573,13 +1146,17 @@ def check_flags(args, device) -> None:
             setattr(args, name, items)
     if "reduce-overhead" in (getattr(args, "modes", None) or ()) and device.type != "cuda":
         raise InputError("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)")
-    if getattr(args, "thresholds", None):
-        parse_thresholds(args.thresholds)
     out, kind = getattr(args, "out", None), "folder" if args.command in OUTPUT_FOLDERS else "file"
-    if args.command == "depths":
-        out = out or os.path.dirname(os.path.abspath(args.checkpoint))
     if out and output_problem(out, kind):
         raise InputError(f"--out {out} {output_problem(out, kind)}")
+
+
+def check_ranges(args, rules: dict) -> None:
+    """Each flag of `rules` that is set: within its range (rules: name -> (test, what is allowed))."""
+    for name, (ok, allowed) in rules.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise InputError(f"--{name.replace('_', '-')} must be {allowed}; got {value}")
 
 
 def run_params(args, device) -> dict:
@@ -1700,7 +1277,7 @@ def run_memory(args, device) -> dict:
 
 
 COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "check": run_check,
-            "depths": run_depths, "memory": run_memory}
+            "memory": run_memory}
 
 
 def main(argv=None) -> dict:

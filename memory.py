@@ -385,7 +385,7 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
             break
     return hints
 
-# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, bench.py depths) ---
+# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, depths.py) ---
 #
 # The CUDA allocator reports what a model holds (bench.cuda_memory); on a CPU only the process's resident
 # set says it, and a process's freed heap stays resident: so each model is measured in a child of a fresh

@@ -362,7 +362,7 @@ def evaluate_and_save(run: Run, evaluate_now: bool, save_now: bool) -> None:
 
 
 def evaluate_depths(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
-    """The one evaluation path (the training loop, --eval-only, bench.py depths): {depth: metrics};
+    """The one evaluation path (the training loop, --eval-only, depths.py): {depth: metrics};
     depth None is the reference depth (language models: the halted depth, and every fixed depth)."""
     results = task.evaluate(unwrap(model), list(depths), rank, world)
     return {None if key == "halted" else key: value for key, value in results.items()}

@@ -15,7 +15,6 @@ from hypothesis import given, settings, strategies as st
 import bench
 import cli
 import revit
-import train
 
 FAST = settings(max_examples=10, deadline=None)
 
@@ -255,8 +254,8 @@ def test_check_quick_runs_every_part(tmp_path):
     result, lines = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
     assert result["ok"], result["parts"]
     assert list(result["parts"]) == ["correctness", "latency", "train step", "train.py run"]
-    checks = {r["check"]: r for r in result["parts"]["correctness"]["rows"]}
-    assert len(checks) == 7 and all(r["ok"] and r["value"] <= r["limit"] for r in checks.values())
+    checks = {r["check"]: r for r in result["parts"]["correctness"]["rows"]}  # tests/test_on_device.py, cpu cases
+    assert len(checks) == 7 and all(r["ok"] for r in checks.values()) and all("cpu" in k and "cuda" not in k for k in checks)
     # --quick trains eagerly: no separate eager fixed-depth row
     assert {r["model"] for r in result["parts"]["train step"]["rows"]} == set(bench.CHECK_TRAIN_ROWS) - {
         "reViT fixed, eager"}
@@ -264,7 +263,8 @@ def test_check_quick_runs_every_part(tmp_path):
     assert run["steps"] == 4 and run["images_per_s"] > 0 and 0 <= run["test_acc"] <= 1
     assert json.loads(lines[-1]) == json.loads((tmp_path / "check.json").read_text())
     report = (tmp_path / "check.md").read_text()
-    assert report.startswith("# bench.py check") and "| fold = reViT | yes |" in report
+    assert report.startswith("# bench.py check") and "| test_fold_equals_the_revit_at_its_depth_and_at_another[cpu] | yes |" in report
+    assert "7 passed" in (tmp_path / "correctness.log").read_text()
 
 
 CUDA_ERROR = ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously "
@@ -275,7 +275,7 @@ CUDA_ERROR = ("CUDA error: an illegal memory access was encountered\nCUDA kernel
 def test_check_records_a_failure_and_goes_on(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the first line names the fault\nmore context\n\nSet TORCHDYNAMO_VERBOSE=1 for more")
-    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device, parts: [{"check": "stub", "ok": True}])
+    monkeypatch.setattr(bench, "device_tests", lambda device, out: {"ok": True, "rows": [{"check": "stub", "ok": True}]})
     monkeypatch.setattr(bench, "bench_latency", broken)
     monkeypatch.setattr(bench, "bench_train", lambda **kwargs: {"rows": []})
     monkeypatch.setattr(bench, "check_train_run", lambda argv, out, backend: {"ok": True})
@@ -298,7 +298,7 @@ def test_a_cuda_error_is_reported_once_and_the_later_parts_skipped(tmp_path, mon
     monkeypatch.setattr(bench, "bench_latency", cuda_fault)
     monkeypatch.setattr(bench, "bench_train", lambda **kwargs: pytest.fail("ran after a CUDA error"))
     monkeypatch.setattr(bench, "check_train_run", lambda *a: pytest.fail("ran after a CUDA error"))
-    monkeypatch.setattr(bench, "correctness_rows", lambda sizes, device, parts: [{"check": "stub", "ok": True}])
+    monkeypatch.setattr(bench, "device_tests", lambda device, out: {"ok": True, "rows": [{"check": "stub", "ok": True}]})
     result, _ = run_cli(["check", "--device", "cpu", "--quick", "--out", str(tmp_path)])
     parts = result["parts"]
     assert parts["latency"]["detail"].endswith(": CUDA error: an illegal memory access was encountered")
@@ -338,141 +338,6 @@ def test_latency_rows_with_bf16_weights():
     assert all(r["median_ms"] > 0 for r in result["rows"])
 
 
-# --- depths: one checkpoint at every depth ---
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory, fashion_mnist_dir):
-    """A 2-step revit-mini at L = 2, and the training loop's own evaluation at depths 2, 3, 4."""
-    import train
-    out = tmp_path_factory.mktemp("tiny")
-    with redirect_stdout(io.StringIO()):
-        summary = train.main(["--arch", "revit-mini", "--max-steps", "2", "--train-subset", "256", "--test-subset",
-                              "96", "--batch-size", "64", "--model-args", "dim=16,heads=2,ffn_dim=24,depth=2",
-                              "--data-dir", str(fashion_mnist_dir), "--eval-depths", "2,3,4", "--no-progress",
-                              "--out-dir", str(out)])
-    return summary
-
-
-DEPTH_COLUMNS = ("acc", "loss", "gflops", "deployed_ms_b1", "dynamic_ms_b1", "deployed_ms_bn", "dynamic_ms_bn",
-                 "memory_mib", "pareto", "reference")
-
-
-def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
-    result, lines = run_cli(["depths", tiny_checkpoint["checkpoint"], "--device", "cpu", "--batch", "2",
-                             "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)])
-    rows = result["rows"]
-    assert [r["depth"] for r in rows] == [2, 3, 4]  # default 2 ... 2L
-    for r in rows:
-        assert all(r[key] is not None for key in DEPTH_COLUMNS), r
-        assert r["acc"] == tiny_checkpoint["depths"][str(r["depth"])]["acc"]  # train.py's evaluation, exactly
-        assert r["deployed_form"] == "folded" and r["gflops"] > 0 and r["memory_mib"] >= 0
-    assert [r["reference"] for r in rows] == [True, False, False]
-    assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
-    assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
-    assert json.loads(lines[-1]) == json.loads((tmp_path / "depths.json").read_text())
-    if bench.pyplot() is not None:
-        assert (tmp_path / "depths.png").stat().st_size > 0
-
-
-def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
-    probe = tmp_path / "probe.pt"
-    torch.save({"arch": "linear-probe", "model_config": {"backbone": "backbone.pt"}, "model": {}}, probe)
-    garbage = tmp_path / "garbage.pt"
-    garbage.write_text("not a checkpoint")
-    ckpt = tiny_checkpoint["checkpoint"]
-    cases = [([ckpt, "--depths", "1,2"], "--depths must be comma-separated integers >= 2"),
-             ([ckpt, "--depths", "two"], "--depths must be comma-separated integers >= 2"),
-             ([str(tmp_path / "missing.pt")], "missing.pt: no such file"),  # checkpoint.load_model's messages
-             ([str(probe)], "is a linear-probe head, not a model"),
-             ([str(garbage)], "garbage.pt: not a PyTorch file"),
-             ([ckpt, "--batch", "1"], "--batch must be >= 2")]
-    for argv, message in cases:
-        with pytest.raises(SystemExit) as error:
-            run_cli(["depths", *argv, "--device", "cpu", "--no-memory"])
-        text = str(error.value.code)
-        assert text.startswith("bench.py: error: ") and message in text and "\n" not in text, text
-
-
-def test_depths_alternet_caps_and_thresholds(tmp_path):
-    import train
-    text = tmp_path / "text.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
-    with redirect_stdout(io.StringIO()):
-        summary = train.main(["--arch", "alternet-tiny", "--data", str(text), "--max-steps", "2", "--batch-size",
-                              "4", "--block-size", "16", "--eval-iters", "1", "--eval-batch-size", "8",
-                              "--model-args", "dim=16,heads=2,ffn_dim=32,seq_len=16,max_depth=3,num_experts=2,"
-                              "top_k=1,depth_dim=4", "--no-progress", "--out-dir", str(tmp_path / "run")])
-    result, _ = run_cli(["depths", summary["checkpoint"], "--device", "cpu", "--test-subset", "4", "--warmup", "0",
-                         "--repeats", "1", "--new-tokens", "2", "--out", str(tmp_path)])
-    rows = result["rows"]
-    assert [(r["max_depth"], r["halt_threshold"]) for r in rows] == [(d, t) for d in (1, 2, 3) for t in (0.5, None)]
-    for r in rows:
-        assert r["bpb"] > 0 and 1 <= r["mean_iterations"] <= r["max_depth"] and r["ms_per_token"] > 0
-    reference = next(r for r in rows if r["reference"])
-    assert (reference["max_depth"], reference["halt_threshold"]) == (3, 0.5)
-    # the training loop's causal metric: the same first 4 validation windows, halting at 0.5
-    assert reference["bpb"] == pytest.approx(summary["val_causal_bpb"], rel=1e-5)
-    assert all(r["bpb_metric"] == "alternet.causal_loss" for r in rows)
-    with pytest.raises(SystemExit, match="--thresholds must be"):
-        run_cli(["depths", summary["checkpoint"], "--device", "cpu", "--thresholds", "0,none"])
-
-
-@FAST
-@given(points=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=8))
-def test_pareto_rows_dominate_the_rest(points):
-    rows = [{"acc": a, "ms": c} for a, c in points]
-    bench.mark_tradeoffs(rows, "acc", "ms", higher_is_better=True)
-    front = [r for r in rows if r["pareto"]]
-    assert front
-    for r in rows:  # a row is off the front exactly when a front row is as good, as cheap and better in one
-        dominated = any(o["acc"] >= r["acc"] and o["ms"] <= r["ms"] and (o["acc"], o["ms"]) != (r["acc"], r["ms"])
-                        for o in front)
-        assert dominated == (not r["pareto"])
-
-
-def test_smallest_depth_within_half_a_point():
-    rows = [{"depth": d, "acc": a, "ms": ms, "reference": d == 6}
-            for d, a, ms in [(2, 0.80, 1.0), (4, 0.897, 1.9), (6, 0.900, 3.61), (8, 0.901, 4.8)]]
-    assert bench.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
-        "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
-    rows[1]["ms"] = 7.22  # a noisy timing may make the smaller depth slower: say so, never "0.5× faster"
-    assert bench.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
-        "depth 4: −0.3 points, 2.0× slower (measured) than the reference (depth 6)"
-
-
-@pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),
-                                        ("revit-mini-e1", "folded"), ("revit-mini-lora", "folded"),
-                                        ("revit-mini-smear", "model"), ("revit-mini-qwen3", "model")])
-def test_deployed_model_runs_like_the_model_at_that_depth(name, form):
-    model = revit.create_model(name, **tiny_config(num_classes=5, image_size=8, patch_size=4)).eval()
-    depth = model.config.depth if name in ("vit-mini", "revit-mini-lora") else 5
-    module, depth_arg = bench.deployed_model(model, depth)
-    assert (module is not model) == (form == "folded")
-    x = torch.randn(2, 3, 8, 8)
-    with torch.no_grad():
-        expected = model(x) if depth == model.config.depth else model(x, depth=depth)
-        got = module(x) if depth_arg is None else module(x, depth=depth_arg)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-
-
-def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path):
-    """A checkpoint of the untied ViT on the same data (weights saved as train.py saves them)."""
-    import dataclasses
-    ckpt = torch.load(tiny_checkpoint["checkpoint"], weights_only=True)
-    vit = revit.create_model("vit-mini", **{**tiny_config(), "image_size": 28, "patch_size": 7, "in_channels": 1,
-                                            "num_classes": 10})
-    path = tmp_path / "vit.pt"
-    torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(),
-                "model_config": dataclasses.asdict(vit.config)}, path)
-    result, _ = run_cli(["depths", str(path), "--device", "cpu", "--no-memory", "--batch", "2", "--warmup", "0",
-                         "--repeats", "1", "--out", str(tmp_path)])
-    assert [(r["depth"], r["reference"], r["deployed_form"]) for r in result["rows"]] == [(3, True, "model")]
-    assert result["best"].startswith("no smaller depth")
-    with pytest.raises(SystemExit, match="an untied ViT runs only its own depth 3"):
-        run_cli(["depths", str(path), "--device", "cpu", "--depths", "2,3"])
-
-
 # --- hostile inputs: one line each, before any work, nothing written ---
 
 HOSTILE = [  # (argv, the one line's message); {keep}: an existing file, {file}: an existing file used as a folder
@@ -496,20 +361,13 @@ HOSTILE = [  # (argv, the one line's message); {keep}: an existing file, {file}:
     (["check", "--quick", "--threads", "0"], "--threads must be an integer in [1, 1024]; got 0"),
     (["check", "--quick", "--out", "{file}"], "--out {file} is a file; give a folder"),
     (["check", "--quick", "--out", "{file}/report"], "--out {file}/report cannot be created: {file} is a file, not a folder"),
-    (["depths", "{ckpt}", "--new-tokens", "0"], "--new-tokens must be an integer in [1, 10000]; got 0"),
-    (["depths", "{ckpt}", "--new-tokens", "-3"], "--new-tokens must be an integer in [1, 10000]; got -3"),
-    (["depths", "{ckpt}", "--batch", "1"], "--batch must be >= 2 (batch 1 is always measured)"),
-    (["depths", "{ckpt}", "--test-subset", "-1"], "--test-subset must be >= 0"),
-    (["depths", "{ckpt}", "--thresholds", "0,none"], "--thresholds must be comma-separated values in (0, 1]"),
-    (["depths", "{ckpt}", "--out", "{file}/sub"], "--out {file}/sub cannot be created: {file} is a file, not a folder"),
-    (["depths", "{ckpt}", "--out", "{file}"], "--out {file} is a file; give a folder"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", HOSTILE, ids=[" ".join(a) for a, _ in HOSTILE])
 def test_hostile_inputs_are_one_line_errors_before_any_work(argv, message, tmp_path):
-    """Each bad flag: `bench.py: error: ...` on one line, and no file written or changed anywhere we look: the
-    checkpoint's folder (depths' default output), an existing --out file, the working folder's files."""
+    """Each bad flag: `bench.py: error: ...` on one line, and no file written or changed anywhere we look: an
+    existing --out file, the working folder's files."""
     run = tmp_path / "run"
     run.mkdir()
     ckpt = run / "ckpt.pt"

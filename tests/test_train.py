@@ -591,7 +591,7 @@ def test_compile_runs_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
 
 
 def test_depth_evaluation_with_the_model_on_a_device(tmp_path, fashion_mnist_dir, monkeypatch):
-    """--eval-only's path (the depth table of bench.py depths too): same numbers as on the CPU, and no
+    """--eval-only's path (the depth table of depths.py too): same numbers as on the CPU, and no
     tensor built on the CPU meets the model's (device_check raises where a GPU would)."""
     from device_check import FAKE, OnFakeDevice
     _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--eval-depths", "2")

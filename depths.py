@@ -1,0 +1,361 @@
+"""depths.py: choose your depth. One checkpoint at every depth it can run at: the accuracy train.py's
+evaluation gives, and what the depth costs (GFLOPs, latency, memory), side by side (reViT §3.2, §4.4 of
+arXiv 2610.12448). AlterNet (arXiv 2605.01876): every iteration cap D' <= D and halting threshold.
+
+    python depths.py out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, a table and a plot
+    python depths.py CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images
+    python depths.py out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds, bits per byte
+
+The table marks the reference (the trained depth) and the Pareto-optimal rows, and names the smallest
+depth within half a point of the reference (AlterNet: within 0.01 bits per byte). depths.json and
+depths.png go next to the checkpoint (or --out). Timing and FLOPs follow bench.py's protocol
+(interleaved rounds, flop_counter); memory at batch 1 is measured in a fresh process on a CPU
+(memory.cpu_memory_of) and by the CUDA allocator on a GPU. The last stdout line is the JSON document.
+
+A vision row times two forms: "deployed" is what a user ships at that depth (revit.fold's plain ViT
+where the model folds, §3.1; else the model with its merge cache) and "dynamic" the compact checkpoint
+itself (reViT merges its experts on every call, as the paper's Table 7 measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+import alternet
+import bench
+import memory
+import revit
+import train
+from checkpoint import load_model
+from cli import InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot, write_json
+
+def checkpoint_evaluation(path: str, test_subset: int, device: torch.device):
+    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from checkpoint.load_model,
+    the task (its own test data or validation text, as trained) from train.evaluation_setup. Every failure is
+    one line naming CKPT (InputError)."""
+    try:
+        model, ckpt = load_model(path, device, "CKPT")
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if ckpt["arch"] in revit.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
+        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
+    flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",  # --depths decides
+             **({"test_subset": test_subset} if test_subset else {})}
+    with train_errors("CKPT"):
+        _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
+    return model, ckpt, task
+
+
+@contextlib.contextmanager
+def train_errors(what: str):
+    """train.py's one-line user errors (cli.fail's SystemExit) as this tool's InputError about `what`."""
+    try:
+        yield
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        raise InputError(f"{what}: {e.code.partition(': error: ')[2] or e.code}") from None
+
+
+def parse_depth_list(text: str, model) -> list[int]:
+    """--depths for a vision model: integers >= 2; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
+    c = model.config
+    single = c.arch == "vit" or c.ffn == "lora"
+    if not text:
+        return [c.depth] if single else list(range(2, 2 * c.depth + 1))
+    try:
+        depths = sorted({int(d) for d in text.split(",") if d.strip()})
+    except ValueError:
+        depths = []
+    if not depths or depths[0] < 2:
+        raise InputError(f"--depths must be comma-separated integers >= 2 (a recurrent step grid needs two "
+                         f"steps); got {text!r}")
+    if single and depths != [c.depth]:
+        kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
+        raise InputError(f"--depths {text}: {kind} runs only its own depth {c.depth}")
+    return depths
+
+
+def deployed_model(model, depth: int) -> tuple:
+    """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the model
+    folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge cache)."""
+    c = model.config
+    if c.arch == "raptor" or (c.arch == "revit" and c.depth_programmed):
+        return revit.fold(model, depth), None
+    return model, None if c.arch == "vit" else depth
+
+
+def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
+    """One row per depth: train.py's accuracy, GFLOPs/image (deployed form), latency per image of the deployed
+    and the dynamic form (the compact checkpoint run at that depth; reViT rebuilds its merged FFNs on every
+    call, as the paper's Table 7 measured), runtime memory of the deployed form at batch 1."""
+    c = model.config
+    dynamic = model
+    if c.arch == "revit" and c.ffn == "merge" and c.num_experts > 1:
+        dynamic = copy_module(model, merge_cache=False).eval()
+    rows = []
+    for depth in depths:
+        row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
+               **train.evaluate(model, task, None if depth == c.depth else depth)}
+        module, depth_arg = deployed_model(model, depth)
+        row["deployed_form"] = "folded" if module is not model else "model"
+        row["gflops"] = bench.counted_flops(module, depth_arg)["total"] / 1e9
+        forms = {"deployed": functools.partial(module, depth=depth_arg) if depth_arg else module,
+                 "dynamic": functools.partial(dynamic, depth=depth) if c.arch != "vit" else dynamic}
+        fns = {}
+        for batch in (1, args.batch):
+            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
+            fns.update({(form, batch): bench.inference_call(run, images, device) for form, run in forms.items()})
+        row["memory_mib"] = bench.first_call(fns["deployed", 1], module, device, "first_call_s").get("memory_mib")
+        times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
+        for form, batch in fns:
+            row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
+        rows.append(row)
+    if args.memory and device.type == "cpu":
+        specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
+                 for r in rows]
+        for row, measured in zip(rows, memory.cpu_memory_of(specs, batch=1, processes=1)):
+            row["memory_mib"] = measured.get("memory_mib")
+    return rows
+
+
+def copy_module(model, **changes):
+    """A second module with the same weights (and config `changes` that do not change the parameters)."""
+    copy = type(model)(dataclasses.replace(model.config, **changes)).to(next(model.parameters()).device)
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: bool) -> None:
+    """Flag the Pareto-optimal rows: no other row is at least as good and as cheap, and better in one."""
+    sign = 1 if higher_is_better else -1
+    for r in rows:
+        r["pareto"] = not any(sign * o[quality] >= sign * r[quality] and o[cost] <= r[cost] and
+                              (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
+
+
+def language_windows(task, test_subset: int) -> torch.Tensor:
+    """The validation windows (n, T+1) of train.py's LanguageTask (the checkpoint's own text, as trained)."""
+    n = (len(task.val) - 1) // task.block_size
+    windows = task.val[:n * task.block_size + 1].unfold(0, task.block_size + 1, task.block_size)  # (n, T+1)
+    return windows[:test_subset or n]
+
+
+def causal_cross_entropy(lm, x, y, cap, threshold) -> tuple:
+    """(summed next-token CE in nats, summed iterations) at iteration cap `cap` and halting `threshold`, each
+    position routed and halted on its own prefix as in generation (alternet.causal_loss)."""
+    causal = alternet.causal_loss(lm, x, y, max_depth=cap, halt_threshold=threshold)
+    return float(causal["ce"].sum()), float(causal["iterations"].sum())
+
+
+def language_depth_rows(lm, task, args, device) -> list[dict]:
+    """Rows over iteration caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations
+    per position, latency per generated token (greedy, batch 1)."""
+    windows, tokens_per_byte, eval_batch = language_windows(task, args.test_subset), task.tokens_per_byte, \
+        task.cfg.eval_batch_size
+    thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
+    prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
+    rows, fns = [], {}
+    with torch.inference_mode():
+        for cap in range(1, lm.config.max_depth + 1):
+            for threshold in thresholds:
+                ce = iterations = 0.0
+                for chunk in windows.split(eval_batch):
+                    chunk = chunk.to(device)
+                    with bench.autocast(device):
+                        part = causal_cross_entropy(lm, chunk[:, :-1], chunk[:, 1:], cap, threshold)
+                    ce, iterations = ce + part[0], iterations + part[1]
+                tokens = windows[:, 1:].numel()
+                rows.append({"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * tokens_per_byte /
+                             math.log(2), "mean_iterations": iterations / tokens,
+                             "reference": cap == lm.config.max_depth and threshold == thresholds[0]})
+                fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold,
+                                                        device)
+    times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
+    for row in rows:
+        row["ms_per_token"] = statistics.median(times[row["max_depth"], row["halt_threshold"]]) * 1e3 / args.new_tokens
+    for row in rows:
+        row["bpb_metric"] = "alternet.causal_loss"
+    return rows
+
+
+def _generate_call(lm, prompt, new_tokens, cap, threshold, device):
+    with torch.inference_mode(), bench.autocast(device):
+        return lm.generate(prompt, max_new_tokens=new_tokens, halt_threshold=threshold, max_depth=cap,
+                           temperature=0)
+
+
+def parse_thresholds(text: str) -> list:
+    """--thresholds: 'none' (run every iteration up to the cap) and values in (0, 1]."""
+    try:
+        values = [None if t.strip().lower() == "none" else float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v is not None and not 0 < v <= 1 for v in values):
+        raise InputError(f"--thresholds must be comma-separated values in (0, 1] or 'none'; got {text!r}")
+    return values
+
+
+def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
+                    unit: str, scale: float = 1.0, name: str = "depth") -> str:
+    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
+    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"."""
+    ref = next(r for r in rows if r["reference"])
+    sign = 1 if higher_is_better else -1
+    good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
+               key=lambda r: (r[size_key], r[cost]))
+    if good is ref:
+        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
+    delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
+    speed = ref[cost] / good[cost]
+    timing = f"{speed:.1f}× faster" if speed >= 1 else f"{1 / speed:.1f}× slower (measured)"
+    return f"{name} {good[size_key]}: {delta} {unit}, {timing} than the reference ({name} {ref[size_key]})"
+
+
+def depths_markdown(result: dict) -> str:
+    rows, s = result["rows"], result["settings"]
+    mark = lambda r: ("**ref** " if r["reference"] else "") + ("pareto" if r["pareto"] else "")  # noqa: E731
+    if result["family"] == "language":
+        table = markdown(rows, [
+            ("cap D'", f("max_depth", "{}")), ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
+            ("bits/byte", f("bpb", "{:.4f}")), ("mean iterations", f("mean_iterations")),
+            ("ms/token", f("ms_per_token", "{:.3f}")), ("", mark)])
+        note = f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} tokens, batch 1."
+    else:
+        table = markdown(rows, [
+            ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
+            ("GFLOPs/img", f("gflops", "{:.4f}")),
+            (f"ms/img b1 ({rows[0]['deployed_form']})", f("deployed_ms_b1", "{:.3f}")),
+            ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
+            (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
+            (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
+            ("memory MiB (b1)", f("memory_mib", "{:.1f}")), ("", mark)])
+        note = (f"test images: {s['test_images']}; latency per image, median of {s['repeats']} x {s['iters']} "
+                f"calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
+                f"checkpoint at that depth (reViT merges its experts on every call); pareto: no other depth is "
+                f"both as accurate and as fast (deployed, batch 1).")
+    return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
+
+
+def plot_depths(result: dict, path: str) -> str | None:
+    """Accuracy (or bits/byte) against latency, one point per depth (cap), the reference ringed."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+    language = result["family"] == "language"
+    x_key, y_key, size_key = ("ms_per_token", "bpb", "max_depth") if language else ("deployed_ms_b1", "acc", "depth")
+    groups = {}
+    for r in result["rows"]:
+        groups.setdefault(r.get("halt_threshold", "deployed"), []).append(r)
+    for name, rows in groups.items():
+        ys = [r[y_key] * (1 if language else 100) for r in rows]
+        ax.plot([r[x_key] for r in rows], ys, "o-", label=f"threshold {name}" if language else None)
+        for r, y in zip(rows, ys):
+            ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if r["reference"]:
+                ax.plot([r[x_key]], [y], "o", ms=11, mfc="none", mec="k")
+    ax.set_xlabel("ms per generated token" if language else "ms per image (deployed, batch 1)")
+    ax.set_ylabel("bits per byte" if language else "top-1 accuracy (%)")
+    ax.set_title(f"{result['arch']}: {'iteration cap' if language else 'depth'} vs cost", fontsize=9)
+    if language:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run_depths(args, device) -> dict:
+    model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device)
+    language = ckpt["arch"] not in revit.PRESETS
+    settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
+                "new_tokens": args.new_tokens, "test_subset": args.test_subset}
+    if language:
+        rows = language_depth_rows(model, task, args, device)
+        mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
+        best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte", name="cap D'")
+    else:
+        depths = sorted(set(parse_depth_list(args.depths, model)) | {model.config.depth})
+        rows = vision_depth_rows(model, ckpt, task, depths, args, device)
+        mark_tradeoffs(rows, "acc", "deployed_ms_b1", higher_is_better=True)
+        best = smallest_within(rows, "depth", "acc", 0.005, "deployed_ms_b1", True, "points", scale=100)
+        settings["test_images"] = len(task.data.test)
+    result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"],
+              "family": "language" if language else "vision", "settings": settings, "rows": rows, "best": best,
+              "env": bench.environment(device)}
+    out_dir = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
+    os.makedirs(out_dir, exist_ok=True)
+    result["plot"] = plot_depths(result, os.path.join(out_dir, "depths.png"))
+    print(depths_markdown(result) + "\n\n" + bench.environment_line(result["env"]))
+    write_json(result, os.path.join(out_dir, "depths.json"))
+    return result
+
+# --- command line ---
+
+DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1), "cuda": dict(batch=64, warmup=10, repeats=20, iters=10)}
+RULES = {**bench.FLAG_RULES, "batch": (lambda v: 2 <= v <= 65536, ">= 2 (batch 1 is always measured), at most 65536"),
+         "new_tokens": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
+         "test_subset": (lambda v: v >= 0, ">= 0 (0: the whole test set)")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="depths.py", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
+    bench.device_flags(p)
+    p.add_argument("--depths", default="", help="comma-separated depths >= 2 (default 2 ... 2L; a ViT: L)")
+    p.add_argument("--test-subset", type=int, default=0, help="evaluate on the first N test images / validation "
+                                                              "windows (default: the checkpoint's own test set)")
+    p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
+    bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure runtime memory at batch 1 (CPU: a forked fresh process per depth)")
+    p.add_argument("--thresholds", default="0.5,none",
+                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); the first "
+                        "is the reference")
+    p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
+    p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
+    return p
+
+
+def check_args(args, device) -> None:
+    """Device defaults for unset flags, then every flag checked before the checkpoint is read."""
+    for key, value in DEFAULTS["cuda" if device.type == "cuda" else "cpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    bench.check_ranges(args, RULES)
+    parse_thresholds(args.thresholds)
+    out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
+    if output_problem(out, "folder"):
+        raise InputError(f"--out {out} {output_problem(out, 'folder')}")
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:  # --device: one line, as below
+        fail(str(e), "depths.py")
+    try:
+        check_args(args, device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        result = run_depths(args, device)
+    except InputError as e:  # the user's input: one line, as argparse reports its own errors
+        fail(str(e), "depths.py")
+    print(json_text(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

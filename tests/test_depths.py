@@ -1,0 +1,203 @@
+"""depths.py: one checkpoint at every depth. Its accuracy is train.py's evaluation, exactly; the rows are
+well formed, the trade-off marks right, the deployed form runs like the model; bad input is one line.
+
+No timing assertions: only the shape of what the tool returns.
+"""
+import dataclasses
+import io
+import json
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import depths
+import revit
+import train
+from cli import pyplot
+
+FAST = settings(max_examples=10, deadline=None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared machine two spinning OpenMP threads can be 20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides):
+    return dict(dict(image_size=8, patch_size=4, in_channels=3, num_classes=5, dim=16, heads=2, ffn_dim=24, depth=3),
+                **overrides)
+
+
+def run_cli(argv):
+    """depths.main with its stdout captured -> (result, printed lines)."""
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        result = depths.main(argv)
+    return result, buffer.getvalue().strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, fashion_mnist_dir):
+    """A 2-step revit-mini at L = 2, and the training loop's own evaluation at depths 2, 3, 4."""
+    out = tmp_path_factory.mktemp("tiny")
+    with redirect_stdout(io.StringIO()):
+        summary = train.main(["--arch", "revit-mini", "--max-steps", "2", "--train-subset", "256", "--test-subset",
+                              "96", "--batch-size", "64", "--model-args", "dim=16,heads=2,ffn_dim=24,depth=2",
+                              "--data-dir", str(fashion_mnist_dir), "--eval-depths", "2,3,4", "--no-progress",
+                              "--out-dir", str(out)])
+    return summary
+
+
+DEPTH_COLUMNS = ("acc", "loss", "gflops", "deployed_ms_b1", "dynamic_ms_b1", "deployed_ms_bn", "dynamic_ms_bn",
+                 "memory_mib", "pareto", "reference")
+
+
+def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
+    result, lines = run_cli([tiny_checkpoint["checkpoint"], "--device", "cpu", "--batch", "2",
+                             "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert [r["depth"] for r in rows] == [2, 3, 4]  # default 2 ... 2L
+    for r in rows:
+        assert all(r[key] is not None for key in DEPTH_COLUMNS), r
+        assert r["acc"] == tiny_checkpoint["depths"][str(r["depth"])]["acc"]  # train.py's evaluation, exactly
+        assert r["deployed_form"] == "folded" and r["gflops"] > 0 and r["memory_mib"] >= 0
+    assert [r["reference"] for r in rows] == [True, False, False]
+    assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
+    assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
+    assert json.loads(lines[-1]) == json.loads((tmp_path / "depths.json").read_text())
+    if pyplot() is not None:
+        assert (tmp_path / "depths.png").stat().st_size > 0
+
+
+def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
+    probe = tmp_path / "probe.pt"
+    torch.save({"arch": "linear-probe", "model_config": {"backbone": "backbone.pt"}, "model": {}}, probe)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_text("not a checkpoint")
+    ckpt = tiny_checkpoint["checkpoint"]
+    cases = [([ckpt, "--depths", "1,2"], "--depths must be comma-separated integers >= 2"),
+             ([ckpt, "--depths", "two"], "--depths must be comma-separated integers >= 2"),
+             ([str(tmp_path / "missing.pt")], "missing.pt: no such file"),  # checkpoint.load_model's messages
+             ([str(probe)], "is a linear-probe head, not a model"),
+             ([str(garbage)], "garbage.pt: not a PyTorch file"),
+             ([ckpt, "--batch", "1"], "--batch must be >= 2")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as error:
+            run_cli([*argv, "--device", "cpu", "--no-memory"])
+        text = str(error.value.code)
+        assert text.startswith("depths.py: error: ") and message in text and "\n" not in text, text
+
+
+def test_depths_alternet_caps_and_thresholds(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    with redirect_stdout(io.StringIO()):
+        summary = train.main(["--arch", "alternet-tiny", "--data", str(text), "--max-steps", "2", "--batch-size",
+                              "4", "--block-size", "16", "--eval-iters", "1", "--eval-batch-size", "8",
+                              "--model-args", "dim=16,heads=2,ffn_dim=32,seq_len=16,max_depth=3,num_experts=2,"
+                              "top_k=1,depth_dim=4", "--no-progress", "--out-dir", str(tmp_path / "run")])
+    result, _ = run_cli([summary["checkpoint"], "--device", "cpu", "--test-subset", "4", "--warmup", "0",
+                         "--repeats", "1", "--new-tokens", "2", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert [(r["max_depth"], r["halt_threshold"]) for r in rows] == [(d, t) for d in (1, 2, 3) for t in (0.5, None)]
+    for r in rows:
+        assert r["bpb"] > 0 and 1 <= r["mean_iterations"] <= r["max_depth"] and r["ms_per_token"] > 0
+    reference = next(r for r in rows if r["reference"])
+    assert (reference["max_depth"], reference["halt_threshold"]) == (3, 0.5)
+    # the training loop's causal metric: the same first 4 validation windows, halting at 0.5
+    assert reference["bpb"] == pytest.approx(summary["val_causal_bpb"], rel=1e-5)
+    assert all(r["bpb_metric"] == "alternet.causal_loss" for r in rows)
+    with pytest.raises(SystemExit, match="--thresholds must be"):
+        run_cli([summary["checkpoint"], "--device", "cpu", "--thresholds", "0,none"])
+
+
+@FAST
+@given(points=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=8))
+def test_pareto_rows_dominate_the_rest(points):
+    rows = [{"acc": a, "ms": c} for a, c in points]
+    depths.mark_tradeoffs(rows, "acc", "ms", higher_is_better=True)
+    front = [r for r in rows if r["pareto"]]
+    assert front
+    for r in rows:  # a row is off the front exactly when a front row is as good, as cheap and better in one
+        dominated = any(o["acc"] >= r["acc"] and o["ms"] <= r["ms"] and (o["acc"], o["ms"]) != (r["acc"], r["ms"])
+                        for o in front)
+        assert dominated == (not r["pareto"])
+
+
+def test_smallest_depth_within_half_a_point():
+    rows = [{"depth": d, "acc": a, "ms": ms, "reference": d == 6}
+            for d, a, ms in [(2, 0.80, 1.0), (4, 0.897, 1.9), (6, 0.900, 3.61), (8, 0.901, 4.8)]]
+    assert depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
+        "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
+    rows[1]["ms"] = 7.22  # a noisy timing may make the smaller depth slower: say so, never "0.5× faster"
+    assert depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
+        "depth 4: −0.3 points, 2.0× slower (measured) than the reference (depth 6)"
+
+
+@pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),
+                                        ("revit-mini-e1", "folded"), ("revit-mini-lora", "folded"),
+                                        ("revit-mini-smear", "model"), ("revit-mini-qwen3", "model")])
+def test_deployed_model_runs_like_the_model_at_that_depth(name, form):
+    model = revit.create_model(name, **tiny_config(num_classes=5, image_size=8, patch_size=4)).eval()
+    depth = model.config.depth if name in ("vit-mini", "revit-mini-lora") else 5
+    module, depth_arg = depths.deployed_model(model, depth)
+    assert (module is not model) == (form == "folded")
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        expected = model(x) if depth == model.config.depth else model(x, depth=depth)
+        got = module(x) if depth_arg is None else module(x, depth=depth_arg)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path):
+    """A checkpoint of the untied ViT on the same data (weights saved as train.py saves them)."""
+    ckpt = torch.load(tiny_checkpoint["checkpoint"], weights_only=True)
+    vit = revit.create_model("vit-mini", **{**tiny_config(), "image_size": 28, "patch_size": 7, "in_channels": 1,
+                                            "num_classes": 10})
+    path = tmp_path / "vit.pt"
+    torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(),
+                "model_config": dataclasses.asdict(vit.config)}, path)
+    result, _ = run_cli([str(path), "--device", "cpu", "--no-memory", "--batch", "2", "--warmup", "0",
+                         "--repeats", "1", "--out", str(tmp_path)])
+    assert [(r["depth"], r["reference"], r["deployed_form"]) for r in result["rows"]] == [(3, True, "model")]
+    assert result["best"].startswith("no smaller depth")
+    with pytest.raises(SystemExit, match="an untied ViT runs only its own depth 3"):
+        run_cli([str(path), "--device", "cpu", "--depths", "2,3"])
+
+
+HOSTILE = [  # (argv, the one line's message); {file}: an existing file used as a folder
+    (["{ckpt}", "--new-tokens", "0"], "--new-tokens must be an integer in [1, 10000]; got 0"),
+    (["{ckpt}", "--new-tokens", "-3"], "--new-tokens must be an integer in [1, 10000]; got -3"),
+    (["{ckpt}", "--batch", "1"], "--batch must be >= 2 (batch 1 is always measured)"),
+    (["{ckpt}", "--test-subset", "-1"], "--test-subset must be >= 0"),
+    (["{ckpt}", "--thresholds", "0,none"], "--thresholds must be comma-separated values in (0, 1]"),
+    (["{ckpt}", "--out", "{file}/sub"], "--out {file}/sub cannot be created: {file} is a file, not a folder"),
+    (["{ckpt}", "--out", "{file}"], "--out {file} is a file; give a folder"),
+]
+
+
+@pytest.mark.parametrize("argv, message", HOSTILE, ids=[" ".join(a) for a, _ in HOSTILE])
+def test_hostile_inputs_are_one_line_errors_before_any_work(argv, message, tmp_path):
+    """Each bad flag: `depths.py: error: ...` on one line, before the checkpoint is read, and nothing written in
+    the checkpoint's folder (the default output) or to an existing file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = run / "ckpt.pt"
+    ckpt.write_bytes(b"not read: the flags are checked first")
+    keep = tmp_path / "keep.json"
+    keep.write_text("{}")
+    names = {"ckpt": str(ckpt), "file": str(keep)}
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as error:
+        run_cli([word.format(**names) for word in argv] + ["--device", "cpu"])
+    text = str(error.value.code)
+    assert text.startswith(f"depths.py: error: {message.format(**names)}"), text
+    assert "\n" not in text
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert keep.read_text() == "{}" and ckpt.read_bytes().startswith(b"not read")
