@@ -67,7 +67,7 @@ import alternet
 import memory
 import revit
 import train
-from cli import InputError, f, fail, json_text, markdown, output_problem, pick_device, write_json
+from cli import InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -121,15 +121,9 @@ def environment(device: torch.device) -> dict:
            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        env["git"] = commit + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
+    commit = git_commit(HERE)
+    if commit:
+        env["git"] = commit
     return env
 
 

@@ -2,7 +2,7 @@
 line: one-line user errors (`InputError`, `fail`), flags generated from a config dataclass, the
 --eval-depths and --model-args parsers, the bounds and path checks every tool applies before it reads or
 writes (`MAX_DEPTH`, `path_problem`, `output_problem`), the device (`pick_device`, `device_options`),
-markdown tables and strict JSON (`markdown`, `write_json`), and optional matplotlib (`pyplot`). Imports
+markdown tables, strict JSON and the commit (`markdown`, `write_json`, `git_commit`), and optional matplotlib (`pyplot`). Imports
 nothing of the project.
 """
 
@@ -16,6 +16,7 @@ import json
 import math
 import os
 import stat
+import subprocess
 import sys
 import typing
 from dataclasses import field, fields
@@ -291,6 +292,19 @@ def finite_or_null(value, place: str, places: list):
     if isinstance(value, (list, tuple)):
         return [finite_or_null(v, f"{place}.{i}", places) for i, v in enumerate(value)]
     return value
+
+
+def git_commit(folder: str) -> str | None:
+    """The commit checked out in `folder`, with "-dirty" when a tracked file outside results/ differs from it;
+    None outside git. What every measurement records as the version of the code that made it."""
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=folder, capture_output=True, text=True, timeout=30)
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
 # --- figures: matplotlib is an optional extra ---

@@ -30,7 +30,7 @@ import torch
 
 import revit
 from checkpoint import load_model
-from cli import (InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot,
+from cli import (InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device, pyplot,
                  write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -206,17 +206,9 @@ def with_gates(record: dict, out_dir: str) -> dict:
 
 
 def code_version() -> dict:
-    """The commit the cells are trained at (`-dirty` when tracked files outside results/ differ from it;
-    None outside git) and the torch version."""
-    def git(*words):
-        return subprocess.run(["git", *words], cwd=HERE, capture_output=True, text=True, timeout=30)
-    try:
-        head = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
-        commit = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"commit": commit, "torch": torch.__version__}
+    """The commit the cells are trained at (cli.git_commit: `-dirty` when tracked files outside results/ differ
+    from it; None outside git) and the torch version."""
+    return {"commit": git_commit(HERE), "torch": torch.__version__}
 
 
 def train_cell(key: str, argv: list[str], run_dir: str, threads: int) -> dict:
