@@ -3,6 +3,7 @@ itself back through others, counting imports inside functions (a cycle hidden in
 cycle a reader has to untangle).
 """
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,3 +51,18 @@ def test_no_import_cycle_at_any_level():
 
 def test_the_model_files_import_nothing_of_the_project():
     assert {name: GRAPH[name] for name in MODEL_FILES} == {name: set() for name in MODEL_FILES}
+
+
+def test_every_name_readme_points_a_reader_to_exists():
+    """README's "Read the code" names classes, functions and tables instead of line numbers; each must exist."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Read the code"):readme.index("\n## ", readme.index("## Read the code") + 1)]
+    named = set(re.findall(r"`([A-Za-z_]\w*)`", section))
+    defined = set()
+    for name in ("revit", "alternet", "train", "tasks"):
+        for node in ast.walk(ast.parse(MODULES[name].read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Assign):
+                defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    assert len(named) > 15 and named - defined == set()
