@@ -60,6 +60,17 @@ def cpu_unless_marked_gpu(request, monkeypatch):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, for tests that time or measure memory (`pytestmark = pytest.mark.usefixtures(
+    "one_thread")`): on a shared machine two spinning OpenMP threads can be 20x slower, and one heap arena
+    keeps memory peaks repeatable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _data_roots():
     env = os.environ.get("REVIT_DATA_DIR")
     return [ROOT / "data"] + ([Path(env)] if env else []) + [Path("/usr/share/datasets")]

@@ -19,13 +19,7 @@ import revit
 FAST = settings(max_examples=10, deadline=None)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared machine two spinning OpenMP threads can be 20x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tiny_config(**overrides):
