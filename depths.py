@@ -38,6 +38,9 @@ import train
 from checkpoint import load_model
 from cli import InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot, write_json
 
+# --- the checkpoint, as train.py evaluates it ---
+
+
 def checkpoint_evaluation(path: str, test_subset: int, device: torch.device):
     """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from checkpoint.load_model,
     the task (its own test data or validation text, as trained) from train.evaluation_setup. Every failure is
@@ -64,6 +67,9 @@ def train_errors(what: str):
         if not isinstance(e.code, str):
             raise
         raise InputError(f"{what}: {e.code.partition(': error: ')[2] or e.code}") from None
+
+
+# --- vision: every depth, in the form a user deploys and in the compact form ---
 
 
 def parse_depth_list(text: str, model) -> list[int]:
@@ -135,12 +141,34 @@ def copy_module(model, **changes):
     return copy
 
 
+# --- the pick: the Pareto rows and the smallest depth that is as good ---
+
+
 def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: bool) -> None:
     """Flag the Pareto-optimal rows: no other row is at least as good and as cheap, and better in one."""
     sign = 1 if higher_is_better else -1
     for r in rows:
         r["pareto"] = not any(sign * o[quality] >= sign * r[quality] and o[cost] <= r[cost] and
                               (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
+
+
+def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
+                    unit: str, scale: float = 1.0, name: str = "depth") -> str:
+    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
+    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"."""
+    ref = next(r for r in rows if r["reference"])
+    sign = 1 if higher_is_better else -1
+    good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
+               key=lambda r: (r[size_key], r[cost]))
+    if good is ref:
+        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
+    delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
+    speed = ref[cost] / good[cost]
+    timing = f"{speed:.1f}× faster" if speed >= 1 else f"{1 / speed:.1f}× slower (measured)"
+    return f"{name} {good[size_key]}: {delta} {unit}, {timing} than the reference ({name} {ref[size_key]})"
+
+
+# --- language: every iteration cap D' <= D and halting threshold ---
 
 
 def language_windows(task, test_subset: int) -> torch.Tensor:
@@ -205,20 +233,7 @@ def parse_thresholds(text: str) -> list:
     return values
 
 
-def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
-                    unit: str, scale: float = 1.0, name: str = "depth") -> str:
-    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
-    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"."""
-    ref = next(r for r in rows if r["reference"])
-    sign = 1 if higher_is_better else -1
-    good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
-               key=lambda r: (r[size_key], r[cost]))
-    if good is ref:
-        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
-    delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
-    speed = ref[cost] / good[cost]
-    timing = f"{speed:.1f}× faster" if speed >= 1 else f"{1 / speed:.1f}× slower (measured)"
-    return f"{name} {good[size_key]}: {delta} {unit}, {timing} than the reference ({name} {ref[size_key]})"
+# --- output: the table, the plot, the run ---
 
 
 def depths_markdown(result: dict) -> str:
