@@ -266,6 +266,21 @@ CUDA_ERROR = ("CUDA error: an illegal memory access was encountered\nCUDA kernel
               "passing CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
 
 
+def test_device_tests_give_a_row_per_test_and_a_failure_s_first_line(tmp_path, monkeypatch):
+    """The check's correctness part reads pytest's report: here a stand-in for tests/test_on_device.py."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_on_device.py").write_text(
+        "def test_ok():\n    pass\n\n\ndef test_broken():\n    assert 1 == 2, 'the fold differs'\n")
+    monkeypatch.setattr(bench, "HERE", str(tmp_path))
+    out = tmp_path / "report"
+    out.mkdir()
+    result = bench.device_tests(torch.device("cpu"), str(out))
+    rows = {r["check"]: r for r in result["rows"]}
+    assert not result["ok"] and rows["test_ok"]["ok"] and not rows["test_broken"]["ok"]
+    assert "the fold differs" in rows["test_broken"]["detail"] and result["detail"].startswith("failed: test_broken")
+    assert "1 failed, 1 passed" in (out / "correctness.log").read_text()
+
+
 def test_check_records_a_failure_and_goes_on(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the first line names the fault\nmore context\n\nSet TORCHDYNAMO_VERBOSE=1 for more")
