@@ -54,6 +54,7 @@ FORWARD = ("test_forward_is_eq3_with_the_eq2_merge_of_each_step",)
 AUX = ("test_aux_losses_are_eqs_6_8_9_by_value",
        "test_aux_loss_weights_default_to_table_6_and_cosines_are_not_trivial")
 ELASTIC = ("test_elastic_depth_renumbers_the_retained_steps_per_image",)
+DISTILL = "test_distillation_is_eq5_the_mse_of_the_final_post_norm_tokens"
 FOLD = ("test_fold_is_the_reference_forward_as_a_plain_vit", "test_fold_with_given_gates_merges_those_gates")
 LORA = ("test_layerwise_lora_runs_adapter_t_at_step_t_and_folds_to_it",
         "test_layerwise_lora_gradient_reaches_each_adapter_as_the_reference_does")
@@ -337,6 +338,13 @@ MUTANTS = [
     mutant("tasks: DeiT III BCE on soft targets", "tasks.py", "targets.gt(0.0).to(logits.dtype)",
            "targets.to(logits.dtype)",
            "test_deit3_bce_binarises_the_mixed_targets_and_ce_takes_them_soft"),
+    # --- Eq. 5: distillation ---
+    mutant("distillation against the pre-norm tokens", "tasks.py", 'task = F.mse_loss(out["tokens"].float()',
+           'task = F.mse_loss(out["states"][-1].float()', DISTILL),
+    mutant("distillation summed over the tokens", "tasks.py", "task = F.mse_loss(out[\"tokens\"].float(), target.float())",
+           'task = F.mse_loss(out["tokens"].float(), target.float(), reduction="sum") / len(target)', DISTILL),
+    mutant("distillation score averaged over the batch too", "tasks.py", "reduction=\"sum\") / tokens[0].numel()",
+           'reduction="sum") / tokens.numel()', DISTILL),
 ]
 
 

@@ -437,6 +437,29 @@ def test_deit3_bce_binarises_the_mixed_targets_and_ce_takes_them_soft():
     close(tasks.classification_loss(logits, targets, "ce"), ce, atol=1e-6)
 
 
+def test_distillation_is_eq5_the_mse_of_the_final_post_norm_tokens():
+    """Eq. 5 (App. A.3): L = 1/(T d) ||LN(X^L) - Y||_F^2 per image, Y a frozen teacher's final post-norm tokens,
+    averaged over the batch and added to the student's auxiliary losses; the evaluation's distill_mse sums the
+    per-image terms (train.py divides by the number of images)."""
+    import contextlib
+    import tasks
+    student, teacher = tiny("revit-mini", 12).train(), tiny("vit-mini", 13).eval()
+    x, labels = images(student, 3, 12), torch.zeros(3, dtype=torch.long)
+    task = tasks.DistillTask(None, None, torch.device("cpu"), lambda x, y: (x, y), contextlib.nullcontext,
+                             tasks.TeacherTokens(teacher, hub=False))
+    loss, parts = task.loss(student, x, labels)
+    sd = float64_state(student)
+    _, states = reference_revit(student, x)
+    with torch.no_grad():
+        y = teacher(x, return_states=True)["tokens"].double()
+    final = layer_norm(states[:, -1], sd["norm.weight"], sd["norm.bias"], 1e-6)   # LN(X^L): (B, T, d)
+    per_image = ((final - y) ** 2).sum((1, 2)) / (final.shape[1] * final.shape[2])
+    close(parts["distill"], per_image.mean())
+    close(loss, per_image.mean() + sum(reference_aux_losses(student, student.config.depth).values()))
+    with torch.no_grad():
+        close(task.score(student.eval(), x, labels, None)["distill_mse"], per_image.sum())
+
+
 # ---------------------------------------------------------------------------------------------
 # reViT's comparisons (§4.3, App. B): each mechanism's FFN and its auxiliary losses
 # ---------------------------------------------------------------------------------------------
