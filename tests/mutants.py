@@ -338,6 +338,8 @@ MUTANTS = [
     mutant("tasks: DeiT III BCE on soft targets", "tasks.py", "targets.gt(0.0).to(logits.dtype)",
            "targets.to(logits.dtype)",
            "test_deit3_bce_binarises_the_mixed_targets_and_ce_takes_them_soft"),
+    mutant("train: gradient clipping ignored", T, "cfg.grad_clip or math.inf)", "math.inf)",
+           "tests/test_train.py::test_gradient_clipping_scales_the_whole_gradient_to_its_max_norm"),
     # --- Eq. 5: distillation ---
     mutant("distillation against the pre-norm tokens", "tasks.py", 'task = F.mse_loss(out["tokens"].float()',
            'task = F.mse_loss(out["states"][-1].float()', DISTILL),

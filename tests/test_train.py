@@ -98,6 +98,35 @@ def test_no_bias_is_decayed_for_any_preset():
         assert decay["params"], name
 
 
+class SquaredError:
+    """A task for train_step alone: the summed squared error of a linear map."""
+
+    def loss(self, forward, x, y):
+        return ((forward(x) - y) ** 2).sum(), {}
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e9, 0.25])
+def test_gradient_clipping_scales_the_whole_gradient_to_its_max_norm(clip):
+    """--grad-clip c: the step uses g min(1, c / ||g||), ||g|| the norm over every parameter at once, and the
+    log records ||g|| before clipping; 0 clips nothing. Seen through SGD, whose update is -lr times the gradient."""
+    import types
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 3), torch.randn(8, 4), torch.randn(8, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = torch.autograd.grad(((model(x) - y) ** 2).sum(), list(model.parameters()))
+    norm = torch.cat([g.flatten() for g in grads]).norm().item()
+    max_norm = clip * norm  # 0.25: a quarter of this gradient's norm
+    cfg = types.SimpleNamespace(grad_accum=1, grad_clip=max_norm, probe=None)
+    sched = dict(warmup_steps=0, total_steps=1, warmup_lr=0.1, min_lr=0.1, peak_lr=0.1)  # lr 0.1 at step 0
+    run = train.Run(cfg, 0, 1, torch.device("cpu"), model, model, SquaredError(), None, None,
+                    torch.optim.SGD(model.parameters(), lr=0.1), sched, None, None)
+    record = train.train_step(run, x, y)
+    scale = min(1.0, max_norm / (norm + 1e-6)) if clip else 1.0
+    assert record["grad_norm"] == pytest.approx(norm, rel=1e-6)
+    for p, p0, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * scale * g, rtol=1e-5, atol=1e-6)
+
+
 def test_warmup_cosine_schedule():
     sched = dict(warmup_steps=10, total_steps=110, warmup_lr=1e-6, min_lr=1e-5)
     assert train.lr_at(0, 1e-3, sched) == pytest.approx(1e-6)
