@@ -826,7 +826,8 @@ def device_tests(device: torch.device, out_dir: str) -> dict:
     cases on a CPU. One row per test, from pytest's JUnit XML report."""
     report, log = (os.path.join(os.path.abspath(out_dir), name) for name in ("correctness.xml", "correctness.log"))
     gpu = device.type == "cuda"
-    env = {**os.environ, "REVIT_GPU_TESTS": "1" if gpu else "0",
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},  # a calling pytest's options stay its own
+           "REVIT_GPU_TESTS": "1" if gpu else "0",
            **({"CUDA_VISIBLE_DEVICES": str(device.index)} if gpu and device.index is not None else {})}
     with contextlib.suppress(FileNotFoundError):
         os.remove(report)
