@@ -67,7 +67,8 @@ import alternet
 import memory
 import revit
 import train
-from cli import InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device, write_json
+from cli import (DEVICES, InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device,
+                 write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -1074,7 +1075,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def device_flags(p):
-    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda")
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (auto: CUDA when available, else CPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 

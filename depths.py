@@ -1,6 +1,8 @@
-"""depths.py: choose your depth. One checkpoint at every depth it can run at: the accuracy train.py's
-evaluation gives, and what the depth costs (GFLOPs, latency, memory), side by side (reViT §3.2, §4.4 of
-arXiv 2610.12448). AlterNet (arXiv 2605.01876): every iteration cap D' <= D and halting threshold.
+"""depths.py: choose your depth: one checkpoint's accuracy and cost at every depth it can run at.
+
+The accuracy is train.py's evaluation, the cost GFLOPs, latency and memory, side by side (reViT §3.2,
+§4.4 of arXiv 2610.12448); for AlterNet (arXiv 2611.08741) every iteration cap D' <= D and halting
+threshold.
 
     python depths.py out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, a table and a plot
     python depths.py CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images

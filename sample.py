@@ -16,7 +16,7 @@ import torch
 
 import alternet
 from checkpoint import load_model
-from cli import fail, pick_device
+from cli import DEVICES, fail, pick_device
 
 # Bounds a user would not hit by intent (a typo, or a script gone wrong, stops at once instead of
 # running for hours without a word)
@@ -45,7 +45,7 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1, help=f"number of samples, 1..{MAX_SAMPLES}")
     p.add_argument("--show-iterations", action="store_true",
                    help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
-    p.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--device", default="cpu", help=f"{DEVICES} (default cpu)")
     return p
 
 
