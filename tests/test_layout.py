@@ -66,3 +66,11 @@ def test_every_name_readme_points_a_reader_to_exists():
             elif isinstance(node, ast.Assign):
                 defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     assert len(named) > 15 and named - defined == set()
+
+
+def test_every_arxiv_id_cited_is_one_of_the_two_papers():
+    """Code, tests and documents cite reViT (arXiv 2610.12448) and AlterNet (arXiv 2611.08741) by id; a typo
+    in an id sends a reader to another paper."""
+    files = [*MODULES.values(), *ROOT.glob("tests/*.py"), *ROOT.glob("*.md"), ROOT / "results" / "render.py"]
+    cited = {m for path in files for m in re.findall(r"arXiv:? ?(\d{4}\.\d{4,5})", path.read_text())}
+    assert cited == {"2610.12448", "2611.08741"}
