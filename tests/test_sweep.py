@@ -102,7 +102,7 @@ def test_a_cell_records_the_commit_and_torch_it_was_trained_at(tmp_path, fake_tr
 
 
 def test_a_cell_written_before_commits_were_recorded_is_still_read(tmp_path, fake_train):
-    committed = json.loads((ROOT / "results/quality/d48-L6/cells/experts-revit-e-4-seed0.json").read_text())
+    committed = json.loads((ROOT / "results/quality/d48-L12/cells/quickstart-revit-mini-seed0.json").read_text())
     assert "commit" not in committed
     (tmp_path / "cells").mkdir()
     (tmp_path / "cells" / "old.json").write_text(json.dumps(committed))
