@@ -40,6 +40,9 @@ a 1/devices share of the batch, split again into grad_accum micro-batches):
   torch.cuda.max_memory_allocated on CUDA.
 Not counted: a distillation teacher, torch.compile's own savings (the estimate is for eager
 mode, an upper bound), the CUDA context and allocator fragmentation (the fit keeps 10% free).
+
+Also here, measured rather than predicted: a model's inference memory on a CPU (`cpu_memory_of`, the
+peak RSS of a fresh process; bench.py latency and depths.py use it).
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ import functools
 import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import weakref
@@ -385,6 +387,7 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
             break
     return hints
 
+
 # --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, depths.py) ---
 #
 # The CUDA allocator reports what a model holds (bench.cuda_memory); on a CPU only the process's resident
@@ -496,6 +499,7 @@ def model_of(config: revit.ViTConfig) -> torch.nn.Module:
 
 
 def _ru_maxrss_kib() -> int:
+    import resource  # Unix only, like /proc and fork: imported where the CPU measurement needs it
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
