@@ -64,11 +64,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import alternet
-import memory
+from lib import memory
 import revit
 import train
-from cli import (DEVICES, InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device,
-                 write_json)
+from lib.cli import (DEVICES, InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device,
+                     write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -1217,7 +1217,7 @@ def precision(device) -> str:
 
 def add_memory_parser(sub):
     p = sub.add_parser("memory", help="expected peak memory per GPU of a preset x recipe x batch x accumulation x "
-                                      "GPUs, measured at reduced sizes on this machine (memory.py)")
+                                      "GPUs, measured at reduced sizes on this machine (lib/memory.py)")
     device_flags(p)
     p.add_argument("--arch", required=True, help="a preset of revit.py or alternet.py")
     p.add_argument("--recipe", help="train.py's --recipe (default: the preset's: Table 2 for AlterNet through "
@@ -1232,7 +1232,7 @@ def add_memory_parser(sub):
 
 
 def run_memory(args, device) -> dict:
-    """The estimate of memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
+    """The estimate of lib/memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
     language = args.arch in alternet.PRESETS
     if not language and args.arch not in revit.PRESETS:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")

@@ -15,8 +15,8 @@ import math
 import torch
 
 import alternet
-from checkpoint import load_model
-from cli import DEVICES, fail, pick_device
+from lib.checkpoint import load_model
+from lib.cli import DEVICES, fail, pick_device
 
 # Bounds a user would not hit by intent (a typo, or a script gone wrong, stops at once instead of
 # running for hours without a word)

@@ -24,8 +24,8 @@ clauses): the same bytes on every machine and at every commit, no file, no netwo
 
 This file reads top to bottom: config and recipes, the loop (one optimizer step, evaluate-and-save),
 set-up, optimizer and schedule, saving, command line. Elsewhere: the tasks, and how a config becomes
-data + model + task (tasks.py); the checkpoint format, its loader and the run folder (checkpoint.py);
-one-line errors, flags from a dataclass and the device (cli.py).
+data + model + task (lib/tasks.py); the checkpoint format, its loader and the run folder (lib/checkpoint.py);
+one-line errors, flags from a dataclass and the device (lib/cli.py).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import alternet
-import memory
+from lib import memory
 import revit
-from checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
-                        preset_module, primitive, rng_state, set_rng_state, unwrap)
-from cli import (MAX_DEPTH, MAX_DEPTH_REASON, dataclass_parser, device_options, fail, opt, parse_depths,
-                 parse_model_args, path_problem, pick_device, say, wrong_type)
-from tasks import DENSE_PROBES, PROBES, build
+from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
+                            preset_module, primitive, rng_state, set_rng_state, unwrap)
+from lib.cli import (MAX_DEPTH, MAX_DEPTH_REASON, dataclass_parser, device_options, fail, opt, parse_depths,
+                     parse_model_args, path_problem, pick_device, say, wrong_type)
+from lib.tasks import DENSE_PROBES, PROBES, build
 
 
 # --- config: the defaults are the quick start (revit-mini, Fashion-MNIST, a CPU, ~88% in minutes) ---
@@ -87,7 +87,7 @@ class TrainConfig:
     max_steps: int = opt(0, "optimizer steps to train; overrides --epochs when > 0")
     batch_size: int = opt(256, "GLOBAL batch per optimizer step, over all ranks and accumulation steps")
     grad_accum: int | None = opt(None, "gradient accumulation micro-steps per optimizer step (auto: 1, or the fewest "
-                                       "whose estimated peak memory fits the device; memory.py)")
+                                       "whose estimated peak memory fits the device; lib/memory.py)")
     gpu_memory: float | None = opt(None, "GB of memory per device the run must fit in (auto: the GPU's, or a CPU "
                                          "machine's RAM; CPU runs of small models are not checked unless given)")
     lr: float | None = opt(3e-3, "peak learning rate at --lr-batch examples (None in a recipe: chosen from the width)")
@@ -120,7 +120,7 @@ class TrainConfig:
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
     teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (needs internet)")
     probe: str = opt("", "probe of a frozen --backbone: cls (linear classification; the dense probes seg and "
-                         "monodepth: python probes.py)")
+                         "monodepth: python -m tools.probes)")
     probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patch tokens)")
     backbone: str = opt("", "probe mode: checkpoint of the frozen backbone")
     # system
@@ -362,7 +362,7 @@ def evaluate_and_save(run: Run, evaluate_now: bool, save_now: bool) -> None:
 
 
 def evaluate_depths(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
-    """The one evaluation path (the training loop, --eval-only, depths.py): {depth: metrics};
+    """The one evaluation path (the training loop, --eval-only, tools/depths.py): {depth: metrics};
     depth None is the reference depth (language models: the halted depth, and every fixed depth)."""
     results = task.evaluate(unwrap(model), list(depths), rank, world)
     return {None if key == "halted" else key: value for key, value in results.items()}
@@ -480,7 +480,7 @@ def restore_rng(run: Run, rngs: list) -> None:
 
 
 def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int, ckpt: dict | None = None) -> None:
-    """Before the first step: the expected peak memory per device (memory.py) and the fewest --grad-accum
+    """Before the first step: the expected peak memory per device (lib/memory.py) and the fewest --grad-accum
     micro-steps that fit it (an `override:` line), or a one-line stop saying what would fit. Skipped for
     probes, distillation and CPU runs of models (language: presets) under MEASURED_FROM parameters
     without --gpu-memory (measuring would dominate their start-up). model None: the language model of cfg (or ckpt), built
@@ -605,7 +605,7 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
     return sched["min_lr"] + 0.5 * (peak - sched["min_lr"]) * (1 + math.cos(math.pi * progress))
 
 
-# --- saving a run (the format, the loader and the run folder: checkpoint.py) ---
+# --- saving a run (the format, the loader and the run folder: lib/checkpoint.py) ---
 
 
 def save_checkpoint(run: Run) -> None:
@@ -678,7 +678,7 @@ CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": (
 def check_config(cfg: TrainConfig) -> None:
     """Every value against its allowed range or choices, before anything is read or written."""
     if cfg.probe in DENSE_PROBES:  # their own loop on cached features, in the tool that owns them
-        fail(f"--probe {cfg.probe} is a dense probe: python probes.py --probe {cfg.probe} --backbone CKPT "
+        fail(f"--probe {cfg.probe} is a dense probe: python -m tools.probes --probe {cfg.probe} --backbone CKPT "
              f"(train.py trains the linear classification probe, --probe cls)")
     for name, value in asdict(cfg).items():
         flag = "--" + name.replace("_", "-")

@@ -5,7 +5,7 @@
 
 A generated block is the text between `<!-- generated: NAME -->` and `<!-- end -->`. NAME says
 where its data is:
-- `quality-SET-GRID`: one grid of a quality sweep (`python sweep.py`); SET names a sweep in
+- `quality-SET-GRID`: one grid of a quality sweep (`python -m tools.sweep`); SET names a sweep in
   quality.json here (its quality.json, and the provenance for rows that do not record their commit);
 - `glance` / `line-KEY`: README's results-at-a-glance table / one of its sentences (results/glance.json),
   each number a reference to a cell of another block;
@@ -82,7 +82,7 @@ def render_table(name: str) -> Block:
     return Block("\n".join(parts), cells)
 
 
-# --- one grid of a quality sweep: results/quality/SET/quality.json (sweep.py's format) ---
+# --- one grid of a quality sweep: results/quality/SET/quality.json (tools/sweep.py's format) ---
 
 
 def pm(stats: dict) -> str:

@@ -335,17 +335,17 @@ MUTANTS = [
            "tests/test_train.py::test_no_bias_is_decayed_for_any_preset"),
     mutant("train: psi's output layer decayed", R, 'names.add("block.mlp.router.2.weight")', "pass",
            "tests/test_train.py::test_weight_decay_groups"),
-    mutant("tasks: DeiT III BCE on soft targets", "tasks.py", "targets.gt(0.0).to(logits.dtype)",
+    mutant("tasks: DeiT III BCE on soft targets", "lib/tasks.py", "targets.gt(0.0).to(logits.dtype)",
            "targets.to(logits.dtype)",
            "test_deit3_bce_binarises_the_mixed_targets_and_ce_takes_them_soft"),
     mutant("train: gradient clipping ignored", T, "cfg.grad_clip or math.inf)", "math.inf)",
            "tests/test_train.py::test_gradient_clipping_scales_the_whole_gradient_to_its_max_norm"),
     # --- Eq. 5: distillation ---
-    mutant("distillation against the pre-norm tokens", "tasks.py", 'task = F.mse_loss(out["tokens"].float()',
+    mutant("distillation against the pre-norm tokens", "lib/tasks.py", 'task = F.mse_loss(out["tokens"].float()',
            'task = F.mse_loss(out["states"][-1].float()', DISTILL),
-    mutant("distillation summed over the tokens", "tasks.py", "task = F.mse_loss(out[\"tokens\"].float(), target.float())",
+    mutant("distillation summed over the tokens", "lib/tasks.py", "task = F.mse_loss(out[\"tokens\"].float(), target.float())",
            'task = F.mse_loss(out["tokens"].float(), target.float(), reduction="sum") / len(target)', DISTILL),
-    mutant("distillation score averaged over the batch too", "tasks.py", "reduction=\"sum\") / tokens[0].numel()",
+    mutant("distillation score averaged over the batch too", "lib/tasks.py", "reduction=\"sum\") / tokens[0].numel()",
            'reduction="sum") / tokens.numel()', DISTILL),
 ]
 

@@ -17,11 +17,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import alternet
-import analyze
+from tools import analyze
 import revit
 
 ROOT = Path(__file__).resolve().parent.parent
-ONE_LINE_ERROR = re.compile(r"^\S+\.py: error: [^\n]+$")  # `prog: error: message`, nothing more
+ONE_LINE_ERROR = re.compile(r"^(\S+\.py|python -m [\w.]+): error: [^\n]+$")  # `prog: error: message`, nothing more
 
 FAST = settings(max_examples=15, deadline=None)
 
@@ -408,9 +408,9 @@ def test_bad_checkpoint_and_depth(tmp_path):
 
 def test_command_line_prints_no_traceback(tmp_path, fashion_mnist_dir):
     bad_files(tmp_path)  # torch's own text for this file is many lines and advises weights_only=False
-    result = subprocess.run([sys.executable, str(ROOT / "analyze.py"),
+    result = subprocess.run([sys.executable, "-m", "tools.analyze",
                              *analysis_args(tmp_path, fashion_mnist_dir, "--teacher", str(tmp_path / "pickled.pt"))],
-                            capture_output=True, text=True, cwd=tmp_path)
+                            capture_output=True, text=True, cwd=ROOT)  # as README runs it: from the repository
     assert result.returncode == 1 and "Traceback" not in result.stderr and "weights_only" not in result.stderr
     assert ONE_LINE_ERROR.match(result.stderr.strip()), result.stderr
     assert not (tmp_path / "analysis").exists()

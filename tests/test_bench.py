@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import bench
-import cli
+from lib import cli
 import revit
 
 FAST = settings(max_examples=10, deadline=None)

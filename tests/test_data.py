@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
+from lib import data
 
 
 def test_fashion_mnist_reader(fashion_mnist_dir):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import depths
+from tools import depths
 import revit
 import train
-from cli import pyplot
+from lib.cli import pyplot
 
 FAST = settings(max_examples=10, deadline=None)
 
@@ -86,7 +86,7 @@ def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
         with pytest.raises(SystemExit) as error:
             run_cli([*argv, "--device", "cpu", "--no-memory"])
         text = str(error.value.code)
-        assert text.startswith("depths.py: error: ") and message in text and "\n" not in text, text
+        assert text.startswith("python -m tools.depths: error: ") and message in text and "\n" not in text, text
 
 
 def test_depths_alternet_caps_and_thresholds(tmp_path):
@@ -179,7 +179,7 @@ HOSTILE = [  # (argv, the one line's message); {file}: an existing file used as 
 
 @pytest.mark.parametrize("argv, message", HOSTILE, ids=[" ".join(a) for a, _ in HOSTILE])
 def test_hostile_inputs_are_one_line_errors_before_any_work(argv, message, tmp_path):
-    """Each bad flag: `depths.py: error: ...` on one line, before the checkpoint is read, and nothing written in
+    """Each bad flag: `python -m tools.depths: error: ...` on one line, before the checkpoint is read, and nothing written in
     the checkpoint's folder (the default output) or to an existing file."""
     run = tmp_path / "run"
     run.mkdir()
@@ -192,7 +192,7 @@ def test_hostile_inputs_are_one_line_errors_before_any_work(argv, message, tmp_p
     with pytest.raises(SystemExit) as error:
         run_cli([word.format(**names) for word in argv] + ["--device", "cpu"])
     text = str(error.value.code)
-    assert text.startswith(f"depths.py: error: {message.format(**names)}"), text
+    assert text.startswith(f"python -m tools.depths: error: {message.format(**names)}"), text
     assert "\n" not in text
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert keep.read_text() == "{}" and ckpt.read_bytes().startswith(b"not read")

@@ -426,7 +426,7 @@ def test_untied_vit_has_layer_scale_and_its_own_blocks():
 def test_deit3_bce_binarises_the_mixed_targets_and_ce_takes_them_soft():
     """DeiT III (Table 6's loss): after mixup/cutmix the targets are binarised (> 0), then per-class
     binary cross-entropy; the cross-entropy alternative takes the soft targets as they are."""
-    import tasks
+    from lib import tasks
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 5, generator=g)
     targets = torch.softmax(torch.randn(4, 5, generator=g), -1) * (torch.rand(4, 5, generator=g) > 0.4)
@@ -442,7 +442,7 @@ def test_distillation_is_eq5_the_mse_of_the_final_post_norm_tokens():
     averaged over the batch and added to the student's auxiliary losses; the evaluation's distill_mse sums the
     per-image terms (train.py divides by the number of images)."""
     import contextlib
-    import tasks
+    from lib import tasks
     student, teacher = tiny("revit-mini", 12).train(), tiny("vit-mini", 13).eval()
     x, labels = images(student, 3, 12), torch.zeros(3, dtype=torch.long)
     task = tasks.DistillTask(None, None, torch.device("cpu"), lambda x, y: (x, y), contextlib.nullcontext,

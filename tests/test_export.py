@@ -21,12 +21,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import alternet
-import export
+from tools import export
 import revit
 from helpers import randomise
 
 ROOT = Path(__file__).resolve().parent.parent
-ONE_LINE_ERROR = re.compile(r"^\S+\.py: error: [^\n]+$")  # `prog: error: message`, nothing more
+ONE_LINE_ERROR = re.compile(r"^(\S+\.py|python -m [\w.]+): error: [^\n]+$")  # `prog: error: message`, nothing more
 
 TINY = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, heads=2, ffn_dim=32, depth=4)
 
@@ -415,8 +415,8 @@ def test_malformed_flags_are_argparse_errors(checkpoint, tmp_path, capsys, argv,
 
 def test_command_line_prints_no_traceback(checkpoint, tmp_path):
     bad_inputs(tmp_path, checkpoint)  # torch's own text for this file is many lines and advises weights_only=False
-    result = subprocess.run([sys.executable, str(ROOT / "export.py"), str(tmp_path / "pickled.pt"), "--format", "timm",
-                             "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-m", "tools.export", str(tmp_path / "pickled.pt"), "--format", "timm",
+                             "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 1 and result.stdout == ""
     assert ONE_LINE_ERROR.match(result.stderr.strip()) and "Traceback" not in result.stderr, result.stderr
     assert "weights_only" not in result.stderr and not (tmp_path / "x").exists()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
-import tasks
+from lib import data
+from lib import tasks
 import train
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import analyze
-import probes
+from tools import analyze
+from tools import probes
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def test_non_finite_weights_are_refused_by_every_reader(runs, tmp_path, fashion_
     needle = f"{nan}: its weights are not finite (cls_token holds NaN or inf)"
     for argv in (["--teacher", nan, *common], ["--probe", "cls", "--backbone", nan, *common]):
         assert needle in one_line(train.main, argv, "train.py")
-    assert needle in one_line(analyze.main, [nan, "--data-dir", fashion_mnist_dir], "analyze.py")
+    assert needle in one_line(analyze.main, [nan, "--data-dir", fashion_mnist_dir], "python -m tools.analyze")
     assert needle in one_line(probes.main, ["--backbone", nan, "--data-dir", fashion_mnist_dir], "train.py")
     assert not (tmp_path / "out").exists() and not (tmp_path / "analysis").exists()
 
@@ -209,7 +209,7 @@ def test_a_data_folder_runs_no_code(tmp_path, monkeypatch):
     torch.save({"model": model.state_dict(), "arch": "revit-mini", "model_config": model.config.__dict__},
                checkpoint)
     assert needle in one_line(analyze.main, [checkpoint, "--dataset", "cifar10", "--data-dir", data_dir],
-                              "analyze.py")
+                              "python -m tools.analyze")
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
@@ -226,7 +226,7 @@ def test_analyze_flags(runs, tmp_path, fashion_mnist_dir, extra, needle):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     argv = [runs / "A" / "ckpt.pt", "--data-dir", fashion_mnist_dir, "--num-images", "16",
             *[a.format(tmp=tmp_path) for a in extra]]
-    assert needle.format(tmp=tmp_path) in one_line(analyze.main, argv, "analyze.py")
+    assert needle.format(tmp=tmp_path) in one_line(analyze.main, argv, "python -m tools.analyze")
     assert not (runs / "A" / "analysis").exists()
 
 

@@ -7,19 +7,24 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = {path.stem: path for path in ROOT.glob("*.py")}
+PACKAGES = ("lib", "tools")  # the plumbing, and the tools a user runs on a checkpoint
+MODULES = {path.stem: path for path in ROOT.glob("*.py")} | {
+    f"{package}.{path.stem}": path for package in PACKAGES for path in (ROOT / package).glob("*.py")
+    if path.stem != "__init__"}
 MODEL_FILES = ("revit", "alternet")
 
 
 def project_imports(path: Path) -> set[str]:
-    """The project modules `path` imports, at any level (module, class or function body)."""
+    """The project modules `path` imports, at any level (module, class or function body):
+    `import revit`, `from lib import data` and `from lib.cli import fail` name revit, lib.data, lib.cli."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names & set(MODULES) - {path.stem}
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(ast.parse(path.read_text())))
+    return names & set(MODULES) - {name for name, p in MODULES.items() if p == path}
 
 
 GRAPH = {name: project_imports(path) for name, path in MODULES.items()}
@@ -40,8 +45,24 @@ def cycle_through(start: str) -> list[str] | None:
 
 
 def test_the_graph_is_read_from_the_files():
-    assert {"revit", "alternet", "train", "bench", "depths"} <= set(GRAPH)
-    assert {"revit", "train", "memory"} <= GRAPH["bench"] and "bench" in GRAPH["depths"]
+    assert {"revit", "alternet", "train", "bench", "tools.depths", "lib.data"} <= set(GRAPH)
+    assert {"revit", "train", "lib.memory", "lib.cli"} <= GRAPH["bench"] and "bench" in GRAPH["tools.depths"]
+
+
+def test_the_top_level_is_the_brief_and_the_rest_is_in_folders():
+    """A newcomer sees the two model files, the loop, the benchmark and the sampler; the tools a user runs
+    on a checkpoint are in tools/, the plumbing they share in lib/."""
+    assert {path.name for path in ROOT.glob("*.py")} == {"revit.py", "alternet.py", "train.py", "bench.py",
+                                                         "sample.py"}
+    assert {name.split(".")[1] for name in MODULES if name.startswith("tools.")} == {
+        "analyze", "depths", "export", "probes", "sweep"}
+
+
+def test_nothing_imports_upward():
+    """The plumbing (lib/) imports the models, never the loop or a tool; the loop imports no tool."""
+    upward = {name: sorted(g for g in GRAPH[name] if g.startswith("tools.") or g in ("train", "bench", "sample"))
+              for name in GRAPH if name.startswith("lib.") or name == "train"}
+    assert {name: found for name, found in upward.items() if found} == {}
 
 
 def test_no_import_cycle_at_any_level():
@@ -59,7 +80,7 @@ def test_every_name_readme_points_a_reader_to_exists():
     section = readme[readme.index("## Read the code"):readme.index("\n## ", readme.index("## Read the code") + 1)]
     named = set(re.findall(r"`([A-Za-z_]\w*)`", section))
     defined = set()
-    for name in ("revit", "alternet", "train", "tasks"):
+    for name in ("revit", "alternet", "train", "lib.tasks"):
         for node in ast.walk(ast.parse(MODULES[name].read_text())):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 defined.add(node.name)

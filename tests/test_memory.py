@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import alternet
 import bench
-import memory
+from lib import memory
 import revit
 import train
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import alternet
-import checkpoint
-import data
-import probes
+from lib import checkpoint
+from lib import data
+from tools import probes
 import revit
 import train
 
-ONE_LINE_ERROR = re.compile(r"^\S+\.py: error: [^\n]+$")  # `prog: error: message`, nothing more
+ONE_LINE_ERROR = re.compile(r"^(\S+\.py|python -m [\w.]+): error: [^\n]+$")  # `prog: error: message`, nothing more
 
 SMALL = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=16, heads=2, ffn_dim=32, depth=4)
 
@@ -180,7 +180,7 @@ def test_tensor_file_format(tmp_path):
 
 
 def test_dense_probes_have_one_entry_point(tmp_path, fashion_mnist_dir):
-    """python probes.py runs the dense probes; train.py names it in one line (it trains --probe cls) and
+    """python -m tools.probes runs the dense probes; train.py names it in one line (it trains --probe cls) and
     imports none of the tools, at any level (no import cycle: probes.py imports train.py)."""
     import ast
     path = save_backbone(tmp_path / "backbone.pt")
@@ -194,7 +194,7 @@ def test_dense_probes_have_one_entry_point(tmp_path, fashion_mnist_dir):
         with pytest.raises(SystemExit) as info:
             train.main(["--probe", probe, "--backbone", str(path), "--out-dir", str(tmp_path / "train")])
         assert ONE_LINE_ERROR.match(str(info.value)) and \
-            f"--probe {probe} is a dense probe: python probes.py --probe {probe} --backbone CKPT" in str(info.value)
+            f"--probe {probe} is a dense probe: python -m tools.probes --probe {probe} --backbone CKPT" in str(info.value)
     assert not (tmp_path / "train").exists()
     source = ast.parse((Path(train.__file__)).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(source) if isinstance(node, (ast.Import, ast.ImportFrom))

@@ -19,7 +19,7 @@ import torch
 import revit
 import sample
 import train
-from checkpoint import atomic_save, load_model, primitive
+from lib.checkpoint import atomic_save, load_model, primitive
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import sweep
+from tools import sweep
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ def test_a_cell_records_the_commit_and_torch_it_was_trained_at(tmp_path, fake_tr
     if (ROOT / ".git").exists():
         commit = saved["commit"].removesuffix("-dirty")
         assert len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)
-    monkeypatch.setattr(sweep, "HERE", str(tmp_path))  # outside any git repository: no commit to name
+    monkeypatch.setattr(sweep, "ROOT", str(tmp_path))  # outside any git repository: no commit to name
     assert sweep.code_version()["commit"] is None
 
 
@@ -182,7 +182,7 @@ def test_a_failing_cell_is_a_one_line_error(tmp_path, fake_train, monkeypatch):
     with pytest.raises(SystemExit) as error:
         run_cli(["--quick", "--device", "cpu", "--grids", "elastic", "--seeds", "1", "--out", str(tmp_path)])
     text = str(error.value.code)
-    assert text.startswith("sweep.py: error: cell elastic-depth-programmed-seed0 (python train.py --arch revit-mini")
+    assert text.startswith("python -m tools.sweep: error: cell elastic-depth-programmed-seed0 (python train.py --arch revit-mini")
     assert text.endswith("): --batch-size 100000 is larger than the training set") and "\n" not in text
     assert len(fake_train()) == 1 and not (tmp_path / "cells").exists()
 
@@ -212,7 +212,7 @@ def test_bad_flags_are_one_line_errors_before_any_work(argv, message, tmp_path, 
     with pytest.raises(SystemExit) as error:
         run_cli(["--out", str(out), *argv])
     text = str(error.value.code)
-    assert text.startswith("sweep.py: error: ") and message in text and "\n" not in text, text
+    assert text.startswith("python -m tools.sweep: error: ") and message in text and "\n" not in text, text
     assert not out.exists() and fake_train() == []
 
 
@@ -235,7 +235,7 @@ def test_a_damaged_cell_file_is_a_one_line_error(content, message, tmp_path, fak
     with pytest.raises(SystemExit) as error:
         run_cli(["--device", "cpu", "--grids", "tying", "--out", str(tmp_path)])
     text = str(error.value.code)
-    assert text.startswith(f"sweep.py: error: {cells / 'damaged.json'}: ") and message in text, text
+    assert text.startswith(f"python -m tools.sweep: error: {cells / 'damaged.json'}: ") and message in text, text
     assert "delete it to re-run the cell" in text and "\n" not in text
     assert (cells / "damaged.json").read_text() == content and fake_train() == []
     assert not (tmp_path / "quality.json").exists()

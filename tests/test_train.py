@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-import cli
+from lib import checkpoint
+from lib import cli
 import revit
-import tasks
+from lib import tasks
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -583,7 +583,7 @@ def test_ddp_wraps_the_model_before_compile(monkeypatch):
 
 def test_data_on_the_device_is_gathered_with_an_index_there():
     """A data set on the GPU: the epoch's order goes to the device once, not an index per batch."""
-    import data
+    from lib import data
     from device_check import FAKE, OnFakeDevice
     seen = []
     with OnFakeDevice():
@@ -653,7 +653,7 @@ def test_language_evaluation_with_the_model_on_a_device(tmp_path, monkeypatch):
 
 def test_fold_and_its_check_with_the_model_on_a_device():
     """export.py's fold (revit.fold) and its verification, with the model on a device."""
-    import export
+    from tools import export
     from device_check import FAKE, OnFakeDevice
     from helpers import randomise
     with OnFakeDevice():

@@ -1,5 +1,5 @@
 """What a run trains: each task supplies the loss of a batch and the evaluation, and `build` makes the
-data, model and task of a config. train.py's loop and --eval-only use them; probes.py reuses
+data, model and task of a config. train.py's loop and --eval-only use them; tools/probes.py reuses
 DENSE_PROBES, bench.py's depth table the evaluation (through train.evaluate).
 
     ClassificationTask   images -> classes (also the linear probe: its model is a ProbeModel)
@@ -20,10 +20,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import alternet
-import data
+from lib import data
 import revit
-from checkpoint import model_or_fail, unwrap
-from cli import device_options, fail, parse_depths, parse_model_args, say
+from lib.checkpoint import model_or_fail, unwrap
+from lib.cli import device_options, fail, parse_depths, parse_model_args, say
 
 
 # --- image tasks: classification (and the linear probe), distillation ---

@@ -1,5 +1,5 @@
-"""Checkpoints and run folders: the floor that train.py and every tool (probes.py, analyze.py,
-export.py, bench.py, sample.py) read checkpoints through, without importing the trainer.
+"""Checkpoints and run folders: the floor that train.py and every tool (tools/probes.py, tools/analyze.py,
+tools/export.py, bench.py, sample.py) read checkpoints through, without importing the trainer.
 
 A checkpoint of this project is a dict of tensors and plain values, loaded with weights_only=True:
 arch, model_config and model (the weights) rebuild a model (`load_model`); train_config, optimizer,
@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import alternet
 import revit
-from cli import fail, output_problem, path_problem, too_deep
+from lib.cli import fail, output_problem, path_problem, too_deep
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---

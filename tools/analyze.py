@@ -1,6 +1,6 @@
 """What does the recurrent block learn? The analyses of reViT (arXiv 2610.12448), §5 and Appendix D.
 
-    python analyze.py runs/revit-mini/ckpt.pt --teacher runs/vit-mini/ckpt.pt --out analysis/
+    python -m tools.analyze runs/revit-mini/ckpt.pt --teacher runs/vit-mini/ckpt.pt --out analysis/
 
 For a checkpoint of this project (the CKA parts also work for a ViT or Raptor checkpoint):
 - the gate matrix G [L, E] at any depth and its dominant-expert path (Fig. 3);
@@ -31,15 +31,22 @@ import csv
 import itertools
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+if not __package__:  # run as a file (python tools/analyze.py): the project's modules are not on the path
+    sys.exit("tools/analyze.py: error: run it from the repository root as python -m tools.analyze")
+
 import revit
-from checkpoint import load_vision_model
-from cli import check_depth, fail, output_problem, path_problem, pick_device, pyplot
-from data import NORMALISATION, FolderImages, load_images
+from lib.checkpoint import load_vision_model
+from lib.cli import check_depth, fail, output_problem, path_problem, pick_device, pyplot
+from lib.data import NORMALISATION, FolderImages, load_images
+
+PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
+
 
 
 # --- measures: effective rank, linear CKA, Spearman rho ---
@@ -725,7 +732,7 @@ def write_outputs(report: dict, out: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="checkpoint of this project (train.py's ckpt.pt): reViT, ViT or Raptor")
     parser.add_argument("--teacher", default="", help="checkpoint whose residual states and final features the "
                         "student is compared with (cross-CKA, Delta CKA); without it, interventions are "
@@ -760,7 +767,7 @@ def main(argv=None) -> dict:
     try:
         inputs = load_inputs(args)
     except (ValueError, FileNotFoundError) as e:
-        fail(str(e), "analyze.py")
+        fail(str(e), PROG)
     model = inputs.model
     print(f"{args.checkpoint}: {inputs.ckpt['arch']} ({model.config.arch}), {model.num_params() / 1e6:.3f}M params, "
           f"analysed at depth L={inputs.depth}")

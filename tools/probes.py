@@ -1,7 +1,7 @@
 """Dense frozen-backbone probes: semantic segmentation (mIoU) and monocular depth (RMSE) on patch tokens.
 
-    python probes.py --probe seg --backbone out/revit-mini/ckpt.pt --eval-depths 2,4,8
-    python probes.py --probe monodepth --backbone ckpt.pt --data /datasets/nyu_depth_v2 --probe-cache cache/
+    python -m tools.probes --probe seg --backbone out/revit-mini/ckpt.pt --eval-depths 2,4,8
+    python -m tools.probes --probe monodepth --backbone ckpt.pt --data /datasets/nyu_depth_v2 --probe-cache cache/
 
 The one entry point of the dense probes (train.py trains the linear classification probe, --probe cls).
 
@@ -54,6 +54,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +64,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-import checkpoint
+if not __package__:  # run as a file (python tools/probes.py): the project's modules are not on the path
+    sys.exit("tools/probes.py: error: run it from the repository root as python -m tools.probes")
+
+from lib import checkpoint
 import train
-from cli import check_depth, dataclass_parser, fail, opt, output_problem, parse_depths, path_problem, pick_device
-from data import NORMALISATION, epoch_order, load_images
-from tasks import DENSE_PROBES
+from lib.cli import check_depth, dataclass_parser, fail, opt, output_problem, parse_depths, path_problem, pick_device
+from lib.data import NORMALISATION, epoch_order, load_images
+from lib.tasks import DENSE_PROBES
+
+PROG = "python -m tools.probes"  # how it runs: from the repository root, as a module
+
 
 IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabelled pixels)
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
@@ -77,7 +84,7 @@ DELTA_MIN_DEPTH = 1e-3     # predicted depths are clamped to this before the rat
 
 @dataclass
 class ProbeConfig:
-    """The flags of `python probes.py`, with the dense probe's own training settings as defaults."""
+    """The flags of `python -m tools.probes`, with the dense probe's own training settings as defaults."""
     probe: str = opt("seg", "seg (linear segmentation head, mIoU) | monodepth (linear and MLP monocular "
                             "depth heads, RMSE)")
     backbone: str = opt("", "checkpoint of the frozen backbone (any vision checkpoint of this project)")
@@ -106,7 +113,7 @@ class ProbeConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return dataclass_parser(ProbeConfig, __doc__.split("\n\n")[0])
+    return dataclass_parser(ProbeConfig, __doc__.split("\n\n")[0], prog=PROG)
 
 
 # --- metrics (numerators and denominators accumulate over batches; the ratio is taken once) ---
@@ -245,7 +252,7 @@ def require_pil():
         from PIL import Image
     except ImportError:
         fail("reading ADE20k / NYUv2 / image-folder data needs Pillow (pip install pillow), or convert it to "
-             "the tensor format (ROOT/train.pt, ROOT/val.pt; see probes.py)")
+             "the tensor format (ROOT/train.pt, ROOT/val.pt; see tools/probes.py)")
     return Image
 
 

@@ -1,6 +1,6 @@
 """Ship a trained reViT: fold it at a chosen depth and write it for the tools people already use.
 
-    python export.py CHECKPOINT --depth L --format safetensors|onnx|timm|compact --out PATH
+    python -m tools.export CHECKPOINT --depth L --format safetensors|onnx|timm|compact --out PATH
 
 reViT (arXiv 2610.12448) §3.1: the merged FFNs depend only on depth, so once L is chosen they can be
 computed once and the model becomes a plain ViT of L blocks (`revit.fold`). The formats:
@@ -11,8 +11,8 @@ computed once and the model becomes a plain ViT of L blocks (`revit.fold`). The 
 - timm: a state dict in timm's VisionTransformer layout. A file ending in .safetensors is
   written as safetensors (timm's `load_checkpoint` reads both), anything else with torch.save.
 - compact: the dynamic model itself (E experts + router) plus its config, what a user keeps to
-  choose L later: `load_safetensors(path)` returns a `revit.ReViT`, and export.py accepts the
-  file in place of a checkpoint (`python export.py model.safetensors --depth 8 --format onnx`).
+  choose L later: `load_safetensors(path)` returns a `revit.ReViT`, and tools/export.py accepts the
+  file in place of a checkpoint (`python -m tools.export model.safetensors --depth 8 --format onnx`).
 Every folded export is checked against the dynamic model at that depth before it is written.
 
 timm layout (timm/models/vision_transformer.py): our VisionTransformer already uses timm's names;
@@ -41,9 +41,15 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+if not __package__:  # run as a file (python tools/export.py): the project's modules are not on the path
+    sys.exit("tools/export.py: error: run it from the repository root as python -m tools.export")
+
 import revit
-from checkpoint import load_vision_model, non_finite
-from cli import check_depth, fail, output_problem, path_problem, too_deep
+from lib.checkpoint import load_vision_model, non_finite
+from lib.cli import check_depth, fail, output_problem, path_problem, too_deep
+
+PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
+
 
 FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
@@ -298,7 +304,7 @@ ONNX_OPSETS = range(14, 21)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="export.py", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a train.py checkpoint, or a compact / folded .safetensors written by export.py")
     p.add_argument("--depth", type=int, default=None,
@@ -378,7 +384,7 @@ def main(argv=None) -> dict:
         check_args(args)
         summary = export(args)
     except (ValueError, VerificationError) as e:
-        fail(str(e), "export.py")
+        fail(str(e), PROG)
     print(json.dumps(summary))  # last stdout line: one JSON document
     return summary
 

@@ -42,7 +42,7 @@ Not counted: a distillation teacher, torch.compile's own savings (the estimate i
 mode, an upper bound), the CUDA context and allocator fragmentation (the fit keeps 10% free).
 
 Also here, measured rather than predicted: a model's inference memory on a CPU (`cpu_memory_of`, the
-peak RSS of a fresh process; bench.py latency and depths.py use it).
+peak RSS of a fresh process; bench.py latency and tools/depths.py use it).
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
     return hints
 
 
-# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, depths.py) ---
+# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, tools/depths.py) ---
 #
 # The CUDA allocator reports what a model holds (bench.cuda_memory); on a CPU only the process's resident
 # set says it, and a process's freed heap stays resident: so each model is measured in a child of a fresh
@@ -403,8 +403,9 @@ def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int 
     the smallest; all values are kept.
     """
     payload = json.dumps([{**spec, "batch": batch, "calls": calls} for spec in specs for _ in range(processes)])
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "rss", payload], capture_output=True,
-                         text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=900)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: `-m lib.memory` runs there
+    out = subprocess.run([sys.executable, "-m", "lib.memory", "rss", payload], capture_output=True,
+                         text=True, cwd=root, timeout=900)
     if out.returncode != 0:
         return [{"memory_error": out.stderr.strip().splitlines()[-1:]}] * len(specs)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
@@ -421,7 +422,7 @@ def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int 
 
 def memory_rows(specs: list[dict]) -> list[dict]:
     """Each spec measured by _memory_worker in its own child, forked from this (fresh) process:
-    `python memory.py rss PAYLOAD`, started by cpu_memory_of."""
+    `python -m lib.memory rss PAYLOAD`, started by cpu_memory_of."""
     rows = []
     for spec in specs:
         read_end, write_end = os.pipe()
@@ -505,5 +506,6 @@ def _ru_maxrss_kib() -> int:
 
 if __name__ == "__main__":  # internal: the fresh process cpu_memory_of starts
     if sys.argv[1:2] != ["rss"] or len(sys.argv) != 3:
-        sys.exit("memory.py: error: internal use only (bench.py measures with it): memory.py rss PAYLOAD")
+        sys.exit("python -m lib.memory: error: internal use only (bench.py measures with it): "
+                 "python -m lib.memory rss PAYLOAD")
     print(json.dumps(memory_rows(json.loads(sys.argv[2]))))

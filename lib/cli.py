@@ -1,4 +1,4 @@
-"""What train.py and the tools (probes.py, analyze.py, export.py, bench.py, sweep.py) share on the command
+"""What train.py, bench.py and the tools (tools/: probes, analyze, export, depths, sweep) share on the command
 line: one-line user errors (`InputError`, `fail`), flags generated from a config dataclass, the
 --eval-depths and --model-args parsers, the bounds and path checks every tool applies before it reads or
 writes (`MAX_DEPTH`, `path_problem`, `output_problem`), the device (`pick_device`, `device_options`),
@@ -39,6 +39,10 @@ def fail(message: str, prog: str | None = None):
 
 
 def script_name() -> str:
+    """The command being run, as its user typed it: `train.py`, `bench.py`, or `python -m tools.NAME`."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name.startswith(("tools.", "lib.")):
+        return f"python -m {spec.name}"
     name = os.path.basename(sys.argv[0])
     return name if name.endswith(".py") and name != "__main__.py" else "train.py"
 
@@ -57,10 +61,11 @@ def opt(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
-def dataclass_parser(config_class, description: str, suppress_defaults: bool = False) -> argparse.ArgumentParser:
+def dataclass_parser(config_class, description: str, suppress_defaults: bool = False,
+                     prog: str | None = None) -> argparse.ArgumentParser:
     """One flag per dataclass field (--snake_case -> --snake-case), its help from the field's metadata.
     suppress_defaults: unset flags stay absent from the namespace, so the caller sees what was given."""
-    parser = argparse.ArgumentParser(description=description,
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      argument_default=argparse.SUPPRESS if suppress_defaults else None)
     hints = typing.get_type_hints(config_class)
     for f in fields(config_class):

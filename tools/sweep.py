@@ -1,9 +1,9 @@
 """sweep.py: small-scale evidence with seeds and error bars, for reViT (arXiv 2610.12448).
 
-    python sweep.py                          # experts + elastic grids at d48-L12, 3 seeds per cell
-    python sweep.py --grids tying --regime d48-L6     # what tying the blocks costs at L = 6
-    python sweep.py --quick                  # the same code paths in seconds (tiny model, two steps a cell)
-    python sweep.py --shard 1/2 & python sweep.py --shard 2/2; wait; python sweep.py    # two processes
+    python -m tools.sweep                          # experts + elastic grids at d48-L12, 3 seeds per cell
+    python -m tools.sweep --grids tying --regime d48-L6     # what tying the blocks costs at L = 6
+    python -m tools.sweep --quick                  # the same code paths in seconds (tiny model, two steps a cell)
+    python -m tools.sweep --shard 1/2 & python -m tools.sweep --shard 2/2; wait; python -m tools.sweep    # two processes
 
 Each cell of a grid is one `python train.py ...` run per seed, in its own process (one thread unless
 --threads or OMP_NUM_THREADS says otherwise), its output in OUT/runs/KEY/train.log. A finished run is
@@ -28,13 +28,18 @@ import sys
 
 import torch
 
-import revit
-from checkpoint import load_model
-from cli import (InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device, pyplot,
-                 write_json)
+if not __package__:  # run as a file (python tools/sweep.py): the project's modules are not on the path
+    sys.exit("tools/sweep.py: error: run it from the repository root as python -m tools.sweep")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TRAIN_COMMAND = (sys.executable, os.path.join(HERE, "train.py"))  # what a cell runs, before its flags
+import revit
+from lib.checkpoint import load_model
+from lib.cli import (InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device, pyplot,
+                     write_json)
+
+PROG = "python -m tools.sweep"  # how it runs: from the repository root, as a module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+TRAIN_COMMAND = (sys.executable, os.path.join(ROOT, "train.py"))  # what a cell runs, before its flags
 
 # A regime: train.py flags ({field: value}) shared by every cell; each cell below overrides a few fields
 # (its model_args are merged into the regime's, the cell's value winning). Fashion-MNIST at width 48, 7x7
@@ -208,7 +213,7 @@ def with_gates(record: dict, out_dir: str) -> dict:
 def code_version() -> dict:
     """The commit the cells are trained at (cli.git_commit: `-dirty` when tracked files outside results/ differ
     from it; None outside git) and the torch version."""
-    return {"commit": git_commit(HERE), "torch": torch.__version__}
+    return {"commit": git_commit(ROOT), "torch": torch.__version__}
 
 
 def train_cell(key: str, argv: list[str], run_dir: str, threads: int) -> dict:
@@ -221,7 +226,7 @@ def train_cell(key: str, argv: list[str], run_dir: str, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "a") as log:
         done = subprocess.run([*TRAIN_COMMAND, *argv, *where, "--no-progress"], stdout=log, stderr=subprocess.STDOUT,
-                              env=env, cwd=HERE)
+                              env=env, cwd=ROOT)
     if done.returncode != 0:
         raise SweepError(f"cell {key} (python train.py {' '.join(argv)}): {failure_line(log_path)}")
     return run_summary(run_dir)
@@ -489,7 +494,7 @@ def run_sweep(args) -> dict:
               "seeds": seeds, "grids": grids,
               "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
     name = "quick" if args.quick else args.regime  # a smoke run never overwrites a real sweep's pictures
-    folders = [(out_dir, "quality_{kind}.png")] + ([(os.path.join(HERE, "assets"), f"quality-{name}-{{kind}}.png")]
+    folders = [(out_dir, "quality_{kind}.png")] + ([(os.path.join(ROOT, "assets"), f"quality-{name}-{{kind}}.png")]
                                                    if args.assets else [])
     result["plots"] = plot_quality(result, folders)
     print(quality_markdown(result))
@@ -498,11 +503,11 @@ def run_sweep(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grids", default=DEFAULT_GRIDS, help=f"which grids (of {', '.join(GRIDS)}; default {DEFAULT_GRIDS})")
     p.add_argument("--regime", default="d48-L12", choices=list(REGIMES),
-                   help="the flags every cell shares (sweep.py REGIMES; default d48-L12)")
+                   help="the flags every cell shares (tools/sweep.py REGIMES; default d48-L12)")
     p.add_argument("--seeds", type=int, help="seeds per cell (default 3; --quick 2)")
     p.add_argument("--out", help="folder of finished cells (resumes from it), runs, quality.json and plots "
                                  "(default out/quality/REGIME, --quick out/quality-quick)")
@@ -520,7 +525,7 @@ def main(argv=None) -> dict:
     try:
         result = run_sweep(args)
     except (SweepError, InputError) as e:  # bad input, a failed cell, a damaged cell file: one line
-        fail(str(e), "sweep.py")
+        fail(str(e), PROG)
     print(json_text(result))
     return result
 

@@ -4,9 +4,9 @@ The accuracy is train.py's evaluation, the cost GFLOPs, latency and memory, side
 §4.4 of arXiv 2610.12448); for AlterNet (arXiv 2611.08741) every iteration cap D' <= D and halting
 threshold.
 
-    python depths.py out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, a table and a plot
-    python depths.py CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images
-    python depths.py out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds, bits per byte
+    python -m tools.depths out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, a table and a plot
+    python -m tools.depths CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images
+    python -m tools.depths out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds, bits per byte
 
 The table marks the reference (the trained depth) and the Pareto-optimal rows, and names the smallest
 depth within half a point of the reference (AlterNet: within 0.01 bits per byte). depths.json and
@@ -32,13 +32,19 @@ import sys
 
 import torch
 
+if not __package__:  # run as a file (python tools/depths.py): the project's modules are not on the path
+    sys.exit("tools/depths.py: error: run it from the repository root as python -m tools.depths")
+
 import alternet
 import bench
-import memory
+from lib import memory
 import revit
 import train
-from checkpoint import load_model
-from cli import InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot, write_json
+from lib.checkpoint import load_model
+from lib.cli import InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot, write_json
+
+PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
+
 
 # --- the checkpoint, as train.py evaluates it ---
 
@@ -326,7 +332,7 @@ RULES = {**bench.FLAG_RULES, "batch": (lambda v: 2 <= v <= 65536, ">= 2 (batch 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="depths.py", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
     bench.device_flags(p)
@@ -362,14 +368,14 @@ def main(argv=None) -> dict:
     try:
         device = pick_device(args.device)
     except ValueError as e:  # --device: one line, as below
-        fail(str(e), "depths.py")
+        fail(str(e), PROG)
     try:
         check_args(args, device)
         if args.threads:
             torch.set_num_threads(args.threads)
         result = run_depths(args, device)
     except InputError as e:  # the user's input: one line, as argparse reports its own errors
-        fail(str(e), "depths.py")
+        fail(str(e), PROG)
     print(json_text(result))
     return result
 
