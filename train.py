@@ -1,31 +1,24 @@
 """Train reViT / ViT / Raptor on images and AlterNet on text: one loop, single process or torchrun.
 
-    python train.py                                      # quick start: revit-mini on Fashion-MNIST, CPU minutes
+    python train.py                                      # quick start: revit-mini, Fashion-MNIST, CPU minutes
     python train.py --arch revit-s --dataset cifar10     # any preset of revit.py or alternet.py
     torchrun --nproc_per_node 8 train.py --arch revit-b --data /imagenet --compile
     python train.py --arch alternet-tiny                 # bytes of the built-in corpus (data.grammar_corpus)
-    python train.py --arch alternet-tiny --data tinyshakespeare.txt     # or --dataset tinyshakespeare --download
+    python train.py --arch alternet-tiny --data tinyshakespeare.txt     # or --dataset tinyshakespeare
     python train.py --eval-only out/run/ckpt.pt --eval-depths 2,4,8     # evaluate, no training
 
-The defaults are the quick start. Other settings are named recipes applied over them and printed
-at start (`recipe: ...`, then one `override: ...` line per flag or automatic choice): `imagenet`
-is the reViT paper's Table 6 (arXiv 2610.12448; DeiT III: AdamW, warmup + cosine, BCE on
-binarised mixup/cutmix targets, 3-Augment, colour jitter 0.3), `cifar` shortens it, `text` is the
+The defaults are the quick start. Other settings are named recipes applied over them, printed at start
+(`recipe: ...`, then one `override: ...` line per flag or automatic choice): `imagenet` is the reViT
+paper's Table 6 (arXiv 2610.12448: the DeiT III recipe), `cifar` shortens it, `text` is the
 language-model schedule (plus alternet.RECIPES for the AlterNet paper's presets), `probe` trains a
-linear head. Tasks supply the loss and the evaluation: classification, distillation (`--teacher`,
-Eq. 5 of the reViT paper, App. A.3), linear probe (`--probe cls --backbone CKPT`; the dense probes
-are probes.py's) and language modelling (an alternet preset). The loop knows nothing about a model
-beyond: it returns its loss terms, and the optional hooks set_step / no_weight_decay (the model)
-and after_optimizer_step (any of its modules). Checkpoints are atomic, hold only finite weights, and
-resume bit-for-bit on CPU.
-Nothing is downloaded unless asked (`--download`). Language presets train by default on a corpus the
-repository generates (data.grammar_corpus: English-like sentences with agreement across nested
-clauses): the same bytes on every machine and at every commit, no file, no network.
+linear head. Checkpoints are atomic, hold only finite weights and resume bit-for-bit on CPU; nothing
+is downloaded unless asked (`--download`).
 
-This file reads top to bottom: config and recipes, the loop (one optimizer step, evaluate-and-save),
-set-up, optimizer and schedule, saving, command line. Elsewhere: the tasks, and how a config becomes
-data + model + task (lib/tasks.py); the checkpoint format, its loader and the run folder (lib/checkpoint.py);
-one-line errors, flags from a dataclass and the device (lib/cli.py).
+This file reads top to bottom: config and recipes; the loop and its step (`train_step`: augment,
+forward, cross-entropy + the model's auxiliary losses, on one screen; distillation, Eq. 5, and language
+modelling bring their own loss); evaluation; set-up, optimizer and schedule; saving; the command line.
+Elsewhere, in lib/: the evaluation and the other losses (tasks.py, language.py), data and augmentation
+(data.py), the checkpoint format and run folder (checkpoint.py), the checks before a run (checks.py).
 """
 
 from __future__ import annotations
@@ -42,16 +35,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from tqdm import tqdm
 
-import alternet
-from lib import memory
 import revit
+from lib import tasks
 from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
                             preset_module, primitive, rng_state, set_rng_state, unwrap)
-from lib.cli import (MAX_DEPTH, MAX_DEPTH_REASON, dataclass_parser, device_options, fail, opt, parse_depths,
-                     parse_model_args, path_problem, pick_device, say, wrong_type)
-from lib.tasks import DENSE_PROBES, PROBES, build
+from lib.checks import check_config, check_resume
+from lib.cli import (dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, pick_device,
+                     say, wrong_type)
+from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
 # --- config: the defaults are the quick start (revit-mini, Fashion-MNIST, a CPU, ~88% in minutes) ---
@@ -65,16 +59,16 @@ class TrainConfig:
     depth: int | None = opt(None, "override the reference recurrent depth L / number of blocks")
     num_experts: int | None = opt(None, "override E, the experts of reViT's bank")
     drop_path: float | None = opt(None, "override the per-block stochastic depth rate")
-    depth_drop: float | None = opt(None, "elastic-depth rate: drop whole recurrent steps per image (paper: 0.3)")
+    depth_drop: float | None = opt(None, "elastic depth: drop whole recurrent steps per image (paper: 0.3)")
     model_args: str = opt("", "any other model config fields, e.g. 'dim=128,heads=4' (see revit.ViTConfig)")
     # data
-    dataset: str = opt("", "fashion-mnist | cifar10 | cifar100 | imagenet (ImageFolder at --data) | grammar | "
-                           "tinyshakespeare | text (your --data) (auto: fashion-mnist for vision presets, grammar, "
-                           "the built-in corpus, for language presets)")
-    data: str = opt("", "your own data: an ImageFolder root with train/ and val/, or a UTF-8 text file / folder")
+    dataset: str = opt("", "fashion-mnist | cifar10 | cifar100 | imagenet (ImageFolder at --data) | grammar "
+                           "| tinyshakespeare | text (your --data) (auto: fashion-mnist for vision presets, "
+                           "grammar, the built-in corpus, for language presets)")
+    data: str = opt("", "your data: an ImageFolder root with train/ and val/, or a UTF-8 text file / folder")
     data_dir: str = opt("", "where the built-in data sets live (auto: ./data, then $REVIT_DATA_DIR, then "
                             "/usr/share/datasets)")
-    download: bool = opt(False, "download a built-in data set into the data dir when no search location has it")
+    download: bool = opt(False, "download a built-in data set into the data dir if no search location has it")
     tokenizer: str = opt("byte", "text only: byte (vocab 256) | gpt2 (tiktoken BPE, vocab 50257)")
     block_size: int | None = opt(None, "text only: training sequence length (auto: the model's max length)")
     train_subset: int = opt(0, "use only the first N training examples (0: all)")
@@ -86,11 +80,13 @@ class TrainConfig:
     epochs: int | None = opt(15, "training epochs")
     max_steps: int = opt(0, "optimizer steps to train; overrides --epochs when > 0")
     batch_size: int = opt(256, "GLOBAL batch per optimizer step, over all ranks and accumulation steps")
-    grad_accum: int | None = opt(None, "gradient accumulation micro-steps per optimizer step (auto: 1, or the fewest "
-                                       "whose estimated peak memory fits the device; lib/memory.py)")
-    gpu_memory: float | None = opt(None, "GB of memory per device the run must fit in (auto: the GPU's, or a CPU "
-                                         "machine's RAM; CPU runs of small models are not checked unless given)")
-    lr: float | None = opt(3e-3, "peak learning rate at --lr-batch examples (None in a recipe: chosen from the width)")
+    grad_accum: int | None = opt(None, "gradient accumulation micro-steps per optimizer step (auto: 1, or "
+                                       "the fewest whose estimated peak memory fits the device; "
+                                       "lib/memory.py)")
+    gpu_memory: float | None = opt(None, "GB of memory per device the run must fit in (auto: the GPU's, or "
+                                         "a CPU machine's RAM; CPU runs of small models are not checked "
+                                         "unless given)")
+    lr: float | None = opt(3e-3, "peak learning rate at --lr-batch examples (None in a recipe: by width)")
     lr_batch: int = opt(256, "linear scale rule: peak lr = lr * batch_size / lr_batch (0: use lr as given)")
     min_lr: float = opt(1e-5, "final learning rate of the cosine schedule")
     warmup_epochs: float = opt(0.5, "linear warmup length in epochs")
@@ -109,26 +105,26 @@ class TrainConfig:
     mix_prob: float = opt(1.0, "probability of applying mixup or cutmix to a batch")
     mix_switch_prob: float = opt(0.5, "probability of cutmix instead of mixup when both are on")
     random_crop: bool = opt(False, "random crop after reflect-padding by image_size/8, and horizontal flip")
-    three_augment: bool = opt(False, "DeiT III 3-Augment: per image one of grayscale, solarize, gaussian blur")
+    three_augment: bool = opt(False, "DeiT III 3-Augment: per image one of grayscale, solarize, blur")
     color_jitter: float = opt(0.0, "brightness/contrast/saturation jitter strength (0: off)")
     repeated_aug: int = opt(1, "repeated augmentation: each image appears this many times per epoch (1: off)")
     # evaluation, elastic depth, distillation, probes
-    eval_depths: str = opt("", "comma-separated depths for the final evaluation, e.g. 4,8,12 (reViT / Raptor)")
-    eval_only: str = opt("", "evaluate this checkpoint at --eval-depths and exit; nothing is trained or written")
+    eval_depths: str = opt("", "depths for the final evaluation, e.g. 4,8,12 (reViT / Raptor)")
+    eval_only: str = opt("", "evaluate this checkpoint at --eval-depths and exit; nothing trained or written")
     eval_interval: int = opt(0, "evaluate and checkpoint every N optimizer steps (0: every epoch; text: 500)")
     eval_batch_size: int = opt(256, "batch per rank for evaluation")
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
-    teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (needs internet)")
+    teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (internet)")
     probe: str = opt("", "probe of a frozen --backbone: cls (linear classification; the dense probes seg and "
                          "monodepth: python -m tools.probes)")
-    probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patch tokens)")
+    probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patches)")
     backbone: str = opt("", "probe mode: checkpoint of the frozen backbone")
     # system
-    out_dir: str = opt("", "run folder for ckpt.pt and metrics.jsonl (auto: out/<arch>-<time>; with --resume: "
-                           "the checkpoint's folder)")
-    overwrite: bool = opt(False, "start a new run in an --out-dir that already holds one (its files are replaced)")
+    out_dir: str = opt("", "run folder for ckpt.pt and metrics.jsonl (auto: out/<arch>-<time>; with "
+                           "--resume: the checkpoint's folder)")
+    overwrite: bool = opt(False, "start a new run in an --out-dir that holds one (its files are replaced)")
     resume: str = opt("", "continue the run saved in this checkpoint (same arch; config taken from it)")
-    save_interval: int = opt(0, "also checkpoint every N optimizer steps (0: only at evaluations and the end)")
+    save_interval: int = opt(0, "also checkpoint every N optimizer steps (0: at evaluations and the end)")
     stop_at_step: int = opt(0, "stop (as if killed) after this optimizer step, checkpointing first")
     seed: int = opt(0, "random seed: model init, data order, augmentation")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps (Apple silicon)")
@@ -136,7 +132,8 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile the model (CUDA, or CPU with a C++ compiler)")
     compile_backend: str = opt("inductor", "--compile's backend: inductor (generated kernels) | eager (graph "
                                            "capture only: seconds, for a quick check)")
-    ddp_find_unused: bool = opt(False, "DDP find_unused_parameters (needed if some parameters get no gradient)")
+    ddp_find_unused: bool = opt(False, "DDP find_unused_parameters (needed if some parameters get no "
+                                       "gradient)")
     log_interval: int = opt(10, "write a metrics line every N optimizer steps")
     progress: bool = opt(True, "show a tqdm progress bar")
 
@@ -145,16 +142,17 @@ TABLE6 = dict(epochs=300, batch_size=2048, lr=None, lr_batch=2048, warmup_epochs
               cutmix=1.0, random_crop=True, three_augment=True, color_jitter=0.3, repeated_aug=3)
 RECIPES = {  # name: (source, TrainConfig overrides applied over the quick-start defaults)
     "imagenet": ("reViT paper (arXiv 2610.12448) Table 6, the DeiT III recipe", TABLE6),
-    "cifar": ("Table 6 shortened for 50k small images", dict(TABLE6, epochs=100, batch_size=256, warmup_epochs=5.0,
-                                                             repeated_aug=1, color_jitter=0.0)),
+    "cifar": ("Table 6 shortened for 50k small images",
+              dict(TABLE6, epochs=100, batch_size=256, warmup_epochs=5.0, repeated_aug=1, color_jitter=0.0)),
     "text": ("language-model schedule sized for the CPU presets (our choice; the AlterNet paper's Table 2 "
              "settings, arXiv 2611.08741, come with its presets through alternet.RECIPES)",
              dict(max_steps=2000, batch_size=32, warmup_steps=100, lr=None, lr_batch=0, weight_decay=0.1,
-                  beta2=0.95, eval_interval=500, ddp_find_unused=True)),  # top-k: unrouted experts get no grad
+                  beta2=0.95, eval_interval=500,
+                  ddp_find_unused=True)),  # top-k routing: the experts a batch does not pick get no gradient
     "probe": ("linear probe: only a head trains, so no augmentation and no decay", dict(weight_decay=0.0)),
 }
-IMAGE_DATASETS, TEXT_DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet"), ("grammar", "tinyshakespeare", "text")
-RECIPE_OF = {"cifar10": "cifar", "cifar100": "cifar", "imagenet": "imagenet", **dict.fromkeys(TEXT_DATASETS, "text")}
+RECIPE_OF = {"cifar10": "cifar", "cifar100": "cifar", "imagenet": "imagenet",
+             **dict.fromkeys(TEXT_DATASETS, "text")}
 
 
 def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
@@ -168,14 +166,18 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
     if dataset not in IMAGE_DATASETS + TEXT_DATASETS:
         fail(f"unknown --dataset {dataset!r}; choose one of {', '.join(IMAGE_DATASETS + TEXT_DATASETS)}")
     if (family == "language") != (dataset in TEXT_DATASETS):
-        fail(f"--arch {arch} is a {family} model but --dataset {dataset} is {'text' if family != 'language' else 'images'}")
+        kind = "text" if family != "language" else "images"
+        fail(f"--arch {arch} is a {family} model but --dataset {dataset} is {kind}")
     recipe = explicit.get("recipe") or ("probe" if explicit.get("probe") else RECIPE_OF.get(dataset, ""))
     if recipe and recipe not in RECIPES:
         fail(f"unknown --recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     layers = [(f"recipe: {recipe} -- {RECIPES[recipe][0]}", RECIPES[recipe][1])] if recipe else \
         [("recipe: quick start (the TrainConfig defaults)", {})]
-    if arch in getattr(alternet, "RECIPES", {}):
-        layers.append((f"recipe: {arch} -- alternet.RECIPES, the AlterNet paper's settings", alternet.RECIPES[arch]))
+    if family == "language":
+        import alternet  # the language model: imported by language runs only
+        if arch in alternet.RECIPES:
+            layers.append((f"recipe: {arch} -- alternet.RECIPES, the AlterNet paper's settings",
+                           alternet.RECIPES[arch]))
     values = {"dataset": dataset}
     for title, overrides in layers:
         show(title + "".join(f" {k}={v}" for k, v in overrides.items()))
@@ -184,7 +186,8 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
         show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
              f"{family} preset{', --data given' if explicit.get('data') else ''})")
     for name, value in explicit.items():
-        if name in values and values[name] != value or name not in values and value != getattr(TrainConfig, name):
+        changed = values[name] != value if name in values else value != getattr(TrainConfig, name)
+        if changed:
             show(f"override: {name}={value} (--{name.replace('_', '-')})")
     cfg = TrainConfig(**{**values, **explicit})
     check_config(cfg)
@@ -195,8 +198,13 @@ def family_of(arch: str) -> str:
     """'vision' or 'language' for a preset name (or the error listing the valid names)."""
     module = preset_module(arch)
     if module is None:
-        fail(f"unknown --arch {arch!r}; valid names: {', '.join(sorted(revit.PRESETS) + sorted(alternet.PRESETS))}")
+        fail(f"unknown --arch {arch!r}; valid names: {', '.join(preset_names())}")
     return "vision" if module is revit else "language"
+
+
+def preset_names() -> list[str]:
+    import alternet  # for its names: a list or an unknown --arch
+    return sorted(revit.PRESETS) + sorted(alternet.PRESETS)
 
 
 # --- the loop: set-up, one optimizer step, evaluate-and-save ---
@@ -257,15 +265,17 @@ def loop(run: Run) -> dict:
                 bar.write(note)
         if run.step % cfg.log_interval == 0 or run.step == total:
             record = read_loss_parts(record)
-            rate = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1) / max(time.perf_counter() - t0, 1e-9)
+            items = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1)  # tokens or images
+            rate = items / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
             run.folder.log({**record, "per_s": rate}, run.is_main)
             t0, seen = time.perf_counter(), 0
         stopped = bool(cfg.stop_at_step and run.step >= cfg.stop_at_step)
         if run.step >= total or stopped:
             break
-        evaluate_and_save(run, evaluate_now=run.step % eval_every == 0,
-                          save_now=run.step % eval_every == 0 or bool(cfg.save_interval and run.step % cfg.save_interval == 0))
+        evaluate_now = run.step % eval_every == 0
+        evaluate_and_save(run, evaluate_now, evaluate_now or bool(cfg.save_interval and
+                                                                  run.step % cfg.save_interval == 0))
     bar.close()
     if stopped and run.step < total:
         save_checkpoint(run)
@@ -279,8 +289,11 @@ def loop(run: Run) -> dict:
 
 
 def train_step(run: Run, inputs, targets) -> dict:
-    """One optimizer step: forward/backward over the micro-batches, then the divergence guard (loss
-    AND gradient norm must be finite, checked before optimizer.step()), clip, step."""
+    """One optimizer step. For the default task, image classification, the step is this screen: augment
+    (mixup / cutmix, crops: lib/data.py), forward, cross-entropy plus the model's auxiliary losses (reViT:
+    Eqs. 6, 8, 9), backward; distillation (Eq. 5) and language modelling compute their own loss
+    (`run.task.loss`). Then the divergence guard (loss AND gradient norm finite, checked before
+    optimizer.step()), clip, step."""
     cfg, model = run.cfg, run.model
     lr = lr_at(run.step, run.sched["peak_lr"], run.sched)
     for group in run.optimizer.param_groups:
@@ -292,7 +305,15 @@ def train_step(run: Run, inputs, targets) -> dict:
     for i, (x, y) in enumerate(micro):
         sync = i == len(micro) - 1 or run.world == 1
         with (contextlib.nullcontext() if sync else run.forward.no_sync()):
-            loss, parts = run.task.loss(run.forward, x, y)
+            if run.task.loss is None:  # the default: supervised classification
+                x, y = run.augment(x.to(run.device, non_blocking=True), y.to(run.device))  # y: soft targets
+                with run.task.autocast():
+                    out = run.forward(x, return_states=True)
+                task = classification_loss(out["logits"].float(), y, cfg.loss)
+                aux = out.get("aux_losses", {})
+                loss, parts = task + sum(aux.values()), {"task": task, **aux}
+            else:
+                loss, parts = run.task.loss(run.forward, x, y)
             (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach() / cfg.grad_accum
         for k, v in parts.items():
@@ -310,6 +331,13 @@ def train_step(run: Run, inputs, targets) -> dict:
     after_optimizer_step(model)
     run.step += 1
     return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, **parts_sum}
+
+
+def classification_loss(logits, targets, kind: str) -> torch.Tensor:
+    """Cross-entropy against soft (mixed, smoothed) targets (B, classes), or DeiT III's binary form."""
+    if kind == "bce":  # DeiT III: binarise the mixed targets, then per-class binary cross-entropy
+        return F.binary_cross_entropy_with_logits(logits, targets.gt(0.0).to(logits.dtype))
+    return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
 
 
 def read_loss_parts(record: dict) -> dict:
@@ -347,7 +375,8 @@ def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
     if hours < 1:  # nothing to say about a run that fits a coffee break
         return None
     mini = "alternet-tiny" if arch.startswith("alternet") else "revit-mini"
-    return (f"note: on this CPU the run takes about {hours:.1f} h ({steps} steps x {seconds_per_step:.1f} s); "
+    return (f"note: on this CPU the run takes about {hours:.1f} h "
+            f"({steps} steps x {seconds_per_step:.1f} s); "
             f"{mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
 
 
@@ -355,7 +384,8 @@ def evaluate_and_save(run: Run, evaluate_now: bool, save_now: bool) -> None:
     if evaluate_now:
         results = evaluate_depths(run.model, run.task, [None], run.rank, run.world)
         run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
-        say(f"step {run.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float)))
+        numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
+        say(f"step {run.step}: " + ", ".join(numbers))
         run.folder.log({"step": run.step, "eval": run.metrics}, run.is_main)
     if save_now:
         save_checkpoint(run)
@@ -400,7 +430,8 @@ def summarise(cfg: TrainConfig, model: nn.Module, results: dict) -> tuple[dict, 
         return ({"val_loss": h["loss"], "val_bpb": h["bpb"], "mean_iterations": h["iterations"],
                  "fixed_depth_bpb": {str(k): r["bpb"] for k, r in results.items() if k is not None},
                  **({"val_causal_bpb": h["causal_bpb"]} if "causal_bpb" in h else {})},
-                f"val loss {h['loss']:.4f} | {h['bpb']:.4f} bits/byte at {h['iterations']:.2f} mean iterations")
+                f"val loss {h['loss']:.4f} | {h['bpb']:.4f} bits/byte at {h['iterations']:.2f} "
+                f"mean iterations")
     reference = (model.backbone if cfg.probe else model).config.depth
     key = "distill_mse" if cfg.teacher else "acc"
     if len(results) > 1:
@@ -422,7 +453,8 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     """Everything before the first step. The run folder is the first write: all input is validated."""
     rank, world, device = init_distributed(cfg)
     if cfg.batch_size % (world * (cfg.grad_accum or 1)):
-        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = {world * cfg.grad_accum}")
+        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
+             f"{world * cfg.grad_accum}")
     options = device_options(device.type, cfg.bf16)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -447,22 +479,33 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     if rank == 0:
         folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
                     resume_step=resume_ckpt["step"] if resume_ckpt else None)
-    run = Run(cfg, rank, world, device, model, model, task, batches, augment, optimizer, sched, steps_per_epoch,
-              folder)
+    run = Run(cfg, rank, world, device, model, model, task, batches, augment, optimizer, sched,
+              steps_per_epoch, folder)
     if resume_ckpt is not None:
         run.trainable.load_state_dict(resume_ckpt["model"])
         optimizer.load_state_dict(resume_ckpt["optimizer"])
-        run.step, run.metrics, run.last_good = resume_ckpt["step"], resume_ckpt.get("metrics", {}), resume_ckpt["step"]
+        run.step = run.last_good = resume_ckpt["step"]
+        run.metrics = resume_ckpt.get("metrics", {})
         restore_rng(run, resume_ckpt["rng"])
     else:  # each rank its own stream for drop-path / elastic depth / augmentation
         torch.manual_seed(cfg.seed + 1 + rank)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
     num_params = sum(p.numel() for p in trainable.parameters())
     say(f"{cfg.arch}: {num_params / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
-        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | peak lr {sched['peak_lr']:.3g} | out {out_dir}")
+        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
+        f"peak lr {sched['peak_lr']:.3g} | out {out_dir}")
     folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                 "params": num_params, "peak_lr": sched["peak_lr"]}, run.is_main)
     return run
+
+
+def build(cfg: TrainConfig, rank: int, world: int, device, ckpt: dict | None):
+    """Data, model and task of a config -> (model, task, batches(start_step), augment, steps_per_epoch):
+    images (lib/tasks.py) or text (lib/language.py, imported by language runs only)."""
+    if cfg.dataset in TEXT_DATASETS:
+        from lib import language
+        return language.build(cfg, rank, world, device, ckpt)
+    return tasks.build(cfg, rank, world, device, ckpt)
 
 
 def restore_rng(run: Run, rngs: list) -> None:
@@ -472,29 +515,34 @@ def restore_rng(run: Run, rngs: list) -> None:
     seed = run.cfg.seed * 1_000_003 + run.step * world + rank + 1
     reseeded = set_rng_state(rngs[rank] if len(rngs) == world else None, run.augment, device, seed)
     if reseeded:
-        why = (f"the checkpoint was saved by {len(rngs)} rank(s), this run has {world}" if len(rngs) != world else
-               f"the checkpoint's states were saved on {rngs[rank].get('device_type', 'another device')}, "
-               f"they do not apply on {device.type}")
-        say(f"override: random streams reseeded ({', '.join(reseeded)}; seed {seed}): {why}; the run continues "
-            f"deterministically, not bit-for-bit")
+        saved_on = rngs[rank].get("device_type", "another device") if len(rngs) == world else None
+        why = (f"the checkpoint was saved by {len(rngs)} rank(s), this run has {world}" if saved_on is None
+               else f"the checkpoint's states were saved on {saved_on}, they do not apply on {device.type}")
+        say(f"override: random streams reseeded ({', '.join(reseeded)}; seed {seed}): {why}; the run "
+            f"continues deterministically, not bit-for-bit")
 
 
-def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int, ckpt: dict | None = None) -> None:
-    """Before the first step: the expected peak memory per device (lib/memory.py) and the fewest --grad-accum
-    micro-steps that fit it (an `override:` line), or a one-line stop saying what would fit. Skipped for
-    probes, distillation and CPU runs of models (language: presets) under MEASURED_FROM parameters
-    without --gpu-memory (measuring would dominate their start-up). model None: the language model of cfg (or ckpt), built
-    here on the meta device."""
+def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
+                  ckpt: dict | None = None) -> None:
+    """Before the first step: the expected peak memory per device (lib/memory.py) and the fewest
+    --grad-accum micro-steps that fit it (an `override:` line), or a one-line stop saying what would fit.
+    Skipped for probes, distillation and CPU runs of models (language: presets) under MEASURED_FROM
+    parameters without --gpu-memory (measuring would dominate their start-up). model None: the language
+    model of cfg (or ckpt), built here on the meta device."""
     auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
     if cfg.gpu_memory is not None and not 0 < cfg.gpu_memory < math.inf:
         fail(f"--gpu-memory must be a number of GB > 0; got {cfg.gpu_memory}")
-    small = (memory.preset_parameters(cfg.arch) if model is None else sum(p.numel() for p in model.parameters())) \
-        < MEASURED_FROM
-    if cfg.probe or cfg.teacher or (device.type != "cuda" and cfg.gpu_memory is None and small):
+    unasked = device.type != "cuda" and cfg.gpu_memory is None  # a CPU run that names no memory budget
+    if cfg.probe or cfg.teacher or (unasked and model is not None and num_params(model) < MEASURED_FROM):
         return
+    from lib import memory  # the planner: imported by the runs it plans
     if model is None:
+        if unasked and memory.preset_parameters(cfg.arch) < MEASURED_FROM:
+            return
+        import alternet
         vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
-        overrides = ckpt["model_config"] if ckpt else {**vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
+        overrides = ckpt["model_config"] if ckpt else {
+            **vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
         try:
             with torch.device("meta"):
                 model = alternet.create_model(cfg.arch, **overrides)
@@ -502,22 +550,31 @@ def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
             return  # build() reports a bad --model-args in one line
     budget = cfg.gpu_memory or memory.device_memory_gb(device)
     seq_len = (cfg.block_size or model.config.seq_len) if cfg.dataset in TEXT_DATASETS else None
-    profile = memory.measure(model.config, device, device_options(device.type, cfg.bf16)["autocast_dtype"], seq_len)
+    dtype = device_options(device.type, cfg.bf16)["autocast_dtype"]
+    profile = memory.measure(model.config, device, dtype, seq_len)
     if budget is None:  # an OS that does not say how much RAM it has: say, never stop
-        say(f"memory: {memory.estimate(model, profile, cfg.batch_size, seq_len, world, cfg.grad_accum).line()}")
+        estimate = memory.estimate(model, profile, cfg.batch_size, seq_len, world, cfg.grad_accum)
+        say(f"memory: {estimate.line()}")
         return
     try:
-        planned = memory.plan(model, profile, cfg.batch_size, seq_len, world, budget, None if auto else cfg.grad_accum)
+        planned = memory.plan(model, profile, cfg.batch_size, seq_len, world, budget,
+                              None if auto else cfg.grad_accum)
     except ValueError as e:
-        fail(f"--arch {cfg.arch} at --batch-size {cfg.batch_size} on {world} device(s) of {budget:.3g} GB {e}")
+        fail(f"--arch {cfg.arch} at --batch-size {cfg.batch_size} on {world} device(s) of {budget:.3g} GB "
+             f"{e}")
     accum = broadcast(planned.grad_accum, world)  # every rank steps alike
     if accum != cfg.grad_accum:
-        say(f"override: grad_accum={accum} (auto: the fewest micro-steps whose peak fits {budget:.3g} GB per device)")
+        say(f"override: grad_accum={accum} (auto: the fewest micro-steps whose peak fits {budget:.3g} GB "
+            f"per device)")
         cfg.grad_accum = accum
     say(f"memory: {planned.line()}")
 
 
-MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estimate unless --gpu-memory is given
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estimate, unless --gpu-memory
 GPT2_VOCAB = 50257  # GPT-2's BPE (data.tokenize): known before tiktoken loads
 
 
@@ -535,8 +592,8 @@ def init_distributed(cfg: TrainConfig):
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if device.type == "cuda":
         if local >= torch.cuda.device_count():  # set_device would fail with "invalid device ordinal"
-            fail(f"torchrun started local rank {local}, but this machine has {torch.cuda.device_count()} CUDA "
-                 f"device(s): use at most that many --nproc_per_node, or --device cpu")
+            fail(f"torchrun started local rank {local}, but this machine has {torch.cuda.device_count()} "
+                 f"CUDA device(s): use at most that many --nproc_per_node, or --device cpu")
         torch.cuda.set_device(local)
         device = torch.device(f"cuda:{local}")
     dist.init_process_group(device_options(device.type)["ddp_backend"])
@@ -549,8 +606,9 @@ def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
     compiled graph is split at DDP's gradient buckets and their all-reduce overlaps the backward."""
     forward = model
     if world > 1:
-        forward = nn.parallel.DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda"
-                                                      else None, find_unused_parameters=cfg.ddp_find_unused)
+        device_ids = [device.index] if device.type == "cuda" else None
+        forward = nn.parallel.DistributedDataParallel(forward, device_ids=device_ids,
+                                                      find_unused_parameters=cfg.ddp_find_unused)
     return torch.compile(forward, backend=cfg.compile_backend) if cfg.compile else forward
 
 
@@ -573,7 +631,8 @@ def param_groups(model: nn.Module, weight_decay: float):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 and not name.endswith("bias") and name not in exclude else no_decay).append(p)
+            decays = p.ndim >= 2 and not name.endswith("bias") and name not in exclude
+            (decay if decays else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -588,7 +647,8 @@ def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) ->
         if language:  # AlterNet paper: 3e-4; the small byte-level CPU presets train faster at 1e-3
             cfg.lr, why = (1e-3, "width <= 256") if width <= 256 else (3e-4, "AlterNet paper, width > 256")
         else:  # Table 6: 4e-3 for S, 3e-3 for B and L
-            cfg.lr, why = (3e-3, "Table 6, width >= 768 (B/L)") if width >= 768 else (4e-3, "Table 6, width < 768 (S)")
+            cfg.lr, why = (3e-3, "Table 6, width >= 768 (B/L)") if width >= 768 else \
+                (4e-3, "Table 6, width < 768 (S)")
         say(f"override: lr={cfg.lr} (auto: {why})")
     peak = cfg.lr * cfg.batch_size / cfg.lr_batch if cfg.lr_batch else cfg.lr
     return dict(warmup_steps=min(warmup, total), total_steps=total, warmup_lr=min(cfg.warmup_lr, peak),
@@ -656,67 +716,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-GREATER_THAN_ZERO = ("batch_size", "grad_accum", "eval_batch_size", "log_interval", "repeated_aug", "lr",
-                     "block_size", "patch_size", "depth", "num_experts", "workers")
-AT_LEAST_ZERO = ("epochs", "max_steps", "min_lr", "warmup_epochs", "warmup_steps", "warmup_lr", "weight_decay",
-                 "grad_clip", "mixup", "cutmix", "train_subset", "test_subset", "eval_interval", "save_interval",
-                 "stop_at_step", "color_jitter", "lr_batch", "eval_iters", "seed")
-RULES = {**dict.fromkeys(GREATER_THAN_ZERO, (lambda v: v > 0, "> 0")),
-         **dict.fromkeys(AT_LEAST_ZERO, (lambda v: v >= 0, ">= 0")),
-         **dict.fromkeys(("beta1", "beta2"), (lambda v: 0 <= v < 1, "in [0, 1)")),
-         **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
-                         (lambda v: 0 <= v <= 1, "in [0, 1]")),
-         "depth": (lambda v: 0 < v <= MAX_DEPTH, f"in 1..{MAX_DEPTH} {MAX_DEPTH_REASON}"),
-         "seed": (lambda v: 0 <= v < 2 ** 32, "in 0..2**32-1"),  # data orders seed with seed * 1_000_003 + epoch
-         # bounds a user would not hit by intent (our choice): a typo is refused, not run for centuries
-         "epochs": (lambda v: 0 <= v <= 100_000, "in 0..100,000"),
-         "max_steps": (lambda v: 0 <= v <= 10 ** 9, "in 0..1,000,000,000")}
-CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"), "probe": ("", *PROBES),
-           "compile_backend": ("inductor", "eager", "aot_eager")}
-
-
-def check_config(cfg: TrainConfig) -> None:
-    """Every value against its allowed range or choices, before anything is read or written."""
-    if cfg.probe in DENSE_PROBES:  # their own loop on cached features, in the tool that owns them
-        fail(f"--probe {cfg.probe} is a dense probe: python -m tools.probes --probe {cfg.probe} --backbone CKPT "
-             f"(train.py trains the linear classification probe, --probe cls)")
-    for name, value in asdict(cfg).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"{flag} must be a finite number; got {value}")
-        if name in RULES and value is not None and not RULES[name][0](value):
-            fail(f"{flag} must be {RULES[name][1]}; got {value}")
-        if name in CHOICES and value not in CHOICES[name]:
-            fail(f"{flag} must be one of {', '.join(c for c in CHOICES[name] if c)}; got {value!r}")
-    if not cfg.max_steps and not cfg.epochs:
-        fail("give --epochs or --max-steps (both are 0)" if cfg.dataset not in TEXT_DATASETS else
-             "text data trains by steps: give --max-steps")
-    if cfg.dataset in TEXT_DATASETS and not cfg.max_steps:
-        fail("text data trains by steps: give --max-steps")
-    if cfg.probe and not cfg.backbone:
-        fail("--probe needs --backbone CHECKPOINT (the frozen model to probe)")
-    if cfg.probe and cfg.teacher:
-        fail("--probe and --teacher cannot be combined")
-    problem = cfg.data_dir and path_problem(cfg.data_dir, "folder")
-    if problem:
-        fail(f"--data-dir {cfg.data_dir}{' does not exist' if problem == 'no such folder' else ': ' + problem} "
-             f"(omit it to search ./data, $REVIT_DATA_DIR and /usr/share/datasets)")
-    if cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file"):
-        fail(f"--data {cfg.data}: {path_problem(cfg.data, 'file')}")
-    if cfg.teacher and not cfg.teacher.startswith("hub:") and path_problem(cfg.teacher, "file"):
-        fail(f"--teacher {cfg.teacher}: {path_problem(cfg.teacher, 'file')} (a checkpoint of this project, or "
-             f"hub:dinov2_vitb14)")
-    parse_depths(cfg.eval_depths)
-    module = preset_module(cfg.arch)
-    parse_model_args(cfg.model_args, module.ViTConfig if module is revit else module.AlterNetConfig)
-
-
 # The model and the data order of a run: a resumed run must keep them.
 FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "depth_drop", "model_args",
-                   "dataset", "data", "tokenizer", "train_subset", "batch_size", "seed", "probe", "probe_pool",
-                   "backbone", "teacher")
-EVAL_ONLY_FLAGS = {"eval_only", "eval_depths", "test_subset", "eval_batch_size", "eval_iters", "data", "data_dir",
-                   "download", "device", "progress"}
+                   "dataset", "data", "tokenizer", "train_subset", "batch_size", "seed", "probe",
+                   "probe_pool", "backbone", "teacher")
+EVAL_ONLY_FLAGS = {"eval_only", "eval_depths", "test_subset", "eval_batch_size", "eval_iters", "data",
+                   "data_dir", "download", "device", "progress"}
 
 
 def resume_config(explicit: dict) -> tuple[dict, dict]:
@@ -746,38 +751,15 @@ def saved_config(ckpt: dict, path, flag: str) -> dict:
     return saved
 
 
-def check_resume(cfg: TrainConfig, ckpt: dict, trainable: nn.Module, optimizer, augment, total_steps: int) -> None:
-    """What set-up applies from a resumed checkpoint, checked against the rebuilt run without changing it:
-    a failure here leaves the run folder as it was."""
-    flag = f"--resume {cfg.resume}"
-    if ckpt["step"] > total_steps:
-        fail(f"{flag} is at step {ckpt['step']}, past this run's {total_steps} steps; give a larger --max-steps "
-             f"or --epochs (the checkpoint is left as it is)")
-    problem = fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    groups = ckpt["optimizer"]["param_groups"]
-    if not problem and [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        problem = "its optimizer state does not fit the model (parameter groups differ)"
-    for index, state in ckpt["optimizer"]["state"].items() if not problem else ():
-        shapes = {tuple(v.shape) for k, v in state.items() if torch.is_tensor(v) and k != "step"} \
-            if isinstance(state, dict) else {None}
-        if not isinstance(index, int) or not 0 <= index < len(params) or shapes - {tuple(params[index].shape)}:
-            problem = f"its optimizer state does not fit the model (entry {index!r})"
-            break
-    if not problem and augment is not None and any("augment" not in r for r in ckpt["rng"]):
-        problem = "its rng holds no augmentation state (an image run saves one)"
-    if problem:
-        fail(f"{flag}: {problem}")
-
-
 def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only"):
     """A checkpoint, rebuilt with its test data as trained -> (cfg, model, task) for evaluate(); `flags`
     (TrainConfig names, e.g. test_subset, device) may change how it is evaluated, never the model."""
     flags = dict(flags or {})
     extra = sorted(set(flags) - EVAL_ONLY_FLAGS)
     if extra:
-        fail(f"{flag} evaluates a checkpoint as trained; it takes only "
-             f"{', '.join('--' + f.replace('_', '-') for f in sorted(EVAL_ONLY_FLAGS))}; got --{extra[0].replace('_', '-')}")
+        allowed = ", ".join("--" + f.replace("_", "-") for f in sorted(EVAL_ONLY_FLAGS))
+        fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
+             f"got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
     saved = saved_config(ckpt, path, flag)
@@ -806,7 +788,7 @@ def eval_only(explicit: dict) -> dict:
 def main(argv=None) -> dict:
     explicit = vars(build_parser().parse_args(argv))
     if explicit.pop("list_archs", False):
-        print("\n".join(sorted(revit.PRESETS) + sorted(alternet.PRESETS)))
+        print("\n".join(preset_names()))
         return {}
     if explicit.get("eval_only"):
         return eval_only(explicit)
@@ -816,7 +798,8 @@ def main(argv=None) -> dict:
     if explicit.get("backbone"):  # a probe is named after its backbone, which must be a vision model
         arch = checkpoint_or_fail(explicit["backbone"], "--backbone")["arch"]
         if preset_module(arch) is not revit:
-            fail(f"--backbone {explicit['backbone']} is a checkpoint of {arch}, not a vision model of revit.py")
+            fail(f"--backbone {explicit['backbone']} is a checkpoint of {arch}, not a vision model of "
+                 f"revit.py")
         explicit.setdefault("arch", arch)
     cfg = resolve_config(explicit, announce=resume_ckpt is None)
     if cfg.out_dir:

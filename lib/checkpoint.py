@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-import alternet
 import revit
 from lib.cli import fail, output_problem, path_problem, too_deep
 
@@ -171,8 +170,12 @@ def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
 
 
 def preset_module(arch: str):
-    """revit or alternet, whichever defines preset `arch`; None if neither does."""
-    return revit if arch in revit.PRESETS else alternet if arch in alternet.PRESETS else None
+    """revit or alternet, whichever defines preset `arch`; None if neither does. The language model is
+    imported only for a name that is not a vision preset: a vision run never loads it."""
+    if arch in revit.PRESETS:
+        return revit
+    import alternet
+    return alternet if arch in alternet.PRESETS else None
 
 
 def load_model(path, device="cpu", flag: str = "checkpoint"):

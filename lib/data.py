@@ -35,6 +35,9 @@ from lib.cli import path_problem
 
 # --- where the built-in data sets live ---
 
+IMAGE_DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet")  # train.py --dataset: images
+TEXT_DATASETS = ("grammar", "tinyshakespeare", "text")  # ... and text (an AlterNet preset)
+
 URLS = {
     "fashion-mnist": "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
     "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",

@@ -1,54 +1,40 @@
-"""What a run trains: each task supplies the loss of a batch and the evaluation, and `build` makes the
-data, model and task of a config. train.py's loop and --eval-only use them; tools/probes.py reuses
-DENSE_PROBES, bench.py's depth table the evaluation (through train.evaluate).
+"""What an image run trains: the evaluation of each task, the losses that differ from train.py's default,
+and `build`, which makes the data, model and task of a config. train.py's loop and --eval-only use
+them; tools/probes.py reuses DENSE_PROBES, tools/depths.py the evaluation (through train.evaluate).
 
-    ClassificationTask   images -> classes (also the linear probe: its model is a ProbeModel)
+    ClassificationTask   images -> classes (also the linear probe: its model is a ProbeModel); its
+                         training loss is the default one, written in train.py's train_step
     DistillTask          Eq. 5 of reViT (arXiv 2610.12448, App. A.3): match a frozen teacher's final tokens
-    LanguageTask         next-token prediction with AlterNet (arXiv 2611.08741): the model computes its loss
 
-`cfg` is train.py's TrainConfig; the tasks read only the fields they name.
+The language task (AlterNet) is lib/language.py. `cfg` is train.py's TrainConfig; the tasks read only the
+fields they name.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import alternet
-from lib import data
 import revit
-from lib.checkpoint import model_or_fail, unwrap
+from lib import data
+from lib.checkpoint import model_or_fail
 from lib.cli import device_options, fail, parse_depths, parse_model_args, say
 
 
 # --- image tasks: classification (and the linear probe), distillation ---
 
 
-def classification_loss(logits, targets, kind):
-    """Cross-entropy against soft (mixed, smoothed) targets (B, classes), or DeiT III's binary form."""
-    if kind == "bce":  # DeiT III: binarise the mixed targets, then per-class binary cross-entropy
-        return F.binary_cross_entropy_with_logits(logits, targets.gt(0.0).to(logits.dtype))
-    return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
-
-
 class ClassificationTask:
     """Supervised image classification (also the linear probe: its model is a ProbeModel)."""
 
+    loss = None  # the default training loss: augment, forward, cross-entropy + aux, in train.py's train_step
+
     def __init__(self, cfg, images: data.ImageData, device, augment: data.Augment, autocast):
         self.cfg, self.data, self.device, self.augment, self.autocast = cfg, images, device, augment, autocast
-
-    def loss(self, model, images, labels):
-        x, targets = self.augment(images.to(self.device, non_blocking=True), labels.to(self.device))
-        with self.autocast():
-            out = model(x, return_states=True)
-        task = classification_loss(out["logits"].float(), targets, self.cfg.loss)
-        aux = out.get("aux_losses", {})
-        return task + sum(aux.values()), {"task": task, **aux}
 
     def score(self, model, x, labels, depth) -> dict:
         """Sums over one test batch (divided by the image count at the end)."""
@@ -183,119 +169,6 @@ PROBES = {"cls": lambda backbone, num_classes, cfg: ProbeModel(backbone, num_cla
 DENSE_PROBES = ("seg", "monodepth")
 
 
-# --- the language task (AlterNet) ---
-
-
-class LanguageTask:
-    """Next-token prediction; the model computes its own loss (PonderNet L_PN + aux terms).
-
-    Training cuts the model config's random_length_fraction of each batch to random valid lengths
-    (torch's global RNG, saved in checkpoints), so the router and halt heads, which read the last
-    valid token, learn every position generation routes on. Evaluation reports the full-window
-    numbers (halted, and every fixed depth) and next to them "causal": alternet.causal_loss, each
-    position routed and halted on its own prefix as in generation, on the first causal_windows
-    validation windows of each rank (T forwards per window, so a subset); then prints a sample.
-    """
-
-    def __init__(self, cfg, val_tokens, tokens_per_byte, block_size, device, autocast, causal_windows=4,
-                 sample_tokens=80):
-        self.cfg, self.val, self.tokens_per_byte = cfg, val_tokens, tokens_per_byte
-        self.block_size, self.device, self.autocast = block_size, device, autocast
-        self.causal_windows, self.sample_tokens = causal_windows, sample_tokens
-
-    def loss(self, model, tokens, targets):
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
-        fraction = unwrap(model).config.random_length_fraction
-        lengths = None
-        if model.training and fraction > 0:
-            lengths = alternet.training_lengths(len(tokens), tokens.shape[1], fraction).to(self.device)
-        with self.autocast():
-            out = model(tokens, targets=targets, lengths=lengths)
-        return out["loss"], {"task": out["task_loss"], **out["aux_losses"]}
-
-    def windows(self, rank, world):
-        """(x, y) validation batches of this rank: (B, T) each, consecutive non-overlapping windows."""
-        n = (len(self.val) - 1) // self.block_size
-        starts = torch.arange(n)[rank::world] * self.block_size
-        if self.cfg.eval_iters:
-            starts = starts[:self.cfg.eval_iters * self.cfg.eval_batch_size]
-        for chunk in starts.split(self.cfg.eval_batch_size):
-            rows = torch.stack([self.val[s:s + self.block_size + 1] for s in chunk.tolist()])
-            yield rows[:, :-1].to(self.device), rows[:, 1:].to(self.device)
-
-    @torch.no_grad()
-    def evaluate(self, model, depths, rank, world):
-        """Validation loss and bits-per-byte at the halted depth, at every fixed depth 1..D, and causal."""
-        was_training = model.training
-        model.eval()
-        lm = unwrap(model)
-        depth, threshold = lm.config.max_depth, 0.5 if lm.config.halting else None
-        # sums over this rank's windows: CE at [halted, depth 1..D], iterations, tokens, sequences;
-        # then causal CE, causal iterations, causal tokens, full-window CE on the causal windows
-        stats = torch.zeros(depth + 8, dtype=torch.float64, device=self.device)
-        causal_left = self.causal_windows
-        for x, y in self.windows(rank, world):
-            with self.autocast():  # a fixed-depth model (halting off) "halts" at its last step
-                # with targets the model returns per-token CE (D', B, T), never D' full-vocabulary logits
-                halted = lm(x, targets=y, halt_threshold=threshold)
-                fixed = lm(x, targets=y, halt_threshold=None)  # all D steps
-            halted_losses = halted["token_losses"][-1]  # (B, T): each row at the iteration it stopped at
-            for row, token_losses in enumerate([halted_losses, *fixed["token_losses"]]):
-                stats[row] += token_losses.sum()
-            stats[depth + 1:depth + 4] += torch.tensor([halted["iterations"].sum().item(), y.numel(), len(x)],
-                                                       dtype=torch.float64, device=self.device)
-            if causal_left > 0:
-                x, y, full = x[:causal_left], y[:causal_left], halted_losses[:causal_left].sum()
-                causal_left -= len(x)
-                with self.autocast():
-                    causal = alternet.causal_loss(lm, x, y, halt_threshold=threshold)
-                stats[depth + 4:] += torch.tensor([causal["ce"].sum().item(), causal["iterations"].sum().item(),
-                                                   y.numel(), full.item()], dtype=torch.float64, device=self.device)
-        if world > 1:
-            dist.all_reduce(stats)
-        results = self.results(stats.tolist(), depth)
-        if rank == 0 and "causal_loss" in results["halted"]:
-            r = results["halted"]
-            print(f"causal (each position routed on its own prefix, {r['causal_tokens']} tokens): loss "
-                  f"{r['causal_loss']:.4f}, {r['causal_bpb']:.4f} bits/byte, {r['causal_iterations']:.2f} "
-                  f"iterations | full window, same tokens: loss {r['causal_full_window_loss']:.4f}")
-        if rank == 0 and self.sample_tokens:
-            self.print_sample(lm, threshold)
-        model.train(was_training)  # the loop's model trains on; a tool's stays in eval mode
-        return results
-
-    def results(self, stats, depth):
-        """{"halted" | 1..D: {loss, bpb, iterations}} from the summed statistics; "halted" also holds
-        the causal metric (causal_loss, causal_bpb, causal_iterations) and the full-window loss on
-        the same tokens (causal_full_window_loss)."""
-        iterations, tokens, sequences, causal_ce, causal_iterations, causal_tokens, full_ce = stats[depth + 1:]
-        results = {}
-        for row, key in enumerate(["halted", *range(1, depth + 1)]):
-            loss = stats[row] / tokens
-            results[key] = {"loss": loss, "bpb": loss * self.tokens_per_byte / math.log(2),
-                            "iterations": iterations / sequences if key == "halted" else float(key)}
-        if causal_tokens:  # iterations: mean per position (each is one generated token's forward)
-            loss = causal_ce / causal_tokens
-            results["halted"].update(causal_loss=loss, causal_bpb=loss * self.tokens_per_byte / math.log(2),
-                                     causal_iterations=causal_iterations / causal_tokens,
-                                     causal_full_window_loss=full_ce / causal_tokens, causal_tokens=int(causal_tokens))
-        return results
-
-    def print_sample(self, lm, threshold):
-        """A short continuation of the first validation tokens (fixed seed; the training RNG is untouched)."""
-        _, decode = alternet.text_codec(self.cfg.tokenizer)
-        prompt = self.val[:min(32, self.block_size)][None].to(self.device)  # (1, P)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(0)
-            with self.autocast():
-                ids, used = lm.generate(prompt, self.sample_tokens, halt_threshold=threshold or 0.5,
-                                        temperature=0.8, top_k=min(40, lm.config.vocab_size),
-                                        return_iterations=True)
-        text = decode(ids[0, prompt.shape[1]:].tolist())
-        print(f"sample: {decode(prompt[0].tolist())!r} -> {text!r} "
-              f"({used.float().mean().item():.2f} iterations per token)")
-
-
 # --- what a run trains, built from its config: data, model, task ---
 
 
@@ -303,10 +176,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     """Data, model and task -> (model, task, batches(start_step), augment, steps_per_epoch). A resumed
     or evaluated checkpoint supplies the model config. Reads only; any user error exits here."""
     options = device_options(device.type, cfg.bf16)
-    dtype = options["autocast_dtype"]
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-    if cfg.arch in alternet.PRESETS:
-        return build_language(cfg, rank, world, device, ckpt, autocast)
+    autocast = autocast_of(device, options)
     try:
         images = data.load_images(cfg.dataset, cfg.data, cfg.data_dir, cfg.download, cfg.train_subset,
                                   cfg.test_subset, cfg.workers)
@@ -342,32 +212,6 @@ AUGMENT_FIELDS = ("random_crop", "three_augment", "color_jitter", "mixup", "cutm
                   "label_smoothing")
 
 
-def build_language(cfg, rank, world, device, ckpt, autocast):
-    try:
-        train_tokens, val_tokens, tokens_per_byte, vocab = data.load_text(
-            cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)
-    except (ValueError, FileNotFoundError) as e:
-        fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")
-    overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
-    if cfg.tokenizer != "byte":
-        overrides["vocab_size"] = vocab
-    model = make(alternet.create_model, cfg.arch, ckpt["model_config"] if ckpt else overrides)
-    if cfg.block_size is None:
-        cfg.block_size = model.config.seq_len
-        say(f"override: block_size={cfg.block_size} (auto: the model's seq_len)")
-    block_size = cfg.block_size
-    if block_size > model.config.seq_len:
-        fail(f"--block-size {block_size} exceeds the model's seq_len {model.config.seq_len} "
-             f"(raise it with --model-args seq_len={block_size})")
-    if min(len(train_tokens), len(val_tokens)) <= block_size + 1:
-        fail(f"the text has {len(train_tokens) + len(val_tokens)} tokens: too short for --block-size {block_size} "
-             f"(90% train / 10% validation, each needs more than {block_size + 1})")
-    task = LanguageTask(cfg, val_tokens, tokens_per_byte, block_size, device, autocast)
-    batches = lambda start: data.text_batches(train_tokens, cfg.batch_size, block_size, cfg.seed,  # noqa: E731
-                                              rank, world, start)
-    return model, task, batches, None, None
-
-
 def vision_overrides(cfg, images: data.ImageData) -> dict:
     """Model config overrides: data properties, CLI flags, and the patch size for small images."""
     preset = revit.PRESETS[cfg.arch]
@@ -382,6 +226,12 @@ def vision_overrides(cfg, images: data.ImageData) -> dict:
         say(f"override: patch_size={cfg.patch_size} (auto: {cfg.arch} is a {preset.get('image_size', 224)}px preset "
             f"with patch {patch}; {images.image_size}x{images.image_size} images need a finer grid)")
     return overrides
+
+
+def autocast_of(device, options: dict):
+    """The autocast context of a run (bf16 on CUDA), or a no-op one (CPU: float32)."""
+    dtype = options["autocast_dtype"]
+    return (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
 
 
 def make(create, arch, overrides):

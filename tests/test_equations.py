@@ -426,15 +426,15 @@ def test_untied_vit_has_layer_scale_and_its_own_blocks():
 def test_deit3_bce_binarises_the_mixed_targets_and_ce_takes_them_soft():
     """DeiT III (Table 6's loss): after mixup/cutmix the targets are binarised (> 0), then per-class
     binary cross-entropy; the cross-entropy alternative takes the soft targets as they are."""
-    from lib import tasks
+    import train
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 5, generator=g)
     targets = torch.softmax(torch.randn(4, 5, generator=g), -1) * (torch.rand(4, 5, generator=g) > 0.4)
     y, z = (targets > 0).double(), logits.double()
     bce = -(y * torch.log(sigmoid(z)) + (1 - y) * torch.log(1 - sigmoid(z))).mean()
-    close(tasks.classification_loss(logits, targets, "bce"), bce, atol=1e-6)
+    close(train.classification_loss(logits, targets, "bce"), bce, atol=1e-6)
     ce = -(targets.double() * (z - logsumexp(z).unsqueeze(-1))).sum(-1).mean()
-    close(tasks.classification_loss(logits, targets, "ce"), ce, atol=1e-6)
+    close(train.classification_loss(logits, targets, "ce"), ce, atol=1e-6)
 
 
 def test_distillation_is_eq5_the_mse_of_the_final_post_norm_tokens():

@@ -3,8 +3,13 @@ itself back through others, counting imports inside functions (a cycle hidden in
 cycle a reader has to untangle).
 """
 import ast
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("lib", "tools")  # the plumbing, and the tools a user runs on a checkpoint
@@ -95,3 +100,40 @@ def test_every_arxiv_id_cited_is_one_of_the_two_papers():
     files = [*MODULES.values(), *ROOT.glob("tests/*.py"), *ROOT.glob("*.md"), ROOT / "results" / "render.py"]
     cited = {m for path in files for m in re.findall(r"arXiv:? ?(\d{4}\.\d{4,5})", path.read_text())}
     assert cited == {"2610.12448", "2611.08741"}
+
+
+QUICK_START_IMPORTS = """
+import json, os, sys
+sys.argv = ["train.py"]  # the error prefix and the prog of a real run
+import train
+train.main(sys.argv[1:] + {argv})
+root = os.getcwd()
+project = {{name: module.__file__ for name, module in sys.modules.items()
+           if getattr(module, "__file__", None) and module.__file__.startswith(root + os.sep)}}
+print(json.dumps({{name: len(open(path).read().splitlines()) for name, path in project.items()}}))
+"""
+
+
+def test_the_quick_start_imports_what_it_runs(tmp_path, fashion_mnist_dir):
+    """A CPU vision run imports the model, the loop and the plumbing it executes: not the language model,
+    its task, or the memory planner (a CPU run of a small model does not plan)."""
+    argv = ["--max-steps", "2", "--train-subset", "256", "--test-subset", "64", "--batch-size", "32",
+            "--no-progress", "--data-dir", str(fashion_mnist_dir), "--out-dir", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, "-c", QUICK_START_IMPORTS.format(argv=argv)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"revit", "train", "lib.data", "lib.tasks", "lib.checkpoint", "lib.cli"} <= set(lines)
+    assert not set(lines) & {"alternet", "lib.language", "lib.memory", "bench", "sample"}, sorted(lines)
+    assert not any(name.startswith("tools.") for name in lines), sorted(lines)
+
+
+WIDE = 110  # columns: what a reader reads without scrolling (nanoGPT's model.py has 17 lines over 100)
+NARROW_FILES = ("train.py",)
+
+
+@pytest.mark.parametrize("name", NARROW_FILES)
+def test_the_files_a_reader_reads_first_fit_the_screen(name):
+    wide = [f"{i}: {len(line)}" for i, line in enumerate((ROOT / name).read_text().splitlines(), 1)
+            if len(line) > WIDE]
+    assert wide == [], f"{name}: lines over {WIDE} columns"
