@@ -109,8 +109,13 @@ sys.argv = ["train.py"]  # the error prefix and the prog of a real run
 import train
 train.main(sys.argv[1:] + {argv})
 root = os.getcwd()
+def ours(path):  # a module of the project: top level, lib/ or tools/ (not a virtual environment inside it)
+    if not (os.path.isabs(path) and path.startswith(root + os.sep) and path.endswith(".py")):
+        return False
+    relative = os.path.relpath(path, root).split(os.sep)
+    return len(relative) == 1 or (len(relative) == 2 and relative[0] in ("lib", "tools"))
 project = {{name: module.__file__ for name, module in sys.modules.items()
-           if getattr(module, "__file__", None) and module.__file__.startswith(root + os.sep)}}
+           if getattr(module, "__file__", None) and ours(module.__file__)}}
 print(json.dumps({{name: len(open(path).read().splitlines()) for name, path in project.items()}}))
 """
 
