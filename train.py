@@ -806,6 +806,7 @@ def eval_only(explicit: dict) -> dict:
 def main(argv=None) -> dict:
     explicit = vars(build_parser().parse_args(argv))
     if explicit.pop("list_archs", False):
+        import lib.moe  # noqa: F401 - the comparison mechanisms' presets are listed too
         print("\n".join(sorted(revit.PRESETS) + sorted(alternet.PRESETS)))
         return {}
     if explicit.get("eval_only"):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import alternet
 from lib import data
 import revit
-from lib.checkpoint import model_or_fail, unwrap
+from lib.checkpoint import model_or_fail, preset_module, unwrap
 from lib.cli import device_options, fail, parse_depths, parse_model_args, say
 
 
@@ -386,6 +386,7 @@ def vision_overrides(cfg, images: data.ImageData) -> dict:
 
 def make(create, arch, overrides):
     """create(arch, **overrides), its ValueError / TypeError as the one-line exit."""
+    preset_module(arch, overrides)  # imports lib.moe where a comparison mechanism is asked for
     try:
         return create(arch, **overrides)
     except (ValueError, TypeError) as e:

@@ -365,7 +365,7 @@ def gradient_part(model, images, labels, depth: int, batches: int, seed: int) ->
     images, labels = images[:batch_size * batches], labels[:batch_size * batches]
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    fresh = revit.MODELS[model.config.arch](model.config).to(device).eval()
+    fresh = revit.build_model(model.config).to(device).eval()
     return {"trained": gradient_measures(model, images, labels, depth, batch_size),
             "init": gradient_measures(fresh, images, labels, depth, batch_size)}
 
