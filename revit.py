@@ -233,16 +233,10 @@ class MergedExpertFFN(ExpertBank):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) + depth_prior(s)."""
+        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) (plus our optional `depth_prior`, appendix)."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
         z = self.router(s)                                                        # (n, E)
-        return z + self.depth_prior(s) if self.router_prior else z
-
-    def depth_prior(self, s: torch.Tensor) -> torch.Tensor:
-        """(n, 1) -> (n, E): -beta (s - c_e)^2, c_e = e / (E - 1), beta = router_prior: not in the paper (0
-        by default), a fixed term that starts expert e dominant near s = c_e, a symmetry-breaking start."""
-        centres = torch.linspace(0.0, 1.0, self.num_experts, device=s.device)       # (E,)
-        return -self.router_prior * (s.float() - centres).pow(2)
+        return z + depth_prior(s, self.num_experts, self.router_prior) if self.router_prior else z
 
     def gates(self, coords: torch.Tensor) -> torch.Tensor:
         """Eq. 1: (n,) coordinates -> (n, E) gates g = softmax(z / tau), in fp32."""
@@ -864,6 +858,14 @@ class Mechanism(NamedTuple):
     depth_programmed: bool  # the FFN of step t depends on the depth only, so the model folds (§3.1)
 
 MECHANISMS: dict[str, Mechanism] = {}  # ViTConfig.ffn -> Mechanism; filled by `import lib.moe`
+
+# --- not in the paper: a fixed depth prior on the gate logits (ViTConfig.router_prior, 0 by default) ---
+
+def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
+    """(n, 1) -> (n, E): -beta (s - c_e)^2, c_e = e / (E - 1): a fixed term that starts expert e dominant
+    near s = c_e, a symmetry-breaking start (our addition; beta = router_prior)."""
+    centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
+    return -beta * (s.float() - centres).pow(2)
 
 # --- for the analysis tools: expert ablation and permutation on a folded model (§5) ---
 

@@ -147,7 +147,8 @@ def prior_share(model, gates: torch.Tensor, s: torch.Tensor) -> dict:
     if not getattr(ffn, "router_prior", 0):
         return {}
     with torch.no_grad():
-        prior = torch.softmax(ffn.depth_prior(s[:, None].float()) / ffn.temperature, dim=-1).double()
+        logits = revit.depth_prior(s[:, None].float(), ffn.num_experts, ffn.router_prior)
+        prior = torch.softmax(logits / ffn.temperature, dim=-1).double()
     return {"router_prior": ffn.router_prior, "prior_gates": prior.tolist(),
             "prior_dominant_expert": prior.argmax(1).tolist(), "learned_shift": float((gates - prior).abs().max())}
 
