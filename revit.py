@@ -465,11 +465,10 @@ class ReViT(ViTBase):
             rows = keep[:, t].nonzero().squeeze(1)  # images that run step t; a dropped step is the identity
             if len(rows) == x.shape[0]:
                 x = self.block(x, self.block.mlp.per_image_ffn(coords[:, t]))
-            elif len(rows):
+            elif len(rows):  # (an image whose mask keeps no step is never run: the head reads LN(embedding))
                 ffn_t = self.block.mlp.per_image_ffn(coords[rows, t])
                 x = x.index_copy(0, rows, self.block(x[rows], ffn_t))
             states.append(x)
-        # An image whose mask keeps no step is never changed: the head reads LN(its embedding).
         return states
 
     def elastic_mask(self, keep, batch: int, depth: int, device) -> torch.Tensor | None:
