@@ -65,6 +65,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import alternet
 from lib import memory
+from lib import moe  # the comparison mechanisms (§4.3, App. B): the cost tables cover them
 import revit
 import train
 from lib.cli import (DEVICES, InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device,
@@ -359,7 +360,7 @@ def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_c
             dense = 2 * analytic_macs(model.config, online=False)["ffn"]
             rows.append({"table": "MoE U=1", "name": name, "model": name, "params_m": model.num_params() / 1e6,
                          "counter_gflops": counted["total"] / 1e9, "counter_attention_gflops": counted["attention"] / 1e9,
-                         "measured_u": counted["ffn_module"] / dense, "nominal_u": float(revit.ffn_budget(model))})
+                         "measured_u": counted["ffn_module"] / dense, "nominal_u": float(moe.ffn_budget(model))})
     return {"rows": rows}
 
 

@@ -2,7 +2,7 @@
 
 Paper: "One Block, Multiple Depths: Recurrent Vision Transformers with Depth-Programmed Experts"
 (reViT, arXiv 2610.12448): §3.1 (router and merge, Eqs. 1-3), §3.2 (elastic depth), App. A.1-A.2
-(initialisation, auxiliary losses Eqs. 6, 8, 9), Table 1 (sizes); §4.3 and App. B (the comparisons).
+(initialisation, auxiliary losses Eqs. 6, 8, 9), Table 1 (sizes and baselines).
 
 How reViT differs from a standard pre-norm ViT (DeiT III):
 - one block (attention + both LayerNorms) is applied L times; there are no per-layer weights;
@@ -15,14 +15,13 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order. Part I, top to bottom, is all of reViT: the building blocks (`Attention`, `FFN`,
-`Mlp`) -> the ViT block (`Block`, Eq. 3) -> the depth router ψ and the merge (`DepthRouter`,
-`MergedExpertFFN`, Eqs. 1-2) with the auxiliary losses (`gate_penalties`, `merge_regularisers`) ->
-`ViTConfig` and its input checks -> `ReViT` (`run_steps`; `run_elastic_steps`, §3.2) -> `fold` ->
-Table 1's baselines (`VisionTransformer`, `Raptor`) -> `PRESETS` and `create_model`. The merge cache
-(`CachedMergedExpertFFN`) is an inference optimisation a first reading may skip. Part II holds the
-paper's comparison mechanisms (§4.3, App. B): each an `FFN` (or, for layer-wise LoRA, a `Block`) that
-Part II registers in `SHARED_BLOCKS`, so Part I refers to none of them.
+Reading order. The story of reViT, from here to `fold`, in build order: the building blocks
+(`Attention`, `Mlp`) -> `Block` (Eq. 3) -> the router ψ and the merge (`DepthRouter`, `MergedExpertFFN`:
+Eqs. 1-2, and the auxiliary losses of App. A.2) -> `ViTConfig` and the stem and head (`ViTBase`) ->
+`ReViT` (`forward` runs Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then Table 1's baselines
+(`VisionTransformer`, `Raptor`), `PRESETS` and `create_model`. The appendix at the end holds what a
+first reading skips: the input checks, the merge cache (an inference optimisation) and the registry
+through which lib/moe.py adds the paper's comparison mechanisms (§4.3, App. B); nothing above needs them.
 """
 
 from __future__ import annotations
@@ -38,8 +37,6 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-# ================================ Part I — reViT ================================
-
 # --- building blocks (DeiT III numerics: LayerNorm eps 1e-6, qkv bias, trunc-normal 0.02) ---
 
 def init_linear(module: nn.Module) -> None:
@@ -53,7 +50,9 @@ def init_linear(module: nn.Module) -> None:
 
 def full_precision(device: torch.device):
     """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
-    return torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) else nullcontext()
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return nullcontext()
 
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
@@ -71,18 +70,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.attend(self.qkv(x)))
 
-class LayerScale(nn.Module):
-    def __init__(self, dim: int, init: float):
-        super().__init__()
-        self.gamma = nn.Parameter(torch.full((dim,), init))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
-
 class DropPath(nn.Module):
-    """Stochastic depth *inside* a block: drops a residual branch per sample (DeiT III's recipe).
-
-    Not elastic depth: reViT's `depth_drop` removes whole recurrent steps and renumbers the rest."""
+    """Stochastic depth inside a block: drops a residual branch per sample (DeiT III's recipe). Not
+    elastic depth: reViT's `depth_drop` removes whole recurrent steps and renumbers the rest."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -94,41 +84,7 @@ class DropPath(nn.Module):
         keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
         return x * keep / (1.0 - self.p)
 
-def apply_ffn(u, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
-    """FFN(u) = W2 GELU(W1 u + b1) + b2 with given weights, cast to u's dtype at use."""
-    w1, b1, w2, b2 = (w.to(u.dtype) for w in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
-    return F.linear(F.gelu(F.linear(u, w1, b1)), w2, b2)
-
-class Step(NamedTuple):
-    """Where one application of reViT's shared block runs: what an FFN with `needs_step` is given.
-
-      t       int          the step index in 0..L-1
-      coords  (b,)         each image's normalised depth coordinate s (Eq. 1; renumbered under §3.2)
-      rows    (b,) | None  which images of the batch run this step, under elastic depth; None: the
-                           whole batch, every image at the grid coordinate s_t = t / (L - 1)
-    """
-    t: int
-    coords: torch.Tensor
-    rows: torch.Tensor | None = None
-
-class FFN(nn.Module):
-    """What the FFN of a block implements (a plain Mlp, reViT's merge, and every Part II mechanism).
-
-    forward(u) -> tokens of u's shape, u (b, T, d) the LayerNorm'd tokens of the images that run this
-    step; an FFN whose weights depend on where it runs sets `needs_step` and gets forward(u, step), step
-    a `Step`. begin_forward(depth, batch) runs once before step 0 (per-forward state: a merge cache,
-    pooled router statistics), aux_losses(depth) once after the last step (weighted auxiliary losses).
-    """
-
-    needs_step = False
-
-    def begin_forward(self, depth: int, batch: int) -> None:
-        pass
-
-    def aux_losses(self, depth: int) -> dict:
-        return {}
-
-class Mlp(FFN):
+class Mlp(nn.Module):
     """The dense FFN of a ViT block: fc2(GELU(fc1(u)))."""
 
     def __init__(self, dim: int, hidden: int):
@@ -146,13 +102,10 @@ class Mlp(FFN):
 # --- the plain ViT block (Eq. 3) ---
 
 class Block(nn.Module):
-    """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)).
+    """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)), with optional
+    LayerScale (DeiT III, with the baselines below) and per-sample drop-path on both branches."""
 
-    Optional LayerScale (DeiT III) and per-sample drop-path on both branches. The FFN is any
-    `FFN`, so the same block serves ViT, Raptor and reViT.
-    """
-
-    def __init__(self, dim: int, heads: int, mlp: FFN, layer_scale_init: float | None = None,
+    def __init__(self, dim: int, heads: int, mlp: nn.Module, layer_scale_init: float | None = None,
                  drop_path: float = 0.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
@@ -163,20 +116,19 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
         self.drop_path = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
-        """step: where this application runs (reViT); only an FFN with `needs_step` reads it."""
+    def forward(self, x: torch.Tensor, ffn: Callable | None = None) -> torch.Tensor:
+        """ffn: the FFN this application runs, tokens -> tokens (reViT: FFN_t); default the block's `mlp`."""
+        ffn = self.mlp if ffn is None else ffn
         x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
         u = self.norm2(x)
-        return x + self.drop_path(self.ls2(self.mlp(u, step) if self.mlp.needs_step else self.mlp(u)))
-
-    def begin_forward(self, depth: int, batch: int) -> None:
-        self.mlp.begin_forward(depth, batch)
+        return x + self.drop_path(self.ls2(ffn(u)))
 
     def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
         """State dicts of `depth` plain Blocks (dense Mlp): block t computes what this shared block
         computes at step t (fold); gates: an [L, E] matrix replacing a merged FFN's own gates."""
         shared = {k: v for k, v in self.state_dict().items() if not k.startswith("mlp.")}
-        return [{**shared, **{f"mlp.{k}": v for k, v in ffn.items()}} for ffn in self.mlp.dense_states(depth, gates)]
+        return [{**shared, **{f"mlp.{k}": v for k, v in ffn.items()}}
+                for ffn in self.mlp.dense_states(depth, gates)]
 
 # --- the depth router ψ and the weight-space merge (§3.1, Eqs. 1-2); aux losses (App. A.2) ---
 
@@ -185,11 +137,8 @@ def depth_grid(depth: int, device=None) -> torch.Tensor:
     return torch.arange(depth, device=device, dtype=torch.float32) / (depth - 1)
 
 class ExpertBank(nn.Module):
-    """E expert FFNs stored as stacked tensors, theta_e = (W1_e, b1_e, W2_e, b2_e) (§3.1).
-
-    Each expert is initialised like a ViT FFN, independently (App. A.1). Names of the per-expert
-    biases end in "bias", so the optimizer never decays them, like every other bias.
-    """
+    """E expert FFNs stored as stacked tensors, theta_e = (W1_e, b1_e, W2_e, b2_e) (§3.1), each initialised
+    like a ViT FFN (App. A.1). Names of the per-expert biases end in "bias": never weight-decayed."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int):
         super().__init__()
@@ -205,9 +154,8 @@ class ExpertBank(nn.Module):
         return self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
 
     def merge(self, gates: torch.Tensor) -> tuple:
-        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...).
-
-        Always fp32, whatever the bank's dtype or autocast; callers cast at use (apply_ffn)."""
+        """Eq. 2, theta = sum_e g_e theta_e, for n gate vectors: (n, E) -> four stacks (n, ...), always in
+        fp32 whatever the bank's dtype or autocast (callers cast at use)."""
         n = gates.shape[0]
         with full_precision(gates.device):
             return tuple((gates.float() @ p.float().flatten(1)).view(n, *p.shape[1:]) for p in self.bank())
@@ -220,21 +168,16 @@ class ExpertBank(nn.Module):
         return cos[i, j].pow(2).mean()
 
 def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
-    """Sums over the rows of z (n, E) of 1 - H(g)/log E (Eq. 6) and logsumexp(z)^2 (Eq. 8)."""
+    """Per row of z (n, E): 1 - H(g)/log E with g = softmax(z / tau) (Eq. 6), and logsumexp(z)^2 (Eq. 8)."""
     z = z.float()
     g = torch.softmax(z / temperature, dim=-1)
     entropy = -(g * torch.log(g.clamp_min(1e-12))).sum(-1)
-    return (1.0 - entropy / math.log(z.shape[-1])).sum(), torch.logsumexp(z, dim=-1).pow(2).sum()
-
-def merge_regularisers(bank: ExpertBank, balance_sum, z_sum, rows, weights: tuple) -> dict:
-    """Eqs. 6 and 8 as means over `rows` gate vectors (from their sums), and Eq. 9 on the bank."""
-    balance_weight, z_weight, diversity_weight = weights
-    return {"balance": balance_weight * balance_sum / rows,                     # Eq. 6
-            "z_loss": z_weight * z_sum / rows,                                  # Eq. 8
-            "diversity": diversity_weight * bank.diversity()}                   # Eq. 9
+    return 1.0 - entropy / math.log(z.shape[-1]), torch.logsumexp(z, dim=-1).pow(2)
 
 class DepthRouter(nn.Sequential):
-    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E) on the depth coordinate, always in fp32."""
+    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E) on the depth coordinate. A Sequential for its
+    parameter names (router.0, router.2, as checkpoints hold them); its own forward runs in fp32, since
+    under bf16 autocast nn.Linear would give bf16 logits and the gates and the merge need fp32 (App. A.5)."""
 
     def __init__(self, hidden: int, num_experts: int):
         super().__init__(nn.Linear(1, hidden), nn.SiLU(), nn.Linear(hidden, num_experts))
@@ -246,13 +189,24 @@ class DepthRouter(nn.Sequential):
             hidden = F.silu(F.linear(s.float(), first.weight.float(), first.bias.float()))  # (n, 16)
             return F.linear(hidden, last.weight.float(), last.bias.float())
 
+class MergedFFN(NamedTuple):
+    """FFN_t of Eq. 2: W2 GELU(W1 u + b1) + b2 with merged fp32 weights (d_ff, d), (d_ff,), (d, d_ff), (d,),
+    cast to the tokens' dtype at use."""
+    fc1_weight: torch.Tensor
+    fc1_bias: torch.Tensor
+    fc2_weight: torch.Tensor
+    fc2_bias: torch.Tensor
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        w1, b1, w2, b2 = (w.to(u.dtype) for w in self)
+        return F.linear(F.gelu(F.linear(u, w1, b1)), w2, b2)
 
 def unstack_one(stacks: tuple) -> tuple:
     """(1, ...) stacks -> their only entries. squeeze, not [0]: its backward is a view, where indexing's
     would allocate and copy each merged weight's gradient again at every step."""
     return tuple(w.squeeze(0) for w in stacks)
 
-class MergedExpertFFN(ExpertBank, FFN):
+class MergedExpertFFN(ExpertBank):
     """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router.
 
     Eq. 1: z_t = psi(s_t), g_t = softmax(z_t / tau), psi = Linear(1,16) -> SiLU -> Linear(16,E).
@@ -261,14 +215,13 @@ class MergedExpertFFN(ExpertBank, FFN):
     own FFN, so only one merged FFN is alive at a time (the bank stays the only large weight).
     """
 
-    needs_step = True
-
     def __init__(self, dim: int, hidden: int, num_experts: int, router_hidden: int = 16,
-                 router_temperature: float = 1.0, aux_weights: tuple = (1e-2, 1e-3, 1e-3),
-                 router_prior: float = 0.0):
+                 router_temperature: float = 1.0, router_prior: float = 0.0,
+                 lambda_bal: float = 1e-2, lambda_z: float = 1e-3, lambda_div: float = 1e-3):
         super().__init__(dim, hidden, num_experts)
-        self.temperature, self.aux_weights = router_temperature, aux_weights
-        self.router_prior = router_prior
+        self.temperature, self.router_prior = router_temperature, router_prior
+        # the weights of Eqs. 6, 8, 9: App. A.2, defaults of Table 6
+        self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
         self.router = DepthRouter(router_hidden, num_experts)
 
     def reset_router(self) -> None:
@@ -280,42 +233,39 @@ class MergedExpertFFN(ExpertBank, FFN):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) + depth_prior(s)."""
+        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) (plus our optional `depth_prior`, appendix)."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
         z = self.router(s)                                                        # (n, E)
-        return z + self.depth_prior(s) if self.router_prior else z
-
-    def depth_prior(self, s: torch.Tensor) -> torch.Tensor:
-        """(n, 1) -> (n, E): -beta (s - c_e)^2, c_e = e / (E - 1), beta = router_prior (not in the paper;
-        0 by default). A fixed term that starts expert e dominant near s = c_e: a symmetry-breaking start."""
-        centres = torch.linspace(0.0, 1.0, self.num_experts, device=s.device)       # (E,)
-        return -self.router_prior * (s.float() - centres).pow(2)
+        return z + depth_prior(s, self.num_experts, self.router_prior) if self.router_prior else z
 
     def gates(self, coords: torch.Tensor) -> torch.Tensor:
+        """Eq. 1: (n,) coordinates -> (n, E) gates g = softmax(z / tau), in fp32."""
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
 
-    def step_weights(self, step: Step) -> tuple:
-        """The merged FFN of grid step t (every image at s_t): Eq. 2 on one gate vector."""
-        return unstack_one(self.merge(self.gates(step.coords[:1])))
+    def merged_ffn(self, s: torch.Tensor) -> MergedFFN:
+        """Eqs. 1-2 map a depth coordinate s (a (1,) tensor) to its merged FFN: psi and the softmax give
+        the gates (Eq. 1), the gate-weighted sum of the experts gives the weights (Eq. 2)."""
+        return MergedFFN(*unstack_one(self.merge(self.gates(s))))
 
-    def forward(self, u: torch.Tensor, step: Step) -> torch.Tensor:
-        if step.rows is None:  # every image at grid step t: one merged FFN for the whole batch
-            return apply_ffn(u, *self.step_weights(step))
-        # Elastic depth: images at this step may sit at different coordinates. Group them by
-        # coordinate and run one merged FFN per group, never one weight copy per image.
-        values, group = torch.unique(step.coords, return_inverse=True)
+    def step_ffn(self, t: int, depth: int) -> MergedFFN:
+        """FFN_t of an L-step forward: the merged FFN at s_t = t / (L - 1) (Eq. 1's grid)."""
+        return self.merged_ffn(depth_grid(depth, self.fc1_weight.device)[t:t + 1])
+
+    def per_image_ffn(self, coords: torch.Tensor) -> Callable:
+        """The FFN of a step whose images sit at coordinates coords (b,) (elastic depth): one merged FFN
+        per distinct coordinate, never one weight copy per image."""
+        values, group = torch.unique(coords, return_inverse=True)
         merged = self.merge(self.gates(values))                                   # (groups, ...)
-        if len(values) == 1:
-            return apply_ffn(u, *unstack_one(merged))
-        order = torch.argsort(group)
-        chunks = u[order].split(torch.bincount(group, minlength=len(values)).tolist())
-        y = torch.cat([apply_ffn(chunk, *(w[i] for w in merged)) for i, chunk in enumerate(chunks)])
-        return y[torch.argsort(order)]  # back to the batch order
+        return MergedFFN(*unstack_one(merged)) if len(values) == 1 else GroupedFFN(merged, group)
 
     def aux_losses(self, depth: int) -> dict:
-        """Eqs. 6, 8, 9 on the gates of this forward's grid."""
+        """App. A.2 on the gates of the depth's grid: Eqs. 6 and 8 are means over the L steps."""
         z = self.gate_logits(depth_grid(depth, self.fc1_weight.device))  # (L, E)
-        return merge_regularisers(self, *gate_penalties(z, self.temperature), z.shape[0], self.aux_weights)
+        balance, z_loss = gate_penalties(z, self.temperature)           # (L,) each
+        steps = z.shape[0]
+        return {"balance": self.lambda_bal * balance.sum() / steps,     # Eq. 6
+                "z_loss": self.lambda_z * z_loss.sum() / steps,         # Eq. 8
+                "diversity": self.lambda_div * self.diversity()}        # Eq. 9
 
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
         """The Mlp weights of each of `depth` steps, from the router's gates or the given [L, E] (fold)."""
@@ -324,70 +274,35 @@ class MergedExpertFFN(ExpertBank, FFN):
         names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
         return [dict(zip(names, (w[0] for w in self.merge(g.unsqueeze(0))))) for g in gates]
 
-# --- an optimisation a first reading may skip: the merge cache for inference ---
+class GroupedFFN(NamedTuple):
+    """Images at several coordinates: image i runs merged FFN group[i] of the stacks (groups, ...)."""
+    merged: tuple
+    group: torch.Tensor  # (b,)
 
-# Optimizer steps taken in this process, counted by a hook on every torch.optim optimizer: fused
-# AdamW (torch._fused_adamw_) updates parameters in place without bumping their version counters.
-OPTIMIZER_STEPS = [0]
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(self.group)
+        chunks = u[order].split(torch.bincount(self.group, minlength=self.merged[0].shape[0]).tolist())
+        y = torch.cat([MergedFFN(*(w[i] for w in self.merged))(chunk) for i, chunk in enumerate(chunks)])
+        return y[torch.argsort(order)]  # back to the batch order
 
-def count_optimizer_step(optimizer, args, kwargs) -> None:
-    OPTIMIZER_STEPS[0] += 1
+class TiedFFN(Mlp):
+    """E = 1: the plain tied (ALBERT-style) block. No router: FFN_t is this one Mlp at every step."""
 
-register_optimizer_step_post_hook(count_optimizer_step)
+    def step_ffn(self, t: int, depth: int) -> Mlp:
+        return self
 
-class CachedMergedExpertFFN(MergedExpertFFN):
-    """MergedExpertFFN plus a cache (ViTConfig.merge_cache, on by default): inference without gradients
-    at depth L merges all L FFNs at once and reuses them until the weights change; the outputs are those
-    of MergedExpertFFN up to float rounding. Training and any call with gradients never use it.
+    def per_image_ffn(self, coords: torch.Tensor) -> Mlp:
+        return self
 
-    Detected: optimizer steps (fused ones too), load_state_dict, in-place ops on the parameters (also
-    under torch.no_grad), moving or casting the module, edits of `temperature` or `router_prior`, and any
-    train()/eval() call. Not detected: in-place writes through `p.data` (they bypass the version counter)
-    outside an optimizer step — call `clear_cache()` (or model.eval()) after such edits.
-    """
+    def aux_losses(self, depth: int) -> dict:
+        return {}
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._cache_key, self._cache = None, None
-        self._merged_steps = None  # this forward's cached (L, ...) stacks, set by begin_forward
-
-    def begin_forward(self, depth: int, batch: int) -> None:
-        cacheable = not self.training and not torch.is_grad_enabled()
-        self._merged_steps = self.cached_merge(depth) if cacheable else None
-
-    def step_weights(self, step: Step) -> tuple:
-        if self._merged_steps is not None:
-            return tuple(w[step.t] for w in self._merged_steps)
-        return super().step_weights(step)
-
-    def weights_version(self) -> tuple:
-        # In-place updates bump a tensor's version counter; moving or casting changes data_ptr / dtype.
-        # Fused optimizers write without a version bump: every optimizer step counts as an edit.
-        return (OPTIMIZER_STEPS[0], self.temperature, self.router_prior,
-                *((p._version, p.data_ptr(), p.dtype) for p in self.parameters()))
-
-    @torch.compiler.disable  # a Python-side lookup: kept out of compiled graphs (no guards, no recompiles)
-    def cached_merge(self, depth: int) -> tuple:
-        key = (depth, self.fc1_weight.device, self.weights_version())
-        if self._cache_key != key:
-            self.clear_cache()  # free the old cache before building the new one
-            self._cache = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))  # fp32 (L, ...)
-            self._cache_key = key
-        return self._cache
-
-    def clear_cache(self) -> None:
-        self._cache_key, self._cache, self._merged_steps = None, None, None
-
-    def train(self, mode: bool = True):
-        self.clear_cache()  # a mode switch is where hand-written weight edits usually end
-        return super().train(mode)
-
-# --- config and its input checks, and the stem and head that every model shares ---
+# --- config, and the stem and head that every model shares ---
 
 @dataclass
 class ViTConfig:
     """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
-    all use these names. Part I's fields first; the last group is read only by Part II's mechanisms."""
+    all use these names. reViT's fields first; the last group is read only by lib/moe.py's mechanisms."""
     arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
     image_size: int = 224
     patch_size: int = 16
@@ -397,21 +312,21 @@ class ViTConfig:
     heads: int = 6
     ffn_dim: int = 1536           # d_ff
     depth: int = 12               # L: blocks of a ViT, recurrent steps of Raptor / reViT (trained depth)
-    layer_scale_init: float | None = None  # LayerScale init (DeiT III, Raptor presets: 1e-4); None: none (Eq. 3)
+    layer_scale_init: float | None = None  # LayerScale init (DeiT III, Raptor: 1e-4); None: none (Eq. 3)
     drop_path: float = 0.0        # stochastic depth inside each block: drops residual branches per sample
     raptor_blocks: int = 4        # k distinct blocks of Raptor
     num_experts: int = 4          # E of reViT; E = 1 is the plain tied (ALBERT-style) block
     router_hidden: int = 16       # width of psi (Eq. 1, App. A.1)
     router_temperature: float = 1.0  # tau (App. A.1 fixes 1)
     router_prior: float = 0.0     # beta of a fixed depth prior on the gate logits; 0 = the paper's router
-    depth_drop: float = 0.0       # elastic depth (§3.2): per-image drop rate of whole recurrent steps, training only
-    balance_weight: float = 1e-2  # lambda_bal (Table 6); Qwen3 / MoEUT use it for their own balance loss
-    z_loss_weight: float = 1e-3   # lambda_z
-    diversity_weight: float = 1e-3  # lambda_div
-    merge_cache: bool = True      # reuse merged FFNs across inference calls at the same depth (CachedMergedExpertFFN)
+    depth_drop: float = 0.0       # elastic depth (§3.2): per-image drop rate of whole steps, training only
+    balance_weight: float = 1e-2  # λ_bal of Eq. 6 (App. A.2, Table 6); Qwen3 / MoEUT: their balance loss
+    z_loss_weight: float = 1e-3   # λ_z of Eq. 8 (App. A.2, Table 6)
+    diversity_weight: float = 1e-3  # λ_div of Eq. 9 (App. A.2, Table 6)
+    merge_cache: bool = True      # inference reuses the merged FFNs of a depth (CachedMergedExpertFFN)
     expert_ffn_fraction: float = 1.0  # hidden width of each expert / ffn_dim (the paper's ehr / 4)
-    ffn: str = "merge"            # the shared block's FFN: "merge" (reViT's); Part II registers the others
-    # Part II's settings: read only by the comparison mechanisms Part II registers (App. B, Table 8)
+    ffn: str = "merge"            # the shared block's FFN: "merge" (reViT's); lib/moe.py adds the others
+    # lib/moe.py's settings: read only by the comparison mechanisms (§4.3, App. B, Table 8)
     top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
     shared_experts: int = 0       # DeepSeek-V3's always-active experts
     slots_per_expert: int = 0     # Soft-MoE; 0: round(num_patches / 4) (49 for S/16, 64 for B/14)
@@ -420,7 +335,7 @@ class ViTConfig:
     lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
 
     def __post_init__(self):
-        check_config(self)  # types and ranges of every field (below)
+        check_config(self)  # types and ranges of every field (appendix)
 
     @property
     def num_patches(self) -> int:
@@ -432,114 +347,8 @@ class ViTConfig:
 
     @property
     def depth_programmed(self) -> bool:
-        """The FFN of step t depends on the depth only, so the model folds (a gate matrix: ffn='merge')."""
-        return SHARED_BLOCKS[self.ffn].depth_programmed
-
-# Bad input gets one ValueError naming the field and what it allows (the CLIs print it as one line).
-TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
-CONFIG_CHECKS: list[Callable[[ViTConfig], None]] = []  # range checks of Part II's fields, which Part II adds
-# Sizes a user would not reach by intent (our choice, far above the paper's ViT-L): a typo or an edited
-# checkpoint config is refused before anything is allocated.
-MAX_DEPTH = 256
-SIZE_LIMITS = dict(image_size=2 ** 14, patch_size=2 ** 10, in_channels=2 ** 10, dim=2 ** 15, heads=2 ** 10,
-                   ffn_dim=2 ** 17, router_hidden=2 ** 12, num_experts=2 ** 10)
-
-def type_ok(value, kind: str) -> bool:
-    if kind.endswith(" | None"):
-        return value is None or type_ok(value, kind[:-7])
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, {"bool": bool, "str": str}[kind])
-
-def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
-
-def check_config(c: ViTConfig) -> None:
-    """Every field: its type (integers reject floats, strings and bools; floats reject NaN and inf), then its range."""
-    for f in fields(c):
-        if not type_ok(getattr(c, f.name), f.type):
-            allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
-            need(c, False, f.name, allowed)
-    check_core_fields(c)
-    for check in CONFIG_CHECKS:
-        check(c)
-
-def check_core_fields(c: ViTConfig) -> None:
-    need(c, c.arch in MODELS, "arch", f"one of {tuple(MODELS)}")
-    for name, limit in SIZE_LIMITS.items():
-        need(c, 1 <= getattr(c, name) <= limit, name, f"an integer in 1..{limit}")
-    need(c, c.image_size % c.patch_size == 0, "image_size", f"a multiple of patch_size={c.patch_size}")
-    need(c, c.dim % c.heads == 0, "dim", f"a multiple of heads={c.heads}")
-    need(c, 0 <= c.num_classes <= 2 ** 20, "num_classes", "in 0..2**20")
-    revit_note = " for reViT (s_t = t/(L-1) needs two steps)" if c.arch == "revit" else ""
-    need(c, (2 if c.arch == "revit" else 1) <= c.depth <= MAX_DEPTH, "depth",
-         f"in {2 if c.arch == 'revit' else 1}..{MAX_DEPTH}{revit_note}")
-    need(c, c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth, "raptor_blocks",
-         f"between 1 and depth={c.depth}")
-    need(c, c.layer_scale_init is None or c.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
-    need(c, 0.0 <= c.depth_drop < 1.0, "depth_drop", "in [0, 1)")
-    need(c, 0.0 <= c.drop_path < 1.0, "drop_path", "in [0, 1)")
-    need(c, c.router_temperature > 0, "router_temperature", "> 0")
-    for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight"):
-        need(c, getattr(c, name) >= 0, name, ">= 0")
-    need(c, c.expert_ffn_fraction > 0 and round(c.expert_ffn_fraction * c.ffn_dim) >= 1,
-         "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={c.ffn_dim})")
-    need(c, c.ffn in SHARED_BLOCKS, "ffn", f"one of {tuple(SHARED_BLOCKS)}")
-    need(c, c.ffn == "merge" or c.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
-         "replace the FFN of reViT's shared block)")
-
-def check_depth_value(depth) -> int:
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
-        raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
-    return depth
-
-def check_images(images: torch.Tensor, c: ViTConfig) -> None:
-    """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed at)."""
-    if images.ndim != 4 or images.shape[1] != c.in_channels:
-        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
-                         f"got {tuple(images.shape)} (in_channels={c.in_channels})")
-    if images.shape[-2:] != (c.image_size, c.image_size):
-        raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
-                         f"got {images.shape[-2]}x{images.shape[-1]}")
-    if not images.is_floating_point():
-        raise ValueError(f"images must be a floating-point tensor, normalised as in training; got {images.dtype} "
-                         "(convert uint8 pixels with images.float() / 255 and normalise)")
-
-def check_preset(name: str, overrides: dict) -> None:
-    """create_model's arguments: a preset name and fields of ViTConfig."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset name={name!r}; choose one of: {', '.join(sorted(PRESETS))}")
-    allowed = {f.name for f in fields(ViTConfig)}
-    unknown = sorted(set(overrides) - allowed)
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
-
-def check_model_class(model: nn.Module, c: ViTConfig) -> None:
-    """A config builds the class its arch names: a Raptor config never becomes a 12-block ViT."""
-    if model.arch != c.arch:
-        raise ValueError(f"arch={c.arch!r} builds revit.{MODELS[c.arch].__name__}, not {type(model).__name__}; "
-                         "build models with revit.MODELS[config.arch](config)")
-
-def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
-    """fold's arguments: a depth-programmed reViT or a Raptor; gates [L, E] for reViT's merge with E >= 2."""
-    if not isinstance(model, (ReViT, Raptor)):
-        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
-    if not model.config.depth_programmed:
-        foldable = tuple(name for name, entry in SHARED_BLOCKS.items() if entry.depth_programmed)
-        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the tokens), "
-                         f"so it has no fixed per-depth weights to fold; only ffn in {foldable} (reViT's merge: "
-                         "any E) fold into a plain ViT")
-    if gates is not None:
-        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
-            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
-        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
-            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; got {tuple(gates.shape)}")
-        if depth is not None and depth != gates.shape[0]:
-            raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
-                             "pass gates with one row per step of that depth, or leave depth out")
+        """The FFN of step t depends on the depth only, so the model folds (reViT's merge: any E)."""
+        return self.ffn == "merge" or MECHANISMS[self.ffn].depth_programmed
 
 class ViTBase(nn.Module):
     """Patch embedding, class token, positions, final norm and head: common to every model here."""
@@ -568,8 +377,7 @@ class ViTBase(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) floating images -> (B, 1+N, d) tokens. Floating images of another dtype
-        (float64, or fp32 into a bf16 model) are cast to the model's dtype; integer images are refused."""
+        """(B, C, H, W) floating images (cast to the model's dtype) -> (B, 1+N, d) tokens."""
         check_images(images, self.config)
         images = images.to(self.patch_embed.proj.weight.dtype)
         x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
@@ -577,10 +385,13 @@ class ViTBase(nn.Module):
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
 
     def check_depth(self, depth: int | None) -> int:
-        """The depth to run: the trained depth by default, else an integer >= 2 (check_depth_value)."""
+        """The depth to run: the trained one by default, else an integer >= 2."""
         return self.config.depth if depth is None else check_depth_value(depth)
 
     def finish(self, x, states, aux, return_states, extra=None):
+        """The head on the final state x (B, 1+N, d): logits (B, classes), or with return_states the named
+        outputs logits, pre_logits (B, d), tokens (after the final norm), states (the L + 1 residual states),
+        aux_losses (dict) and `extra` (reViT: its gate matrix)."""
         tokens = self.norm(x)
         logits = self.head(tokens[:, 0])
         if not return_states:
@@ -599,78 +410,64 @@ def elastic_plan(keep: torch.Tensor) -> torch.Tensor:
     retained = keep.sum(1, keepdim=True)                    # (B, 1) n_b
     return rank.clamp_min(0).float() / (retained - 1).clamp_min(1).float()
 
-class SharedBlock(NamedTuple):
-    """How reViT's shared block is built for one value of ViTConfig.ffn."""
-    build: Callable[[ViTConfig], Block]
-    depth_programmed: bool  # the FFN of step t depends on the depth only, so the model folds (§3.1)
-
-def build_merge_block(c: ViTConfig) -> Block:
-    """reViT's shared block: the merged expert FFN (E = 1: a dense Mlp, the tied block)."""
-    if c.num_experts == 1:
-        ffn = Mlp(c.dim, c.expert_ffn_dim)
-    else:
-        merged = CachedMergedExpertFFN if c.merge_cache else MergedExpertFFN
-        ffn = merged(c.dim, c.expert_ffn_dim, c.num_experts, c.router_hidden, c.router_temperature,
-                     (c.balance_weight, c.z_loss_weight, c.diversity_weight), c.router_prior)
-    return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
-
-# ViTConfig.ffn -> its shared block. Part I registers reViT's own; Part II registers the paper's comparisons.
-SHARED_BLOCKS = {"merge": SharedBlock(build_merge_block, depth_programmed=True)}
-
 class ReViT(ViTBase):
     """One shared block applied L times (§3.1), at any depth L >= 2, elastic in training (§3.2)."""
     arch = "revit"
 
     def __init__(self, config: ViTConfig):
         super().__init__(config)
-        self.block = SHARED_BLOCKS[config.ffn].build(config)
+        self.block = self.build_block(config)
         self.init_weights()
         if isinstance(self.block.mlp, MergedExpertFFN):
             self.block.mlp.reset_router()
+            if config.merge_cache:
+                use_merge_cache(self)  # an inference optimisation (appendix), a first reading skips it
+
+    def build_block(self, c: ViTConfig) -> Block:
+        """The shared block: Eq. 3 with reViT's merged expert FFN (E = 1: one dense Mlp, the tied block)."""
+        if c.num_experts == 1:
+            ffn = TiedFFN(c.dim, c.expert_ffn_dim)
+        else:
+            ffn = MergedExpertFFN(c.dim, c.expert_ffn_dim, c.num_experts, c.router_hidden,
+                                  c.router_temperature, c.router_prior,
+                                  c.balance_weight, c.z_loss_weight, c.diversity_weight)  # λ_bal, λ_z, λ_div
+        return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
 
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
                 keep: torch.Tensor | None = None):
-        """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states. depth: L
-        steps (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs
-        (elastic depth); sampled in training when depth_drop > 0."""
+        """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states. depth: L steps
+        (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs (elastic
+        depth); sampled in training when depth_drop > 0."""
         depth = self.check_depth(depth)
-        check_images(images, self.config)
-        # Before any tensor work: under torch.compile the merge cache's lookup (never compiled) then
-        # precedes one graph for the whole forward, instead of splitting it in two.
-        self.block.begin_forward(depth, images.shape[0])
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
-        states = self.run_steps(x, depth) if keep is None else self.run_elastic_steps(x, keep)
+        if keep is None:  # every image runs every step, at the grid coordinates s_t (Eq. 1)
+            states = [x]
+            for t in range(depth):
+                x = self.block(x, self.block.mlp.step_ffn(t, depth))           # Eq. 3 with FFN_t (Eq. 2)
+                states.append(x)
+        else:
+            states = self.elastic_steps(x, keep)
         # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P).
         aux = self.block.mlp.aux_losses(depth) if return_states or self.training else {}
-        extra = {"gates": self.gate_matrix(depth)} if return_states and self.config.ffn == "merge" else None
+        extra = {"gates": self.gate_matrix(depth)} if return_states else None
         return self.finish(states[-1], states, aux, return_states, extra)
 
-    def run_steps(self, x: torch.Tensor, depth: int) -> list:
-        """Eq. 3 applied L times with the FFN of grid step t; returns the L + 1 states."""
-        grid = depth_grid(depth, x.device)                                      # s_t (Eq. 1)
-        states = [x]
-        for t in range(depth):
-            x = self.block(x, Step(t, grid[t].expand(x.shape[0])))
-            states.append(x)
-        return states
-
-    @torch.compiler.disable  # data-dependent row sets and coordinate groups: runs eagerly under torch.compile
-    def run_elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
-        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates.
-
-        Eager even in a compiled model (the stem, head and losses still compile): each step picks its
-        rows (nonzero) and coordinate groups (unique, bincount) from data, so on a GPU every step syncs
-        with the host and runs one small FFN per group. A fixed-shape version would sum the merges in
-        another order; this one keeps the numerics of the CPU runs."""
+    # Eager even in a compiled model (the stem, head and losses compile): each step picks its rows and
+    # coordinate groups from data, so on a GPU every step syncs with the host and runs one small FFN per
+    # group. A fixed-shape version would sum the merges in another order; this keeps the CPU numerics.
+    @torch.compiler.disable
+    def elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
+        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
         coords = elastic_plan(keep)                                             # (B, L)
         states = [x]
         for t in range(keep.shape[1]):
             rows = keep[:, t].nonzero().squeeze(1)  # images that run step t; a dropped step is the identity
             if len(rows) == x.shape[0]:
-                x = self.block(x, Step(t, coords[:, t], rows))
-            elif len(rows):
-                x = x.index_copy(0, rows, self.block(x[rows], Step(t, coords[rows, t], rows)))
+                x = self.block(x, self.block.mlp.per_image_ffn(coords[:, t]))
+            elif len(rows):  # (an image whose mask keeps no step is never run: the head reads LN(embedding))
+                ffn_t = self.block.mlp.per_image_ffn(coords[rows, t])
+                x = x.index_copy(0, rows, self.block(x[rows], ffn_t))
             states.append(x)
         return states
 
@@ -679,16 +476,14 @@ class ReViT(ViTBase):
         if keep is None and self.training and self.config.depth_drop > 0:
             keep = torch.rand(batch, depth, device=device) >= self.config.depth_drop
         if keep is not None and keep.shape != (batch, depth):
-            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; got {tuple(keep.shape)}")
+            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; "
+                             f"got {tuple(keep.shape)}")
         return None if keep is None or bool(keep.all()) else keep
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
         """G [L, E]: the fp32 gates of every step at depth L (rows sum to 1). E = 1 gives ones."""
         depth = self.check_depth(depth)
         ffn = self.block.mlp
-        if self.config.ffn != "merge":
-            raise ValueError(f"ffn={self.config.ffn!r} has no depth-only gate matrix: only reViT's merge "
-                             "(ffn='merge') gates its experts by the depth alone")
         if not isinstance(ffn, MergedExpertFFN):
             return torch.ones(depth, 1)
         return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
@@ -702,7 +497,7 @@ class ReViT(ViTBase):
         return names
 
     def clear_cache(self) -> None:
-        """Drop cached merged FFNs (needed only after in-place edits through `p.data`)."""
+        """Drop the merge cache's merged FFNs (appendix): needed only after in-place edits via `p.data`."""
         if isinstance(self.block.mlp, CachedMergedExpertFFN):
             self.block.mlp.clear_cache()
 
@@ -736,6 +531,16 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     return vit.train(model.training)
 
 # --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) ---
+
+class LayerScale(nn.Module):
+    """DeiT III's per-channel scale of a residual branch (the baselines; reViT's block has none, Eq. 3)."""
+
+    def __init__(self, dim: int, init: float):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
 
 class VisionTransformer(ViTBase):
     """Untied ViT: block t serves step t. `fold` returns this class, so a folded reViT runs through
@@ -792,628 +597,274 @@ class Raptor(VisionTransformer):
     def schedule(self, depth: int) -> list[int]:
         return raptor_schedule(len(self.blocks), depth)
 
-# --- presets (Table 1; ImageNet 224²) and small CPU presets of our own ---
+# --- presets: Table 1's models (ImageNet 224², patch 16) and small CPU sizes of our own ---
 
-WIDTHS = {  # d, heads, d_ff, L (Table 1: S, B, L)
-    "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
-    "b": dict(dim=768, heads=12, ffn_dim=3072, depth=12),
-    "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
-}
-# Small presets for CPU runs: 28x28x1 (Fashion-MNIST, "-mini") and 32x32x3 (CIFAR, "-mini32").
-MINI = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)
-MINI32 = dict(MINI, image_size=32, patch_size=4, in_channels=3)
 # LayerScale: DeiT III's 1e-4 for the untied ViT. Raptor's official block has LayerScale too
 # (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper trains Raptor with DeiT III's recipe, so
 # our Raptor presets use DeiT III's 1e-4 (our choice). reViT's block has none (Eq. 3).
 DEIT3_LAYER_SCALE = 1e-4
+DEIT3 = dict(layer_scale_init=DEIT3_LAYER_SCALE)
+FMNIST = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10)  # 28x28x1, "-mini"
+CIFAR = dict(image_size=32, patch_size=4, in_channels=3, num_classes=10)          # 32x32x3, "-mini32"
 
-def _build_presets() -> dict:
+PRESETS = {
+    # Table 1: DeiT III (12 untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts)
+    "vit-s": dict(arch="vit", dim=384, heads=6, ffn_dim=1536, depth=12, **DEIT3),
+    "raptor-s": dict(arch="raptor", dim=384, heads=6, ffn_dim=1536, depth=12, raptor_blocks=4, **DEIT3),
+    "revit-s": dict(arch="revit", dim=384, heads=6, ffn_dim=1536, depth=12, num_experts=4),
+    "vit-b": dict(arch="vit", dim=768, heads=12, ffn_dim=3072, depth=12, **DEIT3),
+    "raptor-b": dict(arch="raptor", dim=768, heads=12, ffn_dim=3072, depth=12, raptor_blocks=4, **DEIT3),
+    "revit-b": dict(arch="revit", dim=768, heads=12, ffn_dim=3072, depth=12, num_experts=4),
+    "vit-l": dict(arch="vit", dim=1024, heads=16, ffn_dim=4096, depth=24, **DEIT3),
+    "raptor-l": dict(arch="raptor", dim=1024, heads=16, ffn_dim=4096, depth=24, raptor_blocks=4, **DEIT3),
+    "revit-l": dict(arch="revit", dim=1024, heads=16, ffn_dim=4096, depth=24, num_experts=4),
+    # CPU sizes of our own: Fashion-MNIST ("-mini", the quick start's revit-mini) and CIFAR ("-mini32")
+    "vit-mini": dict(arch="vit", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, **DEIT3),
+    "raptor-mini": dict(arch="raptor", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, raptor_blocks=4,
+                        **DEIT3),
+    "revit-mini": dict(arch="revit", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, num_experts=4),
+    "vit-mini32": dict(arch="vit", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, **DEIT3),
+    "raptor-mini32": dict(arch="raptor", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, raptor_blocks=4,
+                          **DEIT3),
+    "revit-mini32": dict(arch="revit", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, num_experts=4),
+}
+
+def derived_presets(table: dict) -> dict:
+    """From each preset above: its patch-14 variant at ImageNet sizes ("-s14", e.g. the B/14 of DINOv2
+    distillation), Raptor with k = 2, 3, 4 ("-k2"), reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5)."""
     presets = {}
-    for size, width in [*WIDTHS.items(), ("mini", MINI), ("mini32", MINI32)]:
-        patch14 = [] if size.startswith("mini") else [(f"{size}14", dict(width, patch_size=14))]
-        for name, base in [(size, width), *patch14]:
-            presets[f"vit-{name}"] = dict(base, arch="vit", layer_scale_init=DEIT3_LAYER_SCALE)
-            for k in (2, 3, 4):
-                presets[f"raptor-{name}-k{k}"] = dict(base, arch="raptor", raptor_blocks=k,
-                                                      layer_scale_init=DEIT3_LAYER_SCALE)
-            presets[f"raptor-{name}"] = presets[f"raptor-{name}-k4"]  # Table 1's Raptor: k = 4
-            for e in (1, 2, 3, 4, 8):
-                presets[f"revit-{name}-e{e}"] = dict(base, arch="revit", num_experts=e)
-            presets[f"revit-{name}"] = presets[f"revit-{name}-e4"]    # Table 1's reViT: E = 4
+    for name, preset in table.items():
+        arch, size = name.split("-", 1)
+        patch14 = [] if size.startswith("mini") else [(f"{size}14", dict(preset, patch_size=14))]
+        for size_name, base in [(size, preset), *patch14]:
+            presets[f"{arch}-{size_name}"] = base
+            for k in (2, 3, 4) if arch == "raptor" else ():
+                presets[f"raptor-{size_name}-k{k}"] = dict(base, raptor_blocks=k)
+            for e in (1, 2, 3, 4, 8) if arch == "revit" else ():
+                presets[f"revit-{size_name}-e{e}"] = dict(base, num_experts=e)
     return presets
 
-PRESETS = _build_presets()  # Part II adds the comparison presets
+PRESETS.update(derived_presets(PRESETS))  # lib/moe.py adds the comparison mechanisms' presets
 MODELS = {cls.arch: cls for cls in (VisionTransformer, Raptor, ReViT)}  # the class each ViTConfig.arch builds
 
 def create_model(name: str, **overrides) -> nn.Module:
     """Build a preset by name, e.g. create_model("revit-s", depth_drop=0.3)."""
     check_preset(name, overrides)
-    config = ViTConfig(**{**PRESETS[name], **overrides})
-    return MODELS[config.arch](config)
+    return build_model(ViTConfig(**{**PRESETS[name], **overrides}))
 
-# ====================== Part II — the paper's comparisons (§4.3, App. B) ======================
-# Every mechanism below is an `FFN` (Part I) of reViT's shared block, or (layer-wise LoRA) a Block
-# variant; Part II registers each in Part I's SHARED_BLOCKS under its ViTConfig.ffn name, and its
-# settings' checks in CONFIG_CHECKS. Each also reports its cost, active_flops_per_token(T) ->
-# {"experts", "routing"} (the measures section). Statistics pooled over the steps of one forward live
-# on the module (reset by begin_forward); statistics for a non-gradient update after the optimizer
-# step (DeepSeek-V3's bias, ReMoE's L1 controller) live on the module too, recorded by training
-# forwards only, and are summed over ranks under torch.distributed.
+def build_model(config: ViTConfig) -> nn.Module:
+    """The model a config describes: MODELS[config.arch], or the class lib/moe.py registered for its ffn."""
+    return (MODELS[config.arch] if config.ffn == "merge" else MECHANISMS[config.ffn].model)(config)
 
-import torch.distributed as dist  # Part II only: global balancing statistics across ranks
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Router math in fp32 (as Switch, Qwen3 and DeepSeek-V3 do), whatever the autocast dtype."""
-    with full_precision(x.device):
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+# ================= Appendix: what a first reading skips (the story above never needs it) =================
 
-def ffn_flops(dim: int, hidden: int) -> int:
-    """FLOPs of one FFN on one token: two matmuls d x h, 2 FLOPs per multiply-add."""
-    return 4 * dim * hidden
+# --- input checks: bad input gets one ValueError naming the field and what it allows ---
 
-def params_per_expert(bank: ExpertBank) -> int:
-    """P(d, r) = 2 r d^2 + (r + 1) d for hidden width r d (App. B)."""
-    return 2 * bank.dim * bank.hidden + bank.hidden + bank.dim
+TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
+CONFIG_CHECKS: list[Callable[[ViTConfig], None]] = []  # range checks of lib/moe.py's fields, which it adds
+# Sizes a user would not reach by intent (our choice, far above the paper's ViT-L): a typo or an edited
+# checkpoint config is refused before anything is allocated.
+MAX_DEPTH = 256
+SIZE_LIMITS = dict(image_size=2 ** 14, patch_size=2 ** 10, in_channels=2 ** 10, dim=2 ** 15, heads=2 ** 10,
+                   ffn_dim=2 ** 17, router_hidden=2 ** 12, num_experts=2 ** 10)
+PART_TWO = ("the comparison mechanisms of §4.3 / App. B and their presets live in lib/moe.py: "
+            "`import lib.moe` first")
 
-def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
-    """n FFNs on n row sets at once: x (n, m, d), weights stacked (n, ...) -> (n, m, d)."""
-    w1, b1, w2, b2 = (w.to(x.dtype) for w in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
-    h = F.gelu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))  # (n, m, h)
-    return torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))       # (n, m, d)
+def type_ok(value, kind: str) -> bool:
+    if kind.endswith(" | None"):
+        return value is None or type_ok(value, kind[:-7])
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"bool": bool, "str": str}[kind])
 
-class PooledRouterStats:
-    """Mixin: router statistics summed over every recurrent step of one forward. The experts are the
-    same at every step (one shared block), so balance is measured over all of them."""
+def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
 
-    router_stats: dict | None = None
+def check_config(c: ViTConfig) -> None:
+    """Every field: its type (integers reject floats, strings and bools; floats reject NaN and inf), then
+    its range."""
+    for f in fields(c):
+        if not type_ok(getattr(c, f.name), f.type):
+            allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
+            need(c, False, f.name, allowed)
+    check_core_fields(c)
+    for check in CONFIG_CHECKS:
+        check(c)
 
-    def begin_forward(self, depth: int, batch: int) -> None:
-        self.router_stats = {}
+def check_core_fields(c: ViTConfig) -> None:
+    need(c, c.arch in MODELS, "arch", f"one of {tuple(MODELS)}")
+    for name, limit in SIZE_LIMITS.items():
+        need(c, 1 <= getattr(c, name) <= limit, name, f"an integer in 1..{limit}")
+    need(c, c.image_size % c.patch_size == 0, "image_size", f"a multiple of patch_size={c.patch_size}")
+    need(c, c.dim % c.heads == 0, "dim", f"a multiple of heads={c.heads}")
+    need(c, 0 <= c.num_classes <= 2 ** 20, "num_classes", "in 0..2**20")
+    revit_note = " for reViT (s_t = t/(L-1) needs two steps)" if c.arch == "revit" else ""
+    need(c, (2 if c.arch == "revit" else 1) <= c.depth <= MAX_DEPTH, "depth",
+         f"in {2 if c.arch == 'revit' else 1}..{MAX_DEPTH}{revit_note}")
+    need(c, c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth, "raptor_blocks",
+         f"between 1 and depth={c.depth}")
+    need(c, c.layer_scale_init is None or c.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
+    need(c, 0.0 <= c.depth_drop < 1.0, "depth_drop", "in [0, 1)")
+    need(c, 0.0 <= c.drop_path < 1.0, "drop_path", "in [0, 1)")
+    need(c, c.router_temperature > 0, "router_temperature", "> 0")
+    for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight"):
+        need(c, getattr(c, name) >= 0, name, ">= 0")
+    need(c, c.expert_ffn_fraction > 0 and round(c.expert_ffn_fraction * c.ffn_dim) >= 1,
+         "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={c.ffn_dim})")
+    need(c, c.ffn == "merge" or c.ffn in MECHANISMS, "ffn",
+         f"one of {('merge', *MECHANISMS)}" + ("" if MECHANISMS else f"; {PART_TWO}"))
+    need(c, c.ffn == "merge" or c.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
+         "replace the FFN of reViT's shared block)")
 
-    def pool(self, **stats) -> None:
-        pooled = self.router_stats = self.router_stats if self.router_stats is not None else {}
-        for name, value in stats.items():
-            pooled[name] = pooled[name] + value if name in pooled else value
+def check_depth_value(depth) -> int:
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+        raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
+    return depth
 
-    def take_stats(self) -> dict | None:
-        """This forward's pooled statistics (None if nothing was routed), consumed."""
-        stats, self.router_stats = self.router_stats or None, {}
-        return stats
+def check_images(images: torch.Tensor, c: ViTConfig) -> None:
+    """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed)."""
+    if images.ndim != 4 or images.shape[1] != c.in_channels:
+        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
+                         f"got {tuple(images.shape)} (in_channels={c.in_channels})")
+    if images.shape[-2:] != (c.image_size, c.image_size):
+        raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
+                         f"got {images.shape[-2]}x{images.shape[-1]}")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be a floating-point tensor, normalised as in training; got "
+                         f"{images.dtype} (convert uint8 pixels with images.float() / 255 and normalise)")
 
-class ExpertPool(ExpertBank):
-    """An expert bank that also runs its experts on activations (rather than merging weights):
-    on their own rows, as a weighted mixture over all experts, or by token dispatch."""
+def check_preset(name: str, overrides: dict) -> None:
+    """create_model's arguments: a preset name and fields of ViTConfig."""
+    if name not in PRESETS:
+        hint = "" if MECHANISMS else f" ({PART_TWO})"
+        raise ValueError(f"unknown preset name={name!r}{hint}; choose one of: {', '.join(sorted(PRESETS))}")
+    allowed = {f.name for f in fields(ViTConfig)}
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
 
-    def run_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on its own rows: x (E, m, d) -> (E, m, d)."""
-        return apply_ffn_batched(x, *self.bank())
+def check_model_class(model: nn.Module, c: ViTConfig) -> None:
+    """A config builds the class its arch names: a Raptor config never becomes a 12-block ViT."""
+    if model.arch != c.arch:
+        raise ValueError(f"arch={c.arch!r} builds revit.{MODELS[c.arch].__name__}, "
+                         f"not {type(model).__name__}; build models with revit.build_model(config)")
+    if c.ffn != "merge" and not isinstance(model, MECHANISMS[c.ffn].model):
+        cls = MECHANISMS[c.ffn].model
+        raise ValueError(f"ffn={c.ffn!r} builds {cls.__module__}.{cls.__name__}, not {type(model).__name__}; "
+                         "build models with revit.build_model(config)")
 
-    def mixture(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Every expert on every token, outputs summed with weights (n, E) (None: all weights 1)."""
-        y = self.run_all(x.expand(self.num_experts, *x.shape))  # (E, n, d)
-        if weights is None:
-            return y.sum(0)
-        return (y * weights.T.unsqueeze(-1).to(y.dtype)).sum(0)  # (n, d)
+def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
+    """fold's arguments: a depth-programmed reViT or a Raptor; gates [L, E] for reViT's merge with E >= 2."""
+    if not isinstance(model, (ReViT, Raptor)):
+        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
+    if not model.config.depth_programmed:
+        foldable = ("merge", *(name for name, entry in MECHANISMS.items() if entry.depth_programmed))
+        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the "
+                         f"tokens), so it has no fixed per-depth weights to fold; only ffn in {foldable} "
+                         "(reViT's merge: any E) fold into a plain ViT")
+    if gates is not None:
+        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
+            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
+        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
+            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; "
+                             f"got {tuple(gates.shape)}")
+        if depth is not None and depth != gates.shape[0]:
+            raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
+                             "pass gates with one row per step of that depth, or leave depth out")
 
-    def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Token dispatch: token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K).
+# --- the merge cache: inference merges the L FFNs of a depth once (§3.1: "computed once and reused") ---
 
-        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous
-        chunk (a loop over experts, never over tokens), and results are scattered back with index_add.
-        """
-        n, k = expert_index.shape
-        flat = expert_index.flatten()                                   # (n K,)
-        order = torch.argsort(flat, stable=True)
-        token = order // k                                              # token of each sorted pair
-        sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
-        chunks = x[token].split(sizes)
-        y = torch.cat([apply_ffn(chunk, *(p[e] for p in self.bank())) for e, chunk in enumerate(chunks)])
-        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)       # (n K, d)
-        return y.new_zeros(n, x.shape[1]).index_add_(0, token, y)
+# Optimizer steps taken in this process, counted by a hook on every torch.optim optimizer (installed with
+# the first cache): fused AdamW (torch._fused_adamw_) updates parameters in place without bumping
+# their version counters.
+OPTIMIZER_STEPS = [0]
+OPTIMIZER_HOOK = []  # the hook's handle, once installed
 
-# --- weight merge with content gates: SMEAR, Lory, the feature-only control of Fig. 2 ---
+def count_optimizer_step(optimizer, args, kwargs) -> None:
+    OPTIMIZER_STEPS[0] += 1
 
-class ContentMergedFFN(ExpertBank, FFN):
-    """Eq. 2 merge with per-image gates from a pooled token state instead of the depth coordinate.
+def use_merge_cache(model: ReViT) -> None:
+    """Give `model`'s merged FFN the cache (ViTConfig.merge_cache, on by default): its class becomes
+    CachedMergedExpertFFN (same parameters and state dict), and a forward pre-hook looks up the merged
+    FFNs of the call's depth before any tensor work, so that under torch.compile the lookup (never
+    compiled) precedes one graph of the whole forward."""
+    model.block.mlp.__class__ = CachedMergedExpertFFN
+    model.block.mlp.clear_cache()
+    model.register_forward_pre_hook(look_up_merged_ffns, with_kwargs=True)
+    if not OPTIMIZER_HOOK:
+        OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(count_optimizer_step))
 
-    Shared by SMEAR, Lory and the feature-only control: gates g = softmax(W_r pool + b_r) (b, E),
-    one merged FFN per image (b weight copies, run with batched matmuls). The router input is what
-    the subclasses change. Elastic depth needs nothing extra: an image's gate comes from its own state.
+def look_up_merged_ffns(model: ReViT, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: ReViT.forward's checks (depth, then images: the same errors first), then the
+    cache's lookup for this call's depth."""
+    if not args and "images" not in kwargs:
+        return  # forward itself says what is missing
+    depth = model.check_depth(args[1] if len(args) > 1 else kwargs.get("depth"))
+    check_images(args[0] if args else kwargs["images"], model.config)
+    model.block.mlp.begin_forward(depth)
+
+class CachedMergedExpertFFN(MergedExpertFFN):
+    """MergedExpertFFN plus a cache: inference without gradients at depth L merges all L FFNs at once and
+    reuses them until the weights change; the outputs are those of MergedExpertFFN up to float rounding.
+    Training and any call with gradients never use it.
+
+    Detected: optimizer steps (fused ones too), load_state_dict, in-place ops on the parameters (also
+    under torch.no_grad), moving or casting the module, edits of `temperature` or `router_prior`, and any
+    train()/eval() call. Not detected: in-place writes through `p.data` (they bypass the version counter)
+    outside an optimizer step — call `clear_cache()` (or model.eval()) after such edits.
     """
 
-    normalise_router_input = True
-
-    def __init__(self, dim: int, hidden: int, num_experts: int):
-        super().__init__(dim, hidden, num_experts)
-        self.router_norm = nn.LayerNorm(dim, eps=1e-6) if self.normalise_router_input else nn.Identity()
-        self.router = nn.Linear(dim, num_experts)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return self.merged_forward(u, u.mean(1))  # routed on the pooled current state (b, d)
-
-    def merged_forward(self, u: torch.Tensor, router_input: torch.Tensor) -> torch.Tensor:
-        """u (b, T, d) through the FFN merged with the gates of router_input (b, d)."""
-        z = router_logits(self.router_norm(router_input), self.router.weight, self.router.bias)  # (b, E)
-        self.record_gates(z)
-        merged = self.merge(torch.softmax(z, dim=-1))   # per image: (b, d_ff, d), (b, d_ff), (b, d, d_ff), (b, d)
-        return apply_ffn_batched(u, *merged)            # (b, T, d)
-
-    def record_gates(self, z: torch.Tensor) -> None:
-        pass
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        routing = 2 * self.dim * self.num_experts + 2 * self.num_experts * params_per_expert(self)
-        return {"experts": ffn_flops(self.dim, self.hidden), "routing": routing / num_tokens}
-
-class SmearFFN(ContentMergedFFN):
-    """SMEAR (Muqeeth et al., 2024; r-three/smear): soft merging of experts with a content router.
-
-    The reference routes on the mean over tokens, LayerNorm'd, with a plain softmax (no temperature),
-    merges per example and uses no balance loss (App. B: "no auxiliary losses"). Here the experts are
-    full FFNs of the shared block and the pooled state is this step's FFN input.
-    """
-
-class FeatureOnlyFFN(PooledRouterStats, ContentMergedFFN):
-    """The feature-only control of Fig. 2: SMEAR's gate (pooled current state, no depth signal).
-
-    It replaces reViT's depth coordinate by content and keeps everything else of reViT, including
-    the Eqs. 6, 8, 9 regularisers (balance and z-loss over every per-image gate of every step), so
-    the comparison isolates the conditioning signal. The gate is recomputed at every step, which is
-    what lets it run under per-image depth dropout (App. A.2) and at any inference depth.
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, aux_weights: tuple = (1e-2, 1e-3, 1e-3)):
-        super().__init__(dim, hidden, num_experts)
-        self.aux_weights = aux_weights
-
-    def record_gates(self, z: torch.Tensor) -> None:
-        balance_sum, z_sum = gate_penalties(z, 1.0)
-        self.pool(balance_sum=balance_sum, z_sum=z_sum, rows=z.shape[0])
-
-    def aux_losses(self, depth: int) -> dict:
-        stats = self.take_stats()
-        if self.num_experts == 1 or stats is None:
-            return {}
-        return merge_regularisers(self, stats["balance_sum"], stats["z_sum"], stats["rows"], self.aux_weights)
-
-class LoryFFN(ContentMergedFFN):
-    """Lory (Zhong et al., 2024; no public code): a linear softmax router on the pooled representation
-    of the previous segment picks the merged FFN of the next one (causal routing).
-
-    App. B reinterprets segments as recurrent steps: the pooled FFN input of an image's previous
-    (retained) step routes step t. At an image's first step there is no previous one; it routes on
-    its own pooled input (our choice). No LayerNorm on the router input (the pooled tokens are
-    already LayerNorm'd) and no auxiliary loss; similarity-based batching has no image analogue.
-    Per-image memory of one forward: `previous` (B, d) pooled inputs, `seen` (B,) whether set.
-    """
-
-    normalise_router_input = False
-    needs_step = True  # step.rows: which images' memories this step reads and writes
-
-    def begin_forward(self, depth: int, batch: int) -> None:
-        self.previous, self.seen = None, None
-        self.batch = batch
-
-    def forward(self, u: torch.Tensor, step: Step) -> torch.Tensor:
-        return self.merged_forward(u, self.router_input(u, step.rows))
-
-    def router_input(self, u: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The pooled FFN input of each image's previous retained step (its own at its first): (b, d)."""
-        pooled = u.mean(1)  # (b, d)
-        rows = torch.arange(u.shape[0], device=u.device) if rows is None else rows
-        if getattr(self, "previous", None) is None:  # first step of this forward
-            batch = getattr(self, "batch", u.shape[0])
-            self.previous = pooled.new_zeros(batch, u.shape[-1])
-            self.seen = torch.zeros(batch, dtype=torch.bool, device=u.device)
-        source = torch.where(self.seen[rows].unsqueeze(1), self.previous[rows], pooled)
-        self.previous = self.previous.index_copy(0, rows, pooled)
-        self.seen = self.seen.index_fill(0, rows, True)
-        return source
-
-# --- token dispatch: DeepSeek-V3, Qwen3, MoEUT (each token runs its top-K experts) ---
-
-class TokenRoutedFFN(ExpertPool, FFN):
-    """Common part of the token-dispatch FFNs: a linear router (no bias) over E experts, top-K per
-    token, grouped dispatch; subclasses choose scores, selection and gate values (`route`)."""
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int):
-        super().__init__(dim, hidden, num_experts)
-        self.top_k = top_k
-        self.router = nn.Linear(dim, num_experts, bias=False)
-
-    def route(self, logits: torch.Tensor) -> tuple:
-        """(n, E) fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
-        raise NotImplementedError
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        x = rearrange(u, "b t d -> (b t) d")
-        expert_index, weights = self.route(router_logits(x, self.router.weight))
-        y = self.dispatch(x, expert_index, weights) + self.shared_output(x)
-        return rearrange(y, "(b t) d -> b t d", b=u.shape[0])
-
-    def shared_output(self, x: torch.Tensor):
-        return 0.0
-
-    def active_experts(self) -> int:
-        return self.top_k
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        return {"experts": self.active_experts() * ffn_flops(self.dim, self.hidden),
-                "routing": 2 * self.dim * self.num_experts}
-
-class DeepSeekV3FFN(TokenRoutedFFN):
-    """DeepSeek-V3 (Liu et al., 2024; deepseek-ai/DeepSeek-V3 inference/model.py), App. B adaptation.
-
-    Sigmoid affinities s = sigmoid(x W_r); top-K selection on s + b with a per-expert bias b that is
-    never added to the gate value; gates = s of the selected experts renormalised over them; plus
-    `shared` always-active experts whose outputs are added. b is the auxiliary-loss-free balancer:
-    a buffer (no gradient, not trained) updated after each optimizer step by
-    b += rate * sign(mean(load) - load_e), re-centred to zero mean, from the token loads of the
-    training forwards since the last update. The sequence-wise balance loss, node-limited group
-    routing and the 2.5 route scale of the 671B model are omitted. With K = 1 the renormalised gate
-    is always 1, so the router gets no gradient and learns only through the bias (the original rule).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int,
-                 bias_update_rate: float = 1e-3):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.shared = ExpertPool(dim, hidden, shared_experts) if shared_experts else None
-        self.bias_update_rate = bias_update_rate
-        self.register_buffer("expert_bias", torch.zeros(num_experts))
-        self._load = None  # (E,) tokens routed to each expert since the last optimizer step
-
-    def route(self, logits: torch.Tensor) -> tuple:
-        scores = torch.sigmoid(logits)                                                     # (n, E)
-        expert_index = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices  # selection only
-        gates = scores.gather(1, expert_index)
-        if self.training:
-            load = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
-            self._load = load if self._load is None else self._load + load
-        return expert_index, gates / gates.sum(-1, keepdim=True)
-
-    def shared_output(self, x: torch.Tensor):
-        return 0.0 if self.shared is None else self.shared.mixture(x)
-
-    def active_experts(self) -> int:
-        return self.top_k + (self.shared.num_experts if self.shared is not None else 0)
-
-    @torch.no_grad()
-    def after_optimizer_step(self) -> None:
-        if self._load is None:
-            return
-        load, self._load = self._load, None
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(load)  # every rank applies the same update from the global load
-        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
-        self.expert_bias -= self.expert_bias.mean()
-
-class Qwen3FFN(PooledRouterStats, TokenRoutedFFN):
-    """Qwen3 (Yang et al., 2025; HF transformers qwen3_moe), App. B adaptation.
-
-    Softmax over all experts in fp32, top-K, renormalised by the top-K sum; no shared expert.
-    Global-batch load balancing (Qiu et al., 2025): L = w * E * sum_e f_e P_e, P_e the mean router
-    probability of this forward, f_e the fraction of (token, slot) selections of expert e counted over
-    the global batch: all recurrent steps of the forward (the block is shared) and, under
-    torch.distributed, all ranks (all_reduce of the counts, no gradient). With gradient accumulation
-    each micro-batch's loss uses the counts of its own forward (over all ranks), not of the whole
-    accumulated batch: a loss that waited for later micro-batches could not be backpropagated per
-    micro-batch. App. B uses w = 1e-3 at U > 1 and no balance loss at U = 1 (the presets do), where
-    K = 1 renormalises every gate to 1: the router then gets no gradient at all (true to the rules).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-3):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.balance_weight = balance_weight
-
-    def route(self, logits: torch.Tensor) -> tuple:
-        probs = torch.softmax(logits, dim=-1)                                   # (n, E) fp32
-        top, expert_index = torch.topk(probs, self.top_k, dim=-1)
-        counts = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
-        self.pool(prob_sum=probs.sum(0), counts=counts, tokens=probs.shape[0])
-        return expert_index, top / top.sum(-1, keepdim=True)
-
-    def aux_losses(self, depth: int) -> dict:
-        stats = self.take_stats()
-        if not self.balance_weight or stats is None:
-            return {}
-        counts = stats["counts"].detach().clone()
-        tokens = torch.tensor(float(stats["tokens"]), device=counts.device)
-        if self.training and dist.is_available() and dist.is_initialized():  # (evaluation may run on one rank)
-            dist.all_reduce(counts)
-            dist.all_reduce(tokens)
-        f = counts / tokens                                  # global: sums to K
-        P = stats["prob_sum"] / stats["tokens"]              # local, differentiable
-        return {"balance": self.balance_weight * self.num_experts * (f * P).sum()}
-
-class MoEUTFFN(PooledRouterStats, TokenRoutedFFN):
-    """MoEUT (Csordás et al., 2024; RobertCsordas/moeut), App. B adaptation.
-
-    sigma-MoE routing: sigmoid scores, top-K, expert outputs summed with the sigmoid scores (no
-    renormalisation). Balance regulariser: minus the entropy of the mean softmax selection
-    distribution, pooled over tokens and all recurrent applications, weight 0.01. SwitchHead,
-    peri-LayerNorm and expert dropout are omitted (dense attention is kept).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-2):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.balance_weight = balance_weight
-
-    def route(self, logits: torch.Tensor) -> tuple:
-        self.pool(prob_sum=torch.softmax(logits, dim=-1).sum(0), tokens=logits.shape[0])
-        scores, expert_index = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
-        return expert_index, scores
-
-    def aux_losses(self, depth: int) -> dict:
-        stats = self.take_stats()
-        if not self.balance_weight or stats is None:
-            return {}
-        mean_selection = stats["prob_sum"] / stats["tokens"]  # (E,)
-        neg_entropy = (mean_selection * torch.log(mean_selection.clamp_min(1e-12))).sum()
-        return {"balance": self.balance_weight * neg_entropy}
-
-# --- output mixtures: ReMoE (every expert, ReLU gates), Soft-MoE (slots) ---
-
-class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
-    """ReMoE (Wang et al., 2025; thu-ml/ReMoE), App. B adaptation: a dense output mixture.
-
-    Gates g = relu(x W_r) (no softmax, no top-K); every expert runs on every token and the outputs
-    are summed with g, so a token whose gates are all zero keeps only its residual. Sparsity comes
-    from the load-balanced L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e
-    (count_e: tokens with g_e > 0; K = E (1 - target)), with lambda set by the controller after each
-    optimizer step: lambda *= 1.2 while the measured sparsity is below the target 0.75, else
-    lambda /= 1.2; lambda starts at 1e-8 and is an fp32 buffer. Our choice for the recurrence: the
-    n tokens are pooled over all L steps into one normalisation, which is 1/L of the sum of per-step
-    (per-layer) penalties.
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, target_sparsity: float = 0.75,
-                 l1_init: float = 1e-8, l1_step: float = 1.2):
-        super().__init__(dim, hidden, num_experts)
-        self.router = nn.Linear(dim, num_experts, bias=False)
-        self.target_sparsity, self.l1_step = target_sparsity, l1_step
-        self.register_buffer("l1_weight", torch.tensor(l1_init, dtype=torch.float32))
-        self._active, self._total = None, 0  # nonzero gates and gates seen since the last update
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        x = rearrange(u, "b t d -> (b t) d")
-        gates = F.relu(router_logits(x, self.router.weight))                     # (n, E) fp32
-        active = (gates > 0).float()
-        self.pool(gate_sum=gates.sum(0), counts=active.sum(0), tokens=gates.shape[0])
-        if self.training:
-            nonzero = active.sum().detach()
-            self._active = nonzero if self._active is None else self._active + nonzero
-            self._total += active.numel()
-        return rearrange(self.mixture(x, gates), "(b t) d -> b t d", b=u.shape[0])
-
-    def aux_losses(self, depth: int) -> dict:
-        stats = self.take_stats()
-        if stats is None:
-            return {}
-        k = self.num_experts * (1.0 - self.target_sparsity)
-        scale = self.l1_weight.float() * self.num_experts / (stats["tokens"] ** 2 * k)
-        return {"l1": scale * (stats["gate_sum"] * stats["counts"].detach()).sum()}
-
-    def sparsity(self) -> float:
-        return 1.0 - float(self._active) / self._total
-
-    @torch.no_grad()
-    def after_optimizer_step(self) -> None:
-        if self._active is None:
-            return
-        active = torch.stack([self._active.float(), torch.tensor(float(self._total), device=self._active.device)])
-        self._active, self._total = None, 0
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(active)
-        sparsity = 1.0 - (active[0] / active[1]).item()
-        self.l1_weight.mul_(self.l1_step if sparsity < self.target_sparsity else 1.0 / self.l1_step)
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        return {"experts": self.num_experts * ffn_flops(self.dim, self.hidden),
-                "routing": 2 * self.dim * self.num_experts}
-
-class SoftMoEFFN(ExpertPool, FFN):
-    """Soft-MoE (Puigcerver et al., 2024; google-research/vmoe), App. B adaptation.
-
-    S = E * p slots with parameters Phi (d, S). Logits = l2norm(x) . (scale * l2norm(Phi)) over d
-    (the normalisation is for the logits only; experts see the un-normalised tokens), with a
-    learnable scalar scale (init 1). Dispatch weights: softmax over the tokens of an image, per slot;
-    combine weights: softmax over all slots, per token. Expert e runs on its p slots. No aux loss.
-    Per token the experts cost S / T dense FFNs, so U = S / T (the paper sizes S from the patch count).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, slots_per_expert: int):
-        super().__init__(dim, hidden, num_experts)
-        self.slots_per_expert = slots_per_expert
-        self.slot_embed = nn.Parameter(torch.empty(dim, num_experts * slots_per_expert))  # Phi (d, S)
-        self.scale = nn.Parameter(torch.ones(()))
-        nn.init.trunc_normal_(self.slot_embed, std=0.02)
-
-    def routing_weights(self, u: torch.Tensor) -> tuple:
-        """(b, T, d) -> dispatch (b, T, S), normalised over T; combine (b, T, S), normalised over S."""
-        with full_precision(u.device):
-            slots = self.scale.float() * F.normalize(self.slot_embed.float(), dim=0)
-            logits = F.normalize(u.float(), dim=-1) @ slots          # (b, T, S)
-        return torch.softmax(logits, dim=1), torch.softmax(logits, dim=2)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        dispatch, combine = self.routing_weights(u)
-        slots = dispatch.transpose(1, 2).to(u.dtype) @ u                                       # (b, S, d)
-        slots = rearrange(slots, "b (e p) d -> e (b p) d", e=self.num_experts)
-        out = rearrange(self.run_all(slots), "e (b p) d -> b (e p) d", b=u.shape[0])          # (b, S, d)
-        return combine.to(out.dtype) @ out                                                      # (b, T, d)
-
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        slots = self.num_experts * self.slots_per_expert
-        # logits, dispatch and combine: three (T x d x S) products per image
-        return {"experts": slots * ffn_flops(self.dim, self.hidden) / num_tokens, "routing": 6 * self.dim * slots}
-
-# --- layer-wise LoRA (Relaxed Recursive Transformers): a Block variant with per-step updates ---
-
-LORA_LAYERS = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
-
-class LayerwiseLoRA(nn.Module):
-    """The factors of layer-wise LoRA (Bae et al., 2025a; no public code), App. B.1 / Table 10.
-
-    An independent rank-r update W_t = W + B_t A_t per step t on the fused qkv, the attention output,
-    fc1 and fc2; biases and norms stay shared. A_t starts random (PEFT's uniform(+-1/sqrt(fan_in))),
-    B_t at zero, so training starts from the tied block; no alpha/r scaling (the paper writes
-    W + B_t A_t). Parameters: 16 L r d for d_ff = 4d (4.72M for S/16, r = 64).
-    """
-
-    def __init__(self, dim: int, ffn_dim: int, depth: int, rank: int):
-        super().__init__()
-        shapes = {"qkv": (dim, 3 * dim), "proj": (dim, dim), "fc1": (dim, ffn_dim), "fc2": (ffn_dim, dim)}
-        for name, (fan_in, fan_out) in shapes.items():
-            down = nn.Parameter(torch.empty(depth, rank, fan_in))   # A_t (L, r, in)
-            nn.init.uniform_(down, -1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
-            setattr(self, f"{name}_down", down)
-            setattr(self, f"{name}_up", nn.Parameter(torch.zeros(depth, fan_out, rank)))  # B_t (L, out, r)
-
-    def update(self, name: str, t: int, x: torch.Tensor) -> torch.Tensor:
-        """B_t A_t x for layer `name` at step t."""
-        return F.linear(F.linear(x, getattr(self, f"{name}_down")[t]), getattr(self, f"{name}_up")[t])
-
-    def delta(self, t: int, name: str) -> torch.Tensor:
-        """B_t A_t (out, in) in fp32: what fold adds to the shared weight."""
-        return getattr(self, f"{name}_up")[t].float() @ getattr(self, f"{name}_down")[t].float()
-
-    def flops_per_token(self) -> int:
-        return sum(2 * getattr(self, f"{n}_down").shape[1] * (getattr(self, f"{n}_down").shape[2]
-                                                               + getattr(self, f"{n}_up").shape[1])
-                   for n in LORA_LAYERS)
-
-
-class LoRAAttention(Attention):
-    """The shared attention with step t's low-rank updates on qkv and proj."""
-
-    def forward(self, x: torch.Tensor, step: int, lora: LayerwiseLoRA) -> torch.Tensor:
-        h = self.attend(self.qkv(x) + lora.update("qkv", step, x))                        # (B, T, d)
-        return self.proj(h) + lora.update("proj", step, h)
-
-
-class LoRAMlp(Mlp):
-    """The shared dense FFN with step t's low-rank updates on fc1 and fc2."""
-
-    def forward(self, u: torch.Tensor, step: int, lora: LayerwiseLoRA) -> torch.Tensor:
-        h = F.gelu(self.fc1(u) + lora.update("fc1", step, u))                              # (B, T, d_ff)
-        return self.fc2(h) + lora.update("fc2", step, h)
-
-
-class LoRABlock(Block):
-    """The tied block plus layer-wise LoRA: step t runs W + B_t A_t on qkv, proj, fc1 and fc2.
-    One adapter per trained step, so the model runs only at its own depth."""
-
-    def __init__(self, dim: int, heads: int, ffn_dim: int, depth: int, rank: int,
-                 layer_scale_init: float | None = None, drop_path: float = 0.0):
-        super().__init__(dim, heads, LoRAMlp(dim, ffn_dim), layer_scale_init, drop_path)
-        self.attn = LoRAAttention(dim, heads)  # same parameter names as the plain block's
-        self.lora = LayerwiseLoRA(dim, ffn_dim, depth, rank)
-        self.trained_depth = depth
-
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), step.t, self.lora)))
-        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), step.t, self.lora)))
-
-    def check_depth(self, depth: int) -> None:
-        if depth != self.trained_depth:
-            raise ValueError(f"depth={depth}: layer-wise LoRA has one adapter per trained step, so it runs only "
-                             f"at its own depth ({self.trained_depth})")
-
-    def begin_forward(self, depth: int, batch: int) -> None:
-        self.check_depth(depth)
-        super().begin_forward(depth, batch)
-
-    def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
-        """Step t: the shared weights plus B_t A_t on qkv, proj, fc1 and fc2 (fp32 sums, cast on loading)."""
-        self.check_depth(depth)
-        states = [{k: v for k, v in state.items() if not k.startswith("lora.")}
-                  for state in super().unrolled_states(depth)]
-        for t, state in enumerate(states):
-            for name, layer in LORA_LAYERS.items():
-                state[f"{layer}.weight"] = state[f"{layer}.weight"].float() + self.lora.delta(t, name)
-        return states
-
-
-# --- registering the comparisons with Part I: ViTConfig.ffn -> the shared block, and their settings' checks ---
-
-def build_lora_block(c: ViTConfig) -> Block:
-    return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
-
-def build_comparison_block(c: ViTConfig) -> Block:
-    """The shared block for an input-dependent mechanism (hidden width of each expert: expert_ffn_dim)."""
-    hidden, aux = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
-    slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
-    ffn = {
-        "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
-        "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
-        "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, aux),
-        "deepseek": lambda: DeepSeekV3FFN(c.dim, hidden, c.num_experts, c.top_k, c.shared_experts,
-                                          c.bias_update_rate),
-        "qwen3": lambda: Qwen3FFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
-        "moeut": lambda: MoEUTFFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
-        "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
-        "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
-    }[c.ffn]()
-    return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
-
-SHARED_BLOCKS["lora"] = SharedBlock(build_lora_block, depth_programmed=True)
-SHARED_BLOCKS.update({name: SharedBlock(build_comparison_block, depth_programmed=False)
-                      for name in ("lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")})
-FFNS = tuple(SHARED_BLOCKS)  # every value ViTConfig.ffn may take
-
-def check_mechanism_fields(c: ViTConfig) -> None:
-    """The ranges of Part II's settings (ViTConfig's last group)."""
-    need(c, 1 <= c.top_k <= c.num_experts, "top_k", f"between 1 and num_experts={c.num_experts}")
-    need(c, c.shared_experts >= 0, "shared_experts", ">= 0")
-    need(c, c.shared_experts == 0 or c.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
-    need(c, c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
-    need(c, c.bias_update_rate >= 0, "bias_update_rate", ">= 0")
-    need(c, 0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
-    need(c, 1 <= c.lora_rank <= 2 ** 12, "lora_rank", "in 1..4096")
-    need(c, c.shared_experts <= 2 ** 10, "shared_experts", "at most 1024")
-    need(c, c.slots_per_expert <= 2 ** 12, "slots_per_expert", "at most 4096")
-
-CONFIG_CHECKS.append(check_mechanism_fields)
-
-# --- the paper's measures of a mechanism: stored expert parameters (Table 8) and budget U (§4.3) ---
-
-def expert_ffn_params(model: nn.Module) -> int:
-    """Table 8's count: parameters of every stored expert FFN, routed and shared, P(d, r) each
-    (App. B); routers, Soft-MoE slot parameters, LoRA factors and the backbone are not counted.
-    A dense FFN (the tied block, a ViT's blocks) counts as one expert."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, ExpertBank):
-            total += sum(p.numel() for p in module.bank())
-        elif isinstance(module, Mlp):
-            total += sum(p.numel() for p in module.parameters())
-    return total
-
-def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
-    """{"experts", "routing"}: FLOPs per token and step for an image of num_tokens tokens (2 per
-    multiply-add of the matmuls); "experts" is what the budget U counts (§4.3). Part I's two FFNs are
-    measured here, so that Part I carries no accounting; every Part II mechanism measures itself."""
-    if isinstance(ffn, Mlp):
-        return {"experts": ffn_flops(ffn.fc1.in_features, ffn.fc1.out_features), "routing": 0}
-    if isinstance(ffn, MergedExpertFFN):
-        # routing, for one image: psi on s_t (1 -> 16 -> E) and the Eq. 2 merge (E * P multiply-adds)
-        router = 2 * (ffn.router[0].out_features + ffn.router[2].in_features * ffn.num_experts)
-        merge = 2 * ffn.num_experts * params_per_expert(ffn)
-        return {"experts": ffn_flops(ffn.dim, ffn.hidden), "routing": (router + merge) / num_tokens}
-    return ffn.active_flops_per_token(num_tokens)
-
-def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
-    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's.
-
-    Measured from the FFN's own FLOP count (`active_flops_per_token`) for images of
-    num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
-    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class
-    token its U is the paper's (slots / patches) times N / (N + 1).
-    """
-    c = model.config
-    ffn = model.block.mlp if isinstance(model, ReViT) else model.blocks[0].mlp
-    flops = active_flops_per_token(ffn, num_tokens or 1 + c.num_patches)
-    return flops["experts"] / ffn_flops(c.dim, c.ffn_dim)
+    def begin_forward(self, depth: int) -> None:
+        cacheable = not self.training and not torch.is_grad_enabled()
+        self._merged_steps = self.cached_merge(depth) if cacheable else None  # this forward's (L, ...) stacks
+
+    def step_ffn(self, t: int, depth: int) -> MergedFFN:
+        if self._merged_steps is None or self._merged_steps[0].shape[0] != depth:
+            return super().step_ffn(t, depth)
+        return MergedFFN(*(w[t] for w in self._merged_steps))
+
+    def weights_version(self) -> tuple:
+        # In-place updates bump a tensor's version counter; moving or casting changes data_ptr / dtype.
+        # Fused optimizers write without a version bump: every optimizer step counts as an edit.
+        return (OPTIMIZER_STEPS[0], self.temperature, self.router_prior,
+                *((p._version, p.data_ptr(), p.dtype) for p in self.parameters()))
+
+    @torch.compiler.disable  # a Python-side lookup: kept out of compiled graphs (no guards, no recompiles)
+    def cached_merge(self, depth: int) -> tuple:
+        key = (depth, self.fc1_weight.device, self.weights_version())
+        if self._cache_key != key:
+            self.clear_cache()  # free the old cache before building the new one
+            self._cache = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))  # fp32 (L, ...)
+            self._cache_key = key
+        return self._cache
+
+    def clear_cache(self) -> None:
+        self._cache_key, self._cache, self._merged_steps = None, None, None
+
+    def train(self, mode: bool = True):
+        self.clear_cache()  # a mode switch is where hand-written weight edits usually end
+        return super().train(mode)
+
+# --- how lib/moe.py plugs the paper's comparison mechanisms (§4.3, App. B) into reViT ---
+
+class Mechanism(NamedTuple):
+    """A value of ViTConfig.ffn other than "merge": the ReViT subclass that runs it (lib/moe.py)."""
+    model: type
+    depth_programmed: bool  # the FFN of step t depends on the depth only, so the model folds (§3.1)
+
+MECHANISMS: dict[str, Mechanism] = {}  # ViTConfig.ffn -> Mechanism; filled by `import lib.moe`
+
+# --- not in the paper: a fixed depth prior on the gate logits (ViTConfig.router_prior, 0 by default) ---
+
+def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
+    """(n, 1) -> (n, E): -beta (s - c_e)^2, c_e = e / (E - 1): a fixed term that starts expert e dominant
+    near s = c_e, a symmetry-breaking start (our addition; beta = router_prior)."""
+    centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
+    return -beta * (s.float() - centres).pow(2)
 
 # --- for the analysis tools: expert ablation and permutation on a folded model (§5) ---
 
@@ -1426,59 +877,16 @@ def load_merged_ffns(vit: VisionTransformer, merged: tuple) -> None:
         block.mlp.fc2.weight.copy_(fc2_weight)
         block.mlp.fc2.bias.copy_(fc2_bias)
 
-# --- presets of the comparison (App. B, Tables 8 and 10) ---
 
-# mechanism -> {U: (E routed experts, K active per token (0: not a top-K router), shared experts, ehr)},
-# ehr = expert hidden width / d. A ViT FFN has ehr 4, so the experts get expert_ffn_fraction = ehr / 4
-# of the preset's ffn_dim at every size. At U = 1, DeepSeek-V3 and Qwen3 route K = 1 expert and
-# renormalise its gate to 1, so their routers get no gradient (true to the rules; DeepSeek-V3 still
-# balances through its bias, Qwen3 then has no balance loss either).
-MOE_TABLE = {
-    "lory": {1: (4, 0, 0, 4)},
-    "smear": {1: (4, 0, 0, 4)},
-    "feature": {1: (4, 0, 0, 4)},  # Fig. 2's feature-only control (SMEAR-style gate, reViT's aux losses)
-    "deepseek": {1: (4, 1, 1, 2), 1.5: (8, 2, 1, 2), 2: (16, 6, 2, 1), 4: (32, 12, 4, 1)},
-    "qwen3": {1: (4, 1, 0, 4), 1.5: (48, 6, 0, 1), 2: (64, 8, 0, 1), 4: (128, 16, 0, 1)},
-    "moeut": {1: (4, 1, 0, 4), 1.5: (8, 2, 0, 3), 2: (16, 4, 0, 2), 4: (32, 16, 0, 1)},
-    "remoe": {1: (4, 0, 0, 1), 1.5: (6, 0, 0, 1), 2: (8, 0, 0, 1), 4: (16, 0, 0, 1)},   # all experts run
-    "softmoe": {1: (4, 0, 0, 4), 1.5: (6, 0, 0, 4), 2: (8, 0, 0, 4), 4: (16, 0, 0, 4)},  # N/4 slots each
-}
-MOE_SIZES = {"s": WIDTHS["s"], "b": WIDTHS["b"], "b14": dict(WIDTHS["b"], patch_size=14),
-             "mini": MINI, "mini32": MINI32}
-
-def _moe_presets() -> dict:
-    """revit-{size}-{mechanism}-u{U} for every cell of MOE_TABLE, revit-{size}-{mechanism} for U = 1,
-    and revit-{size}-lora (Table 10: r = 64 at S/16, i.e. r = d / 6)."""
-    presets = {}
-    for size, width in MOE_SIZES.items():
-        for mechanism, budgets in MOE_TABLE.items():
-            for budget, (experts, top_k, shared, ehr) in budgets.items():
-                preset = dict(width, arch="revit", ffn=mechanism, num_experts=experts, shared_experts=shared,
-                              expert_ffn_fraction=ehr / 4, **({"top_k": top_k} if top_k else {}))
-                if mechanism == "qwen3":  # App. B: global-batch balance loss 1e-3 at higher U only
-                    preset["balance_weight"] = 1e-3 if budget > 1 else 0.0
-                presets[f"revit-{size}-{mechanism}-u{budget:g}"] = preset
-                if budget == 1:
-                    presets[f"revit-{size}-{mechanism}"] = preset
-        presets[f"revit-{size}-lora"] = dict(width, arch="revit", ffn="lora", num_experts=1,
-                                             lora_rank=width["dim"] // 6)
-    return presets
-
-PRESETS.update(_moe_presets())
-
-
-if __name__ == "__main__":  # python revit.py [names...]: parameter counts of the presets (built on the meta device)
+if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
     import sys
 
     names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
-    print(f"| {'preset':<22} | {'params (M)':>10} | {'expert FFN (M)':>14} | {'U':>5} | {'L':>3} "
-          f"| {'d':>5} | {'E / k':>5} |")
-    print(f"|{'-' * 24}|{'-' * 12}|{'-' * 16}|{'-' * 7}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
+    print(f"| {'preset':<22} | {'params (M)':>10} | {'L':>3} | {'d':>5} | {'E / k':>5} |")
+    print(f"|{'-' * 24}|{'-' * 12}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
     for name in names:
         with torch.device("meta"):
             model = create_model(name)
         c = model.config
         ek = {"revit": c.num_experts, "raptor": c.raptor_blocks}.get(c.arch, "")
-        budget = f"{ffn_budget(model):.3g}" if c.arch == "revit" else ""
-        print(f"| {name:<22} | {model.num_params() / 1e6:>10.2f} | {expert_ffn_params(model) / 1e6:>14.2f} "
-              f"| {budget:>5} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")
+        print(f"| {name:<22} | {model.num_params() / 1e6:>10.2f} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")

@@ -203,7 +203,8 @@ def family_of(arch: str) -> str:
 
 
 def preset_names() -> list[str]:
-    import alternet  # for its names: a list or an unknown --arch
+    import alternet  # for their names: a list or an unknown --arch
+    import lib.moe  # noqa: F401 -- the comparison mechanisms' presets are names too
     return sorted(revit.PRESETS) + sorted(alternet.PRESETS)
 
 

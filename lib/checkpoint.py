@@ -143,7 +143,7 @@ def config_problem(ckpt: dict, keys) -> str | None:
     if "model_config" not in keys or ckpt["arch"] == "linear-probe":
         return None
     arch, config = ckpt["arch"], ckpt["model_config"]
-    module = preset_module(arch)
+    module = preset_module(arch, config)
     if module is None:
         return f"checkpoint of unknown arch {arch!r} (not a preset of revit.py or alternet.py)"
     if too_deep(config):
@@ -169,13 +169,27 @@ def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
     return None
 
 
-def preset_module(arch: str):
-    """revit or alternet, whichever defines preset `arch`; None if neither does. The language model is
-    imported only for a name that is not a vision preset: a vision run never loads it."""
+def preset_module(arch: str, config=None):
+    """revit or alternet, whichever defines preset `arch` (with `config`, its model config); None if neither
+    does. The language model is imported only for a name that is not a vision preset, and lib/moe.py only
+    for a comparison mechanism: a reViT run loads neither."""
+    import_moe_if_named(arch, config)
     if arch in revit.PRESETS:
         return revit
     import alternet
     return alternet if arch in alternet.PRESETS else None
+
+
+def import_moe_if_named(arch: str | None = None, config=None) -> None:
+    """The comparison mechanisms of §4.3 / App. B live in lib/moe.py, which registers their presets and
+    ffn values with revit when imported: import it when (and only when) `arch` is a name neither model
+    file defines or the model config `config` names an ffn other than reViT's merge."""
+    unknown = False
+    if arch is not None and arch not in revit.PRESETS:
+        import alternet
+        unknown = arch not in alternet.PRESETS
+    if unknown or isinstance(config, dict) and config.get("ffn", "merge") != "merge":
+        import lib.moe  # noqa: F401
 
 
 def load_model(path, device="cpu", flag: str = "checkpoint"):
@@ -186,7 +200,7 @@ def load_model(path, device="cpu", flag: str = "checkpoint"):
     if arch == "linear-probe":
         raise ValueError(f"{flag} {path} is a linear-probe head, not a model; its backbone is "
                          f"{ckpt['model_config'].get('backbone')}")
-    model = preset_module(arch).create_model(arch, **ckpt["model_config"])
+    model = preset_module(arch, ckpt["model_config"]).create_model(arch, **ckpt["model_config"])
     model.load_state_dict(ckpt["model"])  # names and shapes checked by load_checkpoint
     return model.to(device).eval(), ckpt
 

@@ -64,6 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import alternet
 import revit
+from lib.checkpoint import preset_module
 
 GB = 1e9
 USABLE = 0.9  # of a device's memory a run may plan to use (our choice: context, fragmentation, workspaces)
@@ -144,7 +145,7 @@ def model_bytes(model: nn.Module, devices: int = 1) -> dict:
 def preset_parameters(name: str) -> int:
     """Parameters of a preset of alternet.py or revit.py (built once on the meta device, then cached)."""
     with torch.device("meta"):
-        model = (alternet if name in alternet.PRESETS else revit).create_model(name)
+        model = (preset_module(name) or revit).create_model(name)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -168,7 +169,7 @@ def reduced_model(config, device: torch.device, depth: int, **changes) -> nn.Mod
     config = dataclasses.replace(config, **changes, **({"max_depth": depth} if language else
                                                        {"depth": depth, "depth_drop": 0.0}))
     with torch.device("meta"):
-        model = alternet.AlterNet(config) if language else revit.MODELS[config.arch](config)
+        model = alternet.AlterNet(config) if language else revit.build_model(config)
     model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
@@ -496,7 +497,7 @@ def _memory_worker(spec: dict) -> dict:
 
 def model_of(config: revit.ViTConfig) -> torch.nn.Module:
     """The module a config describes, in eval mode (what revit.create_model builds from a preset)."""
-    return revit.MODELS[config.arch](config).eval()
+    return revit.build_model(config).eval()
 
 
 def _ru_maxrss_kib() -> int:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.checkpoint import model_or_fail
+from lib.checkpoint import model_or_fail, preset_module
 from lib.cli import device_options, fail, parse_depths, parse_model_args, say
 
 
@@ -236,6 +236,7 @@ def autocast_of(device, options: dict):
 
 def make(create, arch, overrides):
     """create(arch, **overrides), its ValueError / TypeError as the one-line exit."""
+    preset_module(arch, overrides)  # imports lib.moe where a comparison mechanism is asked for
     try:
         return create(arch, **overrides)
     except (ValueError, TypeError) as e:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import alternet
 import revit
+from lib import moe  # noqa: F401 - registers the comparison mechanisms (§4.3, App. B)
 
 F64 = torch.float64
 FAST = settings(max_examples=8, deadline=None, derandomize=True)

@@ -4,6 +4,7 @@ Every mechanism is checked against a slow reference written from its routing rul
 over images, steps and tokens), on tiny widths; storage (Table 8) and the nominal budget U are
 checked on the real S/B presets built on the meta device.
 """
+import inspect
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import revit
 import train
+from lib import moe
 from helpers import randomise, images
 
 FAST = settings(max_examples=6, deadline=None)
@@ -122,7 +124,7 @@ def test_forward_matches_slow_reference_with_and_without_elastic_depth(name):
 @given(tokens=st.integers(1, 40), experts=st.integers(1, 7), k=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_grouped_dispatch_equals_a_loop_over_tokens(tokens, experts, k, seed):
     g = torch.Generator().manual_seed(seed)
-    bank = randomise(revit.ExpertPool(8, 5, experts), seed)
+    bank = randomise(moe.ExpertPool(8, 5, experts), seed)
     x = torch.randn(tokens, 8, generator=g)
     k = min(k, experts)
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])  # some experts empty
@@ -380,8 +382,8 @@ def test_stored_expert_parameters_and_measured_budget_match_the_paper(mechanism,
     for name in {preset(mechanism, budget, size), preset(mechanism, budget, "b14" if size == "b" else size)}:
         with torch.device("meta"):
             model = revit.create_model(name)
-        assert round(revit.expert_ffn_params(model) / 1e6, 1) == millions  # Table 8
-        measured = revit.ffn_budget(model)
+        assert round(moe.expert_ffn_params(model) / 1e6, 1) == millions  # Table 8
+        measured = moe.ffn_budget(model)
         if mechanism == "softmoe":  # S = U * N slots shared by N + 1 tokens (the class token)
             n = model.config.num_patches
             assert model.block.mlp.num_experts * model.block.mlp.slots_per_expert == budget * n
@@ -396,11 +398,15 @@ def test_flop_count_is_what_the_module_runs(name):
     ffn, tokens, depth = model.block.mlp, 1 + model.config.num_patches, model.config.depth
     u = torch.randn(1, tokens, model.config.dim)
     with FlopCounterMode(display=False) as counter:
-        ffn.begin_forward(depth, 1)
-        for t in range(depth):
-            step = revit.Step(t, revit.depth_grid(depth)[t:t + 1])
-            ffn(u, step) if ffn.needs_step else ffn(u)
-    flops = revit.active_flops_per_token(ffn, tokens)
+        if isinstance(model, moe.ComparisonReViT):  # what MechanismBlock gives a mechanism at each step
+            ffn.begin_forward(depth, 1)
+            for t in range(depth):
+                step = moe.Step(t, revit.depth_grid(depth)[t:t + 1])
+                ffn(u, step) if ffn.needs_step else ffn(u)
+        else:  # reViT's own FFN: FFN_t, merged at each step (the model is in training mode: no cache)
+            for t in range(depth):
+                ffn.step_ffn(t, depth)(u)
+    flops = moe.active_flops_per_token(ffn, tokens)
     assert counter.get_total_flops() == pytest.approx(depth * tokens * (flops["experts"] + flops["routing"]))
 
 
@@ -424,6 +430,7 @@ def test_preset_names_and_table_encoding():
     (dict(ffn="switch"), "ffn='switch' is not allowed.*one of"), (dict(ffn="qwen3", top_k=5), "top_k"),
     (dict(ffn="qwen3", shared_experts=1), "shared_experts"), (dict(arch="vit", ffn="smear"), "ffn"),
     (dict(expert_ffn_fraction=0.0), "expert_ffn_fraction"), (dict(lora_rank=0), "lora_rank"),
+    (dict(ffn="remoe", num_experts=4, top_k=10 ** 6), "top_k must be between 1 and num_experts=4"),
 ])
 def test_bad_mechanism_config_names_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -433,9 +440,37 @@ def test_bad_mechanism_config_names_the_field(overrides, match):
 def test_budgets_are_consistent_across_sizes():
     """ehr is encoded relative to ffn_dim, so the mini presets keep the paper's U for token dispatch."""
     for mechanism in ("deepseek", "qwen3", "moeut", "remoe"):
-        for budget in revit.MOE_TABLE[mechanism]:
+        for budget in moe.MOE_TABLE[mechanism]:
             model = revit.create_model(f"revit-mini-{mechanism}-u{budget:g}")
-            assert revit.ffn_budget(model) == pytest.approx(budget)
+            assert moe.ffn_budget(model) == pytest.approx(budget)
     softmoe = revit.create_model("revit-mini-softmoe")  # U*N slots serve N patches + the class token
     n = softmoe.config.num_patches
-    assert math.isclose(revit.ffn_budget(softmoe), n / (n + 1))
+    assert math.isclose(moe.ffn_budget(softmoe), n / (n + 1))
+
+
+# --- how the mechanisms plug into reViT ---
+
+def test_only_ffns_that_need_the_step_receive_it():
+    def subclasses(cls):
+        return {cls} | {s for sub in cls.__subclasses__() for s in subclasses(sub)}
+    # LoRAMlp is never called by MechanismBlock.forward: LoRABlock calls it with step t's adapters itself
+    for ffn in subclasses(moe.FFN) - {moe.FFN, moe.LoRAMlp}:
+        wanted = ["self", "u", "step"] if ffn.needs_step else ["self", "u"]
+        assert list(inspect.signature(ffn.forward).parameters)[:len(wanted)] == wanted, ffn.__name__
+        assert len(inspect.signature(ffn.forward).parameters) == len(wanted), ffn.__name__
+
+
+@pytest.mark.parametrize("name", MECHANISMS + ["revit-mini-lora"])
+def test_each_mechanism_is_run_by_its_own_revit_and_the_plain_one_refuses_it(name):
+    model = tiny(name, **({"lora_rank": 2} if "lora" in name else {}))
+    assert type(model) is moe.ComparisonReViT and isinstance(model, revit.ReViT)
+    with pytest.raises(ValueError, match=f"ffn='{model.config.ffn}' builds lib.moe.ComparisonReViT"):
+        revit.ReViT(model.config)
+    assert type(revit.build_model(model.config)) is moe.ComparisonReViT
+
+
+def test_every_bias_like_parameter_of_a_mechanism_is_named_bias():
+    for name in MECHANISMS + ["revit-mini-lora"]:
+        for pname, p in tiny(name).named_parameters():
+            if "bias" in pname:
+                assert pname.endswith("bias"), pname

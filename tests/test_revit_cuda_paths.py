@@ -25,6 +25,7 @@ import torch._dynamo.testing
 
 import revit
 from helpers import images
+from lib import moe
 
 TINY = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, heads=2, ffn_dim=24, depth=4)
 # every family: the baselines, reViT in its modes, one mechanism of each MoE family, LoRA
@@ -91,7 +92,7 @@ def test_gates_merges_and_router_logits_stay_fp32_under_autocast():
         out = model.eval()(images(2, model), return_states=True)
         with torch.no_grad():
             model(images(2, model))  # fills the merge cache under autocast
-        routed = revit.router_logits(torch.randn(5, 16), torch.randn(4, 16))
+        routed = moe.router_logits(torch.randn(5, 16), torch.randn(4, 16))
     assert gates.dtype == out["gates"].dtype == routed.dtype == torch.float32
     assert all(w.dtype == torch.float32 for w in merged) and all(w.dtype == torch.float32 for w in ffn._cache)
     torch.testing.assert_close(gates, model.gate_matrix(), rtol=0, atol=0)

@@ -86,6 +86,7 @@ SMALL_LANGUAGE = dict(vocab_size=64, seq_len=16, dim=32, heads=2, ffn_dim=32, de
 def test_no_bias_is_decayed_for_any_preset():
     """Biases are never decayed, whatever their shape (reViT's per-expert biases are (E, d_ff))."""
     import alternet
+    import lib.moe  # noqa: F401 - every preset: the comparison mechanisms' too
     models = [(name, revit.create_model(name, **SMALL_VISION)) for name in revit.PRESETS]
     models += [(name, alternet.create_model(name, **SMALL_LANGUAGE)) for name in alternet.PRESETS]
     for name, model in models:

@@ -147,7 +147,8 @@ def prior_share(model, gates: torch.Tensor, s: torch.Tensor) -> dict:
     if not getattr(ffn, "router_prior", 0):
         return {}
     with torch.no_grad():
-        prior = torch.softmax(ffn.depth_prior(s[:, None].float()) / ffn.temperature, dim=-1).double()
+        logits = revit.depth_prior(s[:, None].float(), ffn.num_experts, ffn.router_prior)
+        prior = torch.softmax(logits / ffn.temperature, dim=-1).double()
     return {"router_prior": ffn.router_prior, "prior_gates": prior.tolist(),
             "prior_dominant_expert": prior.argmax(1).tolist(), "learned_shift": float((gates - prior).abs().max())}
 
@@ -365,7 +366,7 @@ def gradient_part(model, images, labels, depth: int, batches: int, seed: int) ->
     images, labels = images[:batch_size * batches], labels[:batch_size * batches]
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    fresh = revit.MODELS[model.config.arch](model.config).to(device).eval()
+    fresh = revit.build_model(model.config).to(device).eval()
     return {"trained": gradient_measures(model, images, labels, depth, batch_size),
             "init": gradient_measures(fresh, images, labels, depth, batch_size)}
 

@@ -45,7 +45,7 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
     sys.exit("tools/export.py: error: run it from the repository root as python -m tools.export")
 
 import revit
-from lib.checkpoint import load_vision_model, non_finite
+from lib.checkpoint import import_moe_if_named, load_vision_model, non_finite
 from lib.cli import check_depth, fail, output_problem, path_problem, too_deep
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
@@ -167,15 +167,16 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
             fields = json.loads(metadata["config"])
             if isinstance(fields, dict) and too_deep(fields):
                 raise ValueError(too_deep(fields))
+            import_moe_if_named(config=fields)  # a comparison mechanism's config needs lib.moe
             config = revit.ViTConfig(**fields)
         except (KeyError, TypeError, ValueError, RecursionError) as e:  # no config, not JSON, fields revit.py lacks
             raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
         with torch.device("meta"):  # shapes first, without memory: a config that says 10**6 experts allocates nothing
-            report = shape_report(revit.MODELS[config.arch](config), tensors)
+            report = shape_report(revit.build_model(config), tensors)
         if report:
             raise ValueError(f"{path} does not fit its own config: {report}")
-        model = revit.MODELS[config.arch](config)
+        model = revit.build_model(config)
     problem = non_finite({"model": tensors}, ("model",))
     if problem:
         raise ValueError(f"checkpoint {path}: {problem}")

@@ -1,0 +1,760 @@
+"""The paper's comparison mechanisms (reViT, arXiv 2610.12448, §4.3 and App. B; Tables 3, 4, 8, 10; Fig. 2):
+each replaces the merged FFN of reViT's shared block, under the same recurrence.
+
+`import lib.moe` registers them with revit.py: their ViTConfig.ffn names (revit.MECHANISMS), the
+ranges of their settings (revit.CONFIG_CHECKS) and their presets (revit.PRESETS,
+revit-{size}-{mechanism}[-u{U}] and revit-{size}-lora); revit.py itself never imports this file.
+
+How they plug in. A mechanism's model is a `ComparisonReViT`: reViT's recurrence, whose shared block
+(`MechanismBlock`) gives its FFN what the mechanism needs beyond the tokens, through a small interface
+(`FFN`): begin_forward(depth, batch) once before step 0 (per-forward state: pooled router statistics,
+Lory's per-image memory), the step (`Step`: t, the images' coordinates, which rows run it) to an FFN
+that sets `needs_step`, and aux_losses(depth) once after the last step. Layer-wise LoRA is a block
+variant (`LoRABlock`). Each mechanism also reports its cost, active_flops_per_token(T) -> {"experts",
+"routing"} (the measures section, with the budget U of §4.3 and Table 8's storage). Statistics pooled
+over the steps of one forward live on the module (reset by begin_forward); statistics for a
+non-gradient update after the optimizer step (DeepSeek-V3's bias, ReMoE's L1 controller) live on the
+module too, recorded by training forwards only, and are summed over ranks under torch.distributed.
+
+    python -m lib.moe [names...]   # parameter counts, expert-FFN storage and U of the presets
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist  # global balancing statistics across ranks
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+import revit
+from revit import (CONFIG_CHECKS, PRESETS, Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp,
+                   ReViT, ViTConfig, depth_grid, elastic_plan, full_precision, gate_penalties, need)
+
+# --- the interface: what a mechanism's FFN gets from the recurrence ---
+
+class Step(NamedTuple):
+    """Where one application of the shared block runs: what an FFN with `needs_step` is given.
+
+      t       int          the step index in 0..L-1
+      coords  (b,)         each image's normalised depth coordinate s (Eq. 1; renumbered under §3.2)
+      rows    (b,) | None  which images of the batch run this step, under elastic depth; None: the
+                           whole batch, every image at the grid coordinate s_t = t / (L - 1)
+    """
+    t: int
+    coords: torch.Tensor
+    rows: torch.Tensor | None = None
+
+class FFN(nn.Module):
+    """What a mechanism's FFN implements. forward(u) -> tokens of u's shape, u (b, T, d) the LayerNorm'd
+    tokens of the images that run this step; one that sets `needs_step` gets forward(u, step). begin_forward
+    runs once before step 0, aux_losses(depth) once after the last step (weighted auxiliary losses)."""
+
+    needs_step = False
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        pass
+
+    def aux_losses(self, depth: int) -> dict:
+        return {}
+
+class MechanismBlock(Block):
+    """reViT's shared block (Eq. 3) with a mechanism as its FFN: step t's FFN gets the step if it asks."""
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        return super().forward(x, partial(self.mlp, step=step) if self.mlp.needs_step else self.mlp)
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        self.mlp.begin_forward(depth, batch)
+
+class ComparisonReViT(ReViT):
+    """reViT's recurrence (§3.1) and elastic depth (§3.2) with a comparison mechanism in the shared block."""
+
+    def build_block(self, c: ViTConfig) -> Block:
+        return BUILDERS[c.ffn](c)
+
+    def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
+                keep: torch.Tensor | None = None):
+        depth = self.check_depth(depth)
+        revit.check_images(images, self.config)
+        # Before any tensor work, as reViT's merge cache: one compiled graph for the whole forward.
+        self.block.begin_forward(depth, images.shape[0])
+        x = self.embed(images)                                                  # (B, 1+N, d)
+        keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
+        states = self.run_steps(x, depth) if keep is None else self.run_elastic_steps(x, keep)
+        aux = self.block.mlp.aux_losses(depth) if return_states or self.training else {}
+        return self.finish(states[-1], states, aux, return_states)
+
+    def run_steps(self, x: torch.Tensor, depth: int) -> list:
+        """Eq. 3 applied L times, step t at the grid coordinate s_t; returns the L + 1 states."""
+        grid = depth_grid(depth, x.device)                                      # s_t (Eq. 1)
+        states = [x]
+        for t in range(depth):
+            x = self.block(x, Step(t, grid[t].expand(x.shape[0])))
+            states.append(x)
+        return states
+
+    @torch.compiler.disable  # data-dependent row sets: runs eagerly under torch.compile (as ReViT's)
+    def run_elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
+        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
+        coords = elastic_plan(keep)                                             # (B, L)
+        states = [x]
+        for t in range(keep.shape[1]):
+            rows = keep[:, t].nonzero().squeeze(1)  # images that run step t; a dropped step is the identity
+            if len(rows) == x.shape[0]:
+                x = self.block(x, Step(t, coords[:, t], rows))
+            elif len(rows):
+                x = x.index_copy(0, rows, self.block(x[rows], Step(t, coords[rows, t], rows)))
+            states.append(x)
+        return states
+
+    def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
+        self.check_depth(depth)
+        raise ValueError(f"ffn={self.config.ffn!r} has no depth-only gate matrix: only reViT's merge "
+                         "(ffn='merge') gates its experts by the depth alone")
+
+# --- shared pieces of the mechanisms ---
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Router math in fp32 (as Switch, Qwen3 and DeepSeek-V3 do), whatever the autocast dtype."""
+    with full_precision(x.device):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+def ffn_flops(dim: int, hidden: int) -> int:
+    """FLOPs of one FFN on one token: two matmuls d x h, 2 FLOPs per multiply-add."""
+    return 4 * dim * hidden
+
+def params_per_expert(bank: ExpertBank) -> int:
+    """P(d, r) = 2 r d^2 + (r + 1) d for hidden width r d (App. B)."""
+    return 2 * bank.dim * bank.hidden + bank.hidden + bank.dim
+
+def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+    """n FFNs on n row sets at once: x (n, m, d), weights stacked (n, ...) -> (n, m, d)."""
+    w1, b1, w2, b2 = (w.to(x.dtype) for w in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
+    h = F.gelu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))  # (n, m, h)
+    return torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))       # (n, m, d)
+
+class PooledRouterStats:
+    """Mixin: router statistics summed over every recurrent step of one forward. The experts are the
+    same at every step (one shared block), so balance is measured over all of them."""
+
+    router_stats: dict | None = None
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        self.router_stats = {}
+
+    def pool(self, **stats) -> None:
+        pooled = self.router_stats = self.router_stats if self.router_stats is not None else {}
+        for name, value in stats.items():
+            pooled[name] = pooled[name] + value if name in pooled else value
+
+    def take_stats(self) -> dict | None:
+        """This forward's pooled statistics (None if nothing was routed), consumed."""
+        stats, self.router_stats = self.router_stats or None, {}
+        return stats
+
+class ExpertPool(ExpertBank):
+    """An expert bank that also runs its experts on activations (rather than merging weights):
+    on their own rows, as a weighted mixture over all experts, or by token dispatch."""
+
+    def run_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on its own rows: x (E, m, d) -> (E, m, d)."""
+        return apply_ffn_batched(x, *self.bank())
+
+    def mixture(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Every expert on every token, outputs summed with weights (n, E) (None: all weights 1)."""
+        y = self.run_all(x.expand(self.num_experts, *x.shape))  # (E, n, d)
+        if weights is None:
+            return y.sum(0)
+        return (y * weights.T.unsqueeze(-1).to(y.dtype)).sum(0)  # (n, d)
+
+    def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Token dispatch: token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K).
+
+        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous
+        chunk (a loop over experts, never over tokens), and results are scattered back with index_add.
+        """
+        n, k = expert_index.shape
+        flat = expert_index.flatten()                                   # (n K,)
+        order = torch.argsort(flat, stable=True)
+        token = order // k                                              # token of each sorted pair
+        sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
+        chunks = x[token].split(sizes)
+        y = torch.cat([MergedFFN(*(p[e] for p in self.bank()))(chunk) for e, chunk in enumerate(chunks)])
+        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)       # (n K, d)
+        return y.new_zeros(n, x.shape[1]).index_add_(0, token, y)
+
+# --- weight merge with content gates: SMEAR, Lory, the feature-only control of Fig. 2 ---
+
+class ContentMergedFFN(ExpertBank, FFN):
+    """Eq. 2 merge with per-image gates from a pooled token state instead of the depth coordinate.
+
+    Shared by SMEAR, Lory and the feature-only control: gates g = softmax(W_r pool + b_r) (b, E),
+    one merged FFN per image (b weight copies, run with batched matmuls). The router input is what
+    the subclasses change. Elastic depth needs nothing extra: an image's gate comes from its own state.
+    """
+
+    normalise_router_input = True
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__(dim, hidden, num_experts)
+        self.router_norm = nn.LayerNorm(dim, eps=1e-6) if self.normalise_router_input else nn.Identity()
+        self.router = nn.Linear(dim, num_experts)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.merged_forward(u, u.mean(1))  # routed on the pooled current state (b, d)
+
+    def merged_forward(self, u: torch.Tensor, router_input: torch.Tensor) -> torch.Tensor:
+        """u (b, T, d) through the FFN merged with the gates of router_input (b, d)."""
+        z = router_logits(self.router_norm(router_input), self.router.weight, self.router.bias)  # (b, E)
+        self.record_gates(z)
+        # per image: (b, d_ff, d), (b, d_ff), (b, d, d_ff), (b, d)
+        merged = self.merge(torch.softmax(z, dim=-1))
+        return apply_ffn_batched(u, *merged)            # (b, T, d)
+
+    def record_gates(self, z: torch.Tensor) -> None:
+        pass
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        routing = 2 * self.dim * self.num_experts + 2 * self.num_experts * params_per_expert(self)
+        return {"experts": ffn_flops(self.dim, self.hidden), "routing": routing / num_tokens}
+
+class SmearFFN(ContentMergedFFN):
+    """SMEAR (Muqeeth et al., 2024; r-three/smear): soft merging of experts with a content router.
+
+    The reference routes on the mean over tokens, LayerNorm'd, with a plain softmax (no temperature),
+    merges per example and uses no balance loss (App. B: "no auxiliary losses"). Here the experts are
+    full FFNs of the shared block and the pooled state is this step's FFN input.
+    """
+
+class FeatureOnlyFFN(PooledRouterStats, ContentMergedFFN):
+    """The feature-only control of Fig. 2: SMEAR's gate (pooled current state, no depth signal).
+
+    It replaces reViT's depth coordinate by content and keeps everything else of reViT, including
+    the Eqs. 6, 8, 9 regularisers (balance and z-loss over every per-image gate of every step), so
+    the comparison isolates the conditioning signal. The gate is recomputed at every step, which is
+    what lets it run under per-image depth dropout (App. A.2) and at any inference depth.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, lambda_bal: float = 1e-2,
+                 lambda_z: float = 1e-3, lambda_div: float = 1e-3):
+        super().__init__(dim, hidden, num_experts)
+        self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div  # as reViT's
+
+    def record_gates(self, z: torch.Tensor) -> None:
+        balance, z_loss = gate_penalties(z, 1.0)  # (b,) each: Eqs. 6 and 8 of each image's gate
+        self.pool(balance_sum=balance.sum(), z_sum=z_loss.sum(), rows=z.shape[0])
+
+    def aux_losses(self, depth: int) -> dict:
+        """Eqs. 6 and 8 as means over every gate of every step of this forward, and Eq. 9."""
+        stats = self.take_stats()
+        if self.num_experts == 1 or stats is None:
+            return {}
+        return {"balance": self.lambda_bal * stats["balance_sum"] / stats["rows"],
+                "z_loss": self.lambda_z * stats["z_sum"] / stats["rows"],
+                "diversity": self.lambda_div * self.diversity()}
+
+class LoryFFN(ContentMergedFFN):
+    """Lory (Zhong et al., 2024; no public code): a linear softmax router on the pooled representation
+    of the previous segment picks the merged FFN of the next one (causal routing).
+
+    App. B reinterprets segments as recurrent steps: the pooled FFN input of an image's previous
+    (retained) step routes step t. At an image's first step there is no previous one; it routes on
+    its own pooled input (our choice). No LayerNorm on the router input (the pooled tokens are
+    already LayerNorm'd) and no auxiliary loss; similarity-based batching has no image analogue.
+    Per-image memory of one forward: `previous` (B, d) pooled inputs, `seen` (B,) whether set.
+    """
+
+    normalise_router_input = False
+    needs_step = True  # step.rows: which images' memories this step reads and writes
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        self.previous, self.seen = None, None
+        self.batch = batch
+
+    def forward(self, u: torch.Tensor, step: Step) -> torch.Tensor:
+        return self.merged_forward(u, self.router_input(u, step.rows))
+
+    def router_input(self, u: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The pooled FFN input of each image's previous retained step (its own at its first): (b, d)."""
+        pooled = u.mean(1)  # (b, d)
+        rows = torch.arange(u.shape[0], device=u.device) if rows is None else rows
+        if getattr(self, "previous", None) is None:  # first step of this forward
+            batch = getattr(self, "batch", u.shape[0])
+            self.previous = pooled.new_zeros(batch, u.shape[-1])
+            self.seen = torch.zeros(batch, dtype=torch.bool, device=u.device)
+        source = torch.where(self.seen[rows].unsqueeze(1), self.previous[rows], pooled)
+        self.previous = self.previous.index_copy(0, rows, pooled)
+        self.seen = self.seen.index_fill(0, rows, True)
+        return source
+
+# --- token dispatch: DeepSeek-V3, Qwen3, MoEUT (each token runs its top-K experts) ---
+
+class TokenRoutedFFN(ExpertPool, FFN):
+    """Common part of the token-dispatch FFNs: a linear router (no bias) over E experts, top-K per
+    token, grouped dispatch; subclasses choose scores, selection and gate values (`route`)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int):
+        super().__init__(dim, hidden, num_experts)
+        self.top_k = top_k
+        self.router = nn.Linear(dim, num_experts, bias=False)
+
+    def route(self, logits: torch.Tensor) -> tuple:
+        """(n, E) fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
+        raise NotImplementedError
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        x = rearrange(u, "b t d -> (b t) d")
+        expert_index, weights = self.route(router_logits(x, self.router.weight))
+        y = self.dispatch(x, expert_index, weights) + self.shared_output(x)
+        return rearrange(y, "(b t) d -> b t d", b=u.shape[0])
+
+    def shared_output(self, x: torch.Tensor):
+        return 0.0
+
+    def active_experts(self) -> int:
+        return self.top_k
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        return {"experts": self.active_experts() * ffn_flops(self.dim, self.hidden),
+                "routing": 2 * self.dim * self.num_experts}
+
+class DeepSeekV3FFN(TokenRoutedFFN):
+    """DeepSeek-V3 (Liu et al., 2024; deepseek-ai/DeepSeek-V3 inference/model.py), App. B adaptation.
+
+    Sigmoid affinities s = sigmoid(x W_r); top-K selection on s + b with a per-expert bias b that is
+    never added to the gate value; gates = s of the selected experts renormalised over them; plus
+    `shared` always-active experts whose outputs are added. b is the auxiliary-loss-free balancer:
+    a buffer (no gradient, not trained) updated after each optimizer step by
+    b += rate * sign(mean(load) - load_e), re-centred to zero mean, from the token loads of the
+    training forwards since the last update. The sequence-wise balance loss, node-limited group
+    routing and the 2.5 route scale of the 671B model are omitted. With K = 1 the renormalised gate
+    is always 1, so the router gets no gradient and learns only through the bias (the original rule).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int,
+                 bias_update_rate: float = 1e-3):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.shared = ExpertPool(dim, hidden, shared_experts) if shared_experts else None
+        self.bias_update_rate = bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self._load = None  # (E,) tokens routed to each expert since the last optimizer step
+
+    def route(self, logits: torch.Tensor) -> tuple:
+        scores = torch.sigmoid(logits)                                                     # (n, E)
+        # the bias steers the selection only, never the gate value
+        expert_index = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices
+        gates = scores.gather(1, expert_index)
+        if self.training:
+            load = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
+            self._load = load if self._load is None else self._load + load
+        return expert_index, gates / gates.sum(-1, keepdim=True)
+
+    def shared_output(self, x: torch.Tensor):
+        return 0.0 if self.shared is None else self.shared.mixture(x)
+
+    def active_experts(self) -> int:
+        return self.top_k + (self.shared.num_experts if self.shared is not None else 0)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        if self._load is None:
+            return
+        load, self._load = self._load, None
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)  # every rank applies the same update from the global load
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.expert_bias -= self.expert_bias.mean()
+
+class Qwen3FFN(PooledRouterStats, TokenRoutedFFN):
+    """Qwen3 (Yang et al., 2025; HF transformers qwen3_moe), App. B adaptation.
+
+    Softmax over all experts in fp32, top-K, renormalised by the top-K sum; no shared expert.
+    Global-batch load balancing (Qiu et al., 2025): L = w * E * sum_e f_e P_e, P_e the mean router
+    probability of this forward, f_e the fraction of (token, slot) selections of expert e counted over
+    the global batch: all recurrent steps of the forward (the block is shared) and, under
+    torch.distributed, all ranks (all_reduce of the counts, no gradient). With gradient accumulation
+    each micro-batch's loss uses the counts of its own forward (over all ranks), not of the whole
+    accumulated batch: a loss that waited for later micro-batches could not be backpropagated per
+    micro-batch. App. B uses w = 1e-3 at U > 1 and no balance loss at U = 1 (the presets do), where
+    K = 1 renormalises every gate to 1: the router then gets no gradient at all (true to the rules).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-3):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.balance_weight = balance_weight
+
+    def route(self, logits: torch.Tensor) -> tuple:
+        probs = torch.softmax(logits, dim=-1)                                   # (n, E) fp32
+        top, expert_index = torch.topk(probs, self.top_k, dim=-1)
+        counts = torch.bincount(expert_index.flatten(), minlength=self.num_experts).float()
+        self.pool(prob_sum=probs.sum(0), counts=counts, tokens=probs.shape[0])
+        return expert_index, top / top.sum(-1, keepdim=True)
+
+    def aux_losses(self, depth: int) -> dict:
+        stats = self.take_stats()
+        if not self.balance_weight or stats is None:
+            return {}
+        counts = stats["counts"].detach().clone()
+        tokens = torch.tensor(float(stats["tokens"]), device=counts.device)
+        if self.training and dist.is_available() and dist.is_initialized():  # evaluation may run on one rank
+            dist.all_reduce(counts)
+            dist.all_reduce(tokens)
+        f = counts / tokens                                  # global: sums to K
+        P = stats["prob_sum"] / stats["tokens"]              # local, differentiable
+        return {"balance": self.balance_weight * self.num_experts * (f * P).sum()}
+
+class MoEUTFFN(PooledRouterStats, TokenRoutedFFN):
+    """MoEUT (Csordás et al., 2024; RobertCsordas/moeut), App. B adaptation.
+
+    sigma-MoE routing: sigmoid scores, top-K, expert outputs summed with the sigmoid scores (no
+    renormalisation). Balance regulariser: minus the entropy of the mean softmax selection
+    distribution, pooled over tokens and all recurrent applications, weight 0.01. SwitchHead,
+    peri-LayerNorm and expert dropout are omitted (dense attention is kept).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-2):
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.balance_weight = balance_weight
+
+    def route(self, logits: torch.Tensor) -> tuple:
+        self.pool(prob_sum=torch.softmax(logits, dim=-1).sum(0), tokens=logits.shape[0])
+        scores, expert_index = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
+        return expert_index, scores
+
+    def aux_losses(self, depth: int) -> dict:
+        stats = self.take_stats()
+        if not self.balance_weight or stats is None:
+            return {}
+        mean_selection = stats["prob_sum"] / stats["tokens"]  # (E,)
+        neg_entropy = (mean_selection * torch.log(mean_selection.clamp_min(1e-12))).sum()
+        return {"balance": self.balance_weight * neg_entropy}
+
+# --- output mixtures: ReMoE (every expert, ReLU gates), Soft-MoE (slots) ---
+
+class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
+    """ReMoE (Wang et al., 2025; thu-ml/ReMoE), App. B adaptation: a dense output mixture.
+
+    Gates g = relu(x W_r) (no softmax, no top-K); every expert runs on every token and the outputs
+    are summed with g, so a token whose gates are all zero keeps only its residual. Sparsity comes
+    from the load-balanced L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e
+    (count_e: tokens with g_e > 0; K = E (1 - target)), with lambda set by the controller after each
+    optimizer step: lambda *= 1.2 while the measured sparsity is below the target 0.75, else
+    lambda /= 1.2; lambda starts at 1e-8 and is an fp32 buffer. Our choice for the recurrence: the
+    n tokens are pooled over all L steps into one normalisation, which is 1/L of the sum of per-step
+    (per-layer) penalties.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, target_sparsity: float = 0.75,
+                 l1_init: float = 1e-8, l1_step: float = 1.2):
+        super().__init__(dim, hidden, num_experts)
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.target_sparsity, self.l1_step = target_sparsity, l1_step
+        self.register_buffer("l1_weight", torch.tensor(l1_init, dtype=torch.float32))
+        self._active, self._total = None, 0  # nonzero gates and gates seen since the last update
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        x = rearrange(u, "b t d -> (b t) d")
+        gates = F.relu(router_logits(x, self.router.weight))                     # (n, E) fp32
+        active = (gates > 0).float()
+        self.pool(gate_sum=gates.sum(0), counts=active.sum(0), tokens=gates.shape[0])
+        if self.training:
+            nonzero = active.sum().detach()
+            self._active = nonzero if self._active is None else self._active + nonzero
+            self._total += active.numel()
+        return rearrange(self.mixture(x, gates), "(b t) d -> b t d", b=u.shape[0])
+
+    def aux_losses(self, depth: int) -> dict:
+        stats = self.take_stats()
+        if stats is None:
+            return {}
+        k = self.num_experts * (1.0 - self.target_sparsity)
+        scale = self.l1_weight.float() * self.num_experts / (stats["tokens"] ** 2 * k)
+        return {"l1": scale * (stats["gate_sum"] * stats["counts"].detach()).sum()}
+
+    def sparsity(self) -> float:
+        return 1.0 - float(self._active) / self._total
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        if self._active is None:
+            return
+        total = torch.tensor(float(self._total), device=self._active.device)
+        active = torch.stack([self._active.float(), total])
+        self._active, self._total = None, 0
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(active)
+        sparsity = 1.0 - (active[0] / active[1]).item()
+        self.l1_weight.mul_(self.l1_step if sparsity < self.target_sparsity else 1.0 / self.l1_step)
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        return {"experts": self.num_experts * ffn_flops(self.dim, self.hidden),
+                "routing": 2 * self.dim * self.num_experts}
+
+class SoftMoEFFN(ExpertPool, FFN):
+    """Soft-MoE (Puigcerver et al., 2024; google-research/vmoe), App. B adaptation.
+
+    S = E * p slots with parameters Phi (d, S). Logits = l2norm(x) . (scale * l2norm(Phi)) over d
+    (the normalisation is for the logits only; experts see the un-normalised tokens), with a
+    learnable scalar scale (init 1). Dispatch weights: softmax over the tokens of an image, per slot;
+    combine weights: softmax over all slots, per token. Expert e runs on its p slots. No aux loss.
+    Per token the experts cost S / T dense FFNs, so U = S / T (the paper sizes S from the patch count).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, slots_per_expert: int):
+        super().__init__(dim, hidden, num_experts)
+        self.slots_per_expert = slots_per_expert
+        self.slot_embed = nn.Parameter(torch.empty(dim, num_experts * slots_per_expert))  # Phi (d, S)
+        self.scale = nn.Parameter(torch.ones(()))
+        nn.init.trunc_normal_(self.slot_embed, std=0.02)
+
+    def routing_weights(self, u: torch.Tensor) -> tuple:
+        """(b, T, d) -> dispatch (b, T, S), normalised over T; combine (b, T, S), normalised over S."""
+        with full_precision(u.device):
+            slots = self.scale.float() * F.normalize(self.slot_embed.float(), dim=0)
+            logits = F.normalize(u.float(), dim=-1) @ slots          # (b, T, S)
+        return torch.softmax(logits, dim=1), torch.softmax(logits, dim=2)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        dispatch, combine = self.routing_weights(u)
+        slots = dispatch.transpose(1, 2).to(u.dtype) @ u                                       # (b, S, d)
+        slots = rearrange(slots, "b (e p) d -> e (b p) d", e=self.num_experts)
+        out = rearrange(self.run_all(slots), "e (b p) d -> b (e p) d", b=u.shape[0])          # (b, S, d)
+        return combine.to(out.dtype) @ out                                                      # (b, T, d)
+
+    def active_flops_per_token(self, num_tokens: int) -> dict:
+        slots = self.num_experts * self.slots_per_expert
+        # logits, dispatch and combine: three (T x d x S) products per image
+        return {"experts": slots * ffn_flops(self.dim, self.hidden) / num_tokens,
+                "routing": 6 * self.dim * slots}
+
+# --- layer-wise LoRA (Relaxed Recursive Transformers): a Block variant with per-step updates ---
+
+LORA_LAYERS = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+
+class LayerwiseLoRA(nn.Module):
+    """The factors of layer-wise LoRA (Bae et al., 2025a; no public code), App. B.1 / Table 10.
+
+    An independent rank-r update W_t = W + B_t A_t per step t on the fused qkv, the attention output,
+    fc1 and fc2; biases and norms stay shared. A_t starts random (PEFT's uniform(+-1/sqrt(fan_in))),
+    B_t at zero, so training starts from the tied block; no alpha/r scaling (the paper writes
+    W + B_t A_t). Parameters: 16 L r d for d_ff = 4d (4.72M for S/16, r = 64).
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, depth: int, rank: int):
+        super().__init__()
+        shapes = {"qkv": (dim, 3 * dim), "proj": (dim, dim), "fc1": (dim, ffn_dim), "fc2": (ffn_dim, dim)}
+        for name, (fan_in, fan_out) in shapes.items():
+            down = nn.Parameter(torch.empty(depth, rank, fan_in))   # A_t (L, r, in)
+            nn.init.uniform_(down, -1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
+            setattr(self, f"{name}_down", down)
+            setattr(self, f"{name}_up", nn.Parameter(torch.zeros(depth, fan_out, rank)))  # B_t (L, out, r)
+
+    def update(self, name: str, t: int, x: torch.Tensor) -> torch.Tensor:
+        """B_t A_t x for layer `name` at step t."""
+        return F.linear(F.linear(x, getattr(self, f"{name}_down")[t]), getattr(self, f"{name}_up")[t])
+
+    def delta(self, t: int, name: str) -> torch.Tensor:
+        """B_t A_t (out, in) in fp32: what fold adds to the shared weight."""
+        return getattr(self, f"{name}_up")[t].float() @ getattr(self, f"{name}_down")[t].float()
+
+    def flops_per_token(self) -> int:
+        return sum(2 * getattr(self, f"{n}_down").shape[1] * (getattr(self, f"{n}_down").shape[2]
+                                                               + getattr(self, f"{n}_up").shape[1])
+                   for n in LORA_LAYERS)
+
+
+class LoRAAttention(Attention):
+    """The shared attention with step t's low-rank updates on qkv and proj."""
+
+    def forward(self, x: torch.Tensor, step: int, lora: LayerwiseLoRA) -> torch.Tensor:
+        h = self.attend(self.qkv(x) + lora.update("qkv", step, x))                        # (B, T, d)
+        return self.proj(h) + lora.update("proj", step, h)
+
+
+class LoRAMlp(Mlp, FFN):
+    """The shared dense FFN with step t's low-rank updates on fc1 and fc2."""
+
+    def forward(self, u: torch.Tensor, step: int, lora: LayerwiseLoRA) -> torch.Tensor:
+        h = F.gelu(self.fc1(u) + lora.update("fc1", step, u))                              # (B, T, d_ff)
+        return self.fc2(h) + lora.update("fc2", step, h)
+
+
+class LoRABlock(MechanismBlock):
+    """The tied block plus layer-wise LoRA: step t runs W + B_t A_t on qkv, proj, fc1 and fc2.
+    One adapter per trained step, so the model runs only at its own depth."""
+
+    def __init__(self, dim: int, heads: int, ffn_dim: int, depth: int, rank: int,
+                 layer_scale_init: float | None = None, drop_path: float = 0.0):
+        super().__init__(dim, heads, LoRAMlp(dim, ffn_dim), layer_scale_init, drop_path)
+        self.attn = LoRAAttention(dim, heads)  # same parameter names as the plain block's
+        self.lora = LayerwiseLoRA(dim, ffn_dim, depth, rank)
+        self.trained_depth = depth
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), step.t, self.lora)))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), step.t, self.lora)))
+
+    def check_depth(self, depth: int) -> None:
+        if depth != self.trained_depth:
+            raise ValueError(f"depth={depth}: layer-wise LoRA has one adapter per trained step, so it runs "
+                             f"only at its own depth ({self.trained_depth})")
+
+    def begin_forward(self, depth: int, batch: int) -> None:
+        self.check_depth(depth)
+        super().begin_forward(depth, batch)
+
+    def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
+        """Step t: the shared weights plus B_t A_t on qkv, proj, fc1 and fc2 (fp32 sums, cast on loading)."""
+        self.check_depth(depth)
+        states = [{k: v for k, v in state.items() if not k.startswith("lora.")}
+                  for state in super().unrolled_states(depth)]
+        for t, state in enumerate(states):
+            for name, layer in LORA_LAYERS.items():
+                state[f"{layer}.weight"] = state[f"{layer}.weight"].float() + self.lora.delta(t, name)
+        return states
+
+
+# --- registering the comparisons with revit.py: ViTConfig.ffn -> block and model, settings' checks ---
+
+def build_lora_block(c: ViTConfig) -> Block:
+    return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
+
+def build_comparison_block(c: ViTConfig) -> Block:
+    """The shared block for an input-dependent mechanism (hidden width of each expert: expert_ffn_dim)."""
+    hidden, lambdas = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
+    slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
+    ffn = {
+        "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
+        "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
+        "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, *lambdas),
+        "deepseek": lambda: DeepSeekV3FFN(c.dim, hidden, c.num_experts, c.top_k, c.shared_experts,
+                                          c.bias_update_rate),
+        "qwen3": lambda: Qwen3FFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
+        "moeut": lambda: MoEUTFFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
+        "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
+        "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
+    }[c.ffn]()
+    return MechanismBlock(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
+
+INPUT_DEPENDENT = ("lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
+BUILDERS = {"lora": build_lora_block, **{name: build_comparison_block for name in INPUT_DEPENDENT}}
+revit.MECHANISMS["lora"] = revit.Mechanism(ComparisonReViT, depth_programmed=True)
+revit.MECHANISMS.update({name: revit.Mechanism(ComparisonReViT, depth_programmed=False)
+                         for name in INPUT_DEPENDENT})
+FFNS = ("merge", *revit.MECHANISMS)  # every value ViTConfig.ffn may take
+
+def check_mechanism_fields(c: ViTConfig) -> None:
+    """The ranges of the mechanisms' settings (ViTConfig's last group)."""
+    need(c, 1 <= c.top_k <= c.num_experts, "top_k", f"between 1 and num_experts={c.num_experts}")
+    need(c, c.shared_experts >= 0, "shared_experts", ">= 0")
+    need(c, c.shared_experts == 0 or c.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
+    need(c, c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
+    need(c, c.bias_update_rate >= 0, "bias_update_rate", ">= 0")
+    need(c, 0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
+    need(c, 1 <= c.lora_rank <= 2 ** 12, "lora_rank", "in 1..4096")
+    need(c, c.shared_experts <= 2 ** 10, "shared_experts", "at most 1024")
+    need(c, c.slots_per_expert <= 2 ** 12, "slots_per_expert", "at most 4096")
+
+CONFIG_CHECKS.append(check_mechanism_fields)
+
+# --- the paper's measures of a mechanism: stored expert parameters (Table 8) and budget U (§4.3) ---
+
+def expert_ffn_params(model: nn.Module) -> int:
+    """Table 8's count: parameters of every stored expert FFN, routed and shared, P(d, r) each
+    (App. B); routers, Soft-MoE slot parameters, LoRA factors and the backbone are not counted.
+    A dense FFN (the tied block, a ViT's blocks) counts as one expert."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, ExpertBank):
+            total += sum(p.numel() for p in module.bank())
+        elif isinstance(module, Mlp):
+            total += sum(p.numel() for p in module.parameters())
+    return total
+
+def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
+    """{"experts", "routing"}: FLOPs per token and step for an image of num_tokens tokens (2 per
+    multiply-add of the matmuls); "experts" is what the budget U counts (§4.3). reViT's own two FFNs
+    are measured here, so that revit.py carries no accounting; every mechanism measures itself."""
+    if isinstance(ffn, Mlp):
+        return {"experts": ffn_flops(ffn.fc1.in_features, ffn.fc1.out_features), "routing": 0}
+    if isinstance(ffn, MergedExpertFFN):
+        # routing, for one image: psi on s_t (1 -> 16 -> E) and the Eq. 2 merge (E * P multiply-adds)
+        router = 2 * (ffn.router[0].out_features + ffn.router[2].in_features * ffn.num_experts)
+        merge = 2 * ffn.num_experts * params_per_expert(ffn)
+        return {"experts": ffn_flops(ffn.dim, ffn.hidden), "routing": (router + merge) / num_tokens}
+    return ffn.active_flops_per_token(num_tokens)
+
+def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
+    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's.
+
+    Measured from the FFN's own FLOP count (`active_flops_per_token`) for images of
+    num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
+    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class
+    token its U is the paper's (slots / patches) times N / (N + 1).
+    """
+    c = model.config
+    ffn = model.block.mlp if isinstance(model, ReViT) else model.blocks[0].mlp
+    flops = active_flops_per_token(ffn, num_tokens or 1 + c.num_patches)
+    return flops["experts"] / ffn_flops(c.dim, c.ffn_dim)
+
+# --- presets of the comparison (App. B, Tables 8 and 10) ---
+
+# mechanism -> {U: (E routed experts, K active per token (0: not a top-K router), shared experts, ehr)},
+# ehr = expert hidden width / d. A ViT FFN has ehr 4, so the experts get expert_ffn_fraction = ehr / 4
+# of the preset's ffn_dim at every size. At U = 1, DeepSeek-V3 and Qwen3 route K = 1 expert and
+# renormalise its gate to 1, so their routers get no gradient (true to the rules; DeepSeek-V3 still
+# balances through its bias, Qwen3 then has no balance loss either).
+MOE_TABLE = {
+    "lory": {1: (4, 0, 0, 4)},
+    "smear": {1: (4, 0, 0, 4)},
+    "feature": {1: (4, 0, 0, 4)},  # Fig. 2's feature-only control (SMEAR-style gate, reViT's aux losses)
+    "deepseek": {1: (4, 1, 1, 2), 1.5: (8, 2, 1, 2), 2: (16, 6, 2, 1), 4: (32, 12, 4, 1)},
+    "qwen3": {1: (4, 1, 0, 4), 1.5: (48, 6, 0, 1), 2: (64, 8, 0, 1), 4: (128, 16, 0, 1)},
+    "moeut": {1: (4, 1, 0, 4), 1.5: (8, 2, 0, 3), 2: (16, 4, 0, 2), 4: (32, 16, 0, 1)},
+    "remoe": {1: (4, 0, 0, 1), 1.5: (6, 0, 0, 1), 2: (8, 0, 0, 1), 4: (16, 0, 0, 1)},   # all experts run
+    "softmoe": {1: (4, 0, 0, 4), 1.5: (6, 0, 0, 4), 2: (8, 0, 0, 4), 4: (16, 0, 0, 4)},  # N/4 slots each
+}
+# the sizes of revit.py's presets (Table 1's S/16, B/16 and B/14; the CPU sizes), without arch and E
+MOE_SIZES = {size: {k: v for k, v in PRESETS[f"revit-{size}"].items() if k not in ("arch", "num_experts")}
+             for size in ("s", "b", "b14", "mini", "mini32")}
+
+def _moe_presets() -> dict:
+    """revit-{size}-{mechanism}-u{U} for every cell of MOE_TABLE, revit-{size}-{mechanism} for U = 1,
+    and revit-{size}-lora (Table 10: r = 64 at S/16, i.e. r = d / 6)."""
+    presets = {}
+    for size, width in MOE_SIZES.items():
+        for mechanism, budgets in MOE_TABLE.items():
+            for budget, (experts, top_k, shared, ehr) in budgets.items():
+                preset = dict(width, arch="revit", ffn=mechanism, num_experts=experts, shared_experts=shared,
+                              expert_ffn_fraction=ehr / 4, **({"top_k": top_k} if top_k else {}))
+                if mechanism == "qwen3":  # App. B: global-batch balance loss 1e-3 at higher U only
+                    preset["balance_weight"] = 1e-3 if budget > 1 else 0.0
+                presets[f"revit-{size}-{mechanism}-u{budget:g}"] = preset
+                if budget == 1:
+                    presets[f"revit-{size}-{mechanism}"] = preset
+        presets[f"revit-{size}-lora"] = dict(width, arch="revit", ffn="lora", num_experts=1,
+                                             lora_rank=width["dim"] // 6)
+    return presets
+
+PRESETS.update(_moe_presets())
+
+
+if __name__ == "__main__":  # python -m lib.moe [names...]: parameter counts of the presets (meta device)
+    import sys
+
+    names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
+    print(f"| {'preset':<22} | {'params (M)':>10} | {'expert FFN (M)':>14} | {'U':>5} | {'L':>3} "
+          f"| {'d':>5} | {'E / k':>5} |")
+    print(f"|{'-' * 24}|{'-' * 12}|{'-' * 16}|{'-' * 7}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
+    for name in names:
+        with torch.device("meta"):
+            model = revit.create_model(name)
+        c = model.config
+        ek = {"revit": c.num_experts, "raptor": c.raptor_blocks}.get(c.arch, "")
+        budget = f"{ffn_budget(model):.3g}" if c.arch == "revit" else ""
+        print(f"| {name:<22} | {model.num_params() / 1e6:>10.2f} | {expert_ffn_params(model) / 1e6:>14.2f} "
+              f"| {budget:>5} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")
