@@ -4,7 +4,7 @@
     python bench.py latency     # inference latency and memory, the protocol of the paper's Table 7
     python bench.py train       # training-step throughput (img/s) and MFU
     python bench.py latency --out latency.json   # also write the JSON document to a file
-    python bench.py check       # the first minutes on a GPU: correctness, latency, training, a short run
+    python bench.py check       # the first minutes on a GPU within --budget: Table 7, training, tests, a run
     python bench.py memory --arch alternet-50m   # peak memory per GPU of a training recipe, before the run
 
 Speed and cost only: the quality sweeps (train.py over seeds: accuracy vs E, Table 5; vs depth, Fig. 2)
@@ -50,13 +50,14 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from xml.etree import ElementTree
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +65,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import alternet
-from lib import memory
+from lib import budget, data, memory
 from lib import moe  # the comparison mechanisms (§4.3, App. B): the cost tables cover them
 import revit
 import train
@@ -123,10 +124,20 @@ def environment(device: torch.device) -> dict:
            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    commit = git_commit(HERE)
+    commit = git_commit(HERE) or recorded_commit(HERE)
     if commit:
         env["git"] = commit
     return env
+
+
+def recorded_commit(folder: str) -> str | None:
+    """The commit named in folder/.commit (git-ignored; README: On a GPU writes it before a copy of the working
+    tree runs where there is no git), marked as read from there; None without a valid one."""
+    with contextlib.suppress(OSError, UnicodeDecodeError), open(os.path.join(folder, ".commit")) as fh:
+        text = fh.read(200).strip()
+        if re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", text):
+            return f"{text} (from .commit)"
+    return None
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -405,16 +416,16 @@ def _table10_rows(with_counter: bool) -> list[dict]:
 # --- latency and memory (paper Table 7) ---
 
 
-def latency_models(size: str) -> dict:
+def latency_models(size: str, **model_args) -> dict:
     """DeiT III and reViT in three deployment forms (paper §3.1, App. A.5), the reViT forms sharing one set of weights.
 
     dynamic: merge_cache=False, the merged FFN of each step is rebuilt on every call (as the paper measured);
     cached: merged FFNs built once per (depth, weights) and reused; folded: revit.fold, a plain ViT.
     """
     torch.manual_seed(0)
-    deit = revit.create_model(f"vit-{size}")
-    cached = revit.create_model(f"revit-{size}")
-    dynamic = revit.create_model(f"revit-{size}", merge_cache=False)
+    deit = revit.create_model(f"vit-{size}", **model_args)
+    cached = revit.create_model(f"revit-{size}", **model_args)
+    dynamic = revit.create_model(f"revit-{size}", **model_args, merge_cache=False)
     dynamic.load_state_dict(cached.state_dict())
     return {"DeiT III": deit, "reViT dynamic": dynamic, "reViT cached": cached, "reViT folded": revit.fold(cached)}
 
@@ -426,24 +437,31 @@ LATENCY_MODELS = {  # how a fresh process rebuilds a row's model for the CPU mem
 
 
 def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warmup=2, repeats=7, iters=1,
-                  memory=True, profile=False, dtype="float32") -> dict:
+                  memory=True, profile=False, dtype="float32", backend="inductor", on_row=None,
+                  model_args=None) -> dict:
     """modes: eager, compiled, reduce-overhead (compiled with CUDA graphs: batch 1 is launch-bound without
-    them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast)."""
+    them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast).
+    on_row(label, row, final): called with each row's first call (final=False), then with the row.
+    model_args: config overrides of every model (bench.py check's tiny sizes)."""
     device, weights = torch.device(device), getattr(torch, dtype)
     rows = []
     for mode in modes:
         for batch in batches:
-            models = latency_models(size)  # fresh per group: each row's first call builds its own caches
+            models = latency_models(size, **(model_args or {}))  # fresh per group: each row's first call builds its own caches
             c = models["DeiT III"].config
             images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
             fns, extra = {}, {}
             for label, model in models.items():
                 model = model.to(device, weights).eval()
-                run = maybe_compile(model, mode != "eager", mode=None if mode in ("eager", "compiled") else mode)
+                graphs = None if mode in ("eager", "compiled") else mode
+                run = maybe_compile(model, mode != "eager", mode=graphs, backend=backend)
                 fn = inference_call(run, images, device, mixed=weights == torch.float32)
                 extra[label] = {"params_m": model.num_params() / 1e6, **first_call(fn, model, device, "first_call_s")}
                 fns[label] = fn
+                if on_row:
+                    on_row(label, {"model": label, "mode": mode, "batch": batch, **extra[label]}, False)
             times = time_interleaved(fns, device, warmup, repeats, iters)
+            group = []
             for label in fns:
                 row = {"model": label, "mode": mode, "batch": batch, "image_size": c.image_size, **extra[label],
                        **summary(times[label]), **paired_ratio(times[label], times["DeiT III"]),
@@ -451,7 +469,11 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
                 row["images_per_s"] = 1e3 * batch / row["median_ms"]
                 if memory and device.type == "cpu" and mode == "eager" and dtype == "float32":
                     row.update(cpu_memory(size, label, batch))
-                rows.append(row)
+                group.append(row)
+            add_memory_ratios(group)
+            for row in group if on_row else ():
+                on_row(row["model"], row, True)
+            rows += group
             if profile:
                 for label, fn in fns.items():
                     print(f"\n### profile: {label}, {mode}, batch {batch}\n", flush=True)
@@ -462,11 +484,16 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
             source = eager.get((r["model"], r["batch"]))
             if r["mode"] != "eager" and source and "memory_mib" in source:
                 r["memory_mib"], r["memory_method"] = source["memory_mib"], source["memory_method"] + " (eager)"
+    add_memory_ratios(rows)
+    return {"rows": rows}
+
+
+def add_memory_ratios(rows: list[dict]) -> None:
+    """memory_ratio: each row's memory over DeiT III's at the same mode and batch, where both were measured."""
     for r in rows:
         ref = next(x for x in rows if x["model"] == "DeiT III" and x["mode"] == r["mode"] and x["batch"] == r["batch"])
         if "memory_mib" in r and "memory_mib" in ref:
             r["memory_ratio"] = r["memory_mib"] / ref["memory_mib"]
-    return {"rows": rows}
 
 
 def first_call(fn, model, device, key: str) -> dict:
@@ -569,13 +596,16 @@ def forward_flops(name: str, overrides: dict) -> float:
 
 def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repeats=5, iters=1,
                 peak=None, lr=1e-4, profile=False, labels=None, resolve=None, max_repeats=200,
-                backend="inductor") -> dict:
+                backend="inductor", reference="DeiT III", on_row=None, model_args=None) -> dict:
     """Training-step time of each row, all rows in this process, timed in interleaved rounds (the per-round
-    ratio to DeiT III cancels load that drifts between rounds). labels: only these rows of train_models.
-    resolve: more rounds (up to max_repeats) until reViT fixed / DeiT III is known to +- resolve (95%
-    bootstrap interval of the median ratio; paired_ratio)."""
+    ratio to the reference row, DeiT III, cancels load that drifts between rounds). labels: only these rows
+    of train_models (with the reference). resolve: more rounds (up to max_repeats) until reViT fixed /
+    DeiT III is known to +- resolve (95% bootstrap interval of the median ratio; paired_ratio).
+    on_row(label, row, final): called with each row's first step (final=False), then with the row.
+    model_args: config overrides of every model (bench.py check's tiny sizes)."""
     device = torch.device(device)
-    specs = {k: v for k, v in train_models(size, compiled).items() if labels is None or k in labels}
+    specs = {k: (name, {**overrides, **(model_args or {})}, compile_row) for k, (name, overrides, compile_row)
+             in train_models(size, compiled).items() if labels is None or k in labels}
     fns, extra = {}, {}
     for label, (name, overrides, compile_row) in specs.items():
         torch.manual_seed(0)
@@ -591,13 +621,17 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
                         "compiled": compile_row, "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
                         **first_call(fn, model, device, "first_step_s")}
         fns[label] = fn
+        if on_row:
+            on_row(label, {"model": label, "batch": batch, **extra[label]}, False)
     times = time_interleaved(fns, device, warmup, repeats, iters)
     times = resolve_ratio(fns, times, device, iters, resolve, max_repeats)
-    rows = [train_row(label, times, batch, extra[label], peak) for label in fns]
+    rows = [train_row(label, times, batch, extra[label], peak, reference) for label in fns]
     elastic = next((r for r in rows if r["model"] == "reViT elastic 0.3"), None)
-    for reference, key in (("reViT fixed", "ratio_vs_fixed"), ("reViT fixed, eager", "ratio_vs_fixed_eager")):
-        if elastic and reference in fns:
-            elastic[key] = paired_ratio(times["reViT elastic 0.3"], times[reference])
+    for fixed, key in (("reViT fixed", "ratio_vs_fixed"), ("reViT fixed, eager", "ratio_vs_fixed_eager")):
+        if elastic and fixed in fns:
+            elastic[key] = paired_ratio(times["reViT elastic 0.3"], times[fixed])
+    for row in rows if on_row else ():
+        on_row(row["model"], row, True)
     if profile:
         for label, fn in fns.items():
             print(f"\n### profile: train step, {label}, batch {batch}\n", flush=True)
@@ -618,9 +652,10 @@ def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT f
         times = timed_rounds(fns, device, more, iters, first=done, times=times)
 
 
-def train_row(label: str, times: dict, batch: int, extra: dict, peak: float | None) -> dict:
-    row = {"model": label, "batch": batch, **extra, **summary(times[label]),
-           **paired_ratio(times[label], times["DeiT III"]), "recompiled_while_timed": label in times["recompiled"]}
+def train_row(label: str, times: dict, batch: int, extra: dict, peak: float | None,
+              reference: str = "DeiT III") -> dict:
+    row = {"model": label, "batch": batch, **extra, **summary(times[label]), "reference": reference,
+           **paired_ratio(times[label], times[reference]), "recompiled_while_timed": label in times["recompiled"]}
     row["images_per_s"] = 1e3 * batch / row["median_ms"]
     if peak:
         achieved = 3 * row["forward_gflops_per_image"] * 1e9 * batch / (row["median_ms"] / 1e3)
@@ -799,58 +834,166 @@ def environment_line(env: dict) -> str:
             f"{env['cpu_count']} CPUs, {env['torch_threads']} threads · git {env.get('git', '?')}")
 
 
-# --- check: the first minutes on a GPU, every CUDA path in one report (python bench.py check) ---
+# --- check: the first minutes on a GPU, a plan within a time budget (python bench.py check) ---
 
-# Sizes. CUDA: S/16 at 224² as the paper's Table 7, sized for about 8 minutes on one H100 (an estimate until
-# the first GPU run: torch.compile's build time dominates). --quick: the same code paths at tiny sizes on CPU
-# (torch.compile with the eager backend: dynamo's graph capture, guards and recompiles, no code generation).
+# Sizes. full (CUDA): S/16 at 224², as the paper's Table 7, inductor; latency with bf16 weights and images
+# cast once, training under bf16 autocast with fused AdamW. tiny (the CPU, or --quick): the same plan and code
+# paths at tiny sizes, fp32, torch.compile with dynamo's eager backend (graph capture, guards, recompiles; no
+# code generation: seconds).
+TINY_MODELS = dict(dim=32, heads=2, ffn_dim=64, depth=2)  # dynamo traces each of the L steps: few of them
 CHECK_SIZES = {
     "full": dict(
-        compile_backend="inductor",
-        latency=dict(size="s", batches=(1, 64), modes=("compiled", "reduce-overhead"), warmup=5, repeats=10, iters=10,
-                     memory=True, dtype="bfloat16"),
-        train=dict(size="s", batch=128, compiled=True, warmup=3, repeats=10, iters=3),
-        run=["--arch", "revit-s", "--compile", "--max-steps", "100", "--log-interval", "10"]),
-    "quick": dict(
-        compile_backend="eager",
-        latency=dict(size="mini", batches=(1, 2), modes=("eager",), warmup=1, repeats=2, iters=1, memory=False),
-        train=dict(size="mini", batch=4, compiled=False, warmup=0, repeats=2, iters=1),
-        run=["--arch", "revit-mini", "--compile", "--max-steps", "4", "--train-subset", "512", "--test-subset", "256",
-             "--batch-size", "64", "--log-interval", "2", "--model-args", "dim=24,heads=2,ffn_dim=48,depth=3"]),
+        backend="inductor", batches=(1, 64),
+        latency=dict(size="s", warmup=5, repeats=10, iters=10, dtype="bfloat16"),
+        train=dict(size="s", batch=128, warmup=3, repeats=8, iters=3),
+        run=["--arch", "revit-s", "--max-steps", "100", "--log-interval", "10"]),  # eager (rows above compile)
+    "tiny": dict(
+        backend="eager", batches=(1, 4),
+        latency=dict(size="mini", warmup=1, repeats=3, iters=2, dtype="float32", model_args=TINY_MODELS),
+        train=dict(size="mini", batch=4, warmup=1, repeats=3, iters=1, model_args=TINY_MODELS),
+        run=["--arch", "revit-mini", "--max-steps", "4", "--train-subset", "512", "--test-subset", "256",
+             "--batch-size", "64", "--log-interval", "2", "--model-args", "dim=32,heads=2,ffn_dim=64",
+             "--depth", "2"]),
 }
-# the token-dispatch rows: python bench.py train; the eager fixed-depth row exists where the rows are compiled
-CHECK_TRAIN_ROWS = ("DeiT III", "reViT fixed", "reViT elastic 0.3", "reViT fixed, eager")
+# The plan, most important first: the paper's Table 7 (latency and memory, batch 1, then the large batch),
+# the training step, correctness on the device, a short train.py run, elastic depth's step, the GPU tests
+# that need the data. key -> (share of the budget, floor: the least, as a share, worth starting the part
+# with). A part's timeout is its share plus what the parts before it left unused. Our choice, sized from CPU
+# compile times until a GPU run measures them (torch.compile's build dominates: 4 builds per latency part).
+CHECK_PLAN = {"latency:0": (0.30, 0.12), "latency:1": (0.22, 0.08), "train-step": (0.20, 0.10),
+              "correctness": (0.10, 0.05), "train.py run": (0.07, 0.03), "elastic": (0.05, 0.03),
+              "data tests": (0.06, 0.04)}
+CHECK_FILES = ("check.json", "check.md", "check.log")  # all a check writes into --out
+ELASTIC_ROWS = ("reViT fixed, eager", "reViT elastic 0.3")
 
 
-def device_tests(device: torch.device, out_dir: str) -> dict:
-    """Correctness on the device: tests/test_on_device.py (bf16 autocast, torch.compile, fused AdamW, fold, merge
-    cache, elastic depth) run by pytest in its own process: its cuda cases on a GPU (REVIT_GPU_TESTS=1), its cpu
-    cases on a CPU. One row per test, from pytest's JUnit XML report."""
-    report, log = (os.path.join(os.path.abspath(out_dir), name) for name in ("correctness.xml", "correctness.log"))
-    gpu = device.type == "cuda"
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},  # a calling pytest's options stay its own
-           "REVIT_GPU_TESTS": "1" if gpu else "0",
-           **({"CUDA_VISIBLE_DEVICES": str(device.index)} if gpu and device.index is not None else {})}
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(report)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                           "gpu" if gpu else "not gpu", os.path.join("tests", "test_on_device.py"),
-                           f"--junitxml={report}"], cwd=HERE, env=env, capture_output=True, text=True)
-    with open(log, "w") as fh:  # pytest's own output: the tracebacks of any failure
-        fh.write(done.stdout + done.stderr)
-    if not os.path.exists(report):
-        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"pytest wrote no report (exit {done.returncode}): {last[0]}")
-    rows = []
-    for case in ElementTree.parse(report).iter("testcase"):
-        problem = next(iter(case.findall("failure") + case.findall("error") + case.findall("skipped")), None)
-        message = "" if problem is None else (problem.get("message") or problem.text or "").strip()
-        rows.append({"check": case.get("name"), "ok": problem is None, "seconds": float(case.get("time") or 0),
-                     "detail": message.splitlines()[0][:200] if message else ""})
-    failed = [r["check"] for r in rows if not r["ok"]]
-    return {"ok": bool(rows) and not failed and done.returncode == 0, "rows": rows,
-            "detail": ("failed: " + ", ".join(failed) if failed else f"{len(rows)} tests, pytest exit {done.returncode}")
-            + f"; log: {log}"}
+def check_sizes(args, device) -> tuple[str, dict]:
+    name = "full" if device.type == "cuda" and not args.quick else "tiny"
+    return name, CHECK_SIZES[name]
+
+
+def run_check(args, device) -> dict:
+    """The plan in turn (lib/budget.py: each part its own process and timeout, the report rewritten after
+    every row); --part runs one part in this process (what the plan's processes run)."""
+    if args.part:
+        return check_part(args.part, device, check_sizes(args, device)[1])
+    out_dir = args.out or f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.makedirs(out_dir, exist_ok=True)
+    # the train.py run's folder (its checkpoint), made by train.py when it starts: a check killed before
+    # leaves nothing behind
+    run_dir = os.path.join(tempfile.gettempdir(), f"revit-check-run-{os.getpid()}-{time.time_ns()}")
+    parts = check_parts(args, device, run_dir)
+    header = check_header(args, device, parts)
+    report = budget.Report(out_dir, header, check_markdown, check_row_line)
+    print(f"bench.py check on {device} ({header['sizes']} sizes), budget {args.budget:.0f} s, report in "
+          f"{out_dir}; {header['tf32']}", flush=True)
+    try:
+        with open(os.path.join(out_dir, "check.log"), "w") as log:
+            budget.run_plan(parts, args.budget, report, log)
+    except budget.Stopped as stop:
+        print(check_markdown(report.document()) + "\n" + json_text(report.document()), flush=True)
+        raise SystemExit(f"bench.py check: stopped ({stop}); {out_dir} holds every finished row") from None
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print("\n" + check_markdown(report.document()), flush=True)
+    return report.document()
+
+
+def check_parts(args, device, run_dir: str) -> list:
+    """The plan's parts for this device, most important first (CHECK_PLAN: their shares of the budget). A
+    part that cannot run here (no data; GPU tests on a CPU) has no process, only its reason."""
+    _, sizes = check_sizes(args, device)
+    visible = "cuda" if device.type == "cuda" else str(device)  # cuda:N: the only GPU the parts see (part_env)
+    here = [sys.executable, os.path.join(HERE, "bench.py"), "check", "--device", visible,
+            *(["--quick"] if args.quick else []), "--part"]
+    data_dir = ["--data-dir", os.path.abspath(args.data_dir)] if args.data_dir else []
+    run = [sys.executable, os.path.join(HERE, "train.py"), *sizes["run"], *data_dir, "--out-dir", run_dir,
+           "--no-progress", "--compile-backend", sizes["backend"]]
+    no_data, env = data_problem(args.data_dir), part_env(device, args.data_dir)
+    if device.type == "cuda":
+        gpu_tests = dict(argv=pytest_argv(device, DATA_TESTS, gpu_only=True), blocked=no_data)
+    else:
+        gpu_tests = dict(argv=None, blocked="these tests are marked gpu (they need a CUDA GPU)",
+                         blocked_status="skipped")
+    small, large = sizes["batches"]
+    models = list(LATENCY_MODELS)
+    specs = {  # key: (name, how its rows read (CHECK_COLUMNS), its rows, the rest of budget.Part)
+        "latency:0": (f"latency, batch {small}", "latency", models, dict(argv=here + [f"latency:{small}"])),
+        "latency:1": (f"latency, batch {large}", "latency", models, dict(argv=here + [f"latency:{large}"])),
+        "train-step": ("training step", "train", ["DeiT III", "reViT fixed"],
+                       dict(argv=here + ["train-step"])),
+        "correctness": ("correctness", "tests", [],
+                        dict(argv=pytest_argv(device, ["tests/test_on_device.py"]), parse=pytest_rows)),
+        "train.py run": ("train.py run", "run", ["train.py run"],
+                         dict(argv=run, blocked=no_data, finish=train_run_rows(run_dir, sizes, device))),
+        "elastic": ("training step, elastic depth", "train", [*ELASTIC_ROWS], dict(argv=here + ["elastic"])),
+        "data tests": ("GPU tests that need the data", "tests", [], dict(parse=pytest_rows, **gpu_tests)),
+    }
+    parts = []
+    for key, (share, floor) in CHECK_PLAN.items():
+        name, kind, rows, fields = specs[key]
+        fields["argv"] = None if fields.get("blocked") else fields["argv"]
+        parts.append(budget.Part(name, rows=rows, share=share, floor=floor * args.budget, kind=kind, env=env,
+                                 **fields))
+    return parts
+
+
+def check_header(args, device, parts) -> dict:
+    sizes_name, sizes = check_sizes(args, device)
+    tf32 = ("TF32 on for the float32 matmuls outside autocast (torch.backends.cuda.matmul.allow_tf32) in the "
+            "latency, training-step and train.py parts; the correctness tests turn it off"
+            if device.type == "cuda" else "TF32: not on a CPU")
+    return {"command": "check", "env": environment(device), "sizes": sizes_name, "budget_s": args.budget,
+            "tf32": tf32, "compile_backend": sizes["backend"], "kinds": {p.name: p.kind for p in parts}}
+
+
+def part_env(device, data_dir: str) -> dict:
+    """The parts' environment: unbuffered output (rows as they come), the GPU tests on (conftest.py hides the
+    GPUs otherwise), the data folder for the tests' fixture, lines wide enough for pytest's skip reasons; a
+    calling pytest's options stay its own."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env.update(PYTHONUNBUFFERED="1", REVIT_GPU_TESTS="1" if device.type == "cuda" else "0", COLUMNS="400")
+    if device.type == "cuda" and device.index is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(device.index)
+    if data_dir:
+        env["REVIT_DATA_DIR"] = os.path.abspath(data_dir)
+    return env
+
+
+def data_problem(data_dir: str) -> str:
+    """'' when Fashion-MNIST is found where train.py looks (--data-dir, else ./data, $REVIT_DATA_DIR,
+    /usr/share/datasets), else the row's one-line reason."""
+    try:
+        data.find_builtin("fashion-mnist", data_dir)
+        return ""
+    except (FileNotFoundError, ValueError):
+        where = ", ".join(map(str, data.data_roots(data_dir)))
+        return (f"no Fashion-MNIST in {where}; copy its four .gz files into {data_dir or 'data'}/ "
+                "(README: On a GPU)")
+
+
+# --- check: a part's own process (bench.py check --part KEY) prints its rows (lib/budget.emit) ---
+
+
+def check_part(key: str, device, sizes: dict) -> dict:
+    """Run one part here: latency:B (Table 7 at batch B), train-step (DeiT III vs reViT fixed), elastic
+    (elastic depth vs fixed depth, both step loops eager). An error ends the process with its first line."""
+    kind, _, batch = key.partition(":")
+    common = dict(device=device, backend=sizes["backend"])
+    try:
+        with tf32(device, True):
+            if kind == "latency":  # memory: CUDA's is always measured; a CPU's by bench.py latency, eagerly
+                bench_latency(batches=(int(batch),), modes=("compiled",), memory=False,
+                              on_row=row_emitter(latency_precision(device, sizes)), **common,
+                              **sizes["latency"])
+            else:
+                labels = ["DeiT III", "reViT fixed"] if kind == "train-step" else list(ELASTIC_ROWS)
+                bench_train(compiled=True, labels=labels, reference=labels[0], peak=peak_flops(device),
+                            on_row=row_emitter(train_precision(device, sizes)), **common, **sizes["train"])
+    except Exception as e:  # noqa: BLE001 - the traceback to the log, its first line to the report
+        traceback.print_exc(file=sys.stdout)
+        raise SystemExit(f"error: {first_informative_line(e)}") from None
+    return {"command": "check", "part": key}
 
 
 @contextlib.contextmanager
@@ -866,21 +1009,9 @@ def tf32(device: torch.device, enabled: bool):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-# torch's trailing advice on an error, never the error itself (the table shows the first line that is not one)
+# torch's trailing advice on an error, never the error itself (the report shows the first line that is not)
 TORCH_HINTS = ("TORCHDYNAMO_VERBOSE", "TORCH_LOGS", "TORCH_USE_CUDA_DSA", "CUDA_LAUNCH_BLOCKING",
                "might be asynchronously reported", "suppress_errors", "You can suppress this exception")
-
-
-def timed(fn) -> dict:
-    """fn's result dict with its wall time; an exception becomes ok=False with its first informative line
-    (detail) and the full traceback (traceback), and says whether it left the CUDA context unusable."""
-    start = time.perf_counter()
-    try:
-        out = fn()
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - record every failure and go on
-        out = {"ok": False, "detail": first_informative_line(e), "cuda_error": is_cuda_error(e),
-               "traceback": "".join(traceback.format_exception(e))}
-    return {**out, "seconds": time.perf_counter() - start}
 
 
 def first_informative_line(error: BaseException) -> str:
@@ -891,141 +1022,158 @@ def first_informative_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(useful or lines or [''])[0]}"
 
 
-def is_cuda_error(error: BaseException) -> bool:
-    """A CUDA runtime error (illegal address, device-side assert, ...): it stays in the process's CUDA context,
-    so every later CUDA call fails with it. Out-of-memory is not one (the allocator recovers)."""
-    return isinstance(error, getattr(torch, "AcceleratorError", ())) or str(error).lstrip().startswith("CUDA error")
+def row_emitter(precision_of):
+    """bench_latency's and bench_train's on_row: a row after its first call (running), then its result."""
+    def on_row(label, row, final):
+        fields = {k: v for k, v in row.items() if k != "overrides"}
+        if not final:
+            first = row.get("first_call_s", row.get("first_step_s", 0))
+            fields["detail"] = f"first call {first:.1f} s (compilation included); timing"
+        budget.emit(label, status="ok" if final else "running", precision=precision_of(label), **fields)
+    return on_row
 
 
-class Parts:
-    """The check's parts (and correctness rows) in turn, each timed; a failure is recorded and the next part
-    runs, except after a CUDA error: the later parts would all fail with the same line, so they are marked
-    skipped, naming the part whose error poisoned the context, and the error is said once."""
-
-    def __init__(self):
-        self.poisoned_by = None
-
-    def run(self, name: str, fn) -> dict:
-        if self.poisoned_by:
-            return {"ok": False, "skipped": True, "seconds": 0.0,
-                    "detail": f"skipped: the CUDA context is unusable after the CUDA error in {self.poisoned_by}"}
-        out = timed(fn)
-        if out.pop("cuda_error", False):
-            self.poisoned_by = name
-        return out
+def latency_precision(device, sizes) -> callable:
+    weights = "bf16" if sizes["latency"]["dtype"] == "bfloat16" else "fp32"
+    tf32 = ", TF32 on" if device.type == "cuda" else ""
+    return lambda label: f"{weights} weights and images, compiled ({sizes['backend']}){tf32}"
 
 
-def failure_log(result: dict) -> str:
-    """Every traceback of a check report's parts, for check-errors.log (the correctness tests': correctness.log)."""
-    return "".join(f"=== {name}\n{part['traceback']}\n" for name, part in result["parts"].items() if "traceback" in part)
+def train_precision(device, sizes) -> callable:
+    mixed = "bf16 autocast, fp32 weights, fused AdamW, TF32 on" if device.type == "cuda" else "fp32, AdamW"
+    compiled = {"reViT fixed, eager": "eager", "reViT elastic 0.3": "stem and head compiled, step loop eager"}
+    return lambda label: f"{mixed}, {compiled.get(label, 'compiled (' + sizes['backend'] + ')')}"
 
 
-def check_train_run(argv: list[str], out_dir: str, compile_backend: str) -> dict:
-    """`python train.py ARGV` for a short run, in its own process, its output in out_dir/train-run.log;
-    throughput from its metrics log. --compile-backend: the check's (--quick: dynamo's eager backend, so the
-    run takes seconds, not minutes)."""
-    run_dir, log_path = os.path.join(out_dir, "train-run"), os.path.join(out_dir, "train-run.log")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    command = argv + ["--out-dir", run_dir, "--no-progress", "--compile-backend", compile_backend]
-    with open(log_path, "w") as log:
-        done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *command], stdout=log,
-                              stderr=subprocess.STDOUT, cwd=HERE)
-    records = []
-    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-            records = [json.loads(line) for line in fh]
-    final = next((r for r in records if r.get("event") == "final"), {})
-    rates = [r["per_s"] for r in records if "per_s" in r]
-    steady = rates[1:] or rates  # the first interval includes torch.compile's build
-    steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
-    if done.returncode != 0:
-        with open(log_path, errors="replace") as fh:
-            log = fh.read()
-        last = [line for line in log.splitlines() if line.strip() and not any(h in line for h in TORCH_HINTS)]
-        raise RuntimeError(f"train.py exited with {done.returncode}: {last[-1] if last else 'no output'}\n{log}")
-    return {"ok": steps == int(argv[argv.index("--max-steps") + 1]) and bool(final),
-            "command": "python train.py " + " ".join(command), "steps": steps,
-            "images_per_s": statistics.median(steady) if steady else None,
-            "first_interval_images_per_s": rates[0] if rates else None,
-            "test_acc": final.get("test_acc"), "minutes": final.get("minutes"), "detail": f"log: {log_path}"}
+# --- check: the parts run by pytest and by train.py, read from their output ---
+
+DATA_TESTS = ["tests/test_train.py", "tests/test_analyze.py"]  # gpu-marked: training, resume, analysis
+TEST_LINE = re.compile(r"^\S+?::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \((.*)\))?")  # pytest -v
+TEST_FAILURE = re.compile(r"^(?:FAILED|ERROR) \S+?::(\S+) - (.*)$")  # pytest -rfE
+TEST_SECONDS = re.compile(r"^([\d.]+)s call\s+\S+?::(\S+)$")  # pytest --durations
+TEST_STATUS = {"PASSED": "ok", "XFAIL": "ok", "SKIPPED": "skipped", "FAILED": "failed", "ERROR": "failed",
+               "XPASS": "failed"}
 
 
-def run_check(args, device) -> dict:
-    """Every part in order, each timed; a failure is recorded and the next part runs."""
-    sizes = CHECK_SIZES["quick" if args.quick else "full"]
-    out_dir = args.out or f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.makedirs(out_dir, exist_ok=True)
-    print(f"bench.py check on {device} ({'quick' if args.quick else 'full'} sizes), report in {out_dir}", flush=True)
-    if device.type == "cpu" and not args.quick:
-        print("note: the full sizes are for a GPU (S/16 at 224², compiled); on a CPU this takes long, --quick "
-              "runs the same code paths at tiny sizes", flush=True)
-
-    runner = Parts()
-
-    def latency():
-        s = sizes["latency"]
-        with tf32(device, True):
-            result = bench_latency(device=device, **s)
-        targets = latency_targets(result["rows"]) if s["size"] == "s" else []
-        return {"ok": True, **result, "targets": targets, "settings": {"summary": describe(s, device)}}
-
-    def train_step():
-        s = sizes["train"]
-        with tf32(device, True):
-            result = bench_train(device=device, peak=peak_flops(device), labels=CHECK_TRAIN_ROWS, **s)
-        targets = train_targets(result["rows"]) if s["size"] == "s" else []
-        return {"ok": True, **result, "targets": targets, "settings": {"summary": describe(s, device)}}
-
-    parts = {}
-    for name, fn in [("correctness", lambda: device_tests(device, out_dir)), ("latency", latency), ("train step", train_step),
-                     ("train.py run", lambda: check_train_run(sizes["run"], out_dir, sizes["compile_backend"]))]:
-        parts[name] = runner.run(name, fn)
-        print(f"{name}: {'ok' if parts[name]['ok'] else 'FAILED'} ({parts[name]['seconds']:.1f} s)", flush=True)
-    result = {"command": "check", "quick": args.quick, "env": environment(device), "sizes": sizes, "parts": parts,
-              "ok": all(p["ok"] for p in parts.values()), "out_dir": out_dir}
-    report = check_markdown(result)
-    print(report)
-    with open(os.path.join(out_dir, "check.md"), "w") as fh:
-        fh.write(report + "\n")
-    errors = failure_log(result)
-    if errors:
-        result["errors_log"] = os.path.join(out_dir, "check-errors.log")
-        with open(result["errors_log"], "w") as fh:
-            fh.write(errors)
-    write_json(result, os.path.join(out_dir, "check.json"))
-    return result
+def pytest_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
+    """tests/test_on_device.py's cases for this device (gpu-marked on CUDA), or only the gpu-marked tests."""
+    marker = "gpu" if gpu_only or device.type == "cuda" else "not gpu"
+    return [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=0", "--durations-min=0", "-p",
+            "no:cacheprovider", "-m", marker, *(os.path.join(HERE, f) for f in files)]
 
 
-def check_markdown(result: dict) -> str:
-    parts, env = result["parts"], result["env"]
-    summary = markdown([{"part": k, **v} for k, v in parts.items()], [
-        ("part", f("part", "{}")), ("status", lambda r: "ok" if r["ok"] else "**FAILED**"),
-        ("seconds", f("seconds", "{:.1f}")), ("detail", lambda r: r.get("detail", ""))])
-    out = [f"# bench.py check: {env['device']}, {'quick' if result['quick'] else 'full'} sizes\n",
-           environment_line(env), "", summary,
-           f"\nTotal {sum(p['seconds'] for p in parts.values()):.0f} s; "
-           f"{'all parts passed' if result['ok'] else 'FAILURES above'}.\n",
-           "## Correctness on the device\n"]
-    correctness = parts["correctness"]
-    if "rows" in correctness:
-        out.append("tests/test_on_device.py, one row per test:\n\n" + markdown(correctness["rows"], [
-            ("test", f("check", "{}")), ("ok", lambda r: "yes" if r["ok"] else "**no**"), ("detail", f("detail", "{}")),
-            ("s", f("seconds", "{:.1f}"))]))
-    for name, to_markdown in (("latency", latency_markdown), ("train step", train_markdown)):
-        if "rows" in parts[name]:
-            out.append("\n" + to_markdown(parts[name]))
-    run = parts["train.py run"]
-    out += ["\n## A short train.py run\n", f"`{run.get('command', '')}`\n" if "command" in run else "",
-            markdown([run], [("steps", f("steps", "{}")),
-                             ("img/s (after the first interval)", f("images_per_s", "{:.0f}")),
-                             ("img/s (first interval, incl. compile)", f("first_interval_images_per_s", "{:.0f}")),
-                             ("test acc %", lambda r: f"{100 * r['test_acc']:.2f}"),
-                             ("minutes", f("minutes", "{:.2f}"))])]
+def pytest_rows(line: str) -> list[tuple[str, dict]]:
+    """A test's row from pytest's verbose line, its failure's first line, its seconds (call phase)."""
+    line = line.rstrip("\n")
+    if match := TEST_FAILURE.match(line):
+        return [(match[1], {"detail": match[2][:200]})]
+    if match := TEST_LINE.match(line):
+        reason = {"detail": match[3][:200]} if match[3] else {}
+        return [(match[1], {"status": TEST_STATUS[match[2]], **reason})]
+    if match := TEST_SECONDS.match(line):
+        return [(match[2], {"seconds": float(match[1])})]
+    return []
+
+
+def train_run_rows(run_dir: str, sizes: dict, device):
+    """The train.py run's row from its metrics log, once it has ended (after a timeout: the steps it took)."""
+    argv = sizes["run"]
+    max_steps = int(argv[argv.index("--max-steps") + 1])
+    precision = ("bf16 autocast, fused AdamW, TF32 on" if device.type == "cuda" else "fp32, AdamW") + \
+        (f", compiled ({sizes['backend']})" if "--compile" in argv else ", eager")
+
+    def finish(status):
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            records = [json.loads(line) for line in fh if line.strip()]  # ValueError: a line cut by a kill
+            final = next((r for r in records if r.get("event") == "final"), {})
+            rates = [r["per_s"] for r in records if "per_s" in r]
+            steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+            row = {"steps": steps, "max_steps": max_steps, "test_acc": final.get("test_acc"),
+                   "images_per_s": statistics.median(rates[1:] or rates) if rates else None,  # 1st: the start
+                   "first_interval_images_per_s": rates[0] if rates else None,
+                   "minutes": final.get("minutes"), "precision": precision}
+            done = status == 0 and steps == max_steps and bool(final)
+            row.update({"status": "ok"} if done else {"detail": f"{steps} of {max_steps} steps"})
+            return [("train.py run", row)]
+        return []
+    return finish
+
+
+# --- check: the report (check.md; every row a result or a one-line reason; latency first) ---
+
+
+def check_markdown(doc: dict) -> str:
+    env, kinds = doc["env"], doc["kinds"]
+    state = ("complete: every row is a result or a reason" if doc["complete"] else
+             "NOT complete: rows marked pending or running had not finished when this file was written")
+    gpu = f" ({env['gpu']})" if "gpu" in env else ""
+    out = [f"# bench.py check: {env['device']}{gpu}, {doc['sizes']} sizes, budget {doc['budget_s']:.0f} s\n",
+           environment_line(env),
+           f"\n{doc['tf32']}. Report {state}; {'all passed' if doc['ok'] else 'see the rows not ok'}.\n"]
+    for part in kinds:
+        rows = [r for r in doc["rows"] if r["part"] == part]
+        out += [f"## {part}\n", markdown(rows, CHECK_COLUMNS[kinds[part]]), CHECK_NOTES[kinds[part]], ""]
+    if doc["sizes"] == "full":
+        out.append(targets_markdown(check_targets(doc["rows"], kinds)).lstrip("\n") + "\n")
+    out += ["## The plan (most important first; each part its own process and timeout)\n",
+            markdown(doc["parts"], [("part", f("part", "{}")), ("timeout s", f("timeout_s", "{:.0f}")),
+                                    ("used s", f("seconds", "{:.1f}")), ("status", f("status", "{}")),
+                                    ("detail", f("detail", "{}"))])]
     return "\n".join(out)
 
 
-def describe(settings: dict, device) -> str:
-    return f"{precision(device)}, " + ", ".join(f"{k} {v}" for k, v in settings.items())
+def check_targets(rows: list[dict], kinds: dict) -> list[dict]:
+    """latency_targets and train_targets (ours, against Table 7) on the rows that finished."""
+    done = [r for r in rows if r["status"] == "ok"]
+    latency = [r for r in done if kinds[r["part"]] == "latency"]
+    out = latency_targets(latency) if latency else []
+    out += train_targets([r for r in done if r["part"] == "training step" and r["row"] == "reViT fixed"])
+    return out + [_target("train step elastic 0.3 <= fixed depth, both step loops eager", r["ratio"],
+                          r["ratio"] <= 1.0) for r in done if r["row"] == "reViT elastic 0.3"]
+
+
+def status_cell(r: dict) -> str:
+    text = r["status"] if r["status"] in ("ok", "running", "pending") else f"**{r['status']}**"
+    return text + (f": {r['detail']}" if r.get("detail") and r["status"] != "ok" else "")
+
+
+CHECK_COLUMNS = {
+    "latency": [("model", f("row", "{}")), ("batch", f("batch", "{}")), ("status", status_cell),
+                ("ms (median)", f("median_ms", "{:.3f}")),
+                ("IQR", lambda r: f"{r['q1_ms']:.3f}–{r['q3_ms']:.3f}"),
+                ("vs DeiT III", lambda r: f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"),
+                ("img/s", f("images_per_s", "{:.0f}")), ("memory MiB", f("memory_mib", "{:.1f}")),
+                ("mem vs DeiT", f("memory_ratio", "{:.2f}")), ("1st call s", f("first_call_s", "{:.1f}")),
+                ("precision", f("precision", "{}"))],
+    "train": [("model", f("row", "{}")), ("batch", f("batch", "{}")), ("status", status_cell),
+              ("step ms", f("median_ms", "{:.2f}")), ("vs", lambda r: f"{r['reference']}: {ratio_text(r)}"),
+              ("img/s", f("images_per_s", "{:.0f}")), ("MFU", lambda r: f"{100 * r['mfu']:.1f}%"),
+              ("memory MiB", f("memory_mib", "{:.0f}")), ("1st step s", f("first_step_s", "{:.1f}")),
+              ("precision", f("precision", "{}"))],
+    "tests": [("test", f("row", "{}")), ("status", status_cell), ("s", f("seconds", "{:.1f}"))],
+    "run": [("status", status_cell), ("steps", f("steps", "{}")),
+            ("img/s (after the 1st interval)", f("images_per_s", "{:.0f}")),
+            ("1st interval img/s (with the start)", f("first_interval_images_per_s", "{:.0f}")),
+            ("test acc %", lambda r: f"{100 * r['test_acc']:.2f}"), ("minutes", f("minutes", "{:.2f}")),
+            ("precision", f("precision", "{}"))],
+}
+CHECK_NOTES = {
+    "latency": "\nvs DeiT III: median (IQR) of the per-round ratios, both timed in the same round. Memory "
+               "(paper Table 7: weights + what the first call left allocated + the peak of a second call) is "
+               "measured on CUDA; on a CPU, `python bench.py latency` measures it eagerly (fresh processes).",
+    "train": "\nvs: the median per-round ratio ± the half-width of its 95% bootstrap interval. MFU needs "
+             "the device's bf16 peak (known GPUs only).",
+    "tests": "", "run": ""}
+
+
+def check_row_line(r: dict) -> str:
+    """The line printed as each row gets its result."""
+    numbers = [("median_ms", "{median_ms:.3f} ms"), ("ratio", "{ratio:.3f}x"), ("steps", "{steps} steps"),
+               ("memory_mib", "{memory_mib:.1f} MiB"), ("images_per_s", "{images_per_s:.0f} img/s"),
+               ("test_acc", "acc {test_acc:.3f}")]
+    shown = [text.format(**r) for key, text in numbers if r.get(key) is not None]
+    detail = [r["detail"]] if r.get("detail") and r["status"] != "ok" else []
+    return " | ".join([r["part"], r["row"], r["status"], *shown, *detail])
 
 # --- command line ---
 
@@ -1087,11 +1235,18 @@ def timing_flags(p, warmup: str, repeats: str, iters: str):
 
 
 def add_check_parser(sub):
-    p = sub.add_parser("check", help="the first minutes on a GPU: correctness, Table 7 latency, training step, "
-                                     "a 100-step train.py --compile run; one markdown report")
+    p = sub.add_parser("check", help="the first minutes on a GPU within a time budget: Table 7 latency and memory, "
+                                     "training step, correctness, a short train.py run; rows written as they finish")
     device_flags(p)
-    p.add_argument("--out", help="folder for check.md, check.json and the run's files (default: out/check-TIME)")
-    p.add_argument("--quick", action="store_true", help="the same code paths at tiny sizes (CPU: well under a minute)")
+    p.add_argument("--budget", type=float, default=420.0,
+                   help="seconds for the whole check (default 420); parts run most important first, each its share")
+    p.add_argument("--data-dir", default="", help="where Fashion-MNIST is, for the train.py run and the GPU tests "
+                                                  "that need it (default: train.py's search: ./data, ...)")
+    p.add_argument("--out", help="folder for check.md, check.json and check.log (default: out/check-TIME); "
+                                 "one that already holds any of them is refused")
+    p.add_argument("--quick", action="store_true", help="tiny sizes on any device (always on a CPU: seconds)")
+    p.add_argument("--part", help="run one part of the plan in this process and print its rows (what each of the "
+                                  "check's processes runs): latency:BATCH, train-step or elastic")
 
 
 def resolve(args, device) -> dict:
@@ -1119,6 +1274,7 @@ FLAG_RULES = {
     "peak_tflops": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0 (TFLOP/s)"),
     "resolve": (lambda v: math.isfinite(v) and 0 <= v < 1, "a ratio in [0, 1) (0: no extra rounds)"),
     "max_repeats": (lambda v: 2 <= v <= 10000, "an integer in [2, 10000]"),
+    "budget": (lambda v: math.isfinite(v) and 10 <= v <= 86400, "a number of seconds in [10, 86400]"),
 }
 LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
     "batches": (lambda t: int(t) if t.strip().isdigit() and 1 <= int(t) <= 65536 else None,
@@ -1146,6 +1302,11 @@ def check_flags(args, device) -> None:
     out, kind = getattr(args, "out", None), "folder" if args.command in OUTPUT_FOLDERS else "file"
     if out and output_problem(out, kind):
         raise InputError(f"--out {out} {output_problem(out, kind)}")
+    held = [name for name in CHECK_FILES if out and args.command == "check" and os.path.lexists(os.path.join(out, name))]
+    if held:  # a check writes only files it creates: another run's report stays as it is
+        raise InputError(f"--out {out} already holds {held[0]} (another check's report); choose another --out")
+    if getattr(args, "part", None) and not re.fullmatch(r"latency:\d{1,5}|train-step|elastic", args.part):
+        raise InputError(f"--part must be latency:BATCH, train-step or elastic; got {args.part!r}")
 
 
 def check_ranges(args, rules: dict) -> None:

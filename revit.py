@@ -50,9 +50,7 @@ def init_linear(module: nn.Module) -> None:
 
 def full_precision(device: torch.device):
     """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return nullcontext()
+    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
 
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
@@ -153,12 +151,17 @@ class ExpertBank(nn.Module):
     def bank(self) -> tuple:
         return self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
 
-    def merge(self, gates: torch.Tensor) -> tuple:
-        """Eq. 2, theta = sum_e g_e theta_e, for n gate vectors: (n, E) -> four stacks (n, ...), always in
-        fp32 whatever the bank's dtype or autocast (callers cast at use)."""
+    def merge(self, gates: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple:
+        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...) in `dtype`.
+
+        fp32 by default, whatever the bank's dtype or autocast; callers cast at use (MergedFFN). A
+        forward's own merge asks for the bank's dtype: a bf16 bank then merges as one bf16 matmul, which
+        accumulates in fp32, and is never copied to fp32 (E x P); its fp32 gates are rounded as the
+        operand (our choice)."""
         n = gates.shape[0]
         with full_precision(gates.device):
-            return tuple((gates.float() @ p.float().flatten(1)).view(n, *p.shape[1:]) for p in self.bank())
+            return tuple((gates.to(dtype) @ p.to(dtype).flatten(1)).view(n, *p.shape[1:])  # (n, ...)
+                         for p in self.bank())
 
     def diversity(self) -> torch.Tensor:
         """Eq. 9: mean over pairs e < e' of cos^2(vec(theta_e), vec(theta_e')). Pair-mean is our default."""
@@ -245,7 +248,7 @@ class MergedExpertFFN(ExpertBank):
     def merged_ffn(self, s: torch.Tensor) -> MergedFFN:
         """Eqs. 1-2 map a depth coordinate s (a (1,) tensor) to its merged FFN: psi and the softmax give
         the gates (Eq. 1), the gate-weighted sum of the experts gives the weights (Eq. 2)."""
-        return MergedFFN(*unstack_one(self.merge(self.gates(s))))
+        return MergedFFN(*unstack_one(self.merge(self.gates(s), self.fc1_weight.dtype)))
 
     def step_ffn(self, t: int, depth: int) -> MergedFFN:
         """FFN_t of an L-step forward: the merged FFN at s_t = t / (L - 1) (Eq. 1's grid)."""
@@ -255,7 +258,7 @@ class MergedExpertFFN(ExpertBank):
         """The FFN of a step whose images sit at coordinates coords (b,) (elastic depth): one merged FFN
         per distinct coordinate, never one weight copy per image."""
         values, group = torch.unique(coords, return_inverse=True)
-        merged = self.merge(self.gates(values))                                   # (groups, ...)
+        merged = self.merge(self.gates(values), self.fc1_weight.dtype)            # (groups, ...)
         return MergedFFN(*unstack_one(merged)) if len(values) == 1 else GroupedFFN(merged, group)
 
     def aux_losses(self, depth: int) -> dict:
@@ -776,6 +779,12 @@ def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | No
             raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
                              "pass gates with one row per step of that depth, or leave depth out")
 
+# --- for torch.compile: full_precision's question, asked without a graph break (dynamo 2.11) ---
+
+@torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
+def autocast_available(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type)
+
 # --- the merge cache: inference merges the L FFNs of a depth once (§3.1: "computed once and reused") ---
 
 # Optimizer steps taken in this process, counted by a hook on every torch.optim optimizer (installed with
@@ -838,7 +847,8 @@ class CachedMergedExpertFFN(MergedExpertFFN):
         key = (depth, self.fc1_weight.device, self.weights_version())
         if self._cache_key != key:
             self.clear_cache()  # free the old cache before building the new one
-            self._cache = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))  # fp32 (L, ...)
+            merged = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))  # fp32 (L, ...)
+            self._cache = tuple(w.to(self.fc1_weight.dtype) for w in merged)  # cast once, not per call
             self._cache_key = key
         return self._cache
 

@@ -485,6 +485,8 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     if resume_ckpt is not None:
         run.trainable.load_state_dict(resume_ckpt["model"])
         optimizer.load_state_dict(resume_ckpt["optimizer"])
+        for group in optimizer.param_groups:  # load_state_dict restored the saving device's implementation
+            group["fused"] = options["fused_adamw"] or None
         run.step = run.last_good = resume_ckpt["step"]
         run.metrics = resume_ckpt.get("metrics", {})
         restore_rng(run, resume_ckpt["rng"])

@@ -61,6 +61,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import alternet
 import revit
@@ -78,7 +79,9 @@ class LiveBytes(TorchDispatchMode):
     the bytes alive after each op (`timeline`; its maximum is the peak). Outputs that alias an input
     (views, in-place ops, per the op's schema) and storages already counted are not new memory. Exact
     for what the dispatcher sees (a kernel's internal scratch buffers are not); the weights and anything
-    older than the mode are not counted. Works on any device."""
+    older than the mode are not counted. Works on any device. An op whose schema only says it MAY alias
+    (aten.to, which inference mode dispatches undecomposed) is new memory unless its output shares an
+    input's storage: a dtype cast is a copy."""
 
     def __init__(self):
         super().__init__()
@@ -89,9 +92,13 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors}
         for i, value in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-            aliases = i < len(returns) and returns[i].alias_info is not None
-            if isinstance(value, torch.Tensor) and not aliases:
+            if not isinstance(value, torch.Tensor):
+                continue
+            may_alias = i < len(returns) and returns[i].alias_info is not None
+            if not (may_alias and value.untyped_storage().data_ptr() in inputs):
                 self.count(value.untyped_storage())
         self.timeline.append(self.live)
         return out

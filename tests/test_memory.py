@@ -61,6 +61,17 @@ def test_probe_counts_what_autograd_keeps():
     assert max(timeline) >= 2 * 4000 and timeline[-1] <= 4000 + 8  # only x.grad (and a scalar) survive
 
 
+
+def test_probe_counts_a_dtype_cast_under_inference_mode():
+    """Inference mode dispatches aten.to undecomposed, whose schema says its output MAY alias the input:
+    a cast to another dtype is a copy all the same (a bf16 bank cast to fp32 at every step, say), a cast
+    to the same dtype is the input itself."""
+    x = torch.zeros(1000, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert memory.peak_bytes(lambda: x.to(torch.float32), CPU) == 4000
+        assert memory.peak_bytes(lambda: x.to(torch.bfloat16), CPU) == 0
+    assert memory.peak_bytes(lambda: x.float(), CPU) == 4000
+
 # --- the counted parts are what AdamW and DDP hold ---
 
 

@@ -651,7 +651,7 @@ def test_the_fixed_depth_forward_is_the_reference_loop():
     forward = inspect.getsource(revit.ReViT.forward)
     assert "self.block(x, self.block.mlp.step_ffn(t, depth))" in forward
     assert "self.merged_ffn(" in inspect.getsource(revit.MergedExpertFFN.step_ffn)
-    assert "self.merge(self.gates(s))" in inspect.getsource(revit.MergedExpertFFN.merged_ffn)
+    assert "self.merge(self.gates(s)" in inspect.getsource(revit.MergedExpertFFN.merged_ffn)
     assert "self.mlp(u, step)" not in inspect.getsource(revit.Block.forward)  # one FFN interface
 
 

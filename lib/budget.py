@@ -1,0 +1,257 @@
+"""A plan of parts run in turn within one time budget, each in its own process under its own timeout, with
+a report rewritten after every row: the machinery of `python bench.py check` (bench.py says what each part
+measures and how its rows read).
+
+- Processes: a part can run long or hang (torch.compile's build, a pytest run, a training run), and only a
+  process can be stopped at its timeout together with everything it started (its process group). On
+  Linux a part also dies with the check (PR_SET_PDEATHSIG), so a killed check leaves nothing running. A
+  CUDA error stays in the part's own process.
+- Rows: a part's output is read line by line. Its `parse` turns a line into row updates (default: the
+  `ROW {json}` lines that `emit` prints); every other line goes to the log. Its `finish` reads what the
+  process left (a training run's metrics) once it has ended, finished or stopped.
+- The report: after every row update, JSON and markdown are rewritten, each to a temporary name and then
+  renamed (a reader never sees half a file), and the row is printed. A check killed at any moment leaves
+  every finished row on disk; the rows of the part that was running say "running". SIGTERM (and Ctrl-C)
+  stop the running part, mark what is left, and write the report before the check exits.
+- The budget (our choice): parts run most important first. Each gets what is left of the budget minus the
+  shares of the parts after it, so time a part does not use passes to the next, and a slow part eats into
+  no later part's share. A part whose time would fall under its floor is not started; its rows say so.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+
+from lib.cli import json_text, write_json
+
+ROW = "ROW "
+# Row statuses of a check that passed. The others: failed, error, timed out, not run, stopped (the check was
+# stopped), and pending or running: on disk while the check runs, or after it was killed.
+PASSED = ("ok", "skipped")
+PR_SET_PDEATHSIG = 1
+
+
+def emit(label: str, **fields) -> None:
+    """In a part's process: one row (or an update of it) for the check, on stdout."""
+    print(ROW + json_text({"row": label, **fields}), flush=True)
+
+
+def parse_rows(line: str) -> list[tuple[str, dict]]:
+    """The default `parse`: the rows `emit` printed."""
+    if not line.startswith(ROW):
+        return []
+    fields = json.loads(line[len(ROW):])
+    return [(fields.pop("row"), fields)]
+
+
+@dataclasses.dataclass
+class Part:
+    name: str
+    argv: list[str] | None          # its process; None when it cannot run here (`blocked` says why)
+    rows: list[str]                 # the rows it is planned to fill (pytest's rows come as they run)
+    share: float                    # of the budget: reserved for it while earlier parts run
+    floor: float = 0.0              # seconds: with less time than this it is not started
+    blocked: str = ""
+    blocked_status: str = "not run"  # or "skipped": a part that does not apply here (GPU tests on a CPU)
+    kind: str = ""                  # how the report shows its rows (the caller's render knows)
+    env: dict | None = None
+    parse: callable = parse_rows    # line -> [(row label, fields)]
+    finish: callable = None         # (exit status, or None when stopped) -> [(row label, fields)]
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived while the plan ran."""
+
+
+class Report:
+    """The rows and the plan, written to out_dir/check.json and check.md after every change."""
+
+    def __init__(self, out_dir: str, header: dict, render, line):
+        self.out_dir, self.header, self.render, self.line = out_dir, header, render, line
+        self.rows, self.parts = [], []
+
+    def row(self, part: str, label: str) -> dict:
+        found = next((r for r in self.rows if r["part"] == part and r["row"] == label), None)
+        if found is None:
+            found = {"part": part, "row": label, "status": "pending"}
+            self.rows.append(found)
+        return found
+
+    def update(self, part: str, label: str, fields: dict) -> None:
+        """Change a row, rewrite the report, and print the row when it has just got its result."""
+        row = self.row(part, label)
+        before = row["status"]
+        row.update(fields)
+        self.write()
+        if row["status"] != before and row["status"] not in ("pending", "running"):
+            print(self.line(row), flush=True)
+
+    def document(self) -> dict:
+        statuses = {r["status"] for r in self.rows}
+        return {**self.header, "parts": self.parts, "rows": self.rows,
+                "complete": not statuses & {"pending", "running"}, "ok": statuses <= set(PASSED)}
+
+    def write(self) -> None:
+        """Both files, each to a temporary name then renamed; SIGTERM and SIGINT wait until both are done."""
+        signals = {signal.SIGTERM, signal.SIGINT}
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            write_json(self.document(), os.path.join(self.out_dir, "check.json"))
+            path = os.path.join(self.out_dir, "check.md")
+            with open(f"{path}.tmp{os.getpid()}", "w") as fh:
+                fh.write(self.render(self.document()) + "\n")
+            os.replace(f"{path}.tmp{os.getpid()}", path)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def run_plan(parts: list[Part], budget: float, report: Report, log) -> None:
+    """Every part in turn, each under its timeout (see the module's docstring); `log` an open text file."""
+    deadline = time.monotonic() + budget
+    for part in parts:
+        report.parts.append({"part": part.name, "status": "pending"})
+        for label in part.rows:
+            report.row(part.name, label)
+    report.write()
+    with stop_on_signals():
+        for i, part in enumerate(parts):
+            reserved = sum(p.share * budget for p in parts[i + 1:] if p.argv)
+            timeout = deadline - time.monotonic() - reserved
+            entry = report.parts[i]
+            try:
+                if not part.argv or timeout < part.floor:
+                    why = part.blocked or (f"{max(timeout, 0):.0f} s of the {budget:.0f} s budget left for "
+                                           f"it, it needs {part.floor:.0f} s")
+                    status = part.blocked_status if part.blocked else "not run"
+                    entry.update(status=status, detail=why)
+                    close_rows(report, part, status, why)
+                    continue
+                entry.update(status="running", timeout_s=round(timeout, 1))
+                run_part(part, timeout, report, entry, log)
+            except Stopped as stop:
+                entry.update(status="stopped", detail=f"the check was stopped ({stop})")
+                close_rows(report, part, "stopped", f"the check was stopped ({stop})")
+                for later, e in zip(parts[i + 1:], report.parts[i + 1:]):
+                    e.update(status="not run", detail=f"the check was stopped ({stop})")
+                    close_rows(report, later, "not run", e["detail"])
+                raise
+
+
+def run_part(part: Part, timeout: float, report: Report, entry: dict, log) -> None:
+    start = time.monotonic()
+    process = subprocess.Popen(part.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               errors="replace", env=part.env, preexec_fn=own_group_dying_with_parent)
+    entry["pid"] = process.pid
+    lines, tail = start_reader(process), deque(maxlen=40)
+    timed_out = False
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(start + timeout - time.monotonic(), 0.001))
+            except queue.Empty:
+                timed_out = True
+                break
+            if line is None:
+                break
+            take_line(part, line, report, tail, log)
+    finally:
+        stop_group(process)
+    status = None if timed_out else process.returncode
+    for label, fields in part.finish(status) if part.finish else []:
+        report.update(part.name, label, fields)
+    seconds = time.monotonic() - start
+    if timed_out:
+        why = f"timed out after {timeout:.0f} s (its share of the budget)"
+    elif status:
+        why = f"the part exited with status {status}: {last_line(tail)}"
+    else:
+        why = "the part ended without this row"
+    entry.update(seconds=round(seconds, 1), exit=status, status="timed out" if timed_out else
+                 "ok" if status == 0 else "failed", **({"detail": why} if timed_out or status else {}))
+    close_rows(report, part, "timed out" if timed_out else "error", why)
+
+
+def take_line(part: Part, line: str, report: Report, tail: deque, log) -> None:
+    try:
+        updates = part.parse(line)
+    except (ValueError, KeyError) as e:  # a torn or foreign line: logged, never fatal
+        updates = []
+        log.write(f"[{part.name}] (unreadable row: {e})\n")
+    if not line.startswith(ROW):
+        log.write(f"[{part.name}] {line}")
+        log.flush()
+        if line.strip():
+            tail.append(line.strip())
+    for label, fields in updates:
+        report.update(part.name, label, fields)
+
+
+def close_rows(report: Report, part: Part, status: str, why: str) -> None:
+    """Every row of `part` that has no result yet gets `status` and the reason; a part that made no row
+    at all gets one, named after the part."""
+    rows = [r for r in report.rows if r["part"] == part.name] or [report.row(part.name, part.name)]
+    for row in rows:
+        if row["status"] in ("pending", "running"):
+            earlier = row.get("detail")  # what a running row said last (its first call's time, say)
+            report.update(part.name, row["row"], {"status": status, "detail": f"{why}; {earlier}" if earlier else why})
+    report.write()
+
+
+def last_line(tail: deque) -> str:
+    return tail[-1] if tail else "no output"
+
+
+def start_reader(process) -> queue.Queue:
+    """The process's output lines on a queue (None after the last), read by a thread: the check waits on the
+    queue with a timeout, never on a blocking read."""
+    lines = queue.Queue()
+
+    def read():
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def own_group_dying_with_parent() -> None:
+    """In the part's process, before it runs: its own process group (a timeout stops everything it
+    started) and, on Linux, SIGKILL when the check's process dies."""
+    os.setpgid(0, 0)
+    with contextlib.suppress(Exception):
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+LIBC = ctypes.CDLL(None) if os.name == "posix" else None  # here: between fork and exec nothing should load
+
+
+def stop_group(process) -> None:
+    """SIGKILL to the part's process group (its own children too), then reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    with contextlib.suppress(OSError):
+        process.stdout.close()
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGINT raise Stopped in the main thread while the plan runs (the previous handlers after)."""
+    def stop(signum, frame):
+        raise Stopped(f"{signal.Signals(signum).name} after {time.monotonic() - started:.0f} s")
+    started = time.monotonic()
+    saved = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
