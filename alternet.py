@@ -100,10 +100,21 @@ def depth_encoding(t: float, dim: int) -> torch.Tensor:
     return rearrange(torch.stack([angles.sin(), angles.cos()]), "two f -> (f two)")  # (dim,)
 
 
+def router_encodings(iteration: int, cfg: AlterNetConfig) -> torch.Tensor:
+    """The router's depth inputs at iteration d (Eq. 1): e_t, and e_{1-t} (the remaining budget) with
+    budget_signal: (m or 2m,)."""
+    t = depth_coordinate(iteration, cfg.max_depth)
+    encodings = [depth_encoding(t, cfg.depth_dim)]  # e_t
+    if cfg.budget_signal:
+        encodings.append(depth_encoding(1 - t, cfg.depth_dim))  # e_{1-t}: remaining budget
+    return torch.cat(encodings)
+
+
 # --- halting and the losses (Eq. 4-10), in log space -------------------------------
 # A confident halt head saturates: lambda rounds to 1 or prod(1 - lambda) underflows, so
 # some p_d are exactly 0. p log p then has a 0/0 gradient; log p computed from logsigmoid
 # stays finite, and the KL treats p_d = 0 exactly (its term and gradient are 0).
+# Axes: (B, D) throughout, a sequence per row and an iteration per column, as p is written.
 
 
 def halting_log_probabilities(log_gates: torch.Tensor, halt_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,13 +128,21 @@ def halting_log_probabilities(log_gates: torch.Tensor, halt_logits: torch.Tensor
     return log_halt, log_continue
 
 
-def halting_log_distribution(log_halt: torch.Tensor, log_continue: torch.Tensor) -> torch.Tensor:
+def halting_log_distribution(log_halt: torch.Tensor, log_continue: torch.Tensor, first_halt: int = 0,
+                             stop: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 5, PonderNet, in log space: log p_d = log lambda_d + sum_{i<d} log(1 - lambda_i).
 
-    log_halt, log_continue: (B, D) -> log p: (B, D). The last iteration takes the remaining
-    mass (lambda_{D-1} := 1), so every row of p sums to 1. -inf entries (p_d = 0) are allowed.
+    log_halt, log_continue: (B, D) log lambda and log(1 - lambda) of the halt heads -> log p: (B, D).
+    Two masks on the heads' lambda, nothing else: lambda_d := 0 for d < first_halt (the curriculum's
+    minimum depth, §4), and lambda := 1 at each sequence's last iteration, stop: (B,) (default D-1: the
+    last iteration takes the remaining mass, so every row of p sums to 1; a sequence halted early at h
+    has lambda_h := 1, as a cap at h + 1 would). -inf entries (p_d = 0) are allowed.
     """
-    log_halt = torch.cat([log_halt[:, :-1], torch.zeros_like(log_halt[:, -1:])], dim=1)
+    d = torch.arange(log_halt.shape[1], device=log_halt.device)
+    last = d == (log_halt.shape[1] - 1 if stop is None else stop[:, None])
+    before = d < first_halt
+    log_halt = log_halt.masked_fill(before, -math.inf).masked_fill(last, 0.0)
+    log_continue = log_continue.masked_fill(before, 0.0).masked_fill(last, -math.inf)
     log_unhalted = torch.cat([torch.zeros_like(log_continue[:, :1]), log_continue[:, :-1]], dim=1).cumsum(1)
     return log_halt + log_unhalted  # log P_unhalted,d + log lambda_d
 
@@ -174,48 +193,96 @@ def kl_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1).mean()
 
 
-def load_balance_loss(router_logits: torch.Tensor, expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def pooled_mean(values: torch.Tensor, ran: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the routing decisions (dim 0) that were made: ran (N,) bool, None = all of them."""
+    if ran is None:
+        return values.mean(0)
+    weights = ran.to(values.dtype).view(-1, *[1] * (values.dim() - 1))
+    return (values * weights).sum(0) / ran.sum()
+
+
+def load_balance_loss(router_logits: torch.Tensor, expert_indices: torch.Tensor, num_experts: int,
+                      ran: torch.Tensor | None = None) -> torch.Tensor:
     """Switch load balance E * sum_i f_i P_i over routing decisions (paper §3, Fedus et al. 2022).
 
     router_logits: (N, E) (N = every (sequence, iteration) decision, pooled), expert_indices:
-    (N, k). f_i = fraction of decisions routing to i; it sums to k (as in HF Mixtral/Qwen), so
-    the balanced minimum is k and a_LB acts as k x Switch's weight. P_i = mean softmax probability of i.
+    (N, k); ran: (N,) bool, the decisions made (inference: not those of halted sequences, whose
+    indices are -1). f_i = fraction of decisions routing to i; it sums to k (as in HF Mixtral/Qwen),
+    so the balanced minimum is k and a_LB acts as k x Switch's weight. P_i = mean softmax probability of i.
     """
-    routed = F.one_hot(expert_indices, num_experts).sum(1).float()  # (N, E), 0/1 per expert
-    fraction = routed.mean(0)  # (E,)
-    mean_probability = router_logits.softmax(-1).mean(0)  # (E,)
+    routed = F.one_hot(expert_indices.clamp(min=0), num_experts).sum(1).float()  # (N, E), 0/1 per expert
+    fraction = pooled_mean(routed, ran)  # (E,)
+    mean_probability = pooled_mean(router_logits.softmax(-1), ran)  # (E,)
     return num_experts * (fraction * mean_probability).sum()
 
 
-def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+def router_z_loss(router_logits: torch.Tensor, ran: torch.Tensor | None = None) -> torch.Tensor:
     """z-loss (Zoph et al. 2022): mean over decisions of logsumexp(l)^2. router_logits: (N, E)."""
-    return torch.logsumexp(router_logits, dim=-1).pow(2).mean()
+    return pooled_mean(torch.logsumexp(router_logits, dim=-1).pow(2), ran)
+
+
+def routing_and_kl_losses(cfg: AlterNetConfig, routing: dict, log_p: torch.Tensor, kl_scale: torch.Tensor,
+                          ran: torch.Tensor | None = None) -> dict:
+    """Eq. 6's terms that read no targets, weighted: load balance and z-loss pooled over every (iteration,
+    sequence) decision made (routing: (D', B, ...) records; ran: (D', B) bool, None = all), and the KL of
+    Eq. 8 on log p (B, D') against the prior truncated to its D' iterations."""
+    flat = {key: value.flatten(0, 1) for key, value in routing.items()}  # (D' B, ...): the decisions
+    made = None if ran is None else ran.flatten()
+    # ST-MoE's order: the z-loss on the logits before the clamp (it keeps pulling a logit past
+    # +-c back), the gates and the balance on the clamped ones the router acts on
+    aux = dict(balance=cfg.balance_weight * load_balance_loss(flat["router_logits"], flat["expert_indices"],
+                                                              cfg.num_experts, made),
+               z=cfg.z_loss_weight * router_z_loss(flat["raw_router_logits"], made))
+    if cfg.halting:  # Model I: p is one-hot at D by construction, nothing to regularise
+        log_prior = log_depth_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p)
+        aux["kl"] = cfg.kl_weight * kl_scale * kl_divergence(log_p, log_prior.to(log_p.device))
+    return aux
+
+
+def pondernet_losses(cfg: AlterNetConfig, out: dict, halting: dict, token_losses: torch.Tensor,
+                     targets: torch.Tensor, ran: torch.Tensor | None = None) -> dict:
+    """L_PN (Eq. 7) and a_RIR L_RIR (Eq. 9) from the per-token CE of every iteration, token_losses:
+    (D', B, T), then the loss of Eq. 6 with out's aux losses; halting: the (B, D') log lambdas; ran: (B, D'),
+    the iterations each sequence ran (None = all). A sequence without a scored target counts in neither
+    1/B (our choice) and trains no halt head."""
+    scored = targets != -1  # (B, T)
+    step_ce = token_losses.sum(-1).T / scored.sum(1, keepdim=True).clamp(min=1)  # .T: (B, D') per sequence
+    has_target = scored.any(1, keepdim=True)  # (B, 1)
+    p, aux = out["halting_distribution"], dict(out["aux_losses"])
+    task_loss = (p * step_ce).sum() / has_target.sum().clamp(min=1)  # Eq. 7
+    if cfg.halting:
+        counted = has_target.expand_as(step_ce) if ran is None else ran & has_target  # (B, D')
+        aux["rir"] = cfg.rir_weight * relative_improvement_loss(halting["rir_log_halt"], halting["rir_log_continue"],
+                                                                step_ce, counted)
+    step_losses = (token_losses.sum((1, 2)) / scored.sum().clamp(min=1)).detach()
+    return dict(loss=task_loss + sum(aux.values()), task_loss=task_loss, aux_losses=aux, step_ce=step_ce,
+                step_losses=step_losses, token_losses=token_losses)
 
 
 def improvement_weights(step_ce: torch.Tensor) -> torch.Tensor:
     """Eq. 10: w_d = sigmoid(50 (max(CE_{d-1} - CE_d, 0) - 0.005)) for d = 1..D-1.
 
-    step_ce: (D, B) per-sequence CE -> (D-1, B), detached (it is a target).
+    step_ce: (B, D) per-sequence CE -> (B, D-1), detached (it is a target).
     """
     step_ce = step_ce.detach()
-    return torch.sigmoid(50 * ((step_ce[:-1] - step_ce[1:]).clamp(min=0) - 0.005))
+    return torch.sigmoid(50 * ((step_ce[:, :-1] - step_ce[:, 1:]).clamp(min=0) - 0.005))
 
 
 def relative_improvement_loss(log_halt: torch.Tensor, log_continue: torch.Tensor, step_ce: torch.Tensor,
                               ran: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 9: L_RIR = 1/B sum_b 1/(D-1) sum_{d>=1} BCE(lambda_d, 1 - w_d), BCE from log lambda.
 
-    log_halt, log_continue: (D, B) log lambda and log(1 - lambda) of the halt heads; step_ce:
-    (D, B); ran: (D, B) bool, which iterations each sequence ran (early halting at inference;
+    log_halt, log_continue: (B, D) log lambda and log(1 - lambda) of the halt heads; step_ce:
+    (B, D); ran: (B, D) bool, which iterations each sequence ran (early halting at inference;
     all True in training). A sequence averages over the iterations d >= 1 it ran.
     """
-    if log_halt.shape[0] < 2:
+    if log_halt.shape[1] < 2:
         return log_halt.sum() * 0
-    target = 1 - improvement_weights(step_ce)  # (D-1, B): halt when iteration d did not help
-    bce = -(target * log_halt[1:] + (1 - target) * log_continue[1:])  # (D-1, B)
-    ran = torch.ones_like(bce, dtype=torch.bool) if ran is None else ran[1:]
-    per_sequence = (bce * ran).sum(0) / ran.sum(0).clamp(min=1)  # (B,)
-    has_pairs = ran.any(0)
+    target = 1 - improvement_weights(step_ce)  # (B, D-1): halt when iteration d did not help
+    bce = -(target * log_halt[:, 1:] + (1 - target) * log_continue[:, 1:])  # (B, D-1)
+    ran = torch.ones_like(bce, dtype=torch.bool) if ran is None else ran[:, 1:]
+    per_sequence = (bce * ran).sum(1) / ran.sum(1).clamp(min=1)  # (B,)
+    has_pairs = ran.any(1)
     return (per_sequence * has_pairs).sum() / has_pairs.sum().clamp(min=1)
 
 
@@ -377,6 +444,66 @@ def check_preset(name: str, overrides: dict) -> None:
         raise ValueError(f"unknown config field(s) {unknown}; AlterNetConfig fields are {fields}")
 
 
+# --- forward's arguments: ValueError naming the argument (beside the config checks) -----------
+
+
+def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | None, max_depth: int | None,
+               halt_threshold: float | None, lengths: torch.Tensor | None, sample_halting: bool,
+               last_token_only: bool) -> None:
+    """forward's arguments: types and shapes (Python only, traced by torch.compile), then the values."""
+    if tokens.dim() != 2 or tokens.dtype != torch.long:
+        raise ValueError(f"tokens must be a (B, T) long tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+    B, T = tokens.shape
+    if not 1 <= T <= c.seq_len:
+        raise ValueError(f"tokens: sequence length must be in 1..seq_len={c.seq_len}, got {T}")
+    if targets is not None and (targets.shape != tokens.shape or targets.dtype != torch.long):
+        raise ValueError(f"targets must be a long tensor of the shape of tokens {tuple(tokens.shape)}, "
+                         f"got {tuple(targets.shape)} {targets.dtype}")
+    if targets is not None and last_token_only:
+        raise ValueError("targets: not supported with last_token_only=True (the loss needs every position)")
+    if lengths is not None and (lengths.shape != (B,) or lengths.dtype != torch.long):
+        raise ValueError(f"lengths must be a (B,) long tensor with values in 1..T={T}")
+    check_halting_arguments(c, max_depth, halt_threshold, sample_halting)
+    check_values(c, tokens, targets, lengths)
+
+
+def check_halting_arguments(c: AlterNetConfig, max_depth: int | None, halt_threshold: float | None,
+                            sample_halting: bool) -> None:
+    """The rule forward and generate share: a cap on iterations, and a halting rule only with halt heads."""
+    if max_depth is not None and (not isinstance(max_depth, int) or isinstance(max_depth, bool) or
+                                  not 1 <= max_depth <= MAX_ITERATIONS):
+        raise ValueError(f"max_depth must be None or an integer in 1..{MAX_ITERATIONS}, got {max_depth!r}")
+    if halt_threshold is not None and not 0 < halt_threshold <= 1:
+        raise ValueError(f"halt_threshold must be None or in (0, 1], got {halt_threshold!r}")
+    if halt_threshold is not None and sample_halting:
+        raise ValueError("halt_threshold and sample_halting=True are alternatives: give one of them")
+    if (halt_threshold is not None or sample_halting) and not c.halting:
+        raise ValueError("halt_threshold/sample_halting: this model has halting=False (fixed depth); use max_depth")
+
+
+# Reading a tensor's values is a host sync, and under torch.compile a graph break: kept out of the graph
+# (one break, before the model's first operation) rather than dropped.
+@torch.compiler.disable
+def check_values(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | None,
+                 lengths: torch.Tensor | None) -> None:
+    check_ids("tokens", tokens, c.vocab_size)
+    if targets is not None:
+        check_ids("targets", targets, c.vocab_size, ignore=-1)
+    if lengths is not None and (lengths.min() < 1 or lengths.max() > tokens.shape[1]):
+        raise ValueError(f"lengths must be a (B,) long tensor with values in 1..T={tokens.shape[1]}")
+
+
+def check_ids(name: str, ids: torch.Tensor, vocab_size: int, ignore: int | None = None) -> None:
+    """ValueError unless every entry of ids is a token id in 0..vocab_size-1 (or the ignore value)."""
+    if ids.numel() == 0:
+        return
+    real = ids if ignore is None else ids[ids != ignore]
+    if real.numel() and (real.min() < 0 or real.max() >= vocab_size):
+        allowed = f"0..{vocab_size - 1}" + ("" if ignore is None else f" or {ignore} (ignore)")
+        raise ValueError(f"{name}: token ids must be in {allowed} (vocab_size={vocab_size}), "
+                         f"got values in {real.min().item()}..{real.max().item()}")
+
+
 # --- the model -------------------------------------------------------------------
 
 
@@ -391,22 +518,16 @@ def loss_chunk_tokens(vocab_size: int) -> int:
 
 
 class AlterNet(nn.Module):
-    """The looped expert bank. forward returns a dict; every call has
-      halting_distribution (B, D')  p of Eq. 5; a sequence halted early at iteration h has
-                                 lambda_h := 1 (all remaining mass), like a cap at h + 1
-      iterations (B,) long; aux_losses {kl, balance, z[, rir]} already weighted;
-      router_logits (D', B, E); expert_indices (D', B, k) (-1 after halting); gates (D', B, k);
-      halt_lambdas (B, D') raw lambda_d (before the last-iteration and curriculum overrides);
-      states (list of D'+1 (B, T, H)) when return_states.
-    Without targets (generation, analysis), the logits:
-      logits (B, T, V)           output of the iteration each sequence stopped at ((B, 1, V) with
-                                 last_token_only)
-      step_logits (D', B, T, V)  per iteration (not with last_token_only); after a sequence halts
-                                 its row repeats its output
-    With targets (training, and the loss at evaluation), the losses and no logits (decoding all
-    iterations at once would hold D' x B x T x V floats):
-      loss, task_loss (L_PN, Eq. 7); step_losses (D',) token-mean CE per iteration;
-      step_ce (D', B) per-sequence mean CE; token_losses (D', B, T) per-token CE, 0 where ignored.
+    """The looped expert bank. forward returns a dict; every call has halting_distribution (B, D'): p of
+    Eq. 5 (a sequence halted early at h has lambda_h := 1, like a cap at h + 1); iterations (B,) long;
+    aux_losses {balance, z[, kl, rir]}, weighted; router_logits (D', B, E); expert_indices (D', B, k)
+    (-1 after halting); gates (D', B, k); halt_lambdas (B, D'): the heads' lambda_d before Eq. 5's masks
+    (0 after halting); states (D'+1 of (B, T, H)) with return_states. Without targets the logits: logits
+    (B, T, V) of the iteration each sequence stopped at ((B, 1, V) with last_token_only); step_logits
+    (D', B, T, V), a halted row repeating its output. With targets the losses, no logits (D' x B x T x V
+    floats): loss, task_loss (L_PN, Eq. 7), step_losses (D',) token-mean CE, step_ce (B, D') per-sequence
+    CE, token_losses (D', B, T), 0 where ignored. D' = iterations run: the cap, or fewer once every
+    sequence has halted (compiled: the cap).
     """
 
     def __init__(self, config: AlterNetConfig) -> None:
@@ -424,130 +545,108 @@ class AlterNet(nn.Module):
         self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            # GPT-2: scale the projections into the residual stream; here up to D of them are summed
-            if name.endswith(("attn.proj.weight", "ffn.fc2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.max_depth))
-            if name.endswith("halt_head.bias"):
-                nn.init.constant_(p, config.halt_bias_init)  # sigmoid(-3) ~ 0.05: start by not halting
+        init_weights(self, config)
         # the schedules at the optimizer step of set_step(); without a trainer they are finished
         self.train_step = None
         self.curriculum_depth = 1  # minimum iterations in training (curriculum, paper §4)
         self.register_buffer("kl_scale", torch.ones(()), persistent=False)  # a_KL ramp; not in the state dict
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, max_depth: int | None = None,
+                halt_threshold: float | None = None, lengths: torch.Tensor | None = None, *,
+                sample_halting: bool = False, return_states: bool = False, last_token_only: bool = False) -> dict:
+        """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of OUTPUTS.
 
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count (the tied LM head counted once); non_embedding drops the position table."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.pos_emb.weight.numel() if non_embedding else n
+        max_depth: this call's cap D' on iterations (default: config.max_depth = D, the trained
+        depth; more extrapolates). halt_threshold: stop a sequence once its cumulative halting
+        probability reaches it; sample_halting: stop with probability lambda_d (the conditional,
+        not p_d). Either needs halting=True; no sequence stops before minimum_depth (curriculum).
+        targets: (B, T) long, -1 = ignore (as are positions >= lengths): the outputs are then the
+        losses. Training (targets and no halting rule; also evaluation at a fixed depth) runs every
+        iteration on the whole batch; the rest is inference: a halting rule, or the logits."""
+        check_call(self.config, tokens, targets, max_depth, halt_threshold, lengths, sample_halting, last_token_only)
+        B, T = tokens.shape
+        num_iterations = self.config.max_depth if max_depth is None else max_depth
+        last = torch.full((B,), T - 1, device=tokens.device) if lengths is None else lengths - 1  # (B,) last valid
+        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))  # (B, T, H), positions once
+        min_depth = self.minimum_depth(num_iterations)
+        targets = None if targets is None else scored_targets(targets, lengths)
+        if targets is None or halt_threshold is not None or sample_halting:
+            out = self.infer(x, last, targets, num_iterations, min_depth, (halt_threshold, sample_halting),
+                             last_token_only)
+        else:
+            out = self.train_forward(x, last, targets, num_iterations, min_depth)
+        states = out.pop("states")
+        return dict(out, states=states) if return_states else out
 
-    def no_weight_decay(self) -> set[str]:
-        """Names to exclude from weight decay beyond the p.ndim < 2 rule: none."""
-        return set()
+    # -- training: every iteration on the whole batch (Eq. 1-4), then Eq. 5-10 --
 
-    # -- training schedules (paper §4, Table 2) --
+    def train_forward(self, x: torch.Tensor, last: torch.Tensor, targets: torch.Tensor, num_iterations: int,
+                      min_depth: int) -> dict:
+        """Per iteration: route, mix the experts' residual updates, the halt heads' lambda_d, and the
+        chunked CE of x_{d+1}. Then p from the lambdas (Eq. 5) and the loss (Eq. 6-10)."""
+        states, routing, halting, token_losses = [x], [], [], []
+        for iteration in range(num_iterations):
+            x, step_routing, step_halting = self.iterate(x, last, iteration)
+            token_losses.append(self.token_losses(x, targets))  # (B, T)
+            states.append(x)
+            routing.append(step_routing)
+            halting.append(step_halting)
+        routing, halting = stack_steps(routing, dim=0), stack_steps(halting, dim=1)  # (D', B, ...), (B, D')
+        # Eq. 5 with its two masks on the heads' lambda: := 0 before the curriculum's minimum depth, := 1 at D'
+        log_p = halting_log_distribution(halting["log_halt"], halting["log_continue"], first_halt=min_depth - 1)
+        out = self.outputs(routing, halting, log_p, torch.full_like(last, num_iterations))  # p; LB, z, KL
+        return dict(out, states=states, **pondernet_losses(self.config, out, halting, torch.stack(token_losses),
+                                                           targets))  # L_PN, L_RIR, L (Eq. 6, 7, 9)
 
-    def set_step(self, step: int) -> None:
-        """Called by the training loop before the forward of optimizer step `step`.
-
-        The schedules are evaluated here, not in forward: forward reads a curriculum depth that
-        changes at most D times and the a_KL scale as a 0-d tensor, so torch.compile has no
-        per-step Python value to guard on (a step counter read in forward recompiles every step).
-        """
-        self.train_step = int(step)
-        self.curriculum_depth = self._curriculum_depth(self.train_step)
-        self.kl_scale.fill_(self._kl_ramp(self.train_step))
-
-    def _curriculum_depth(self, step: int) -> int:
-        """Curriculum release (paper §4): for the first min_depth_warmup training steps the model
-        is "forced to stick to its maximum number of iterations": lambda_d := 0 before the
-        last, so p puts all mass on iteration D and L_PN is its CE (the halt heads keep
-        learning from L_RIR). Then the minimum is released, at once by default or linearly
-        from D to 1 over min_depth_release_steps."""
-        cfg = self.config
-        since_release = step - cfg.min_depth_warmup
-        if since_release < 0:
-            return cfg.max_depth
-        if since_release < cfg.min_depth_release_steps:
-            return math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release / cfg.min_depth_release_steps)
-        return 1
-
-    def _kl_ramp(self, step: int) -> float:
-        """a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1
-        over kl_ramp_steps. During the curriculum the KL has no gradient, so a ramp running
-        from step 0 would jump to its full value at the release."""
-        since_release = step - self.config.min_depth_warmup
-        ramp = self.config.kl_ramp_steps
-        if ramp == 0:
-            return float(since_release >= 0)
-        return min(1.0, max(0.0, since_release / ramp))
-
-    def minimum_depth(self, num_iterations: int) -> int:
-        """Iterations a sequence runs before it may halt in training (the curriculum of set_step),
-        capped at num_iterations. Evaluation and inference have no minimum; Model I runs them all."""
-        if not self.config.halting:
-            return num_iterations
-        return min(self.curriculum_depth, num_iterations) if self.training else 1
-
-    # -- one iteration of the depth loop (Eq. 1-4) --
+    def iterate(self, x: torch.Tensor, last: torch.Tensor, iteration: int) -> tuple[torch.Tensor, dict, dict]:
+        """One iteration (Eq. 1-4) of the sequences x: (n, T, H), last: (n,) their last valid index.
+        -> x_{d+1}, its routing record (each (n, ...)) and its halting record (log lambda_d, each (n,))."""
+        h = x[torch.arange(x.shape[0], device=x.device), last]  # (n, H): the last valid token's state
+        raw_logits, router_logits = self.route(h, iteration)  # (n, E)
+        top_logits, expert_indices = router_logits.topk(self.config.top_k, dim=-1)  # (n, k)
+        log_gates = top_logits.log_softmax(-1)  # Eq. 2: renormalised over the selected experts only
+        gates = log_gates.exp()
+        update, halt_logits, rir_halt_logits = self.mix_experts(x, last, expert_indices, gates)
+        x_next = x + update  # Eq. 3: gated residual step
+        routing = dict(router_logits=router_logits, raw_router_logits=raw_logits, expert_indices=expert_indices,
+                       gates=gates)
+        return x_next, routing, self.halt_lambda(x_next, last, log_gates, halt_logits, rir_halt_logits)
 
     def route(self, h: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence-level router (Eq. 1-2). h: (n, H) last-valid-token states -> (raw logits, the
         clamped ones the router acts on), each (n, E) fp32."""
-        cfg = self.config
-        t = depth_coordinate(iteration, cfg.max_depth)
-        encodings = [depth_encoding(t, cfg.depth_dim)]  # e_t
-        if cfg.budget_signal:
-            encodings.append(depth_encoding(1 - t, cfg.depth_dim))  # e_{1-t}: remaining budget
-        encodings = torch.cat(encodings).to(h.device).expand(h.shape[0], -1)  # (n, m or 2m)
+        encodings = router_encodings(iteration, self.config).to(h.device).expand(h.shape[0], -1)  # (n, m or 2m)
         with torch.autocast(h.device.type, enabled=False):  # router math in fp32 (Switch)
             logits = F.linear(torch.cat([h.float(), encodings], dim=-1), self.router.weight.float())
-        clamp = cfg.logit_clamp
+        clamp = self.config.logit_clamp
         return logits, logits if clamp is None else logits.clamp(-clamp, clamp)
 
-    def iterate(self, x: torch.Tensor, last: torch.Tensor, iteration: int) -> tuple[torch.Tensor, dict]:
-        """x: (n, T, H) states of the sequences still running, last: (n,) last valid index.
-
-        Returns the next states and the routing/halting record of this iteration. Experts run
-        on the sequences routed to them (a loop over experts, never over sequences).
-        """
-        n, k = x.shape[0], self.config.top_k
-        raw_logits, router_logits = self.route(x[torch.arange(n, device=x.device), last], iteration)  # (n, E)
-        top_logits, expert_indices = router_logits.topk(k, dim=-1)  # (n, k)
-        log_gates = top_logits.log_softmax(-1)  # Eq. 2: renormalised over the selected experts only
-        gates = log_gates.exp()
+    def mix_experts(self, x: torch.Tensor, last: torch.Tensor, expert_indices: torch.Tensor,
+                    gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Eq. 3's sum_j g_j y_j: (n, T, H), and each selected expert's halt logit lhat_j: (n, k), also on
+        detached inputs (L_RIR trains the halt heads only). A loop over experts, never over sequences."""
+        n, k = expert_indices.shape
         update = torch.zeros_like(x)
-        halt_logits = x.new_zeros(n, k, dtype=torch.float32)
-        rir_halt_logits = x.new_zeros(n, k, dtype=torch.float32)
+        halt_logits, rir_halt_logits = (x.new_zeros(n, k, dtype=torch.float32) for _ in range(2))
         for e, expert in enumerate(self.experts):
-            seq, slot = (expert_indices == e).nonzero(as_tuple=True)  # sequences routed to e, their slot
+            chosen = expert_indices == e  # (n, k): a sequence takes an expert in at most one slot
+            seq, slot, gate = dispatch(chosen, gates)
             if seq.numel() == 0:
                 continue
-            y = expert(x[seq])  # (n_e, T, H)
-            update = update.index_add(0, seq, (gates[seq, slot][:, None, None] * y).to(update.dtype))
+            y = expert(x if slot is None else x[seq])  # (n_e, T, H)
+            update = update.index_add(0, seq, (gate[:, None, None] * y).to(update.dtype))
             if expert.halt_head is not None:
                 y_last = y[torch.arange(seq.numel(), device=x.device), last[seq]]  # (n_e, H)
-                halt_logits = halt_logits.index_put((seq, slot), expert.halt_head(y_last).squeeze(-1).float())
-                # L_RIR must train only the halt heads: same heads on detached inputs
-                rir_lhat = expert.halt_head(y_last.detach()).squeeze(-1).float()
-                rir_halt_logits = rir_halt_logits.index_put((seq, slot), rir_lhat)
-        x_next = x + update  # Eq. 3: gated residual step
-        halting = self._halting(x_next, last, log_gates, halt_logits, rir_halt_logits)
-        record = dict(router_logits=router_logits, raw_router_logits=raw_logits, expert_indices=expert_indices,
-                      gates=gates, **halting)
-        return x_next, record
+                # L_RIR must train only the halt heads: the same head on detached inputs
+                lhat, rir_lhat = (expert.halt_head(h).squeeze(-1).float() for h in (y_last, y_last.detach()))
+                halt_logits = place(halt_logits, lhat, chosen, seq, slot)
+                rir_halt_logits = place(rir_halt_logits, rir_lhat, chosen, seq, slot)
+        return update, halt_logits, rir_halt_logits
 
-    def _halting(self, x_next: torch.Tensor, last: torch.Tensor, log_gates: torch.Tensor, halt_logits: torch.Tensor,
-                 rir_halt_logits: torch.Tensor) -> dict:
-        """log lambda and log(1 - lambda) of this iteration (Eq. 4), each (n,) fp32, and the
-        L_RIR copies (gradient to the halt heads only). Halting off: lambda = 0."""
+    def halt_lambda(self, x_next: torch.Tensor, last: torch.Tensor, log_gates: torch.Tensor,
+                    halt_logits: torch.Tensor, rir_halt_logits: torch.Tensor) -> dict:
+        """log lambda_d and log(1 - lambda_d) of this iteration (Eq. 4), each (n,) fp32, and the L_RIR
+        copies (gradient to the halt heads only). Model I (halting off): lambda = 0."""
         n = x_next.shape[0]
         if self.halt_head is not None:  # global head reads the new state's last valid token
             h_last = x_next[torch.arange(n, device=x_next.device), last]
@@ -561,12 +660,6 @@ class AlterNet(nn.Module):
             zeros = x_next.new_zeros(n, dtype=torch.float32)
             log_halt, log_continue, rir = torch.full_like(zeros, -math.inf), zeros, (zeros, zeros)
         return dict(log_halt=log_halt, log_continue=log_continue, rir_log_halt=rir[0], rir_log_continue=rir[1])
-
-    def decode(self, x: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
-        """Shared final norm + LM head: (n, T, H) -> (n, T, V), or (n, 1, V) at `last` only."""
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        return self.lm_head(self.norm(x))
 
     def token_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy of decode(x): x (n, T, H), targets (n, T) -> (n, T) fp32, 0 where -1.
@@ -586,221 +679,94 @@ class AlterNet(nn.Module):
         """(N, H), (N,) -> (N,) fp32: CE of the decoded logits, taken in fp32 also under autocast."""
         return F.cross_entropy(self.lm_head(self.norm(x)).float(), targets, ignore_index=-1, reduction="none")
 
-    # -- the forward pass --
+    def outputs(self, routing: dict, halting: dict, log_p: torch.Tensor, iterations: torch.Tensor,
+                ran: torch.Tensor | None = None) -> dict:
+        """What every call returns: p, iterations, the routing record, and the aux losses that read no
+        targets (ran: (D', B), the decisions made; None = all)."""
+        return dict(halting_distribution=log_p.exp(), iterations=iterations, router_logits=routing["router_logits"],
+                    expert_indices=routing["expert_indices"], gates=routing["gates"],
+                    halt_lambdas=halting["log_halt"].exp(),
+                    aux_losses=routing_and_kl_losses(self.config, routing, log_p, self.kl_scale, ran))
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, max_depth: int | None = None,
-                halt_threshold: float | None = None, lengths: torch.Tensor | None = None, *,
-                sample_halting: bool = False, return_states: bool = False, last_token_only: bool = False) -> dict:
-        """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of OUTPUTS.
+    # -- the training schedules (paper §4, Table 2): set by the trainer, read by forward --
 
-        max_depth: this call's cap D' on iterations (default: config.max_depth = D, the trained
-        depth; more extrapolates). halt_threshold: stop a sequence once its cumulative halting
-        probability reaches it; sample_halting: stop with probability lambda_d (the conditional,
-        not p_d). Either needs halting=True; no sequence stops before minimum_depth (curriculum).
-        targets: (B, T) long, -1 = ignore (as are positions >= lengths); with targets the outputs
-        are the losses, without them the logits.
-        """
-        num_iterations, last = self._check_inputs(tokens, targets, max_depth, halt_threshold, lengths,
-                                                  sample_halting, last_token_only)
-        if targets is not None:
-            targets = scored_targets(targets, lengths)
-        run = self._depth_loop(tokens, last, targets, num_iterations, halt_threshold, sample_halting,
-                               last_token_only)
-        out = self._outputs(run["records"], run["iterations"])
-        if targets is None:
-            out["logits"] = run["outputs"][-1]
-            if not last_token_only:
-                out["step_logits"] = torch.stack(run["outputs"])  # (D', B, T, V)
-        else:
-            out.update(self._task_losses(torch.stack(run["outputs"]), targets, out["halting_distribution"]))
-            if self.config.halting:
-                out["aux_losses"]["rir"] = self._rir_loss(run["records"], out["step_ce"], targets)
-            out["loss"] = out["task_loss"] + sum(out["aux_losses"].values())
-        if return_states:
-            out["states"] = run["states"]
-        return out
+    def set_step(self, step: int) -> None:
+        """Called by the training loop before the forward of optimizer step `step`. Evaluated here, not in
+        forward: forward reads a depth that changes at most D times and the a_KL scale as a 0-d tensor, so
+        torch.compile has no per-step value to guard on (a step counter read in forward recompiles every step)."""
+        self.train_step = int(step)
+        self.curriculum_depth = curriculum_depth(self.config, self.train_step)
+        self.kl_scale.fill_(kl_ramp(self.config, self.train_step))
 
-    def _depth_loop(self, tokens: torch.Tensor, last: torch.Tensor, targets: torch.Tensor | None, num_iterations: int,
-                    halt_threshold: float | None, sample_halting: bool, last_token_only: bool) -> dict:
-        """Iterate, decode (or score against targets), decide who halts; halted rows keep their state
-        and output. -> dict(outputs: per iteration (B, T or 1, V) logits, or (B, T) token CE with
-        targets; records: per iteration, full batch; states: D'+1 (B, T, H); iterations: (B,) long)."""
-        B, T = tokens.shape
-        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))  # (B, T, H), positions once
-        min_depth = self.minimum_depth(num_iterations)
-        active = torch.arange(B, device=tokens.device)  # sequences still iterating
-        log_unhalted = torch.zeros(B, device=tokens.device)  # log P_unhalted,d (detached, for decisions)
-        iterations = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        output, outputs, records, states = None, [], [], [x]
+    def minimum_depth(self, num_iterations: int) -> int:
+        """Iterations a sequence runs before it may halt: the curriculum's in training, capped at
+        num_iterations; none (1) at evaluation and inference."""
+        return min(self.curriculum_depth, num_iterations) if self.training else 1
+
+    # -- inference: a halting rule per sequence, halted sequences stop costing compute --
+
+    def infer(self, x: torch.Tensor, last: torch.Tensor, targets: torch.Tensor | None, num_iterations: int,
+              min_depth: int, rule: tuple, last_token_only: bool) -> dict:
+        """After each iteration the rule (halt_threshold, sample_halting) decides who stops; a stopped
+        sequence keeps its state and output and, eagerly, runs no more (the active set). Without targets
+        the logits (at the last valid token with last_token_only: generate); with them the losses, each
+        sequence scored at the iteration it stopped at (the halted loss of evaluation)."""
+        B = x.shape[0]
+        running = torch.ones(B, dtype=torch.bool, device=x.device)  # (B,) still iterating
+        log_unhalted = torch.zeros(B, device=x.device)  # log prod_{i<d} (1 - lambda_i), for the threshold
+        states, routing, halting, ran, outputs = [x], [], [], [], []
         for iteration in range(num_iterations):
-            everyone = active.numel() == B
-            x_run, last_run = (x, last) if everyone else (x[active], last[active])
-            x_next, record = self.iterate(x_run, last_run, iteration)
-            if targets is None:
-                step_output = self.decode(x_next, last_run if last_token_only else None)
-            else:
-                step_output = self.token_losses(x_next, targets if everyone else targets[active])
-            record, halt_now = self._halting_decision(record, iteration, num_iterations, min_depth,
-                                                      log_unhalted[active], halt_threshold, sample_halting)
-            log_unhalted = log_unhalted.index_copy(0, active, log_unhalted[active] + record["log_continue"].detach())
-            iterations = iterations.index_add(0, active, torch.ones_like(active))
-            # write the running sequences back; halted ones keep their state and output
-            x = x_next if everyone else x.index_copy(0, active, x_next)
-            output = step_output if output is None or everyone else output.index_copy(0, active, step_output)
-            outputs.append(output)
-            records.append(self._scatter_record(record, active, B))
-            states.append(x)
-            active = active[~halt_now]
-            if active.numel() == 0:
+            rows = running_rows(running)  # (n,) indices, or None: the whole batch
+            if rows is not None and rows.numel() == 0:
                 break
-        return dict(outputs=outputs, records=records, states=states, iterations=iterations)
-
-    def _halting_decision(self, record: dict, iteration: int, num_iterations: int, min_depth: int,
-                          log_unhalted: torch.Tensor, halt_threshold: float | None,
-                          sample_halting: bool) -> tuple[dict, torch.Tensor]:
-        """Which running sequences stop after this iteration -> (record, halt_now (n,) bool). The
-        returned record holds the lambda that p uses (log space): 0 before min_depth (forced to
-        continue), 1 where a sequence stops (all remaining mass, Eq. 5), else the halt heads' lambda;
-        raw_log_halt keeps the heads' own."""
-        log_halt, log_continue = record["log_halt"], record["log_continue"]
-        n, device = log_halt.shape[0], log_halt.device
-        forced = iteration < min_depth - 1
-        if forced:  # lambda := 0
-            log_halt, log_continue = torch.full((n,), float("-inf"), device=device), torch.zeros(n, device=device)
-        if iteration == num_iterations - 1:
-            halt_now = torch.ones(n, dtype=torch.bool, device=device)
-        elif forced or (halt_threshold is None and not sample_halting):
-            halt_now = torch.zeros(n, dtype=torch.bool, device=device)
-        elif sample_halting:
-            halt_now = torch.bernoulli(log_halt.detach().exp()).bool()
-        else:  # cumulative halted mass sum_{i<=d} p_i = 1 - prod_{i<=d} (1 - lambda_i)
-            halt_now = 1 - (log_unhalted + log_continue.detach()).exp() >= halt_threshold
-        log_halt = torch.where(halt_now, torch.zeros_like(log_halt), log_halt)
-        log_continue = torch.where(halt_now, torch.full_like(log_continue, float("-inf")), log_continue)
-        return dict(record, raw_log_halt=record["log_halt"], log_halt=log_halt, log_continue=log_continue), halt_now
-
-    def _scatter_record(self, record: dict, active: torch.Tensor, batch_size: int) -> dict:
-        """Per-iteration record of the running sequences -> full batch; halted rows get fills."""
-        if active.numel() == batch_size:
-            ran = torch.ones(batch_size, dtype=torch.bool, device=active.device)
-            return dict(record, ran=ran)
-        full = {}
-        for key, value in record.items():
-            # -1: no expert; raw lambda 0 (log -inf) as a halted sequence does not run; other log
-            # entries 0, harmless after lambda := 1 and finite in L_RIR's masked sum
-            fill = {"expert_indices": -1, "raw_log_halt": -math.inf}.get(key, 0)
-            full[key] = value.new_full((batch_size, *value.shape[1:]), fill).index_copy(0, active, value)
-        full["ran"] = torch.zeros(batch_size, dtype=torch.bool, device=active.device).index_fill(0, active, True)
-        return full
-
-    def _outputs(self, records: list[dict], iterations: torch.Tensor) -> dict:
-        """The per-iteration records stacked into the outputs every call returns, with the aux losses."""
-        rec = {key: torch.stack([r[key] for r in records]) for key in records[0]}  # each (D', B, ...)
-        log_p = halting_log_distribution(rec["log_halt"].T, rec["log_continue"].T)  # (B, D')
-        return dict(halting_distribution=log_p.exp(), iterations=iterations, router_logits=rec["router_logits"],
-                    expert_indices=rec["expert_indices"], gates=rec["gates"],
-                    halt_lambdas=rec["raw_log_halt"].T.exp(), aux_losses=self._aux_losses(rec, log_p))
-
-    def _aux_losses(self, rec: dict, log_p: torch.Tensor) -> dict:
-        """Router losses pooled over every (iteration, sequence) decision made; halting KL (Eq. 6, 8)."""
-        cfg = self.config
-        ran = rec["ran"]  # (D', B)
-        router_logits, expert_indices = rec["router_logits"][ran], rec["expert_indices"][ran]  # (N, E), (N, k)
-        # ST-MoE's order: the z-loss on the logits before the clamp (it keeps pulling a logit past
-        # +-c back), the gates and the balance on the clamped ones the router acts on
-        aux = dict(balance=cfg.balance_weight * load_balance_loss(router_logits, expert_indices, cfg.num_experts),
-                   z=cfg.z_loss_weight * router_z_loss(rec["raw_router_logits"][ran]))
-        if cfg.halting:
-            log_prior = log_depth_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p).to(log_p.device)
-            aux["kl"] = cfg.kl_weight * self.kl_scale * kl_divergence(log_p, log_prior)
-        return aux
-
-    def _task_losses(self, token_losses: torch.Tensor, targets: torch.Tensor, p: torch.Tensor) -> dict:
-        """L_PN (Eq. 7) from the per-token CE of every iteration, token_losses: (D', B, T); p: (B, D').
-        -> task_loss, step_ce (D', B) per-sequence mean CE, step_losses (D',) token-mean CE, token_losses."""
-        scored = targets != -1  # (B, T)
-        step_ce = token_losses.sum(-1) / scored.sum(1).clamp(min=1)  # (D', B)
-        rows = scored.any(1).sum().clamp(min=1)  # 1/B over the sequences with a scored target (our choice)
-        return dict(task_loss=(p * step_ce.T).sum() / rows,  # Eq. 7
-                    step_ce=step_ce, step_losses=(token_losses.sum((1, 2)) / scored.sum().clamp(min=1)).detach(),
-                    token_losses=token_losses)
-
-    def _rir_loss(self, records: list[dict], step_ce: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """a_RIR L_RIR (Eq. 9) over the iterations each sequence ran; the halt heads' inputs detached.
-        A sequence without a scored target has no CE to improve on: it neither counts nor trains."""
-        log_halt, log_continue, ran = (torch.stack([r[key] for r in records])
-                                       for key in ("rir_log_halt", "rir_log_continue", "ran"))  # each (D', B)
-        ran = ran & (targets != -1).any(1)  # (D', B)
-        return self.config.rir_weight * relative_improvement_loss(log_halt, log_continue, step_ce, ran)
-
-    def _check_inputs(self, tokens: torch.Tensor, targets: torch.Tensor | None, max_depth: int | None,
-                      halt_threshold: float | None, lengths: torch.Tensor | None, sample_halting: bool,
-                      last_token_only: bool) -> tuple[int, torch.Tensor]:
-        """ValueError naming the argument for any bad input -> (iterations this call, last valid index (B,))."""
-        cfg = self.config
-        if tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise ValueError(f"tokens must be a (B, T) long tensor, got {tuple(tokens.shape)} {tokens.dtype}")
-        B, T = tokens.shape
-        if not 1 <= T <= cfg.seq_len:
-            raise ValueError(f"tokens: sequence length must be in 1..seq_len={cfg.seq_len}, got {T}")
-        check_ids("tokens", tokens, cfg.vocab_size)
+            run = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731 - the running rows
+            x_next, step_routing, step_halting = self.iterate(run(x), run(last), iteration)
+            output = self.decode(x_next, run(last) if last_token_only else None) if targets is None \
+                else self.token_losses(x_next, run(targets))
+            stop = halt_now(step_halting, iteration, num_iterations, min_depth, run(log_unhalted), *rule)
+            if iteration >= min_depth - 1:  # before the minimum depth lambda := 0, so log(1 - lambda) = 0
+                log_unhalted = write_back(log_unhalted, run(log_unhalted) + step_halting["log_continue"].detach(),
+                                          rows, running)
+            x = write_back(x, x_next, rows, running)  # halted sequences keep their state and output
+            outputs.append(write_back(outputs[-1], output, rows, running) if outputs else output)
+            states.append(x)
+            routing.append(fill_back(step_routing, rows, running))
+            halting.append(fill_back(step_halting, rows, running))
+            ran.append(running)
+            running = running & ~write_back(torch.zeros_like(running), stop, rows, running)
+        routing, halting, ran = stack_steps(routing, dim=0), stack_steps(halting, dim=1), torch.stack(ran, 1)
+        iterations = ran.sum(1)  # (B,)
+        log_p = halting_log_distribution(halting["log_halt"], halting["log_continue"], min_depth - 1, iterations - 1)
+        out = dict(self.outputs(routing, halting, log_p, iterations, ran.T), states=states)  # .T: routing's (D', B)
         if targets is not None:
-            if targets.shape != tokens.shape or targets.dtype != torch.long:
-                raise ValueError(f"targets must be a long tensor of the shape of tokens {tuple(tokens.shape)}, "
-                                 f"got {tuple(targets.shape)} {targets.dtype}")
-            check_ids("targets", targets, cfg.vocab_size, ignore=-1)
-            if last_token_only:
-                raise ValueError("targets: not supported with last_token_only=True (the loss needs every position)")
-        num_iterations = cfg.max_depth if max_depth is None else max_depth
-        if not isinstance(num_iterations, int) or isinstance(num_iterations, bool) or \
-                not 1 <= num_iterations <= MAX_ITERATIONS:
-            raise ValueError(f"max_depth must be None or an integer in 1..{MAX_ITERATIONS}, got {max_depth!r}")
-        if halt_threshold is not None and not 0 < halt_threshold <= 1:
-            raise ValueError(f"halt_threshold must be None or in (0, 1], got {halt_threshold!r}")
-        if halt_threshold is not None and sample_halting:
-            raise ValueError("halt_threshold and sample_halting=True are alternatives: give one of them")
-        if (halt_threshold is not None or sample_halting) and not cfg.halting:
-            raise ValueError("halt_threshold/sample_halting: this model has halting=False (fixed depth); use max_depth")
-        if lengths is None:
-            return num_iterations, torch.full((B,), T - 1, dtype=torch.long, device=tokens.device)
-        if lengths.shape != (B,) or lengths.dtype != torch.long or lengths.min() < 1 or lengths.max() > T:
-            raise ValueError(f"lengths must be a (B,) long tensor with values in 1..T={T}")
-        return num_iterations, lengths - 1
+            return dict(out, **pondernet_losses(self.config, out, halting, torch.stack(outputs), targets, ran))
+        return dict(out, logits=outputs[-1], **({} if last_token_only else dict(step_logits=torch.stack(outputs))))
 
-    # -- generation --
+    def decode(self, x: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Shared final norm + LM head: (n, T, H) -> (n, T, V), or (n, 1, V) at `last` only."""
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        return self.lm_head(self.norm(x))
 
     @torch.no_grad()
-    def generate(self, tokens: torch.Tensor, max_new_tokens: int, halt_threshold: float | None = 0.5,
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, halt_threshold: float | None = None,
                  max_depth: int | None = None, temperature: float = 1.0, top_k: int | None = None,
                  sample_halting: bool = False,
                  return_iterations: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Autoregressive sampling with the same halting as forward (call .eval() first).
+        """Autoregressive sampling with the halting of forward (call .eval() first).
 
         tokens: (B, T) long -> (B, T + max_new_tokens); the context is cropped to seq_len.
-        temperature 0 = greedy. Fixed-depth models ignore halt_threshold (they run max_depth).
+        halt_threshold, sample_halting, max_depth: as in forward, with its rule (a fixed-depth model takes
+        no halting rule; None: every iteration up to the cap). temperature 0 = greedy.
         return_iterations: also return the iterations used per new token, (B, max_new_tokens).
         """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
-            raise ValueError(f"top_k must be None or in 1..vocab_size={self.config.vocab_size}, got {top_k}")
-        if not self.config.halting or sample_halting:
-            halt_threshold = None
-        sample_halting = sample_halting and self.config.halting
+        check_halting_arguments(self.config, max_depth, halt_threshold, sample_halting)
+        check_sampling(temperature, top_k, self.config.vocab_size)
         used = []
         for _ in range(max_new_tokens):
-            context = tokens[:, -self.config.seq_len:]
-            out = self(context, max_depth=max_depth, halt_threshold=halt_threshold,
+            out = self(tokens[:, -self.config.seq_len:], max_depth=max_depth, halt_threshold=halt_threshold,
                        sample_halting=sample_halting, last_token_only=True)
-            logits = out["logits"][:, -1, :].float()  # (B, V)
-            if temperature == 0:
-                next_token = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, top_k).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_token = torch.multinomial(logits.softmax(-1), num_samples=1)  # (B, 1)
+            next_token = sample_next_token(out["logits"][:, -1, :].float(), temperature, top_k)  # (B, 1)
             tokens = torch.cat([tokens, next_token], dim=1)
             used.append(out["iterations"])
         if return_iterations:
@@ -809,6 +775,143 @@ class AlterNet(nn.Module):
 
     sample = generate  # alias
 
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (the tied LM head counted once); non_embedding drops the position table."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.pos_emb.weight.numel() if non_embedding else n
+
+    def no_weight_decay(self) -> set[str]:
+        """Names to exclude from weight decay beyond the p.ndim < 2 rule: none."""
+        return set()
+
+
+# --- the model's helpers: initialisation, schedules, the inference loop's bookkeeping, sampling -----------
+
+
+def init_weights(model: AlterNet, config: AlterNetConfig) -> None:
+    """N(0, 0.02) linears and embeddings, zero biases; GPT-2's scaled residual projections; halt bias."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    for name, p in model.named_parameters():
+        # GPT-2: scale the projections into the residual stream; here up to D of them are summed
+        if name.endswith(("attn.proj.weight", "ffn.fc2.weight")):
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.max_depth))
+        if name.endswith("halt_head.bias"):
+            nn.init.constant_(p, config.halt_bias_init)  # sigmoid(-3) ~ 0.05: start by not halting
+
+
+def curriculum_depth(cfg: AlterNetConfig, step: int) -> int:
+    """Curriculum release (paper §4): for the first min_depth_warmup training steps the model
+    is "forced to stick to its maximum number of iterations": lambda_d := 0 before the
+    last, so p puts all mass on iteration D and L_PN is its CE (the halt heads keep
+    learning from L_RIR). Then the minimum is released, at once by default or linearly
+    from D to 1 over min_depth_release_steps."""
+    since_release = step - cfg.min_depth_warmup
+    if since_release < 0:
+        return cfg.max_depth
+    if since_release < cfg.min_depth_release_steps:
+        return math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release / cfg.min_depth_release_steps)
+    return 1
+
+
+def kl_ramp(cfg: AlterNetConfig, step: int) -> float:
+    """a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1
+    over kl_ramp_steps. During the curriculum the KL has no gradient, so a ramp running
+    from step 0 would jump to its full value at the release."""
+    since_release = step - cfg.min_depth_warmup
+    if cfg.kl_ramp_steps == 0:
+        return float(since_release >= 0)
+    return min(1.0, max(0.0, since_release / cfg.kl_ramp_steps))
+
+
+def dispatch(chosen: torch.Tensor, gates: torch.Tensor) -> tuple:
+    """(sequences, their slot, their gate) routed to one expert, chosen: (n, k) bool. Eagerly the sequences
+    routed to it; under torch.compile every sequence, slot None and gate 0 where it was not chosen: static
+    shapes for the graph, and the same sums (adding 0 * y is exact)."""
+    if torch.compiler.is_compiling():
+        return torch.arange(len(chosen), device=chosen.device), None, (gates * chosen).sum(-1)
+    seq, slot = chosen.nonzero(as_tuple=True)
+    return seq, slot, gates[seq, slot]
+
+
+def place(logits: torch.Tensor, values: torch.Tensor, chosen: torch.Tensor, seq: torch.Tensor,
+          slot: torch.Tensor | None) -> torch.Tensor:
+    """logits (n, k) with values written at the (sequence, slot) pairs of dispatch."""
+    if slot is None:
+        return torch.where(chosen, values[:, None], logits)
+    return logits.index_put((seq, slot), values)
+
+
+def stack_steps(steps: list[dict], dim: int) -> dict:
+    """Per-iteration records -> one dict of tensors, iterations along `dim`."""
+    return {key: torch.stack([step[key] for step in steps], dim=dim) for key in steps[0]}
+
+
+def running_rows(running: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the sequences still iterating, or None for the whole batch: when every sequence runs, and
+    under torch.compile, where halted rows are computed and masked out (static shapes, no host sync)."""
+    if torch.compiler.is_compiling():
+        return None
+    rows = running.nonzero().squeeze(1)
+    return None if rows.numel() == running.numel() else rows
+
+
+def write_back(full: torch.Tensor, part: torch.Tensor, rows: torch.Tensor | None,
+               running: torch.Tensor) -> torch.Tensor:
+    """full (B, ...) with the sequences that ran this iteration (running: (B,) bool) taking their new values:
+    part holds those rows (indices `rows`), or, rows None, the whole batch. The others keep theirs."""
+    if rows is not None:
+        part = full.index_copy(0, rows, part)
+    return torch.where(running.view(-1, *[1] * (full.dim() - 1)), part, full)
+
+
+# After a sequence halts its record reads: no expert (-1); lambda 0 (log -inf), as it does not run; the
+# other log entries 0, harmless after Eq. 5's lambda := 1 and finite in L_RIR's masked sum.
+FILLS = {"expert_indices": -1, "log_halt": -math.inf}
+
+
+def fill_back(step: dict, rows: torch.Tensor | None, running: torch.Tensor) -> dict:
+    """A step's record of the running sequences -> the whole batch's, FILLS (else 0) for halted ones."""
+    return {key: write_back(value.new_full((len(running), *value.shape[1:]), FILLS.get(key, 0)), value, rows,
+                            running) for key, value in step.items()}
+
+
+def halt_now(halting: dict, iteration: int, num_iterations: int, min_depth: int, log_unhalted: torch.Tensor,
+             halt_threshold: float | None, sample_halting: bool) -> torch.Tensor:
+    """Which of the running sequences stop after this iteration: (n,) bool. All of them at the cap; none
+    before min_depth or without a rule; with probability lambda_d (sampled); or once the cumulative halted
+    mass sum_{i<=d} p_i = 1 - prod_{i<=d} (1 - lambda_i) reaches the threshold."""
+    log_halt, log_continue = halting["log_halt"].detach(), halting["log_continue"].detach()
+    if iteration == num_iterations - 1:
+        return torch.ones_like(log_halt, dtype=torch.bool)
+    if iteration < min_depth - 1 or (halt_threshold is None and not sample_halting):
+        return torch.zeros_like(log_halt, dtype=torch.bool)
+    if sample_halting:
+        return torch.bernoulli(log_halt.exp()).bool()
+    return 1 - (log_unhalted + log_continue).exp() >= halt_threshold
+
+
+def check_sampling(temperature: float, top_k: int | None, vocab_size: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and not 1 <= top_k <= vocab_size:
+        raise ValueError(f"top_k must be None or in 1..vocab_size={vocab_size}, got {top_k}")
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """(B, V) logits of the last position -> (B, 1) next token ids: greedy at temperature 0, else sampled
+    from softmax(logits / temperature), optionally among the top_k most likely."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), num_samples=1)
+
 
 def scored_targets(targets: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     """targets with -1 (ignored) also at the padding, positions >= lengths: (B, T) long."""
@@ -816,17 +919,6 @@ def scored_targets(targets: torch.Tensor, lengths: torch.Tensor | None) -> torch
         return targets
     padding = torch.arange(targets.shape[1], device=targets.device) >= lengths[:, None]  # (B, T)
     return targets.masked_fill(padding, -1)
-
-
-def check_ids(name: str, ids: torch.Tensor, vocab_size: int, ignore: int | None = None) -> None:
-    """ValueError unless every entry of ids is a token id in 0..vocab_size-1 (or the ignore value)."""
-    if ids.numel() == 0:
-        return
-    real = ids if ignore is None else ids[ids != ignore]
-    if real.numel() and (real.min() < 0 or real.max() >= vocab_size):
-        allowed = f"0..{vocab_size - 1}" + ("" if ignore is None else f" or {ignore} (ignore)")
-        raise ValueError(f"{name}: token ids must be in {allowed} (vocab_size={vocab_size}), "
-                         f"got values in {real.min().item()}..{real.max().item()}")
 
 
 # --- causal evaluation: every position routed and halted on its own prefix ------------

@@ -578,6 +578,10 @@ def train_models(size: str, compiled: bool = False) -> dict:
         rows["reViT fixed, eager"] = ("revit-" + size, {}, False)
     for name in token_dispatch_presets(size):
         rows[name] = (name, {}, compiled)
+    # AlterNet (arXiv 2611.08741): the byte-level preset at every size, `batch` windows of its seq_len
+    rows["AlterNet"] = ("alternet-tiny", {}, compiled)
+    if compiled:
+        rows["AlterNet eager"] = ("alternet-tiny", {}, False)
     return rows
 
 
@@ -604,21 +608,16 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     on_row(label, row, final): called with each row's first step (final=False), then with the row.
     model_args: config overrides of every model (bench.py check's tiny sizes)."""
     device = torch.device(device)
-    specs = {k: (name, {**overrides, **(model_args or {})}, compile_row) for k, (name, overrides, compile_row)
-             in train_models(size, compiled).items() if labels is None or k in labels}
+    specs = {k: (name, {**overrides, **({} if name in alternet.PRESETS else model_args or {})}, compile_row)
+             for k, (name, overrides, compile_row) in train_models(size, compiled).items()
+             if labels is None or k in labels}
     fns, extra = {}, {}
     for label, (name, overrides, compile_row) in specs.items():
         torch.manual_seed(0)
-        model = revit.create_model(name, **overrides).to(device).train()
-        c = model.config
-        images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-        targets = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05,
-                                      fused=device.type == "cuda")
-        run = maybe_compile(model, compile_row, dynamic=None, backend=backend)
-        fn = _train_step(model, run, optimizer, images, targets, device)
+        step = language_train_step if name in alternet.PRESETS else vision_train_step
+        model, fn, flops = step(name, overrides, batch, device, lr, compile_row, backend)
         extra[label] = {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
-                        "compiled": compile_row, "forward_gflops_per_image": forward_flops(name, overrides) / 1e9,
+                        "compiled": compile_row, "forward_gflops_per_image": flops / 1e9,
                         **first_call(fn, model, device, "first_step_s")}
         fns[label] = fn
         if on_row:
@@ -630,6 +629,9 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     for fixed, key in (("reViT fixed", "ratio_vs_fixed"), ("reViT fixed, eager", "ratio_vs_fixed_eager")):
         if elastic and fixed in fns:
             elastic[key] = paired_ratio(times["reViT elastic 0.3"], times[fixed])
+    if {"AlterNet", "AlterNet eager"} <= set(fns):
+        next(r for r in rows if r["model"] == "AlterNet")["ratio_vs_eager"] = paired_ratio(
+            times["AlterNet"], times["AlterNet eager"])
     for row in rows if on_row else ():
         on_row(row["model"], row, True)
     if profile:
@@ -663,18 +665,48 @@ def train_row(label: str, times: dict, batch: int, extra: dict, peak: float | No
     return row
 
 
-def _train_step(model, run, optimizer, images, labels, device):
-    """One optimizer step as train.py takes it: task loss + the already-weighted aux losses."""
+def vision_train_step(name, overrides, batch, device, lr, compiled, backend) -> tuple:
+    """(model, one optimizer step, forward FLOPs per image) of a revit.py preset on random images."""
+    model = revit.create_model(name, **overrides).to(device).train()
+    c = model.config
+    images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
+    labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
+    run = maybe_compile(model, compiled, dynamic=None, backend=backend)
+
+    def loss():
+        out = run(images, return_states=True)
+        return F.cross_entropy(out["logits"].float(), labels) + sum(out["aux_losses"].values())
+    return model, _train_step(model, loss, lr, device), forward_flops(name, overrides)
+
+
+def language_train_step(name, overrides, batch, device, lr, compiled, backend) -> tuple:
+    """(model, one optimizer step, forward FLOPs per window) of an alternet.py preset as train.py trains it
+    (lib/language.py): `batch` random windows of seq_len tokens, random_length_fraction of them cut to random
+    lengths (fixed here), the model's own loss."""
+    model = alternet.create_model(name, **overrides).to(device).train()
+    c = model.config
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, c.vocab_size, (batch, c.seq_len + 1), generator=g).to(device)
+    lengths = alternet.training_lengths(batch, c.seq_len, c.random_length_fraction, g).to(device)
+    run = maybe_compile(model, compiled, dynamic=None, backend=backend)
+    loss = lambda: run(windows[:, :-1], targets=windows[:, 1:], lengths=lengths)["loss"]  # noqa: E731
+    with FlopCounterMode(display=False) as counter:
+        model(windows[:1, :-1], targets=windows[:1, 1:])
+    return model, _train_step(model, loss, lr, device), counter.get_total_flops()
+
+
+def _train_step(model, loss, lr, device):
+    """One optimizer step as train.py takes it (AdamW; reViT: task loss + the already-weighted aux losses)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, fused=device.type == "cuda")
     step = [0]
 
     def call():
         if hasattr(model, "set_step"):
             model.set_step(step[0])
         with autocast(device):
-            out = run(images, return_states=True)
-            loss = F.cross_entropy(out["logits"].float(), labels) + sum(out["aux_losses"].values())
+            value = loss()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         optimizer.step()
         train.after_optimizer_step(model)
         step[0] += 1
@@ -799,6 +831,9 @@ def train_markdown(result: dict) -> str:
     if elastic and "ratio_vs_fixed_eager" in elastic:
         text += (f"; vs fixed depth run eagerly (elastic depth's step loop is eager): "
                  f"{ratio_text(elastic['ratio_vs_fixed_eager'])}")
+    alter = next((r for r in result["rows"] if "ratio_vs_eager" in r), None)
+    if alter:
+        text += f"\n\nAlterNet compiled vs eager: {ratio_text(alter['ratio_vs_eager'])}"
     fixed = next((r for r in result["rows"] if r["model"] == "reViT fixed"), None)
     if fixed:
         text += (f"\n\nreViT fixed / DeiT III: {ratio_text(fixed)}: median of {fixed['repeats']} paired rounds, 95% "

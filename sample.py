@@ -22,6 +22,7 @@ from lib.cli import DEVICES, fail, pick_device
 # running for hours without a word)
 MAX_NEW_TOKENS = 100_000
 MAX_SAMPLES = 1_000
+DEFAULT_HALT_THRESHOLD = 0.5  # for a model with halting (train.py's evaluation uses the same)
 
 
 def iteration_marks(iterations: list[int]) -> str:
@@ -37,8 +38,9 @@ def sample_parser() -> argparse.ArgumentParser:
                    help=f"tokens to generate per sample, 0..{MAX_NEW_TOKENS:,}")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
-    p.add_argument("--halt-threshold", type=float, default=0.5,
-                   help="stop iterating once the cumulative halting probability reaches this, in (0, 1]")
+    p.add_argument("--halt-threshold", type=float, default=None,
+                   help="stop iterating once the cumulative halting probability reaches this, in (0, 1] "
+                        f"(default {DEFAULT_HALT_THRESHOLD}; a fixed-depth model takes none: it runs every iteration)")
     p.add_argument("--max-depth", type=int, default=None,
                    help=f"cap on iterations per token, 1..{alternet.MAX_ITERATIONS} (default: trained D)")
     p.add_argument("--seed", type=int, default=1337, help="random seed")
@@ -56,7 +58,7 @@ def check_sample_args(args: argparse.Namespace) -> None:
          f"must be in 0..{MAX_NEW_TOKENS:,} (a bound against typos)"),
         ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0, "must be >= 0"),
         ("--top-k", args.top_k is None or args.top_k >= 1, "must be >= 1"),
-        ("--halt-threshold", 0 < args.halt_threshold <= 1, "must be in (0, 1]"),
+        ("--halt-threshold", args.halt_threshold is None or 0 < args.halt_threshold <= 1, "must be in (0, 1]"),
         ("--max-depth", args.max_depth is None or 1 <= args.max_depth <= alternet.MAX_ITERATIONS,
          f"must be in 1..{alternet.MAX_ITERATIONS}"),
         ("--seed", 0 <= args.seed < 2 ** 64, "must be in 0..2**64-1"),
@@ -103,6 +105,11 @@ def prepare(args: argparse.Namespace):
     prompt = encode_prompt(args.prompt, encode, model, device)
     if args.top_k is not None and args.top_k > model.config.vocab_size:
         raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
+    if args.halt_threshold is not None and not model.config.halting:
+        raise ValueError(f"--halt-threshold: {args.checkpoint} is a fixed-depth model (halting=False), which runs "
+                         "every iteration; leave the flag out (cap the iterations with --max-depth)")
+    if args.halt_threshold is None and model.config.halting:
+        args.halt_threshold = DEFAULT_HALT_THRESHOLD
     return model, prompt, decode
 
 

@@ -118,7 +118,7 @@ class LanguageTask:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(0)
             with self.autocast():
-                ids, used = lm.generate(prompt, self.sample_tokens, halt_threshold=threshold or 0.5,
+                ids, used = lm.generate(prompt, self.sample_tokens, halt_threshold=threshold,
                                         temperature=0.8, top_k=min(40, lm.config.vocab_size),
                                         return_iterations=True)
         text = decode(ids[0, prompt.shape[1]:].tolist())

@@ -63,6 +63,17 @@ def edited_checkpoint(checkpoint, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def fixed_checkpoint(checkpoint, tmp_path_factory):
+    """The trained checkpoint as Model I (halting=False): the same network without its halt heads."""
+    ckpt = torch.load(checkpoint, weights_only=True)
+    ckpt["model_config"]["halting"] = False
+    ckpt["model"] = {k: v for k, v in ckpt["model"].items() if "halt_head" not in k}
+    path = tmp_path_factory.mktemp("fixed") / "ckpt.pt"
+    atomic_save(ckpt, path)
+    return path
+
+
 def run_script(*args):
     """`python sample.py ARGS` as a user runs it: (return code, stdout, stderr)."""
     result = subprocess.run([sys.executable, str(ROOT / "sample.py"), *map(str, args)], capture_output=True,
@@ -103,6 +114,15 @@ def test_max_depth_is_respected(checkpoint, capsys):
     (_, capped), = sample.main([*flags, "--max-depth", "2"])
     (_, one), = sample.main([*flags, "--max-depth", "1"])
     assert max(full) == 3 and max(capped) == 2 and set(one) == {1}
+
+
+def test_a_fixed_depth_model_runs_every_iteration_and_takes_no_threshold(fixed_checkpoint, capsys):
+    """As forward and generate: Model I has no halting rule. Without the flag it runs all D iterations; given
+    --halt-threshold it says why, in one line (it is never silently dropped)."""
+    (_, used), = sample.main([str(fixed_checkpoint), "--prompt", "the", "--max-new-tokens", "8"])
+    assert set(used) == {3}
+    with pytest.raises(SystemExit, match="--halt-threshold: .* is a fixed-depth model"):
+        sample.main([str(fixed_checkpoint), "--prompt", "the", "--halt-threshold", "0.5"])
 
 
 HOSTILE = [  # (arguments after CKPT, or a whole argument list; the one line sample.py must print)
