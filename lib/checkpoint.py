@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.cli import atomic_write_text, fail, output_problem, path_problem, too_deep
+from lib.cli import atomic_write_text, fail, non_finite_place, output_problem, path_problem, too_deep
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---
@@ -481,9 +481,12 @@ class RunFolder:
 
     def log(self, record: dict, is_main: bool) -> None:
         if is_main and self.log_file is not None:
-            try:
-                self.log_file.write(json.dumps(primitive(record)) + "\n")
+            try:  # strict JSON: a NaN is never written (the loop stops before; this is the last guard)
+                self.log_file.write(json.dumps(primitive(record), allow_nan=False) + "\n")
                 self.log_file.flush()
+            except ValueError:
+                fail(f"a non-finite number in the record of step {record.get('step')} ({non_finite_place(record)}); "
+                     f"not written to {self.metrics}")
             except OSError as e:
                 fail(f"cannot write {self.metrics}: {e.strerror or e}")
 

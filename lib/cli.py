@@ -103,6 +103,8 @@ def parse_model_args(text: str, config_class=None) -> dict:
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep:
             fail(f"--model-args expects key=value pairs separated by commas; got {item!r}")
+        if key in overrides:  # which one was meant? never the silent last-one-wins
+            fail(f"--model-args names {key} twice; give each field once")
         with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
             value = ast.literal_eval(value)
         if hints and key not in hints:

@@ -465,7 +465,7 @@ def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", downl
         return text
     if corpus == "grammar":
         return grammar_corpus()
-    return (find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1]).read_text(encoding="utf-8")
+    return read_text("", str(find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1]))  # its checks too
 
 
 def tokenize(text: str, tokenizer: str = "byte") -> tuple[torch.Tensor, float, int]:

@@ -117,10 +117,11 @@ def test_resume_cuts_the_log_back_and_removes_stale_temp_files(tmp_path, fashion
         return real_step(run_, inputs, targets)
 
     monkeypatch.setattr(train, "train_step", killed_at_5)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as e:  # Ctrl-C: one line saying where the run continues
         run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "3")
     monkeypatch.setattr(train, "train_step", real_step)
     out = tmp_path / "run"
+    assert str(e.value) == f"train.py: stopped by Ctrl-C at step 4; resume with --resume {out / 'ckpt.pt'} (its step 3)"
     assert steps_logged(out) == [1, 2, 3, 4]  # the checkpoint holds step 3
     (out / ".ckpt.pt.tmp12345").write_bytes(b"half a checkpoint")
     train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])
@@ -203,8 +204,8 @@ def test_probe_of_a_language_model_is_refused_without_download(tmp_path, monkeyp
 @pytest.mark.parametrize("argv, expected", [
     (["--beta1", "2"], "--beta1 must be in [0, 1); got 2.0"),
     (["--lr", "nan"], "--lr must be a finite number; got nan"),
-    (["--lr", "-1"], "--lr must be > 0; got -1.0"),
-    (["--warmup-steps", "-5"], "--warmup-steps must be >= 0; got -5"),
+    (["--lr", "-1"], "--lr must be in (0, 10]; got -1.0"),
+    (["--warmup-steps", "-5"], "--warmup-steps must be in 0..1,000,000,000; got -5"),
     (["--mix-prob", "1.5"], "--mix-prob must be in [0, 1]; got 1.5"),
     (["--grad-clip", "inf"], "--grad-clip must be a finite number; got inf"),
     (["--model-args", "dim=abc"], "--model-args dim='abc': dim takes int"),
