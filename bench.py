@@ -1398,6 +1398,10 @@ def add_memory_parser(sub):
     p.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's block size)")
 
 
+MEMORY_BOUNDS = {"--batch-size": 1 << 20, "--grad-accum": 1 << 20, "--gpus": 1 << 16, "--seq-len": 1 << 20,
+                 "--gpu-memory": 10 ** 6}
+
+
 def run_memory(args, device) -> dict:
     """The estimate of lib/memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
     language = args.arch in alternet.PRESETS
@@ -1405,8 +1409,8 @@ def run_memory(args, device) -> dict:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
     for flag, value in [("--batch-size", args.batch_size), ("--grad-accum", args.grad_accum), ("--gpus", args.gpus),
                         ("--seq-len", args.seq_len), ("--gpu-memory", args.gpu_memory)]:
-        if value is not None and not 0 < value < math.inf:
-            raise InputError(f"{flag} must be > 0; got {value}")
+        if value is not None and not 0 < value <= MEMORY_BOUNDS[flag]:  # bounds of ours, against typos and hangs
+            raise InputError(f"{flag} must be in (0, {MEMORY_BOUNDS[flag]:,}]; got {value}")
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
     cfg = train.resolve_config(explicit, announce=False)

@@ -95,6 +95,9 @@ def check_config(cfg) -> None:
              f"/usr/share/datasets)")
     if cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file"):
         fail(f"--data {cfg.data}: {path_problem(cfg.data, 'file')}")
+    if cfg.teacher.startswith("hub:") and not cfg.download:  # torch.hub fetches and runs a repository's code
+        fail(f"--teacher {cfg.teacher} is fetched from torch.hub (it downloads and runs facebookresearch/dinov2's "
+             f"hubconf.py): give --download to allow it")
     if cfg.teacher and not cfg.teacher.startswith("hub:") and path_problem(cfg.teacher, "file"):
         fail(f"--teacher {cfg.teacher}: {path_problem(cfg.teacher, 'file')} (a checkpoint of this project, "
              f"or hub:dinov2_vitb14)")

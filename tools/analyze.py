@@ -398,7 +398,7 @@ def check_args(args) -> None:
     """The flags that need no file, each a ValueError naming the flag and what is allowed."""
     if args.intervention_images is None:  # the paper's 256, or all of a smaller subset
         args.intervention_images = min(256, args.num_images)
-    bounds = {"num_images": (2, None), "intervention_images": (2, args.num_images), "batch_size": (1, None),
+    bounds = {"num_images": (2, 1 << 20), "intervention_images": (2, args.num_images), "batch_size": (1, 1 << 20),
               "random_perturbations": (0, MAX_REPEATS), "num_permutations": (0, MAX_REPEATS), "seed": (0, MAX_SEED)}
     for name, (minimum, maximum) in bounds.items():  # CKA centres over >= 2 images
         flag, value = "--" + name.replace("_", "-"), getattr(args, name)
