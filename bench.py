@@ -912,11 +912,14 @@ def run_check(args, device) -> dict:
     every row); --part runs one part in this process (what the plan's processes run)."""
     if args.part:
         return check_part(args.part, device, check_sizes(args, device)[1])
-    out_dir = args.out or f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.makedirs(out_dir, exist_ok=True)
-    # the train.py run's folder (its checkpoint), made by train.py when it starts: a check killed before
-    # leaves nothing behind
-    run_dir = os.path.join(tempfile.gettempdir(), f"revit-check-run-{os.getpid()}-{time.time_ns()}")
+    out_dir = args.out  # checked by check_flags (a given one or the default)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # made unwritable since the check
+        raise InputError(f"--out {out_dir} cannot be created: {e.strerror or e}") from None
+    # the train.py run's folder (its checkpoint): made here, empty, so that the rmtree below removes only
+    # what this check created (never a folder that another run holds)
+    run_dir = tempfile.mkdtemp(prefix="revit-check-run-")
     parts = check_parts(args, device, run_dir)
     header = check_header(args, device, parts)
     report = budget.Report(out_dir, header, check_markdown, check_row_line)
@@ -1334,6 +1337,8 @@ def check_flags(args, device) -> None:
             setattr(args, name, items)
     if "reduce-overhead" in (getattr(args, "modes", None) or ()) and device.type != "cuda":
         raise InputError("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)")
+    if args.command == "check" and not args.part and not args.out:  # the default is checked like a given one
+        args.out = f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
     out, kind = getattr(args, "out", None), "folder" if args.command in OUTPUT_FOLDERS else "file"
     if out and output_problem(out, kind):
         raise InputError(f"--out {out} {output_problem(out, kind)}")
@@ -1428,6 +1433,10 @@ def add_memory_parser(sub):
     p.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's block size)")
 
 
+MEMORY_BOUNDS = {"--batch-size": 1 << 20, "--grad-accum": 1 << 20, "--gpus": 1 << 16, "--seq-len": 1 << 20,
+                 "--gpu-memory": 10 ** 6}
+
+
 def run_memory(args, device) -> dict:
     """The estimate of lib/memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
     language = args.arch in alternet.PRESETS
@@ -1435,8 +1444,8 @@ def run_memory(args, device) -> dict:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
     for flag, value in [("--batch-size", args.batch_size), ("--grad-accum", args.grad_accum), ("--gpus", args.gpus),
                         ("--seq-len", args.seq_len), ("--gpu-memory", args.gpu_memory)]:
-        if value is not None and not 0 < value < math.inf:
-            raise InputError(f"{flag} must be > 0; got {value}")
+        if value is not None and not 0 < value <= MEMORY_BOUNDS[flag]:  # bounds of ours, against typos and hangs
+            raise InputError(f"{flag} must be in (0, {MEMORY_BOUNDS[flag]:,}]; got {value}")
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
     cfg = train.resolve_config(explicit, announce=False)

@@ -10,7 +10,6 @@ their mean. Every bad argument or unusable checkpoint is one line `sample.py: er
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -56,8 +55,9 @@ def check_sample_args(args: argparse.Namespace) -> None:
     checks = [
         ("--max-new-tokens", 0 <= args.max_new_tokens <= MAX_NEW_TOKENS,
          f"must be in 0..{MAX_NEW_TOKENS:,} (a bound against typos)"),
-        ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0, "must be >= 0"),
-        ("--top-k", args.top_k is None or args.top_k >= 1, "must be >= 1"),
+        ("--temperature", args.temperature == 0 or 1e-3 <= args.temperature <= 100,
+         "must be 0 (greedy) or in [0.001, 100] (logits / 1e-320 overflow)"),
+        ("--top-k", args.top_k is None or 1 <= args.top_k <= 1 << 20, "must be in 1..1,048,576"),
         ("--halt-threshold", args.halt_threshold is None or 0 < args.halt_threshold <= 1, "must be in (0, 1]"),
         ("--max-depth", args.max_depth is None or 1 <= args.max_depth <= alternet.MAX_ITERATIONS,
          f"must be in 1..{alternet.MAX_ITERATIONS}"),

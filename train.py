@@ -42,9 +42,9 @@ import revit
 from lib import tasks
 from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
                             preset_module, primitive, rng_state, set_rng_state, unwrap)
-from lib.checks import check_config, check_resume
-from lib.cli import (dataclass_parser, device_options, fail, opt, parse_depths, parse_model_args, pick_device,
-                     say, wrong_type)
+from lib.checks import check_config, check_resume, command_line_only
+from lib.cli import (dataclass_parser, device_options, fail, non_finite_place, opt, parse_depths, parse_model_args,
+                     pick_device, say, wrong_type)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -245,6 +245,10 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
     run = setup(cfg, resume_ckpt)
     try:
         return loop(run)
+    except KeyboardInterrupt:  # Ctrl-C: one line saying where the run continues, not a traceback
+        where = f"resume with --resume {run.folder.ckpt} (its step {run.last_good})" if run.last_good is not None \
+            else "no checkpoint was written yet"
+        raise SystemExit(f"train.py: stopped by Ctrl-C at step {run.step}; {where}") from None
     finally:
         run.folder.close()
 
@@ -384,12 +388,23 @@ def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
 def evaluate_and_save(run: Run, evaluate_now: bool, save_now: bool) -> None:
     if evaluate_now:
         results = evaluate_depths(run.model, run.task, [None], run.rank, run.world)
+        stop_unless_finite(run, results, "the evaluation")
         run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
         numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
         say(f"step {run.step}: " + ", ".join(numbers))
         run.folder.log({"step": run.step, "eval": run.metrics}, run.is_main)
     if save_now:
         save_checkpoint(run)
+
+
+def stop_unless_finite(run: Run, results: dict, what: str) -> None:
+    """A metric that is not a number stops the run as a non-finite loss does: it is never logged or saved
+    (the weights can be finite and still score NaN, e.g. after a step at a far too large --lr)."""
+    place = non_finite_place(results)
+    if place:
+        fail(f"{what} at step {run.step} gave a non-finite {place.removeprefix('None.')}; not logged, not "
+             f"saved. Last good checkpoint: {last_good(run)}. Try a lower --lr (peak now "
+             f"{run.sched['peak_lr']:.3g})")
 
 
 def evaluate_depths(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
@@ -409,6 +424,7 @@ def final_evaluation(run: Run, seconds: float) -> dict:
     cfg, model = run.cfg, run.model
     num_params = sum(p.numel() for p in run.trainable.parameters())
     results = evaluate_depths(model, run.task, eval_depth_list(cfg, model), run.rank, run.world)
+    stop_unless_finite(run, results, "the final evaluation")
     summary, line = summarise(cfg, model, results)
     say(f"done: {cfg.arch} | {num_params / 1e6:.3f}M params | {line} | {seconds / 60:.1f} min")
     return {"arch": cfg.arch, "params": num_params, **summary, "minutes": seconds / 60}
@@ -701,8 +717,9 @@ def write_checkpoint(run: Run, rngs: list) -> str | None:
             "metrics": primitive(run.metrics)}
     try:
         atomic_save(ckpt, run.folder.ckpt)
-    except OSError as e:
-        return f"cannot write {run.folder.ckpt}: {e.strerror or e}. Last good checkpoint: {last_good(run)}"
+    except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
+        reason = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
+        return f"cannot write {run.folder.ckpt}: {reason}. Last good checkpoint: {last_good(run)}"
     return None
 
 
@@ -724,7 +741,7 @@ FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "d
                    "dataset", "data", "tokenizer", "train_subset", "batch_size", "seed", "probe",
                    "probe_pool", "backbone", "teacher")
 EVAL_ONLY_FLAGS = {"eval_only", "eval_depths", "test_subset", "eval_batch_size", "eval_iters", "data",
-                   "data_dir", "download", "device", "progress"}
+                   "data_dir", "download", "teacher", "device", "progress"}
 
 
 def resume_config(explicit: dict) -> tuple[dict, dict]:
@@ -739,6 +756,7 @@ def resume_config(explicit: dict) -> tuple[dict, dict]:
             fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
                  f"{saved.get(name)!r}); start a new run instead")
     known = {f.name for f in fields(TrainConfig)} - {"stop_at_step", "overwrite", "eval_only"}
+    saved = command_line_only(saved, explicit, f"--resume {path}", needed=("data", "teacher"))
     merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
     merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
     return ckpt, merged
@@ -765,7 +783,7 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
              f"got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
-    saved = saved_config(ckpt, path, flag)
+    saved = command_line_only(saved_config(ckpt, path, flag), flags, f"{flag} {path}", needed=("data",))
     cfg = resolve_config({**{k: v for k, v in saved.items() if k in known}, **flags}, announce=False)
     try:
         device = pick_device(cfg.device)
@@ -783,7 +801,11 @@ def eval_only(explicit: dict) -> dict:
     """--eval-only CKPT: the training loop's evaluation at --eval-depths; reads the file, writes nothing."""
     path = explicit["eval_only"]
     cfg, model, task = evaluation_setup(path, explicit)
-    summary, line = summarise(cfg, model, evaluate_depths(model, task, eval_depth_list(cfg, model)))
+    results = evaluate_depths(model, task, eval_depth_list(cfg, model))
+    if non_finite_place(results):  # finite weights can still score NaN: never reported as a result
+        fail(f"--eval-only {path}: its evaluation gave a non-finite "
+             f"{non_finite_place(results).removeprefix('None.')} (finite but diverged weights)")
+    summary, line = summarise(cfg, model, results)
     say(f"{path}: {line}")
     return {"arch": cfg.arch, **summary}
 
@@ -815,4 +837,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # before training began (data, set-up): the loop reports its own step
+        raise SystemExit("train.py: stopped by Ctrl-C before training began; no checkpoint was written") from None

@@ -103,6 +103,8 @@ def parse_model_args(text: str, config_class=None) -> dict:
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep:
             fail(f"--model-args expects key=value pairs separated by commas; got {item!r}")
+        if key in overrides:  # which one was meant? never the silent last-one-wins
+            fail(f"--model-args names {key} twice; give each field once")
         with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
             value = ast.literal_eval(value)
         if hints and key not in hints:
@@ -184,10 +186,42 @@ def path_problem(path, kind: str = "file") -> str | None:
     return None if readable else "not readable (permission denied)"
 
 
-def output_problem(path, kind: str = "file") -> str | None:
+RUN_FILES = ("ckpt.pt", "metrics.jsonl", ".lock")  # what train.py keeps in a run folder
+SAVED_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive, a pickle: a checkpoint or a model
+
+
+def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:
     """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path ("PATH is
     a file; give a folder"): an existing path of the other kind, or a first existing ancestor that is not
-    a writable folder; None when it can be written (parent folders are created)."""
+    a writable folder; None when it can be written (parent folders are created). The one check of every
+    output path of train.py, bench.py and the tools: no command overwrites what it did not create, so a
+    run's files (its checkpoint, log, lock), any saved checkpoint or model file, and (unless `runs_ok`:
+    train.py's own --out-dir, files written beside a run) a folder that holds a run are refused."""
+    problem = place_problem(path, kind)
+    return problem or (None if runs_ok and kind == "folder" else run_problem(Path(path), kind))
+
+
+def run_problem(path: Path, kind: str) -> str | None:
+    """A path whose writing would overwrite a training run or a saved model, in words; None otherwise."""
+    if kind == "folder":
+        held = [name for name in RUN_FILES if os.path.lexists(path / name)]
+        return f"holds a training run ({held[0]}); choose another folder" if held else None
+    if not os.path.lexists(path):
+        return None
+    if path.name in RUN_FILES or path.name.startswith(".lock"):
+        return f"is a file of a training run ({path.name}); choose another path"
+    try:
+        with open(path, "rb") as f:  # a regular file (place_problem): reading its first bytes cannot hang
+            head = f.read(4)
+    except OSError:
+        return None
+    if head.startswith(SAVED_FILE_MAGIC):
+        return "already holds a saved checkpoint or model (never overwritten); choose another path"
+    return None
+
+
+def place_problem(path, kind: str) -> str | None:
+    """output_problem's part that asks only whether `path` can be written as a `kind`."""
     path = Path(path)
     if path.is_symlink() and not path.exists():
         return "is a broken symbolic link or a symbolic link loop"
@@ -271,11 +305,24 @@ def f(key, fmt="{:.2f}"):
 
 
 def write_json(result: dict, path: str) -> None:
-    """Write to a temp name, then rename: an interrupted run never leaves a torn file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(json_text(result) + "\n")
-    os.replace(tmp, path)
+    """Strict JSON (json_text), written atomically: an interrupted run never leaves a torn file."""
+    atomic_write_text(path, json_text(result) + "\n")
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Every rewrite of a file the project owns (run logs, cells, results/, reports): a temp file in the
+    same folder, then os.replace, so a kill leaves the old file or the new one, never a torn or empty one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            tmp.unlink()
 
 
 def json_text(result: dict) -> str:
@@ -286,6 +333,14 @@ def json_text(result: dict) -> str:
     if places:
         clean["non_finite"] = places
     return json.dumps(clean, default=str, separators=(",", ":"), allow_nan=False)
+
+
+def non_finite_place(value) -> str | None:
+    """The first place of a non-finite number in a result ("depths.2.miou"), or None: what is scored,
+    saved or exported must be finite, and a run whose metric is not stops instead of writing it."""
+    places = []
+    finite_or_null(value, "", places)
+    return places[0] if places else None
 
 
 def finite_or_null(value, place: str, places: list):

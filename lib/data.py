@@ -228,8 +228,24 @@ class ArchiveUnpickler(pickle.Unpickler):
 ARCHIVE_DTYPES = {"u1": torch.uint8, "i1": torch.int8, "i2": torch.int16, "i4": torch.int32, "i8": torch.int64}
 
 
-def archive_tensor(value, what: str) -> torch.Tensor:
-    """An array or (nested) list of the archive -> int64 tensor; ValueError naming `what` otherwise."""
+def expanded_size(value, depth: int = 0, memo: dict | None = None) -> int:
+    """How many values a (nested) list of the archive holds once expanded, counted without expanding it:
+    each list once (a pickle may hold one list many times by reference). Lists deeper than rows of values
+    (or one that holds itself) are a ValueError."""
+    if not isinstance(value, list):
+        return 1
+    if depth > 2:
+        raise ValueError("lists nested deeper than rows of values")
+    memo = {} if memo is None else memo
+    if id(value) not in memo:
+        memo[id(value)] = sum(expanded_size(v, depth + 1, memo) for v in value)
+    return memo[id(value)]
+
+
+def archive_tensor(value, what: str, limit: int) -> torch.Tensor:
+    """An array or (nested) list of the archive -> int64 tensor; ValueError naming `what` otherwise. A list
+    that expands to more than `limit` values (the file's size in bytes: a pickled value takes at least one,
+    so only references repeated in a small file reach more) is refused before it is expanded."""
     if isinstance(value, ArchiveArray):
         code = getattr(value.dtype, "code", None)
         if code not in ARCHIVE_DTYPES or getattr(value.dtype, "order", "|") == ">":
@@ -241,6 +257,13 @@ def archive_tensor(value, what: str) -> torch.Tensor:
             raise ValueError(f"{what}: its shape {value.shape} does not match its {len(value.raw)} bytes")
         return torch.frombuffer(bytearray(value.raw), dtype=dtype).view(value.shape).long() if count else \
             torch.zeros(value.shape, dtype=torch.long)
+    try:
+        size = expanded_size(value)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    if size > limit:
+        raise ValueError(f"{what} repeats shared lists: it expands to {size:,} values, more than the file holds "
+                         f"bytes ({limit:,})")
     try:
         return torch.tensor(value, dtype=torch.long)
     except (TypeError, ValueError, RuntimeError, OverflowError):
@@ -259,7 +282,8 @@ def read_cifar_batch(path: Path, label_key: bytes, classes: int) -> tuple[torch.
         batch = {k.encode() if isinstance(k, str) else k: v for k, v in batch.items()}
     if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
         raise ValueError(f"{path}: not a CIFAR python archive (a dict with {b'data'!r} and {label_key!r} expected)")
-    images, labels = archive_tensor(batch[b"data"], f"{path} data"), archive_tensor(batch[label_key], f"{path} labels")
+    images, labels = (archive_tensor(batch[b"data"], f"{path} data", len(raw)),
+                      archive_tensor(batch[label_key], f"{path} labels", len(raw)))
     if images.ndim != 2 or images.shape[1] != 3 * 32 * 32 or labels.shape != images.shape[:1]:
         raise ValueError(f"{path}: expected N rows of 3072 pixels and N labels; got {tuple(images.shape)} and "
                          f"{tuple(labels.shape)}")
@@ -465,7 +489,7 @@ def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", downl
         return text
     if corpus == "grammar":
         return grammar_corpus()
-    return (find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1]).read_text(encoding="utf-8")
+    return read_text("", str(find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1]))  # its checks too
 
 
 def tokenize(text: str, tokenizer: str = "byte") -> tuple[torch.Tensor, float, int]:

@@ -150,6 +150,9 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     if min(len(train_tokens), len(val_tokens)) <= block_size + 1:
         fail(f"the text has {len(train_tokens) + len(val_tokens)} tokens: too short for --block-size {block_size} "
              f"(90% train / 10% validation, each needs more than {block_size + 1})")
+    if cfg.batch_size > len(train_tokens) // block_size:  # as for images: a batch larger than the data
+        fail(f"--batch-size {cfg.batch_size} is larger than the training text ({len(train_tokens) // block_size} "
+             f"windows of --block-size {block_size})")
     task = LanguageTask(cfg, val_tokens, tokens_per_byte, block_size, device, autocast)
     batches = lambda start: data.text_batches(train_tokens, cfg.batch_size, block_size, cfg.seed,  # noqa: E731
                                               rank, world, start)

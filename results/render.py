@@ -35,8 +35,12 @@ def load(name: str):
     path = os.path.join(HERE, name)
     if not os.path.exists(path):
         raise SystemExit(f"results/render.py: a generated block names {name!r}, but results/{name} does not exist")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # torn, edited, not JSON
+        raise SystemExit(f"results/render.py: results/{name} is not readable JSON ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:160]}); restore it from git or rerun its command") from None
 
 
 def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
@@ -67,7 +71,19 @@ class Block:
 
 def cell_text(value, fmt: str | None) -> str:
     """Numbers through the column's format ('{:.2f}%'); strings ('–', '1.000 (0.98–1.02)') as they are."""
-    return fmt.format(value) if fmt and isinstance(value, (int, float)) else str(value)
+    if not (fmt and isinstance(value, (int, float))):
+        return str(value)
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(fmt) if name is not None]
+    except ValueError:  # an unmatched brace
+        fields = []
+    if len(fields) != 1 or fields[0][0] != "" or fields[0][2] is not None or "{" in fields[0][1]:
+        raise SystemExit(f"results/render.py: a column format {fmt!r} is not one '{{:SPEC}}' field (a format is "
+                         f"data: no names, attributes or indexes)")
+    try:
+        return fmt.format(value)
+    except ValueError as e:
+        raise SystemExit(f"results/render.py: the column format {fmt!r} does not format {value!r}: {e}") from None
 
 
 def render_table(name: str) -> Block:
@@ -186,11 +202,37 @@ class Cells:
         return render(name).cells
 
 
+CELL = re.compile(r"t\[([\w.-]+)\]\[(\d+)\]\[(\d+)\]")  # the one field a glance template may name
+
+
 class Glance(string.Formatter):
-    """`{...:short}` drops what follows the first ' [' or ' (': '83.90 ± 0.36 [84.1 84.1 83.5]' -> '83.90 ± 0.36'."""
+    """Fills only named cells, `{t[NAME][row][column]}` (a template is data: no attribute or other index
+    lookups, no conversions, no format specs but `short`). `{...:short}` drops what follows the first ' ['
+    or ' (': '83.90 ± 0.36 [84.1 84.1 83.5]' -> '83.90 ± 0.36'."""
+
+    def get_field(self, field_name, args, kwargs):
+        match = CELL.fullmatch(field_name)
+        if not match or match.group(1) == "glance" or match.group(1).startswith("line-"):
+            refuse(f"{{{field_name}}} is not a cell t[BLOCK][ROW][COLUMN] of a table block")
+        name, row, column = match.group(1), int(match.group(2)), int(match.group(3))
+        cells = render(name).cells
+        if row >= len(cells) or column >= len(cells[row]):
+            refuse(f"{{{field_name}}}: block {name} has no row {row}, column {column}")
+        return cells[row][column], field_name
+
+    def convert_field(self, value, conversion):
+        if conversion is not None:
+            refuse(f"a conversion !{conversion} (only named cells are filled)")
+        return value
 
     def format_field(self, value, spec: str) -> str:
-        return re.split(r" [\[(]", value)[0] if spec == "short" else super().format_field(value, spec)
+        if spec not in ("", "short"):
+            refuse(f"the format spec {spec!r} (only :short)")
+        return re.split(r" [\[(]", value)[0] if spec == "short" else value
+
+
+def refuse(what: str):
+    raise SystemExit(f"results/render.py: results/glance.json: {what}")
 
 
 def render_glance(name: str) -> Block:
@@ -242,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             stale.append(document)
             if not args.check:
-                with open(path + ".tmp", "w", encoding="utf-8") as f:
+                tmp = f"{path}.tmp{os.getpid()}"
+                with open(tmp, "w", encoding="utf-8") as f:  # atomic: a kill leaves the old document
                     f.write(new)
-                os.replace(path + ".tmp", path)
+                os.replace(tmp, path)
     if args.check and stale:
         print(f"out of date with results/*.json: {', '.join(stale)} (run: python results/render.py)")
         return 1

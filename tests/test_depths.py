@@ -97,7 +97,8 @@ def test_depths_alternet_caps_and_thresholds(tmp_path):
                               "4", "--block-size", "16", "--eval-iters", "1", "--eval-batch-size", "8",
                               "--model-args", "dim=16,heads=2,ffn_dim=32,seq_len=16,max_depth=3,num_experts=2,"
                               "top_k=1,depth_dim=4", "--no-progress", "--out-dir", str(tmp_path / "run")])
-    result, _ = run_cli([summary["checkpoint"], "--device", "cpu", "--test-subset", "4", "--warmup", "0",
+    result, _ = run_cli([summary["checkpoint"], "--data", str(text), "--device", "cpu", "--test-subset", "4",
+                         "--warmup", "0",
                          "--repeats", "1", "--new-tokens", "2", "--out", str(tmp_path)])
     rows = result["rows"]
     assert [(r["max_depth"], r["halt_threshold"]) for r in rows] == [(d, t) for d in (1, 2, 3) for t in (0.5, None)]
@@ -156,7 +157,8 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
     vit = revit.create_model("vit-mini", **{**tiny_config(), "image_size": 28, "patch_size": 7, "in_channels": 1,
                                             "num_classes": 10})
     path = tmp_path / "vit.pt"
-    torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(),
+    torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(), "train_config": {**ckpt["train_config"],
+                                                                                       "arch": "vit-mini"},
                 "model_config": dataclasses.asdict(vit.config)}, path)
     result, _ = run_cli([str(path), "--device", "cpu", "--no-memory", "--batch", "2", "--warmup", "0",
                          "--repeats", "1", "--out", str(tmp_path)])

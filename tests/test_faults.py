@@ -117,10 +117,11 @@ def test_resume_cuts_the_log_back_and_removes_stale_temp_files(tmp_path, fashion
         return real_step(run_, inputs, targets)
 
     monkeypatch.setattr(train, "train_step", killed_at_5)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as e:  # Ctrl-C: one line saying where the run continues
         run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "3")
     monkeypatch.setattr(train, "train_step", real_step)
     out = tmp_path / "run"
+    assert str(e.value) == f"train.py: stopped by Ctrl-C at step 4; resume with --resume {out / 'ckpt.pt'} (its step 3)"
     assert steps_logged(out) == [1, 2, 3, 4]  # the checkpoint holds step 3
     (out / ".ckpt.pt.tmp12345").write_bytes(b"half a checkpoint")
     train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])
@@ -143,6 +144,60 @@ def test_disk_full_at_save_names_the_file_and_the_last_good_checkpoint(tmp_path,
     ckpt = tmp_path / "run" / "ckpt.pt"
     assert str(e.value) == (f"train.py: error: cannot write {ckpt}: No space left on device. "
                             f"Last good checkpoint: {ckpt} (step 2)")
+
+
+def test_disk_full_as_torch_reports_it_keeps_the_previous_checkpoint(tmp_path, fashion_mnist_dir, monkeypatch):
+    """torch's zip writer reports a full disk as a RuntimeError, not an OSError."""
+    real_save, calls = torch.save, []
+
+    def full_disk(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
+                               "data/3: file write failed")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "1")
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    message = str(e.value)
+    assert message.startswith(f"train.py: error: cannot write {ckpt}: [enforce fail") and "\n" not in message
+    assert message.endswith(f"Last good checkpoint: {ckpt} (step 2)")
+    assert torch.load(ckpt, weights_only=True)["step"] == 2 and not list(ckpt.parent.glob(".ckpt.pt.tmp*"))
+
+
+def test_a_non_finite_evaluation_stops_the_run_and_is_never_written(tmp_path, fashion_mnist_dir, monkeypatch):
+    """Finite weights can score NaN (a far too large step): like a non-finite loss, nothing of it is kept."""
+    real = train.evaluate_depths
+    monkeypatch.setattr(train, "evaluate_depths", lambda model, task, depths=(None,), *a: {
+        d: {k: float("nan") for k in v} for d, v in real(model, task, depths, *a).items()})
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--eval-interval", "2")
+    assert str(e.value).startswith("train.py: error: the evaluation at step 2 gave a non-finite acc; not logged, "
+                                   "not saved. Last good checkpoint: none written yet")
+    log = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert "NaN" not in log and '"eval"' not in log and not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_a_kill_while_resume_cuts_the_log_leaves_the_log_whole(tmp_path, fashion_mnist_dir, monkeypatch):
+    """The log is cut by a rewrite to a temp file and a rename: a kill before the rename keeps the old log."""
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--stop-at-step", "2", "--log-interval", "1")
+    with open(out / "metrics.jsonl", "a") as log:  # steps after the checkpoint: the resume cuts them
+        log.write('{"step": 3, "loss": 1.0}\n')
+    before = (out / "metrics.jsonl").read_bytes()
+    import lib.cli
+
+    def killed(*args):
+        raise KeyboardInterrupt("SIGKILL while the log is rewritten")
+
+    monkeypatch.setattr(lib.cli.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])
+    monkeypatch.undo()
+    assert (out / "metrics.jsonl").read_bytes() == before and not list(out.glob(".metrics.jsonl.tmp*"))
+    train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])
+    assert steps_logged(out) == [1, 2, 3, 4]
 
 
 def test_an_unwritable_out_dir_is_found_before_training(tmp_path, fashion_mnist_dir, monkeypatch):
@@ -203,8 +258,8 @@ def test_probe_of_a_language_model_is_refused_without_download(tmp_path, monkeyp
 @pytest.mark.parametrize("argv, expected", [
     (["--beta1", "2"], "--beta1 must be in [0, 1); got 2.0"),
     (["--lr", "nan"], "--lr must be a finite number; got nan"),
-    (["--lr", "-1"], "--lr must be > 0; got -1.0"),
-    (["--warmup-steps", "-5"], "--warmup-steps must be >= 0; got -5"),
+    (["--lr", "-1"], "--lr must be in (0, 10]; got -1.0"),
+    (["--warmup-steps", "-5"], "--warmup-steps must be in 0..1,000,000,000; got -5"),
     (["--mix-prob", "1.5"], "--mix-prob must be in [0, 1]; got 1.5"),
     (["--grad-clip", "inf"], "--grad-clip must be a finite number; got inf"),
     (["--model-args", "dim=abc"], "--model-args dim='abc': dim takes int"),

@@ -58,7 +58,12 @@ def edited(runs, tmp_path, name, edit) -> Path:
     """A copy of run A's checkpoint with one part edited by `edit(ckpt)`."""
     ckpt = torch.load(runs / "A" / "ckpt.pt", weights_only=True)
     edit(ckpt)
-    torch.save(ckpt, tmp_path / name)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)  # the pickler recurses into the 20,000-deep config
+    try:
+        torch.save(ckpt, tmp_path / name)
+    finally:
+        sys.setrecursionlimit(limit)
     return tmp_path / name
 
 
@@ -84,7 +89,59 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
     "config_bad": (lambda c: c["model_config"].update(heads=0), "its model_config does not build revit-mini: heads=0"),
     "optimizer_misfit": (lambda c: c["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
                          "its optimizer state does not fit the model (entry 0)"),
+    # dtypes a float weight cannot hold, tensors that are not plain data, values that are not finite
+    "complex_nan": (lambda c: c["model"].update(cls_token=torch.full_like(c["model"]["cls_token"], complex(
+        float("nan"), 0), dtype=torch.complex64)), "1 wrongly typed tensors (cls_token complex64 for float32)"),
+    "int8_weights": (lambda c: c["model"].update(cls_token=c["model"]["cls_token"].to(torch.int8)),
+                     "1 wrongly typed tensors (cls_token int8 for float32)"),
+    "bool_weights": (lambda c: c["model"].update(cls_token=c["model"]["cls_token"].bool()),
+                     "1 wrongly typed tensors (cls_token bool for float32)"),
+    "sparse_weights": (lambda c: c["model"].update(cls_token=c["model"]["cls_token"].to_sparse()),
+                       "its tensor cls_token is a sparse tensor"),
+    "quantized_weights": (lambda c: c["model"].update(cls_token=torch.quantize_per_tensor(
+        c["model"]["cls_token"], 0.1, 0, torch.qint8)), "its tensor cls_token is a quantized tensor"),
+    "meta_weights": (lambda c: c["model"].update(cls_token=c["model"]["cls_token"].to("meta")),
+                     "its tensor cls_token is a meta tensor (no data)"),
+    "stride_zero": (lambda c: c["model"].update(pos_embed=torch.zeros(1).expand(c["model"]["pos_embed"].shape)),
+                    "its tensor pos_embed is of shape [1, 16, 32] over 4 bytes of storage"),
+    "nested_config": (lambda c: c["model_config"].update(extra=nested(20_000)), "nested deeper than 32 levels"),
+    "nan_metric": (lambda c: c["metrics"].update(val_loss=float("nan")),
+                   "its metrics is not finite (metrics.val_loss holds NaN or inf)"),
+    "complex_metric": (lambda c: c["metrics"].update(val_loss=complex(0, float("inf"))),
+                       "its metrics is not finite (metrics.val_loss holds NaN or inf)"),
+    "other_preset": (lambda c: c.update(arch="vit-mini"), "its arch names another preset"),
+    "other_train_arch": (lambda c: c["train_config"].update(arch="revit-mini32"), "its arch names another preset"),
+    "data_path": (lambda c: c["train_config"].update(data="/etc/passwd"), "the run used --data /etc/passwd; give "
+                  "--data again"),
+    # loop state (--resume only), checked before the run folder is touched
+    "optimizer_half": (lambda c: [c["optimizer"]["state"].pop(i) for i in list(c["optimizer"]["state"])[::2]],
+                       "its optimizer state covers 12 of 24 parameters"),
+    "optimizer_betas": (lambda c: c["optimizer"]["param_groups"][0].update(betas=(2.0, 2.0)),
+                        "its optimizer's betas is (2.0, 2.0); AdamW takes two numbers in [0, 1)"),
+    "optimizer_lr_text": (lambda c: c["optimizer"]["param_groups"][1].update(lr="fast"),
+                          "its optimizer's lr is 'fast'; AdamW takes a number >= 0"),
+    "optimizer_no_sq": (lambda c: c["optimizer"]["state"][0].pop("exp_avg_sq"),
+                        "its optimizer state does not fit the model (entry 0)"),
+    "optimizer_int_state": (lambda c: c["optimizer"]["state"][0].update(exp_avg=torch.zeros(
+        c["optimizer"]["state"][0]["exp_avg"].shape, dtype=torch.int64)),
+        "its optimizer state does not fit the model (entry 0)"),
+    "optimizer_ids": (lambda c: c["optimizer"]["param_groups"][0].update(params=[
+        -1] + c["optimizer"]["param_groups"][0]["params"][1:]), "parameter ids are not 0..23"),
+    "rng_torch_size": (lambda c: c["rng"][0].update(torch=torch.zeros(10, dtype=torch.uint8)),
+                       "its rng state of rank 0 cannot be restored"),
+    "rng_python_values": (lambda c: c["rng"][0].update(python=(3, ("x",) * 625, None)),
+                          "its rng state of rank 0 cannot be restored"),
 }
+LOOP_STATE = ("step_negative", "step_text", "rng_empty", "optimizer_empty", "optimizer_misfit", "nan_optimizer",
+              "optimizer_half", "optimizer_betas", "optimizer_lr_text", "optimizer_no_sq", "optimizer_int_state",
+              "optimizer_ids", "rng_torch_size", "rng_python_values")
+
+
+def nested(depth: int) -> dict:
+    value = {}
+    for _ in range(depth):
+        value = {"x": value}
+    return value
 
 
 @pytest.mark.parametrize("name", list(EDITS))
@@ -97,8 +154,7 @@ def test_edited_checkpoints_are_refused_before_anything_is_written(runs, tmp_pat
     message = one_line(train.main, ["--resume", path], "train.py")
     assert needle in message and "--lr" not in message and "Last good" not in message, message
     assert contents(tmp_path) == before  # the log was not cut, nothing was written
-    loop_state = ("step_negative", "step_text", "rng_empty", "optimizer_empty", "optimizer_misfit", "nan_optimizer")
-    if name not in loop_state:  # an evaluation reads no loop state
+    if name not in LOOP_STATE:  # an evaluation reads no loop state
         assert needle in one_line(train.main, ["--eval-only", path], "train.py")
     assert contents(tmp_path) == before
 
@@ -173,6 +229,22 @@ def test_a_pickled_call_is_reported_as_what_it_is(tmp_path):
     (["--data-dir", "{tmp}/loop.pt"], "--data-dir {tmp}/loop.pt: a symbolic link loop"),
     (["--data-dir", "{tmp}/fifo.pt"], "--data-dir {tmp}/fifo.pt: a file, not a folder"),
     (["--out-dir", "{tmp}/fifo.pt/run"], "cannot be created: {tmp}/fifo.pt is a file, not a folder"),
+    # every number flag has a finite range (no overflow, no library loop that never returns)
+    (["--mixup", "1e308"], "--mixup must be in [0, 100]; got 1e+308"),
+    (["--cutmix", "101"], "--cutmix must be in [0, 100]"),
+    (["--batch-size", str(10 ** 12)], "--batch-size must be in 1..1,048,576"),
+    (["--arch", "alternet-tiny", "--batch-size", str(10 ** 12), "--gpu-memory", "1", "--max-steps", "1"],
+     "--batch-size must be in 1..1,048,576"),
+    (["--gpu-memory", "1e308"], "--gpu-memory must be in (0, 1e6] GB"),
+    (["--lr-batch", str(10 ** 400)], "--lr-batch must be in 0..1,048,576; got 100000...(401 digits)"),
+    (["--warmup-epochs", "1e308"], "--warmup-epochs must be in [0, 100000]"),
+    (["--eval-batch-size", str(10 ** 400)], "--eval-batch-size must be in 1..1,048,576"),
+    (["--repeated-aug", str(10 ** 400)], "--repeated-aug must be in 1..64"),
+    (["--lr", "1e38"], "--lr must be in (0, 10]; got 1e+38"),
+    (["--lr", "1e400"], "--lr must be a finite number; got inf"),
+    (["--train-subset", str(10 ** 30)], "--train-subset must be in 0..1,000,000,000"),
+    (["--model-args", "dim=32,dim=64"], "--model-args names dim twice"),
+    (["--teacher", "hub:dinov2_vitb14"], "--teacher hub:dinov2_vitb14 is fetched from torch.hub"),
 ])
 def test_train_flags_and_paths(tmp_path, argv, needle):
     (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
@@ -218,6 +290,7 @@ def test_a_data_folder_runs_no_code(tmp_path, monkeypatch):
     (["--intervention-images", "64"], "--intervention-images must be <= 16 (--num-images"),
     (["--random-perturbations", "1000000000"], "--random-perturbations must be <= 10000"),
     (["--seed", "-1"], "--seed must be >= 0"),
+    (["--batch-size", str(10 ** 400)], "--batch-size must be <= 1048576"),
     (["--out", "{tmp}/file/analysis"], "cannot be created: {tmp}/file is a file, not a folder"),
     (["--data-dir", "{tmp}/loop"], "--data-dir {tmp}/loop: a symbolic link loop"),
 ])
@@ -290,3 +363,149 @@ def test_an_edited_feature_cache_entry_is_recomputed(runs, tmp_path, fashion_mni
         save_file({"features": torch.full((2, 3), float("nan"))}, str(entry))
     again = probes.main(argv)
     assert again["test_miou"] == first["test_miou"] and again["depths"] == first["depths"]
+
+
+# --- what no entry point does: overwrite a run, fetch, read a path a checkpoint names, score NaN ---
+
+
+@pytest.mark.parametrize("tool, argv, needle", [
+    ("export", ["{A}/ckpt.pt", "--format", "compact", "--out", "{A}/.lock"], "--out {A}/.lock is a file of a training run (.lock)"),
+    ("export", ["{A}/ckpt.pt", "--format", "compact", "--out", "{A}/snapshot.pt"], "already holds a saved checkpoint or model"),
+    ("export", ["{A}/ckpt.pt", "--format", "compact", "--out", "{B}/metrics.jsonl"], "is a file of a training run (metrics.jsonl)"),
+    ("bench", ["check", "--device", "cpu", "--out", "{B}"], "--out {B} holds a training run (ckpt.pt)"),
+    ("bench", ["check", "--device", "cpu"], "cannot be created: {tmp}/out is a file, not a folder"),
+    ("probes", ["--backbone", "{A}/ckpt.pt", "--out-dir", "{B}"], "--out-dir {B} holds a training run"),
+    ("analyze", ["{A}/ckpt.pt", "--out", "{B}"], "--out {B} holds a training run"),
+    ("depths", ["{A}/ckpt.pt", "--out", "{B}/.lock"], "--out {B}/.lock is a file; give a folder"),
+    ("depths", ["{A}/snapshot.pt", "--out", "{tmp}/d"], "depths.json already holds a saved checkpoint"),
+])
+def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needle):
+    """The one output check of train.py, in every tool: a run's files, lock and folder are refused, and so is
+    a saved checkpoint; the default output path is checked as a given one (here: ./out is a file)."""
+    from tools import depths, export
+    import bench
+    mains = {"export": (export.main, "python -m tools.export"), "bench": (bench.main, "bench.py"),
+             "probes": (probes.main, "train.py"), "analyze": (analyze.main, "python -m tools.analyze"),
+             "depths": (depths.main, "python -m tools.depths")}
+    (tmp_path / "out").write_text("a file where the default output folder would go")
+    (tmp_path / "d").mkdir()
+    shutil.copy(runs / "A" / "snapshot.pt", tmp_path / "d" / "depths.json")  # a checkpoint under that name
+    monkeypatch.chdir(tmp_path)
+    before = {name: contents(runs / name) for name in ("A", "B")}
+    fill = dict(A=runs / "A", B=runs / "B", tmp=tmp_path)
+    main, prog = mains[tool]
+    message = one_line(main, [a.format(**fill) for a in argv], prog)
+    assert needle.format(**fill) in message, message
+    assert {name: contents(runs / name) for name in ("A", "B")} == before
+
+
+def test_a_checkpoint_never_fetches_downloads_or_names_a_path(runs, tmp_path, monkeypatch, capsys):
+    """A hub teacher, download=True and a data folder in train_config: --eval-only scores the weights with
+    the command line's data (override lines), never calls torch.hub or the network."""
+    monkeypatch.setattr(torch.hub, "load", lambda *a, **k: pytest.fail("torch.hub.load called"))
+    from lib import data
+    monkeypatch.setattr(data, "fetch", lambda *a: pytest.fail("tried to download"))
+    path = edited(runs, tmp_path, "crafted.pt", lambda c: c["train_config"].update(
+        teacher="hub:dinov2_vitb14", download=True, data_dir=str(tmp_path / "elsewhere")))
+    summary = train.main(["--eval-only", str(path), "--no-progress"])
+    assert 0 <= summary["test_acc"] <= 1
+    out = capsys.readouterr().out
+    assert "override: teacher='' (the checkpoint's 'hub:dinov2_vitb14' is not used" in out
+    assert "override: download=False" in out and "override: data_dir=''" in out
+    message = one_line(train.main, ["--resume", path], "train.py")
+    assert "the run used --teacher hub:dinov2_vitb14; give --teacher again" in message
+
+
+@pytest.mark.parametrize("value", [None, [1, 2]])
+def test_a_train_config_that_is_not_a_dict_is_one_line_in_every_tool(runs, tmp_path, fashion_mnist_dir, value):
+    from tools import depths
+    import sample
+    path = edited(runs, tmp_path, "odd.pt", lambda c: c.update(train_config=value))
+    needle = f"its train_config must be a dict of train.py's settings; got {'None' if value is None else 'list'}"
+    assert needle in one_line(analyze.main, [path, "--data-dir", fashion_mnist_dir], "python -m tools.analyze")
+    assert needle in one_line(depths.main, [path], "python -m tools.depths")
+    assert needle in one_line(sample.main, [path], "sample.py")
+    assert needle in one_line(probes.main, ["--backbone", path], "train.py")
+
+
+def test_every_float_and_complex_dtype_is_under_the_finiteness_rule():
+    from lib.checkpoint import non_finite, plain_values
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128):
+        for bad in (float("nan"), float("inf"), complex(0, float("nan"))):
+            if bad.imag and not dtype.is_complex:
+                continue
+            t = torch.zeros(3, dtype=dtype)
+            t[1] = bad
+            assert "w holds NaN or inf" in non_finite(list(plain_values({"model": {"w": t}}))), (dtype, bad)
+        assert non_finite(list(plain_values({"model": {"w": torch.ones(3, dtype=dtype)}}))) is None
+
+
+def test_a_fifo_named_like_a_corpus_or_a_cell_is_refused_without_waiting(tmp_path):
+    from tools import sweep
+    os.mkfifo(tmp_path / "tinyshakespeare.txt")
+    message = one_line(train.main, ["--arch", "alternet-tiny", "--dataset", "tinyshakespeare", "--data-dir", tmp_path,
+                                    "--max-steps", "1", "--out-dir", tmp_path / "run"], "train.py")
+    assert f"{tmp_path / 'tinyshakespeare.txt'}: a FIFO, not a regular file" in message
+    (tmp_path / "cells").mkdir()
+    os.mkfifo(tmp_path / "cells" / "a.json")
+    with pytest.raises(sweep.SweepError, match="a FIFO, not a regular file"):
+        sweep.read_cell(str(tmp_path / "cells" / "a.json"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_cifar_pickle_of_shared_references_is_refused_before_it_expands(tmp_path):
+    import pickle
+    from lib import data
+    row = [0] * 3072
+    (tmp_path / "bomb").write_bytes(pickle.dumps({b"data": [row] * 100_000, b"labels": [0] * 10}, protocol=2))
+    with pytest.raises(ValueError, match=r"data repeats shared lists: it expands to 307,200,000 values"):
+        data.read_cifar_batch(tmp_path / "bomb", b"labels", 10)
+    looped = []
+    looped.append(looped)
+    (tmp_path / "loop").write_bytes(pickle.dumps({b"data": looped, b"labels": [0]}, protocol=2))
+    with pytest.raises(ValueError, match="nested deeper than rows of values"):
+        data.read_cifar_batch(tmp_path / "loop", b"labels", 10)
+
+
+def test_sample_temperature_is_bounded():
+    import sample
+    for value in ("1e-320", "1e308", "-1"):
+        args = sample.sample_parser().parse_args(["x.pt", "--temperature", value])
+        with pytest.raises(ValueError, match="--temperature must be 0 \\(greedy\\) or in \\[0.001, 100\\]"):
+            sample.check_sample_args(args)
+
+
+def render_module():
+    """results/render.py (a script beside its data, not a package), as tests/test_results.py loads it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("render", ROOT / "results" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("template, needle", [
+    ("{t.__class__.__init__.__globals__}", "is not a cell t[BLOCK][ROW][COLUMN]"),
+    ("{t[quickstart].__class__}", "is not a cell"),
+    ("{t[glance][0][0]}", "is not a cell"),  # a block of itself: it would render itself forever
+    ("{t[quickstart][0][0]!r}", "a conversion !r"),
+    ("{t[quickstart][0][0]:>{t[quickstart][0][1]}}", "the format spec"),
+    ("{t[quickstart][999][0]}", "block quickstart has no row 999"),
+])
+def test_render_fills_only_named_cells(template, needle):
+    render = render_module()
+    with pytest.raises(SystemExit) as e:
+        render.Glance().vformat(template, (), {"t": render.Cells()})
+    assert str(e.value).startswith("results/render.py: results/glance.json: ") and needle in str(e.value)
+
+
+def test_render_refuses_torn_json_and_data_formats(tmp_path, monkeypatch):
+    render = render_module()
+    monkeypatch.setattr(render, "HERE", str(tmp_path))
+    (tmp_path / "torn.json").write_text('{"columns": ["a"], "rows": [[1')
+    with pytest.raises(SystemExit, match=r"results/torn.json is not readable JSON \(JSONDecodeError"):
+        render.load("torn.json")
+    for fmt in ("{0.__class__}", "{x}", "{:{}}", "{"):
+        with pytest.raises(SystemExit, match="is not one '\\{:SPEC\\}' field"):
+            render.cell_text(1.5, fmt)
+    assert render.cell_text(1.5, "{:.2f}%") == "1.50%"

@@ -139,8 +139,10 @@ HOSTILE = [  # (arguments after CKPT, or a whole argument list; the one line sam
     (["{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens must be in 0..100,000"),
     (["{ckpt}", "--max-depth", "0"], r"--max-depth must be in 1..256, got 0"),
     (["{ckpt}", "--max-depth", str(10 ** 9)], r"--max-depth must be in 1..256, got 1000000000"),
-    (["{ckpt}", "--temperature", "-1"], "--temperature must be >= 0"),
-    (["{ckpt}", "--temperature", "nan"], "--temperature must be >= 0, got nan"),
+    (["{ckpt}", "--temperature", "-1"], "--temperature must be 0 (greedy) or in [0.001, 100]"),
+    (["{ckpt}", "--temperature", "nan"], "--temperature must be 0 (greedy) or in [0.001, 100] (logits / 1e-320 "
+                                         "overflow), got nan"),
+    (["{ckpt}", "--temperature", "1e-320"], "--temperature must be 0 (greedy) or in [0.001, 100]"),
     (["{ckpt}", "--halt-threshold", "1.5"], r"--halt-threshold must be in \(0, 1\]"),
     (["{ckpt}", "--halt-threshold", "nan"], r"--halt-threshold must be in \(0, 1\]"),
     (["{ckpt}", "--top-k", "500"], "--top-k must be <= vocab_size=128"),

@@ -283,7 +283,7 @@ def test_crash_during_checkpoint_keeps_last_good_one(tmp_path, fashion_mnist_dir
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match=r"stopped by Ctrl-C at step 3; resume with --resume .*\(its step 2\)"):
         run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "1")
     monkeypatch.setattr(torch, "save", real_save)
     model, ckpt = checkpoint.load_model(tmp_path / "run" / "ckpt.pt")
@@ -370,7 +370,7 @@ def test_cli_errors(tmp_path, fashion_mnist_dir, capsys):
         return str(e.value.code) + capsys.readouterr().err
 
     assert "valid names:" in error("--arch revit-xl".split()[0], "revit-xl") and "revit-mini" in error("--arch", "nope")
-    assert "--lr must be > 0" in error("--lr", "-1")
+    assert "--lr must be in (0, 10]" in error("--lr", "-1")
     assert "--data-dir /no/such/dir does not exist" in error("--data-dir", "/no/such/dir")
     assert "only its own depth" in error("--arch", "vit-mini", "--eval-depths", "4,8", "--max-steps", "1")
     assert "unknown --dataset" in error("--dataset", "mnist")

@@ -42,7 +42,7 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 
 import revit
 from lib.checkpoint import load_vision_model
-from lib.cli import check_depth, fail, output_problem, path_problem, pick_device, pyplot
+from lib.cli import atomic_write_text, check_depth, fail, output_problem, path_problem, pick_device, pyplot
 from lib.data import NORMALISATION, FolderImages, load_images
 
 PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
@@ -398,7 +398,7 @@ def check_args(args) -> None:
     """The flags that need no file, each a ValueError naming the flag and what is allowed."""
     if args.intervention_images is None:  # the paper's 256, or all of a smaller subset
         args.intervention_images = min(256, args.num_images)
-    bounds = {"num_images": (2, None), "intervention_images": (2, args.num_images), "batch_size": (1, None),
+    bounds = {"num_images": (2, 1 << 20), "intervention_images": (2, args.num_images), "batch_size": (1, 1 << 20),
               "random_perturbations": (0, MAX_REPEATS), "num_permutations": (0, MAX_REPEATS), "seed": (0, MAX_SEED)}
     for name, (minimum, maximum) in bounds.items():  # CKA centres over >= 2 images
         flag, value = "--" + name.replace("_", "-"), getattr(args, name)
@@ -421,13 +421,13 @@ def check_args(args) -> None:
 
 def evaluation_images(args, ckpt: dict, config) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32, and its labels."""
-    dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"
+    dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"  # a name, not a path
     if dataset not in DATASETS:
         raise ValueError(f"checkpoint {args.checkpoint} was trained on {dataset!r}; choose the images with "
                          f"--dataset ({', '.join(DATASETS)})")
     if dataset == "imagenet":  # only the val split: resize the short side, centre crop (as train.py evaluates)
-        root = Path(args.data or ckpt.get("train_config", {}).get("data", ""))
-        if not (root / "val").is_dir():
+        root = Path(args.data)  # paths come from the command line only, never from the checkpoint
+        if not args.data or not (root / "val").is_dir():
             raise ValueError(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); got {str(root)!r}")
         test = FolderImages(root / "val", config.image_size, train=False, workers=4)
     else:  # load_images raises ValueError / FileNotFoundError with a message naming what is missing
@@ -723,8 +723,7 @@ def write_outputs(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_tables(report, out)
     report["plots"] = save_plots(report, out)
-    with open(out / "analysis.json", "w") as f:
-        json.dump(json_ready(report), f, indent=1)
+    atomic_write_text(out / "analysis.json", json.dumps(json_ready(report), indent=1))
     print(f"\nwrote {out / 'analysis.json'}, " + ", ".join(p.name for p in sorted(out.glob("*.csv")))
           + "".join(f", {p}" for p in report["plots"]))
 

@@ -49,7 +49,7 @@ PROG = "python -m tools.depths"  # how it runs: from the repository root, as a m
 # --- the checkpoint, as train.py evaluates it ---
 
 
-def checkpoint_evaluation(path: str, test_subset: int, device: torch.device):
+def checkpoint_evaluation(path: str, test_subset: int, device: torch.device, paths: dict | None = None):
     """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from checkpoint.load_model,
     the task (its own test data or validation text, as trained) from train.evaluation_setup. Every failure is
     one line naming CKPT (InputError)."""
@@ -60,7 +60,8 @@ def checkpoint_evaluation(path: str, test_subset: int, device: torch.device):
     if ckpt["arch"] in revit.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
         raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
     flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",  # --depths decides
-             **({"test_subset": test_subset} if test_subset else {})}
+             **({"test_subset": test_subset} if test_subset else {}),
+             **{k: v for k, v in (paths or {}).items() if v}}  # --data, --data-dir: never the checkpoint's
     with train_errors("CKPT"):
         _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
     return model, ckpt, task
@@ -299,7 +300,8 @@ def plot_depths(result: dict, path: str) -> str | None:
 
 
 def run_depths(args, device) -> dict:
-    model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device)
+    model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device,
+                                             {"data": args.data, "data_dir": args.data_dir})
     language = ckpt["arch"] not in revit.PRESETS
     settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
                 "new_tokens": args.new_tokens, "test_subset": args.test_subset}
@@ -348,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is the reference")
     p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
     p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
+    p.add_argument("--data", default="", help="the run's --data (an ImageFolder root or text), if it had one: "
+                                              "paths come from the command line, never from the checkpoint")
+    p.add_argument("--data-dir", default="", help="where the built-in data sets live (as train.py's --data-dir)")
     return p
 
 
@@ -359,8 +364,11 @@ def check_args(args, device) -> None:
     bench.check_ranges(args, RULES)
     parse_thresholds(args.thresholds)
     out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
-    if output_problem(out, "folder"):
-        raise InputError(f"--out {out} {output_problem(out, 'folder')}")
+    if output_problem(out, "folder", runs_ok=True):  # beside a run (the default): its own files only
+        raise InputError(f"--out {out} {output_problem(out, 'folder', runs_ok=True)}")
+    for name in ("depths.json", "depths.png"):
+        if output_problem(os.path.join(out, name), "file"):
+            raise InputError(f"--out {out}: its {name} {output_problem(os.path.join(out, name), 'file')}")
 
 
 def main(argv=None) -> dict:

@@ -45,7 +45,7 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
     sys.exit("tools/export.py: error: run it from the repository root as python -m tools.export")
 
 import revit
-from lib.checkpoint import import_moe_if_named, load_vision_model, non_finite
+from lib.checkpoint import fit_problem, import_moe_if_named, load_vision_model, weights_problem
 from lib.cli import check_depth, fail, output_problem, path_problem, too_deep
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
@@ -80,13 +80,16 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
         raise ValueError(f"{source} does not fit {type(model).__name__}(arch={c.arch}, dim={c.dim}, depth={c.depth}, "
                          f"image_size={c.image_size}, patch_size={c.patch_size}, "
                          f"num_classes={c.num_classes}): {report}")
+    problem = fit_problem(model.state_dict(), state_dict, type(model).__name__)  # names and shapes fit: dtypes
+    if problem:
+        raise ValueError(f"{source}: {problem}")
     model.load_state_dict(state_dict)
     return model
 
 
 def load_source(path) -> nn.Module:
     """export.py's input: a checkpoint of this project, or a compact / folded .safetensors -> model in eval mode.
-    Either way its weights are finite (checkpoint.non_finite, the loader's one check)."""
+    Either way its weights are plain, finite and of the model's dtypes (the loader's checks)."""
     if Path(path).suffix == ".safetensors":
         problem = path_problem(path, "file")
         if problem:
@@ -177,7 +180,7 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
         if report:
             raise ValueError(f"{path} does not fit its own config: {report}")
         model = revit.build_model(config)
-    problem = non_finite({"model": tensors}, ("model",))
+    problem = weights_problem(tensors)
     if problem:
         raise ValueError(f"checkpoint {path}: {problem}")
     return load_weights(model, tensors, str(path)).eval()
@@ -329,13 +332,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--opset must be in {ONNX_OPSETS.start}..{ONNX_OPSETS.stop - 1}; got {args.opset}")
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model'}")
-    problem = output_problem(args.out, "file")
-    if problem:
-        raise ValueError(f"--out {args.out} {problem}")
     if Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise ValueError(f"--out {args.out} is the checkpoint being exported; give another file")
-    if Path(args.out).name in ("ckpt.pt", "metrics.jsonl") and Path(args.out).exists():
-        raise ValueError(f"--out {args.out} is a file of a training run; give another file")
+    problem = output_problem(args.out, "file")  # also a run's files, its lock and any saved model
+    if problem:
+        raise ValueError(f"--out {args.out} {problem}")
 
 
 def write_atomically(out: Path, write):

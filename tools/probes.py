@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import math
 import os
 import sys
@@ -69,7 +68,8 @@ if not __package__:  # run as a file (python tools/probes.py): the project's mod
 
 from lib import checkpoint
 import train
-from lib.cli import check_depth, dataclass_parser, fail, opt, output_problem, parse_depths, path_problem, pick_device
+from lib.cli import (check_depth, dataclass_parser, fail, non_finite_place, opt, output_problem, parse_depths,
+                     path_problem, pick_device, write_json)
 from lib.data import NORMALISATION, epoch_order, load_images
 from lib.tasks import DENSE_PROBES
 
@@ -95,7 +95,7 @@ class ProbeConfig:
                         "docstring); auto: the Fashion-MNIST dense proxy")
     data_dir: str = opt("", "where Fashion-MNIST lives for the proxy (auto: ./data, $REVIT_DATA_DIR, "
                             "/usr/share/datasets)")
-    download: bool = opt(True, "download Fashion-MNIST when no search location has it")
+    download: bool = opt(False, "download Fashion-MNIST when no search location has it (only when asked)")
     train_subset: int = opt(0, "use only the first N training images (0: all)")
     test_subset: int = opt(0, "evaluate on only the first N test images (0: all)")
     # a linear head on fixed features: few epochs, a large lr (best of a 1e-3..3e-2 sweep on the proxy), no decay
@@ -621,13 +621,17 @@ def run(cfg: ProbeConfig) -> dict:
                **{f"test_{k}": v for k, v in results[depths[0]].items()},
                "depths": {str(d): r for d, r in results.items()}, "constant": baseline,
                "minutes": (time.perf_counter() - t_start) / 60}
+    place = non_finite_place(summary)
+    if place:  # as a non-finite loss stops train.py: a metric that is not a number is never reported
+        fail(f"--probe {cfg.probe}: the metric {place} is not finite (every test pixel ignored, or a diverged "
+             f"head); nothing written")
     print(results_table(summary))
     if cfg.out_dir:
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "probe_results.json").write_text(json.dumps(summary, indent=1))
-        torch.save({name: dict(head.state_dict()) for name, head in heads.items()},
-                   out / "probe_heads.pt")  # plain tensors: loads with weights_only=True
+        write_json(summary, str(out / "probe_results.json"))
+        checkpoint.atomic_save({name: dict(head.state_dict()) for name, head in heads.items()},
+                               out / "probe_heads.pt")  # plain tensors: loads with weights_only=True
     return summary
 
 

@@ -33,8 +33,8 @@ if not __package__:  # run as a file (python tools/sweep.py): the project's modu
 
 import revit
 from lib.checkpoint import load_model
-from lib.cli import (InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device, pyplot,
-                     write_json)
+from lib.cli import (InputError, f, fail, git_commit, json_text, markdown, output_problem, path_problem,
+                     pick_device, pyplot, write_json)
 
 PROG = "python -m tools.sweep"  # how it runs: from the repository root, as a module
 
@@ -135,11 +135,15 @@ def flag_groups(argv: list[str]) -> list[tuple]:
 
 
 def read_cell(path: str) -> dict:
-    """A cell record from its JSON file; a torn or edited file is a SweepError naming it."""
+    """A cell record from its JSON file; a torn or edited file is a SweepError naming it (a FIFO is refused
+    before it is opened: reading one would wait forever)."""
+    problem = path_problem(path, "file")
+    if problem:
+        raise SweepError(f"{path}: {problem}; move it away to re-run the cell")
     try:
         with open(path) as fh:
             cell = json.load(fh)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise SweepError(f"{path}: not a readable cell record ({type(e).__name__}: {e}); delete it to re-run "
                          f"the cell") from None
     problem = cell_problem(cell)
@@ -309,6 +313,10 @@ def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
     the commits its seeds were trained at (None: a cell recorded before commits were)."""
     results = [r["result"] for r in records]
     depths = sorted({int(d) for r in results for d in r.get("depths", {})})
+    if any(sorted(map(int, r.get("depths", {}))) != depths for r in results):  # an edited or mixed cell
+        raise SweepError(f"cell {grid} / {name}: its seeds were evaluated at different depths "
+                         f"({', '.join(str(sorted(map(int, r.get('depths', {})))) for r in results)}); delete "
+                         f"its cells/*.json to re-run it")
     gates = [r.get("gates") for r in records]
     return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
             "variant": "model_args" in spec,  # e.g. the depth prior: a point beside the E line, not on it
