@@ -19,7 +19,7 @@ from lib.tasks import DENSE_PROBES, PROBES
 
 
 GREATER_THAN_ZERO = ("batch_size", "grad_accum", "eval_batch_size", "log_interval", "repeated_aug", "lr",
-                     "block_size", "patch_size", "depth", "num_experts", "workers")
+                     "block_size", "patch_size", "depth", "num_experts", "workers", "router_lr_scale")
 AT_LEAST_ZERO = ("epochs", "max_steps", "min_lr", "warmup_epochs", "warmup_steps", "warmup_lr",
                  "weight_decay", "grad_clip", "mixup", "cutmix", "train_subset", "test_subset",
                  "eval_interval", "save_interval", "stop_at_step", "color_jitter", "lr_batch", "eval_iters",
