@@ -97,6 +97,8 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1, in [0, 1)")
     beta2: float = opt(0.999, "AdamW beta2, in [0, 1)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
+    router_lr_scale: float = opt(1.0, "reViT E >= 2: the depth router psi trains at lr x this, in its own AdamW "
+                                      "group without weight decay (1: the paper's one lr, psi grouped as now)")
     # loss and augmentation (applied to the batch tensor on the device)
     loss: str = opt("ce", "ce | bce (DeiT III: binary cross-entropy on binarised mixup/cutmix targets)")
     label_smoothing: float = opt(0.0, "label smoothing of the one-hot targets")
@@ -302,7 +304,7 @@ def train_step(run: Run, inputs, targets) -> dict:
     cfg, model = run.cfg, run.model
     lr = lr_at(run.step, run.sched["peak_lr"], run.sched)
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr  # lr_scale: psi's own group
     if hasattr(model, "set_step"):
         model.set_step(run.step)
     parts_sum, loss_sum = {}, torch.zeros((), device=run.device)
@@ -391,8 +393,10 @@ def evaluate_and_save(run: Run, evaluate_now: bool, save_now: bool) -> None:
         stop_unless_finite(run, results, "the evaluation")
         run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
         numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
-        say(f"step {run.step}: " + ", ".join(numbers))
-        run.folder.log({"step": run.step, "eval": run.metrics}, run.is_main)
+        gates = tasks.gate_summary(run.model)  # reViT, E > 1: does a depth program form? (Fig. 3)
+        spread = f", gate spread {gates['gate_spread']:.4f}" if gates else ""
+        say(f"step {run.step}: " + ", ".join(numbers) + spread)
+        run.folder.log({"step": run.step, "eval": run.metrics, **gates}, run.is_main)
     if save_now:
         save_checkpoint(run)
 
@@ -450,14 +454,15 @@ def summarise(cfg: TrainConfig, model: nn.Module, results: dict) -> tuple[dict, 
                 f"val loss {h['loss']:.4f} | {h['bpb']:.4f} bits/byte at {h['iterations']:.2f} "
                 f"mean iterations")
     reference = (model.backbone if cfg.probe else model).config.depth
-    key = "distill_mse" if cfg.teacher else "acc"
+    key = "distill_mse" if cfg.teacher else "mse" if cfg.dataset == "planted" else "acc"
     if len(results) > 1:
         say(f"{'depth':>6} {'test acc %' if key == 'acc' else key:>12}")
         for depth, r in sorted(results.items(), key=lambda kv: kv[0] or reference):
             value = 100 * r[key] if key == "acc" else r[key]
             say(f"{depth or reference:>6} {value:12.4f}{' (trained)' if depth is None else ''}")
     ref = results[None]
-    metric = f"test acc {100 * ref['acc']:.2f}%" if key == "acc" else f"test distill MSE {ref[key]:.5f}"
+    metric = f"test acc {100 * ref['acc']:.2f}%" if key == "acc" else \
+        f"test {key.replace('_', ' ')} {ref[key]:.5f}"
     return ({"reference_depth": reference, **{f"test_{k}": v for k, v in ref.items()},
              "depths": {str(reference if d is None else d): r for d, r in results.items()}},
             f"{metric} at depth {reference}")
@@ -486,7 +491,11 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     sched = schedule(cfg, model, steps_per_epoch)
     model.to(device)
     trainable = model.head if cfg.probe else model
-    optimizer = torch.optim.AdamW(param_groups(trainable, cfg.weight_decay), lr=sched["peak_lr"],
+    if cfg.router_lr_scale != 1 and not router_parameters(trainable):
+        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no depth router psi (reViT with E >= 2 "
+             f"and the merged FFN has one); leave it at 1")
+    groups = param_groups(trainable, cfg.weight_decay, cfg.router_lr_scale)
+    optimizer = torch.optim.AdamW(groups, lr=sched["peak_lr"],
                                   betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
     if resume_ckpt is not None:  # all of it, before the run folder is touched
         check_resume(cfg, resume_ckpt, trainable, optimizer, augment, sched["total_steps"])
@@ -642,17 +651,27 @@ def broadcast(obj, world):
 # --- optimizer and schedule ---
 
 
-def param_groups(model: nn.Module, weight_decay: float):
+def param_groups(model: nn.Module, weight_decay: float, router_lr_scale: float = 1.0):
     """AdamW groups: decay a weight iff it is >= 2-D, not a bias (reViT's per-expert biases are 2-D:
     biases are never decayed, whatever their shape, as for every other model) and not listed in
-    the model's no_weight_decay() (class/position tokens, the reViT router's output layer)."""
+    the model's no_weight_decay() (class/position tokens, the reViT router's output layer).
+    router_lr_scale m != 1 (ours; the paper trains psi at the one lr): psi of Eq. 1 in a third group, at
+    lr x m ("lr_scale", read by train_step) and without decay. m = 1 keeps the two groups exactly."""
     exclude = set(getattr(model, "no_weight_decay", lambda: set())())
-    decay, no_decay = [], []
+    router = {id(p) for p in router_parameters(model)} if router_lr_scale != 1 else set()
+    decay, no_decay, psi = [], [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             decays = p.ndim >= 2 and not name.endswith("bias") and name not in exclude
-            (decay if decays else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (psi if id(p) in router else decay if decays else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return groups + ([{"params": psi, "weight_decay": 0.0, "lr_scale": router_lr_scale}] if psi else [])
+
+
+def router_parameters(model: nn.Module) -> list:
+    """The parameters of reViT's depth router psi (Eq. 1); [] for a model without one."""
+    ffn = getattr(getattr(model, "block", None), "mlp", None)
+    return list(ffn.router.parameters()) if isinstance(ffn, revit.MergedExpertFFN) else []
 
 
 def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) -> dict:

@@ -53,6 +53,7 @@ RULES = {
     **dict.fromkeys(("min_lr", "warmup_lr", "weight_decay", "color_jitter"), closed(0, 10, "[0, 10]")),
     "grad_clip": closed(0, 1e6, "[0, 1e6]"),
     "gpu_memory": above(0, 1e6, "(0, 1e6] GB"),
+    "router_lr_scale": above(0, 1000, "(0, 1000]"),
     **dict.fromkeys(("mixup", "cutmix"), closed(0, 100, "[0, 100]")),
     **dict.fromkeys(("beta1", "beta2"), ((lambda v: 0 <= v < 1), "in [0, 1)")),
     **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),

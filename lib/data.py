@@ -35,7 +35,7 @@ from lib.cli import path_problem
 
 # --- where the built-in data sets live ---
 
-IMAGE_DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet")  # train.py --dataset: images
+IMAGE_DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet", "planted")  # train.py --dataset: images
 TEXT_DATASETS = ("grammar", "tinyshakespeare", "text")  # ... and text (an AlterNet preset)
 
 URLS = {
@@ -60,6 +60,7 @@ NORMALISATION = {  # per-channel mean, std of the training set
     "cifar10": ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
     "cifar100": ([0.5071, 0.4865, 0.4409], [0.2673, 0.2564, 0.2762]),
     "imagenet": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+    "planted": ([128 / 255] * 3, [48 / 255] * 3),  # the bytes' offset and scale (lib/data.planted_images)
 }
 
 
@@ -371,6 +372,8 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
         train, test = FolderImages(root / "train", size, True, workers), FolderImages(root / "val", size, False, workers)
         mean, std = NORMALISATION["imagenet"]
         return ImageData(train, test, len(train.dataset.classes), 3, size, mean, std)
+    if dataset == "planted":
+        return planted_images(train_subset or PLANTED["train"], test_subset or PLANTED["test"])
     folder = find_builtin(dataset, data_dir, download)
     if dataset == "fashion-mnist":
         (xtr, ytr), (xte, yte), classes = load_fashion_mnist(folder)
@@ -380,6 +383,29 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
     xte, yte = (xte[:test_subset], yte[:test_subset]) if test_subset else (xte, yte)
     mean, std = NORMALISATION[dataset]
     return ImageData(TensorImages(xtr, ytr), TensorImages(xte, yte), classes, xtr.shape[1], xtr.shape[-1], mean, std)
+
+
+# The planted-depth task (lib/tasks.PlantedTask): 16x16x3 "images" generated here from a fixed seed (no file,
+# no download); each 4x4x3 patch is one token vector of 48 numbers, x = A z on a random `rank`-dimensional
+# subspace (z standard normal, A fixed), stored as bytes 128 + 48 x (clipped at 2.7 sigma): a low-dimensional input, so
+# that learning the maps, not the sample count, is what the models compete on.
+PLANTED = dict(image_size=16, channels=3, patch_size=4, rank=6, train=8192, test=2048, seed=35)
+
+
+def planted_images(train: int, test: int) -> ImageData:
+    """The planted task's inputs: the same bytes on every machine (one generator, train then test).
+    Labels are zeros; the target is a function of the input (lib/tasks.PlantedTask)."""
+    g = torch.Generator().manual_seed(PLANTED["seed"])
+    size, channels, patch, rank = PLANTED["image_size"], PLANTED["channels"], PLANTED["patch_size"], PLANTED["rank"]
+    grid, width, n = size // patch, channels * patch * patch, PLANTED["train"] + PLANTED["test"]
+    basis = torch.randn(width, rank, generator=g) / math.sqrt(rank)  # A: unit-variance token entries
+    tokens = torch.randn(n, grid * grid, rank, generator=g) @ basis.T  # (n, patches, C p²), (c, py, px) order
+    x = tokens.view(n, grid, grid, channels, patch, patch).permute(0, 3, 1, 4, 2, 5).reshape(n, channels, size, size)
+    images = (128 + 48 * x).round().clamp(0, 255).to(torch.uint8)
+    xtr, xte = images[:min(train, PLANTED["train"])], images[PLANTED["train"]:PLANTED["train"] + min(test, PLANTED["test"])]
+    mean, std = NORMALISATION["planted"]
+    zeros = lambda x: torch.zeros(len(x), dtype=torch.long)  # noqa: E731
+    return ImageData(TensorImages(xtr, zeros(xtr)), TensorImages(xte, zeros(xte)), 0, channels, size, mean, std)
 
 
 def epoch_order(n: int, seed: int, epoch: int, repeats: int) -> torch.Tensor:

@@ -124,12 +124,59 @@ def gates(row: dict) -> list[str]:
 def accuracy_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Table 5 / Table 1 shape: accuracy per cell over seeds, the gap to the tied block, the gates."""
     seeds = len(rows[0]["acc"]["values"])
-    tied = next((r for r in rows if r["cell"].endswith("E=1")), None)
+    tied = next((r for r in rows if r.get("num_experts") == 1), None)
     columns = ["model", "params", f"top-1 % mean ± std [{seeds} seeds]", "vs E = 1 (points ± s.e.)",
                "gate spread", "dominant expert per step (seed 0)"]
     cells = [[r["cell"], f"{r['params']:,}", pm(r["acc"]),
               gap(r["acc"], tied["acc"]) if tied and r is not tied and r["num_experts"] else "–", *gates(r)]
              for r in rows]
+    return columns, cells
+
+
+def programs(row: dict) -> str:
+    """Every seed's dominant expert per step ('0123 / 3321 / 0000'), or '–'."""
+    return " / ".join("".join(map(str, p)) for p in row["dominant_expert"]) if row.get("dominant_expert") else "–"
+
+
+def mse(stats: dict) -> str:
+    """'0.1234 ± 0.0012 [0.1230 0.1220 0.1250]': an MSE over seeds, then the per-seed values."""
+    return f"{stats['mean']:.4f} ± {stats['std']:.4f} [" + " ".join(f"{v:.4f}" for v in stats["values"]) + "]"
+
+
+def mse_gap(a: dict, b: dict) -> str:
+    se = math.sqrt(sum(s["std"] ** 2 / len(s["values"]) for s in (a, b)))
+    return f"{a['mean'] - b['mean']:+.4f} ± {se:.4f}"
+
+
+def planted_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The planted-depth task: test MSE per model over seeds (lower is better), against the tied block, and
+    the gate program each seed's router formed."""
+    tied = next(r for r in rows if r.get("num_experts") == 1)
+    columns = [f"model", "params", f"test MSE mean ± std [{len(rows[0]['mse']['values'])} seeds]",
+               "vs E = 1 (± s.e.)", "gate spread", "dominant expert per step (each seed)"]
+    return columns, [[r["cell"], f"{r['params']:,}", mse(r["mse"]), mse_gap(r["mse"], tied["mse"]) if r is not tied
+                      else "–", gates(r)[0], programs(r)] for r in rows]
+
+
+def router_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """accuracy_grid's columns, every seed's program instead of seed 0's."""
+    columns, cells = accuracy_grid(rows)
+    return columns[:-1] + ["dominant expert per step (each seed)"], [c[:-1] + [programs(r)] for c, r in zip(cells, rows)]
+
+
+def distill_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Teachers (supervised top-1), students (Eq. 5 MSE to their teacher's tokens), then the linear probe of
+    every frozen model against the teacher's own probe."""
+    teacher_probe = next(r for r in rows if r["cell"] == "probe: teacher")
+    columns = ["model", "params (trained)", "measure", "mean ± std [per seed]", "vs the teacher's probe (points ± s.e.)"]
+    cells = []
+    for r in rows:
+        metric = r.get("metric", "acc")
+        measure = ("linear probe top-1 %" if r["cell"].startswith("probe") else "top-1 %") if metric == "acc" \
+            else "distillation MSE (Eq. 5)"
+        versus = gap(r["acc"], teacher_probe["acc"]) if r["cell"].startswith("probe: student") else "–"
+        cells.append([r["cell"], f"{r['params']:,}", measure, pm(r["acc"]) if metric == "acc" else mse(r[metric]),
+                      versus])
     return columns, cells
 
 
@@ -150,7 +197,8 @@ def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                       gap(by_cell[f"{s}: ViT"]["acc"], by_cell[f"{s}: E=1"]["acc"])] for s in settings]
 
 
-GRIDS = {"experts": accuracy_grid, "quickstart": accuracy_grid, "elastic": depth_grid, "tying": tying_grid}
+GRIDS = {"experts": accuracy_grid, "quickstart": accuracy_grid, "elastic": depth_grid, "tying": tying_grid,
+         "planted": planted_grid, "router-lr": router_grid, "long": router_grid, "distill": distill_grid}
 
 
 def short_commit(commit: str) -> str:

@@ -32,6 +32,7 @@ if not __package__:  # run as a file (python tools/sweep.py): the project's modu
     sys.exit("tools/sweep.py: error: run it from the repository root as python -m tools.sweep")
 
 import revit
+from lib import tasks
 from lib.checkpoint import load_model
 from lib.cli import (InputError, f, fail, git_commit, json_text, markdown, output_problem, path_problem,
                      pick_device, pyplot, write_json)
@@ -80,6 +81,38 @@ GRIDS = {
                                       "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
     },
 }
+# The planted-depth task (train.py --dataset planted, lib/tasks.PlantedTask: regress LN(f_4 ∘ ... ∘ f_1(x)) per
+# token, distinct fixed random maps f_t): every cell sets its own data, depth and patch, whatever the regime.
+PLANTED = {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, "model_args": "dim=48,heads=3,ffn_dim=96"}
+# Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match its
+# final post-norm tokens; then a linear probe (--probe cls) of each frozen model. {runs}: this sweep's run folders.
+TEACHER = "{runs}/distill-teacher-vit-untied-seed{seed}/ckpt.pt"
+GRIDS.update({
+    "planted": {  # a task that needs a different function at each of its 4 steps, by construction
+        "ViT (untied)": {**PLANTED, "arch": "vit-{size}"},
+        "reViT E=1": {**PLANTED, "num_experts": 1},
+        "reViT E=4": {**PLANTED, "num_experts": 4},
+        "reViT E=4, depth prior 8": {**PLANTED, "num_experts": 4,
+                                     "model_args": PLANTED["model_args"] + ",router_prior=8"},
+    },
+    "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper)
+        "reViT E=1": {"num_experts": 1},
+        "reViT E=4": {"num_experts": 4},
+        "reViT E=4, router lr x10": {"num_experts": 4, "router_lr_scale": 10},
+        "reViT E=4, router lr x30": {"num_experts": 4, "router_lr_scale": 30},
+    },
+    "distill": {  # rows in order: the teachers, the students (Eq. 5), then the probes of every frozen model
+        "teacher: ViT (untied)": {"arch": "vit-{size}"},
+        **{f"student E={e}": {"num_experts": e, "teacher": TEACHER} for e in (1, 4, 8)},
+        "probe: teacher": {"probe": "cls", "backbone": TEACHER},
+        **{f"probe: student E={e}": {"probe": "cls", "backbone": f"{{runs}}/distill-student-e-{e}-seed{{seed}}/ckpt.pt"}
+           for e in (1, 4, 8)},
+    },
+    "long": {  # does the saddle resolve with a longer schedule? 15 epochs, the gate spread logged every epoch
+        "reViT E=1, 15 epochs": {"num_experts": 1, "epochs": 15},
+        "reViT E=4, 15 epochs": {"num_experts": 4, "epochs": 15},
+    },
+})
 DEFAULT_GRIDS = "experts,elastic"
 
 
@@ -105,10 +138,11 @@ def merge_model_args(base: str, extra: str) -> str:
     return ",".join(f"{key}={value}" for key, value in pairs.items())
 
 
-def cell_argv(regime: dict, cell: dict, seed: int) -> list[str]:
-    """train.py's command line for one cell and seed: the regime, then the cell's fields."""
+def cell_argv(regime: dict, cell: dict, seed: int, runs: str = "runs") -> list[str]:
+    """train.py's command line for one cell and seed: the regime, then the cell's fields ({runs}: the sweep's
+    run folders, where a cell finds another's checkpoint)."""
     fill = {"size": regime["arch"].split("-", 1)[1], "eval_depths": ",".join(map(str, regime_eval_depths(regime))),
-            "double_depth": 2 * regime_depth(regime)}
+            "double_depth": 2 * regime_depth(regime), "seed": seed, "runs": runs}
     values = dict(regime)
     for key, value in cell.items():
         value = value.format(**fill) if isinstance(value, str) else value
@@ -162,12 +196,12 @@ def cell_problem(cell) -> str | None:
     result = cell.get("result")
     if not isinstance(result, dict):
         return "result must be an object"
-    for key in ("test_acc", "params", "reference_depth", "minutes"):
+    for key in ("test_" + metric_of(result), "params", "reference_depth", "minutes"):
         if not number(result.get(key)):
             return f"result.{key} must be a finite number; got {result.get(key)!r}"
-    depths = result.get("depths", {})
-    if not isinstance(depths, dict) or not all(isinstance(v, dict) and number(v.get("acc")) for v in depths.values()):
-        return "result.depths must map depths to {\"acc\": number}"
+    depths, metric = result.get("depths", {}), metric_of(result)
+    if not isinstance(depths, dict) or not all(isinstance(v, dict) and number(v.get(metric)) for v in depths.values()):
+        return f"result.depths must map depths to {{\"{metric}\": number}}"
     if not all(str(d).isdigit() for d in depths):
         return "result.depths keys must be depths (integers)"
     gates = cell.get("gates")
@@ -175,6 +209,14 @@ def cell_problem(cell) -> str | None:
                       and isinstance(gates.get("dominant_expert"), list)):
         return "gates must be null, {} or {gate_spread, dominant_expert}"
     return None
+
+
+METRICS = ("acc", "mse", "distill_mse")  # what a cell scores: top-1; the planted task's MSE; distillation's
+
+
+def metric_of(result: dict) -> str:
+    """The cell's metric: acc (classification, probes), mse (the planted task) or distill_mse (a student)."""
+    return next((m for m in METRICS if f"test_{m}" in result), "acc")
 
 
 def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
@@ -189,15 +231,17 @@ def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
 
 
 def gate_summary(checkpoint_path: str) -> dict:
-    """The trained gate matrix at depth L in two numbers a table can hold: its spread (max - min over
-    steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a model without
-    depth-only gates (a ViT, Raptor, content routing) or E = 1."""
+    """The trained gate matrix of a checkpoint in two numbers a table can hold (lib/tasks.gate_summary: the
+    spread, max - min, and the dominant expert of each step; {} without depth-only gates)."""
     model, _ = load_model(checkpoint_path)
-    if not isinstance(model, revit.ReViT) or not model.config.depth_programmed or model.config.num_experts < 2:
-        return {}
-    with torch.no_grad():
-        gates = model.gate_matrix()
-    return {"gate_spread": float(gates.max() - gates.min()), "dominant_expert": gates.argmax(1).tolist()}
+    return tasks.gate_summary(model)
+
+
+def gate_trace(run_dir: str) -> list:
+    """[step, gate spread] at each evaluation of the run (train.py logs it for reViT with E > 1), then the end."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        records = [json.loads(line) for line in fh]
+    return [[r["step"], r["gate_spread"]] for r in records if "eval" in r and "gate_spread" in r]
 
 
 def with_gates(record: dict, out_dir: str) -> dict:
@@ -269,9 +313,10 @@ def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1, version:
     version = version or code_version()
     result = train_cell(key, argv, run_dir, threads)
     checkpoint = os.path.join(run_dir, "ckpt.pt")
-    record = {"key": key, "argv": argv, "result": result,
-              "gates": gate_summary(checkpoint) if os.path.exists(checkpoint) else None, **version,
-              "threads": threads}
+    gates = gate_summary(checkpoint) if os.path.exists(checkpoint) and "--probe" not in argv else None  # a head
+    trace = gate_trace(run_dir) + ([[result["step"], gates["gate_spread"]]] if gates else [])
+    record = {"key": key, "argv": argv, "result": result, "gates": gates, **({"gate_trace": trace} if gates else {}),
+              **version, "threads": threads}
     os.makedirs(os.path.join(out_dir, "cells"), exist_ok=True)
     write_json(record, os.path.join(out_dir, "cells", f"{key}.json"))
     return {**record, "cached": False}
@@ -295,17 +340,22 @@ def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard
         records = []
         for seed in range(seeds):
             key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
-            argv = cell_argv(regime, spec, seed)
+            argv = cell_argv(regime, spec, seed, os.path.join(out_dir, "runs"))
             index += 1
             mine = (index - 1) % shard[1] == shard[0] - 1
             record = run_cell(key, argv, out_dir, threads, version) if mine else cached_cell(key, argv, out_dir)
             records.append(record)
             print(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
-                "pending (another shard)" if record is None else f"top-1 {100 * record['result']['test_acc']:.2f}%"
+                "pending (another shard)" if record is None else score_text(record["result"])
                 + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")), flush=True)
         if None not in records:
             rows.append(quality_row(grid, name, spec, records))
     return rows
+
+
+def score_text(result: dict) -> str:
+    metric = metric_of(result)
+    return f"top-1 {100 * result['test_acc']:.2f}%" if metric == "acc" else f"{metric} {result['test_' + metric]:.5f}"
 
 
 def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
@@ -318,13 +368,15 @@ def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
                          f"({', '.join(str(sorted(map(int, r.get('depths', {})))) for r in results)}); delete "
                          f"its cells/*.json to re-run it")
     gates = [r.get("gates") for r in records]
+    metric = metric_of(results[0])  # acc for classification; the planted task and distillation score an MSE
     return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
             "variant": "model_args" in spec,  # e.g. the depth prior: a point beside the E line, not on it
             "params": results[0]["params"], "reference_depth": results[0]["reference_depth"],
-            "acc": mean_std([r["test_acc"] for r in results]),
-            "depths": {d: mean_std([r["depths"][str(d)]["acc"] for r in results]) for d in depths},
+            "metric": metric, metric: mean_std([r["test_" + metric] for r in results]),
+            "depths": {d: mean_std([r["depths"][str(d)][metric] for r in results]) for d in depths},
             "gate_spread": mean_std([g["gate_spread"] for g in gates]) if all(gates) else None,
             "dominant_expert": [g["dominant_expert"] for g in gates] if all(gates) else None,
+            "gate_traces": [r["gate_trace"] for r in records] if all("gate_trace" in r for r in records) else None,
             "minutes": sum(r["minutes"] for r in results),
             "commits": sorted({r.get("commit") for r in records}, key=str)}
 
@@ -373,6 +425,20 @@ ACCURACY_COLUMNS = [("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
                     ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))]
 
 
+def score(row: dict) -> str:
+    """The row's metric over seeds: top-1 in % (pm), or an MSE to four decimals, with the per-seed values."""
+    stats = row[row.get("metric", "acc")]
+    if row.get("metric", "acc") == "acc":
+        return "top-1 " + pm(stats)
+    seeds = " ".join(f"{v:.4f}" for v in stats["values"])
+    return f"{row['metric']} {stats['mean']:.4f} ± {stats['std']:.4f} [{seeds}]"
+
+
+SCORE_COLUMNS = [("cell", f("cell", "{}")), ("params", f("params", "{:,}")), ("mean ± std [per seed]", score),
+                 ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
+                 ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))]
+
+
 def quality_markdown(result: dict) -> str:
     """The sweep's tables, from run_sweep's result or read_quality(OUT/quality.json)."""
     out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
@@ -393,6 +459,10 @@ def quality_markdown(result: dict) -> str:
         out += ["\n### What tying the blocks costs: untied ViT vs one shared block (E = 1)\n", markdown(
             tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
                                 ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
+    for grid in dict.fromkeys(r["grid"] for r in result["rows"]):
+        if grid in ("planted", "router-lr", "distill", "long"):
+            rows = [r for r in result["rows"] if r["grid"] == grid]
+            out += [f"\n### Grid {grid}\n", markdown(rows, SCORE_COLUMNS)]
     out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
                f"count their original run); cells in {result['out_dir']}/cells.")
     return "\n".join(out)
