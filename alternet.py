@@ -62,10 +62,14 @@ Defaults where the paper is ambiguous (each reachable or documented at its code)
   valid token (PonderNet-style), instead of one head per expert.
 - L_RIR uses the raw lambda_d of the halt heads (also at d = D-1, where p forces 1).
 
-File layout: depth encoding -> halting / loss functions -> attention, FFN, expert ->
-config -> model -> causal evaluation -> presets and recipes -> create_model -> the
-tokenizers (text_codec). Imports nothing of the project; sampling from a checkpoint is
-sample.py.
+File layout: depth encoding -> halting / loss functions (with the assembly of one call's
+loss) -> attention, FFN, expert -> config and its checks, forward's argument checks ->
+the model (forward; training: every iteration on the whole batch, then the loss; inference:
+the halting loop; generate) -> its helpers (schedules, the halting loop's bookkeeping,
+sampling) -> causal evaluation -> presets and recipes -> create_model -> the tokenizers
+(text_codec). Imports nothing of the project; sampling from a checkpoint is sample.py.
+Under torch.compile the experts run densely (gate 0 where not chosen) and the halting loop
+masks halted sequences instead of dropping them: static shapes, a few graphs (our choice).
 """
 
 from __future__ import annotations
@@ -114,7 +118,9 @@ def router_encodings(iteration: int, cfg: AlterNetConfig) -> torch.Tensor:
 # A confident halt head saturates: lambda rounds to 1 or prod(1 - lambda) underflows, so
 # some p_d are exactly 0. p log p then has a 0/0 gradient; log p computed from logsigmoid
 # stays finite, and the KL treats p_d = 0 exactly (its term and gradient are 0).
-# Axes: (B, D) throughout, a sequence per row and an iteration per column, as p is written.
+# Axes: lambda, p and the per-sequence losses are (B, D), a sequence per row and an iteration per
+# column, as p is written; the routing record and the per-token CE are iteration-major (D, B, ...), as
+# forward returns them.
 
 
 def halting_log_probabilities(log_gates: torch.Tensor, halt_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,8 +258,8 @@ def pondernet_losses(cfg: AlterNetConfig, out: dict, halting: dict, token_losses
     task_loss = (p * step_ce).sum() / has_target.sum().clamp(min=1)  # Eq. 7
     if cfg.halting:
         counted = has_target.expand_as(step_ce) if ran is None else ran & has_target  # (B, D')
-        aux["rir"] = cfg.rir_weight * relative_improvement_loss(halting["rir_log_halt"], halting["rir_log_continue"],
-                                                                step_ce, counted)
+        aux["rir"] = cfg.rir_weight * relative_improvement_loss(
+            halting["rir_log_halt"], halting["rir_log_continue"], step_ce, counted)
     step_losses = (token_losses.sum((1, 2)) / scored.sum().clamp(min=1)).detach()
     return dict(loss=task_loss + sum(aux.values()), task_loss=task_loss, aux_losses=aux, step_ce=step_ce,
                 step_losses=step_losses, token_losses=token_losses)
@@ -536,11 +542,10 @@ class AlterNet(nn.Module):
         H, E = config.dim, config.num_experts
         self.tok_emb = nn.Embedding(config.vocab_size, H)
         self.pos_emb = nn.Embedding(config.seq_len, H)
-        num_encodings = 2 if config.budget_signal else 1
-        self.router = nn.Linear(H + num_encodings * config.depth_dim, E, bias=False)  # W_r: E x (H + 2m)
+        encodings = 2 if config.budget_signal else 1  # e_t, e_{1-t}
+        self.router = nn.Linear(H + encodings * config.depth_dim, E, bias=False)  # W_r: E x (H + 2m)
         self.experts = nn.ModuleList(Expert(config) for _ in range(E))
-        use_global = config.halting and config.halt_head == "global"
-        self.halt_head = nn.Linear(H, 1) if use_global else None
+        self.halt_head = nn.Linear(H, 1) if config.halting and config.halt_head == "global" else None
         self.norm = nn.LayerNorm(H, eps=config.norm_eps)
         self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -751,8 +756,7 @@ class AlterNet(nn.Module):
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, halt_threshold: float | None = None,
                  max_depth: int | None = None, temperature: float = 1.0, top_k: int | None = None,
-                 sample_halting: bool = False,
-                 return_iterations: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 sample_halting: bool = False, return_iterations: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Autoregressive sampling with the halting of forward (call .eval() first).
 
         tokens: (B, T) long -> (B, T + max_new_tokens); the context is cropped to seq_len.

@@ -157,6 +157,21 @@ def test_compiled_train_rows_add_an_eager_fixed_depth_row(monkeypatch):
     assert rows["reViT elastic 0.3"]["ratio_vs_fixed_eager"]["ratio"] > 0
 
 
+def test_alternet_train_rows_compare_compiled_with_eager(monkeypatch):
+    """AlterNet's step as train.py takes it (the model's own loss); compiled, beside an eager row and their
+    paired ratio. (Compilation stands aside, as above.)"""
+    compiled_rows = []
+    monkeypatch.setattr(bench, "maybe_compile", lambda model, compiled, **kw: compiled_rows.append(compiled) or model)
+    assert bench.train_models("mini", compiled=True)["AlterNet eager"] == ("alternet-tiny", {}, False)
+    result = bench.bench_train(size="mini", batch=2, warmup=0, repeats=2, compiled=True, peak=1e12,
+                               labels=("DeiT III", "AlterNet", "AlterNet eager"))
+    rows = {r["model"]: r for r in result["rows"]}
+    assert compiled_rows == [True, True, False] and rows["AlterNet"]["compiled"] is True
+    assert rows["AlterNet"]["ratio_vs_eager"]["ratio"] > 0 and 0 < rows["AlterNet eager"]["mfu"] < 1
+    assert rows["AlterNet"]["forward_gflops_per_image"] > 0.1  # one window of 128 tokens through 6 iterations
+    assert "AlterNet compiled vs eager: " in bench.train_markdown({"rows": result["rows"], "settings": {"summary": ""}})
+
+
 def test_train_quick_protocol_prints_the_ratio_with_its_spread():
     result, lines = run_cli(["train", "--quick", "--device", "cpu", "--rows", "reViT fixed"])
     rows = {r["model"]: r for r in result["rows"]}
