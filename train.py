@@ -40,11 +40,11 @@ from tqdm import tqdm
 
 import revit
 from lib import tasks
-from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail, fit_problem,
+from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail,
                             preset_module, primitive, rng_state, set_rng_state, unwrap)
-from lib.checks import check_config, check_resume, command_line_only
-from lib.cli import (dataclass_parser, device_options, fail, non_finite_place, opt, parse_depths, parse_model_args,
-                     pick_device, say, wrong_type)
+from lib.checks import check_config
+from lib.cli import (dataclass_parser, device_options, fail, non_finite_place, opt, parse_depths,
+                     parse_model_args, pick_device, say, wrong_type)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -248,8 +248,8 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
     try:
         return loop(run)
     except KeyboardInterrupt:  # Ctrl-C: one line saying where the run continues, not a traceback
-        where = f"resume with --resume {run.folder.ckpt} (its step {run.last_good})" if run.last_good is not None \
-            else "no checkpoint was written yet"
+        where = "no checkpoint was written yet" if run.last_good is None else \
+            f"resume with --resume {run.folder.ckpt} (its step {run.last_good})"
         raise SystemExit(f"train.py: stopped by Ctrl-C at step {run.step}; {where}") from None
     finally:
         run.folder.close()
@@ -402,13 +402,11 @@ def evaluate_and_save(run: Run, evaluate_now: bool, save_now: bool) -> None:
 
 
 def stop_unless_finite(run: Run, results: dict, what: str) -> None:
-    """A metric that is not a number stops the run as a non-finite loss does: it is never logged or saved
-    (the weights can be finite and still score NaN, e.g. after a step at a far too large --lr)."""
-    place = non_finite_place(results)
+    """A metric that is not a number (finite weights can score NaN) stops the run as a non-finite loss."""
+    place, lr = non_finite_place(results), run.sched["peak_lr"]
     if place:
         fail(f"{what} at step {run.step} gave a non-finite {place.removeprefix('None.')}; not logged, not "
-             f"saved. Last good checkpoint: {last_good(run)}. Try a lower --lr (peak now "
-             f"{run.sched['peak_lr']:.3g})")
+             f"saved. Last good checkpoint: {last_good(run)}. Try a lower --lr (peak now {lr:.3g})")
 
 
 def evaluate_depths(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
@@ -498,6 +496,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     optimizer = torch.optim.AdamW(groups, lr=sched["peak_lr"],
                                   betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
     if resume_ckpt is not None:  # all of it, before the run folder is touched
+        from lib.resume import check_resume
         check_resume(cfg, resume_ckpt, trainable, optimizer, augment, sched["total_steps"])
     out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
     cfg.out_dir = out_dir
@@ -775,6 +774,7 @@ def resume_config(explicit: dict) -> tuple[dict, dict]:
             fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
                  f"{saved.get(name)!r}); start a new run instead")
     known = {f.name for f in fields(TrainConfig)} - {"stop_at_step", "overwrite", "eval_only"}
+    from lib.resume import command_line_only  # what continues or evaluates a saved run: imported by those
     saved = command_line_only(saved, explicit, f"--resume {path}", needed=("data", "teacher"))
     merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
     merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
@@ -802,6 +802,7 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
              f"got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
+    from lib.resume import command_line_only
     saved = command_line_only(saved_config(ckpt, path, flag), flags, f"{flag} {path}", needed=("data",))
     cfg = resolve_config({**{k: v for k, v in saved.items() if k in known}, **flags}, announce=False)
     try:
@@ -809,6 +810,7 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
     except ValueError as e:
         fail(str(e))
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
+    from lib.values import fit_problem
     problem = fit_problem((model.head if cfg.probe else model).state_dict(), ckpt["model"], ckpt["arch"])
     if problem:
         fail(f"{flag} {path}: {problem}")
@@ -859,4 +861,4 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:  # before training began (data, set-up): the loop reports its own step
-        raise SystemExit("train.py: stopped by Ctrl-C before training began; no checkpoint was written") from None
+        raise SystemExit("train.py: stopped by Ctrl-C before training began; no checkpoint written") from None

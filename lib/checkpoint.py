@@ -9,8 +9,6 @@ head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading error
 
 from __future__ import annotations
 
-import cmath
-import dataclasses
 import fcntl
 import json
 import os
@@ -79,6 +77,7 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     if missing:
         raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
                          f"project (missing {', '.join(missing)})")
+    from lib.values import non_finite, plain_values, stored_problem  # the loader's value checks
     try:  # every value of the file, each container once (shared references are not expanded)
         values = list(plain_values(ckpt))
     except ValueError as e:
@@ -88,29 +87,6 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
     return ckpt
-
-
-MAX_NESTING = 32  # levels of dicts and lists in a checkpoint (ours hold 4; a bound against crafted files)
-
-
-def plain_values(obj, limit: int = MAX_NESTING):
-    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token",
-    "metrics.val_loss"), each container visited once: a file of shared references is read in the time
-    of its size, and one nested deeper than `limit` is a ValueError (never a RecursionError)."""
-    stack, seen = [("", obj, 0)], set()
-    while stack:
-        place, value, depth = stack.pop()
-        if not isinstance(value, (dict, list, tuple)):
-            yield place, value
-            continue
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if depth >= limit:
-            raise ValueError(f"its {place or 'content'} is nested deeper than {limit} levels; not a checkpoint "
-                             f"of this project")
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v, depth + 1) for k, v in items)
 
 
 # What each part of a checkpoint must be: (check, what it must be). A file edited or written by other
@@ -146,66 +122,11 @@ def rng_ok(state) -> bool:
 
 
 def structure_problem(ckpt: dict, keys) -> str | None:
-    """Each part the caller needs (`keys`), and the parts tools read beside the weights when the file holds
-    them (train_config, metrics: a list or None there is refused, by name, not met as a traceback)."""
+    """Each part the caller needs (`keys`), and train_config and metrics (tools read them) when present."""
     for key in dict.fromkeys((*keys, "train_config", "metrics")):
         if key in ckpt and key in PARTS and not PARTS[key][0](ckpt[key]):
             shown = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
             return f"its {key} must be {PARTS[key][1]}; got {shown[:80]}"
-    return None
-
-
-def stored_problem(values) -> str | None:
-    """The first tensor of the file that is not plain data: sparse, meta (no data), quantized, or one whose
-    storage is smaller than its shape claims (a stride-0 view: a small file that expands to gigabytes)."""
-    for place, t in values:
-        if not torch.is_tensor(t):
-            continue
-        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
-                else "a quantized tensor" if t.is_quantized else storage_problem(t))
-        if what:
-            return f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense tensors"
-    return None
-
-
-def storage_problem(t: torch.Tensor) -> str | None:
-    """A tensor whose storage holds fewer bytes than its shape claims, or whose elements share storage
-    (a stride 0 along a dimension of size > 1): what expands a small file on the first copy."""
-    if t.numel() == 0:
-        return None
-    extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-    have = t.untyped_storage().nbytes()
-    repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
-    if repeats or have < max(t.numel(), extent) * t.element_size():
-        return f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
-    return None
-
-
-def shown(place: str) -> str:
-    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
-    if place.startswith("model."):
-        return place[len("model."):]
-    return "optimizer state " + place[len("optimizer.state."):] if place.startswith("optimizer.state.") else place
-
-
-def weights_problem(tensors: dict) -> str | None:
-    """The loader's tensor checks for weights read from another format (safetensors): plain and finite."""
-    values = list(plain_values({"model": tensors}))
-    return stored_problem(values) or non_finite(values)
-
-
-def non_finite(values) -> str | None:
-    """The first NaN / inf of the file, in a tensor of any float or complex dtype or a number (weights,
-    optimizer state, metrics, configs): nothing non-finite is evaluated, exported or trained on."""
-    for place, value in values:
-        if torch.is_tensor(value):
-            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
-        else:
-            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
-        if bad:
-            what = "weights are" if place.startswith(("model.", "optimizer.")) else f"{place.split('.')[0]} is"
-            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an earlier "
-                    f"checkpoint")
     return None
 
 
@@ -226,47 +147,9 @@ def config_problem(ckpt: dict, keys) -> str | None:
             model = module.create_model(arch, **config)
     except (ValueError, TypeError) as e:
         return f"its model_config does not build {arch}: {e}"
-    problem = preset_problem(ckpt, model.config)
+    from lib.values import fit_problem, preset_problem
+    problem = preset_problem(ckpt, model.config, module.PRESETS[arch])
     return problem or (fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None)
-
-
-IDENTITY_FIELDS = ("arch",)  # what a preset's name says the model is: vit, raptor or revit (--model-args
-# may change anything else, e.g. ffn=feature on revit-mini)
-
-
-def preset_problem(ckpt: dict, config) -> str | None:
-    """A checkpoint whose arch names another preset than its model config (and its train_config) builds."""
-    arch = ckpt["arch"]
-    preset = {**{f.name: f.default for f in dataclasses.fields(config)}, **preset_module(arch).PRESETS[arch]}
-    for name in IDENTITY_FIELDS:
-        if name in preset and ckpt["model_config"].get(name, preset[name]) != preset[name]:
-            return (f"its model_config has {name}={ckpt['model_config'][name]!r}, but {arch} has {name}="
-                    f"{preset[name]!r}: its arch names another preset")
-    trained = ckpt.get("train_config", {}).get("arch", arch) if isinstance(ckpt.get("train_config"), dict) else arch
-    if trained != arch:
-        return f"its arch is {arch!r} but its train_config trained {trained!r}: its arch names another preset"
-    return None
-
-
-def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
-    """How `weights` differ from a model's state dict `expected` (names and shapes), or None."""
-    problems = {"missing": [k for k in expected if k not in weights],
-                "unexpected": [k for k in weights if k not in expected],
-                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
-                                       if k in weights and weights[k].shape != v.shape],
-                "wrongly typed": [f"{k} {str(weights[k].dtype)[6:]} for {str(v.dtype)[6:]}" for k, v in expected.items()
-                                  if k in weights and not holds(v.dtype, weights[k].dtype)]}
-    for problem, names in problems.items():
-        if names:
-            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
-                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-    return None
-
-
-def holds(expected: torch.dtype, given: torch.dtype) -> bool:
-    """Whether a tensor of `given` dtype loads into one of `expected` without loss of kind: a float weight
-    takes only floats (int8 would be rounded, bool become 1.0, complex lose its imaginary part)."""
-    return given.is_floating_point if expected.is_floating_point else given == expected
 
 
 def preset_module(arch: str, config=None):
@@ -468,9 +351,8 @@ class RunFolder:
         except OSError as e:
             fail(f"--out-dir {self.path} is not writable: {e.strerror or e}")
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
-        for name in (self.ckpt.name, self.metrics.name):  # saves and log rewrites interrupted by a kill
-            for stale in self.path.glob(f".{name}.tmp*"):
-                stale.unlink()
+        for stale in [*self.path.glob(f".{self.ckpt.name}.tmp*"), *self.path.glob(f".{self.metrics.name}.tmp*")]:
+            stale.unlink()  # saves and log rewrites interrupted by a kill
         if fresh or not self.continues_run():  # a new run, or a resumed one moved here: nothing to keep
             self.ckpt.unlink(missing_ok=True)
             self.metrics.unlink(missing_ok=True)

@@ -191,12 +191,10 @@ SAVED_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive, a pickl
 
 
 def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:
-    """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path ("PATH is
-    a file; give a folder"): an existing path of the other kind, or a first existing ancestor that is not
-    a writable folder; None when it can be written (parent folders are created). The one check of every
-    output path of train.py, bench.py and the tools: no command overwrites what it did not create, so a
-    run's files (its checkpoint, log, lock), any saved checkpoint or model file, and (unless `runs_ok`:
-    train.py's own --out-dir, files written beside a run) a folder that holds a run are refused."""
+    """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path ("PATH is a
+    file; give a folder"), or None (parent folders are created). The one check of every output path: no
+    command overwrites what it did not create, so a run's files, any saved model and (unless `runs_ok`) a
+    folder holding a run are refused, as are paths of the other kind or under an unwritable ancestor."""
     problem = place_problem(path, kind)
     return problem or (None if runs_ok and kind == "folder" else run_problem(Path(path), kind))
 
@@ -310,8 +308,7 @@ def write_json(result: dict, path: str) -> None:
 
 
 def atomic_write_text(path, text: str) -> None:
-    """Every rewrite of a file the project owns (run logs, cells, results/, reports): a temp file in the
-    same folder, then os.replace, so a kill leaves the old file or the new one, never a torn or empty one."""
+    """Every rewrite of a file the project owns: a temp file, then os.replace (a kill leaves old or new)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -321,8 +318,7 @@ def atomic_write_text(path, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        if os.path.lexists(tmp):
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def json_text(result: dict) -> str:
@@ -336,8 +332,7 @@ def json_text(result: dict) -> str:
 
 
 def non_finite_place(value) -> str | None:
-    """The first place of a non-finite number in a result ("depths.2.miou"), or None: what is scored,
-    saved or exported must be finite, and a run whose metric is not stops instead of writing it."""
+    """The first place of a non-finite number in a result ("depths.2.miou"), or None."""
     places = []
     finite_or_null(value, "", places)
     return places[0] if places else None

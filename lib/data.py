@@ -230,9 +230,8 @@ ARCHIVE_DTYPES = {"u1": torch.uint8, "i1": torch.int8, "i2": torch.int16, "i4": 
 
 
 def expanded_size(value, depth: int = 0, memo: dict | None = None) -> int:
-    """How many values a (nested) list of the archive holds once expanded, counted without expanding it:
-    each list once (a pickle may hold one list many times by reference). Lists deeper than rows of values
-    (or one that holds itself) are a ValueError."""
+    """The values a (nested) list holds once expanded, each list counted once (a pickle may hold one many
+    times by reference); lists deeper than rows of values (or holding themselves): ValueError."""
     if not isinstance(value, list):
         return 1
     if depth > 2:

@@ -429,7 +429,7 @@ def test_a_train_config_that_is_not_a_dict_is_one_line_in_every_tool(runs, tmp_p
 
 
 def test_every_float_and_complex_dtype_is_under_the_finiteness_rule():
-    from lib.checkpoint import non_finite, plain_values
+    from lib.values import non_finite, plain_values
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128):
         for bad in (float("nan"), float("inf"), complex(0, float("nan"))):
             if bad.imag and not dtype.is_complex:

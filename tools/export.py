@@ -45,7 +45,8 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
     sys.exit("tools/export.py: error: run it from the repository root as python -m tools.export")
 
 import revit
-from lib.checkpoint import fit_problem, import_moe_if_named, load_vision_model, weights_problem
+from lib.checkpoint import import_moe_if_named, load_vision_model
+from lib.values import fit_problem, weights_problem
 from lib.cli import check_depth, fail, output_problem, path_problem, too_deep
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
