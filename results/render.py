@@ -212,7 +212,8 @@ def commit_line(rows: list[dict], sweep: dict) -> str:
 
 
 def render_quality(name: str) -> Block:
-    set_name, grid = name[len("quality-"):].rsplit("-", 1)
+    grid = max((g for g in GRIDS if name.endswith("-" + g)), key=len)  # a grid's name may hold a dash: router-lr
+    set_name = name[len("quality-"):-len(grid) - 1]
     sweep = load("quality-provenance.json")[set_name]
     result = load(sweep["file"])
     rows = [r for r in result["rows"] if r["grid"] == grid]
