@@ -97,8 +97,9 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1, in [0, 1)")
     beta2: float = opt(0.999, "AdamW beta2, in [0, 1)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
-    router_lr_scale: float = opt(1.0, "reViT E >= 2: the depth router psi trains at lr x this, in its own AdamW "
-                                      "group without weight decay (1: the paper's one lr, psi grouped as now)")
+    router_lr_scale: float = opt(1.0, "reViT E >= 2: the depth router psi trains at lr x this, in its own "
+                                      "AdamW group without weight decay (1: the paper's one lr, psi grouped "
+                                      "as the other weights)")
     # loss and augmentation (applied to the batch tensor on the device)
     loss: str = opt("ce", "ce | bce (DeiT III: binary cross-entropy on binarised mixup/cutmix targets)")
     label_smoothing: float = opt(0.0, "label smoothing of the one-hot targets")
@@ -490,8 +491,8 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     model.to(device)
     trainable = model.head if cfg.probe else model
     if cfg.router_lr_scale != 1 and not router_parameters(trainable):
-        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no depth router psi (reViT with E >= 2 "
-             f"and the merged FFN has one); leave it at 1")
+        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no depth router psi (reViT with "
+             f"E >= 2 and the merged FFN has one); leave it at 1")
     groups = param_groups(trainable, cfg.weight_decay, cfg.router_lr_scale)
     optimizer = torch.optim.AdamW(groups, lr=sched["peak_lr"],
                                   betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
@@ -528,10 +529,14 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
 
 def build(cfg: TrainConfig, rank: int, world: int, device, ckpt: dict | None):
     """Data, model and task of a config -> (model, task, batches(start_step), augment, steps_per_epoch):
-    images (lib/tasks.py) or text (lib/language.py, imported by language runs only)."""
+    images (lib/tasks.py; the planted task lib/planted.py) or text (lib/language.py, imported by language runs
+    only)."""
     if cfg.dataset in TEXT_DATASETS:
         from lib import language
         return language.build(cfg, rank, world, device, ckpt)
+    if cfg.dataset == "planted":  # a regression task of our own (lib/planted.py)
+        from lib import planted
+        return planted.build(cfg, rank, world, device, ckpt)
     return tasks.build(cfg, rank, world, device, ckpt)
 
 

@@ -384,7 +384,7 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
     return ImageData(TensorImages(xtr, ytr), TensorImages(xte, yte), classes, xtr.shape[1], xtr.shape[-1], mean, std)
 
 
-# The planted-depth task (lib/tasks.PlantedTask): 16x16x3 "images" generated here from a fixed seed (no file,
+# The planted-depth task (lib/planted.PlantedTask): 16x16x3 "images" generated here from a fixed seed (no file,
 # no download); each 4x4x3 patch is one token vector of 48 numbers, x = A z on a random `rank`-dimensional
 # subspace (z standard normal, A fixed), stored as bytes 128 + 48 x (clipped at 2.7 sigma): a low-dimensional input, so
 # that learning the maps, not the sample count, is what the models compete on.
@@ -393,7 +393,7 @@ PLANTED = dict(image_size=16, channels=3, patch_size=4, rank=6, train=8192, test
 
 def planted_images(train: int, test: int) -> ImageData:
     """The planted task's inputs: the same bytes on every machine (one generator, train then test).
-    Labels are zeros; the target is a function of the input (lib/tasks.PlantedTask)."""
+    Labels are zeros; the target is a function of the input (lib/planted.PlantedTask)."""
     g = torch.Generator().manual_seed(PLANTED["seed"])
     size, channels, patch, rank = PLANTED["image_size"], PLANTED["channels"], PLANTED["patch_size"], PLANTED["rank"]
     grid, width, n = size // patch, channels * patch * patch, PLANTED["train"] + PLANTED["test"]

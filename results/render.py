@@ -138,6 +138,12 @@ def programs(row: dict) -> str:
     return " / ".join("".join(map(str, p)) for p in row["dominant_expert"]) if row.get("dominant_expert") else "–"
 
 
+def growth(row: dict) -> str:
+    """The gate spread at the first evaluation -> at the end, each seed ('0.06→0.42 / ...'), or '–'."""
+    traces = row.get("gate_traces")
+    return " / ".join(f"{t[0][1]:.2f}→{t[-1][1]:.2f}" for t in traces) if traces else "–"
+
+
 def mse(stats: dict) -> str:
     """'0.1234 ± 0.0012 [0.1230 0.1220 0.1250]': an MSE over seeds, then the per-seed values."""
     return f"{stats['mean']:.4f} ± {stats['std']:.4f} [" + " ".join(f"{v:.4f}" for v in stats["values"]) + "]"
@@ -152,16 +158,18 @@ def planted_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """The planted-depth task: test MSE per model over seeds (lower is better), against the tied block, and
     the gate program each seed's router formed."""
     tied = next(r for r in rows if r.get("num_experts") == 1)
-    columns = [f"model", "params", f"test MSE mean ± std [{len(rows[0]['mse']['values'])} seeds]",
-               "vs E = 1 (± s.e.)", "gate spread", "dominant expert per step (each seed)"]
+    columns = ["model", "params", f"test MSE mean ± std [{len(rows[0]['mse']['values'])} seeds]",
+               "vs E = 1 (± s.e.)", "gate spread", "spread, epoch 1 → end (each seed)",
+               "dominant expert per step (each seed)"]
     return columns, [[r["cell"], f"{r['params']:,}", mse(r["mse"]), mse_gap(r["mse"], tied["mse"]) if r is not tied
-                      else "–", gates(r)[0], programs(r)] for r in rows]
+                      else "–", gates(r)[0], growth(r), programs(r)] for r in rows]
 
 
 def router_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """accuracy_grid's columns, every seed's program instead of seed 0's."""
     columns, cells = accuracy_grid(rows)
-    return columns[:-1] + ["dominant expert per step (each seed)"], [c[:-1] + [programs(r)] for c, r in zip(cells, rows)]
+    return columns[:-1] + ["spread, epoch 1 → end (each seed)", "dominant expert per step (each seed)"], [
+        c[:-1] + [growth(r), programs(r)] for c, r in zip(cells, rows)]
 
 
 def distill_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -228,7 +236,8 @@ def commit_line(rows: list[dict], sweep: dict) -> str:
 
 
 def render_quality(name: str) -> Block:
-    set_name, grid = name[len("quality-"):].rsplit("-", 1)
+    grid = max((g for g in GRIDS if name.endswith("-" + g)), key=len)  # a grid's name may hold a dash: router-lr
+    set_name = name[len("quality-"):-len(grid) - 1]
     sweep = load("quality-provenance.json")[set_name]
     result = load(sweep["file"])
     rows = [r for r in result["rows"] if r["grid"] == grid]

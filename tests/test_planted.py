@@ -1,4 +1,4 @@
-"""The planted-depth task (lib/data.planted_images, lib/tasks.PlantedTask), the gate spread logged during
+"""The planted-depth task (lib/data.planted_images, lib/planted.PlantedTask), the gate spread logged during
 training, and --router-lr-scale (psi of reViT's Eq. 1, arXiv 2610.12448, in its own AdamW group).
 
 The task's target is checked against a slow reference written from its definition: each 4x4x3 patch read
@@ -12,7 +12,7 @@ import torch
 
 import revit
 import train
-from lib import data, tasks
+from lib import data, planted, tasks
 from lib.checkpoint import load_model
 
 PLANTED_ARGS = ["--dataset", "planted", "--patch-size", "4", "--depth", "3", "--model-args",
@@ -55,13 +55,13 @@ def test_planted_images_are_fixed_bytes_of_the_documented_shape():
 
 
 def test_the_maps_are_fixed_by_their_seed_and_differ_by_depth():
-    m, again, other = (tasks.PlantedMaps(48, 4, 16, 1.0, s) for s in (7, 7, 8))
+    m, again, other = (planted.PlantedMaps(48, 4, 16, 1.0, s) for s in (7, 7, 8))
     assert torch.equal(m.w1, again.w1) and torch.equal(m.w2, again.w2)
     assert not torch.equal(m.w1, other.w1)
     x = torch.randn(64, 48)
     single = []  # each map alone: f_t(x), distinct functions of the same input
     for t in range(4):
-        one = tasks.PlantedMaps(48, 1, 16, 1.0, 7)
+        one = planted.PlantedMaps(48, 1, 16, 1.0, 7)
         one.w1, one.w2 = m.w1[t:t + 1], m.w2[t:t + 1]
         single.append(one(x))
     for s in range(4):
@@ -71,7 +71,7 @@ def test_the_maps_are_fixed_by_their_seed_and_differ_by_depth():
 
 def test_patch_tokens_read_each_patch_channel_row_column():
     x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).reshape(2, 3, 8, 8)
-    tokens = tasks.patch_tokens(x, 4)
+    tokens = planted.patch_tokens(x, 4)
     assert tokens.shape == (2, 4, 48)
     for b in range(2):
         for gy in range(2):
@@ -84,7 +84,7 @@ def planted_task(model):
     images = data.planted_images(8, 4)
     augment = data.Augment(images, torch.device("cpu"), 0)
     cfg = train.TrainConfig(dataset="planted", eval_batch_size=4)
-    return tasks.planted_task(cfg, images, torch.device("cpu"), augment, lambda: torch.autocast("cpu", enabled=False),
+    return planted.planted_task(cfg, images, torch.device("cpu"), augment, lambda: torch.autocast("cpu", enabled=False),
                               model), images
 
 

@@ -81,7 +81,7 @@ GRIDS = {
                                       "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
     },
 }
-# The planted-depth task (train.py --dataset planted, lib/tasks.PlantedTask: regress LN(f_4 ∘ ... ∘ f_1(x)) per
+# The planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress LN(f_4 ∘ ... ∘ f_1(x)) per
 # token, distinct fixed random maps f_t): every cell sets its own data, depth and patch, whatever the regime.
 PLANTED = {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, "model_args": "dim=48,heads=3,ffn_dim=96"}
 # Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match its
@@ -95,11 +95,12 @@ GRIDS.update({
         "reViT E=4, depth prior 8": {**PLANTED, "num_experts": 4,
                                      "model_args": PLANTED["model_args"] + ",router_prior=8"},
     },
-    "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper)
-        "reViT E=1": {"num_experts": 1},
-        "reViT E=4": {"num_experts": 4},
+    "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper);
+        # the new cells first: E = 4 and E = 1 are also the experts grid's cells (the same flags)
         "reViT E=4, router lr x10": {"num_experts": 4, "router_lr_scale": 10},
         "reViT E=4, router lr x30": {"num_experts": 4, "router_lr_scale": 30},
+        "reViT E=4": {"num_experts": 4},
+        "reViT E=1": {"num_experts": 1},
     },
     "distill": {  # rows in order: the teachers, the students (Eq. 5), then the probes of every frozen model
         "teacher: ViT (untied)": {"arch": "vit-{size}"},
