@@ -461,6 +461,7 @@ def run_tests(root: Path, tests: tuple, timeout: int) -> tuple:
         os.dup2(devnull, 2)
         os.chdir(root)
         sys.path.insert(0, str(root))
+        sys.argv = ["pytest"]  # as under pytest: one-line errors name their script, not mutants.py
         import pytest
         without_shrinking()
         os._exit(int(pytest.main([*PYTEST_ARGS, *tests])))
