@@ -117,7 +117,7 @@ class TrainConfig:
     eval_interval: int = opt(0, "evaluate and checkpoint every N optimizer steps (0: every epoch; text: 500)")
     eval_batch_size: int = opt(256, "batch per rank for evaluation")
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
-    teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (internet)")
+    teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (--download)")
     probe: str = opt("", "probe of a frozen --backbone: cls (linear classification; the dense probes seg and "
                          "monodepth: python -m tools.probes)")
     probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patches)")

@@ -234,7 +234,7 @@ def expanded_size(value, depth: int = 0, memo: dict | None = None) -> int:
     times by reference); lists deeper than rows of values (or holding themselves): ValueError."""
     if not isinstance(value, list):
         return 1
-    if depth > 2:
+    if depth >= 2:  # a list inside a row
         raise ValueError("lists nested deeper than rows of values")
     memo = {} if memo is None else memo
     if id(value) not in memo:

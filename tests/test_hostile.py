@@ -102,6 +102,9 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
         c["model"]["cls_token"], 0.1, 0, torch.qint8)), "its tensor cls_token is a quantized tensor"),
     "meta_weights": (lambda c: c["model"].update(cls_token=c["model"]["cls_token"].to("meta")),
                      "its tensor cls_token is a meta tensor (no data)"),
+    "stride_zero_in_a_large_storage": (lambda c: c["model"].update(pos_embed=torch.zeros(
+        c["model"]["pos_embed"].numel())[:1].expand(c["model"]["pos_embed"].shape)),
+        "its tensor pos_embed is of shape [1, 16, 32] over 2048 bytes of storage"),
     "stride_zero": (lambda c: c["model"].update(pos_embed=torch.zeros(1).expand(c["model"]["pos_embed"].shape)),
                     "its tensor pos_embed is of shape [1, 16, 32] over 4 bytes of storage"),
     "nested_config": (lambda c: c["model_config"].update(extra=nested(20_000)), "nested deeper than 32 levels"),
@@ -489,6 +492,7 @@ def render_module():
     ("{t[quickstart].__class__}", "is not a cell"),
     ("{t[glance][0][0]}", "is not a cell"),  # a block of itself: it would render itself forever
     ("{t[quickstart][0][0]!r}", "a conversion !r"),
+    ("{t[quickstart][0][0].__class__}", "is not a cell"),  # a cell, then an attribute of it
     ("{t[quickstart][0][0]:>{t[quickstart][0][1]}}", "the format spec"),
     ("{t[quickstart][999][0]}", "block quickstart has no row 999"),
 ])
@@ -509,3 +513,68 @@ def test_render_refuses_torn_json_and_data_formats(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match="is not one '\\{:SPEC\\}' field"):
             render.cell_text(1.5, fmt)
     assert render.cell_text(1.5, "{:.2f}%") == "1.50%"
+
+
+# --- boundaries the rules put a value on, and definitions on inputs where their wrong twins differ ---
+
+
+def test_nesting_is_bounded_at_exactly_its_limit():
+    from lib.values import MAX_NESTING, plain_values
+    assert list(plain_values(nested(MAX_NESTING - 1))) == []  # the innermost dict at depth MAX_NESTING - 1
+    with pytest.raises(ValueError, match=f"nested deeper than {MAX_NESTING} levels"):
+        list(plain_values(nested(MAX_NESTING)))
+
+
+@pytest.mark.parametrize("flag, edge, beyond", [("--batch-size", 1 << 20, (1 << 20) + 1), ("--lr", 10.0, 10.000001),
+                                                ("--mixup", 100.0, 100.01), ("--repeated-aug", 64, 65),
+                                                ("--eval-batch-size", 1 << 20, (1 << 20) + 1)])
+def test_a_number_on_its_bound_is_taken_and_one_past_it_refused(flag, edge, beyond):
+    name = flag[2:].replace("-", "_")
+    assert getattr(train.resolve_config({name: edge}, announce=False), name) == edge
+    with pytest.raises(SystemExit, match=f"{flag} must be in"):
+        train.resolve_config({name: beyond}, announce=False)
+
+
+def test_a_float_weight_takes_every_float_dtype_and_nothing_else():
+    from lib.values import fit_problem
+    expected = {"w": torch.zeros(2, 3)}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert fit_problem(expected, {"w": torch.zeros(2, 3, dtype=dtype)}, "m") is None, dtype
+    for dtype in (torch.int8, torch.int64, torch.bool, torch.complex64, torch.uint8):
+        assert "1 wrongly typed tensors" in fit_problem(expected, {"w": torch.zeros(2, 3, dtype=dtype)}, "m")
+    assert "wrongly typed" in fit_problem({"n": torch.zeros(2, dtype=torch.long)}, {"n": torch.zeros(2)}, "m")
+
+
+def test_a_checkpoint_at_step_0_resumes_without_optimizer_state(runs, tmp_path):
+    """Before its first step AdamW holds no state: only after it is missing state an edited file."""
+    path = edited(runs, tmp_path, "step0.pt", lambda c: (c.update(step=0), c["optimizer"]["state"].clear()))
+    summary = train.main(["--resume", str(path), "--out-dir", str(tmp_path / "run"), "--no-progress"])
+    assert summary["step"] == 4
+
+
+def test_a_cifar_row_holds_values_not_lists(tmp_path):
+    import pickle
+    from lib import data
+    (tmp_path / "deep").write_bytes(pickle.dumps({b"data": [[[0] * 3072]], b"labels": [0]}, protocol=2))
+    with pytest.raises(ValueError, match="nested deeper than rows of values"):
+        data.read_cifar_batch(tmp_path / "deep", b"labels", 10)
+    (tmp_path / "rows").write_bytes(pickle.dumps({b"data": [[7] * 3072] * 2, b"labels": [0, 1]}, protocol=2))
+    images, labels = data.read_cifar_batch(tmp_path / "rows", b"labels", 10)
+    assert images.shape == (2, 3, 32, 32) and int(images.sum()) == 7 * 3072 * 2
+
+
+def test_depth_bounds_take_their_edges():
+    """The depth bound of every flag and saved config: MAX_DEPTH is allowed, one more is not; minimum 2."""
+    from lib.cli import MAX_DEPTH, check_depth, parse_depths, too_deep
+    assert parse_depths(f"2,{MAX_DEPTH}") == [2, MAX_DEPTH]
+    with pytest.raises(SystemExit, match=f"--eval-depths must be <= {MAX_DEPTH}"):
+        parse_depths(str(MAX_DEPTH + 1))
+    check_depth(2, "--depth")
+    check_depth(MAX_DEPTH, "--depth")
+    for depth in (1, MAX_DEPTH + 1):
+        with pytest.raises(ValueError, match="--depth must be"):
+            check_depth(depth, "--depth")
+    assert too_deep({"depth": MAX_DEPTH}) is None and too_deep({"max_depth": MAX_DEPTH + 1})
+    assert train.resolve_config({"seed": 2 ** 32 - 1}, announce=False).seed == 2 ** 32 - 1
+    with pytest.raises(SystemExit, match="--seed must be in 0..2"):
+        train.resolve_config({"seed": 2 ** 32}, announce=False)
