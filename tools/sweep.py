@@ -95,6 +95,9 @@ GRIDS.update({
         "reViT E=4, depth prior 8": {**PLANTED, "num_experts": 4,
                                      "model_args": PLANTED["model_args"] + ",router_prior=8"},
     },
+    "planted-lr": {  # the planted task with psi at lr x m: does a larger router lr find the program?
+        f"reViT E=4, router lr x{m}": {**PLANTED, "num_experts": 4, "router_lr_scale": m} for m in (10, 30)
+    },
     "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper);
         # the new cells first: E = 4 and E = 1 are also the experts grid's cells (the same flags)
         "reViT E=4, router lr x10": {"num_experts": 4, "router_lr_scale": 10},
