@@ -157,11 +157,11 @@ def mse_gap(a: dict, b: dict) -> str:
 def planted_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """The planted-depth task: test MSE per model over seeds (lower is better), against the tied block, and
     the gate program each seed's router formed."""
-    tied = next(r for r in rows if r.get("num_experts") == 1)
+    tied = next((r for r in rows if r.get("num_experts") == 1), None)
     columns = ["model", "params", f"test MSE mean ± std [{len(rows[0]['mse']['values'])} seeds]",
                "vs E = 1 (± s.e.)", "gate spread", "spread, epoch 1 → end (each seed)",
                "dominant expert per step (each seed)"]
-    return columns, [[r["cell"], f"{r['params']:,}", mse(r["mse"]), mse_gap(r["mse"], tied["mse"]) if r is not tied
+    return columns, [[r["cell"], f"{r['params']:,}", mse(r["mse"]), mse_gap(r["mse"], tied["mse"]) if tied and r is not tied
                       else "–", gates(r)[0], growth(r), programs(r)] for r in rows]
 
 
@@ -206,7 +206,7 @@ def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 GRIDS = {"experts": accuracy_grid, "quickstart": accuracy_grid, "elastic": depth_grid, "tying": tying_grid,
-         "planted": planted_grid, "router-lr": router_grid, "long": router_grid, "distill": distill_grid}
+         "planted": planted_grid, "planted-lr": planted_grid, "router-lr": router_grid, "long": router_grid, "distill": distill_grid}
 
 
 def short_commit(commit: str) -> str:

@@ -133,7 +133,7 @@ def test_the_quick_start_imports_what_it_runs(tmp_path, fashion_mnist_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     lines = json.loads(done.stdout.strip().splitlines()[-1])
     assert {"revit", "train", "lib.data", "lib.tasks", "lib.checkpoint", "lib.cli"} <= set(lines)
-    assert not set(lines) & {"alternet", "lib.language", "lib.memory", "lib.moe", "bench", "sample"}, sorted(lines)
+    assert not set(lines) & {"alternet", "lib.language", "lib.memory", "lib.moe", "lib.planted", "bench", "sample"}, sorted(lines)
     assert not any(name.startswith("tools.") for name in lines), sorted(lines)
     assert sum(lines.values()) <= QUICK_START_LINES, lines
 

@@ -199,8 +199,8 @@ WRONG_TYPES = [([1, 2], "a JSON list, not an object"),
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--grids", "table9"], "--grids must name some of experts, elastic, tying, quickstart, planted, router-lr, "
-                             "distill, long; got 'table9'"),
+    (["--grids", "table9"], "--grids must name some of experts, elastic, tying, quickstart, planted, planted-lr, "
+                             "router-lr, distill, long; got 'table9'"),
     (["--grids", ","], "--grids must name some of"),
     (["--seeds", "0"], "--seeds must be >= 1; got 0"),
     (["--shard", "0/2"], "--shard takes K/N with 1 <= K <= N"),

@@ -95,6 +95,9 @@ GRIDS.update({
         "reViT E=4, depth prior 8": {**PLANTED, "num_experts": 4,
                                      "model_args": PLANTED["model_args"] + ",router_prior=8"},
     },
+    "planted-lr": {  # the planted task with psi at lr x m: does a larger router lr find the program?
+        f"reViT E=4, router lr x{m}": {**PLANTED, "num_experts": 4, "router_lr_scale": m} for m in (10, 30)
+    },
     "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper);
         # the new cells first: E = 4 and E = 1 are also the experts grid's cells (the same flags)
         "reViT E=4, router lr x10": {"num_experts": 4, "router_lr_scale": 10},
@@ -482,6 +485,9 @@ def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
     elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
     if elastic:
         figures["depths"] = plot_elastic(plt, elastic)
+    traced = [r for r in result["rows"] if r.get("gate_traces")]
+    if traced:
+        figures["gates"] = plot_gate_traces(plt, traced)
     paths = []
     for kind, fig in figures.items():
         fig.tight_layout()
@@ -508,6 +514,20 @@ def plot_experts(plt, experts: list[dict]):
     ax.set_xscale("log", base=2)
     ax.set_xticks([r["num_experts"] for r in bank], labels=[str(r["num_experts"]) for r in bank])
     ax.set(xlabel="experts E", ylabel="top-1 accuracy (%)", title="accuracy vs E (mean ± std over seeds)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def plot_gate_traces(plt, rows: list[dict]):
+    """The gate spread (max - min of the gate matrix) at every evaluation of each seed's run: does a program
+    form, and is it still forming at the end?"""
+    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+    for r, color in zip(rows, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
+        for i, trace in enumerate(r["gate_traces"]):
+            ax.plot([step for step, _ in trace], [spread for _, spread in trace], "o-", markersize=3, color=color,
+                    alpha=0.8, label=f"{r['grid']}: {r['cell']}" if i == 0 else None)
+    ax.set(xlabel="optimizer step", ylabel="gate spread (0 = flat)", ylim=(0, 1),
+           title="gate spread during training, each seed")
     ax.legend(fontsize=7)
     return fig
 
