@@ -1340,11 +1340,11 @@ def check_flags(args, device) -> None:
     if args.command == "check" and not args.part and not args.out:  # the default is checked like a given one
         args.out = f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
     out, kind = getattr(args, "out", None), "folder" if args.command in OUTPUT_FOLDERS else "file"
-    if out and output_problem(out, kind):
-        raise InputError(f"--out {out} {output_problem(out, kind)}")
     held = [name for name in CHECK_FILES if out and args.command == "check" and os.path.lexists(os.path.join(out, name))]
     if held:  # a check writes only files it creates: another run's report stays as it is
         raise InputError(f"--out {out} already holds {held[0]} (another check's report); choose another --out")
+    if out and output_problem(out, kind):  # also a run's folder or files, and any saved model
+        raise InputError(f"--out {out} {output_problem(out, kind)}")
     if getattr(args, "part", None) and not re.fullmatch(r"latency:\d{1,5}|train-step|elastic", args.part):
         raise InputError(f"--part must be latency:BATCH, train-step or elastic; got {args.part!r}")
 

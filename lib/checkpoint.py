@@ -367,8 +367,8 @@ class RunFolder:
                 self.log_file.write(json.dumps(primitive(record), allow_nan=False) + "\n")
                 self.log_file.flush()
             except ValueError:
-                fail(f"a non-finite number in the record of step {record.get('step')} ({non_finite_place(record)}); "
-                     f"not written to {self.metrics}")
+                fail(f"{non_finite_place(record)} of step {record.get('step')} is not finite; not written to "
+                     f"{self.metrics}")
             except OSError as e:
                 fail(f"cannot write {self.metrics}: {e.strerror or e}")
 

@@ -90,5 +90,4 @@ def check_config(cfg) -> None:
 
 def shown_number(value) -> str:
     """A number as an error shows it: a 400-digit integer as 1e+400-ish, not 400 digits."""
-    text = str(value)
-    return text if len(text) <= 24 else f"{text[:6]}...({len(text)} digits)"
+    return str(value) if len(str(value)) <= 24 else f"{str(value)[:6]}...({len(str(value))} digits)"

@@ -210,12 +210,10 @@ def run_problem(path: Path, kind: str) -> str | None:
         return f"is a file of a training run ({path.name}); choose another path"
     try:
         with open(path, "rb") as f:  # a regular file (place_problem): reading its first bytes cannot hang
-            head = f.read(4)
+            saved = f.read(4).startswith(SAVED_FILE_MAGIC)
     except OSError:
-        return None
-    if head.startswith(SAVED_FILE_MAGIC):
-        return "already holds a saved checkpoint or model (never overwritten); choose another path"
-    return None
+        saved = False
+    return "already holds a saved checkpoint or model (never overwritten); choose another path" if saved else None
 
 
 def place_problem(path, kind: str) -> str | None:
