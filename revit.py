@@ -879,18 +879,6 @@ def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
     centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
     return -beta * (s.float() - centres).pow(2)
 
-# --- for the analysis tools: expert ablation and permutation on a folded model (§5) ---
-
-@torch.no_grad()
-def load_merged_ffns(vit: VisionTransformer, merged: tuple) -> None:
-    """Block t of a plain ViT gets merged FFN t; `merged` is MergedExpertFFN.merge's four stacks (L, ...)."""
-    for block, (fc1_weight, fc1_bias, fc2_weight, fc2_bias) in zip(vit.blocks, zip(*merged)):
-        block.mlp.fc1.weight.copy_(fc1_weight)
-        block.mlp.fc1.bias.copy_(fc1_bias)
-        block.mlp.fc2.weight.copy_(fc2_weight)
-        block.mlp.fc2.bias.copy_(fc2_bias)
-
-
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
     import sys
 

@@ -30,7 +30,6 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,11 +39,11 @@ from tqdm import tqdm
 
 import revit
 from lib import tasks
-from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, RunFolder, atomic_save, checkpoint_or_fail,
-                            preset_module, primitive, rng_state, set_rng_state, unwrap)
+from lib.checkpoint import (MODEL_KEYS, RunFolder, atomic_save, checkpoint_or_fail, preset_module, primitive,
+                            rng_state, unwrap)
 from lib.checks import check_config
 from lib.cli import (dataclass_parser, device_options, fail, non_finite_place, opt, parse_depths,
-                     parse_model_args, pick_device, say, wrong_type)
+                     pick_device, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -514,6 +513,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
             group["fused"] = options["fused_adamw"] or None
         run.step = run.last_good = resume_ckpt["step"]
         run.metrics = resume_ckpt.get("metrics", {})
+        from lib.resume import restore_rng
         restore_rng(run, resume_ckpt["rng"])
     else:  # each rank its own stream for drop-path / elastic depth / augmentation
         torch.manual_seed(cfg.seed + 1 + rank)
@@ -540,20 +540,6 @@ def build(cfg: TrainConfig, rank: int, world: int, device, ckpt: dict | None):
     return tasks.build(cfg, rank, world, device, ckpt)
 
 
-def restore_rng(run: Run, rngs: list) -> None:
-    """Each rank's saved random streams; where they cannot apply (another number of ranks, a state of
-    another device type), a reseed by (seed, rank, step), said in one `override:` line."""
-    rank, world, device = run.rank, run.world, run.device
-    seed = run.cfg.seed * 1_000_003 + run.step * world + rank + 1
-    reseeded = set_rng_state(rngs[rank] if len(rngs) == world else None, run.augment, device, seed)
-    if reseeded:
-        saved_on = rngs[rank].get("device_type", "another device") if len(rngs) == world else None
-        why = (f"the checkpoint was saved by {len(rngs)} rank(s), this run has {world}" if saved_on is None
-               else f"the checkpoint's states were saved on {saved_on}, they do not apply on {device.type}")
-        say(f"override: random streams reseeded ({', '.join(reseeded)}; seed {seed}): {why}; the run "
-            f"continues deterministically, not bit-for-bit")
-
-
 def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
                   ckpt: dict | None = None) -> None:
     """Before the first step: the expected peak memory per device (lib/memory.py) and the fewest
@@ -562,38 +548,14 @@ def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
     parameters without --gpu-memory (measuring would dominate their start-up). model None: the language
     model of cfg (or ckpt), built here on the meta device."""
     auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
-    if cfg.gpu_memory is not None and not 0 < cfg.gpu_memory < math.inf:
-        fail(f"--gpu-memory must be a number of GB > 0; got {cfg.gpu_memory}")
     unasked = device.type != "cuda" and cfg.gpu_memory is None  # a CPU run that names no memory budget
     if cfg.probe or cfg.teacher or (unasked and model is not None and num_params(model) < MEASURED_FROM):
         return
     from lib import memory  # the planner: imported by the runs it plans
-    if model is None:
-        if unasked and memory.preset_parameters(cfg.arch) < MEASURED_FROM:
-            return
-        import alternet
-        vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
-        overrides = ckpt["model_config"] if ckpt else {
-            **vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
-        try:
-            with torch.device("meta"):
-                model = alternet.create_model(cfg.arch, **overrides)
-        except (ValueError, TypeError):
-            return  # build() reports a bad --model-args in one line
-    budget = cfg.gpu_memory or memory.device_memory_gb(device)
-    seq_len = (cfg.block_size or model.config.seq_len) if cfg.dataset in TEXT_DATASETS else None
-    dtype = device_options(device.type, cfg.bf16)["autocast_dtype"]
-    profile = memory.measure(model.config, device, dtype, seq_len)
-    if budget is None:  # an OS that does not say how much RAM it has: say, never stop
-        estimate = memory.estimate(model, profile, cfg.batch_size, seq_len, world, cfg.grad_accum)
-        say(f"memory: {estimate.line()}")
+    fitted = memory.fit_run(cfg, model, device, world, ckpt, auto, MEASURED_FROM if unasked else 0)
+    if fitted is None:
         return
-    try:
-        planned = memory.plan(model, profile, cfg.batch_size, seq_len, world, budget,
-                              None if auto else cfg.grad_accum)
-    except ValueError as e:
-        fail(f"--arch {cfg.arch} at --batch-size {cfg.batch_size} on {world} device(s) of {budget:.3g} GB "
-             f"{e}")
+    planned, budget = fitted
     accum = broadcast(planned.grad_accum, world)  # every rank steps alike
     if accum != cfg.grad_accum:
         say(f"override: grad_accum={accum} (auto: the fewest micro-steps whose peak fits {budget:.3g} GB "
@@ -607,7 +569,6 @@ def num_params(model: nn.Module) -> int:
 
 
 MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estimate, unless --gpu-memory
-GPT2_VOCAB = 50257  # GPT-2's BPE (data.tokenize): known before tiktoken loads
 
 
 # --- processes: torchrun, torch.compile, DDP (what differs on CUDA: cli.device_options) ---
@@ -759,41 +720,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The model and the data order of a run: a resumed run must keep them.
-FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "depth_drop", "model_args",
-                   "dataset", "data", "tokenizer", "train_subset", "batch_size", "seed", "probe",
-                   "probe_pool", "backbone", "teacher")
 EVAL_ONLY_FLAGS = {"eval_only", "eval_depths", "test_subset", "eval_batch_size", "eval_iters", "data",
                    "data_dir", "download", "teacher", "device", "progress"}
-
-
-def resume_config(explicit: dict) -> tuple[dict, dict]:
-    """The checkpoint and the saved run's config; flags given now may extend it (e.g. more --epochs)."""
-    path = explicit["resume"]
-    ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
-    saved = saved_config(ckpt, path, "--resume")
-    if "arch" in explicit and explicit["arch"] != saved.get("arch"):
-        fail(f"--resume {path} is a checkpoint of {saved['arch']}, not {explicit['arch']}")
-    for name in FIXED_ON_RESUME:
-        if name in explicit and explicit[name] != saved.get(name):
-            fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
-                 f"{saved.get(name)!r}); start a new run instead")
-    known = {f.name for f in fields(TrainConfig)} - {"stop_at_step", "overwrite", "eval_only"}
-    from lib.resume import command_line_only  # what continues or evaluates a saved run: imported by those
-    saved = command_line_only(saved, explicit, f"--resume {path}", needed=("data", "teacher"))
-    merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
-    merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
-    return ckpt, merged
-
-
-def saved_config(ckpt: dict, path, flag: str) -> dict:
-    """A checkpoint's train_config, each known value of the type its flag takes (the values' ranges are
-    checked with the flags', by resolve_config)."""
-    saved = ckpt["train_config"]
-    problem = wrong_type(saved, TrainConfig)
-    if problem:
-        fail(f"{flag} {path}: its train_config has {problem}")
-    return saved
 
 
 def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only"):
@@ -807,8 +735,9 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
              f"got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
-    from lib.resume import command_line_only
-    saved = command_line_only(saved_config(ckpt, path, flag), flags, f"{flag} {path}", needed=("data",))
+    from lib.resume import command_line_only, saved_config
+    saved = saved_config(ckpt, path, flag, TrainConfig)
+    saved = command_line_only(saved, flags, f"{flag} {path}", needed=("data",))
     cfg = resolve_config({**{k: v for k, v in saved.items() if k in known}, **flags}, announce=False)
     try:
         device = pick_device(cfg.device)
@@ -845,7 +774,8 @@ def main(argv=None) -> dict:
         return eval_only(explicit)
     resume_ckpt = None
     if explicit.get("resume"):
-        resume_ckpt, explicit = resume_config(explicit)
+        from lib.resume import resume_config  # what continues a saved run: imported by those runs only
+        resume_ckpt, explicit = resume_config(explicit, TrainConfig)
     if explicit.get("backbone"):  # a probe is named after its backbone, which must be a vision model
         arch = checkpoint_or_fail(explicit["backbone"], "--backbone")["arch"]
         if preset_module(arch) is not revit:

@@ -23,18 +23,28 @@ def closed(low, high, shown: str = ""):
 # Every number flag has a finite range, checked when parsed. The upper bounds are ours (a user would not
 # hit them by intent): a typo is refused instead of overflowing, allocating for hours, or sending a
 # library into a loop that never ends (Python's betavariate with alpha 1e308 does not return).
-BATCH, COUNT = 1 << 20, 10 ** 9  # examples in a batch (ImageNet recipes: 2,048-4,096); steps, intervals
+BATCH = 1 << 20  # examples in one step or evaluation batch (ImageNet recipes use 2,048-4,096)
+COUNT = 10 ** 9  # steps, intervals, subset sizes
 RULES = {
-    **dict.fromkeys(("batch_size", "eval_batch_size", "grad_accum"), closed(1, BATCH)), "lr_batch": closed(0, BATCH),
-    **dict.fromkeys(("max_steps", "warmup_steps", "train_subset", "test_subset", "eval_interval", "save_interval",
-                     "stop_at_step", "eval_iters"), closed(0, COUNT)), "log_interval": closed(1, COUNT),
-    "epochs": closed(0, 100_000), "warmup_epochs": closed(0, 100_000, "[0, 100000]"), "repeated_aug": closed(1, 64),
-    "workers": closed(1, 256), "patch_size": closed(1, 1024), "block_size": closed(1, 1 << 16),
-    "num_experts": closed(1, 1024), "depth": (lambda v: 0 < v <= MAX_DEPTH, f"in 1..{MAX_DEPTH} {MAX_DEPTH_REASON}"),
+    **dict.fromkeys(("batch_size", "eval_batch_size", "grad_accum"), closed(1, BATCH)),
+    "lr_batch": closed(0, BATCH),
+    **dict.fromkeys(("max_steps", "warmup_steps", "train_subset", "test_subset", "eval_interval",
+                     "save_interval", "stop_at_step", "eval_iters"), closed(0, COUNT)),
+    "log_interval": closed(1, COUNT),
+    "epochs": closed(0, 100_000),
+    "warmup_epochs": closed(0, 100_000, "[0, 100000]"),
+    "repeated_aug": closed(1, 64),
+    "workers": closed(1, 256),
+    "patch_size": closed(1, 1024),
+    "block_size": closed(1, 1 << 16),
+    "num_experts": closed(1, 1024),
+    "depth": (lambda v: 0 < v <= MAX_DEPTH, f"in 1..{MAX_DEPTH} {MAX_DEPTH_REASON}"),
     "seed": (lambda v: 0 <= v < 2 ** 32, "in 0..2**32-1"),  # data orders: seed * 1_000_003 + epoch
-    "lr": ((lambda v: 0 < v <= 10), "in (0, 10]"), "gpu_memory": ((lambda v: 0 < v <= 1e6), "in (0, 1e6] GB"),
+    "lr": ((lambda v: 0 < v <= 10), "in (0, 10]"),
+    "gpu_memory": ((lambda v: 0 < v <= 1e6), "in (0, 1e6] GB"),
     **dict.fromkeys(("min_lr", "warmup_lr", "weight_decay", "color_jitter"), closed(0, 10, "[0, 10]")),
-    "grad_clip": closed(0, 1e6, "[0, 1e6]"), **dict.fromkeys(("mixup", "cutmix"), closed(0, 100, "[0, 100]")),
+    "grad_clip": closed(0, 1e6, "[0, 1e6]"),
+    **dict.fromkeys(("mixup", "cutmix"), closed(0, 100, "[0, 100]")),
     "router_lr_scale": ((lambda v: 0 < v <= 1000), "in (0, 1000]"),  # ψ's lr multiplier (ours)
     **dict.fromkeys(("beta1", "beta2"), ((lambda v: 0 <= v < 1), "in [0, 1)")),
     **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),

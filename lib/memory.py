@@ -66,6 +66,8 @@ from torch.utils._pytree import tree_flatten
 import alternet
 import revit
 from lib.checkpoint import preset_module
+from lib.cli import device_options, fail, parse_model_args, say
+from lib.data import TEXT_DATASETS
 
 GB = 1e9
 USABLE = 0.9  # of a device's memory a run may plan to use (our choice: context, fragmentation, workspaces)
@@ -510,6 +512,45 @@ def model_of(config: revit.ViTConfig) -> torch.nn.Module:
 def _ru_maxrss_kib() -> int:
     import resource  # Unix only, like /proc and fork: imported where the CPU measurement needs it
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+
+# --- train.py's plan: a run's peak memory per device and the --grad-accum that fits it ---
+
+GPT2_VOCAB = 50257  # GPT-2's BPE (data.tokenize): known before tiktoken loads
+
+
+def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None, auto: bool,
+            skip_below: int = 0):
+    """train.py's run config `cfg` -> (the estimate at the fewest micro-steps that fit (auto) or at
+    cfg.grad_accum, the budget in GB), or None where nothing is planned (an unmeasured small preset, an OS
+    that does not say its RAM: then the estimate is only said). model None: the language model of cfg (or
+    ckpt), built on the meta device. A batch that cannot fit is one line saying what would."""
+    if model is None:
+        if preset_parameters(cfg.arch) < skip_below:
+            return None
+        vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
+        overrides = ckpt["model_config"] if ckpt else {
+            **vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
+        try:
+            with torch.device("meta"):
+                model = alternet.create_model(cfg.arch, **overrides)
+        except (ValueError, TypeError):
+            return None  # build() reports a bad --model-args in one line
+    budget = cfg.gpu_memory or device_memory_gb(device)
+    seq_len = (cfg.block_size or model.config.seq_len) if cfg.dataset in TEXT_DATASETS else None
+    dtype = device_options(device.type, cfg.bf16)["autocast_dtype"]
+    profile = measure(model.config, device, dtype, seq_len)
+    if budget is None:  # an OS that does not say how much RAM it has: say, never stop
+        say(f"memory: {estimate(model, profile, cfg.batch_size, seq_len, world, cfg.grad_accum).line()}")
+        return None
+    try:
+        planned = plan(model, profile, cfg.batch_size, seq_len, world, budget,
+                       None if auto else cfg.grad_accum)
+    except ValueError as e:
+        fail(f"--arch {cfg.arch} at --batch-size {cfg.batch_size} on {world} device(s) of {budget:.3g} GB "
+             f"{e}")
+    return planned, budget
 
 
 if __name__ == "__main__":  # internal: the fresh process cpu_memory_of starts

@@ -1,19 +1,59 @@
-"""What train.py checks before it continues or evaluates a saved run, imported only then (a new run
-never loads it): the values a checkpoint never decides (`command_line_only`: the files read, downloads,
-the teacher), and a resumed checkpoint's loop state against the rebuilt run (`check_resume`: the
-optimizer state as load_state_dict and the next step would take it, every RNG state as set_rng_state
-would). A failure is one line naming the flag (lib/cli.fail); the run folder has not been touched.
+"""What train.py does to continue or evaluate a saved run, imported only then (a new run never loads
+it): the saved config and what may not change on resume (`resume_config`, `saved_config`); the values a
+checkpoint never decides (`command_line_only`: the files read, downloads, the teacher); a resumed
+checkpoint's loop state checked against the rebuilt run (`check_resume`: the optimizer state as
+load_state_dict and the next step would take it, every RNG state as set_rng_state would), then its random
+streams restored (`restore_rng`). A failure is one line naming the flag (lib/cli.fail); the run folder has
+not been touched.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import fields
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from lib.checkpoint import RESUME_KEYS, checkpoint_or_fail, set_rng_state
 from lib.values import fit_problem
-from lib.cli import fail, say
+from lib.cli import fail, say, wrong_type
+
+
+# The model and the data order of a run: a resumed run must keep them.
+FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "depth_drop", "model_args",
+                   "dataset", "data", "tokenizer", "train_subset", "batch_size", "seed", "probe",
+                   "probe_pool", "backbone", "teacher")
+
+
+def resume_config(explicit: dict, config_class) -> tuple[dict, dict]:
+    """The checkpoint and the saved run's config (train.py's TrainConfig: `config_class`); flags given now
+    may extend it (e.g. more --epochs)."""
+    path = explicit["resume"]
+    ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
+    saved = saved_config(ckpt, path, "--resume", config_class)
+    if "arch" in explicit and explicit["arch"] != saved.get("arch"):
+        fail(f"--resume {path} is a checkpoint of {saved['arch']}, not {explicit['arch']}")
+    for name in FIXED_ON_RESUME:
+        if name in explicit and explicit[name] != saved.get(name):
+            fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
+                 f"{saved.get(name)!r}); start a new run instead")
+    known = {f.name for f in fields(config_class)} - {"stop_at_step", "overwrite", "eval_only"}
+    saved = command_line_only(saved, explicit, f"--resume {path}", needed=("data", "teacher"))
+    merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
+    merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
+    return ckpt, merged
+
+
+def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
+    """A checkpoint's train_config, each known value of the type its flag takes (the values' ranges are
+    checked with the flags', by resolve_config)."""
+    saved = ckpt["train_config"]
+    problem = wrong_type(saved, config_class)
+    if problem:
+        fail(f"{flag} {path}: its train_config has {problem}")
+    return saved
 
 
 # What a checkpoint never decides: the files a run reads, whether it downloads, the teacher it loads
@@ -126,3 +166,17 @@ def rng_problem(states: list, augment) -> str | None:
         if augment is not None and "augment" not in state:
             return "its rng holds no augmentation state (an image run saves one)"
     return None
+
+
+def restore_rng(run, rngs: list) -> None:
+    """Each rank's saved random streams; where they cannot apply (another number of ranks, a state of
+    another device type), a reseed by (seed, rank, step), said in one `override:` line."""
+    rank, world, device = run.rank, run.world, run.device
+    seed = run.cfg.seed * 1_000_003 + run.step * world + rank + 1
+    reseeded = set_rng_state(rngs[rank] if len(rngs) == world else None, run.augment, device, seed)
+    if reseeded:
+        saved_on = rngs[rank].get("device_type", "another device") if len(rngs) == world else None
+        why = (f"the checkpoint was saved by {len(rngs)} rank(s), this run has {world}" if saved_on is None
+               else f"the checkpoint's states were saved on {saved_on}, they do not apply on {device.type}")
+        say(f"override: random streams reseeded ({', '.join(reseeded)}; seed {seed}): {why}; the run "
+            f"continues deterministically, not bit-for-bit")

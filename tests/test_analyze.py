@@ -233,7 +233,7 @@ def test_identity_permutation_and_empty_ablation_leave_cka_unchanged():
     reference = randn(12, 8, seed=6).float()
 
     def cka(g):
-        revit.load_merged_ffns(vit, model.block.mlp.merge(g))
+        analyze.load_merged_ffns(vit, model.block.mlp.merge(g))
         return analyze.linear_cka(analyze.residual_features(vit, x)[-1], reference)
 
     intact = cka(gates)

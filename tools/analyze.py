@@ -167,6 +167,16 @@ def effective_ranks(model, gates: torch.Tensor) -> dict:
 # --- modified gate programs: ablation, permutation, matched random perturbation (Figs. 4, 10) ---
 
 
+@torch.no_grad()
+def load_merged_ffns(vit: revit.VisionTransformer, merged: tuple) -> None:
+    """Block t of a plain ViT gets merged FFN t; `merged` is MergedExpertFFN.merge's four stacks (L, ...)."""
+    for block, (fc1_weight, fc1_bias, fc2_weight, fc2_bias) in zip(vit.blocks, zip(*merged)):
+        block.mlp.fc1.weight.copy_(fc1_weight)
+        block.mlp.fc1.bias.copy_(fc1_bias)
+        block.mlp.fc2.weight.copy_(fc2_weight)
+        block.mlp.fc2.bias.copy_(fc2_bias)
+
+
 def ablate_experts(gates: torch.Tensor, experts) -> torch.Tensor:
     """Zero the gate columns of `experts` at every depth and renormalise each row to sum to 1."""
     kept = gates.clone()
@@ -276,7 +286,7 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
     device = next(model.parameters()).device  # the gate matrices are built on the CPU, the bank lives here
 
     def cka_to_reference(modified_gates):
-        revit.load_merged_ffns(vit, model.block.mlp.merge(modified_gates.to(device)))
+        load_merged_ffns(vit, model.block.mlp.merge(modified_gates.to(device)))
         return linear_cka(residual_features(vit, images, batch_size=batch_size)[-1], reference)
 
     intact = cka_to_reference(gates)
