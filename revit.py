@@ -68,20 +68,6 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.attend(self.qkv(x)))
 
-class DropPath(nn.Module):
-    """Stochastic depth inside a block: drops a residual branch per sample (DeiT III's recipe). Not
-    elastic depth: reViT's `depth_drop` removes whole recurrent steps and renumbers the rest."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.p == 0.0 or not self.training:
-            return x
-        keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
-        return x * keep / (1.0 - self.p)
-
 class Mlp(nn.Module):
     """The dense FFN of a ViT block: fc2(GELU(fc1(u)))."""
 
@@ -499,11 +485,6 @@ class ReViT(ViTBase):
             names.add("block.mlp.router.2.weight")
         return names
 
-    def clear_cache(self) -> None:
-        """Drop the merge cache's merged FFNs (appendix): needed only after in-place edits via `p.data`."""
-        if isinstance(self.block.mlp, CachedMergedExpertFFN):
-            self.block.mlp.clear_cache()
-
 # --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
 
 @torch.no_grad()
@@ -533,7 +514,21 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit.load_state_dict(state)
     return vit.train(model.training)
 
-# --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) ---
+# --- DeiT III's recipe pieces: drop-path (any block's option) and LayerScale (the baselines') ---
+
+class DropPath(nn.Module):
+    """Stochastic depth inside a block: drops a residual branch per sample (DeiT III's recipe). Not
+    elastic depth: reViT's `depth_drop` removes whole recurrent steps and renumbers the rest."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
+        return x * keep / (1.0 - self.p)
 
 class LayerScale(nn.Module):
     """DeiT III's per-channel scale of a residual branch (the baselines; reViT's block has none, Eq. 3)."""
@@ -544,6 +539,8 @@ class LayerScale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma
+
+# --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) ---
 
 class VisionTransformer(ViTBase):
     """Untied ViT: block t serves step t. `fold` returns this class, so a folded reViT runs through
@@ -807,6 +804,12 @@ def use_merge_cache(model: ReViT) -> None:
     if not OPTIMIZER_HOOK:
         OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(count_optimizer_step))
 
+def clear_merge_cache(model: nn.Module) -> None:
+    """Drop a reViT's cached merged FFNs: needed only after in-place edits through `p.data`."""
+    ffn = getattr(getattr(model, "block", None), "mlp", None)
+    if isinstance(ffn, CachedMergedExpertFFN):
+        ffn.clear_cache()
+
 def look_up_merged_ffns(model: ReViT, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook: ReViT.forward's checks (depth, then images: the same errors first), then the
     cache's lookup for this call's depth."""
@@ -824,7 +827,7 @@ class CachedMergedExpertFFN(MergedExpertFFN):
     Detected: optimizer steps (fused ones too), load_state_dict, in-place ops on the parameters (also
     under torch.no_grad), moving or casting the module, edits of `temperature` or `router_prior`, and any
     train()/eval() call. Not detected: in-place writes through `p.data` (they bypass the version counter)
-    outside an optimizer step — call `clear_cache()` (or model.eval()) after such edits.
+    outside an optimizer step — call `clear_merge_cache(model)` (or model.eval()) after such edits.
     """
 
     def begin_forward(self, depth: int) -> None:
