@@ -162,7 +162,7 @@ def test_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch):
     assert again["rows"] == result["rows"]
     assert sum("(cached)" in line for line in lines_again) == 2
     if sweep.pyplot() is not None:
-        assert {p.name for p in tmp_path.glob("*.png")} == {"quality_depths.png"}
+        assert {p.name for p in tmp_path.glob("*.png")} == {"quality_depths.png", "quality_gates.png"}  # gates: the spread of every evaluation
 
 
 def test_a_cell_killed_mid_run_resumes_from_its_checkpoint(tmp_path, fashion_mnist_dir):

@@ -464,7 +464,7 @@ def quality_markdown(result: dict) -> str:
             tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
                                 ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
     for grid in dict.fromkeys(r["grid"] for r in result["rows"]):
-        if grid in ("planted", "router-lr", "distill", "long"):
+        if grid in ("planted", "planted-lr", "router-lr", "distill", "long"):
             rows = [r for r in result["rows"] if r["grid"] == grid]
             out += [f"\n### Grid {grid}\n", markdown(rows, SCORE_COLUMNS)]
     out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
