@@ -71,6 +71,7 @@ import revit
 import train
 from lib.cli import (DEVICES, InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device,
                      write_json)
+from lib.cli import run_main  # Ctrl-C: one line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -1513,4 +1514,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main().get("ok", True) else 1)
+    sys.exit(0 if run_main(main, "every report it writes is written whole or not at all").get("ok", True) else 1)

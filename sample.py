@@ -15,7 +15,7 @@ import torch
 
 import alternet
 from lib.checkpoint import load_model
-from lib.cli import DEVICES, fail, pick_device
+from lib.cli import DEVICES, fail, pick_device, run_main
 
 # Bounds a user would not hit by intent (a typo, or a script gone wrong, stops at once instead of
 # running for hours without a word)
@@ -139,4 +139,4 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "nothing is written")

@@ -43,7 +43,7 @@ from lib.checkpoint import (MODEL_KEYS, RunFolder, atomic_save, checkpoint_or_fa
                             rng_state, unwrap)
 from lib.checks import check_config
 from lib.cli import (dataclass_parser, device_options, fail, non_finite_place, opt, parse_depths,
-                     pick_device, say)
+                     pick_device, run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -549,7 +549,8 @@ def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
     model of cfg (or ckpt), built here on the meta device."""
     auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
     unasked = device.type != "cuda" and cfg.gpu_memory is None  # a CPU run that names no memory budget
-    if cfg.probe or cfg.teacher or (unasked and model is not None and num_params(model) < MEASURED_FROM):
+    small = model is not None and sum(p.numel() for p in model.parameters()) < MEASURED_FROM
+    if cfg.probe or cfg.teacher or (unasked and small):
         return
     from lib import memory  # the planner: imported by the runs it plans
     fitted = memory.fit_run(cfg, model, device, world, ckpt, auto, MEASURED_FROM if unasked else 0)
@@ -562,10 +563,6 @@ def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
             f"per device)")
         cfg.grad_accum = accum
     say(f"memory: {planned.line()}")
-
-
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estimate, unless --gpu-memory
@@ -792,8 +789,5 @@ def main(argv=None) -> dict:
             dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:  # before training began (data, set-up): the loop reports its own step
-        raise SystemExit("train.py: stopped by Ctrl-C before training began; no checkpoint written") from None
+if __name__ == "__main__":  # Ctrl-C before training began (data, set-up); the loop reports its own step
+    run_main(main, "training had not begun; no checkpoint written")

@@ -38,6 +38,14 @@ def fail(message: str, prog: str | None = None):
     raise SystemExit(f"{prog or script_name()}: error: {message}")
 
 
+def run_main(main, what_is_kept: str):
+    """A command's entry point: Ctrl-C ends it in one line saying what is kept, never a traceback."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        raise SystemExit(f"{script_name()}: stopped by Ctrl-C; {what_is_kept}") from None
+
+
 def script_name() -> str:
     """The command being run, as its user typed it: `train.py`, `bench.py`, or `python -m tools.NAME`."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)

@@ -3,6 +3,7 @@ import gzip
 import os
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,9 +61,34 @@ def test_gpt2_tokenizer_needs_tiktoken():
     except ImportError:
         with pytest.raises(ValueError, match="pip install tiktoken"):
             data.tokenize("hello", "gpt2")
-    else:
-        tokens, per_byte, vocab = data.tokenize("hello world", "gpt2")
-        assert vocab == 50257 and 0 < per_byte < 1
+    else:  # its files cached: the encoding loads offline; not cached: one line asking for --download
+        try:
+            tokens, per_byte, vocab = data.tokenize("hello world", "gpt2")
+        except ValueError as e:
+            assert "with --download" in str(e)
+        else:
+            assert vocab == 50257 and 0 < per_byte < 1
+
+
+def test_the_gpt2_tokenizer_reaches_the_network_only_with_download(monkeypatch):
+    """tiktoken fetches its encoding files when they are not cached: a tokenizer named by a checkpoint or a
+    flag must not make that fetch without --download (a stand-in tiktoken tries to connect)."""
+    import socket
+    import types
+    attempts = []
+
+    def get_encoding(name):
+        try:
+            socket.create_connection(("openaipublic.blob.core.windows.net", 443), timeout=0.01)
+        except OSError as e:
+            attempts.append(str(e))
+            raise
+        raise AssertionError("the stand-in reached past the guard")
+
+    monkeypatch.setitem(sys.modules, "tiktoken", types.SimpleNamespace(get_encoding=get_encoding))
+    with pytest.raises(ValueError, match="it fetches its files once, with --download"):
+        data.tokenize("hello", "gpt2")
+    assert attempts == ["no --download"]  # refused before any lookup or connection
 
 
 def test_grammar_corpus_is_deterministic_english_with_agreement():

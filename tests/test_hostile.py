@@ -578,3 +578,26 @@ def test_depth_bounds_take_their_edges():
     assert train.resolve_config({"seed": 2 ** 32 - 1}, announce=False).seed == 2 ** 32 - 1
     with pytest.raises(SystemExit, match="--seed must be in 0..2"):
         train.resolve_config({"seed": 2 ** 32}, announce=False)
+
+
+# --- Ctrl-C: every command ends in one line saying what is kept, never a traceback ---
+
+CTRL_C = """import argparse, runpy, sys
+def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt  # Ctrl-C while the command reads its flags: the first thing each one does
+argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = interrupted
+sys.argv = [{argv0!r}]
+runpy.{runner}({target!r}, run_name="__main__"{alter})
+"""
+
+
+@pytest.mark.parametrize("target", ["train.py", "bench.py", "sample.py", "tools.analyze", "tools.depths",
+                                    "tools.export", "tools.probes", "tools.sweep"])
+def test_ctrl_c_ends_every_command_in_one_line(target):
+    as_file = target.endswith(".py")
+    code = CTRL_C.format(argv0=target if as_file else "-m", runner="run_path" if as_file else "run_module",
+                         target=target, alter="" if as_file else ", alter_sys=True")  # as python -m does
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    name = target if as_file else f"python -m {target}"
+    assert done.returncode == 1 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr.startswith(f"{name}: stopped by Ctrl-C; ") and done.stderr.count("\n") == 1, done.stderr

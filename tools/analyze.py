@@ -43,6 +43,7 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 import revit
 from lib.checkpoint import load_vision_model
 from lib.cli import atomic_write_text, check_depth, fail, output_problem, path_problem, pick_device, pyplot
+from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, FolderImages, load_images
 
 PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
@@ -791,4 +792,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "every file it writes is written whole or not at all")

@@ -42,6 +42,7 @@ import revit
 import train
 from lib.checkpoint import load_model
 from lib.cli import InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot, write_json
+from lib.cli import run_main  # Ctrl-C: one line
 
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
 
@@ -389,4 +390,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "every file it writes is written whole or not at all")

@@ -47,7 +47,7 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
 import revit
 from lib.checkpoint import import_moe_if_named, load_vision_model
 from lib.values import fit_problem, weights_problem
-from lib.cli import check_depth, fail, output_problem, path_problem, too_deep
+from lib.cli import check_depth, fail, output_problem, path_problem, too_deep, run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
 
@@ -393,4 +393,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "an export is written whole or not at all")

@@ -70,6 +70,7 @@ from lib import checkpoint
 import train
 from lib.cli import (check_depth, dataclass_parser, fail, non_finite_place, opt, output_problem, parse_depths,
                      path_problem, pick_device, write_json)
+from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, epoch_order, load_images
 from lib.tasks import DENSE_PROBES
 
@@ -664,4 +665,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "every file it writes is written whole or not at all")

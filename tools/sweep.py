@@ -36,6 +36,7 @@ from lib import tasks
 from lib.checkpoint import load_model
 from lib.cli import (InputError, f, fail, git_commit, json_text, markdown, output_problem, path_problem,
                      pick_device, pyplot, write_json)
+from lib.cli import run_main  # Ctrl-C: one line
 
 PROG = "python -m tools.sweep"  # how it runs: from the repository root, as a module
 
@@ -630,4 +631,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "finished cells are kept; the same command continues with the rest")
