@@ -6,8 +6,8 @@ user can act on; train.py turns those into one line (`train.py: error: ...`).
 - images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python archives, read by an unpickler that
   builds only plain data: nothing in a data folder can run code), any ImageFolder tree;
   whole small data sets are uint8 tensors, batches are index gathers in a (seed, epoch) order;
-- text: bytes or GPT-2 BPE (tiktoken) of a UTF-8 file / folder, tinyshakespeare, or the default
-  corpus `grammar_corpus()` that the repository generates itself (no download, no file);
+- text: a UTF-8 file / folder, tinyshakespeare, or the default corpus `grammar_corpus()` that the
+  repository generates itself (no download, no file), tokenized by lib/language.py;
 - augmentation on the device: the DeiT III recipe of the reViT paper's Table 6 (arXiv 2610.12448):
   random crop + flip, 3-Augment, colour jitter, mixup / cutmix.
 
@@ -16,7 +16,6 @@ Nothing here touches the network unless asked (`download=True`).
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import io
 import math
@@ -516,40 +515,6 @@ def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", downl
     if corpus == "grammar":
         return grammar_corpus()
     return read_text("", str(find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1]))  # its checks too
-
-
-def tokenize(text: str, tokenizer: str = "byte", download: bool = False) -> tuple[torch.Tensor, float, int]:
-    """-> (tokens (N,) int64, tokens per byte, vocabulary size). byte: the UTF-8 bytes (vocab 256);
-    gpt2: GPT-2's BPE through tiktoken (vocab 50257), which fetches its files once: only with download."""
-    raw = text.encode("utf-8")
-    if tokenizer == "byte":
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long(), 1.0, 256
-    if tokenizer != "gpt2":
-        raise ValueError(f"tokenizer must be byte or gpt2; got {tokenizer!r}")
-    try:
-        import tiktoken
-    except ImportError:
-        raise ValueError("the gpt2 tokenizer needs tiktoken: pip install tiktoken (or use byte)") from None
-    from unittest import mock
-    with contextlib.ExitStack() as offline:
-        for name in ([] if download else ["getaddrinfo", "socket.connect"]):  # no lookup, no connection
-            offline.enter_context(mock.patch(f"socket.{name}", side_effect=OSError("no --download")))
-        try:
-            encoding = tiktoken.get_encoding("gpt2")
-        except Exception as e:  # noqa: BLE001 -- its files are not cached, or could not be fetched
-            raise ValueError(f"tiktoken could not load the gpt2 encoding ({e}); it fetches its files once, "
-                             f"with --download") from None
-    tokens = torch.tensor(encoding.encode_ordinary(text), dtype=torch.long)
-    return tokens, len(tokens) / len(raw), encoding.n_vocab
-
-
-def load_text(corpus: str = "grammar", path: str = "", tokenizer: str = "byte", data_dir: str = "",
-              download: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-    """Train/val token tensors (90/10 split), tokens per byte, vocabulary size."""
-    text = read_text(corpus, path, data_dir, download)
-    tokens, tokens_per_byte, vocab = tokenize(text, tokenizer, download)
-    split = int(0.9 * len(tokens))
-    return tokens[:split], tokens[split:], tokens_per_byte, vocab
 
 
 def text_batches(tokens: torch.Tensor, batch_size: int, block_size: int, seed: int, rank: int, world: int,

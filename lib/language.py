@@ -4,6 +4,7 @@ builds it for a language preset (`build`); a vision run never imports this file,
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -14,6 +15,51 @@ from lib import data
 from lib.checkpoint import unwrap
 from lib.cli import device_options, fail, parse_model_args, say
 from lib.tasks import autocast_of, make
+
+
+# --- text: tokens of a corpus (lib/data.py reads it), with no network unless --download ---
+
+
+@contextlib.contextmanager
+def no_network(allowed: bool = False):
+    """Inside, DNS lookups and connections are refused unless `allowed` (--download): tiktoken fetches its
+    encoding files when they are not cached, and a tokenizer named by a checkpoint must not make it fetch."""
+    from unittest import mock
+    with contextlib.ExitStack() as offline:
+        for name in ([] if allowed else ["getaddrinfo", "socket.connect"]):  # no lookup, no connection
+            offline.enter_context(mock.patch(f"socket.{name}", side_effect=OSError("no --download")))
+        yield
+
+
+def tokenize(text: str, tokenizer: str = "byte", download: bool = False) -> tuple[torch.Tensor, float, int]:
+    """-> (tokens (N,) int64, tokens per byte, vocabulary size). byte: the UTF-8 bytes (vocab 256);
+    gpt2: GPT-2's BPE through tiktoken (vocab 50257), which fetches its files once: only with download."""
+    raw = text.encode("utf-8")
+    if tokenizer == "byte":
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long(), 1.0, 256
+    if tokenizer != "gpt2":
+        raise ValueError(f"tokenizer must be byte or gpt2; got {tokenizer!r}")
+    try:
+        import tiktoken
+    except ImportError:
+        raise ValueError("the gpt2 tokenizer needs tiktoken: pip install tiktoken (or use byte)") from None
+    with no_network(allowed=download):
+        try:
+            encoding = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # noqa: BLE001 -- its files are not cached, or could not be fetched
+            raise ValueError(f"tiktoken could not load the gpt2 encoding ({e}); it fetches its files once, "
+                             f"with --download") from None
+    tokens = torch.tensor(encoding.encode_ordinary(text), dtype=torch.long)
+    return tokens, len(tokens) / len(raw), encoding.n_vocab
+
+
+def load_text(corpus: str = "grammar", path: str = "", tokenizer: str = "byte", data_dir: str = "",
+              download: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """Train/val token tensors (90/10 split), tokens per byte, vocabulary size."""
+    text = data.read_text(corpus, path, data_dir, download)
+    tokens, tokens_per_byte, vocab = tokenize(text, tokenizer, download)
+    split = int(0.9 * len(tokens))
+    return tokens[:split], tokens[split:], tokens_per_byte, vocab
 
 
 class LanguageTask:
@@ -132,7 +178,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     language preset. A resumed or evaluated checkpoint supplies the model config."""
     autocast = autocast_of(device, device_options(device.type, cfg.bf16))
     try:
-        train_tokens, val_tokens, tokens_per_byte, vocab = data.load_text(
+        train_tokens, val_tokens, tokens_per_byte, vocab = load_text(
             cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)
     except (ValueError, FileNotFoundError) as e:
         fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")

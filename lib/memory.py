@@ -517,7 +517,7 @@ def _ru_maxrss_kib() -> int:
 
 # --- train.py's plan: a run's peak memory per device and the --grad-accum that fits it ---
 
-GPT2_VOCAB = 50257  # GPT-2's BPE (data.tokenize): known before tiktoken loads
+GPT2_VOCAB = 50257  # GPT-2's BPE (language.tokenize): known before tiktoken loads
 
 
 def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None, auto: bool,

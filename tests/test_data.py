@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib import data
+from lib import data, language
 
 
 def test_fashion_mnist_reader(fashion_mnist_dir):
@@ -40,7 +40,7 @@ def test_not_an_idx_file(tmp_path):
 def test_text_folder_bytes_and_split(tmp_path):
     (tmp_path / "a.txt").write_text("héllo " * 50, encoding="utf-8")
     (tmp_path / "b.txt").write_text("world " * 50, encoding="utf-8")
-    train_tokens, val_tokens, tokens_per_byte, vocab = data.load_text(path=str(tmp_path))
+    train_tokens, val_tokens, tokens_per_byte, vocab = language.load_text(path=str(tmp_path))
     assert vocab == 256 and tokens_per_byte == 1.0 and int(train_tokens.max()) < 256
     assert len(train_tokens) == int(0.9 * (len(train_tokens) + len(val_tokens)))
     assert bytes(train_tokens[:2].tolist()) == "h\u00e9".encode()[:2]
@@ -60,10 +60,10 @@ def test_gpt2_tokenizer_needs_tiktoken():
         import tiktoken  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="pip install tiktoken"):
-            data.tokenize("hello", "gpt2")
+            language.tokenize("hello", "gpt2")
     else:  # its files cached: the encoding loads offline; not cached: one line asking for --download
         try:
-            tokens, per_byte, vocab = data.tokenize("hello world", "gpt2")
+            tokens, per_byte, vocab = language.tokenize("hello world", "gpt2")
         except ValueError as e:
             assert "with --download" in str(e)
         else:
@@ -87,7 +87,7 @@ def test_the_gpt2_tokenizer_reaches_the_network_only_with_download(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "tiktoken", types.SimpleNamespace(get_encoding=get_encoding))
     with pytest.raises(ValueError, match="it fetches its files once, with --download"):
-        data.tokenize("hello", "gpt2")
+        language.tokenize("hello", "gpt2")
     assert attempts == ["no --download"]  # refused before any lookup or connection
 
 
