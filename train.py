@@ -18,7 +18,8 @@ This file reads top to bottom: config and recipes; the loop and its step (`train
 forward, cross-entropy + the model's auxiliary losses, on one screen; distillation, Eq. 5, and language
 modelling bring their own loss); evaluation; set-up, optimizer and schedule; saving; the command line.
 Elsewhere, in lib/: the evaluation and the other losses (tasks.py, language.py), data and augmentation
-(data.py), the checkpoint format and run folder (checkpoint.py), the checks before a run (checks.py).
+(data.py), the checkpoint format and run folder (checkpoint.py), the checks before a run (checks.py), what a
+resumed run must match (resume.py).
 """
 
 from __future__ import annotations
