@@ -179,6 +179,24 @@ def test_tensor_file_format(tmp_path):
     assert summary["data"].endswith("(tensor files)") and summary["train_images"] == 40
 
 
+def test_a_metric_that_is_not_a_number_stops_the_probe_and_is_never_written(tmp_path):
+    """Every test pixel ignored: mIoU is the mean over no class (NaN). Like a non-finite loss in train.py, it
+    stops the probe with one line naming the metric, and neither the results nor the heads are written."""
+    path = save_backbone(tmp_path / "backbone.pt")
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        images = torch.randint(0, 256, (16, 1, 28, 28), dtype=torch.uint8, generator=g)
+        labels = (images[:, 0] > 128).long()
+        if split == "val":
+            labels[:] = probes.IGNORE_INDEX
+        torch.save({"images": images, "labels": labels, "num_classes": 2}, tmp_path / f"{split}.pt")
+    with pytest.raises(SystemExit) as info:
+        probes.run(probes.ProbeConfig(probe="seg", backbone=str(path), data=str(tmp_path), max_steps=2,
+                                      batch_size=8, device="cpu", out_dir=str(tmp_path / "run")))
+    assert ONE_LINE_ERROR.match(str(info.value)) and "the metric test_miou is not finite" in str(info.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_dense_probes_have_one_entry_point(tmp_path, fashion_mnist_dir):
     """python -m tools.probes runs the dense probes; train.py names it in one line (it trains --probe cls) and
     imports none of the tools, at any level (no import cycle: probes.py imports train.py)."""

@@ -240,3 +240,21 @@ def test_a_damaged_cell_file_is_a_one_line_error(content, message, tmp_path, fak
     assert "delete it to re-run the cell" in text and "\n" not in text
     assert (cells / "damaged.json").read_text() == content and fake_train() == []
     assert not (tmp_path / "quality.json").exists()
+
+
+def test_a_cell_whose_seeds_were_evaluated_at_different_depths_is_refused(tmp_path, fake_train):
+    """An edited (or mixed) cell: seed 1 claims an extra depth. Averaging it with seeds that lack that depth
+    would print a mean of one seed as a mean of three; the table is refused in one line naming the cell."""
+    argv = ["--device", "cpu", "--grids", "tying", "--out", str(tmp_path)]
+    run_cli(argv)
+    path = tmp_path / "cells" / "tying-regime-e-1-seed1.json"
+    record = json.loads(path.read_text())
+    record["result"]["depths"] = {"4": {"acc": 0.5}}
+    path.write_text(json.dumps(record))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "cells").iterdir()}
+    with pytest.raises(SystemExit) as error:
+        run_cli(argv)
+    text = str(error.value.code)
+    assert "cell tying / regime: E=1: its seeds were evaluated at different depths ([], [4], [])" in text, text
+    assert "\n" not in text and {p.name: p.read_bytes() for p in (tmp_path / "cells").iterdir()} == before
+    assert len(fake_train()) == 18  # nothing re-trained
