@@ -445,6 +445,8 @@ MUTANTS = [
     mutant("sweep: seeds at different depths averaged", "tools/sweep.py",
            'if any(sorted(map(int, r.get("depths", {}))) != depths for r in results):',
            'if False:', "tests/test_sweep.py::test_a_cell_whose_seeds_were_evaluated_at_different_depths_is_refused"),
+    mutant("cli: an unwritable parent folder passes", "lib/cli.py", "if not os.access(parent, os.W_OK | os.X_OK):",
+           "if False:", "tests/test_check.py::test_a_read_only_working_folder_is_one_line_before_anything_runs"),
     mutant("sample: a checkpoint's tokenizer loaded online", "sample.py",
            "    with no_network():  # a checkpoint's tokenizer", "    if True:  # a checkpoint's tokenizer",
            "tests/test_sample.py::test_a_checkpoint_naming_gpt2_cannot_make_tiktoken_fetch"),

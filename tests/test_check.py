@@ -214,6 +214,23 @@ def test_an_out_folder_holding_another_check_s_report_is_refused_and_left_as_it_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["check.json", "ckpt.pt"]
 
 
+def test_a_read_only_working_folder_is_one_line_before_anything_runs(tmp_path, monkeypatch):
+    """The default --out (out/check-TIME) lies under the working folder: where that folder cannot be written
+    (a read-only mount; root passes chmod, so the kernel's answer is stood in for), one line, nothing made."""
+    import lib.cli
+    read_only = tmp_path.resolve()
+    real_access = os.access
+    monkeypatch.setattr(lib.cli.os, "access", lambda path, mode: real_access(path, mode) and not (
+        mode & os.W_OK and Path(path).resolve() == read_only))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(bench.COMMANDS, "check", lambda *a: pytest.fail("the check started"))
+    with pytest.raises(SystemExit) as error:
+        bench.main(["check", "--device", "cpu", "--quick"])
+    assert re.fullmatch(rf"bench.py: error: --out out/check-\d{{8}}-\d{{6}} cannot be created: {read_only} is not "
+                        "a writable folder", str(error.value.code)), error.value.code
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_commit_comes_from_a_file_where_there_is_no_git(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "git_commit", lambda folder: None)
     monkeypatch.setattr(bench, "HERE", str(tmp_path))
