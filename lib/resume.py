@@ -10,6 +10,7 @@ not been touched.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -91,8 +92,9 @@ def check_resume(cfg, ckpt: dict, trainable: nn.Module, optimizer, augment,
              f"--max-steps or --epochs (the checkpoint is left as it is)")
     may_skip = cfg.ddp_find_unused or getattr(trainable.config, "ffn", "merge") != "merge" if \
         hasattr(trainable, "config") else cfg.ddp_find_unused  # routed experts: some get no gradient
+    names = {id(p): name for name, p in trainable.named_parameters()}
     problem = (fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
-               or optimizer_problem(ckpt["optimizer"], optimizer, ckpt["step"], may_skip)
+               or optimizer_problem(ckpt["optimizer"], optimizer, ckpt["step"], may_skip, names)
                or rng_problem(ckpt["rng"], augment))
     if problem:
         fail(f"{flag}: {problem}")
@@ -113,11 +115,17 @@ ADAM_GROUP = {  # the hyperparameters load_state_dict restores with each group: 
 }
 
 
-def optimizer_problem(saved: dict, optimizer, step: int, may_skip: bool) -> str | None:
+# A parameter that a step may leave without a gradient, by its name: one of a routed expert (AlterNet's
+# experts.N.*, which no sequence of a batch picked)
+ROUTED_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+
+
+def optimizer_problem(saved: dict, optimizer, step: int, may_skip: bool, names: dict | None = None) -> str | None:
     """A saved AdamW state against the run's optimizer: the same groups and hyperparameters (of the same
     types, betas in [0, 1)), parameter ids as state_dict numbers them, and per parameter the state AdamW
     keeps, in the parameter's shape and a float dtype. Parameters without state: refused after the first
-    step unless the model routes (`may_skip`: an expert no batch picked has none), then an override line."""
+    step unless the model routes (`may_skip`) and each is a routed expert's (`names`: id(parameter) ->
+    name; an expert no batch picked has none), then an override line."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = saved["param_groups"]
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
@@ -140,6 +148,11 @@ def optimizer_problem(saved: dict, optimizer, step: int, may_skip: bool) -> str 
     if missing and step > 0 and not may_skip:
         return (f"its optimizer state covers {len(saved['state'])} of {len(params)} parameters (every one "
                 f"has state after a step): an edited or partial file")
+    stateless = [(names or {}).get(id(p), f"parameter {i}") for i, p in enumerate(params) if i not in saved["state"]]
+    unrouted = [name for name in stateless if not ROUTED_EXPERT.search(name)]
+    if unrouted and step > 0:  # every batch reaches it: after a step it has state
+        return (f"its optimizer state has none for {unrouted[0]} (only a routed expert no batch picked may have "
+                f"none; {len(unrouted)} such parameters): an edited or partial file")
     if missing and step > 0:
         say(f"override: {missing} of {len(params)} parameters have no optimizer state (routed experts no batch "
             f"picked yet); they start fresh")

@@ -162,6 +162,27 @@ def test_edited_checkpoints_are_refused_before_anything_is_written(runs, tmp_pat
     assert contents(tmp_path) == before
 
 
+def test_only_a_routed_expert_may_resume_without_optimizer_state(tmp_path):
+    """AlterNet routes each sequence to one expert: an expert no batch picked has no AdamW state yet, and a
+    resume says so. Any other parameter gets a gradient at every step, so a checkpoint without its state is
+    an edited or partial file: refused before the run folder is touched."""
+    run = tmp_path / "run"
+    train.main(["--arch", "alternet-tiny", "--dataset", "grammar", "--out-dir", str(run), "--no-progress",
+                "--max-steps", "3", "--batch-size", "2", "--block-size", "16", "--eval-iters", "1",
+                "--eval-batch-size", "2", "--model-args",
+                "dim=32,heads=2,ffn_dim=64,max_depth=3,seq_len=32,num_experts=4,min_depth_warmup=0"])
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    params = sum(len(g["params"]) for g in ckpt["optimizer"]["param_groups"])
+    assert 0 < params - len(ckpt["optimizer"]["state"]) < params // 2  # an unpicked expert, here
+    del ckpt["optimizer"]["state"][0]  # the token embedding, which every batch reaches
+    torch.save(ckpt, run / "ckpt.pt")
+    before = contents(run)
+    message = one_line(train.main, ["--resume", run / "ckpt.pt", "--max-steps", "5"], "train.py")
+    assert "its optimizer state has none for " in message and "only a routed expert no batch picked" in message
+    assert "experts." not in message.split("has none for ")[1].split(" ")[0], message
+    assert contents(run) == before
+
+
 def test_non_finite_weights_are_refused_by_every_reader(runs, tmp_path, fashion_mnist_dir):
     """One check in the loader: no tool evaluates, distils from, probes or continues a diverged model."""
     nan = edited(runs, tmp_path, "nan.pt", set_nan)
