@@ -530,6 +530,7 @@ class DropPath(nn.Module):
         keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
         return x * keep / (1.0 - self.p)
 
+
 class LayerScale(nn.Module):
     """DeiT III's per-channel scale of a residual branch (the baselines; reViT's block has none, Eq. 3)."""
 

@@ -635,6 +635,22 @@ def test_determinism():
     assert torch.equal(ga, gb)
 
 
+@pytest.mark.parametrize("temperature, top_k", [(0.5, None), (2.0, 3), (0.7, 1)])
+def test_sampling_draws_from_the_top_k_softmax_at_the_temperature(temperature, top_k):
+    """Each next token ~ softmax(logits / temperature) over the top_k largest logits (the k-th kept), counted
+    over 40,000 draws of one row; temperature 0 is the argmax."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 0.5, 1.5, -1.0, 1.0, 0.0]])
+    draws = alternet.sample_next_token(logits.expand(40_000, -1), temperature, top_k)[:, 0]
+    counts = torch.bincount(draws, minlength=6).float() / 40_000
+    kept = torch.full_like(logits[0], float("-inf"))
+    order = logits[0].argsort(descending=True)[: top_k or 6]
+    kept[order] = logits[0, order] / temperature
+    assert (counts[kept == float("-inf")] == 0).all()
+    assert torch.allclose(counts, kept.softmax(-1), atol=0.01)  # the standard error is <= 0.0025
+    assert torch.equal(alternet.sample_next_token(logits, 0, top_k), torch.tensor([[0]]))
+
+
 def test_generate_uses_halting_and_crops_context():
     model = spread_halting(small_model(max_depth=6)).eval()
     prompt = tokens_for(model, B=3, T=20)  # longer than seq_len = 16

@@ -147,6 +147,35 @@ def test_augment_shapes_and_soft_targets():
     assert torch.equal(targets, torch.nn.functional.one_hot(labels[:4], 10).float())
 
 
+def test_mixup_and_cutmix_weigh_each_target_by_what_its_image_holds():
+    """timm's batch mode (the DeiT III recipe): image i is mixed with image B-1-i and its target is
+    lam y_i + (1 - lam) y_(B-1-i), lam the pixel weight (mixup) or the share of image i left after the box
+    was clipped to the image (cutmix: not the sampled lam). Each image is one grey level and its partner's
+    label differs, so lam is read from the pixels and compared with the targets."""
+    B, smoothing = 10, 0.1
+    levels = torch.arange(B) * 20 + 10
+    images = levels.to(torch.uint8).view(B, 1, 1, 1).expand(B, 1, 28, 28).contiguous()
+    labels = torch.arange(B)
+    plain = data.ImageData(None, None, 10, 1, 28, [0.0], [1.0])
+    own, partner = (levels.float() / 255).view(B, 1, 1, 1), (levels.flip(0).float() / 255).view(B, 1, 1, 1)
+    smoothed = torch.eye(10) * (1 - smoothing) + smoothing / 10
+    for kind in ("mixup", "cutmix"):
+        augment = data.Augment(plain, torch.device("cpu"), 0, **{kind: 1.0}, label_smoothing=smoothing)
+        for _ in range(6):
+            x, targets = augment(images, labels)
+            if kind == "mixup":
+                lam = ((x - partner) / (own - partner)).flatten(1)
+                assert torch.allclose(lam, lam[:1, :1].expand_as(lam), atol=1e-5)
+                lam = lam[:, 0]
+            else:
+                from_own = torch.isclose(x, own.expand_as(x)).flatten(1).float().mean(1)
+                from_partner = torch.isclose(x, partner.expand_as(x)).flatten(1).float().mean(1)
+                assert torch.equal(from_own + from_partner, torch.ones(B))
+                lam = from_own
+            expected = lam[:, None] * smoothed[labels] + (1 - lam[:, None]) * smoothed[labels.flip(0)]
+            torch.testing.assert_close(targets, expected, atol=1e-5, rtol=0)
+
+
 # --- hostile data folders: nothing runs, every problem is one line naming the file ---
 
 

@@ -85,7 +85,8 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
     "arch_number": (lambda c: c.update(arch=12345), "its arch must be a preset name (a string); got 12345"),
     "arch_unknown": (lambda c: c.update(arch="revit-huge"), "checkpoint of unknown arch 'revit-huge'"),
     "depth_huge": (lambda c: c["model_config"].update(depth=10 ** 9), "model_config has depth=1000000000; at most 256"),
-    "dim_other": (lambda c: c["model_config"].update(dim=64, heads=2), "its weights do not fit revit-mini"),
+    "dim_other": (lambda c: (c["model_config"].update(dim=64, heads=2), c["train_config"].update(
+        model_args="dim=64,heads=2,ffn_dim=64")), "its weights do not fit revit-mini"),
     "config_bad": (lambda c: c["model_config"].update(heads=0), "its model_config does not build revit-mini: heads=0"),
     "optimizer_misfit": (lambda c: c["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
                          "its optimizer state does not fit the model (entry 0)"),
@@ -114,6 +115,12 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
                        "its metrics is not finite (metrics.val_loss holds NaN or inf)"),
     "other_preset": (lambda c: c.update(arch="vit-mini"), "its arch names another preset"),
     "other_train_arch": (lambda c: c["train_config"].update(arch="revit-mini32"), "its arch names another preset"),
+    "other_size": (lambda c: (c.update(arch="revit-s"), c["train_config"].update(arch="revit-s", model_args="")),
+                   "its model_config has dim=32, but revit-s with its train_config's flags builds dim=384: its arch "
+                   "names another preset"),
+    "edited_model_args": (lambda c: c["train_config"].update(model_args="dim=32,heads=2,ffn_dim=48"),
+                          "its model_config has ffn_dim=64, but revit-mini with its train_config's flags builds "
+                          "ffn_dim=48"),
     "data_path": (lambda c: c["train_config"].update(data="/etc/passwd"), "the run used --data /etc/passwd; give "
                   "--data again"),
     # loop state (--resume only), checked before the run folder is touched

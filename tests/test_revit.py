@@ -294,6 +294,21 @@ def test_raptor_with_k_equal_l_is_an_untied_vit():
         torch.testing.assert_close(vit(x), raptor(x))
 
 
+def test_drop_path_drops_whole_samples_and_rescales_the_kept_ones():
+    """DeiT III's stochastic depth (timm's DropPath): in training each sample's residual branch is kept with
+    probability 1 - p and scaled by 1 / (1 - p), so its expectation is unchanged; in eval, the identity."""
+    torch.manual_seed(0)
+    p, n = 0.25, 4000
+    drop = revit.DropPath(p).train()
+    x = torch.rand(n, 5, 6) + 1
+    ratio = (drop(x) / x).flatten(1)
+    assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio))  # a whole sample, never single elements
+    kept = ratio[:, 0] > 0
+    assert torch.allclose(ratio[kept], torch.full_like(ratio[kept], 1 / (1 - p)))
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.03  # 4,000 samples: the standard error is 0.007
+    assert torch.equal(drop.eval()(x), x)
+
+
 def test_deit3_numerics():
     vit = tiny("vit-mini")
     assert vit.blocks[0].ls1.gamma.eq(1e-4).all() and vit.norm.eps == 1e-6
