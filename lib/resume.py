@@ -90,11 +90,10 @@ def check_resume(cfg, ckpt: dict, trainable: nn.Module, optimizer, augment,
     if ckpt["step"] > total_steps:
         fail(f"{flag} is at step {ckpt['step']}, past this run's {total_steps} steps; give a larger "
              f"--max-steps or --epochs (the checkpoint is left as it is)")
-    may_skip = cfg.ddp_find_unused or getattr(trainable.config, "ffn", "merge") != "merge" if \
-        hasattr(trainable, "config") else cfg.ddp_find_unused  # routed experts: some get no gradient
     names = {id(p): name for name, p in trainable.named_parameters()}
     problem = (fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
-               or optimizer_problem(ckpt["optimizer"], optimizer, ckpt["step"], may_skip, names)
+               or optimizer_problem(ckpt["optimizer"], optimizer, ckpt["step"], names,
+                                    lambda name: may_lack_state(name, distilled=bool(cfg.teacher)))
                or rng_problem(ckpt["rng"], augment))
     if problem:
         fail(f"{flag}: {problem}")
@@ -115,17 +114,21 @@ ADAM_GROUP = {  # the hyperparameters load_state_dict restores with each group: 
 }
 
 
-# A parameter that a step may leave without a gradient, by its name: one of a routed expert (AlterNet's
-# experts.N.*, which no sequence of a batch picked)
-ROUTED_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+# Parameters that no step may reach, by name: a routed expert no sequence of any batch picked yet
+# (AlterNet's experts.N.*), and a distilled student's class head (Eq. 5 reads the final tokens, not the head)
+ROUTED_EXPERT, HEAD = re.compile(r"(^|\.)experts\.\d+\."), re.compile(r"(^|\.)head\.")
 
 
-def optimizer_problem(saved: dict, optimizer, step: int, may_skip: bool, names: dict | None = None) -> str | None:
+def may_lack_state(name: str, distilled: bool) -> bool:
+    """Whether parameter `name` may have no AdamW state after a step (AdamW makes it at the first gradient)."""
+    return bool(ROUTED_EXPERT.search(name)) or distilled and bool(HEAD.search(name))
+
+
+def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) -> str | None:
     """A saved AdamW state against the run's optimizer: the same groups and hyperparameters (of the same
     types, betas in [0, 1)), parameter ids as state_dict numbers them, and per parameter the state AdamW
-    keeps, in the parameter's shape and a float dtype. Parameters without state: refused after the first
-    step unless the model routes (`may_skip`) and each is a routed expert's (`names`: id(parameter) ->
-    name; an expert no batch picked has none), then an override line."""
+    keeps, in the parameter's shape and a float dtype. After the first step a parameter without state
+    (`names`: id(parameter) -> name) is refused unless `may_lack(name)` (then an override line)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = saved["param_groups"]
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
@@ -144,18 +147,15 @@ def optimizer_problem(saved: dict, optimizer, step: int, may_skip: bool, names: 
         floats = all(torch.is_tensor(v) and v.is_floating_point() for k, v in state.items() if k != "step")
         if shapes - {tuple(params[index].shape)} or not floats or not step_ok(state["step"]):
             return f"its optimizer state does not fit the model (entry {index!r})"
-    missing = len(params) - len(saved["state"])
-    if missing and step > 0 and not may_skip:
-        return (f"its optimizer state covers {len(saved['state'])} of {len(params)} parameters (every one "
-                f"has state after a step): an edited or partial file")
-    stateless = [(names or {}).get(id(p), f"parameter {i}") for i, p in enumerate(params) if i not in saved["state"]]
-    unrouted = [name for name in stateless if not ROUTED_EXPERT.search(name)]
-    if unrouted and step > 0:  # every batch reaches it: after a step it has state
-        return (f"its optimizer state has none for {unrouted[0]} (only a routed expert no batch picked may have "
-                f"none; {len(unrouted)} such parameters): an edited or partial file")
-    if missing and step > 0:
-        say(f"override: {missing} of {len(params)} parameters have no optimizer state (routed experts no batch "
-            f"picked yet); they start fresh")
+    stateless = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params) if i not in saved["state"]]
+    refused = [name for name in stateless if not may_lack(name)]
+    if refused and step > 0:
+        return (f"its optimizer state covers {len(saved['state'])} of {len(params)} parameters, none for "
+                f"{refused[0]} (after a step only a routed expert no sequence picked, or a distilled student's "
+                f"class head, has none): an edited or partial file")
+    if stateless and step > 0:
+        say(f"override: {len(stateless)} of {len(params)} parameters have no optimizer state (a routed expert "
+            f"no sequence picked yet, or a distilled student's unused class head); they start fresh")
     return None
 
 

@@ -185,9 +185,22 @@ def test_only_a_routed_expert_may_resume_without_optimizer_state(tmp_path):
     torch.save(ckpt, run / "ckpt.pt")
     before = contents(run)
     message = one_line(train.main, ["--resume", run / "ckpt.pt", "--max-steps", "5"], "train.py")
-    assert "its optimizer state has none for " in message and "only a routed expert no batch picked" in message
-    assert "experts." not in message.split("has none for ")[1].split(" ")[0], message
+    assert f"its optimizer state covers {len(ckpt['optimizer']['state'])} of {params} parameters, none for " \
+        in message and "only a routed expert no sequence picked" in message
+    assert "experts." not in message.split("none for ")[1].split(" ")[0], message
     assert contents(run) == before
+
+
+def test_a_distilled_student_killed_mid_run_resumes(runs, tmp_path, fashion_mnist_dir, capsys):
+    """Eq. 5 trains a student on its teacher's final tokens: its class head gets no gradient, so AdamW never
+    makes its state. A student's checkpoint is whole without it, and a run stopped mid-way continues."""
+    common = ["--teacher", runs / "A" / "ckpt.pt", "--data-dir", fashion_mnist_dir, *TINY]
+    train.main([str(a) for a in ["--out-dir", tmp_path / "student", *common, "--max-steps", "4", "--stop-at-step", "2"]])
+    capsys.readouterr()
+    summary = train.main(["--resume", str(tmp_path / "student" / "ckpt.pt"), "--teacher", str(runs / "A" / "ckpt.pt"),
+                          "--no-progress"])
+    assert summary["step"] == 4
+    assert "override: 2 of " in capsys.readouterr().out  # the head's weight and bias start fresh, said so
 
 
 def test_non_finite_weights_are_refused_by_every_reader(runs, tmp_path, fashion_mnist_dir):
