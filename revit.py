@@ -588,6 +588,7 @@ def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
             ends = scaled
     return [sum(step > end for end in ends) for step in range(1, depth + 1)]  # segments ended before step
 
+
 class Raptor(VisionTransformer):
     """k = raptor_blocks blocks, each serving a contiguous segment of the steps, at any depth."""
     arch = "raptor"

@@ -442,8 +442,8 @@ class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
     are summed with g, so a token whose gates are all zero keeps only its residual. Sparsity comes
     from the load-balanced L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e
     (count_e: tokens with g_e > 0; K = E (1 - target)), with lambda set by the controller after each
-    optimizer step: lambda *= 1.2 while the measured sparsity is below the target 0.75, else
-    lambda /= 1.2; lambda starts at 1e-8 and is an fp32 buffer. Our choice for the recurrence: the
+    optimizer step: lambda *= 1.2 while the measured sparsity is below the target 0.75, lambda /= 1.2
+    while it is above, unchanged on it; lambda starts at 1e-8 and is an fp32 buffer. Our choice for the recurrence: the
     n tokens are pooled over all L steps into one normalisation, which is 1/L of the sum of per-step
     (per-layer) penalties.
     """
@@ -488,7 +488,9 @@ class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(active)
         sparsity = 1.0 - (active[0] / active[1]).item()
-        self.l1_weight.mul_(self.l1_step if sparsity < self.target_sparsity else 1.0 / self.l1_step)
+        # lambda <- lambda * alpha^sign(target - sparsity): up while too dense, down while too sparse, kept on
+        # the target (which a few experts reach exactly: one of E = 4 gates open is sparsity 0.75)
+        self.l1_weight.mul_(self.l1_step ** ((sparsity < self.target_sparsity) - (sparsity > self.target_sparsity)))
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
         return {"experts": self.num_experts * ffn_flops(self.dim, self.hidden),

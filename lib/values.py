@@ -112,7 +112,7 @@ def preset_problem(ckpt: dict, config, fields: dict) -> str | None:
         return None  # no command line to rebuild it from
     built = {**fields, **{k: saved[k] for k in FLAG_FIELDS if saved.get(k) is not None}, **literal_pairs(
         saved.get("model_args", ""))}
-    for name in fields.keys() - set(DATA_FIELDS):
+    for name in (name for name in fields if name not in DATA_FIELDS):  # in the preset's order
         if as_list(ckpt["model_config"].get(name, built[name])) != as_list(built[name]):
             return (f"its model_config has {name}={ckpt['model_config'][name]!r}, but {arch} with its train_config's "
                     f"flags builds {name}={built[name]!r}: its arch names another preset")

@@ -506,6 +506,10 @@ def test_kl_ramp_starts_when_the_curriculum_ends():
     no_curriculum = small_model(min_depth_warmup=0, kl_ramp_steps=100)
     no_curriculum.set_step(50)
     assert no_curriculum.kl_scale == 0.5  # without a curriculum the ramp starts at step 0
+    abrupt = small_model(min_depth_warmup=10, kl_ramp_steps=0)  # no ramp: a_KL = 1 from the release on
+    for step, scale in [(9, 0.0), (10, 1.0), (11, 1.0)]:
+        abrupt.set_step(step)
+        assert abrupt.kl_scale == scale, step
 
 
 @pytest.mark.parametrize("release", [0, 8])
@@ -633,6 +637,32 @@ def test_determinism():
     torch.manual_seed(5)
     gb = b.generate(tokens[:, :4], 6, top_k=5)
     assert torch.equal(ga, gb)
+
+
+def test_a_threshold_the_halted_mass_lands_on_exactly_stops_there():
+    """§3: a sequence stops once its halted mass sum_{i<=d} p_i *reaches* the threshold. Every lambda 1/2 (halt
+    heads zeroed) gives the mass 1/2, 3/4, 7/8: thresholds of exactly 1/2 and 3/4 stop after 1 and 2
+    iterations; 1, the largest allowed, runs to the cap (only the last iteration's forced lambda = 1 reaches it)."""
+    model = small_model(max_depth=4).eval()
+    with torch.no_grad():
+        for head in filter(None, [e.halt_head for e in model.experts] + [model.halt_head]):
+            head.weight.zero_()
+            head.bias.zero_()
+    tokens = tokens_for(model, B=3, T=5)
+    for threshold, stop in ((0.5, 1), (0.75, 2), (1.0, 4)):
+        assert model(tokens, halt_threshold=threshold)["iterations"].tolist() == [stop] * 3, threshold
+    with pytest.raises(ValueError, match=r"halt_threshold must be None or in \(0, 1\]"):
+        model(tokens, halt_threshold=1.0000001)
+
+
+def test_relative_improvement_loss_trains_the_second_halt_head_at_two_iterations():
+    """Eq. 9 scores the halt decision of every iteration d >= 1 (iteration 0 has no improvement to judge):
+    at D = 2 that is iteration 1's head, so the loss is not zero and reaches lambda_1 only."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 2, requires_grad=True)
+    loss = alternet.relative_improvement_loss(F.logsigmoid(logits), F.logsigmoid(-logits), torch.rand(4, 2) + 1)
+    loss.backward()
+    assert loss > 0 and (logits.grad[:, 0] == 0).all() and (logits.grad[:, 1] != 0).all()
 
 
 @pytest.mark.parametrize("temperature, top_k", [(0.5, None), (2.0, 3), (0.7, 1)])

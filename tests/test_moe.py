@@ -299,6 +299,12 @@ def test_remoe_controller_multiplies_or_divides_lambda_by_1_2():
     ffn.after_optimizer_step()
     assert ffn.l1_weight.item() == pytest.approx(1e-8 / 1.2, rel=1e-6)
     assert ffn.l1_weight.dtype == torch.float32
+    with torch.no_grad():
+        ffn.router.weight[0].fill_(1.0)                # one of the 4 gates open: sparsity 0.75, the target
+    ffn(u)
+    assert ffn.sparsity() == 0.75
+    ffn.after_optimizer_step()
+    assert ffn.l1_weight.item() == pytest.approx(1e-8 / 1.2, rel=1e-6)  # alpha^sign(0) = 1: kept
 
 
 # --- layer-wise LoRA and fold ---

@@ -135,6 +135,28 @@ def test_warmup_cosine_schedule():
     assert train.lr_at(110, 1e-3, sched) == pytest.approx(1e-5)
 
 
+@pytest.mark.parametrize("dataset, width, lr", [("grammar", 256, 1e-3), ("grammar", 264, 3e-4),
+                                               ("fashion-mnist", 384, 4e-3), ("fashion-mnist", 768, 3e-3)])
+def test_the_automatic_lr_at_the_widths_that_decide_it(dataset, width, lr, capsys):
+    """The lr a recipe leaves open, from the width, on each boundary: Table 6 (arXiv 2610.12448) gives 4e-3
+    to S (width 384) and 3e-3 to B (width 768) and L; a byte-level AlterNet up to width 256 trains at 1e-3
+    (our choice for the CPU presets), wider ones at the AlterNet paper's 3e-4."""
+    from types import SimpleNamespace
+    cfg = train.TrainConfig(dataset=dataset, lr=None, lr_batch=0, max_steps=10, warmup_steps=0)
+    assert train.schedule(cfg, SimpleNamespace(config=SimpleNamespace(dim=width)), None)["peak_lr"] == lr
+    assert f"override: lr={lr} (auto: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("image_size, kept", [(28, True), (21, False), (35, True), (30, False)])
+def test_a_preset_patch_is_kept_down_to_four_patches_a_side(image_size, kept):
+    """Small images get a finer grid only when the preset's patch (revit-mini: 7) would leave fewer than 4
+    patches a side or does not divide the image: 28 px (4 x 4 patches, Fashion-MNIST) keeps it."""
+    from lib import data, tasks
+    images = data.ImageData(None, None, 10, 1, image_size, [0.5], [0.5])
+    overrides = tasks.vision_overrides(train.TrainConfig(arch="revit-mini"), images)
+    assert ("patch_size" not in overrides) == kept, overrides
+
+
 def test_resume_matches_uninterrupted_run(tmp_path, fashion_mnist_dir):
     """Every source of randomness on: elastic depth, drop-path, crop/flip, 3-Augment, mixup/cutmix."""
     recipe = ["--max-steps", "6", "--depth-drop", "0.3", "--drop-path", "0.1", "--mixup", "0.8",
