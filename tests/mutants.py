@@ -491,6 +491,9 @@ MUTANTS = [
            "tests/test_data.py::test_bad_idx_files_are_one_line"),
     mutant("data: text of any size read", "lib/data.py", "if size > MAX_FILE_BYTES:", "if False:",
            "tests/test_data.py::test_a_text_larger_than_the_bound_is_refused_before_it_is_read"),
+    mutant("export: a safetensors source with NaN outputs exported", "tools/export.py",
+           "problem = diverged(model)  # as load_vision_model", "problem = None  # as load_vision_model",
+           "tests/test_export.py::test_bad_input_gives_one_line_naming_it_and_writes_nothing"),
 ]
 
 
