@@ -907,7 +907,11 @@ def check_sampling(temperature: float, top_k: int | None, vocab_size: int) -> No
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
     """(B, V) logits of the last position -> (B, 1) next token ids: greedy at temperature 0, else sampled
-    from softmax(logits / temperature), optionally among the top_k most likely."""
+    from softmax(logits / temperature), optionally among the top_k most likely. ValueError for logits that
+    are not finite (a diverged model: neither argmax nor multinomial has an answer)."""
+    if not torch.isfinite(logits).all():
+        raise ValueError("the model's next-token logits are not finite (NaN or inf): finite but diverged "
+                         "weights")
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits / temperature

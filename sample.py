@@ -126,9 +126,12 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
     torch.manual_seed(args.seed)
     samples = []
     for i in range(args.num_samples):
-        ids, used = model.generate(prompt, args.max_new_tokens, halt_threshold=args.halt_threshold,
-                                   max_depth=args.max_depth, temperature=args.temperature, top_k=args.top_k,
-                                   return_iterations=True)
+        try:
+            ids, used = model.generate(prompt, args.max_new_tokens, halt_threshold=args.halt_threshold,
+                                       max_depth=args.max_depth, temperature=args.temperature,
+                                       top_k=args.top_k, return_iterations=True)
+        except ValueError as e:  # logits that overflow on this prompt (load_model tried one input only)
+            fail(f"CKPT {args.checkpoint}: {e}", "sample.py")
         used = used[0].tolist()
         samples.append((decode(ids[0].tolist()), used))
         print(samples[-1][0])

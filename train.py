@@ -747,6 +747,10 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
     if problem:
         fail(f"{flag} {path}: {problem}")
     (model.head if cfg.probe else model).load_state_dict(ckpt["model"])
+    from lib.values import diverged  # as every reader (load_model)
+    problem = None if cfg.probe else diverged(model.to(device).eval())
+    if problem:
+        fail(f"{flag} {path}: {problem}")
     return cfg, model.to(device).eval(), task
 
 

@@ -185,7 +185,12 @@ def load_model(path, device="cpu", flag: str = "checkpoint"):
                          f"{ckpt['model_config'].get('backbone')}")
     model = preset_module(arch, ckpt["model_config"]).create_model(arch, **ckpt["model_config"])
     model.load_state_dict(ckpt["model"])  # names and shapes checked by load_checkpoint
-    return model.to(device).eval(), ckpt
+    model = model.to(device).eval()
+    from lib.values import diverged  # the loader's value checks
+    problem = diverged(model)
+    if problem:
+        raise ValueError(f"{flag} {path}: {problem}")
+    return model, ckpt
 
 
 def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
@@ -328,7 +333,7 @@ class RunFolder:
         problem = output_problem(self.path, "folder", runs_ok=True)  # its own run: checked below
         if problem:
             fail(f"--out-dir {self.path} {problem}")
-        for file in (self.ckpt, self.metrics):
+        for file in (self.ckpt, self.metrics, self.path / ".lock"):  # opening a FIFO .lock would wait forever
             if os.path.lexists(file) and (file.is_symlink() or not file.is_file()):  # written through or hung on
                 fail(f"--out-dir {self.path}: its {file.name} is not a regular file (a symbolic link, a folder or a "
                      f"FIFO); move it away or choose another --out-dir")
@@ -342,6 +347,7 @@ class RunFolder:
                  f"the run a new --out-dir, or replace the folder's run with --overwrite")
 
     def open(self, fresh: bool, overwrite: bool, resume_step: int | None) -> None:
+        self.check(fresh, overwrite)  # the default --out-dir too: its .lock is opened next
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self.lock = open(self.path / ".lock", "w")

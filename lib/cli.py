@@ -207,6 +207,19 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
     return problem or (None if runs_ok and kind == "folder" else run_problem(Path(path), kind))
 
 
+def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:
+    """output_problem of an output folder and of each file `names` a command writes into it, as the whole
+    one-line message ("--out F: its depths.png is a symbolic link ..."); None when all can be written."""
+    problem = output_problem(folder, "folder", runs_ok)
+    if problem:
+        return f"{flag} {folder} {problem}"
+    for name in names:
+        problem = output_problem(Path(folder) / name, "file")
+        if problem:
+            return f"{flag} {folder}: its {name} {problem}"
+    return None
+
+
 def run_problem(path: Path, kind: str) -> str | None:
     """A path whose writing would overwrite a training run or a saved model, in words; None otherwise."""
     if kind == "folder":
@@ -229,6 +242,8 @@ def place_problem(path, kind: str) -> str | None:
     path = Path(path)
     if path.is_symlink() and not path.exists():
         return "is a broken symbolic link or a symbolic link loop"
+    if path.is_symlink() and kind == "file":  # written through or replaced: never
+        return f"is a symbolic link (to {os.readlink(path)}); give the file itself or another path"
     if path.exists():
         if path.is_dir() != (kind == "folder"):
             return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"

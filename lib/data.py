@@ -154,6 +154,8 @@ def read_idx(path: Path) -> torch.Tensor:
     if not 1 <= rank <= 4 or len(raw) < header:
         raise ValueError(f"{path}: its IDX header is cut short or holds {rank} dimensions (1 to 4 expected)")
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
+    if math.prod(dims) == 0:  # torch.frombuffer refuses an empty buffer in words of its own
+        raise ValueError(f"{path}: its IDX header says {'x'.join(map(str, dims))}: no values (an empty file)")
     if math.prod(dims) != len(raw) - header:
         raise ValueError(f"{path}: its IDX header says {'x'.join(map(str, dims))} = {math.prod(dims)} values, "
                          f"the file holds {len(raw) - header}")
@@ -503,6 +505,9 @@ def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", downl
             problem = path_problem(f, "file")
             if problem:
                 raise ValueError(f"{f}: {problem}")
+        size = sum(f.stat().st_size for f in files)
+        if size > MAX_FILE_BYTES:  # read, decoded and tokenized in memory: a bound, as for image files
+            raise ValueError(f"{path}: {size:,} bytes of text; at most {MAX_FILE_BYTES >> 20} MiB")
         try:
             text = "\n".join(f.read_text(encoding="utf-8") for f in files)
         except UnicodeDecodeError as e:

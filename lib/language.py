@@ -164,9 +164,13 @@ class LanguageTask:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(0)
             with self.autocast():
-                ids, used = lm.generate(prompt, self.sample_tokens, halt_threshold=threshold,
-                                        temperature=0.8, top_k=min(40, lm.config.vocab_size),
-                                        return_iterations=True)
+                try:
+                    ids, used = lm.generate(prompt, self.sample_tokens, halt_threshold=threshold,
+                                            temperature=0.8, top_k=min(40, lm.config.vocab_size),
+                                            return_iterations=True)
+                except ValueError as e:  # a diverged model: its non-finite loss is what the caller reports
+                    print(f"sample: none ({e})")
+                    return
         text = decode(ids[0, prompt.shape[1]:].tolist())
         print(f"sample: {decode(prompt[0].tolist())!r} -> {text!r} "
               f"({used.float().mean().item():.2f} iterations per token)")

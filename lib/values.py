@@ -156,3 +156,20 @@ def holds(expected: torch.dtype, given: torch.dtype) -> bool:
     """Whether a tensor of `given` dtype loads into one of `expected` without loss of kind: a float weight
     takes only floats (int8 would be rounded, bool become 1.0, complex lose its imaginary part)."""
     return given.is_floating_point if expected.is_floating_point else given == expected
+
+
+@torch.no_grad()
+def diverged(model: torch.nn.Module) -> str | None:
+    """Finite weights whose output is not (weights near float32's limit overflow in the first matmul): the
+    model on one seeded input, an image of N(0, 1) pixels or a few tokens. Every reader refuses it, as
+    a NaN weight: nothing evaluates, samples from, probes, distils from or exports such a model."""
+    device, c = next(model.parameters()).device, model.config
+    if hasattr(c, "image_size"):  # a vision model of revit.py
+        seeded = torch.Generator().manual_seed(0)
+        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
+    else:  # AlterNet: the logits of a few tokens
+        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
+    if torch.isfinite(out).all():
+        return None
+    return ("its weights are finite but its output is not (NaN or inf on an example input): a diverged run; "
+            "use an earlier checkpoint")

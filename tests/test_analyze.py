@@ -451,3 +451,15 @@ def test_without_matplotlib_everything_else_is_written(tmp_path, fashion_mnist_d
     assert sorted(p.name for p in out.iterdir()) == ["analysis.json", "gates.csv", "self_cka.csv"]
     assert json.loads((out / "analysis.json").read_text())["gates"]["dominant_expert"] == report["gates"][
         "dominant_expert"]
+
+
+def test_residual_states_that_are_not_finite_are_never_scored():
+    """CKA of NaN states would be written as nan (self_cka.csv) and printed: a ValueError instead, which
+    main reports in one line naming the checkpoint (a model that overflows on these images only)."""
+    model = tiny_revit()
+    images = torch.randn(4, model.config.in_channels, model.config.image_size, model.config.image_size)
+    assert torch.isfinite(analyze.residual_features(model, images, batch_size=2)).all()
+    with torch.no_grad():
+        model.cls_token.fill_(3e38)
+    with pytest.raises(ValueError, match="its residual states are not finite"):
+        analyze.residual_features(model, images, batch_size=2)

@@ -243,6 +243,7 @@ def idx_bytes(count, stored):
     (lambda p: p.write_bytes(gzip.compress(idx_bytes(100, 100))[:-12]), "cannot be read (Compressed file ended"),
     (lambda p: p.write_bytes(gzip.compress(idx_bytes(100, 60))), "its IDX header says 100 = 100 values, the file holds 60"),
     (lambda p: p.write_bytes(gzip.compress(b"\x00\x00\x08\x09")), "its IDX header is cut short or holds 9 dimensions"),
+    (lambda p: p.write_bytes(gzip.compress(idx_bytes(0, 0))), "its IDX header says 0: no values (an empty file)"),
     (lambda p: p.symlink_to(p), "a symbolic link loop"),
     (lambda p: os.mkfifo(p), "a FIFO, not a regular file"),
     (lambda p: p.mkdir(), "a folder, not a file"),
@@ -273,3 +274,12 @@ def test_a_text_fifo_is_refused_before_it_is_read(tmp_path):
     os.mkfifo(tmp_path / "corpus.txt")
     with pytest.raises(ValueError, match="corpus.txt: a FIFO, not a regular file"):
         data.read_text(path=str(tmp_path / "corpus.txt"))
+
+
+def test_a_text_larger_than_the_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A sparse file of 8 GB costs no disk: read, decoded and tokenized in memory it would take 80."""
+    with open(tmp_path / "big.txt", "wb") as f:
+        f.truncate(8 << 30)
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("the text was read"))
+    with pytest.raises(ValueError, match=r"big.txt: 8,589,934,592 bytes of text; at most 1024 MiB"):
+        data.read_text(path=str(tmp_path / "big.txt"))

@@ -198,3 +198,22 @@ def test_hostile_inputs_are_one_line_errors_before_any_work(argv, message, tmp_p
     assert "\n" not in text
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert keep.read_text() == "{}" and ckpt.read_bytes().startswith(b"not read")
+
+
+def test_a_depth_whose_evaluation_is_not_finite_is_refused_before_anything_is_written(tiny_checkpoint, tmp_path,
+                                                                                     monkeypatch):
+    """Finite weights can overflow at a depth they were not trained at (here: depth 3, stood in for): that
+    row's loss is never scored, marked or written; the line names the depth and how to leave it out."""
+    evaluate = train.evaluate
+
+    def nan_at_three(model, task, depth=None):
+        return dict(evaluate(model, task, depth), loss=float("nan")) if depth == 3 else evaluate(model, task, depth)
+
+    monkeypatch.setattr(train, "evaluate", nan_at_three)
+    with pytest.raises(SystemExit) as error:
+        run_cli([tiny_checkpoint["checkpoint"], "--device", "cpu", "--batch", "2", "--warmup", "0", "--repeats", "1",
+                 "--no-memory", "--out", str(tmp_path / "out")])
+    assert str(error.value.code) == ("python -m tools.depths: error: CKPT: its evaluation at depth 3 gave a non-finite "
+                                     "loss (finite weights that diverge there); choose --depths without it; nothing "
+                                     "written")
+    assert not (tmp_path / "out").exists()

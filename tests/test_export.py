@@ -331,6 +331,10 @@ def bad_inputs(tmp_path, checkpoint):
     with torch.no_grad():
         folded.head.bias[0] = float("inf")
     export.save_safetensors(folded, tmp_path / "nan.safetensors", "folded")
+    with torch.no_grad():
+        folded.head.bias[0] = 0.0
+        folded.cls_token.fill_(3e38)  # finite, but its LayerNorm overflows
+    export.save_safetensors(folded, tmp_path / "huge.safetensors", "folded")
     deep = torch.load(checkpoint[1], weights_only=True)
     deep["model_config"]["depth"] = 10 ** 9
     torch.save(deep, tmp_path / "deep.pt")
@@ -356,6 +360,8 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}/nan.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "nan.safetensors: its weights are not "
                                                                         "finite (head.bias"),
     (["{tmp}/deep.pt", "--format", "onnx", "--out", "{tmp}/x"], "model_config has depth=1000000000; at most 256"),
+    (["{tmp}/huge.safetensors", "--format", "compact", "--out", "{tmp}/x"], "huge.safetensors: its weights are "
+                                                                           "finite but its output is not"),
     (["{ckpt}", "--format", "onnx", "--opset", "9", "--out", "{tmp}/x"], "--opset must be in 14..20; got 9"),
     (["{ckpt}", "--format", "safetensors", "--out", "{tmp}"], "is a folder"),
     (["{tmp}/missing.pt", "--depth", "4", "--format", "onnx", "--out", "{tmp}/x"], "missing.pt: no such file"),

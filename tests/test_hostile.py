@@ -203,16 +203,29 @@ def test_a_distilled_student_killed_mid_run_resumes(runs, tmp_path, fashion_mnis
     assert "override: 2 of " in capsys.readouterr().out  # the head's weight and bias start fresh, said so
 
 
-def test_non_finite_weights_are_refused_by_every_reader(runs, tmp_path, fashion_mnist_dir):
-    """One check in the loader: no tool evaluates, distils from, probes or continues a diverged model."""
-    nan = edited(runs, tmp_path, "nan.pt", set_nan)
+def set_huge(ckpt):
+    ckpt["model"]["cls_token"].fill_(3e38)  # finite, but the first LayerNorm's sum of squares overflows
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (set_nan, "its weights are not finite (cls_token holds NaN or inf)"),
+    (set_huge, "its weights are finite but its output is not (NaN or inf on an example input): a diverged run"),
+])
+def test_non_finite_weights_are_refused_by_every_reader(runs, tmp_path, fashion_mnist_dir, edit, needle):
+    """One check in the loader: no tool evaluates, distils from, probes, exports or continues a diverged
+    model, nor one whose finite weights give NaN outputs."""
+    from tools import depths, export
+    nan = edited(runs, tmp_path, "nan.pt", edit)
     common = ["--data-dir", fashion_mnist_dir, "--out-dir", tmp_path / "out", *TINY, "--max-steps", "1"]
-    needle = f"{nan}: its weights are not finite (cls_token holds NaN or inf)"
-    for argv in (["--teacher", nan, *common], ["--probe", "cls", "--backbone", nan, *common]):
+    needle = f"{nan}: {needle}"
+    for argv in (["--teacher", nan, *common], ["--probe", "cls", "--backbone", nan, *common], ["--eval-only", nan]):
         assert needle in one_line(train.main, argv, "train.py")
     assert needle in one_line(analyze.main, [nan, "--data-dir", fashion_mnist_dir], "python -m tools.analyze")
     assert needle in one_line(probes.main, ["--backbone", nan, "--data-dir", fashion_mnist_dir], "train.py")
-    assert not (tmp_path / "out").exists() and not (tmp_path / "analysis").exists()
+    assert needle in one_line(depths.main, [nan, "--data-dir", fashion_mnist_dir], "python -m tools.depths")
+    assert needle in one_line(export.main, [nan, "--format", "compact", "--out", tmp_path / "x.safetensors"],
+                              "python -m tools.export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.pt"]
 
 
 def test_resume_never_writes_into_another_run(runs):
@@ -396,6 +409,25 @@ def test_a_run_file_that_is_a_link_or_fifo_is_refused(runs, tmp_path, fashion_mn
     assert contents(runs / "B") == before
 
 
+@pytest.mark.parametrize("make", ["symlink", "fifo"])
+def test_a_lock_file_that_is_a_link_or_fifo_is_refused(runs, tmp_path, fashion_mnist_dir, make):
+    """Opening .lock for writing truncates what a link points at (another run's log), and waits forever on a
+    FIFO: refused in one line, as ckpt.pt and metrics.jsonl are, for a given and for the default --out-dir."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if make == "symlink":
+        (run / ".lock").symlink_to(runs / "B" / "metrics.jsonl")
+    else:
+        os.mkfifo(run / ".lock")
+    before = contents(runs / "B")
+    message = one_line(train.main, ["--data-dir", fashion_mnist_dir, "--out-dir", run, *TINY, "--max-steps", "1"],
+                       "train.py")
+    assert f"--out-dir {run}: its .lock is not a regular file" in message, message
+    with pytest.raises(SystemExit, match="its .lock is not a regular file"):  # the folder train() opens itself
+        train.RunFolder(run).open(fresh=True, overwrite=False, resume_step=None)
+    assert contents(runs / "B") == before and sorted(p.name for p in run.iterdir()) == [".lock"]
+
+
 def test_an_edited_feature_cache_entry_is_recomputed(runs, tmp_path, fashion_mnist_dir):
     argv = ["--backbone", str(runs / "A" / "ckpt.pt"), "--data-dir", str(fashion_mnist_dir), "--train-subset", "64",
             "--test-subset", "32", "--max-steps", "2", "--batch-size", "16", "--probe-cache", str(tmp_path / "cache"),
@@ -422,6 +454,17 @@ def test_an_edited_feature_cache_entry_is_recomputed(runs, tmp_path, fashion_mni
     ("analyze", ["{A}/ckpt.pt", "--out", "{B}"], "--out {B} holds a training run"),
     ("depths", ["{A}/ckpt.pt", "--out", "{B}/.lock"], "--out {B}/.lock is a file; give a folder"),
     ("depths", ["{A}/snapshot.pt", "--out", "{tmp}/d"], "depths.json already holds a saved checkpoint"),
+    # an output that is a symbolic link (here to run B's log): written through or replaced, never
+    ("export", ["{A}/ckpt.pt", "--format", "compact", "--out", "{tmp}/link.json"],
+     "--out {tmp}/link.json is a symbolic link (to {B}/metrics.jsonl); give the file itself or another path"),
+    ("bench", ["params", "--sizes", "s", "--no-counter", "--out", "{tmp}/link.json"], "--out {tmp}/link.json is a "
+     "symbolic link (to {B}/metrics.jsonl)"),
+    ("depths", ["{A}/ckpt.pt", "--out", "{tmp}/links"], "--out {tmp}/links: its depths.png is a symbolic link (to "),
+    ("analyze", ["{A}/ckpt.pt", "--out", "{tmp}/links"], "--out {tmp}/links: its self_cka.csv is a symbolic link"),
+    ("probes", ["--backbone", "{A}/ckpt.pt", "--out-dir", "{tmp}/links"], "--out-dir {tmp}/links: its "
+     "probe_results.json is a symbolic link"),
+    ("probes", ["--backbone", "{A}/ckpt.pt", "--out-dir", "{tmp}/d"], "--out-dir {tmp}/d: its probe_heads.pt already "
+     "holds a saved checkpoint or model (never overwritten)"),  # the heads of an earlier probe
 ])
 def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needle):
     """The one output check of train.py, in every tool: a run's files, lock and folder are refused, and so is
@@ -434,6 +477,12 @@ def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needl
     (tmp_path / "out").write_text("a file where the default output folder would go")
     (tmp_path / "d").mkdir()
     shutil.copy(runs / "A" / "snapshot.pt", tmp_path / "d" / "depths.json")  # a checkpoint under that name
+    shutil.copy(runs / "A" / "snapshot.pt", tmp_path / "d" / "probe_heads.pt")
+    (tmp_path / "links").mkdir()
+    names = ("depths.png", "self_cka.csv", "probe_results.json")
+    links = [tmp_path / "link.json", *(tmp_path / "links" / name for name in names)]
+    for link in links:
+        link.symlink_to(runs / "B" / "metrics.jsonl")
     monkeypatch.chdir(tmp_path)
     before = {name: contents(runs / name) for name in ("A", "B")}
     fill = dict(A=runs / "A", B=runs / "B", tmp=tmp_path)
@@ -441,6 +490,7 @@ def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needl
     message = one_line(main, [a.format(**fill) for a in argv], prog)
     assert needle.format(**fill) in message, message
     assert {name: contents(runs / name) for name in ("A", "B")} == before
+    assert all(link.is_symlink() for link in links)  # none replaced
 
 
 def test_a_checkpoint_never_fetches_downloads_or_names_a_path(runs, tmp_path, monkeypatch, capsys):

@@ -5,6 +5,7 @@ to a temporary folder (vocab_size 128, so bytes >= 128 are outside its vocabular
 run as a user runs it (a subprocess); the table of hostile inputs calls sample.main in-process (the
 same code path, without a Python start-up per row) and checks the one line each must print.
 """
+import contextlib
 import dataclasses
 import os
 import random
@@ -200,3 +201,30 @@ def test_a_checkpoint_naming_gpt2_cannot_make_tiktoken_fetch(checkpoint, tmp_pat
     error = str(exit_info.value.code)
     assert error.startswith("sample.py: error: the gpt2 tokenizer needs") and "\n" not in error, error
     assert attempts == ["no --download"]  # refused before any lookup or connection
+
+
+def test_a_diverged_model_is_one_line_whichever_check_finds_it(checkpoint, tmp_path, monkeypatch, capsys):
+    """Finite weights near float32's limit: the loader's example input finds them (load_model). A model that
+    overflows only on some prompt reaches the sampler: logits that are not finite are a ValueError there (no
+    answer for argmax or multinomial), sample.py's one line, and no sample in train.py's evaluation."""
+    import alternet
+    from lib.language import LanguageTask
+    ckpt = torch.load(checkpoint, weights_only=True)
+    for weight in ckpt["model"].values():
+        weight.fill_(1e30) if weight.is_floating_point() else None
+    atomic_save(ckpt, tmp_path / "huge.pt")
+    with pytest.raises(SystemExit, match=r"^sample.py: error: CKPT .*huge.pt: its weights are finite but its "
+                                         r"output is not \(NaN or inf on an example input\)"):
+        sample.main([str(tmp_path / "huge.pt")])
+    for logits in (torch.tensor([[0.0, float("nan")]]), torch.tensor([[float("inf"), 0.0]])):
+        for temperature in (0.0, 0.8):
+            with pytest.raises(ValueError, match="next-token logits are not finite"):
+                alternet.sample_next_token(logits, temperature, None)
+    monkeypatch.setattr(alternet, "sample_next_token", lambda *a: alternet.check_sampling(-1, None, 2))
+    with pytest.raises(SystemExit, match=r"^sample.py: error: CKPT .*ckpt.pt: temperature must be >= 0"):
+        sample.main([str(checkpoint)])  # any ValueError of the sampler: one line naming the checkpoint
+    model, _ = load_model(checkpoint, flag="CKPT")
+    task = LanguageTask(train.TrainConfig(), torch.zeros(40, dtype=torch.long), 1.0, 16, torch.device("cpu"),
+                        contextlib.nullcontext)
+    task.print_sample(model, None)
+    assert capsys.readouterr().out.startswith("sample: none (temperature must be >= 0")

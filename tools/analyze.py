@@ -42,11 +42,13 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 
 import revit
 from lib.checkpoint import load_vision_model
-from lib.cli import atomic_write_text, check_depth, fail, output_problem, path_problem, pick_device, pyplot
+from lib.cli import atomic_write_text, check_depth, fail, outputs_problem, path_problem, pick_device, pyplot
 from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, FolderImages, load_images
 
 PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
+OUTPUT_FILES = ("analysis.json", "gates.csv", "self_cka.csv", "cross_cka.csv", "gates.png", "self_cka.png",
+                "cross_cka.png")  # all it writes into --out (write_outputs)
 
 
 
@@ -257,6 +259,8 @@ def residual_features(model, images: torch.Tensor, depth: int | None = None, bat
     for x in images.split(batch_size):
         states = model(x.to(device), return_states=True, **kwargs)["states"]  # L+1 x (b, 1+N, d)
         chunks.append(torch.stack([s[:, 1:].mean(1) for s in states]).float().cpu())  # (L+1, b, d)
+        if not torch.isfinite(chunks[-1]).all():  # CKA of NaN states would be scored and written as nan
+            raise ValueError("its residual states are not finite (NaN or inf): finite but diverged weights")
     return torch.cat(chunks, dim=1)
 
 
@@ -426,8 +430,8 @@ def check_args(args) -> None:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {args.dataset!r}")
     if args.data_dir and path_problem(args.data_dir, "folder"):
         raise ValueError(f"--data-dir {args.data_dir}: {path_problem(args.data_dir, 'folder')}")
-    if args.out and output_problem(args.out, "folder"):
-        raise ValueError(f"--out {args.out} {output_problem(args.out, 'folder')}")
+    if args.out and outputs_problem("--out", args.out, OUTPUT_FILES):
+        raise ValueError(outputs_problem("--out", args.out, OUTPUT_FILES))
 
 
 def evaluation_images(args, ckpt: dict, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,8 +490,8 @@ def load_inputs(args) -> Inputs:
     except ValueError as e:  # e.g. layer-wise LoRA runs only at its trained depth
         raise ValueError(f"--depth {depth}: {ckpt['arch']} cannot run at this depth ({e})") from None
     out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent / "analysis"
-    if output_problem(out, "folder"):  # the default, next to the checkpoint (given ones: check_args)
-        raise ValueError(f"{out} (the default --out) {output_problem(out, 'folder')}; give --out")
+    if outputs_problem("--out", out, OUTPUT_FILES):  # the default, beside the checkpoint (given: check_args)
+        raise ValueError(f"{outputs_problem('--out', out, OUTPUT_FILES)} (the default --out); give --out")
     return Inputs(model, ckpt, depth, images, labels, out, teacher, teacher_ckpt, args.teacher)
 
 
@@ -785,7 +789,10 @@ def main(argv=None) -> dict:
     if isinstance(model, revit.ReViT) and not has_gate_program(model):
         print(f"note: ffn={model.config.ffn!r} has no depth-only gate program over an expert bank: "
               "gates, effective ranks, ablations and permutations are skipped")
-    report = analyse(inputs, args)
+    try:
+        report = analyse(inputs, args)
+    except ValueError as e:  # residual_features: states of the student or teacher that are not finite
+        fail(f"checkpoint {args.checkpoint}: {e}; nothing written", PROG)
     print_report(report)
     write_outputs(report, inputs.out)
     return report

@@ -41,7 +41,8 @@ from lib import memory
 import revit
 import train
 from lib.checkpoint import load_model
-from lib.cli import InputError, f, fail, json_text, markdown, output_problem, pick_device, pyplot, write_json
+from lib.cli import (InputError, f, fail, json_text, markdown, non_finite_place, outputs_problem, pick_device,
+                     pyplot, write_json)
 from lib.cli import run_main  # Ctrl-C: one line
 
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
@@ -122,6 +123,7 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
     for depth in depths:
         row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
                **train.evaluate(model, task, None if depth == c.depth else depth)}
+        refuse_non_finite(row, f"depth {depth}", "; choose --depths without it")
         module, depth_arg = deployed_model(model, depth)
         row["deployed_form"] = "folded" if module is not model else "model"
         row["gflops"] = bench.counted_flops(module, depth_arg)["total"] / 1e9
@@ -142,6 +144,15 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
         for row, measured in zip(rows, memory.cpu_memory_of(specs, batch=1, processes=1)):
             row["memory_mib"] = measured.get("memory_mib")
     return rows
+
+
+def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
+    """A quality that is not a number is never scored (as train.py --eval-only): finite weights that
+    overflow at some depth or cap, found before any latency is timed or anything written."""
+    place = non_finite_place(row)
+    if place:
+        raise InputError(f"CKPT: its evaluation at {where} gave a non-finite {place} (finite weights that "
+                         f"diverge there){hint}; nothing written")
 
 
 def copy_module(model, **changes):
@@ -216,6 +227,7 @@ def language_depth_rows(lm, task, args, device) -> list[dict]:
                 rows.append({"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * tokens_per_byte /
                              math.log(2), "mean_iterations": iterations / tokens,
                              "reference": cap == lm.config.max_depth and threshold == thresholds[0]})
+                refuse_non_finite(rows[-1], f"cap D'={cap}, threshold {threshold}")
                 fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold,
                                                         device)
     times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
@@ -365,11 +377,9 @@ def check_args(args, device) -> None:
     bench.check_ranges(args, RULES)
     parse_thresholds(args.thresholds)
     out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
-    if output_problem(out, "folder", runs_ok=True):  # beside a run (the default): its own files only
-        raise InputError(f"--out {out} {output_problem(out, 'folder', runs_ok=True)}")
-    for name in ("depths.json", "depths.png"):
-        if output_problem(os.path.join(out, name), "file"):
-            raise InputError(f"--out {out}: its {name} {output_problem(os.path.join(out, name), 'file')}")
+    problem = outputs_problem("--out", out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
+    if problem:
+        raise InputError(problem)
 
 
 def main(argv=None) -> dict:

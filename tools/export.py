@@ -46,7 +46,7 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
 
 import revit
 from lib.checkpoint import import_moe_if_named, load_vision_model
-from lib.values import fit_problem, weights_problem
+from lib.values import diverged, fit_problem, weights_problem
 from lib.cli import check_depth, fail, output_problem, path_problem, too_deep, run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
@@ -95,7 +95,11 @@ def load_source(path) -> nn.Module:
         problem = path_problem(path, "file")
         if problem:
             raise ValueError(f"checkpoint {path}: {problem}")
-        return load_safetensors(path)
+        model = load_safetensors(path)
+        problem = diverged(model)  # as load_vision_model: finite weights whose output is not
+        if problem:
+            raise ValueError(f"checkpoint {path}: {problem}")
+        return model
     return load_vision_model(path, "checkpoint")[0]
 
 

@@ -68,7 +68,7 @@ if not __package__:  # run as a file (python tools/probes.py): the project's mod
 
 from lib import checkpoint
 import train
-from lib.cli import (check_depth, dataclass_parser, fail, non_finite_place, opt, output_problem, parse_depths,
+from lib.cli import (check_depth, dataclass_parser, fail, non_finite_place, opt, outputs_problem, parse_depths,
                      path_problem, pick_device, write_json)
 from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, epoch_order, load_images
@@ -528,9 +528,10 @@ def check_config(cfg: ProbeConfig) -> None:
     parse_depths(cfg.eval_depths)
     if cfg.data and path_problem(cfg.data, "folder"):
         fail(f"--data {cfg.data}: {path_problem(cfg.data, 'folder')}")
-    for flag, folder in (("--probe-cache", cfg.probe_cache), ("--out-dir", cfg.out_dir)):
-        if folder and output_problem(folder, "folder"):
-            fail(f"{flag} {folder} {output_problem(folder, 'folder')}")
+    for flag, folder, names in (("--probe-cache", cfg.probe_cache, ()),
+                                ("--out-dir", cfg.out_dir, ("probe_results.json", "probe_heads.pt"))):
+        if folder and outputs_problem(flag, folder, names):
+            fail(outputs_problem(flag, folder, names))
 
 
 def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
