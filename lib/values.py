@@ -108,7 +108,7 @@ def preset_problem(ckpt: dict, config, fields: dict) -> str | None:
     trained = saved.get("arch", arch)
     if trained != arch:
         return f"its arch is {arch!r} but its train_config trained {trained!r}: its arch names another preset"
-    if not saved or not isinstance(saved.get("model_args", ""), str):
+    if not saved or not saved.get("model_args") or not isinstance(saved["model_args"], str):
         return None  # no command line to rebuild it from
     built = {**fields, **{k: saved[k] for k in FLAG_FIELDS if saved.get(k) is not None}, **literal_pairs(
         saved.get("model_args", ""))}

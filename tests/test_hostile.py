@@ -115,9 +115,6 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
                        "its metrics is not finite (metrics.val_loss holds NaN or inf)"),
     "other_preset": (lambda c: c.update(arch="vit-mini"), "its arch names another preset"),
     "other_train_arch": (lambda c: c["train_config"].update(arch="revit-mini32"), "its arch names another preset"),
-    "other_size": (lambda c: (c.update(arch="revit-s"), c["train_config"].update(arch="revit-s", model_args="")),
-                   "its model_config has dim=32, but revit-s with its train_config's flags builds dim=384: its arch "
-                   "names another preset"),
     "edited_model_args": (lambda c: c["train_config"].update(model_args="dim=32,heads=2,ffn_dim=48"),
                           "its model_config has ffn_dim=64, but revit-mini with its train_config's flags builds "
                           "ffn_dim=48"),
