@@ -443,9 +443,9 @@ class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
     from the load-balanced L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e
     (count_e: tokens with g_e > 0; K = E (1 - target)), with lambda set by the controller after each
     optimizer step: lambda *= 1.2 while the measured sparsity is below the target 0.75, lambda /= 1.2
-    while it is above, unchanged on it; lambda starts at 1e-8 and is an fp32 buffer. Our choice for the recurrence: the
-    n tokens are pooled over all L steps into one normalisation, which is 1/L of the sum of per-step
-    (per-layer) penalties.
+    while it is above, unchanged on it; lambda starts at 1e-8 and is an fp32 buffer. Our choice for the
+    recurrence: the n tokens are pooled over all L steps into one normalisation, which is 1/L of the sum
+    of per-step (per-layer) penalties.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, target_sparsity: float = 0.75,
@@ -490,7 +490,8 @@ class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
         sparsity = 1.0 - (active[0] / active[1]).item()
         # lambda <- lambda * alpha^sign(target - sparsity): up while too dense, down while too sparse, kept on
         # the target (which a few experts reach exactly: one of E = 4 gates open is sparsity 0.75)
-        self.l1_weight.mul_(self.l1_step ** ((sparsity < self.target_sparsity) - (sparsity > self.target_sparsity)))
+        direction = (sparsity < self.target_sparsity) - (sparsity > self.target_sparsity)
+        self.l1_weight.mul_(self.l1_step ** direction)
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
         return {"experts": self.num_experts * ffn_flops(self.dim, self.hidden),

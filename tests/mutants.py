@@ -446,6 +446,8 @@ MUTANTS = [
     mutant("sweep: seeds at different depths averaged", "tools/sweep.py",
            'if any(sorted(map(int, r.get("depths", {}))) != depths for r in results):',
            'if False:', "tests/test_sweep.py::test_a_cell_whose_seeds_were_evaluated_at_different_depths_is_refused"),
+    mutant("sweep: --seeds unbounded", "tools/sweep.py", "not 1 <= args.seeds <= MAX_SEEDS:",
+           "not 1 <= args.seeds:", "tests/test_sweep.py::test_bad_flags_are_one_line_errors_before_any_work"),
     mutant("cli: an unwritable parent folder passes", "lib/cli.py", "if not os.access(parent, os.W_OK | os.X_OK):",
            "if False:", "tests/test_check.py::test_a_read_only_working_folder_is_one_line_before_anything_runs"),
     mutant("resume: any parameter may lack state", "lib/resume.py",

@@ -157,8 +157,8 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
     vit = revit.create_model("vit-mini", **{**tiny_config(), "image_size": 28, "patch_size": 7, "in_channels": 1,
                                             "num_classes": 10})
     path = tmp_path / "vit.pt"
-    torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(), "train_config": {**ckpt["train_config"],
-                                                                                       "arch": "vit-mini"},
+    saved = {**ckpt["train_config"], "arch": "vit-mini", "model_args": "dim=16,heads=2,ffn_dim=24,depth=3"}
+    torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(), "train_config": saved,
                 "model_config": dataclasses.asdict(vit.config)}, path)
     result, _ = run_cli([str(path), "--device", "cpu", "--no-memory", "--batch", "2", "--warmup", "0",
                          "--repeats", "1", "--out", str(tmp_path)])

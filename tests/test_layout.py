@@ -96,6 +96,14 @@ def test_every_name_readme_points_a_reader_to_exists():
     assert len(named) > 15 and named - defined == set()
 
 
+def test_readme_counts_the_planted_bugs_there_are():
+    """README says how many bugs tests/mutants.py plants; the number is the list's length, not a memory of it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mutants
+    claimed = re.search(r"plants one bug at a time \((\d+):", (ROOT / "README.md").read_text())
+    assert claimed and int(claimed.group(1)) == len(mutants.MUTANTS)
+
+
 def test_every_arxiv_id_cited_is_one_of_the_two_papers():
     """Code, tests and documents cite reViT (arXiv 2610.12448) and AlterNet (arXiv 2611.08741) by id; a typo
     in an id sends a reader to another paper."""

@@ -202,10 +202,13 @@ WRONG_TYPES = [([1, 2], "a JSON list, not an object"),
     (["--grids", "table9"], "--grids must name some of experts, elastic, tying, quickstart, planted, planted-lr, "
                              "router-lr, distill, long; got 'table9'"),
     (["--grids", ","], "--grids must name some of"),
-    (["--seeds", "0"], "--seeds must be >= 1; got 0"),
+    (["--seeds", "0"], "--seeds must be an integer in [1, 100]; got 0"),
+    (["--seeds", "101"], "--seeds must be an integer in [1, 100]; got 101"),  # the bound itself (fails fast)
+    (["--seeds", str(10**11)], "--seeds must be an integer in [1, 100]; got 100000000000"),
+    (["--threads", str(10**11)], "--threads must be an integer in [1, 1024]; got 100000000000"),
     (["--shard", "0/2"], "--shard takes K/N with 1 <= K <= N"),
     (["--shard", "3/2"], "--shard takes K/N"), (["--shard", "a/b"], "--shard takes K/N"),
-    (["--threads", "0"], "--threads must be >= 1; got 0"),
+    (["--threads", "0"], "--threads must be an integer in [1, 1024]; got 0"),
     (["--device", "tpu"], "--device 'tpu': not a device"),
 ])
 def test_bad_flags_are_one_line_errors_before_any_work(argv, message, tmp_path, fake_train):

@@ -565,12 +565,15 @@ def parse_grids(text: str) -> list[str]:
     return grids
 
 
+MAX_SEEDS, MAX_THREADS = 100, 1024
+
+
 def thread_count(threads: int | None) -> int:
     """--threads, else OMP_NUM_THREADS when the user set it, else one thread per run."""
     if threads is None:
         threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else 1
-    if threads < 1:
-        raise SweepError(f"--threads must be >= 1; got {threads}")
+    if not 1 <= threads <= MAX_THREADS:
+        raise SweepError(f"--threads must be an integer in [1, {MAX_THREADS}]; got {threads}")
     return threads
 
 
@@ -583,8 +586,8 @@ def run_sweep(args) -> dict:
     grids, shard, threads = parse_grids(args.grids), parse_shard(args.shard), thread_count(args.threads)
     if regime["arch"] not in revit.PRESETS:
         raise SweepError(f"the regime's arch {regime['arch']!r} is not a vision preset of revit.py")
-    if args.seeds is not None and args.seeds < 1:
-        raise SweepError(f"--seeds must be >= 1; got {args.seeds}")
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:  # each seed is a training run per cell
+        raise SweepError(f"--seeds must be an integer in [1, {MAX_SEEDS}]; got {args.seeds}")
     seeds = args.seeds or (2 if args.quick else 3)
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
     if output_problem(out_dir, "folder"):
