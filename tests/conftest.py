@@ -71,6 +71,27 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fetching_tiktoken(monkeypatch):
+    """A stand-in tiktoken whose get_encoding tries to connect, as the real one does when its files are not
+    cached: the list it returns holds each connection attempt's error (a guard that refuses first leaves
+    its own message there)."""
+    import socket
+    import types
+    attempts = []
+
+    def get_encoding(name):
+        try:
+            socket.create_connection(("openaipublic.blob.core.windows.net", 443), timeout=0.01)
+        except OSError as e:
+            attempts.append(str(e))
+            raise
+        raise AssertionError("the stand-in reached past the guard")
+
+    monkeypatch.setitem(sys.modules, "tiktoken", types.SimpleNamespace(get_encoding=get_encoding))
+    return attempts
+
+
 def _data_roots():
     env = os.environ.get("REVIT_DATA_DIR")
     return [ROOT / "data"] + ([Path(env)] if env else []) + [Path("/usr/share/datasets")]
