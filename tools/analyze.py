@@ -506,6 +506,10 @@ def gate_part(model, depth: int) -> dict:
     return {"gates": gate_program(model, depth), "effective_ranks": effective_ranks(model, gates)}
 
 
+class TeacherError(ValueError):
+    """A problem found in the --teacher checkpoint while analysing (its message names the file)."""
+
+
 def cka_part(inputs: Inputs, batch_size: int) -> tuple[dict, torch.Tensor]:
     """Figs. 7-9: self-CKA and, with a teacher, cross-CKA and the depth alignment. Also returns the
     reference final features for the interventions: the teacher's, else the intact model's own."""
@@ -515,7 +519,10 @@ def cka_part(inputs: Inputs, batch_size: int) -> tuple[dict, torch.Tensor]:
     part = {"num_images": len(inputs.images), "self_cka": cka_matrix(states, states).tolist()}
     if inputs.teacher is None:
         return part, states[-1]
-    teacher_states = residual_features(inputs.teacher, inputs.images, None, batch_size)  # (L_T+1, n, d_T)
+    try:
+        teacher_states = residual_features(inputs.teacher, inputs.images, None, batch_size)  # (L_T+1, n, d_T)
+    except ValueError as e:  # the teacher's, not the student's: main names the file it came from
+        raise TeacherError(f"--teacher {inputs.teacher_path}: {e}") from None
     cross = cka_matrix(states, teacher_states)
     part["teacher"] = {"checkpoint": inputs.teacher_path, "arch": inputs.teacher_ckpt["arch"],
                        "depth": inputs.teacher.config.depth}
@@ -791,7 +798,9 @@ def main(argv=None) -> dict:
               "gates, effective ranks, ablations and permutations are skipped")
     try:
         report = analyse(inputs, args)
-    except ValueError as e:  # residual_features: states of the student or teacher that are not finite
+    except TeacherError as e:
+        fail(f"{e}; nothing written", PROG)
+    except ValueError as e:  # residual_features: the student's states that are not finite
         fail(f"checkpoint {args.checkpoint}: {e}; nothing written", PROG)
     print_report(report)
     write_outputs(report, inputs.out)
