@@ -733,10 +733,11 @@ def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only")
              f"got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
-    from lib.resume import command_line_only, saved_config
+    from lib.resume import command_line_only, resolve_saved, saved_config
     saved = saved_config(ckpt, path, flag, TrainConfig)
     saved = command_line_only(saved, flags, f"{flag} {path}", needed=("data",))
-    cfg = resolve_config({**{k: v for k, v in saved.items() if k in known}, **flags}, announce=False)
+    cfg = resolve_saved(resolve_config, {**{k: v for k, v in saved.items() if k in known}, **flags}, flags,
+                        f"{flag} {path}")
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
@@ -774,9 +775,9 @@ def main(argv=None) -> dict:
         return {}
     if explicit.get("eval_only"):
         return eval_only(explicit)
-    resume_ckpt = None
+    resume_ckpt, flags = None, explicit
     if explicit.get("resume"):
-        from lib.resume import resume_config  # what continues a saved run: imported by those runs only
+        from lib.resume import resolve_saved, resume_config  # what continues a saved run: only resumes
         resume_ckpt, explicit = resume_config(explicit, TrainConfig)
     if explicit.get("backbone"):  # a probe is named after its backbone, which must be a vision model
         arch = checkpoint_or_fail(explicit["backbone"], "--backbone")["arch"]
@@ -784,7 +785,8 @@ def main(argv=None) -> dict:
             fail(f"--backbone {explicit['backbone']} is a checkpoint of {arch}, not a vision model of "
                  f"revit.py")
         explicit.setdefault("arch", arch)
-    cfg = resolve_config(explicit, announce=resume_ckpt is None)
+    cfg = (resolve_saved(resolve_config, explicit, flags, f"--resume {flags['resume']}") if resume_ckpt
+           else resolve_config(explicit))
     if cfg.out_dir:
         RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
     try:

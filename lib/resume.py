@@ -57,6 +57,22 @@ def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
     return saved
 
 
+def resolve_saved(resolve_config, merged: dict, flags: dict, source: str):
+    """train.py's resolve_config of a saved run's values under the flags given now (`merged`). Where it
+    refuses and the saved values alone are refused too, the line names the checkpoint (`source`): the
+    flag it cites was never typed by the user, an edited train_config holds it."""
+    try:
+        return resolve_config(merged, announce=False)
+    except SystemExit:
+        saved = {name: value for name, value in merged.items() if name not in flags}
+        try:
+            resolve_config(saved, announce=False)
+        except SystemExit as refused:
+            reason = str(refused.code).partition(": error: ")[2]
+            fail(f"{source}: its saved train_config is refused: {reason}")
+        raise
+
+
 # What a checkpoint never decides: the files a run reads, whether it downloads, the teacher it loads
 # (hub:NAME runs a repository's code). --eval-only, --resume and the tools take these from the command
 # line only; a saved value that differs is shown in an `override:` line.

@@ -118,6 +118,11 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
     "edited_model_args": (lambda c: c["train_config"].update(model_args="dim=32,heads=2,ffn_dim=48"),
                           "its model_config has ffn_dim=64, but revit-mini with its train_config's flags builds "
                           "ffn_dim=48"),
+    # a saved value train.py refuses is the checkpoint's, not a flag the user typed
+    "saved_eval_batch": (lambda c: c["train_config"].update(eval_batch_size=-5), "ckpt.pt: its saved "
+                         "train_config is refused: --eval-batch-size must be in 1..1,048,576; got -5"),
+    "saved_depth_drop": (lambda c: c["train_config"].update(depth_drop=2.0), "ckpt.pt: its saved train_config "
+                         "is refused: --depth-drop must be in [0, 1]; got 2.0"),
     "data_path": (lambda c: c["train_config"].update(data="/etc/passwd"), "the run used --data /etc/passwd; give "
                   "--data again"),
     # loop state (--resume only), checked before the run folder is touched
@@ -164,6 +169,14 @@ def test_edited_checkpoints_are_refused_before_anything_is_written(runs, tmp_pat
     if name not in LOOP_STATE:  # an evaluation reads no loop state
         assert needle in one_line(train.main, ["--eval-only", path], "train.py")
     assert contents(tmp_path) == before
+
+
+def test_a_flag_given_now_is_named_as_the_flag_and_may_replace_a_refused_saved_value(runs, tmp_path, capsys):
+    """The user's own bad flag is reported as theirs; their good one replaces an edited saved value."""
+    path = edited(runs, tmp_path, "ckpt.pt", lambda c: c["train_config"].update(eval_batch_size=-5))
+    message = one_line(train.main, ["--eval-only", str(runs / "A" / "ckpt.pt"), "--eval-batch-size", "0"], "train.py")
+    assert message == "train.py: error: --eval-batch-size must be in 1..1,048,576; got 0", message
+    assert train.main(["--eval-only", str(path), "--eval-batch-size", "64"])["depths"]
 
 
 def test_only_a_routed_expert_may_resume_without_optimizer_state(tmp_path):
