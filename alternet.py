@@ -675,14 +675,10 @@ class AlterNet(nn.Module):
         """
         chunk = loss_chunk_tokens(self.config.vocab_size)
         flat_x, flat_targets = rearrange(x, "n t h -> (n t) h"), targets.flatten()
-        losses = [checkpoint(self._chunk_cross_entropy, xs, ts, use_reentrant=False, preserve_rng_state=False)
-                  if torch.is_grad_enabled() else self._chunk_cross_entropy(xs, ts)
+        losses = [checkpoint(decoded_cross_entropy, self, xs, ts, use_reentrant=False, preserve_rng_state=False)
+                  if torch.is_grad_enabled() else decoded_cross_entropy(self, xs, ts)
                   for xs, ts in zip(flat_x.split(chunk), flat_targets.split(chunk))]
         return torch.cat(losses).view(targets.shape)  # (n, T)
-
-    def _chunk_cross_entropy(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """(N, H), (N,) -> (N,) fp32: CE of the decoded logits, taken in fp32 also under autocast."""
-        return F.cross_entropy(self.lm_head(self.norm(x)).float(), targets, ignore_index=-1, reduction="none")
 
     def outputs(self, routing: dict, halting: dict, log_p: torch.Tensor, iterations: torch.Tensor,
                 ran: torch.Tensor | None = None) -> dict:
@@ -777,19 +773,18 @@ class AlterNet(nn.Module):
             return tokens, torch.stack(used, dim=1) if used else tokens.new_zeros(tokens.shape[0], 0)
         return tokens
 
-    sample = generate  # alias
-
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (the tied LM head counted once); non_embedding drops the position table."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.pos_emb.weight.numel() if non_embedding else n
 
-    def no_weight_decay(self) -> set[str]:
-        """Names to exclude from weight decay beyond the p.ndim < 2 rule: none."""
-        return set()
-
 
 # --- the model's helpers: initialisation, schedules, the inference loop's bookkeeping, sampling -----------
+
+
+def decoded_cross_entropy(model: AlterNet, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(N, H), (N,) -> (N,) fp32: CE of one chunk's decoded logits, taken in fp32 also under autocast."""
+    return F.cross_entropy(model.lm_head(model.norm(x)).float(), targets, ignore_index=-1, reduction="none")
 
 
 def init_weights(model: AlterNet, config: AlterNetConfig) -> None:

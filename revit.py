@@ -48,10 +48,6 @@ def init_linear(module: nn.Module) -> None:
         nn.init.ones_(module.weight)
         nn.init.zeros_(module.bias)
 
-def full_precision(device: torch.device):
-    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
-    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
-
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -263,29 +259,6 @@ class MergedExpertFFN(ExpertBank):
         names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
         return [dict(zip(names, (w[0] for w in self.merge(g.unsqueeze(0))))) for g in gates]
 
-class GroupedFFN(NamedTuple):
-    """Images at several coordinates: image i runs merged FFN group[i] of the stacks (groups, ...)."""
-    merged: tuple
-    group: torch.Tensor  # (b,)
-
-    def __call__(self, u: torch.Tensor) -> torch.Tensor:
-        order = torch.argsort(self.group)
-        chunks = u[order].split(torch.bincount(self.group, minlength=self.merged[0].shape[0]).tolist())
-        y = torch.cat([MergedFFN(*(w[i] for w in self.merged))(chunk) for i, chunk in enumerate(chunks)])
-        return y[torch.argsort(order)]  # back to the batch order
-
-class TiedFFN(Mlp):
-    """E = 1: the plain tied (ALBERT-style) block. No router: FFN_t is this one Mlp at every step."""
-
-    def step_ffn(self, t: int, depth: int) -> Mlp:
-        return self
-
-    def per_image_ffn(self, coords: torch.Tensor) -> Mlp:
-        return self
-
-    def aux_losses(self, depth: int) -> dict:
-        return {}
-
 # --- config, and the stem and head that every model shares ---
 
 @dataclass
@@ -464,9 +437,7 @@ class ReViT(ViTBase):
         """The (B, L) retained-step mask, or None when every image runs every step."""
         if keep is None and self.training and self.config.depth_drop > 0:
             keep = torch.rand(batch, depth, device=device) >= self.config.depth_drop
-        if keep is not None and keep.shape != (batch, depth):
-            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; "
-                             f"got {tuple(keep.shape)}")
+        check_keep(keep, batch, depth)
         return None if keep is None or bool(keep.all()) else keep
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
@@ -513,6 +484,33 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit = VisionTransformer(config).to(device=reference.device, dtype=reference.dtype)
     vit.load_state_dict(state)
     return vit.train(model.training)
+
+# --- elastic depth's FFN for a step whose images sit at several coordinates (§3.2) ---
+
+class GroupedFFN(NamedTuple):
+    """Images at several coordinates: image i runs merged FFN group[i] of the stacks (groups, ...)."""
+    merged: tuple
+    group: torch.Tensor  # (b,)
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(self.group)
+        chunks = u[order].split(torch.bincount(self.group, minlength=self.merged[0].shape[0]).tolist())
+        y = torch.cat([MergedFFN(*(w[i] for w in self.merged))(chunk) for i, chunk in enumerate(chunks)])
+        return y[torch.argsort(order)]  # back to the batch order
+
+# --- E = 1: the tied block, no router ---
+
+class TiedFFN(Mlp):
+    """E = 1: the plain tied (ALBERT-style) block. No router: FFN_t is this one Mlp at every step."""
+
+    def step_ffn(self, t: int, depth: int) -> Mlp:
+        return self
+
+    def per_image_ffn(self, coords: torch.Tensor) -> Mlp:
+        return self
+
+    def aux_losses(self, depth: int) -> dict:
+        return {}
 
 # --- DeiT III's recipe pieces: drop-path (any block's option) and LayerScale (the baselines') ---
 
@@ -778,7 +776,16 @@ def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | No
             raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
                              "pass gates with one row per step of that depth, or leave depth out")
 
-# --- for torch.compile: full_precision's question, asked without a graph break (dynamo 2.11) ---
+def check_keep(keep: torch.Tensor | None, batch: int, depth: int) -> None:
+    """An elastic-depth mask given to forward: one row per image, one column per step."""
+    if keep is not None and keep.shape != (batch, depth):
+        raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; got {tuple(keep.shape)}")
+
+# --- fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11) ---
+
+def full_precision(device: torch.device):
+    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
+    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
 
 @torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
 def autocast_available(device_type: str) -> bool:

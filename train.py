@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -40,11 +39,11 @@ from tqdm import tqdm
 
 import revit
 from lib import tasks
-from lib.checkpoint import (MODEL_KEYS, RunFolder, atomic_save, checkpoint_or_fail, preset_module, primitive,
-                            rng_state, unwrap)
-from lib.checks import check_config
-from lib.cli import (dataclass_parser, device_options, fail, non_finite_place, opt, parse_depths,
-                     pick_device, run_main, say)
+from lib.checkpoint import (MODEL_KEYS, RunFolder, atomic_save, checkpoint_or_fail, family_of, preset_module,
+                            preset_names, primitive, rng_state, unwrap)
+from lib.checks import check_config, cpu_time_note
+from lib.cli import (broadcast, dataclass_parser, device_options, fail, init_distributed, non_finite_place,
+                     opt, parse_depths, pick_device, run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -195,20 +194,6 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
     cfg = TrainConfig(**{**values, **explicit})
     check_config(cfg)
     return cfg
-
-
-def family_of(arch: str) -> str:
-    """'vision' or 'language' for a preset name (or the error listing the valid names)."""
-    module = preset_module(arch)
-    if module is None:
-        fail(f"unknown --arch {arch!r}; valid names: {', '.join(preset_names())}")
-    return "vision" if module is revit else "language"
-
-
-def preset_names() -> list[str]:
-    import alternet  # for their names: a list or an unknown --arch
-    import lib.moe  # noqa: F401 -- the comparison mechanisms' presets are names too
-    return sorted(revit.PRESETS) + sorted(alternet.PRESETS)
 
 
 # --- the loop: set-up, one optimizer step, evaluate-and-save ---
@@ -377,17 +362,6 @@ def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
             f"checkpoint: {last_good(run)}. Try {' or '.join(hints)}")
 
 
-def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
-    """On a CPU, one line with the estimated time of the run; above an hour, the CPU-sized preset."""
-    hours = seconds_per_step * steps / 3600
-    if hours < 1:  # nothing to say about a run that fits a coffee break
-        return None
-    mini = "alternet-tiny" if arch.startswith("alternet") else "revit-mini"
-    return (f"note: on this CPU the run takes about {hours:.1f} h "
-            f"({steps} steps x {seconds_per_step:.1f} s); "
-            f"{mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
-
-
 def evaluate_and_save(run: Run, evaluate_now: bool, save_now: bool) -> None:
     if evaluate_now:
         results = evaluate_depths(run.model, run.task, [None], run.rank, run.world)
@@ -472,7 +446,7 @@ def summarise(cfg: TrainConfig, model: nn.Module, results: dict) -> tuple[dict, 
 
 def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     """Everything before the first step. The run folder is the first write: all input is validated."""
-    rank, world, device = init_distributed(cfg)
+    rank, world, device = init_distributed(cfg.device)
     if cfg.batch_size % (world * (cfg.grad_accum or 1)):
         fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
              f"{world * cfg.grad_accum}")
@@ -569,26 +543,7 @@ def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
 MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estimate, unless --gpu-memory
 
 
-# --- processes: torchrun, torch.compile, DDP (what differs on CUDA: cli.device_options) ---
-
-
-def init_distributed(cfg: TrainConfig):
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: nccl on CUDA, gloo on CPU. -> (rank, world, device)."""
-    try:
-        device = pick_device(cfg.device)
-    except ValueError as e:
-        fail(str(e))
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if device.type == "cuda":
-        if local >= torch.cuda.device_count():  # set_device would fail with "invalid device ordinal"
-            fail(f"torchrun started local rank {local}, but this machine has {torch.cuda.device_count()} "
-                 f"CUDA device(s): use at most that many --nproc_per_node, or --device cpu")
-        torch.cuda.set_device(local)
-        device = torch.device(f"cuda:{local}")
-    dist.init_process_group(device_options(device.type)["ddp_backend"])
-    return rank, world, device
+# --- processes: torch.compile and DDP (torchrun's process group: cli.init_distributed) ---
 
 
 def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
@@ -601,14 +556,6 @@ def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
         forward = nn.parallel.DistributedDataParallel(forward, device_ids=device_ids,
                                                       find_unused_parameters=cfg.ddp_find_unused)
     return torch.compile(forward, backend=cfg.compile_backend) if cfg.compile else forward
-
-
-def broadcast(obj, world):
-    if world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 # --- optimizer and schedule ---

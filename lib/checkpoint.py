@@ -163,6 +163,20 @@ def preset_module(arch: str, config=None):
     return alternet if arch in alternet.PRESETS else None
 
 
+def family_of(arch: str) -> str:
+    """'vision' or 'language' for a preset name (or the error listing the valid names)."""
+    module = preset_module(arch)
+    if module is None:
+        fail(f"unknown --arch {arch!r}; valid names: {', '.join(preset_names())}")
+    return "vision" if module is revit else "language"
+
+
+def preset_names() -> list[str]:
+    import alternet  # for their names: a list or an unknown --arch
+    import lib.moe  # noqa: F401 -- the comparison mechanisms' presets are names too
+    return sorted(revit.PRESETS) + sorted(alternet.PRESETS)
+
+
 def import_moe_if_named(arch: str | None = None, config=None) -> None:
     """The comparison mechanisms of §4.3 / App. B live in lib/moe.py, which registers their presets and
     ffn values with revit when imported: import it when (and only when) `arch` is a name neither model

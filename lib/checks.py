@@ -101,3 +101,14 @@ def check_config(cfg) -> None:
 def shown_number(value) -> str:
     """A number as an error shows it: a 400-digit integer as 1e+400-ish, not 400 digits."""
     return str(value) if len(str(value)) <= 24 else f"{str(value)[:6]}...({len(str(value))} digits)"
+
+
+def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
+    """On a CPU, one line with the estimated time of the run; above an hour, the CPU-sized preset."""
+    hours = seconds_per_step * steps / 3600
+    if hours < 1:  # nothing to say about a run that fits a coffee break
+        return None
+    mini = "alternet-tiny" if arch.startswith("alternet") else "revit-mini"
+    return (f"note: on this CPU the run takes about {hours:.1f} h "
+            f"({steps} steps x {seconds_per_step:.1f} s); "
+            f"{mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")

@@ -1,7 +1,8 @@
 """What train.py, bench.py and the tools (tools/: probes, analyze, export, depths, sweep) share on the command
 line: one-line user errors (`InputError`, `fail`), flags generated from a config dataclass, the
 --eval-depths and --model-args parsers, the bounds and path checks every tool applies before it reads or
-writes (`MAX_DEPTH`, `path_problem`, `output_problem`), the device (`pick_device`, `device_options`),
+writes (`MAX_DEPTH`, `path_problem`, `output_problem`), the device and torchrun's process group
+(`pick_device`, `device_options`, `init_distributed`, `broadcast`),
 markdown tables, strict JSON and the commit (`markdown`, `write_json`, `git_commit`), and optional matplotlib (`pyplot`). Imports
 nothing of the project.
 """
@@ -298,6 +299,35 @@ def device_options(device_type: str, bf16: bool = True) -> dict:
     cuda, mps = device_type == "cuda", device_type == "mps"
     return {"fused_adamw": cuda or mps, "tf32": cuda, "ddp_backend": "nccl" if cuda else "gloo",
             "autocast_dtype": torch.bfloat16 if cuda and bf16 else None, "data_on_device": cuda or mps}
+
+
+def init_distributed(device_name: str):
+    """--device, and the process group torchrun asks for (it sets RANK/WORLD_SIZE/LOCAL_RANK): nccl on CUDA,
+    gloo on CPU. -> (rank, world, device)."""
+    try:
+        device = pick_device(device_name)
+    except ValueError as e:
+        fail(str(e))
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if device.type == "cuda":
+        if local >= torch.cuda.device_count():  # set_device would fail with "invalid device ordinal"
+            fail(f"torchrun started local rank {local}, but this machine has {torch.cuda.device_count()} "
+                 f"CUDA device(s): use at most that many --nproc_per_node, or --device cpu")
+        torch.cuda.set_device(local)
+        device = torch.device(f"cuda:{local}")
+    torch.distributed.init_process_group(device_options(device.type)["ddp_backend"])
+    return rank, world, device
+
+
+def broadcast(obj, world: int):
+    """Rank 0's `obj` on every rank (torchrun); the object itself in a single process."""
+    if world == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # --- output: markdown tables on stdout, strict JSON on disk ---

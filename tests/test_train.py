@@ -269,7 +269,7 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail(f"set_device({index})"))
     monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SystemExit, match="local rank 1, but this machine has 1 CUDA device"):
-        train.init_distributed(train.TrainConfig(device="cuda"))
+        train.init_distributed("cuda")
 
 
 # --- checkpoints and failures ---
