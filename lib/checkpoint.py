@@ -9,12 +9,20 @@ head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading error
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
 import re
 from pathlib import Path
+
+try:  # the run folder's lock: flock on Unix, msvcrt.locking on Windows
+    import fcntl
+except ImportError:
+    fcntl = None
+try:
+    import msvcrt
+except ImportError:
+    msvcrt = None
 
 import torch
 import torch.nn as nn
@@ -328,7 +336,7 @@ def seed_device(device: torch.device, seed: int) -> None:
 
 
 class RunFolder:
-    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (fcntl.flock) while a process trains there.
+    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (`lock`) while a process trains there.
     `resume`: the checkpoint a resumed run continues; the folder is that run's own when its ckpt.pt is
     that file, and then its log is continued, else the folder must hold no run (or --overwrite)."""
 
@@ -365,9 +373,8 @@ class RunFolder:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self.lock = open(self.path / ".lock", "w")
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
+            if not lock(self.lock):
+                fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
         except OSError as e:
             fail(f"--out-dir {self.path} is not writable: {e.strerror or e}")
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
@@ -396,6 +403,19 @@ class RunFolder:
         for handle in (self.log_file, self.lock):  # closing the lock file releases the lock
             if handle is not None:
                 handle.close()
+
+
+def lock(handle) -> bool:
+    """Take the open file's exclusive lock without waiting: False if another process holds it. Closing the
+    file releases it. A platform with neither Unix's flock nor Windows' msvcrt runs unlocked."""
+    try:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        elif msvcrt is not None:
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+    except (BlockingIOError, PermissionError):  # msvcrt: EACCES where another process holds it
+        return False
+    return True
 
 
 def logged_by(line: str, step: int) -> bool:

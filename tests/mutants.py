@@ -440,6 +440,13 @@ MUTANTS = [
     mutant("checkpoint: the log cut in place", "lib/checkpoint.py", 'atomic_write_text(self.metrics, "".join(',
            'self.metrics.write_text("".join(',
            "tests/test_faults.py::test_a_kill_while_resume_cuts_the_log_leaves_the_log_whole"),
+    mutant("checkpoint: fcntl imported where Windows has none", "lib/checkpoint.py",
+           "try:  # the run folder's lock: flock on Unix, msvcrt.locking on Windows\n    import fcntl\nexcept ImportError:\n"
+           "    fcntl = None", "import fcntl",
+           "tests/test_faults.py::test_every_entry_point_helps_without_fcntl_or_fork"),
+    mutant("checkpoint: the run folder's lock not taken", "lib/checkpoint.py",
+           "fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass",
+           "tests/test_faults.py::test_two_processes_cannot_share_a_folder"),
     mutant("probes: a NaN metric written", "tools/probes.py", "    if place:  # as a non-finite loss stops",
            "    if False:  # as a non-finite loss stops",
            "tests/test_probes.py::test_a_metric_that_is_not_a_number_stops_the_probe_and_is_never_written"),
