@@ -349,7 +349,7 @@ MUTANTS = [
            "return peak * step / warmup", "tests/test_train.py::test_warmup_cosine_schedule"),
     mutant("train: quarter cosine", T, "(1 + math.cos(math.pi * progress))", "(1 + math.cos(math.pi * progress / 2))",
            "tests/test_train.py::test_warmup_cosine_schedule"),
-    mutant("train: resume keeps the saving device's fused AdamW", T, 'group["fused"] = options["fused_adamw"] or None',
+    mutant("train: resume keeps the saving device's fused AdamW", "lib/resume.py", 'group["fused"] = fused_adamw or None',
            "pass", "tests/test_resume_fused.py"),
     mutant("train: 1-D weights decayed", T, "decays = p.ndim >= 2 and", "decays = p.ndim >= 1 and",
            "tests/test_train.py::test_weight_decay_groups"),

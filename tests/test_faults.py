@@ -169,8 +169,8 @@ def test_disk_full_as_torch_reports_it_keeps_the_previous_checkpoint(tmp_path, f
 
 def test_a_non_finite_evaluation_stops_the_run_and_is_never_written(tmp_path, fashion_mnist_dir, monkeypatch):
     """Finite weights can score NaN (a far too large step): like a non-finite loss, nothing of it is kept."""
-    real = train.evaluate_depths
-    monkeypatch.setattr(train, "evaluate_depths", lambda model, task, depths=(None,), *a: {
+    real = train.evaluate
+    monkeypatch.setattr(train, "evaluate", lambda model, task, depths=(None,), *a: {
         d: {k: float("nan") for k in v} for d, v in real(model, task, depths, *a).items()})
     with pytest.raises(SystemExit) as e:
         run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--eval-interval", "2")
