@@ -7,19 +7,13 @@
     python train.py --arch alternet-tiny --data tinyshakespeare.txt     # or --dataset tinyshakespeare
     python train.py --eval-only out/run/ckpt.pt --eval-depths 2,4,8     # evaluate, no training
 
-The defaults are the quick start. Other settings are named recipes applied over them, printed at start
-(`recipe: ...`, then one `override: ...` line per flag or automatic choice): `imagenet` is the reViT
-paper's Table 6 (arXiv 2610.12448: the DeiT III recipe), `cifar` shortens it, `text` is the
-language-model schedule (plus alternet.RECIPES for the AlterNet paper's presets), `probe` trains a
-linear head. Checkpoints are atomic, hold only finite weights and resume bit-for-bit on CPU; nothing
-is downloaded unless asked (`--download`).
-
-This file reads top to bottom: config and recipes; the loop and its step (`train_step`: augment,
-forward, cross-entropy + the model's auxiliary losses, on one screen; distillation, Eq. 5, and language
-modelling bring their own loss); evaluation; set-up, optimizer and schedule; saving; the command line.
-Elsewhere, in lib/: the evaluation and the other losses (tasks.py, language.py), data and augmentation
-(data.py), the checkpoint format and run folder (checkpoint.py), the checks before a run (checks.py), what a
-resumed run must match (resume.py).
+The defaults are the quick start; named recipes apply over them, printed at start (`recipe: ...`, then
+one `override: ...` line per flag or automatic choice). The file reads top to bottom: config and recipes;
+optimizer and schedule; `train_step` (augment, forward, cross-entropy + the model's auxiliary losses, on
+one screen); `evaluate`; the loop, its set-up and its checkpoints; the command line. In lib/: what a config
+builds (build.py: data, model and task, the memory plan), the tasks (tasks.py, language.py), data and
+augmentation (data.py), checkpoints and run folders (checkpoint.py), what --resume and --eval-only must
+match (resume.py).
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import contextlib
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,11 +33,11 @@ from tqdm import tqdm
 
 import revit
 from lib import tasks
-from lib.checkpoint import (MODEL_KEYS, RunFolder, atomic_save, checkpoint_or_fail, family_of, preset_module,
-                            preset_names, primitive, rng_state, unwrap)
+from lib.build import build, fit_in_memory
+from lib.checkpoint import RunFolder, family_of, preset_names, primitive, unwrap
 from lib.checks import check_config, cpu_time_note
 from lib.cli import (broadcast, dataclass_parser, device_options, fail, init_distributed, non_finite_place,
-                     opt, parse_depths, pick_device, run_main, say)
+                     opt, run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -79,12 +73,10 @@ class TrainConfig:
     epochs: int | None = opt(15, "training epochs")
     max_steps: int = opt(0, "optimizer steps to train; overrides --epochs when > 0")
     batch_size: int = opt(256, "GLOBAL batch per optimizer step, over all ranks and accumulation steps")
-    grad_accum: int | None = opt(None, "gradient accumulation micro-steps per optimizer step (auto: 1, or "
-                                       "the fewest whose estimated peak memory fits the device; "
-                                       "lib/memory.py)")
-    gpu_memory: float | None = opt(None, "GB of memory per device the run must fit in (auto: the GPU's, or "
-                                         "a CPU machine's RAM; CPU runs of small models are not checked "
-                                         "unless given)")
+    grad_accum: int | None = opt(None, "micro-steps per optimizer step (auto: the fewest whose estimated "
+                                       "peak memory fits the device; 1 where no plan is made)")
+    gpu_memory: float | None = opt(None, "GB per device the run must fit in (auto: the GPU's, or the RAM; "
+                                         "CPU runs of small models are checked only if given)")
     lr: float | None = opt(3e-3, "peak learning rate at --lr-batch examples (None in a recipe: by width)")
     lr_batch: int = opt(256, "linear scale rule: peak lr = lr * batch_size / lr_batch (0: use lr as given)")
     min_lr: float = opt(1e-5, "final learning rate of the cosine schedule")
@@ -97,8 +89,7 @@ class TrainConfig:
     beta2: float = opt(0.999, "AdamW beta2, in [0, 1)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
     router_lr_scale: float = opt(1.0, "reViT E >= 2: the depth router psi trains at lr x this, in its own "
-                                      "AdamW group without weight decay (1: the paper's one lr, psi grouped "
-                                      "as the other weights)")
+                                      "AdamW group without weight decay (1: the paper's one lr)")
     # loss and augmentation (applied to the batch tensor on the device)
     loss: str = opt("ce", "ce | bce (DeiT III: binary cross-entropy on binarised mixup/cutmix targets)")
     label_smoothing: float = opt(0.0, "label smoothing of the one-hot targets")
@@ -132,10 +123,8 @@ class TrainConfig:
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps (Apple silicon)")
     bf16: bool = opt(True, "bf16 autocast on CUDA (CPU runs in float32)")
     compile: bool = opt(False, "torch.compile the model (CUDA, or CPU with a C++ compiler)")
-    compile_backend: str = opt("inductor", "--compile's backend: inductor (generated kernels) | eager (graph "
-                                           "capture only: seconds, for a quick check)")
-    ddp_find_unused: bool = opt(False, "DDP find_unused_parameters (needed if some parameters get no "
-                                       "gradient)")
+    compile_backend: str = opt("inductor", "inductor (generated kernels) | eager (graph capture only)")
+    ddp_find_unused: bool = opt(False, "DDP find_unused_parameters (if some parameters may get no gradient)")
     log_interval: int = opt(10, "write a metrics line every N optimizer steps")
     progress: bool = opt(True, "show a tqdm progress bar")
 
@@ -196,368 +185,6 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
     return cfg
 
 
-# --- the loop: set-up, one optimizer step, evaluate-and-save ---
-
-
-@dataclass
-class Run:
-    """One training run. `model` is the plain module (what checkpoints store and evaluation runs);
-    `forward` is what the training step calls (the same module, compiled and/or DDP-wrapped)."""
-    cfg: TrainConfig
-    rank: int
-    world: int
-    device: torch.device
-    model: nn.Module
-    forward: nn.Module
-    task: object
-    batches: object
-    augment: object
-    optimizer: torch.optim.Optimizer
-    sched: dict
-    steps_per_epoch: int | None
-    folder: "RunFolder"
-    step: int = 0
-    metrics: dict = field(default_factory=dict)
-    last_good: int | None = None
-
-    @property
-    def is_main(self):
-        return self.rank == 0
-
-    @property
-    def trainable(self) -> nn.Module:  # a probe trains (and saves) only its head
-        return self.model.head if self.cfg.probe else self.model
-
-
-def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
-    run = setup(cfg, resume_ckpt)
-    try:
-        return loop(run)
-    except KeyboardInterrupt:  # Ctrl-C: one line saying where the run continues, not a traceback
-        where = "no checkpoint was written yet" if run.last_good is None else \
-            f"resume with --resume {run.folder.ckpt} (its step {run.last_good})"
-        raise SystemExit(f"train.py: stopped by Ctrl-C at step {run.step}; {where}") from None
-    finally:
-        run.folder.close()
-
-
-def loop(run: Run) -> dict:
-    cfg, total = run.cfg, run.sched["total_steps"]
-    eval_every = cfg.eval_interval or run.steps_per_epoch or 500
-    bar = tqdm(total=total, initial=run.step, disable=not (run.is_main and cfg.progress), dynamic_ncols=True)
-    t0, seen, start_step, t_start = time.perf_counter(), 0, run.step, time.perf_counter()
-    stopped = False
-    for step, inputs, targets in (run.batches(run.step) if run.step < total else ()):
-        assert step == run.step  # the data order is a function of the step: resume sees the same batches
-        record = train_step(run, inputs, targets)
-        seen += len(inputs) * run.world
-        bar.update(1)
-        if run.step == start_step + 1 and run.device.type == "cpu" and run.is_main:
-            note = cpu_time_note(cfg.arch, time.perf_counter() - t_start, total - start_step)
-            if note:
-                bar.write(note)
-        if run.step % cfg.log_interval == 0 or run.step == total:
-            record = read_loss_parts(record)
-            items = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1)  # tokens or images
-            rate = items / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
-            run.folder.log({**record, "per_s": rate}, run.is_main)
-            t0, seen = time.perf_counter(), 0
-        stopped = bool(cfg.stop_at_step and run.step >= cfg.stop_at_step)
-        if run.step >= total or stopped:
-            break
-        evaluate_now = run.step % eval_every == 0
-        evaluate_and_save(run, evaluate_now, evaluate_now or bool(cfg.save_interval and
-                                                                  run.step % cfg.save_interval == 0))
-    bar.close()
-    if stopped and run.step < total:
-        save_checkpoint(run)
-        say(f"stopped at step {run.step} as asked (--stop-at-step); continue with --resume {run.folder.ckpt}")
-        return {"step": run.step, "checkpoint": str(run.folder.ckpt)}
-    summary = final_evaluation(run, time.perf_counter() - t_start)
-    run.metrics = {"step": run.step, **summary}
-    save_checkpoint(run)
-    run.folder.log({"event": "final", **summary}, run.is_main)
-    return {**summary, "step": run.step, "checkpoint": str(run.folder.ckpt), "out_dir": str(run.folder.path)}
-
-
-def train_step(run: Run, inputs, targets) -> dict:
-    """One optimizer step. For the default task, image classification, the step is this screen: augment
-    (mixup / cutmix, crops: lib/data.py), forward, cross-entropy plus the model's auxiliary losses (reViT:
-    Eqs. 6, 8, 9), backward; distillation (Eq. 5) and language modelling compute their own loss
-    (`run.task.loss`). Then the divergence guard (loss AND gradient norm finite, checked before
-    optimizer.step()), clip, step."""
-    cfg, model = run.cfg, run.model
-    lr = lr_at(run.step, run.sched["peak_lr"], run.sched)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr  # lr_scale: psi's own group
-    if hasattr(model, "set_step"):
-        model.set_step(run.step)
-    parts_sum, loss_sum = {}, torch.zeros((), device=run.device)
-    micro = list(zip(inputs.chunk(cfg.grad_accum), targets.chunk(cfg.grad_accum)))
-    for i, (x, y) in enumerate(micro):
-        sync = i == len(micro) - 1 or run.world == 1
-        with (contextlib.nullcontext() if sync else run.forward.no_sync()):
-            if run.task.loss is None:  # the default: supervised classification
-                x, y = run.augment(x.to(run.device, non_blocking=True), y.to(run.device))  # y: soft targets
-                with run.task.autocast():
-                    out = run.forward(x, return_states=True)
-                task = classification_loss(out["logits"].float(), y, cfg.loss)
-                aux = out.get("aux_losses", {})
-                loss, parts = task + sum(aux.values()), {"task": task, **aux}
-            else:
-                loss, parts = run.task.loss(run.forward, x, y)
-            (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach() / cfg.grad_accum
-        for k, v in parts.items():
-            parts_sum[k] = parts_sum.get(k, 0.0) + v.detach() / cfg.grad_accum
-    if run.world > 1:
-        dist.all_reduce(loss_sum)
-        loss_sum /= run.world
-    # max_norm inf: the norm without clipping (the guard needs it either way); grads are all-reduced
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.parameters(), cfg.grad_clip or math.inf)
-    loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()  # one device sync
-    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-        fail(divergence_message(run, loss_value, norm_value))
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    after_optimizer_step(model)
-    run.step += 1
-    return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, **parts_sum}
-
-
-def classification_loss(logits, targets, kind: str) -> torch.Tensor:
-    """Cross-entropy against soft (mixed, smoothed) targets (B, classes), or DeiT III's binary form."""
-    if kind == "bce":  # DeiT III: binarise the mixed targets, then per-class binary cross-entropy
-        return F.binary_cross_entropy_with_logits(logits, targets.gt(0.0).to(logits.dtype))
-    return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
-
-
-def read_loss_parts(record: dict) -> dict:
-    """train_step leaves the loss parts on the device (a read per part and step would wait for the GPU
-    each time); the loop reads them only for the steps it logs, in one transfer."""
-    names = [k for k, v in record.items() if torch.is_tensor(v)]
-    values = torch.stack([record[k].float() for k in names]).tolist() if names else []
-    return {**record, **dict(zip(names, values))}
-
-
-def after_optimizer_step(model: nn.Module) -> None:
-    """Non-gradient updates, after optimizer.step(), of every module that defines the hook (reViT's
-    Part II: DeepSeek-V3's balancing bias, ReMoE's L1 controller)."""
-    for module in model.modules():
-        if hasattr(module, "after_optimizer_step"):
-            module.after_optimizer_step()
-
-
-def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
-    cfg = run.cfg
-    what = f"non-finite loss {loss}" if not math.isfinite(loss) else \
-        f"non-finite gradient norm {grad_norm} (loss {loss:.4g})"
-    hints = [f"a lower --lr (peak now {run.sched['peak_lr']:.3g})"]
-    hints.append("--grad-clip 1.0" if not cfg.grad_clip else f"a longer warmup (--warmup-steps, now "
-                                                                f"{run.sched['warmup_steps']})")
-    if run.device.type == "cuda" and cfg.bf16:
-        hints.append("--no-bf16")
-    return (f"{what} at step {run.step}; stopped before the optimizer step, nothing saved. Last good "
-            f"checkpoint: {last_good(run)}. Try {' or '.join(hints)}")
-
-
-def evaluate_and_save(run: Run, evaluate_now: bool, save_now: bool) -> None:
-    if evaluate_now:
-        results = evaluate_depths(run.model, run.task, [None], run.rank, run.world)
-        stop_unless_finite(run, results, "the evaluation")
-        run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
-        numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
-        gates = tasks.gate_summary(run.model)  # reViT, E > 1: does a depth program form? (Fig. 3)
-        spread = f", gate spread {gates['gate_spread']:.4f}" if gates else ""
-        say(f"step {run.step}: " + ", ".join(numbers) + spread)
-        run.folder.log({"step": run.step, "eval": run.metrics, **gates}, run.is_main)
-    if save_now:
-        save_checkpoint(run)
-
-
-def stop_unless_finite(run: Run, results: dict, what: str) -> None:
-    """A metric that is not a number (finite weights can score NaN) stops the run as a non-finite loss."""
-    place, lr = non_finite_place(results), run.sched["peak_lr"]
-    if place:
-        fail(f"{what} at step {run.step} gave a non-finite {place.removeprefix('None.')}; not logged, not "
-             f"saved. Last good checkpoint: {last_good(run)}. Try a lower --lr (peak now {lr:.3g})")
-
-
-def evaluate_depths(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
-    """The one evaluation path (the training loop, --eval-only, tools/depths.py): {depth: metrics};
-    depth None is the reference depth (language models: the halted depth, and every fixed depth)."""
-    results = task.evaluate(unwrap(model), list(depths), rank, world)
-    return {None if key == "halted" else key: value for key, value in results.items()}
-
-
-def evaluate(model: nn.Module, task, depth: int | None = None, rank: int = 0, world: int = 1) -> dict:
-    """Metrics of `model` on the task's test data at one depth (None: the reference depth)."""
-    return evaluate_depths(model, task, [depth], rank, world)[depth]
-
-
-def final_evaluation(run: Run, seconds: float) -> dict:
-    """The depth table (vision: --eval-depths; language: halted + every fixed depth) and the summary line."""
-    cfg, model = run.cfg, run.model
-    num_params = sum(p.numel() for p in run.trainable.parameters())
-    results = evaluate_depths(model, run.task, eval_depth_list(cfg, model), run.rank, run.world)
-    stop_unless_finite(run, results, "the final evaluation")
-    summary, line = summarise(cfg, model, results)
-    say(f"done: {cfg.arch} | {num_params / 1e6:.3f}M params | {line} | {seconds / 60:.1f} min")
-    return {"arch": cfg.arch, "params": num_params, **summary, "minutes": seconds / 60}
-
-
-def eval_depth_list(cfg: TrainConfig, model: nn.Module) -> list:
-    if cfg.dataset in TEXT_DATASETS:
-        return [None]
-    reference = (model.backbone if cfg.probe else model).config.depth
-    return [None] + [d for d in parse_depths(cfg.eval_depths) if d != reference]
-
-
-def summarise(cfg: TrainConfig, model: nn.Module, results: dict) -> tuple[dict, str]:
-    """Print the depth table; -> (summary fields, the headline)."""
-    if cfg.dataset in TEXT_DATASETS:
-        say(f"{'depth':>8} {'val loss':>9} {'bits/byte':>9} {'mean iters':>10}")
-        for key, r in results.items():
-            say(f"{key or 'halted':>8} {r['loss']:9.4f} {r['bpb']:9.4f} {r['iterations']:10.2f}")
-        h = results[None]
-        return ({"val_loss": h["loss"], "val_bpb": h["bpb"], "mean_iterations": h["iterations"],
-                 "fixed_depth_bpb": {str(k): r["bpb"] for k, r in results.items() if k is not None},
-                 **({"val_causal_bpb": h["causal_bpb"]} if "causal_bpb" in h else {})},
-                f"val loss {h['loss']:.4f} | {h['bpb']:.4f} bits/byte at {h['iterations']:.2f} "
-                f"mean iterations")
-    reference = (model.backbone if cfg.probe else model).config.depth
-    key = "distill_mse" if cfg.teacher else "mse" if cfg.dataset == "planted" else "acc"
-    if len(results) > 1:
-        say(f"{'depth':>6} {'test acc %' if key == 'acc' else key:>12}")
-        for depth, r in sorted(results.items(), key=lambda kv: kv[0] or reference):
-            value = 100 * r[key] if key == "acc" else r[key]
-            say(f"{depth or reference:>6} {value:12.4f}{' (trained)' if depth is None else ''}")
-    ref = results[None]
-    metric = f"test acc {100 * ref['acc']:.2f}%" if key == "acc" else \
-        f"test {key.replace('_', ' ')} {ref[key]:.5f}"
-    return ({"reference_depth": reference, **{f"test_{k}": v for k, v in ref.items()},
-             "depths": {str(reference if d is None else d): r for d, r in results.items()}},
-            f"{metric} at depth {reference}")
-
-
-# --- set-up: device, data, model, optimizer, run folder ---
-
-
-def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
-    """Everything before the first step. The run folder is the first write: all input is validated."""
-    rank, world, device = init_distributed(cfg.device)
-    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
-        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
-             f"{world * cfg.grad_accum}")
-    options = device_options(device.type, cfg.bf16)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if options["tf32"]:  # TF32 for the float32 parts outside autocast
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    language = cfg.dataset in TEXT_DATASETS
-    if language:  # before the text is read and tokenized: the config alone sets the model's size
-        fit_in_memory(cfg, None, device, world, resume_ckpt)
-    model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt)
-    if not language:  # images: the model's input size comes from the data
-        fit_in_memory(cfg, model, device, world)
-    sched = schedule(cfg, model, steps_per_epoch)
-    model.to(device)
-    trainable = model.head if cfg.probe else model
-    if cfg.router_lr_scale != 1 and not router_parameters(trainable):
-        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no depth router psi (reViT with "
-             f"E >= 2 and the merged FFN has one); leave it at 1")
-    groups = param_groups(trainable, cfg.weight_decay, cfg.router_lr_scale)
-    optimizer = torch.optim.AdamW(groups, lr=sched["peak_lr"],
-                                  betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
-    if resume_ckpt is not None:  # all of it, before the run folder is touched
-        from lib.resume import check_resume
-        check_resume(cfg, resume_ckpt, trainable, optimizer, augment, sched["total_steps"])
-    out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
-    cfg.out_dir = out_dir
-    folder = RunFolder(out_dir, cfg.resume)
-    if rank == 0:
-        folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
-                    resume_step=resume_ckpt["step"] if resume_ckpt else None)
-    run = Run(cfg, rank, world, device, model, model, task, batches, augment, optimizer, sched,
-              steps_per_epoch, folder)
-    if resume_ckpt is not None:
-        run.trainable.load_state_dict(resume_ckpt["model"])
-        optimizer.load_state_dict(resume_ckpt["optimizer"])
-        for group in optimizer.param_groups:  # load_state_dict restored the saving device's implementation
-            group["fused"] = options["fused_adamw"] or None
-        run.step = run.last_good = resume_ckpt["step"]
-        run.metrics = resume_ckpt.get("metrics", {})
-        from lib.resume import restore_rng
-        restore_rng(run, resume_ckpt["rng"])
-    else:  # each rank its own stream for drop-path / elastic depth / augmentation
-        torch.manual_seed(cfg.seed + 1 + rank)
-    run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
-    num_params = sum(p.numel() for p in trainable.parameters())
-    say(f"{cfg.arch}: {num_params / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
-        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
-        f"peak lr {sched['peak_lr']:.3g} | out {out_dir}")
-    folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
-                "params": num_params, "peak_lr": sched["peak_lr"]}, run.is_main)
-    return run
-
-
-def build(cfg: TrainConfig, rank: int, world: int, device, ckpt: dict | None):
-    """Data, model and task of a config -> (model, task, batches(start_step), augment, steps_per_epoch):
-    images (lib/tasks.py; the planted task lib/planted.py) or text (lib/language.py, imported by language runs
-    only)."""
-    if cfg.dataset in TEXT_DATASETS:
-        from lib import language
-        return language.build(cfg, rank, world, device, ckpt)
-    if cfg.dataset == "planted":  # a regression task of our own (lib/planted.py)
-        from lib import planted
-        return planted.build(cfg, rank, world, device, ckpt)
-    return tasks.build(cfg, rank, world, device, ckpt)
-
-
-def fit_in_memory(cfg: TrainConfig, model: nn.Module | None, device, world: int,
-                  ckpt: dict | None = None) -> None:
-    """Before the first step: the expected peak memory per device (lib/memory.py) and the fewest
-    --grad-accum micro-steps that fit it (an `override:` line), or a one-line stop saying what would fit.
-    Skipped for probes, distillation and CPU runs of models (language: presets) under MEASURED_FROM
-    parameters without --gpu-memory (measuring would dominate their start-up). model None: the language
-    model of cfg (or ckpt), built here on the meta device."""
-    auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
-    unasked = device.type != "cuda" and cfg.gpu_memory is None  # a CPU run that names no memory budget
-    small = model is not None and sum(p.numel() for p in model.parameters()) < MEASURED_FROM
-    if cfg.probe or cfg.teacher or (unasked and small):
-        return
-    from lib import memory  # the planner: imported by the runs it plans
-    fitted = memory.fit_run(cfg, model, device, world, ckpt, auto, MEASURED_FROM if unasked else 0)
-    if fitted is None:
-        return
-    planned, budget = fitted
-    accum = broadcast(planned.grad_accum, world)  # every rank steps alike
-    if accum != cfg.grad_accum:
-        say(f"override: grad_accum={accum} (auto: the fewest micro-steps whose peak fits {budget:.3g} GB "
-            f"per device)")
-        cfg.grad_accum = accum
-    say(f"memory: {planned.line()}")
-
-
-MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estimate, unless --gpu-memory
-
-
-# --- processes: torch.compile and DDP (torchrun's process group: cli.init_distributed) ---
-
-
-def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
-    """What the training step calls: the model, DDP-wrapped (torchrun) and/or compiled (--compile, any
-    device, --compile-backend), in the order PyTorch documents for both: compile(DDP(model)), so that the
-    compiled graph is split at DDP's gradient buckets and their all-reduce overlaps the backward."""
-    forward = model
-    if world > 1:
-        device_ids = [device.index] if device.type == "cuda" else None
-        forward = nn.parallel.DistributedDataParallel(forward, device_ids=device_ids,
-                                                      find_unused_parameters=cfg.ddp_find_unused)
-    return torch.compile(forward, backend=cfg.compile_backend) if cfg.compile else forward
-
-
 # --- optimizer and schedule ---
 
 
@@ -613,50 +240,279 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
     return sched["min_lr"] + 0.5 * (peak - sched["min_lr"]) * (1 + math.cos(math.pi * progress))
 
 
+# --- one optimizer step ---
+
+
+@dataclass
+class Run:
+    """The state of a run. `model` is the plain module (what checkpoints store and evaluation runs);
+    `forward` is what the training step calls (the same module, compiled and/or DDP-wrapped)."""
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    model: nn.Module
+    forward: nn.Module
+    task: object
+    batches: object  # batches(start_step) -> (step, inputs, targets), a function of the step alone
+    augment: object
+    optimizer: torch.optim.Optimizer
+    sched: dict
+    steps_per_epoch: int | None
+    folder: RunFolder
+    step: int = 0
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def trainable(self) -> nn.Module:  # a probe trains (and saves) only its head
+        return self.model.head if self.cfg.probe else self.model
+
+
+def train_step(run: Run, inputs, targets) -> dict:
+    """One optimizer step. For the default task, image classification, the step is this screen: augment
+    (mixup / cutmix, crops: lib/data.py), forward, cross-entropy plus the model's auxiliary losses (reViT:
+    Eqs. 6, 8, 9), backward; distillation (Eq. 5) and language modelling compute their own loss
+    (`run.task.loss`). Then the divergence guard (loss AND gradient norm finite, checked before
+    optimizer.step()), clip, step."""
+    cfg, model = run.cfg, run.model
+    lr = lr_at(run.step, run.sched["peak_lr"], run.sched)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr  # lr_scale: psi's own group
+    if hasattr(model, "set_step"):
+        model.set_step(run.step)
+    parts_sum, loss_sum = {}, torch.zeros((), device=run.device)
+    micro = list(zip(inputs.chunk(cfg.grad_accum), targets.chunk(cfg.grad_accum)))
+    for i, (x, y) in enumerate(micro):
+        sync = i == len(micro) - 1 or run.world == 1
+        with (contextlib.nullcontext() if sync else run.forward.no_sync()):
+            if run.task.loss is None:  # the default: supervised classification
+                x, y = run.augment(x.to(run.device, non_blocking=True), y.to(run.device))  # y: soft targets
+                with run.task.autocast():
+                    out = run.forward(x, return_states=True)
+                task = classification_loss(out["logits"].float(), y, cfg.loss)
+                aux = out.get("aux_losses", {})
+                loss, parts = task + sum(aux.values()), {"task": task, **aux}
+            else:
+                loss, parts = run.task.loss(run.forward, x, y)
+            (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach() / cfg.grad_accum
+        for k, v in parts.items():
+            parts_sum[k] = parts_sum.get(k, 0.0) + v.detach() / cfg.grad_accum
+    if run.world > 1:
+        dist.all_reduce(loss_sum)
+        loss_sum /= run.world
+    # max_norm inf: the norm without clipping (the guard needs it either way); grads are all-reduced
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.parameters(), cfg.grad_clip or math.inf)
+    loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()  # one device sync
+    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        fail(divergence_message(run, loss_value, norm_value))
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    after_optimizer_step(model)
+    run.step += 1
+    return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, **parts_sum}
+
+
+def classification_loss(logits, targets, kind: str) -> torch.Tensor:
+    """Cross-entropy against soft (mixed, smoothed) targets (B, classes), or DeiT III's binary form."""
+    if kind == "bce":  # DeiT III: binarise the mixed targets, then per-class binary cross-entropy
+        return F.binary_cross_entropy_with_logits(logits, targets.gt(0.0).to(logits.dtype))
+    return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Non-gradient updates, after optimizer.step(), of every module that defines the hook (reViT's
+    Part II: DeepSeek-V3's balancing bias, ReMoE's L1 controller)."""
+    for module in model.modules():
+        if hasattr(module, "after_optimizer_step"):
+            module.after_optimizer_step()
+
+
+def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
+    what = f"non-finite loss {loss}" if not math.isfinite(loss) else \
+        f"non-finite gradient norm {grad_norm} (loss {loss:.4g})"
+    hints = [f"a lower --lr (peak now {run.sched['peak_lr']:.3g})",
+             f"a longer warmup (--warmup-steps, now {run.sched['warmup_steps']})" if run.cfg.grad_clip else
+             "--grad-clip 1.0"]
+    if run.device.type == "cuda" and run.cfg.bf16:
+        hints.append("--no-bf16")
+    return (f"{what} at step {run.step}; stopped before the optimizer step, nothing saved. Last good "
+            f"checkpoint: {run.folder.last_good()}. Try {' or '.join(hints)}")
+
+
+# --- evaluation ---
+
+
+def evaluate(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
+    """The one evaluation (the loop, --eval-only, tools/depths.py): {depth: metrics} on the task's test
+    data; depth None is the reference depth (language models: the halted depth, and every fixed depth)."""
+    results = task.evaluate(unwrap(model), list(depths), rank, world)
+    return {None if key == "halted" else key: value for key, value in results.items()}
+
+
+def stop_unless_finite(run: Run, results: dict, what: str) -> None:
+    """A metric that is not a number (finite weights can score NaN) stops the run as a non-finite loss."""
+    place, lr = non_finite_place(results), run.sched["peak_lr"]
+    if place:
+        fail(f"{what} at step {run.step} gave a non-finite {place.removeprefix('None.')}; not logged, not "
+             f"saved. Last good checkpoint: {run.folder.last_good()}. Try a lower --lr (peak now {lr:.3g})")
+
+
+def log_evaluation(run: Run) -> None:
+    """The evaluation during training, at the reference depth: printed, logged, kept in the checkpoint."""
+    results = evaluate(run.model, run.task, [None], run.rank, run.world)
+    stop_unless_finite(run, results, "the evaluation")
+    run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
+    numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
+    gates = tasks.gate_summary(run.model)  # reViT, E > 1: does a depth program form? (Fig. 3)
+    spread = f", gate spread {gates['gate_spread']:.4f}" if gates else ""
+    say(f"step {run.step}: " + ", ".join(numbers) + spread)
+    run.folder.log({"step": run.step, "eval": run.metrics, **gates}, run.rank == 0)
+
+
+# --- the loop ---
+
+
+def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
+    run = setup(cfg, resume_ckpt)
+    try:
+        return loop(run)
+    except KeyboardInterrupt:  # Ctrl-C: one line saying where the run continues, not a traceback
+        where = "no checkpoint was written yet" if run.folder.saved_step is None else \
+            f"resume with --resume {run.folder.ckpt} (its step {run.folder.saved_step})"
+        raise SystemExit(f"train.py: stopped by Ctrl-C at step {run.step}; {where}") from None
+    finally:
+        run.folder.close()
+
+
+def loop(run: Run) -> dict:
+    cfg, total = run.cfg, run.sched["total_steps"]
+    eval_every = cfg.eval_interval or run.steps_per_epoch or 500
+    bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not cfg.progress, dynamic_ncols=True)
+    t_start = t0 = time.perf_counter()
+    seen, start_step = 0, run.step
+    for step, inputs, targets in (run.batches(run.step) if run.step < total else ()):
+        assert step == run.step  # the data order is a function of the step: resume sees the same batches
+        record = train_step(run, inputs, targets)
+        seen += len(inputs) * run.world
+        bar.update(1)
+        if run.step == start_step + 1 and run.device.type == "cpu" and run.rank == 0:
+            note = cpu_time_note(cfg.arch, time.perf_counter() - t_start, total - start_step)
+            if note:
+                bar.write(note)
+        if run.step % cfg.log_interval == 0 or run.step == total:
+            parts = [k for k, v in record.items() if torch.is_tensor(v)]  # train_step leaves them on the
+            if parts:  # device: read only for the steps logged, in one transfer
+                record.update(zip(parts, torch.stack([record[k].float() for k in parts]).tolist()))
+            items = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1)  # tokens or images
+            rate = items / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
+            run.folder.log({**record, "per_s": rate}, run.rank == 0)
+            t0, seen = time.perf_counter(), 0
+        if run.step >= total or cfg.stop_at_step and run.step >= cfg.stop_at_step:
+            break
+        if run.step % eval_every == 0:
+            log_evaluation(run)
+        if run.step % eval_every == 0 or cfg.save_interval and run.step % cfg.save_interval == 0:
+            save_checkpoint(run)
+    bar.close()
+    if cfg.stop_at_step and cfg.stop_at_step <= run.step < total:
+        save_checkpoint(run)
+        say(f"stopped at step {run.step} as asked (--stop-at-step); continue with --resume {run.folder.ckpt}")
+        return {"step": run.step, "checkpoint": str(run.folder.ckpt)}
+    minutes = (time.perf_counter() - t_start) / 60
+    results = evaluate(run.model, run.task, tasks.eval_depths(cfg, run.model), run.rank, run.world)
+    stop_unless_finite(run, results, "the final evaluation")
+    summary, line = tasks.summarise(cfg, run.model, results)
+    num_params = sum(p.numel() for p in run.trainable.parameters())
+    say(f"done: {cfg.arch} | {num_params / 1e6:.3f}M params | {line} | {minutes:.1f} min")
+    summary = {"arch": cfg.arch, "params": num_params, **summary, "minutes": minutes}
+    run.metrics = {"step": run.step, **summary}
+    save_checkpoint(run)
+    run.folder.log({"event": "final", **summary}, run.rank == 0)
+    return {**summary, "step": run.step, "checkpoint": str(run.folder.ckpt), "out_dir": str(run.folder.path)}
+
+
+# --- set-up: device, data, model, optimizer, run folder ---
+
+
+def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
+    """Everything before the first step. The run folder is the first write: all input is validated."""
+    rank, world, device = init_distributed(cfg.device)
+    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
+        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
+             f"{world * cfg.grad_accum}")
+    options = device_options(device.type, cfg.bf16)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if options["tf32"]:  # TF32 for the float32 parts outside autocast
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    language = cfg.dataset in TEXT_DATASETS
+    if language:  # before the text is read and tokenized: the config alone sets the model's size
+        fit_in_memory(cfg, None, device, world, resume_ckpt)
+    model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt)
+    if not language:  # images: the model's input size comes from the data
+        fit_in_memory(cfg, model, device, world)
+    sched = schedule(cfg, model, steps_per_epoch)
+    model.to(device)
+    trainable = model.head if cfg.probe else model
+    if cfg.router_lr_scale != 1 and not router_parameters(trainable):
+        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no depth router psi (reViT with "
+             f"E >= 2 and the merged FFN has one); leave it at 1")
+    groups = param_groups(trainable, cfg.weight_decay, cfg.router_lr_scale)
+    optimizer = torch.optim.AdamW(groups, lr=sched["peak_lr"],
+                                  betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
+    cfg.out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
+    run = Run(cfg, rank, world, device, model, model, task, batches, augment, optimizer, sched,
+              steps_per_epoch, RunFolder(cfg.out_dir, cfg.resume))
+    if resume_ckpt is not None:  # checked in full, then loaded, before the run folder is touched
+        from lib import resume  # what continues a saved run: imported by resumed runs only
+        resume.continue_run(run, resume_ckpt, options["fused_adamw"])
+    else:  # each rank its own stream for drop-path / elastic depth / augmentation
+        torch.manual_seed(cfg.seed + 1 + rank)
+    if rank == 0:
+        run.folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
+                        resume_step=resume_ckpt["step"] if resume_ckpt else None)
+    run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
+    num_params = sum(p.numel() for p in trainable.parameters())
+    say(f"{cfg.arch}: {num_params / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
+        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
+        f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
+    run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
+                    "params": num_params, "peak_lr": sched["peak_lr"]}, rank == 0)
+    return run
+
+
+def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
+    """What the training step calls: the model, DDP-wrapped (torchrun) and/or compiled (--compile, any
+    device, --compile-backend), in the order PyTorch documents for both: compile(DDP(model)), so that the
+    compiled graph is split at DDP's gradient buckets and their all-reduce overlaps the backward."""
+    forward = model
+    if world > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        forward = nn.parallel.DistributedDataParallel(forward, device_ids=device_ids,
+                                                      find_unused_parameters=cfg.ddp_find_unused)
+    return torch.compile(forward, backend=cfg.compile_backend) if cfg.compile else forward
+
+
 # --- saving a run (the format, the loader and the run folder: lib/checkpoint.py) ---
 
 
 def save_checkpoint(run: Run) -> None:
-    """Rank 0 writes model, optimizer, schedule, loop and every rank's RNG state; only finite weights.
-    Every rank learns whether the save failed, and all of them stop with its reason: the outcome is
-    broadcast (a collective that rank 0 always joins), so no rank waits at a barrier for one that failed."""
-    rngs = [rng_state(run.augment, run.device)] if run.world == 1 else [None] * run.world
-    if run.world > 1:
-        dist.all_gather_object(rngs, rng_state(run.augment, run.device))
-    problem = broadcast(write_checkpoint(run, rngs) if run.is_main else None, run.world)
-    if problem:
-        fail(problem)
-    run.last_good = run.step
-
-
-def write_checkpoint(run: Run, rngs: list) -> str | None:
-    """Rank 0's part of save_checkpoint: the file, or the one-line reason it was not written."""
-    # a plain dict of tensors: state_dict()'s _metadata must not smuggle objects past weights_only
-    weights = dict(run.trainable.state_dict())
-    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        return (f"weights became non-finite at step {run.step} ({bad[0]}); not saved. Last good checkpoint: "
-                f"{last_good(run)}. Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
+    """What a run continues from: model, optimizer, schedule, loop state and every rank's random streams,
+    written by rank 0 with only finite weights; a failure stops every rank in one line (RunFolder.save)."""
     cfg = run.cfg
-    ckpt = {"model": weights, "arch": "linear-probe" if cfg.probe else cfg.arch,
+    ckpt = {"model": dict(run.trainable.state_dict()),  # a plain dict: no _metadata past weights_only
+            "arch": "linear-probe" if cfg.probe else cfg.arch,
             "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
                                       else asdict(run.model.config)),
             "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
-            "scheduler": dict(run.sched, step=run.step), "step": run.step, "rng": rngs,
-            "metrics": primitive(run.metrics)}
-    try:
-        atomic_save(ckpt, run.folder.ckpt)
-    except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
-        reason = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
-        return f"cannot write {run.folder.ckpt}: {reason}. Last good checkpoint: {last_good(run)}"
-    return None
+            "scheduler": dict(run.sched, step=run.step), "step": run.step, "metrics": primitive(run.metrics)}
+    run.folder.save(ckpt, run.augment, run.device, run.rank, run.world,
+                    f"Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
 
 
-def last_good(run: Run) -> str:
-    return f"{run.folder.ckpt} (step {run.last_good})" if run.last_good is not None else "none written yet"
-
-
-# --- command line: flags, validation, main ---
+# --- command line ---
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -665,54 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-EVAL_ONLY_FLAGS = {"eval_only", "eval_depths", "test_subset", "eval_batch_size", "eval_iters", "data",
-                   "data_dir", "download", "teacher", "device", "progress"}
-
-
 def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only"):
     """A checkpoint, rebuilt with its test data as trained -> (cfg, model, task) for evaluate(); `flags`
     (TrainConfig names, e.g. test_subset, device) may change how it is evaluated, never the model."""
-    flags = dict(flags or {})
-    extra = sorted(set(flags) - EVAL_ONLY_FLAGS)
-    if extra:
-        allowed = ", ".join("--" + f.replace("_", "-") for f in sorted(EVAL_ONLY_FLAGS))
-        fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
-             f"got --{extra[0].replace('_', '-')}")
-    ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
-    known = {f.name for f in fields(TrainConfig)} - {"out_dir", "resume"}
-    from lib.resume import command_line_only, resolve_saved, saved_config
-    saved = saved_config(ckpt, path, flag, TrainConfig)
-    saved = command_line_only(saved, flags, f"{flag} {path}", needed=("data",))
-    cfg = resolve_saved(resolve_config, {**{k: v for k, v in saved.items() if k in known}, **flags}, flags,
-                        f"{flag} {path}")
-    try:
-        device = pick_device(cfg.device)
-    except ValueError as e:
-        fail(str(e))
-    model, task, *_ = build(cfg, 0, 1, device, ckpt)
-    from lib.values import fit_problem
-    problem = fit_problem((model.head if cfg.probe else model).state_dict(), ckpt["model"], ckpt["arch"])
-    if problem:
-        fail(f"{flag} {path}: {problem}")
-    (model.head if cfg.probe else model).load_state_dict(ckpt["model"])
-    from lib.values import diverged  # as every reader (load_model)
-    problem = None if cfg.probe else diverged(model.to(device).eval())
-    if problem:
-        fail(f"{flag} {path}: {problem}")
-    return cfg, model.to(device).eval(), task
-
-
-def eval_only(explicit: dict) -> dict:
-    """--eval-only CKPT: the training loop's evaluation at --eval-depths; reads the file, writes nothing."""
-    path = explicit["eval_only"]
-    cfg, model, task = evaluation_setup(path, explicit)
-    results = evaluate_depths(model, task, eval_depth_list(cfg, model))
-    if non_finite_place(results):  # finite weights can still score NaN: never reported as a result
-        fail(f"--eval-only {path}: its evaluation gave a non-finite "
-             f"{non_finite_place(results).removeprefix('None.')} (finite but diverged weights)")
-    summary, line = summarise(cfg, model, results)
-    say(f"{path}: {line}")
-    return {"arch": cfg.arch, **summary}
+    from lib import resume  # what reads a saved run: imported by --eval-only, --resume and the tools only
+    return resume.evaluation_setup(path, dict(flags or {}), flag, TrainConfig, resolve_config)
 
 
 def main(argv=None) -> dict:
@@ -720,19 +533,23 @@ def main(argv=None) -> dict:
     if explicit.pop("list_archs", False):
         print("\n".join(preset_names()))
         return {}
-    if explicit.get("eval_only"):
-        return eval_only(explicit)
+    if explicit.get("eval_only"):  # the training loop's evaluation of a checkpoint; writes nothing
+        path = explicit["eval_only"]
+        cfg, model, task = evaluation_setup(path, explicit)
+        results = evaluate(model, task, tasks.eval_depths(cfg, model))
+        if non_finite_place(results):  # finite weights can still score NaN: never reported as a result
+            fail(f"--eval-only {path}: its evaluation gave a non-finite "
+                 f"{non_finite_place(results).removeprefix('None.')} (finite but diverged weights)")
+        summary, line = tasks.summarise(cfg, model, results)
+        say(f"{path}: {line}")
+        return {"arch": cfg.arch, **summary}
     resume_ckpt, flags = None, explicit
     if explicit.get("resume"):
-        from lib.resume import resolve_saved, resume_config  # what continues a saved run: only resumes
-        resume_ckpt, explicit = resume_config(explicit, TrainConfig)
-    if explicit.get("backbone"):  # a probe is named after its backbone, which must be a vision model
-        arch = checkpoint_or_fail(explicit["backbone"], "--backbone")["arch"]
-        if preset_module(arch) is not revit:
-            fail(f"--backbone {explicit['backbone']} is a checkpoint of {arch}, not a vision model of "
-                 f"revit.py")
-        explicit.setdefault("arch", arch)
-    cfg = (resolve_saved(resolve_config, explicit, flags, f"--resume {flags['resume']}") if resume_ckpt
+        from lib import resume  # what continues a saved run: imported by resumed runs only
+        resume_ckpt, explicit = resume.resume_config(explicit, TrainConfig)
+    if explicit.get("backbone"):  # a probe is named after its backbone
+        explicit.setdefault("arch", tasks.backbone_arch(explicit["backbone"]))
+    cfg = (resume.resolve_saved(resolve_config, explicit, flags, f"--resume {flags['resume']}") if resume_ckpt
            else resolve_config(explicit))
     if cfg.out_dir:
         RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)

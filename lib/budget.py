@@ -103,7 +103,8 @@ class Report:
     def write(self) -> None:
         """Both files, each to a temporary name then renamed; SIGTERM and SIGINT wait until both are done."""
         signals = {signal.SIGTERM, signal.SIGINT}
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        mask = getattr(signal, "pthread_sigmask", lambda how, signals: None)  # Windows: no signal mask
+        mask(signal.SIG_BLOCK, signals)
         try:
             write_json(self.document(), os.path.join(self.out_dir, "check.json"))
             path = os.path.join(self.out_dir, "check.md")
@@ -111,7 +112,7 @@ class Report:
                 fh.write(self.render(self.document()) + "\n")
             os.replace(f"{path}.tmp{os.getpid()}", path)
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+            mask(signal.SIG_UNBLOCK, signals)
 
 
 def run_plan(parts: list[Part], budget: float, report: Report, log) -> None:
@@ -149,7 +150,7 @@ def run_plan(parts: list[Part], budget: float, report: Report, log) -> None:
 def run_part(part: Part, timeout: float, report: Report, entry: dict, log) -> None:
     start = time.monotonic()
     process = subprocess.Popen(part.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               errors="replace", env=part.env, preexec_fn=own_group_dying_with_parent)
+                               errors="replace", env=part.env, **OWN_GROUP)
     entry["pid"] = process.pid
     lines, tail = start_reader(process), deque(maxlen=40)
     timed_out = False
@@ -232,12 +233,17 @@ def own_group_dying_with_parent() -> None:
 
 
 LIBC = ctypes.CDLL(None) if os.name == "posix" else None  # here: between fork and exec nothing should load
+# Windows has no fork (preexec_fn) and no process groups to kill: there a part is its own process only
+OWN_GROUP = dict(preexec_fn=own_group_dying_with_parent) if os.name == "posix" else {}
 
 
 def stop_group(process) -> None:
     """SIGKILL to the part's process group (its own children too), then reap it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+        if os.name == "posix":
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.kill()
     process.wait()
     with contextlib.suppress(OSError):
         process.stdout.close()

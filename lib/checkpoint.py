@@ -9,18 +9,26 @@ head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading error
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
 import re
 from pathlib import Path
 
+try:  # the run folder's lock: flock on Unix, msvcrt.locking on Windows
+    import fcntl
+except ImportError:
+    fcntl = None
+try:
+    import msvcrt
+except ImportError:
+    msvcrt = None
+
 import torch
 import torch.nn as nn
 
 import revit
-from lib.cli import atomic_write_text, fail, non_finite_place, output_problem, path_problem, too_deep
+from lib.cli import atomic_write_text, broadcast, fail, non_finite_place, output_problem, path_problem, too_deep
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---
@@ -328,7 +336,7 @@ def seed_device(device: torch.device, seed: int) -> None:
 
 
 class RunFolder:
-    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (fcntl.flock) while a process trains there.
+    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (`lock`) while a process trains there.
     `resume`: the checkpoint a resumed run continues; the folder is that run's own when its ckpt.pt is
     that file, and then its log is continued, else the folder must hold no run (or --overwrite)."""
 
@@ -337,6 +345,7 @@ class RunFolder:
         self.ckpt, self.metrics = self.path / "ckpt.pt", self.path / "metrics.jsonl"
         self.resume = resume
         self.lock = self.log_file = None
+        self.saved_step = None  # the step of the checkpoint this run last wrote (or resumed from)
 
     def continues_run(self) -> bool:
         """A resume whose checkpoint is this folder's ckpt.pt: the run carries on here."""
@@ -365,9 +374,8 @@ class RunFolder:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self.lock = open(self.path / ".lock", "w")
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
+            if not lock(self.lock):
+                fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
         except OSError as e:
             fail(f"--out-dir {self.path} is not writable: {e.strerror or e}")
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
@@ -380,6 +388,35 @@ class RunFolder:
             kept = [line for line in self.metrics.read_text().splitlines() if logged_by(line, resume_step)]
             atomic_write_text(self.metrics, "".join(line + "\n" for line in kept))  # a kill keeps the old log
         self.log_file = open(self.metrics, "a")
+
+    def save(self, ckpt: dict, augment, device, rank: int, world: int, hint: str) -> None:
+        """train.py's checkpoint with every rank's random streams ("rng", gathered: a collective all ranks
+        join), written by rank 0, atomically and only with finite weights (else the reason, then `hint`).
+        Every rank learns the outcome and all stop with its reason: it is broadcast, a collective that rank 0
+        always joins, so no rank waits at a barrier for one that failed."""
+        rngs = [rng_state(augment, device)] if world == 1 else [None] * world
+        if world > 1:
+            torch.distributed.all_gather_object(rngs, rng_state(augment, device))
+        problem = broadcast(self.write({**ckpt, "rng": rngs}, hint) if rank == 0 else None, world)
+        if problem:
+            fail(problem)
+        self.saved_step = ckpt["step"]
+
+    def write(self, ckpt: dict, hint: str) -> str | None:
+        """Rank 0's part of save: the file, or the one-line reason it was not written."""
+        bad = [k for k, v in ckpt["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            return (f"weights became non-finite at step {ckpt['step']} ({bad[0]}); not saved. Last good "
+                    f"checkpoint: {self.last_good()}. {hint}")
+        try:
+            atomic_save(ckpt, self.ckpt)
+        except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
+            reason = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
+            return f"cannot write {self.ckpt}: {reason}. Last good checkpoint: {self.last_good()}"
+        return None
+
+    def last_good(self) -> str:
+        return f"{self.ckpt} (step {self.saved_step})" if self.saved_step is not None else "none written yet"
 
     def log(self, record: dict, is_main: bool) -> None:
         if is_main and self.log_file is not None:
@@ -396,6 +433,19 @@ class RunFolder:
         for handle in (self.log_file, self.lock):  # closing the lock file releases the lock
             if handle is not None:
                 handle.close()
+
+
+def lock(handle) -> bool:
+    """Take the open file's exclusive lock without waiting: False if another process holds it. Closing the
+    file releases it. A platform with neither Unix's flock nor Windows' msvcrt runs unlocked."""
+    try:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        elif msvcrt is not None:
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+    except (BlockingIOError, PermissionError):  # msvcrt: EACCES where another process holds it
+        return False
+    return True
 
 
 def logged_by(line: str, step: int) -> bool:

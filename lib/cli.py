@@ -80,7 +80,8 @@ def dataclass_parser(config_class, description: str, suppress_defaults: bool = F
     for f in fields(config_class):
         kind = ([a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]])[0]
         flag = "--" + f.name.replace("_", "-")
-        shown = "auto" if f.default is None or f.default == "" else f.default
+        unset = f.default is None or f.default == ""  # "auto" where the help says what is chosen, else none
+        shown = ("auto" if "(auto" in f.metadata["help"] else "none") if unset else f.default
         extra = {} if suppress_defaults else {"default": f.default}
         help_text = f"{f.metadata['help']} [default: {shown}]"
         if kind is bool:

@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_flatten
 import alternet
 import revit
 from lib.checkpoint import preset_module
-from lib.cli import device_options, fail, parse_model_args, say
+from lib.cli import broadcast, device_options, fail, parse_model_args, say
 from lib.data import TEXT_DATASETS
 
 GB = 1e9
@@ -412,6 +412,8 @@ def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int 
     no measurement reuses another's freed heap. Heap fragmentation can only add to a peak, so we report
     the smallest; all values are kept.
     """
+    if not (hasattr(os, "fork") and os.path.exists("/proc/self/status")):  # what memory_rows measures with
+        return [{"memory_error": "peak RSS is measured on Linux only (fork, /proc)"}] * len(specs)
     payload = json.dumps([{**spec, "batch": batch, "calls": calls} for spec in specs for _ in range(processes)])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: `-m lib.memory` runs there
     out = subprocess.run([sys.executable, "-m", "lib.memory", "rss", payload], capture_output=True,
@@ -520,15 +522,16 @@ def _ru_maxrss_kib() -> int:
 GPT2_VOCAB = 50257  # GPT-2's BPE (language.tokenize): known before tiktoken loads
 
 
-def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None, auto: bool,
-            skip_below: int = 0):
-    """train.py's run config `cfg` -> (the estimate at the fewest micro-steps that fit (auto) or at
-    cfg.grad_accum, the budget in GB), or None where nothing is planned (an unmeasured small preset, an OS
-    that does not say its RAM: then the estimate is only said). model None: the language model of cfg (or
-    ckpt), built on the meta device. A batch that cannot fit is one line saying what would."""
+def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None, skip_below: int = 0) -> None:
+    """train.py's run config `cfg`: cfg.grad_accum None becomes the fewest micro-steps whose peak per
+    device fits (an `override:` line), a given one is checked; then one `memory:` line. Nothing is planned
+    for an unmeasured small preset (below `skip_below` parameters) or an OS that does not say its RAM (the
+    estimate is only said). model None: the language model of cfg (or ckpt), built on the meta device. A
+    batch that cannot fit is one line saying what would."""
+    auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
     if model is None:
         if preset_parameters(cfg.arch) < skip_below:
-            return None
+            return
         vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
         overrides = ckpt["model_config"] if ckpt else {
             **vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
@@ -536,21 +539,26 @@ def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None,
             with torch.device("meta"):
                 model = alternet.create_model(cfg.arch, **overrides)
         except (ValueError, TypeError):
-            return None  # build() reports a bad --model-args in one line
+            return  # build() reports a bad --model-args in one line
     budget = cfg.gpu_memory or device_memory_gb(device)
     seq_len = (cfg.block_size or model.config.seq_len) if cfg.dataset in TEXT_DATASETS else None
     dtype = device_options(device.type, cfg.bf16)["autocast_dtype"]
     profile = measure(model.config, device, dtype, seq_len)
     if budget is None:  # an OS that does not say how much RAM it has: say, never stop
         say(f"memory: {estimate(model, profile, cfg.batch_size, seq_len, world, cfg.grad_accum).line()}")
-        return None
+        return
     try:
         planned = plan(model, profile, cfg.batch_size, seq_len, world, budget,
                        None if auto else cfg.grad_accum)
     except ValueError as e:
         fail(f"--arch {cfg.arch} at --batch-size {cfg.batch_size} on {world} device(s) of {budget:.3g} GB "
              f"{e}")
-    return planned, budget
+    accum = broadcast(planned.grad_accum, world)  # every rank steps alike
+    if accum != cfg.grad_accum:
+        say(f"override: grad_accum={accum} (auto: the fewest micro-steps whose peak fits {budget:.3g} GB "
+            f"per device)")
+        cfg.grad_accum = accum
+    say(f"memory: {planned.line()}")
 
 
 if __name__ == "__main__":  # internal: the fresh process cpu_memory_of starts

@@ -1,8 +1,9 @@
 """What train.py does to continue or evaluate a saved run, imported only then (a new run never loads
 it): the saved config and what may not change on resume (`resume_config`, `saved_config`); the values a
-checkpoint never decides (`command_line_only`: the files read, downloads, the teacher); a resumed
-checkpoint's loop state checked against the rebuilt run (`check_resume`: the optimizer state as
-load_state_dict and the next step would take it, every RNG state as set_rng_state would), then its random
+checkpoint never decides (`command_line_only`: the files read, downloads, the teacher); a checkpoint
+rebuilt for evaluation (`evaluation_setup`: --eval-only, tools/depths.py); a resumed checkpoint's loop
+state checked against the rebuilt run (`check_resume`: the optimizer state as load_state_dict and the next
+step would take it, every RNG state as set_rng_state would), then loaded (`continue_run`) and its random
 streams restored (`restore_rng`). A failure is one line naming the flag (lib/cli.fail); the run folder has
 not been touched.
 """
@@ -17,9 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from lib.checkpoint import RESUME_KEYS, checkpoint_or_fail, set_rng_state
-from lib.values import fit_problem
-from lib.cli import fail, say, wrong_type
+from lib.build import build
+from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, set_rng_state
+from lib.values import diverged, fit_problem
+from lib.cli import fail, pick_device, say, wrong_type
 
 
 # The model and the data order of a run: a resumed run must keep them.
@@ -71,6 +73,41 @@ def resolve_saved(resolve_config, merged: dict, flags: dict, source: str):
             reason = str(refused.code).partition(": error: ")[2]
             fail(f"{source}: its saved train_config is refused: {reason}")
         raise
+
+
+EVAL_ONLY_FLAGS = {"eval_only", "eval_depths", "test_subset", "eval_batch_size", "eval_iters", "data",
+                   "data_dir", "download", "teacher", "device", "progress"}
+
+
+def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config):
+    """A checkpoint rebuilt with its test data as trained -> (cfg, model, task) for train.evaluate; `flags`
+    (config names, e.g. test_subset, device) may change how it is evaluated, never the model. train.py's
+    TrainConfig and resolve_config: `config_class`, `resolve_config`."""
+    extra = sorted(set(flags) - EVAL_ONLY_FLAGS)
+    if extra:
+        allowed = ", ".join("--" + f.replace("_", "-") for f in sorted(EVAL_ONLY_FLAGS))
+        fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
+             f"got --{extra[0].replace('_', '-')}")
+    ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
+    known = {f.name for f in fields(config_class)} - {"out_dir", "resume"}
+    saved = saved_config(ckpt, path, flag, config_class)
+    saved = command_line_only(saved, flags, f"{flag} {path}", needed=("data",))
+    cfg = resolve_saved(resolve_config, {**{k: v for k, v in saved.items() if k in known}, **flags}, flags,
+                        f"{flag} {path}")
+    try:
+        device = pick_device(cfg.device)
+    except ValueError as e:
+        fail(str(e))
+    model, task, *_ = build(cfg, 0, 1, device, ckpt)
+    trained = model.head if cfg.probe else model
+    problem = fit_problem(trained.state_dict(), ckpt["model"], ckpt["arch"])
+    if problem:
+        fail(f"{flag} {path}: {problem}")
+    trained.load_state_dict(ckpt["model"])
+    problem = None if cfg.probe else diverged(model.to(device).eval())  # as every reader (load_model)
+    if problem:
+        fail(f"{flag} {path}: {problem}")
+    return cfg, model.to(device).eval(), task
 
 
 # What a checkpoint never decides: the files a run reads, whether it downloads, the teacher it loads
@@ -195,6 +232,19 @@ def rng_problem(states: list, augment) -> str | None:
         if augment is not None and "augment" not in state:
             return "its rng holds no augmentation state (an image run saves one)"
     return None
+
+
+def continue_run(run, ckpt: dict, fused_adamw: bool) -> None:
+    """train.py's Run where the checkpoint left it: checked in full first (check_resume), then the weights,
+    the optimizer, the step, the last evaluation and every rank's random streams."""
+    check_resume(run.cfg, ckpt, run.trainable, run.optimizer, run.augment, run.sched["total_steps"])
+    run.trainable.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    for group in run.optimizer.param_groups:  # load_state_dict restored the saving device's implementation
+        group["fused"] = fused_adamw or None
+    run.step = run.folder.saved_step = ckpt["step"]
+    run.metrics = ckpt.get("metrics", {})
+    restore_rng(run, ckpt["rng"])
 
 
 def restore_rng(run, rngs: list) -> None:

@@ -1,6 +1,7 @@
 """What an image run trains: the evaluation of each task, the losses that differ from train.py's default,
-and `build`, which makes the data, model and task of a config. train.py's loop and --eval-only use
-them; tools/probes.py reuses DENSE_PROBES, tools/depths.py the evaluation (through train.evaluate).
+what a run reports (`summarise`, every task's depth table), and `build`, which makes the data, model and
+task of a config. train.py's loop and --eval-only use them; tools/probes.py reuses DENSE_PROBES,
+tools/depths.py the evaluation (through train.evaluate).
 
     ClassificationTask   images -> classes (also the linear probe: its model is a ProbeModel); its
                          training loss is the default one, written in train.py's train_step
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.checkpoint import model_or_fail, preset_module
+from lib.checkpoint import checkpoint_or_fail, model_or_fail, preset_module
 from lib.cli import device_options, fail, parse_depths, parse_model_args, say
 
 
@@ -179,6 +180,52 @@ PROBES = {"cls": lambda backbone, num_classes, cfg: ProbeModel(backbone, num_cla
 
 # Dense probes train per-patch heads on (cached) frozen features in probes.py's own loop: probes.run.
 DENSE_PROBES = ("seg", "monodepth")
+
+
+# --- what a run reports: the depth table of its final evaluation (train.py, --eval-only) ---
+
+
+def eval_depths(cfg, model: nn.Module) -> list:
+    """The depths of the final evaluation (--eval-depths; None: the reference depth)."""
+    if cfg.dataset in data.TEXT_DATASETS:
+        return [None]
+    reference = (model.backbone if cfg.probe else model).config.depth
+    return [None] + [d for d in parse_depths(cfg.eval_depths) if d != reference]
+
+
+def summarise(cfg, model: nn.Module, results: dict) -> tuple[dict, str]:
+    """Print the depth table of train.evaluate's results; -> (summary fields, the headline)."""
+    if cfg.dataset in data.TEXT_DATASETS:
+        say(f"{'depth':>8} {'val loss':>9} {'bits/byte':>9} {'mean iters':>10}")
+        for key, r in results.items():
+            say(f"{key or 'halted':>8} {r['loss']:9.4f} {r['bpb']:9.4f} {r['iterations']:10.2f}")
+        h = results[None]
+        return ({"val_loss": h["loss"], "val_bpb": h["bpb"], "mean_iterations": h["iterations"],
+                 "fixed_depth_bpb": {str(k): r["bpb"] for k, r in results.items() if k is not None},
+                 **({"val_causal_bpb": h["causal_bpb"]} if "causal_bpb" in h else {})},
+                f"val loss {h['loss']:.4f} | {h['bpb']:.4f} bits/byte at {h['iterations']:.2f} "
+                f"mean iterations")
+    reference = (model.backbone if cfg.probe else model).config.depth
+    key = "distill_mse" if cfg.teacher else "mse" if cfg.dataset == "planted" else "acc"
+    if len(results) > 1:
+        say(f"{'depth':>6} {'test acc %' if key == 'acc' else key:>12}")
+        for depth, r in sorted(results.items(), key=lambda kv: kv[0] or reference):
+            value = 100 * r[key] if key == "acc" else r[key]
+            say(f"{depth or reference:>6} {value:12.4f}{' (trained)' if depth is None else ''}")
+    ref = results[None]
+    metric = f"test acc {100 * ref['acc']:.2f}%" if key == "acc" else \
+        f"test {key.replace('_', ' ')} {ref[key]:.5f}"
+    return ({"reference_depth": reference, **{f"test_{k}": v for k, v in ref.items()},
+             "depths": {str(reference if d is None else d): r for d, r in results.items()}},
+            f"{metric} at depth {reference}")
+
+
+def backbone_arch(path: str) -> str:
+    """A linear probe is named after its --backbone, which must be a vision model of revit.py."""
+    arch = checkpoint_or_fail(path, "--backbone")["arch"]
+    if preset_module(arch) is not revit:
+        fail(f"--backbone {path} is a checkpoint of {arch}, not a vision model of revit.py")
+    return arch
 
 
 # --- what a run trains, built from its config: data, model, task ---

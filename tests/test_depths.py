@@ -206,8 +206,8 @@ def test_a_depth_whose_evaluation_is_not_finite_is_refused_before_anything_is_wr
     row's loss is never scored, marked or written; the line names the depth and how to leave it out."""
     evaluate = train.evaluate
 
-    def nan_at_three(model, task, depth=None):
-        return dict(evaluate(model, task, depth), loss=float("nan")) if depth == 3 else evaluate(model, task, depth)
+    def nan_at_three(model, task, depths=(None,)):
+        return {d: dict(r, loss=float("nan")) if d == 3 else r for d, r in evaluate(model, task, depths).items()}
 
     monkeypatch.setattr(train, "evaluate", nan_at_three)
     with pytest.raises(SystemExit) as error:

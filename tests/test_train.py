@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lib import checkpoint
-from lib import cli
+from lib import cli, resume
 import revit
 import train
 
@@ -520,15 +520,18 @@ import datetime, sys, types
 from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, {str(ROOT)!r})
-import train
+import revit, train
+from lib import checkpoint
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
 rank = dist.get_rank()
 model = torch.nn.Linear(2, 2)
 if rank == 0:
     torch.nn.init.constant_(model.weight, float("nan"))
-run = types.SimpleNamespace(world=2, rank=rank, is_main=rank == 0, augment=None, device=torch.device("cpu"),
-                            trainable=model, step=5, last_good=None, sched={{"peak_lr": 0.1}},
-                            folder=types.SimpleNamespace(ckpt=Path({str(tmp_path)!r}) / "ckpt.pt"))
+cfg = train.TrainConfig(arch="vit-mini")
+run = train.Run(cfg, rank, 2, torch.device("cpu"), model, model, None, None, None,
+                torch.optim.SGD(model.parameters(), lr=0.1), {{"peak_lr": 0.1}}, None,
+                checkpoint.RunFolder(Path({str(tmp_path)!r})), step=5)
+model.config = revit.ViTConfig()  # saved as the model's config (the save stops before writing)
 try:
     train.save_checkpoint(run)
 except SystemExit as e:
@@ -648,12 +651,12 @@ def test_depth_evaluation_with_the_model_on_a_device(tmp_path, fashion_mnist_dir
     _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--eval-depths", "2")
     flags = {"eval_depths": "2,6", "data_dir": str(fashion_mnist_dir), "test_subset": 64}
     _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
-    on_cpu = train.evaluate_depths(model, task, [None, 2, 6])
-    monkeypatch.setattr(train, "pick_device", lambda name: FAKE)
+    on_cpu = train.evaluate(model, task, [None, 2, 6])
+    monkeypatch.setattr(resume, "pick_device", lambda name: FAKE)
     with OnFakeDevice():
         _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
         assert next(model.parameters()).device == FAKE
-        on_device = train.evaluate_depths(model, task, [None, 2, 6])
+        on_device = train.evaluate(model, task, [None, 2, 6])
     assert on_device == on_cpu
 
 
@@ -665,11 +668,11 @@ def test_language_evaluation_with_the_model_on_a_device(tmp_path, monkeypatch):
                 *TINY_LM[:1], "1", *TINY_LM[2:]])
     flags = {"eval_iters": 1}
     _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
-    on_cpu = train.evaluate_depths(model, task, [None])
-    monkeypatch.setattr(train, "pick_device", lambda name: FAKE)
+    on_cpu = train.evaluate(model, task, [None])
+    monkeypatch.setattr(resume, "pick_device", lambda name: FAKE)
     with OnFakeDevice():
         _, model, task = train.evaluation_setup(out / "ckpt.pt", flags)
-        on_device = train.evaluate_depths(model, task, [None])
+        on_device = train.evaluate(model, task, [None])
     assert on_device == on_cpu
 
 

@@ -121,8 +121,9 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
         dynamic = copy_module(model, merge_cache=False).eval()
     rows = []
     for depth in depths:
+        key = None if depth == c.depth else depth  # None: the reference depth
         row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
-               **train.evaluate(model, task, None if depth == c.depth else depth)}
+               **train.evaluate(model, task, [key])[key]}
         refuse_non_finite(row, f"depth {depth}", "; choose --depths without it")
         module, depth_arg = deployed_model(model, depth)
         row["deployed_form"] = "folded" if module is not model else "model"
