@@ -412,7 +412,7 @@ def test_flop_count_is_what_the_module_runs(name):
                 ffn(u, step) if ffn.needs_step else ffn(u)
         else:  # reViT's own FFN: FFN_t, merged at each step (the model is in training mode: no cache)
             for t in range(depth):
-                ffn.step_ffn(t, depth)(u)
+                ffn.ffn_at(revit.depth_grid(depth)[t:t + 1])(u)
     flops = moe.active_flops_per_token(ffn, tokens)
     assert counter.get_total_flops() == pytest.approx(depth * tokens * (flops["experts"] + flops["routing"]))
 
