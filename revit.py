@@ -15,13 +15,10 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order. The story of reViT, from here to `fold`, in build order: the building blocks
-(`Attention`, `Mlp`) -> `Block` (Eq. 3, and what every FFN of the shared block provides) -> the router ψ
-and the merge (`MergedExpertFFN.ffn_at`: Eqs. 1-2 in one look, and the auxiliary losses of App. A.2) ->
-`ViTConfig` and the stem and head (`ViTBase`) -> `ReViT` (`forward` runs Eq. 3 with FFN_t;
-`elastic_steps`, §3.2) -> `fold`. Then the merge cache that `forward` uses at inference, Table 1's
-baselines (`VisionTransformer`, `Raptor`), `PRESETS` and `create_model`, and the input checks.
-lib/moe.py adds the paper's comparison mechanisms (§4.3, App. B); nothing here needs them.
+Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; what every FFN of the shared block
+provides) -> `MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTConfig`, `ViTBase`
+-> `ReViT` (`forward`: Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache that
+`forward` uses at inference, Table 1's baselines, `PRESETS`, `create_model` and the input checks.
 """
 
 from __future__ import annotations
@@ -95,14 +92,11 @@ class Block(nn.Module):
     """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)), with optional
     LayerScale (DeiT III, with the baselines below) and per-sample drop-path on both branches.
 
-    The FFN interface. `mlp` holds the FFN's parameters under timm's names (mlp.fc1.weight, ...; reViT's
-    bank: mlp.fc1_weight, ...); forward(x, ffn) runs `ffn`, a callable tokens (b, T, d) -> tokens, default
-    `mlp` itself. The FFN of reViT's shared block (MergedExpertFFN; TiedFFN for E = 1) also provides
-      ffn_at(s)                 FFN_t for one depth coordinate s, a (1,) tensor (Eqs. 1-2);
-      per_image_ffn(coords)     the FFN of a step whose images sit at coordinates coords (b,) (§3.2);
-      aux_losses(depth)         its weighted auxiliary losses (a dict, App. A.2);
-      dense_states(depth, gates)  the Mlp weights of each of `depth` steps (fold).
-    """
+    The FFN interface: forward(x, ffn) runs `ffn`, tokens (b, T, d) -> tokens, default `mlp`, which holds
+    the FFN's parameters (timm's names: mlp.fc1.weight, ...). reViT's (MergedExpertFFN; E = 1: TiedFFN)
+    provides ffn_at(s), FFN_t at one depth coordinate s (1,) (Eqs. 1-2); per_image_ffn(coords), a step's
+    FFN for images at coordinates (b,) (§3.2); aux_losses(depth), a dict (App. A.2); and
+    dense_states(depth, gates), the Mlp weights of each step (fold)."""
 
     def __init__(self, dim: int, heads: int, mlp: nn.Module, layer_scale_init: float | None = None,
                  drop_path: float = 0.0):
@@ -201,13 +195,9 @@ class MergedFFN(NamedTuple):
         return F.linear(F.gelu(F.linear(u, w1, b1)), w2, b2)
 
 class MergedExpertFFN(ExpertBank):
-    """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router.
-
+    """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router (`ffn_at`).
     Eq. 1: z_t = psi(s_t), g_t = softmax(z_t / tau), psi = Linear(1,16) -> SiLU -> Linear(16,E).
-    Eq. 2: W1_t = sum_e g_te W1_e (same for b1, W2, b2); FFN_t(u) = W2_t GELU(W1_t u + b1_t) + b2_t.
-    Gates and merges are computed in fp32 under any autocast or parameter dtype. Each step merges its
-    own FFN, so only one merged FFN is alive at a time (the bank stays the only large weight).
-    """
+    Eq. 2: W1_t = sum_e g_te W1_e (same for b1, W2, b2); FFN_t(u) = W2_t GELU(W1_t u + b1_t) + b2_t."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, router_hidden: int = 16,
                  router_temperature: float = 1.0, router_prior: float = 0.0,
@@ -297,7 +287,7 @@ class ViTConfig:
     balance_weight: float = 1e-2  # λ_bal of Eq. 6 (App. A.2, Table 6); Qwen3 / MoEUT: their balance loss
     z_loss_weight: float = 1e-3   # λ_z of Eq. 8 (App. A.2, Table 6)
     diversity_weight: float = 1e-3  # λ_div of Eq. 9 (App. A.2, Table 6)
-    merge_cache: bool = True      # inference without gradients reuses the merged FFNs of a depth (`merge_cache`)
+    merge_cache: bool = True      # inference without gradients reuses the merged FFNs of a depth
     expert_ffn_fraction: float = 1.0  # hidden width of each expert / ffn_dim (the paper's ehr / 4)
     ffn: str = "merge"            # the shared block's FFN: "merge" (reViT's); lib/moe.py adds the others
     # lib/moe.py's settings: read only by the comparison mechanisms (§4.3, App. B, Table 8)
@@ -309,14 +299,7 @@ class ViTConfig:
     lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
 
     def __post_init__(self):
-        """Every field's type (integers refuse floats, strings and bools; floats refuse NaN and inf), then
-        its range (FIELD_RULES, at the end of the file)."""
-        for f in fields(self):
-            if not type_ok(getattr(self, f.name), f.type):
-                kind = f.type.replace(" | None", "")
-                need(self, False, f.name, TYPE_RULES[kind] + (" or None" if kind != f.type else ""))
-        for name, test, allowed in FIELD_RULES:
-            need(self, test(self), name, allowed.format_map(vars(self)))
+        check_fields(self)  # each field's type, then its range (FIELD_RULES, at the end of the file)
 
     @property
     def num_patches(self) -> int:
@@ -362,16 +345,15 @@ class ViTBase(nn.Module):
         check_images(images, self.config)
         images = images.to(self.patch_embed.proj.weight.dtype)
         x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
-        x = x + self.pos_embed  # DeiT III: positions on the patch tokens, none on the class token (our choice)
+        # positions on the patch tokens, none on the class token: DeiT III's layout (our choice)
+        x = x + self.pos_embed  # DeiT III
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
 
     def check_depth(self, depth: int | None) -> int:
         """The depth to run: the trained one by default, else an integer >= 2."""
-        if depth is None:
-            return self.config.depth
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 2):
             raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
-        return depth
+        return self.config.depth if depth is None else depth
 
     def finish(self, x, states, aux, return_states, extra=None):
         """The head on the final state x (B, 1+N, d): logits (B, classes), or with return_states the named
@@ -466,7 +448,8 @@ class ReViT(ViTBase):
         if keep is None and self.training and self.config.depth_drop > 0:
             keep = torch.rand(batch, depth, device=device) >= self.config.depth_drop
         if keep is not None and keep.shape != (batch, depth):
-            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; got {tuple(keep.shape)}")
+            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; "
+                             f"got {tuple(keep.shape)}")
         return None if keep is None or bool(keep.all()) else keep
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
@@ -750,20 +733,30 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
       for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight")),
     ("expert_ffn_fraction", lambda c: c.expert_ffn_fraction > 0 and c.expert_ffn_dim >= 1,
      "> 0 with at least one hidden unit (ffn_dim={ffn_dim})"),
-    ("ffn", lambda c: c.ffn == "merge" or c.ffn in MECHANISMS, "'merge' or a mechanism of lib/moe.py (`import lib.moe` first)"),
+    ("ffn", lambda c: c.ffn == "merge" or c.ffn in MECHANISMS,
+     "'merge' or one of lib/moe.py's {mechanisms} (`import lib.moe` first)"),
     ("ffn", lambda c: c.ffn == "merge" or c.arch == "revit",
      "'merge' unless arch='revit' (the mechanisms replace the FFN of reViT's shared block)"),
     # the comparison mechanisms' settings (lib/moe.py)
     ("top_k", lambda c: 1 <= c.top_k <= c.num_experts, "between 1 and num_experts={num_experts}"),
     ("shared_experts", lambda c: 0 <= c.shared_experts <= 2 ** 10, "in 0..1024"),
     ("shared_experts", lambda c: c.shared_experts == 0 or c.ffn == "deepseek", "0 unless ffn='deepseek'"),
-    ("slots_per_expert", lambda c: 0 <= c.slots_per_expert <= 2 ** 12, "in 0..4096 (0: round(num_patches / 4))"),
+    ("slots_per_expert", lambda c: 0 <= c.slots_per_expert <= 2 ** 12, "in 0..4096 (0: num_patches / 4)"),
     ("bias_update_rate", lambda c: c.bias_update_rate >= 0, ">= 0"),
     ("remoe_target_sparsity", lambda c: 0.0 < c.remoe_target_sparsity < 1.0, "in (0, 1)"),
     ("lora_rank", lambda c: 1 <= c.lora_rank <= 2 ** 12, "in 1..4096"),
 ]
 PART_TWO = ("the comparison mechanisms of §4.3 / App. B and their presets live in lib/moe.py: "
             "`import lib.moe` first")
+
+def check_fields(c: ViTConfig) -> None:
+    """Integers refuse floats, strings and bools; floats refuse NaN and inf; then FIELD_RULES in order."""
+    for f in fields(c):
+        if not type_ok(getattr(c, f.name), f.type):
+            kind = f.type.replace(" | None", "")
+            need(c, False, f.name, TYPE_RULES[kind] + (" or None" if kind != f.type else ""))
+    for name, test, allowed in FIELD_RULES:
+        need(c, test(c), name, allowed.format_map({**vars(c), "mechanisms": tuple(MECHANISMS)}))
 
 def type_ok(value, kind: str) -> bool:
     if kind.endswith(" | None"):
