@@ -405,9 +405,10 @@ class ReViT(ViTBase):
         (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs (elastic
         depth); sampled in training when depth_drop > 0."""
         depth = self.check_depth(depth)
-        cached = None
-        if self.config.merge_cache and not self.training and not torch.is_grad_enabled():
-            cached = merge_cache(self, depth)  # inference: the L merged FFNs, merged once (after fold)
+        # The merge cache (after fold): at inference, the L merged FFNs of this depth, merged once; looked
+        # up before any tensor work, so that a compiled forward stays one graph.
+        inference = self.config.merge_cache and not self.training and not torch.is_grad_enabled()
+        cached = merge_cache(self, depth) if inference else None
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
         if keep is None:  # every image runs every step, at the grid coordinates s_t (Eq. 1)
@@ -424,8 +425,8 @@ class ReViT(ViTBase):
         return self.finish(states[-1], states, aux, return_states, extra)
 
     # Eager even in a compiled model (the stem, head and losses compile): each step picks its rows and
-    # coordinate groups from data, so on a GPU every step syncs with the host and runs one small FFN per
-    # group. A fixed-shape version would sum the merges in another order; this keeps the CPU numerics.
+    # coordinate groups from data (a GPU syncs with the host at each step); a fixed-shape version would
+    # sum the merges in another order: this keeps the CPU numerics.
     @torch.compiler.disable
     def elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
         """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
@@ -505,14 +506,12 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
 
 @torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
 def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
-    """The L merged FFNs of depth L that ReViT.forward runs at inference without gradients (config
-    merge_cache): merged at once in fp32, cast once to the bank's dtype and kept on the model
-    (`merged_ffns`) until the weights change; the outputs are those of merging at every step up to float
-    rounding. None for E = 1: nothing to merge. Called before any tensor work of the forward, so that a
-    compiled forward stays one graph. The key follows the parameters' version counters (in-place updates,
-    load_state_dict), where they live and their dtype (moving, casting), temperature and router_prior;
-    train()/eval() drop the cache. Not detected: writes that bypass the version counters (through `p.data`,
-    a fused optimizer step) with no train()/eval() call after them."""
+    """The L merged FFNs that ReViT.forward runs at depth L without gradients: merged at once in fp32, cast
+    once to the bank's dtype, kept in `model.merged_ffns` until the weights change (equal to merging at
+    every step up to float rounding); None for E = 1. Its key: the parameters' version counters (in-place
+    updates, load_state_dict), device and dtype, temperature and router_prior; train()/eval() drop it.
+    Not detected: writes that bypass the version counters (`p.data`, a fused optimizer step) with no
+    train()/eval() after them."""
     ffn = model.block.mlp
     if not isinstance(ffn, MergedExpertFFN):
         return None
@@ -773,12 +772,9 @@ def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
 
 def check_images(images: torch.Tensor, c: ViTConfig) -> None:
     """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed)."""
-    if images.ndim != 4 or images.shape[1] != c.in_channels:
-        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
-                         f"got {tuple(images.shape)} (in_channels={c.in_channels})")
-    if images.shape[-2:] != (c.image_size, c.image_size):
-        raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
-                         f"got {images.shape[-2]}x{images.shape[-1]}")
+    if images.ndim != 4 or images.shape[1:] != (c.in_channels, c.image_size, c.image_size):
+        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}) "
+                         f"(in_channels={c.in_channels}, image_size={c.image_size}); got {tuple(images.shape)}")
     if not images.is_floating_point():
         raise ValueError(f"images must be a floating-point tensor, normalised as in training; got "
                          f"{images.dtype} (convert uint8 pixels with images.float() / 255 and normalise)")
