@@ -774,7 +774,8 @@ def check_images(images: torch.Tensor, c: ViTConfig) -> None:
     """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed)."""
     if images.ndim != 4 or images.shape[1:] != (c.in_channels, c.image_size, c.image_size):
         raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}) "
-                         f"(in_channels={c.in_channels}, image_size={c.image_size}); got {tuple(images.shape)}")
+                         f"(in_channels={c.in_channels}, image_size={c.image_size}); "
+                         f"got {tuple(images.shape)}")
     if not images.is_floating_point():
         raise ValueError(f"images must be a floating-point tensor, normalised as in training; got "
                          f"{images.dtype} (convert uint8 pixels with images.float() / 255 and normalise)")
