@@ -568,7 +568,6 @@ class DropPath(nn.Module):
         keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
         return x * keep / (1.0 - self.p)
 
-
 class LayerScale(nn.Module):
     """DeiT III's per-channel scale of a residual branch (the baselines; reViT's block has none, Eq. 3)."""
 
@@ -626,7 +625,6 @@ def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
             ends = scaled
     return [sum(step > end for end in ends) for step in range(1, depth + 1)]  # segments ended before step
 
-
 class Raptor(VisionTransformer):
     """k = raptor_blocks blocks, each serving a contiguous segment of the steps, at any depth."""
     arch = "raptor"
@@ -647,27 +645,18 @@ DEIT3 = dict(layer_scale_init=DEIT3_LAYER_SCALE)
 FMNIST = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10)  # 28x28x1, "-mini"
 CIFAR = dict(image_size=32, patch_size=4, in_channels=3, num_classes=10)          # 32x32x3, "-mini32"
 
-PRESETS = {
-    # Table 1: DeiT III (12 untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts)
-    "vit-s": dict(arch="vit", dim=384, heads=6, ffn_dim=1536, depth=12, **DEIT3),
-    "raptor-s": dict(arch="raptor", dim=384, heads=6, ffn_dim=1536, depth=12, raptor_blocks=4, **DEIT3),
-    "revit-s": dict(arch="revit", dim=384, heads=6, ffn_dim=1536, depth=12, num_experts=4),
-    "vit-b": dict(arch="vit", dim=768, heads=12, ffn_dim=3072, depth=12, **DEIT3),
-    "raptor-b": dict(arch="raptor", dim=768, heads=12, ffn_dim=3072, depth=12, raptor_blocks=4, **DEIT3),
-    "revit-b": dict(arch="revit", dim=768, heads=12, ffn_dim=3072, depth=12, num_experts=4),
-    "vit-l": dict(arch="vit", dim=1024, heads=16, ffn_dim=4096, depth=24, **DEIT3),
-    "raptor-l": dict(arch="raptor", dim=1024, heads=16, ffn_dim=4096, depth=24, raptor_blocks=4, **DEIT3),
-    "revit-l": dict(arch="revit", dim=1024, heads=16, ffn_dim=4096, depth=24, num_experts=4),
-    # CPU sizes of our own: Fashion-MNIST ("-mini", the quick start's revit-mini) and CIFAR ("-mini32")
-    "vit-mini": dict(arch="vit", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, **DEIT3),
-    "raptor-mini": dict(arch="raptor", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, raptor_blocks=4,
-                        **DEIT3),
-    "revit-mini": dict(arch="revit", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, num_experts=4),
-    "vit-mini32": dict(arch="vit", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, **DEIT3),
-    "raptor-mini32": dict(arch="raptor", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, raptor_blocks=4,
-                          **DEIT3),
-    "revit-mini32": dict(arch="revit", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, num_experts=4),
+SIZES = {  # Table 1's sizes (ImageNet 224², patch 16), then our CPU sizes: Fashion-MNIST ("mini", the
+    # quick start's revit-mini) and CIFAR ("mini32")
+    "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
+    "b": dict(dim=768, heads=12, ffn_dim=3072, depth=12),
+    "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
+    "mini": dict(**FMNIST, dim=96, heads=3, ffn_dim=192, depth=6),
+    "mini32": dict(**CIFAR, dim=96, heads=3, ffn_dim=192, depth=6),
 }
+# Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts)
+ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
+PRESETS = {f"{arch}-{size}": dict(arch=arch, **width, **extra)
+           for size, width in SIZES.items() for arch, extra in ARCHS.items()}
 
 def derived_presets(table: dict) -> dict:
     """From each preset above: its patch-14 variant at ImageNet sizes ("-s14", e.g. the B/14 of DINOv2
@@ -702,7 +691,6 @@ def create_model(name: str, **overrides) -> nn.Module:
 def build_model(config: ViTConfig) -> nn.Module:
     """The model a config describes: MODELS[config.arch], or the class lib/moe.py registered for its ffn."""
     return (MODELS[config.arch] if config.ffn == "merge" else MECHANISMS[config.ffn].model)(config)
-
 
 # --- input checks: bad input gets one ValueError naming the field and what it allows ---
 
