@@ -423,6 +423,11 @@ def test_bad_input_names_the_argument():
     model = tiny()
     with pytest.raises(ValueError, match="unknown preset name='revit-xl'.*revit-s"):
         revit.create_model("revit-xl")
+    with pytest.raises(ValueError, match="unknown preset name='revit-mni'; did you mean 'revit-mini'"):
+        revit.create_model("revit-mni")
+    done = subprocess.run([sys.executable, "revit.py", "revit-mni"], cwd=Path(revit.__file__).parent,
+                          capture_output=True, text=True)  # the command line: one line, no traceback
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "did you mean 'revit-mini'" in done.stderr
     with pytest.raises(ValueError, match="depth must be an integer >= 2"):
         model(images(1, model), depth=1)
     with pytest.raises(ValueError, match="in_channels=1"):
