@@ -15,17 +15,15 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order. The story of reViT, from here to `fold`, in build order: the building blocks
-(`Attention`, `Mlp`) -> `Block` (Eq. 3) -> the router ψ and the merge (`DepthRouter`, `MergedExpertFFN`:
-Eqs. 1-2, and the auxiliary losses of App. A.2) -> `ViTConfig` and the stem and head (`ViTBase`) ->
-`ReViT` (`forward` runs Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then Table 1's baselines
-(`VisionTransformer`, `Raptor`), `PRESETS` and `create_model`. The appendix at the end holds what a
-first reading skips: the input checks, the merge cache (an inference optimisation) and the registry
-through which lib/moe.py adds the paper's comparison mechanisms (§4.3, App. B); nothing above needs them.
+Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; what every FFN of the shared block
+provides) -> `MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTConfig`, `ViTBase`
+-> `ReViT` (`forward`: Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache that
+`forward` uses at inference, Table 1's baselines, `PRESETS`, `create_model` and the input checks.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
@@ -35,7 +33,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # --- building blocks (DeiT III numerics: LayerNorm eps 1e-6, qkv bias, trunc-normal 0.02) ---
 
@@ -79,11 +76,27 @@ class Mlp(nn.Module):
         """The Mlp weights of each of `depth` steps (fold): its own at every step."""
         return [self.state_dict()] * depth
 
+# fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11)
+
+def full_precision(device: torch.device):
+    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
+    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
+
+@torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
+def autocast_available(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type)
+
 # --- the plain ViT block (Eq. 3) ---
 
 class Block(nn.Module):
     """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)), with optional
-    LayerScale (DeiT III, with the baselines below) and per-sample drop-path on both branches."""
+    LayerScale (DeiT III, with the baselines below) and per-sample drop-path on both branches.
+
+    The FFN interface: forward(x, ffn) runs `ffn`, tokens (b, T, d) -> tokens, default `mlp`, which holds
+    the FFN's parameters (timm's names: mlp.fc1.weight, ...). reViT's (MergedExpertFFN; E = 1: TiedFFN)
+    provides ffn_at(s), FFN_t at one depth coordinate s (1,) (Eqs. 1-2); per_image_ffn(coords), a step's
+    FFN for images at coordinates (b,) (§3.2); aux_losses(depth), a dict (App. A.2); and
+    dense_states(depth, gates), the Mlp weights of each step (fold)."""
 
     def __init__(self, dim: int, heads: int, mlp: nn.Module, layer_scale_init: float | None = None,
                  drop_path: float = 0.0):
@@ -97,7 +110,6 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, ffn: Callable | None = None) -> torch.Tensor:
-        """ffn: the FFN this application runs, tokens -> tokens (reViT: FFN_t); default the block's `mlp`."""
         ffn = self.mlp if ffn is None else ffn
         x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
         u = self.norm2(x)
@@ -134,12 +146,8 @@ class ExpertBank(nn.Module):
         return self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
 
     def merge(self, gates: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple:
-        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...) in `dtype`.
-
-        fp32 by default, whatever the bank's dtype or autocast; callers cast at use (MergedFFN). A
-        forward's own merge asks for the bank's dtype: a bf16 bank then merges as one bf16 matmul, which
-        accumulates in fp32, and is never copied to fp32 (E x P); its fp32 gates are rounded as the
-        operand (our choice)."""
+        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...) in `dtype`,
+        fp32 by default whatever the bank's dtype or autocast; callers cast at use (MergedFFN)."""
         n = gates.shape[0]
         with full_precision(gates.device):
             return tuple((gates.to(dtype) @ p.to(dtype).flatten(1)).view(n, *p.shape[1:])  # (n, ...)
@@ -186,19 +194,10 @@ class MergedFFN(NamedTuple):
         w1, b1, w2, b2 = (w.to(u.dtype) for w in self)
         return F.linear(F.gelu(F.linear(u, w1, b1)), w2, b2)
 
-def unstack_one(stacks: tuple) -> tuple:
-    """(1, ...) stacks -> their only entries. squeeze, not [0]: its backward is a view, where indexing's
-    would allocate and copy each merged weight's gradient again at every step."""
-    return tuple(w.squeeze(0) for w in stacks)
-
 class MergedExpertFFN(ExpertBank):
-    """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router.
-
+    """reViT's FFN (§3.1): E expert FFNs merged in weight space by a depth router (`ffn_at`).
     Eq. 1: z_t = psi(s_t), g_t = softmax(z_t / tau), psi = Linear(1,16) -> SiLU -> Linear(16,E).
-    Eq. 2: W1_t = sum_e g_te W1_e (same for b1, W2, b2); FFN_t(u) = W2_t GELU(W1_t u + b1_t) + b2_t.
-    Gates and merges are computed in fp32 under any autocast or parameter dtype. Each step merges its
-    own FFN, so only one merged FFN is alive at a time (the bank stays the only large weight).
-    """
+    Eq. 2: W1_t = sum_e g_te W1_e (same for b1, W2, b2); FFN_t(u) = W2_t GELU(W1_t u + b1_t) + b2_t."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, router_hidden: int = 16,
                  router_temperature: float = 1.0, router_prior: float = 0.0,
@@ -218,7 +217,7 @@ class MergedExpertFFN(ExpertBank):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) (plus our optional `depth_prior`, appendix)."""
+        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) (plus our optional `depth_prior`, at the end)."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
         z = self.router(s)                                                        # (n, E)
         return z + depth_prior(s, self.num_experts, self.router_prior) if self.router_prior else z
@@ -227,21 +226,24 @@ class MergedExpertFFN(ExpertBank):
         """Eq. 1: (n,) coordinates -> (n, E) gates g = softmax(z / tau), in fp32."""
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
 
-    def merged_ffn(self, s: torch.Tensor) -> MergedFFN:
-        """Eqs. 1-2 map a depth coordinate s (a (1,) tensor) to its merged FFN: psi and the softmax give
-        the gates (Eq. 1), the gate-weighted sum of the experts gives the weights (Eq. 2)."""
-        return MergedFFN(*unstack_one(self.merge(self.gates(s), self.fc1_weight.dtype)))
-
-    def step_ffn(self, t: int, depth: int) -> MergedFFN:
-        """FFN_t of an L-step forward: the merged FFN at s_t = t / (L - 1) (Eq. 1's grid)."""
-        return self.merged_ffn(depth_grid(depth, self.fc1_weight.device)[t:t + 1])
+    def ffn_at(self, s: torch.Tensor) -> MergedFFN:
+        """FFN_t at one depth coordinate s (a (1,) tensor): psi -> softmax (Eq. 1) -> the gate-weighted sum
+        of the experts (Eq. 2) -> the FFN. Gates in fp32 under any autocast; the sum in the bank's dtype (a
+        bf16 bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our choice). Each
+        step builds its own, so one merged FFN is alive at a time."""
+        z = self.gate_logits(s)                                                   # (1, E) z = psi(s)
+        g = torch.softmax(z / self.temperature, dim=-1)                           # (1, E) Eq. 1
+        merged = self.merge(g, self.fc1_weight.dtype)                             # (1, ...) Eq. 2
+        # squeeze, not [0]: its backward is a view, where indexing's would copy each weight's gradient
+        return MergedFFN(*(w.squeeze(0) for w in merged))
 
     def per_image_ffn(self, coords: torch.Tensor) -> Callable:
         """The FFN of a step whose images sit at coordinates coords (b,) (elastic depth): one merged FFN
         per distinct coordinate, never one weight copy per image."""
         values, group = torch.unique(coords, return_inverse=True)
-        merged = self.merge(self.gates(values), self.fc1_weight.dtype)            # (groups, ...)
-        return MergedFFN(*unstack_one(merged)) if len(values) == 1 else GroupedFFN(merged, group)
+        if len(values) == 1:
+            return self.ffn_at(values)
+        return GroupedFFN(self.merge(self.gates(values), self.fc1_weight.dtype), group)  # (groups, ...)
 
     def aux_losses(self, depth: int) -> dict:
         """App. A.2 on the gates of the depth's grid: Eqs. 6 and 8 are means over the L steps."""
@@ -285,7 +287,7 @@ class ViTConfig:
     balance_weight: float = 1e-2  # λ_bal of Eq. 6 (App. A.2, Table 6); Qwen3 / MoEUT: their balance loss
     z_loss_weight: float = 1e-3   # λ_z of Eq. 8 (App. A.2, Table 6)
     diversity_weight: float = 1e-3  # λ_div of Eq. 9 (App. A.2, Table 6)
-    merge_cache: bool = True      # inference reuses the merged FFNs of a depth (CachedMergedExpertFFN)
+    merge_cache: bool = True      # inference without gradients reuses the merged FFNs of a depth
     expert_ffn_fraction: float = 1.0  # hidden width of each expert / ffn_dim (the paper's ehr / 4)
     ffn: str = "merge"            # the shared block's FFN: "merge" (reViT's); lib/moe.py adds the others
     # lib/moe.py's settings: read only by the comparison mechanisms (§4.3, App. B, Table 8)
@@ -297,7 +299,7 @@ class ViTConfig:
     lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
 
     def __post_init__(self):
-        check_config(self)  # types and ranges of every field (appendix)
+        check_fields(self)  # each field's type, then its range (FIELD_RULES, at the end of the file)
 
     @property
     def num_patches(self) -> int:
@@ -343,12 +345,15 @@ class ViTBase(nn.Module):
         check_images(images, self.config)
         images = images.to(self.patch_embed.proj.weight.dtype)
         x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
-        x = x + self.pos_embed  # DeiT III: positions go on the patch tokens, not the class token
+        # positions on the patch tokens, none on the class token: DeiT III's layout (our choice)
+        x = x + self.pos_embed  # DeiT III
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
 
     def check_depth(self, depth: int | None) -> int:
         """The depth to run: the trained one by default, else an integer >= 2."""
-        return self.config.depth if depth is None else check_depth_value(depth)
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 2):
+            raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
+        return self.config.depth if depth is None else depth
 
     def finish(self, x, states, aux, return_states, extra=None):
         """The head on the final state x (B, 1+N, d): logits (B, classes), or with return_states the named
@@ -382,8 +387,7 @@ class ReViT(ViTBase):
         self.init_weights()
         if isinstance(self.block.mlp, MergedExpertFFN):
             self.block.mlp.reset_router()
-            if config.merge_cache:
-                use_merge_cache(self)  # an inference optimisation (appendix), a first reading skips it
+        self.merged_ffns = None  # the merge cache: (key, the L merged FFNs of one depth); see `merge_cache`
 
     def build_block(self, c: ViTConfig) -> Block:
         """The shared block: Eq. 3 with reViT's merged expert FFN (E = 1: one dense Mlp, the tied block)."""
@@ -401,30 +405,37 @@ class ReViT(ViTBase):
         (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs (elastic
         depth); sampled in training when depth_drop > 0."""
         depth = self.check_depth(depth)
+        # The merge cache (after fold): at inference, the L merged FFNs of this depth, merged once; looked
+        # up before any tensor work, so that a compiled forward stays one graph.
+        inference = self.config.merge_cache and not self.training and not torch.is_grad_enabled()
+        cached = merge_cache(self, depth) if inference else None
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
         if keep is None:  # every image runs every step, at the grid coordinates s_t (Eq. 1)
-            states = [x]
-            for t in range(depth):
-                x = self.block(x, self.block.mlp.step_ffn(t, depth))           # Eq. 3 with FFN_t (Eq. 2)
+            grid, states = depth_grid(depth, x.device), [x]
+            for t in range(depth):  # Eq. 3 with FFN_t: merged at s_t (Eqs. 1-2), one alive at a time
+                x = self.block(x, cached[t] if cached else self.block.mlp.ffn_at(grid[t:t + 1]))
                 states.append(x)
         else:
             states = self.elastic_steps(x, keep)
-        # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P).
+        # Aux losses only where someone reads them: Eq. 9 alone touches the whole bank (E * P). Under
+        # elastic depth they stay on the fixed grid s_t: they regularise the router (our choice).
         aux = self.block.mlp.aux_losses(depth) if return_states or self.training else {}
         extra = {"gates": self.gate_matrix(depth)} if return_states else None
         return self.finish(states[-1], states, aux, return_states, extra)
 
     # Eager even in a compiled model (the stem, head and losses compile): each step picks its rows and
-    # coordinate groups from data, so on a GPU every step syncs with the host and runs one small FFN per
-    # group. A fixed-shape version would sum the merges in another order; this keeps the CPU numerics.
+    # coordinate groups from data (a GPU syncs with the host at each step); a fixed-shape version would
+    # sum the merges in another order: this keeps the CPU numerics.
     @torch.compiler.disable
     def elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
         """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
         coords = elastic_plan(keep)                                             # (B, L)
         states = [x]
         for t in range(keep.shape[1]):
-            rows = keep[:, t].nonzero().squeeze(1)  # images that run step t; a dropped step is the identity
+            # the images that run step t; a dropped step is the identity, and the kept steps are not
+            # rescaled by 1/(1-p) as drop-path's are (our choice)
+            rows = keep[:, t].nonzero().squeeze(1)
             if len(rows) == x.shape[0]:
                 x = self.block(x, self.block.mlp.per_image_ffn(coords[:, t]))
             elif len(rows):  # (an image whose mask keeps no step is never run: the head reads LN(embedding))
@@ -437,7 +448,9 @@ class ReViT(ViTBase):
         """The (B, L) retained-step mask, or None when every image runs every step."""
         if keep is None and self.training and self.config.depth_drop > 0:
             keep = torch.rand(batch, depth, device=device) >= self.config.depth_drop
-        check_keep(keep, batch, depth)
+        if keep is not None and keep.shape != (batch, depth):
+            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; "
+                             f"got {tuple(keep.shape)}")
         return None if keep is None or bool(keep.all()) else keep
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
@@ -447,6 +460,10 @@ class ReViT(ViTBase):
         if not isinstance(ffn, MergedExpertFFN):
             return torch.ones(depth, 1)
         return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
+
+    def train(self, mode: bool = True):
+        self.merged_ffns = None  # a mode switch drops the merge cache: where hand-written weight edits end
+        return super().train(mode)
 
     def no_weight_decay(self) -> set:
         # The router's output layer starts at zero and sets the depth program; decaying it
@@ -485,6 +502,29 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit.load_state_dict(state)
     return vit.train(model.training)
 
+# --- the merge cache: inference merges the L FFNs of a depth once (§3.1: "computed once and reused") ---
+
+@torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
+def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
+    """The L merged FFNs that ReViT.forward runs at depth L without gradients: merged at once in fp32, cast
+    once to the bank's dtype, kept in `model.merged_ffns` until the weights change (equal to merging at
+    every step up to float rounding); None for E = 1. Its key: the parameters' version counters (in-place
+    updates, load_state_dict), device and dtype, temperature and router_prior; train()/eval() drop it.
+    Not detected: writes that bypass the version counters (`p.data`, a fused optimizer step) with no
+    train()/eval() after them."""
+    ffn = model.block.mlp
+    if not isinstance(ffn, MergedExpertFFN):
+        return None
+    device = ffn.fc1_weight.device
+    key = (depth, device, ffn.temperature, ffn.router_prior,
+           *((p._version, p.data_ptr(), p.dtype) for p in ffn.parameters()))
+    if model.merged_ffns is None or model.merged_ffns[0] != key:
+        model.merged_ffns = None  # free the old cache before building the new one
+        merged = ffn.merge(ffn.gates(depth_grid(depth, device)))                 # fp32 (L, ...)
+        merged = [w.to(ffn.fc1_weight.dtype) for w in merged]                    # cast once, not per call
+        model.merged_ffns = key, [MergedFFN(*(w[t] for w in merged)) for t in range(depth)]
+    return model.merged_ffns[1]
+
 # --- elastic depth's FFN for a step whose images sit at several coordinates (§3.2) ---
 
 class GroupedFFN(NamedTuple):
@@ -503,7 +543,7 @@ class GroupedFFN(NamedTuple):
 class TiedFFN(Mlp):
     """E = 1: the plain tied (ALBERT-style) block. No router: FFN_t is this one Mlp at every step."""
 
-    def step_ffn(self, t: int, depth: int) -> Mlp:
+    def ffn_at(self, s: torch.Tensor) -> Mlp:
         return self
 
     def per_image_ffn(self, coords: torch.Tensor) -> Mlp:
@@ -527,7 +567,6 @@ class DropPath(nn.Module):
             return x
         keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
         return x * keep / (1.0 - self.p)
-
 
 class LayerScale(nn.Module):
     """DeiT III's per-channel scale of a residual branch (the baselines; reViT's block has none, Eq. 3)."""
@@ -586,7 +625,6 @@ def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
             ends = scaled
     return [sum(step > end for end in ends) for step in range(1, depth + 1)]  # segments ended before step
 
-
 class Raptor(VisionTransformer):
     """k = raptor_blocks blocks, each serving a contiguous segment of the steps, at any depth."""
     arch = "raptor"
@@ -607,27 +645,18 @@ DEIT3 = dict(layer_scale_init=DEIT3_LAYER_SCALE)
 FMNIST = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10)  # 28x28x1, "-mini"
 CIFAR = dict(image_size=32, patch_size=4, in_channels=3, num_classes=10)          # 32x32x3, "-mini32"
 
-PRESETS = {
-    # Table 1: DeiT III (12 untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts)
-    "vit-s": dict(arch="vit", dim=384, heads=6, ffn_dim=1536, depth=12, **DEIT3),
-    "raptor-s": dict(arch="raptor", dim=384, heads=6, ffn_dim=1536, depth=12, raptor_blocks=4, **DEIT3),
-    "revit-s": dict(arch="revit", dim=384, heads=6, ffn_dim=1536, depth=12, num_experts=4),
-    "vit-b": dict(arch="vit", dim=768, heads=12, ffn_dim=3072, depth=12, **DEIT3),
-    "raptor-b": dict(arch="raptor", dim=768, heads=12, ffn_dim=3072, depth=12, raptor_blocks=4, **DEIT3),
-    "revit-b": dict(arch="revit", dim=768, heads=12, ffn_dim=3072, depth=12, num_experts=4),
-    "vit-l": dict(arch="vit", dim=1024, heads=16, ffn_dim=4096, depth=24, **DEIT3),
-    "raptor-l": dict(arch="raptor", dim=1024, heads=16, ffn_dim=4096, depth=24, raptor_blocks=4, **DEIT3),
-    "revit-l": dict(arch="revit", dim=1024, heads=16, ffn_dim=4096, depth=24, num_experts=4),
-    # CPU sizes of our own: Fashion-MNIST ("-mini", the quick start's revit-mini) and CIFAR ("-mini32")
-    "vit-mini": dict(arch="vit", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, **DEIT3),
-    "raptor-mini": dict(arch="raptor", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, raptor_blocks=4,
-                        **DEIT3),
-    "revit-mini": dict(arch="revit", **FMNIST, dim=96, heads=3, ffn_dim=192, depth=6, num_experts=4),
-    "vit-mini32": dict(arch="vit", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, **DEIT3),
-    "raptor-mini32": dict(arch="raptor", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, raptor_blocks=4,
-                          **DEIT3),
-    "revit-mini32": dict(arch="revit", **CIFAR, dim=96, heads=3, ffn_dim=192, depth=6, num_experts=4),
+SIZES = {  # Table 1's sizes (ImageNet 224², patch 16), then our CPU sizes: Fashion-MNIST ("mini", the
+    # quick start's revit-mini) and CIFAR ("mini32")
+    "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
+    "b": dict(dim=768, heads=12, ffn_dim=3072, depth=12),
+    "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
+    "mini": dict(**FMNIST, dim=96, heads=3, ffn_dim=192, depth=6),
+    "mini32": dict(**CIFAR, dim=96, heads=3, ffn_dim=192, depth=6),
 }
+# Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts)
+ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
+PRESETS = {f"{arch}-{size}": dict(arch=arch, **width, **extra)
+           for size, width in SIZES.items() for arch, extra in ARCHS.items()}
 
 def derived_presets(table: dict) -> dict:
     """From each preset above: its patch-14 variant at ImageNet sizes ("-s14", e.g. the B/14 of DINOv2
@@ -649,27 +678,72 @@ MODELS = {cls.arch: cls for cls in (VisionTransformer, Raptor, ReViT)}  # the cl
 
 def create_model(name: str, **overrides) -> nn.Module:
     """Build a preset by name, e.g. create_model("revit-s", depth_drop=0.3)."""
-    check_preset(name, overrides)
+    if name not in PRESETS:
+        close = " or ".join(map(repr, difflib.get_close_matches(name, PRESETS, n=3)))
+        hint = f"did you mean {close}?" if close else "`python revit.py` lists the presets"
+        raise ValueError(f"unknown preset name={name!r}; {hint}" + ("" if MECHANISMS else f" ({PART_TWO})"))
+    unknown = sorted(set(overrides) - {f.name for f in fields(ViTConfig)})
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: "
+                         f"{', '.join(f.name for f in fields(ViTConfig))}")
     return build_model(ViTConfig(**{**PRESETS[name], **overrides}))
 
 def build_model(config: ViTConfig) -> nn.Module:
     """The model a config describes: MODELS[config.arch], or the class lib/moe.py registered for its ffn."""
     return (MODELS[config.arch] if config.ffn == "merge" else MECHANISMS[config.ffn].model)(config)
 
-
-# ================= Appendix: what a first reading skips (the story above never needs it) =================
-
 # --- input checks: bad input gets one ValueError naming the field and what it allows ---
 
 TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
-CONFIG_CHECKS: list[Callable[[ViTConfig], None]] = []  # range checks of lib/moe.py's fields, which it adds
 # Sizes a user would not reach by intent (our choice, far above the paper's ViT-L): a typo or an edited
 # checkpoint config is refused before anything is allocated.
 MAX_DEPTH = 256
 SIZE_LIMITS = dict(image_size=2 ** 14, patch_size=2 ** 10, in_channels=2 ** 10, dim=2 ** 15, heads=2 ** 10,
                    ffn_dim=2 ** 17, router_hidden=2 ** 12, num_experts=2 ** 10)
+FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}" shows c's value of name)
+    ("arch", lambda c: c.arch in MODELS, f"one of {tuple(MODELS)}"),
+    *((name, lambda c, name=name, limit=limit: 1 <= getattr(c, name) <= limit, f"an integer in 1..{limit}")
+      for name, limit in SIZE_LIMITS.items()),
+    ("image_size", lambda c: c.image_size % c.patch_size == 0, "a multiple of patch_size={patch_size}"),
+    ("dim", lambda c: c.dim % c.heads == 0, "a multiple of heads={heads}"),
+    ("num_classes", lambda c: 0 <= c.num_classes <= 2 ** 20, "in 0..2**20"),
+    ("depth", lambda c: c.arch != "revit" or 2 <= c.depth <= MAX_DEPTH,
+     f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps)"),
+    ("depth", lambda c: 1 <= c.depth <= MAX_DEPTH, f"in 1..{MAX_DEPTH}"),
+    ("raptor_blocks", lambda c: c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth,
+     "between 1 and depth={depth}"),
+    ("layer_scale_init", lambda c: c.layer_scale_init is None or c.layer_scale_init > 0, "> 0 or None"),
+    ("depth_drop", lambda c: 0.0 <= c.depth_drop < 1.0, "in [0, 1)"),
+    ("drop_path", lambda c: 0.0 <= c.drop_path < 1.0, "in [0, 1)"),
+    ("router_temperature", lambda c: c.router_temperature > 0, "> 0"),
+    *((name, lambda c, name=name: getattr(c, name) >= 0, ">= 0")
+      for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight")),
+    ("expert_ffn_fraction", lambda c: c.expert_ffn_fraction > 0 and c.expert_ffn_dim >= 1,
+     "> 0 with at least one hidden unit (ffn_dim={ffn_dim})"),
+    ("ffn", lambda c: c.ffn == "merge" or c.ffn in MECHANISMS,
+     "'merge' or one of lib/moe.py's {mechanisms} (`import lib.moe` first)"),
+    ("ffn", lambda c: c.ffn == "merge" or c.arch == "revit",
+     "'merge' unless arch='revit' (the mechanisms replace the FFN of reViT's shared block)"),
+    # the comparison mechanisms' settings (lib/moe.py)
+    ("top_k", lambda c: 1 <= c.top_k <= c.num_experts, "between 1 and num_experts={num_experts}"),
+    ("shared_experts", lambda c: 0 <= c.shared_experts <= 2 ** 10, "in 0..1024"),
+    ("shared_experts", lambda c: c.shared_experts == 0 or c.ffn == "deepseek", "0 unless ffn='deepseek'"),
+    ("slots_per_expert", lambda c: 0 <= c.slots_per_expert <= 2 ** 12, "in 0..4096 (0: num_patches / 4)"),
+    ("bias_update_rate", lambda c: c.bias_update_rate >= 0, ">= 0"),
+    ("remoe_target_sparsity", lambda c: 0.0 < c.remoe_target_sparsity < 1.0, "in (0, 1)"),
+    ("lora_rank", lambda c: 1 <= c.lora_rank <= 2 ** 12, "in 1..4096"),
+]
 PART_TWO = ("the comparison mechanisms of §4.3 / App. B and their presets live in lib/moe.py: "
             "`import lib.moe` first")
+
+def check_fields(c: ViTConfig) -> None:
+    """Integers refuse floats, strings and bools; floats refuse NaN and inf; then FIELD_RULES in order."""
+    for f in fields(c):
+        if not type_ok(getattr(c, f.name), f.type):
+            kind = f.type.replace(" | None", "")
+            need(c, False, f.name, TYPE_RULES[kind] + (" or None" if kind != f.type else ""))
+    for name, test, allowed in FIELD_RULES:
+        need(c, test(c), name, allowed.format_map({**vars(c), "mechanisms": tuple(MECHANISMS)}))
 
 def type_ok(value, kind: str) -> bool:
     if kind.endswith(" | None"):
@@ -684,68 +758,15 @@ def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
 
-def check_config(c: ViTConfig) -> None:
-    """Every field: its type (integers reject floats, strings and bools; floats reject NaN and inf), then
-    its range."""
-    for f in fields(c):
-        if not type_ok(getattr(c, f.name), f.type):
-            allowed = TYPE_RULES[f.type.replace(" | None", "")] + (" or None" if "None" in f.type else "")
-            need(c, False, f.name, allowed)
-    check_core_fields(c)
-    for check in CONFIG_CHECKS:
-        check(c)
-
-def check_core_fields(c: ViTConfig) -> None:
-    need(c, c.arch in MODELS, "arch", f"one of {tuple(MODELS)}")
-    for name, limit in SIZE_LIMITS.items():
-        need(c, 1 <= getattr(c, name) <= limit, name, f"an integer in 1..{limit}")
-    need(c, c.image_size % c.patch_size == 0, "image_size", f"a multiple of patch_size={c.patch_size}")
-    need(c, c.dim % c.heads == 0, "dim", f"a multiple of heads={c.heads}")
-    need(c, 0 <= c.num_classes <= 2 ** 20, "num_classes", "in 0..2**20")
-    revit_note = " for reViT (s_t = t/(L-1) needs two steps)" if c.arch == "revit" else ""
-    need(c, (2 if c.arch == "revit" else 1) <= c.depth <= MAX_DEPTH, "depth",
-         f"in {2 if c.arch == 'revit' else 1}..{MAX_DEPTH}{revit_note}")
-    need(c, c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth, "raptor_blocks",
-         f"between 1 and depth={c.depth}")
-    need(c, c.layer_scale_init is None or c.layer_scale_init > 0, "layer_scale_init", "> 0 or None")
-    need(c, 0.0 <= c.depth_drop < 1.0, "depth_drop", "in [0, 1)")
-    need(c, 0.0 <= c.drop_path < 1.0, "drop_path", "in [0, 1)")
-    need(c, c.router_temperature > 0, "router_temperature", "> 0")
-    for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight"):
-        need(c, getattr(c, name) >= 0, name, ">= 0")
-    need(c, c.expert_ffn_fraction > 0 and round(c.expert_ffn_fraction * c.ffn_dim) >= 1,
-         "expert_ffn_fraction", f"> 0 with at least one hidden unit (ffn_dim={c.ffn_dim})")
-    need(c, c.ffn == "merge" or c.ffn in MECHANISMS, "ffn",
-         f"one of {('merge', *MECHANISMS)}" + ("" if MECHANISMS else f"; {PART_TWO}"))
-    need(c, c.ffn == "merge" or c.arch == "revit", "ffn", "'merge' unless arch='revit' (the mechanisms "
-         "replace the FFN of reViT's shared block)")
-
-def check_depth_value(depth) -> int:
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
-        raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
-    return depth
-
 def check_images(images: torch.Tensor, c: ViTConfig) -> None:
     """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed)."""
-    if images.ndim != 4 or images.shape[1] != c.in_channels:
-        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}); "
-                         f"got {tuple(images.shape)} (in_channels={c.in_channels})")
-    if images.shape[-2:] != (c.image_size, c.image_size):
-        raise ValueError(f"images must be {c.image_size}x{c.image_size} (image_size={c.image_size}); "
-                         f"got {images.shape[-2]}x{images.shape[-1]}")
+    if images.ndim != 4 or images.shape[1:] != (c.in_channels, c.image_size, c.image_size):
+        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}) "
+                         f"(in_channels={c.in_channels}, image_size={c.image_size}); "
+                         f"got {tuple(images.shape)}")
     if not images.is_floating_point():
         raise ValueError(f"images must be a floating-point tensor, normalised as in training; got "
                          f"{images.dtype} (convert uint8 pixels with images.float() / 255 and normalise)")
-
-def check_preset(name: str, overrides: dict) -> None:
-    """create_model's arguments: a preset name and fields of ViTConfig."""
-    if name not in PRESETS:
-        hint = "" if MECHANISMS else f" ({PART_TWO})"
-        raise ValueError(f"unknown preset name={name!r}{hint}; choose one of: {', '.join(sorted(PRESETS))}")
-    allowed = {f.name for f in fields(ViTConfig)}
-    unknown = sorted(set(overrides) - allowed)
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(sorted(allowed))}")
 
 def check_model_class(model: nn.Module, c: ViTConfig) -> None:
     """A config builds the class its arch names: a Raptor config never becomes a 12-block ViT."""
@@ -776,101 +797,6 @@ def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | No
             raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
                              "pass gates with one row per step of that depth, or leave depth out")
 
-def check_keep(keep: torch.Tensor | None, batch: int, depth: int) -> None:
-    """An elastic-depth mask given to forward: one row per image, one column per step."""
-    if keep is not None and keep.shape != (batch, depth):
-        raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; got {tuple(keep.shape)}")
-
-# --- fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11) ---
-
-def full_precision(device: torch.device):
-    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
-    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
-
-@torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
-def autocast_available(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type)
-
-# --- the merge cache: inference merges the L FFNs of a depth once (§3.1: "computed once and reused") ---
-
-# Optimizer steps taken in this process, counted by a hook on every torch.optim optimizer (installed with
-# the first cache): fused AdamW (torch._fused_adamw_) updates parameters in place without bumping
-# their version counters.
-OPTIMIZER_STEPS = [0]
-OPTIMIZER_HOOK = []  # the hook's handle, once installed
-
-def count_optimizer_step(optimizer, args, kwargs) -> None:
-    OPTIMIZER_STEPS[0] += 1
-
-def use_merge_cache(model: ReViT) -> None:
-    """Give `model`'s merged FFN the cache (ViTConfig.merge_cache, on by default): its class becomes
-    CachedMergedExpertFFN (same parameters and state dict), and a forward pre-hook looks up the merged
-    FFNs of the call's depth before any tensor work, so that under torch.compile the lookup (never
-    compiled) precedes one graph of the whole forward."""
-    model.block.mlp.__class__ = CachedMergedExpertFFN
-    model.block.mlp.clear_cache()
-    model.register_forward_pre_hook(look_up_merged_ffns, with_kwargs=True)
-    if not OPTIMIZER_HOOK:
-        OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(count_optimizer_step))
-
-def clear_merge_cache(model: nn.Module) -> None:
-    """Drop a reViT's cached merged FFNs: needed only after in-place edits through `p.data`."""
-    ffn = getattr(getattr(model, "block", None), "mlp", None)
-    if isinstance(ffn, CachedMergedExpertFFN):
-        ffn.clear_cache()
-
-def look_up_merged_ffns(model: ReViT, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: ReViT.forward's checks (depth, then images: the same errors first), then the
-    cache's lookup for this call's depth."""
-    if not args and "images" not in kwargs:
-        return  # forward itself says what is missing
-    depth = model.check_depth(args[1] if len(args) > 1 else kwargs.get("depth"))
-    check_images(args[0] if args else kwargs["images"], model.config)
-    model.block.mlp.begin_forward(depth)
-
-class CachedMergedExpertFFN(MergedExpertFFN):
-    """MergedExpertFFN plus a cache: inference without gradients at depth L merges all L FFNs at once and
-    reuses them until the weights change; the outputs are those of MergedExpertFFN up to float rounding.
-    Training and any call with gradients never use it.
-
-    Detected: optimizer steps (fused ones too), load_state_dict, in-place ops on the parameters (also
-    under torch.no_grad), moving or casting the module, edits of `temperature` or `router_prior`, and any
-    train()/eval() call. Not detected: in-place writes through `p.data` (they bypass the version counter)
-    outside an optimizer step — call `clear_merge_cache(model)` (or model.eval()) after such edits.
-    """
-
-    def begin_forward(self, depth: int) -> None:
-        cacheable = not self.training and not torch.is_grad_enabled()
-        self._merged_steps = self.cached_merge(depth) if cacheable else None  # this forward's (L, ...) stacks
-
-    def step_ffn(self, t: int, depth: int) -> MergedFFN:
-        if self._merged_steps is None or self._merged_steps[0].shape[0] != depth:
-            return super().step_ffn(t, depth)
-        return MergedFFN(*(w[t] for w in self._merged_steps))
-
-    def weights_version(self) -> tuple:
-        # In-place updates bump a tensor's version counter; moving or casting changes data_ptr / dtype.
-        # Fused optimizers write without a version bump: every optimizer step counts as an edit.
-        return (OPTIMIZER_STEPS[0], self.temperature, self.router_prior,
-                *((p._version, p.data_ptr(), p.dtype) for p in self.parameters()))
-
-    @torch.compiler.disable  # a Python-side lookup: kept out of compiled graphs (no guards, no recompiles)
-    def cached_merge(self, depth: int) -> tuple:
-        key = (depth, self.fc1_weight.device, self.weights_version())
-        if self._cache_key != key:
-            self.clear_cache()  # free the old cache before building the new one
-            merged = self.merge(self.gates(depth_grid(depth, self.fc1_weight.device)))  # fp32 (L, ...)
-            self._cache = tuple(w.to(self.fc1_weight.dtype) for w in merged)  # cast once, not per call
-            self._cache_key = key
-        return self._cache
-
-    def clear_cache(self) -> None:
-        self._cache_key, self._cache, self._merged_steps = None, None, None
-
-    def train(self, mode: bool = True):
-        self.clear_cache()  # a mode switch is where hand-written weight edits usually end
-        return super().train(mode)
-
 # --- how lib/moe.py plugs the paper's comparison mechanisms (§4.3, App. B) into reViT ---
 
 class Mechanism(NamedTuple):
@@ -895,8 +821,11 @@ if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on t
     print(f"| {'preset':<22} | {'params (M)':>10} | {'L':>3} | {'d':>5} | {'E / k':>5} |")
     print(f"|{'-' * 24}|{'-' * 12}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
     for name in names:
-        with torch.device("meta"):
-            model = create_model(name)
+        try:
+            with torch.device("meta"):
+                model = create_model(name)
+        except ValueError as e:
+            sys.exit(f"revit.py: {e}")
         c = model.config
         ek = {"revit": c.num_experts, "raptor": c.raptor_blocks}.get(c.arch, "")
         print(f"| {name:<22} | {model.num_params() / 1e6:>10.2f} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")

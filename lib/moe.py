@@ -1,9 +1,9 @@
 """The paper's comparison mechanisms (reViT, arXiv 2610.12448, §4.3 and App. B; Tables 3, 4, 8, 10; Fig. 2):
 each replaces the merged FFN of reViT's shared block, under the same recurrence.
 
-`import lib.moe` registers them with revit.py: their ViTConfig.ffn names (revit.MECHANISMS), the
-ranges of their settings (revit.CONFIG_CHECKS) and their presets (revit.PRESETS,
-revit-{size}-{mechanism}[-u{U}] and revit-{size}-lora); revit.py itself never imports this file.
+`import lib.moe` registers them with revit.py: their ViTConfig.ffn names (revit.MECHANISMS) and their
+presets (revit.PRESETS, revit-{size}-{mechanism}[-u{U}] and revit-{size}-lora); revit.py itself never
+imports this file.
 
 How they plug in. A mechanism's model is a `ComparisonReViT`: reViT's recurrence, whose shared block
 (`MechanismBlock`) gives its FFN what the mechanism needs beyond the tokens, through a small interface
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import revit
-from revit import (CONFIG_CHECKS, PRESETS, Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp,
-                   ReViT, ViTConfig, depth_grid, elastic_plan, full_precision, gate_penalties, need)
+from revit import (PRESETS, Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, ViTConfig,
+                   depth_grid, elastic_plan, full_precision, gate_penalties)
 
 # --- the interface: what a mechanism's FFN gets from the recurrence ---
 
@@ -79,7 +79,6 @@ class ComparisonReViT(ReViT):
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
                 keep: torch.Tensor | None = None):
         depth = self.check_depth(depth)
-        revit.check_images(images, self.config)
         # Before any tensor work, as reViT's merge cache: one compiled graph for the whole forward.
         self.block.begin_forward(depth, images.shape[0])
         x = self.embed(images)                                                  # (B, 1+N, d)
@@ -649,20 +648,6 @@ revit.MECHANISMS["lora"] = revit.Mechanism(ComparisonReViT, depth_programmed=Tru
 revit.MECHANISMS.update({name: revit.Mechanism(ComparisonReViT, depth_programmed=False)
                          for name in INPUT_DEPENDENT})
 FFNS = ("merge", *revit.MECHANISMS)  # every value ViTConfig.ffn may take
-
-def check_mechanism_fields(c: ViTConfig) -> None:
-    """The ranges of the mechanisms' settings (ViTConfig's last group)."""
-    need(c, 1 <= c.top_k <= c.num_experts, "top_k", f"between 1 and num_experts={c.num_experts}")
-    need(c, c.shared_experts >= 0, "shared_experts", ">= 0")
-    need(c, c.shared_experts == 0 or c.ffn == "deepseek", "shared_experts", "0 unless ffn='deepseek'")
-    need(c, c.slots_per_expert >= 0, "slots_per_expert", ">= 0 (0: round(num_patches / 4))")
-    need(c, c.bias_update_rate >= 0, "bias_update_rate", ">= 0")
-    need(c, 0.0 < c.remoe_target_sparsity < 1.0, "remoe_target_sparsity", "in (0, 1)")
-    need(c, 1 <= c.lora_rank <= 2 ** 12, "lora_rank", "in 1..4096")
-    need(c, c.shared_experts <= 2 ** 10, "shared_experts", "at most 1024")
-    need(c, c.slots_per_expert <= 2 ** 12, "slots_per_expert", "at most 4096")
-
-CONFIG_CHECKS.append(check_mechanism_fields)
 
 # --- the paper's measures of a mechanism: stored expert parameters (Table 8) and budget U (§4.3) ---
 

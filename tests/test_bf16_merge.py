@@ -72,7 +72,7 @@ def test_bf16_merged_ffns_are_eq_2_within_bf16_rounding(elastic):
     coords = torch.tensor([0.0, 1 / 3, 0.5, 1.0])
     gates = ffn.gates(coords)                                                     # (4, E)
     assert gates.dtype == torch.float32
-    merged = ffn.merge(gates, torch.bfloat16) if elastic else tuple(ffn.merged_ffn(coords[1:2]))
+    merged = ffn.merge(gates, torch.bfloat16) if elastic else tuple(ffn.ffn_at(coords[1:2]))
     for w, bank in zip(merged, ffn.bank()):
         reference = torch.einsum("ne,e...->n...", gates.double(), bank.double())
         scale = torch.einsum("ne,e...->n...", gates.double().abs(), bank.double().abs())

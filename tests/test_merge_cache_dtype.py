@@ -44,7 +44,7 @@ def test_a_cached_call_casts_no_more_than_deit_iii(dtype):
     deit = randomise(revit.create_model("vit-mini")).eval().to(dtype)
     x = images(2, revit_model).to(dtype)
     assert casts_of_a_cached_call(revit_model, x) == casts_of_a_cached_call(deit, x) == 0
-    assert all(w.dtype == dtype for w in revit_model.block.mlp._cache)
+    assert all(w.dtype == dtype for ffn in revit_model.merged_ffns[1] for w in ffn)
 
 
 @torch.no_grad()
@@ -56,7 +56,7 @@ def test_the_bf16_cache_is_the_fp32_merge_rounded_once():
     model(x)
     ffn = model.block.mlp
     gates = model.gate_matrix().double()                                         # (L, E), fp32 router
-    for cached, bank in zip(ffn._cache, ffn.bank()):
+    for cached, bank in zip(map(torch.stack, zip(*model.merged_ffns[1])), ffn.bank()):
         reference = torch.einsum("le,e...->l...", gates, bank.double())          # (L, ...)
         assert cached.dtype == torch.bfloat16
         # one rounding to bf16 (relative 2^-8) of the exact sum: within one bf16 ulp

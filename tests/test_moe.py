@@ -6,6 +6,7 @@ checked on the real S/B presets built on the meta device.
 """
 import inspect
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -411,7 +412,7 @@ def test_flop_count_is_what_the_module_runs(name):
                 ffn(u, step) if ffn.needs_step else ffn(u)
         else:  # reViT's own FFN: FFN_t, merged at each step (the model is in training mode: no cache)
             for t in range(depth):
-                ffn.step_ffn(t, depth)(u)
+                ffn.ffn_at(revit.depth_grid(depth)[t:t + 1])(u)
     flops = moe.active_flops_per_token(ffn, tokens)
     assert counter.get_total_flops() == pytest.approx(depth * tokens * (flops["experts"] + flops["routing"]))
 
@@ -480,3 +481,20 @@ def test_every_bias_like_parameter_of_a_mechanism_is_named_bias():
         for pname, p in tiny(name).named_parameters():
             if "bias" in pname:
                 assert pname.endswith("bias"), pname
+
+
+def test_checkpoints_saved_before_the_mechanisms_stood_on_their_own_still_load(tmp_path):
+    """tests/main_checkpoints.pt: one tiny model of every kind (ViT, Raptor, reViT E = 4 and 1, LoRA and
+    each mechanism), its config, weights and eval logits as the code of commit 4c36352 saved them (the
+    weights stored flat to keep the file small). Each loads through the loader and gives the same logits."""
+    from lib.checkpoint import load_model
+    fixture = torch.load(Path(__file__).parent / "main_checkpoints.pt", weights_only=True)
+    images = fixture["outputs"]["images"]
+    for name, saved in fixture["checkpoints"].items():
+        values = saved["values"].split([math.prod(shape) for shape in saved["shapes"]])
+        weights = {k: v.view(shape) for k, v, shape in zip(saved["names"], values, saved["shapes"])}
+        path = tmp_path / f"{name}.pt"
+        torch.save({"arch": name, "model_config": saved["model_config"], "model": weights}, path)
+        model, _ = load_model(path)
+        with torch.no_grad():
+            torch.testing.assert_close(model(images), fixture["outputs"][name], msg=name)

@@ -94,7 +94,8 @@ def test_gates_merges_and_router_logits_stay_fp32_under_autocast():
             model(images(2, model))  # fills the merge cache under autocast
         routed = moe.router_logits(torch.randn(5, 16), torch.randn(4, 16))
     assert gates.dtype == out["gates"].dtype == routed.dtype == torch.float32
-    assert all(w.dtype == torch.float32 for w in merged) and all(w.dtype == torch.float32 for w in ffn._cache)
+    assert all(w.dtype == torch.float32 for w in merged)
+    assert all(w.dtype == torch.float32 for f in model.merged_ffns[1] for w in f)
     torch.testing.assert_close(gates, model.gate_matrix(), rtol=0, atol=0)
     fold = revit.fold(model)
     torch.testing.assert_close(fold.blocks[1].mlp.fc2.weight, merged[2][1], rtol=1e-6, atol=1e-7)
@@ -158,7 +159,7 @@ def test_each_new_depth_compiles_one_graph_of_the_whole_forward_and_repeated_dep
     with torch.no_grad():
         for depth in (3, 4):
             torch.testing.assert_close(model(x, depth=depth), eager(x, depth=depth))
-        assert len(graphs) == 2 and eager.block.mlp._cache_key[0] == 4
+        assert len(graphs) == 2 and eager.merged_ffns[0][0] == 4
         assert all(torch.conv2d in g and torch._C._nn.linear in g for g in graphs)  # embedding and head
         for depth in (3, 4, 3):
             torch.testing.assert_close(model(x, depth=depth), eager(x, depth=depth))
