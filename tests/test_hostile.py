@@ -614,6 +614,26 @@ def test_render_refuses_torn_json_and_data_formats(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match="is not one '\\{:SPEC\\}' field"):
             render.cell_text(1.5, fmt)
     assert render.cell_text(1.5, "{:.2f}%") == "1.50%"
+    for number in ("NaN", "Infinity", "1e400"):  # nothing non-finite is rendered as "nan%"
+        (tmp_path / "nan.json").write_text('{"columns": ["a"], "formats": ["{:.2f}%"], "rows": [[N]]}'.replace("N", number))
+        with pytest.raises(SystemExit, match=f"results/nan.json is not readable JSON .*{number} is not a finite"):
+            render.load("nan.json")
+    (tmp_path / "long.json").write_text('{"provenance": {}, "columns": ["a"], "rows": [[1], [2, 3]]}')
+    with pytest.raises(SystemExit, match="results/long.json: its row 1 has 2 cells for 1 columns"):
+        render.render_table("long")
+
+
+def test_a_failed_render_changes_no_document(tmp_path, monkeypatch):
+    """RESULTS.md renders, README.md's glance fails: neither is written (all render before any is)."""
+    render = render_module()
+    for document in render.DOCUMENTS:
+        (tmp_path / document).write_text((ROOT / document).read_text().replace("| ", "|  ", 1))
+    before = contents(tmp_path)
+    monkeypatch.setattr(render, "ROOT", str(tmp_path))
+    monkeypatch.setattr(render, "render_glance", lambda name: render.refuse("a broken cell"))
+    with pytest.raises(SystemExit, match="a broken cell"):
+        render.main([])
+    assert contents(tmp_path) == before
 
 
 # --- boundaries the rules put a value on, and definitions on inputs where their wrong twins differ ---
