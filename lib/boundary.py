@@ -133,13 +133,13 @@ def shown_number(value) -> str:
 # --- the two small languages of flags: depth lists and model arguments ---
 
 
-def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1) -> list[int]:
+def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1, prog: str | None = None) -> list[int]:
     """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH."""
     items = [d.strip() for d in text.split(",")] if text.strip() else []
     if not all(d.lstrip("-").isdigit() for d in items):
-        fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}")
+        fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}", prog)
     if any(len(d) > 6 or not minimum <= int(d) <= MAX_DEPTH for d in items):  # never a 5,000-digit int
-        fail(f"{flag} must be in {minimum}..{MAX_DEPTH} (the deepest preset has 24 steps); got {text[:80]!r}")
+        fail(f"{flag} must be in {minimum}..{MAX_DEPTH} (the deepest preset has 24 steps); got {text[:80]!r}", prog)
     return [int(d) for d in items]
 
 

@@ -344,9 +344,9 @@ def bad_inputs(tmp_path, checkpoint):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["{ckpt}", "--depth", "1", "--format", "onnx", "--out", "{tmp}/x"], "--depth must be >= 2"),
+    (["{ckpt}", "--depth", "1", "--format", "onnx", "--out", "{tmp}/x"], "--depth must be in 2..256; got 1"),
     (["{ckpt}", "--depth", "1000000000", "--format", "safetensors", "--out", "{tmp}/x"],
-     "--depth must be <= 256"),
+     "--depth must be in 2..256"),
     (["{ckpt}", "--format", "safetensors", "--opset", "5", "--out", "{tmp}/x"], "--opset applies to --format onnx only"),
     (["{ckpt}", "--format", "compact", "--out", "{tmp}/afile/x"], "afile is a file, not a folder"),
     (["{ckpt}", "--format", "compact", "--out", "{ckpt}"], "is the checkpoint being exported"),
@@ -396,7 +396,7 @@ def test_argument_errors_come_before_the_onnx_package_is_looked_for(checkpoint, 
     """Without onnx installed, a bad input is still reported as what it is."""
     monkeypatch.setitem(sys.modules, "onnx", None)
     bad_inputs(tmp_path, checkpoint)
-    for argv, needle in [([checkpoint[1], "--depth", "1"], "--depth must be >= 2"),
+    for argv, needle in [([checkpoint[1], "--depth", "1"], "--depth must be in 2..256; got 1"),
                          ([checkpoint[1], "--opset", "9"], "--opset must be in 14..20"),
                          ([tmp_path / "missing.pt"], "no such file"),
                          ([tmp_path / "diverged.pt"], "weights are not finite")]:

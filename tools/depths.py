@@ -363,7 +363,7 @@ def check_args(args, device) -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     check_numbers(vars(args), PROG, batch=closed(2, 65536))  # batch 1 is always measured
-    args.depths = sorted(set(parse_depths(args.depths, "--depths", minimum=2)))  # a step grid needs two steps
+    args.depths = sorted(set(parse_depths(args.depths, "--depths", 2, PROG)))  # a step grid needs two steps
     parse_thresholds(args.thresholds)
     out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     problem = outputs_problem("--out", out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
