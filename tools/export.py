@@ -327,9 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     """The flags that need no file: a ValueError naming the flag and what is allowed. Optional packages
     are looked for only after every argument and the source checked out (export)."""
-    check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
     if args.opset is not None and args.format != "onnx":
         raise ValueError(f"--opset applies to --format onnx only; got --format {args.format} --opset {args.opset}")
+    check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
     args.opset = 18 if args.opset is None else args.opset
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model'}")
