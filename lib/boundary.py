@@ -117,7 +117,7 @@ def check_numbers(values: dict, prog: str | None = None, **ranges) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
         flag = "--" + name.replace("_", "-")
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             fail(f"{flag} must be a finite number; got {value}", prog)
         ok, allowed = ranges.get(name) or RANGES.get(name, ANY_NUMBER)
         if not ok(value):
@@ -239,9 +239,10 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
         return f"holds a training run ({held[0]}); choose another folder" if held else None
     if path.exists() and (path.name in RUN_FILES or path.name.startswith(".lock")):
         return f"is a file of a training run ({path.name}); choose another path"
-    with contextlib.suppress(OSError), open(path, "rb") as f:  # a file that is not there is new
-        if path.is_file() and f.read(4).startswith(SAVED_FILE_MAGIC):
-            return "already holds a saved checkpoint or model (never overwritten); choose another path"
+    if path.is_file() and os.access(path, os.R_OK):
+        with open(path, "rb") as f:  # a regular file: reading its first bytes cannot hang
+            if f.read(4).startswith(SAVED_FILE_MAGIC):
+                return "already holds a saved checkpoint or model (never overwritten); choose another path"
     return None
 
 
