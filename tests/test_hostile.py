@@ -652,7 +652,7 @@ def test_a_cifar_row_holds_values_not_lists(tmp_path):
 def test_depth_bounds_take_their_edges():
     """The depth bound of every flag and saved config: MAX_DEPTH is allowed, one more is not; a minimum."""
     from lib.boundary import MAX_DEPTH, check_numbers, closed, parse_depths, too_deep
-    assert parse_depths(f"2,{MAX_DEPTH}") == [2, MAX_DEPTH]
+    assert parse_depths(f"1,{MAX_DEPTH}") == [1, MAX_DEPTH] and parse_depths("2", "--depths", 2) == [2]
     with pytest.raises(SystemExit, match=f"--eval-depths must be in 1..{MAX_DEPTH}"):
         parse_depths(str(MAX_DEPTH + 1))
     with pytest.raises(SystemExit, match="--depths must be in 2..256"):
