@@ -69,8 +69,8 @@ from lib import budget, data, memory
 from lib import moe  # the comparison mechanisms (§4.3, App. B): the cost tables cover them
 import revit
 import train
-from lib.cli import (DEVICES, InputError, f, fail, git_commit, json_text, markdown, output_problem, pick_device,
-                     write_json)
+from lib.boundary import InputError, check_numbers, fail, output_problem
+from lib.cli import DEVICES, f, git_commit, json_text, markdown, pick_device, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1302,19 +1302,6 @@ def resolve(args, device) -> dict:
     return used
 
 
-# Every subcommand's flags, checked once before any work (check_flags): name -> (test, what is allowed).
-# The upper bounds are far above any intended use; they stop a typo from running for hours.
-FLAG_RULES = {
-    "batch": (lambda v: 1 <= v <= 65536, "an integer in [1, 65536]"),
-    "warmup": (lambda v: 0 <= v <= 1000, "an integer in [0, 1000]"),
-    "repeats": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
-    "iters": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
-    "threads": (lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
-    "peak_tflops": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0 (TFLOP/s)"),
-    "resolve": (lambda v: math.isfinite(v) and 0 <= v < 1, "a ratio in [0, 1) (0: no extra rounds)"),
-    "max_repeats": (lambda v: 2 <= v <= 10000, "an integer in [2, 10000]"),
-    "budget": (lambda v: math.isfinite(v) and 10 <= v <= 86400, "a number of seconds in [10, 86400]"),
-}
 LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
     "batches": (lambda t: int(t) if t.strip().isdigit() and 1 <= int(t) <= 65536 else None,
                 "comma-separated integers in [1, 65536], e.g. 1,8"),
@@ -1328,7 +1315,7 @@ OUTPUT_FOLDERS = ("check",)  # its --out is a folder; for params, latency and tr
 def check_flags(args, device) -> None:
     """The one validation of flags every subcommand shares, before anything is built, loaded or written:
     ranges, comma-separated lists (parsed in place) and the output path. InputError naming the flag."""
-    check_ranges(args, FLAG_RULES)
+    check_numbers(vars(args), "bench.py")
     for name, (item, allowed) in LIST_FLAGS.items():
         text = getattr(args, name, None)
         if isinstance(text, str):
@@ -1348,14 +1335,6 @@ def check_flags(args, device) -> None:
         raise InputError(f"--out {out} {output_problem(out, kind)}")
     if getattr(args, "part", None) and not re.fullmatch(r"latency:\d{1,5}|train-step|elastic", args.part):
         raise InputError(f"--part must be latency:BATCH, train-step or elastic; got {args.part!r}")
-
-
-def check_ranges(args, rules: dict) -> None:
-    """Each flag of `rules` that is set: within its range (rules: name -> (test, what is allowed))."""
-    for name, (ok, allowed) in rules.items():
-        value = getattr(args, name, None)
-        if value is not None and not ok(value):
-            raise InputError(f"--{name.replace('_', '-')} must be {allowed}; got {value}")
 
 
 def run_params(args, device) -> dict:
@@ -1434,19 +1413,11 @@ def add_memory_parser(sub):
     p.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's block size)")
 
 
-MEMORY_BOUNDS = {"--batch-size": 1 << 20, "--grad-accum": 1 << 20, "--gpus": 1 << 16, "--seq-len": 1 << 20,
-                 "--gpu-memory": 10 ** 6}
-
-
 def run_memory(args, device) -> dict:
     """The estimate of lib/memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
     language = args.arch in alternet.PRESETS
     if not language and args.arch not in revit.PRESETS:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
-    for flag, value in [("--batch-size", args.batch_size), ("--grad-accum", args.grad_accum), ("--gpus", args.gpus),
-                        ("--seq-len", args.seq_len), ("--gpu-memory", args.gpu_memory)]:
-        if value is not None and not 0 < value <= MEMORY_BOUNDS[flag]:  # bounds of ours, against typos and hangs
-            raise InputError(f"{flag} must be in (0, {MEMORY_BOUNDS[flag]:,}]; got {value}")
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
     cfg = train.resolve_config(explicit, announce=False)

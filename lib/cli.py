@@ -1,42 +1,28 @@
 """What train.py, bench.py and the tools (tools/: probes, analyze, export, depths, sweep) share on the command
-line: one-line user errors (`InputError`, `fail`), flags generated from a config dataclass, the
---eval-depths and --model-args parsers, the bounds and path checks every tool applies before it reads or
-writes (`MAX_DEPTH`, `path_problem`, `output_problem`), the device and torchrun's process group
-(`pick_device`, `device_options`, `init_distributed`, `broadcast`),
-markdown tables, strict JSON and the commit (`markdown`, `write_json`, `git_commit`), and optional matplotlib (`pyplot`). Imports
-nothing of the project.
+line: flags generated from a config dataclass, the device and torchrun's process group (`pick_device`,
+`device_options`, `init_distributed`, `broadcast`), markdown tables, strict JSON written atomically and the
+commit (`markdown`, `write_json`, `git_commit`), and optional matplotlib (`pyplot`). What a user may type
+or load is checked in lib/boundary.py; its names are importable from here too.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
-import errno
 import json
 import math
 import os
-import stat
 import subprocess
-import sys
 import typing
 from dataclasses import field, fields
 from pathlib import Path
 
 import torch
 
+from lib.boundary import (MAX_DEPTH, InputError, check_numbers, fail, output_problem, outputs_problem,  # noqa: F401
+                          parse_depths, parse_model_args, path_problem, script_name, too_deep, wrong_type)
+
 
 # --- one-line errors and rank-0 output ---
-
-
-class InputError(ValueError):
-    """Bad input to a tool (a flag, a checkpoint), found before any work: its main reports it with `fail`."""
-
-
-def fail(message: str, prog: str | None = None):
-    """A user error: one line `prog: error: message` on stderr, non-zero exit, no traceback. prog: the
-    script being run (train.py when imported by a test or a notebook)."""
-    raise SystemExit(f"{prog or script_name()}: error: {message}")
 
 
 def run_main(main, what_is_kept: str):
@@ -45,15 +31,6 @@ def run_main(main, what_is_kept: str):
         return main()
     except KeyboardInterrupt:
         raise SystemExit(f"{script_name()}: stopped by Ctrl-C; {what_is_kept}") from None
-
-
-def script_name() -> str:
-    """The command being run, as its user typed it: `train.py`, `bench.py`, or `python -m tools.NAME`."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name.startswith(("tools.", "lib.")):
-        return f"python -m {spec.name}"
-    name = os.path.basename(sys.argv[0])
-    return name if name.endswith(".py") and name != "__main__.py" else "train.py"
 
 
 def say(line: str) -> None:
@@ -89,180 +66,6 @@ def dataclass_parser(config_class, description: str, suppress_defaults: bool = F
         else:
             parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=help_text, **extra)
     return parser
-
-
-def parse_depths(text: str) -> list[int]:
-    """--eval-depths '4,8,12' -> [4, 8, 12] (empty: []); each in 1..MAX_DEPTH."""
-    items = [d.strip() for d in text.split(",")] if text.strip() else []
-    try:
-        depths = [int(d) for d in items]
-    except ValueError:
-        fail(f"--eval-depths must be comma-separated integers, e.g. 4,8,12; got {text!r}")
-    if any(d < 1 for d in depths):
-        fail(f"--eval-depths must be positive; got {text!r}")
-    if any(d > MAX_DEPTH for d in depths):
-        fail(f"--eval-depths must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}; got {text!r}")
-    return depths
-
-
-def parse_model_args(text: str, config_class=None) -> dict:
-    """'dim=128,heads=4' -> {'dim': 128, 'heads': 4}; with config_class, each name and type checked."""
-    hints = typing.get_type_hints(config_class) if config_class else {}
-    overrides = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = (s.strip() for s in item.partition("="))
-        if not sep:
-            fail(f"--model-args expects key=value pairs separated by commas; got {item!r}")
-        if key in overrides:  # which one was meant? never the silent last-one-wins
-            fail(f"--model-args names {key} twice; give each field once")
-        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
-            value = ast.literal_eval(value)
-        if hints and key not in hints:
-            fail(f"--model-args {key}: not a field of {config_class.__name__}; fields: {', '.join(hints)}")
-        if hints and not takes(hints[key], value):
-            fail(f"--model-args {key}={value!r}: {key} takes {type_names(hints[key])}")
-        if key in DEPTH_FIELDS and isinstance(value, int) and value > MAX_DEPTH:
-            fail(f"--model-args {key}={value}: must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}")
-        overrides[key] = value
-    return overrides
-
-
-def takes(hint, value) -> bool:
-    """Whether a field annotated `hint` (int, float, str, bool, X | None) takes `value`; a float field
-    takes an int, an int field never takes a bool."""
-    kinds = tuple(k for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
-    if isinstance(value, bool):
-        return bool in kinds
-    return isinstance(value, kinds) or float in kinds and type(value) is int
-
-
-def type_names(hint) -> str:
-    return " or ".join(k.__name__ for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
-
-
-def wrong_type(values: dict, config_class) -> str | None:
-    """The first of `values` (a saved config) whose field in config_class does not take it, as
-    'name=value: name takes int'; None when every known field fits (unknown names are ignored)."""
-    hints = typing.get_type_hints(config_class)
-    for name, value in values.items():
-        if name in hints and not takes(hints[name], value):
-            return f"{name}={value!r}: {name} takes {type_names(hints[name])}"
-    return None
-
-
-# --- bounds and paths: checked before anything is read or written ---
-
-# Recurrent steps / blocks of any model, at training or evaluation. A bound against typos and edited
-# files (a depth of 10**9 would allocate or loop for hours), far above any use (our choice): the
-# deepest preset has 24 blocks, the papers extrapolate to a few times the trained depth.
-MAX_DEPTH = 256
-MAX_DEPTH_REASON = "(the deepest preset has 24 steps; a bound against typos)"
-DEPTH_FIELDS = ("depth", "max_depth", "raptor_blocks")  # config fields that count steps or blocks
-
-
-def check_depth(depth, flag: str, minimum: int = 2) -> None:
-    """A depth given on the command line: ValueError naming the flag unless minimum <= depth <= MAX_DEPTH."""
-    if depth is not None and depth < minimum:
-        why = " (s_t = t/(L-1) needs two steps)" if minimum == 2 else ""
-        raise ValueError(f"{flag} must be >= {minimum}{why}; got {depth}")
-    if depth is not None and depth > MAX_DEPTH:
-        raise ValueError(f"{flag} must be <= {MAX_DEPTH} {MAX_DEPTH_REASON}; got {depth}")
-
-
-def too_deep(config: dict) -> str | None:
-    """A saved model config (checkpoint, safetensors metadata) whose depth exceeds MAX_DEPTH, in words."""
-    for name in DEPTH_FIELDS:
-        if isinstance(config.get(name), int) and config[name] > MAX_DEPTH:
-            return f"{name}={config[name]}; at most {MAX_DEPTH} {MAX_DEPTH_REASON}"
-    return None
-
-
-def path_problem(path, kind: str = "file") -> str | None:
-    """Why `path` cannot be read as a `kind` ("file" or "folder"), in a few words; None when it can.
-    A FIFO is refused before it is opened (reading one would wait forever)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return "a symbolic link loop"
-        if e.errno in (errno.ENOENT, errno.ENOTDIR):
-            return "a symbolic link to a missing target" if os.path.islink(path) else f"no such {kind}"
-        return f"cannot be read ({e.strerror or e})"
-    if stat.S_ISDIR(mode) != (kind == "folder"):
-        return "a folder, not a file" if kind == "file" else "a file, not a folder"
-    if kind == "file" and not stat.S_ISREG(mode):
-        return f"a {'FIFO' if stat.S_ISFIFO(mode) else 'socket or device'}, not a regular file"
-    readable = os.access(path, os.R_OK | (os.X_OK if kind == "folder" else 0))
-    return None if readable else "not readable (permission denied)"
-
-
-RUN_FILES = ("ckpt.pt", "metrics.jsonl", ".lock")  # what train.py keeps in a run folder
-SAVED_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive, a pickle: a checkpoint or a model
-
-
-def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:
-    """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path ("PATH is a
-    file; give a folder"), or None (parent folders are created). The one check of every output path: no
-    command overwrites what it did not create, so a run's files, any saved model and (unless `runs_ok`) a
-    folder holding a run are refused, as are paths of the other kind or under an unwritable ancestor."""
-    problem = place_problem(path, kind)
-    return problem or (None if runs_ok and kind == "folder" else run_problem(Path(path), kind))
-
-
-def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:
-    """output_problem of an output folder and of each file `names` a command writes into it, as the whole
-    one-line message ("--out F: its depths.png is a symbolic link ..."); None when all can be written."""
-    problem = output_problem(folder, "folder", runs_ok)
-    if problem:
-        return f"{flag} {folder} {problem}"
-    for name in names:
-        problem = output_problem(Path(folder) / name, "file")
-        if problem:
-            return f"{flag} {folder}: its {name} {problem}"
-    return None
-
-
-def run_problem(path: Path, kind: str) -> str | None:
-    """A path whose writing would overwrite a training run or a saved model, in words; None otherwise."""
-    if kind == "folder":
-        held = [name for name in RUN_FILES if os.path.lexists(path / name)]
-        return f"holds a training run ({held[0]}); choose another folder" if held else None
-    if not os.path.lexists(path):
-        return None
-    if path.name in RUN_FILES or path.name.startswith(".lock"):
-        return f"is a file of a training run ({path.name}); choose another path"
-    try:
-        with open(path, "rb") as f:  # a regular file (place_problem): reading its first bytes cannot hang
-            saved = f.read(4).startswith(SAVED_FILE_MAGIC)
-    except OSError:
-        saved = False
-    return "already holds a saved checkpoint or model (never overwritten); choose another path" if saved else None
-
-
-def place_problem(path, kind: str) -> str | None:
-    """output_problem's part that asks only whether `path` can be written as a `kind`."""
-    path = Path(path)
-    if path.is_symlink() and not path.exists():
-        return "is a broken symbolic link or a symbolic link loop"
-    if path.is_symlink() and kind == "file":  # written through or replaced: never
-        return f"is a symbolic link (to {os.readlink(path)}); give the file itself or another path"
-    if path.exists():
-        if path.is_dir() != (kind == "folder"):
-            return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"
-        if kind == "file" and not path.is_file():
-            return "is not a regular file (a FIFO, socket or device)"
-        if not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
-            return "is not writable"
-    for parent in path.absolute().parents:
-        if parent.is_symlink() and not parent.exists():
-            return f"cannot be created: {parent} is a broken symbolic link or a symbolic link loop"
-        if parent.exists():
-            if not parent.is_dir():
-                return f"cannot be created: {parent} is a file, not a folder"
-            if not os.access(parent, os.W_OK | os.X_OK):
-                return f"cannot be created: {parent} is not a writable folder"
-            return None
-    return None
 
 
 # --- devices: what differs on CUDA is decided by one function of the device type ---

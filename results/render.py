@@ -36,11 +36,18 @@ def load(name: str):
     if not os.path.exists(path):
         raise SystemExit(f"results/render.py: a generated block names {name!r}, but results/{name} does not exist")
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:  # a file is data: nothing non-finite is rendered ("nan%")
+            return json.load(f, parse_constant=finite, parse_float=finite)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # torn, edited, not JSON
         raise SystemExit(f"results/render.py: results/{name} is not readable JSON ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:160]}); restore it from git or rerun its command") from None
+
+
+def finite(text: str) -> float:
+    """A JSON number as render takes it: finite (NaN, Infinity and 1e400 are refused where they are read)."""
+    if not math.isfinite(float(text)):
+        raise ValueError(f"{text} is not a finite number")
+    return float(text)
 
 
 def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
@@ -92,6 +99,11 @@ def render_table(name: str) -> Block:
     if "output" in data:
         return Block("\n".join(provenance_lines(data["provenance"]) + ["", "```", *data["output"], "```"]), [])
     formats = data.get("formats") or [None] * len(data["columns"])
+    for i, row in enumerate([formats, *data["rows"]]):  # a cell more or less is never dropped silently
+        if len(row) != len(data["columns"]):
+            what = "its formats have" if i == 0 else f"its row {i - 1} has"
+            raise SystemExit(f"results/render.py: results/{name}.json: {what} {len(row)} cells for "
+                             f"{len(data['columns'])} columns")
     cells = [[cell_text(v, f) for v, f in zip(row, formats)] for row in data["rows"]]
     parts = provenance_lines(data["provenance"]) + ["", markdown_table(data["columns"], cells)]
     parts += [line for note in data.get("notes", []) for line in ("", note)]
@@ -332,19 +344,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is out of date")
     args = parser.parse_args(argv)
-    stale = []
-    for document in DOCUMENTS:
+    texts, new = {}, {}
+    for document in DOCUMENTS:  # every document rendered before any is written: a failure changes nothing
+        with open(os.path.join(ROOT, document), encoding="utf-8") as f:
+            texts[document] = f.read()
+        new[document] = rendered(texts[document])
+    stale = [document for document in DOCUMENTS if new[document] != texts[document]]
+    for document in stale if not args.check else ():
         path = os.path.join(ROOT, document)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        new = rendered(text)
-        if new != text:
-            stale.append(document)
-            if not args.check:
-                tmp = f"{path}.tmp{os.getpid()}"
-                with open(tmp, "w", encoding="utf-8") as f:  # atomic: a kill leaves the old document
-                    f.write(new)
-                os.replace(tmp, path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:  # atomic: a kill leaves the old document
+            f.write(new[document])
+        os.replace(tmp, path)
     if args.check and stale:
         print(f"out of date with results/*.json: {', '.join(stale)} (run: python results/render.py)")
         return 1

@@ -230,8 +230,8 @@ def idx_bytes(count, stored):
     (lambda p: p.write_bytes(gzip.compress(idx_bytes(100, 60))), "its IDX header says 100 = 100 values, the file holds 60"),
     (lambda p: p.write_bytes(gzip.compress(b"\x00\x00\x08\x09")), "its IDX header is cut short or holds 9 dimensions"),
     (lambda p: p.write_bytes(gzip.compress(idx_bytes(0, 0))), "its IDX header says 0: no values (an empty file)"),
-    (lambda p: p.symlink_to(p), "a symbolic link loop"),
-    (lambda p: os.mkfifo(p), "a FIFO, not a regular file"),
+    (lambda p: p.symlink_to(p), "cannot be read (Too many levels"),
+    (lambda p: os.mkfifo(p), "not a regular file"),
     (lambda p: p.mkdir(), "a folder, not a file"),
 ])
 def test_bad_idx_files_are_one_line(tmp_path, make, needle):
@@ -258,7 +258,7 @@ def test_an_unreadable_data_folder(tmp_path, monkeypatch):
 
 def test_a_text_fifo_is_refused_before_it_is_read(tmp_path):
     os.mkfifo(tmp_path / "corpus.txt")
-    with pytest.raises(ValueError, match="corpus.txt: a FIFO, not a regular file"):
+    with pytest.raises(ValueError, match="corpus.txt: not a regular file"):
         data.read_text(path=str(tmp_path / "corpus.txt"))
 
 

@@ -76,12 +76,13 @@ def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
     garbage = tmp_path / "garbage.pt"
     garbage.write_text("not a checkpoint")
     ckpt = tiny_checkpoint["checkpoint"]
-    cases = [([ckpt, "--depths", "1,2"], "--depths must be comma-separated integers >= 2"),
-             ([ckpt, "--depths", "two"], "--depths must be comma-separated integers >= 2"),
+    cases = [([ckpt, "--depths", "1,2"], "--depths must be in 2..256"),
+             ([ckpt, "--depths", "two"], "--depths must be comma-separated integers"),
+             ([str(garbage), "--depths", str(10 ** 30)], "--depths must be in 2..256"),  # before the file
              ([str(tmp_path / "missing.pt")], "missing.pt: no such file"),  # checkpoint.load_model's messages
              ([str(probe)], "is a linear-probe head, not a model"),
              ([str(garbage)], "garbage.pt: not a PyTorch file"),
-             ([ckpt, "--batch", "1"], "--batch must be >= 2")]
+             ([ckpt, "--batch", "1"], "--batch must be in 2..65,536")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as error:
             run_cli([*argv, "--device", "cpu", "--no-memory"])
@@ -169,10 +170,10 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
 
 
 HOSTILE = [  # (argv, the one line's message); {file}: an existing file used as a folder
-    (["{ckpt}", "--new-tokens", "0"], "--new-tokens must be an integer in [1, 10000]; got 0"),
-    (["{ckpt}", "--new-tokens", "-3"], "--new-tokens must be an integer in [1, 10000]; got -3"),
-    (["{ckpt}", "--batch", "1"], "--batch must be >= 2 (batch 1 is always measured)"),
-    (["{ckpt}", "--test-subset", "-1"], "--test-subset must be >= 0"),
+    (["{ckpt}", "--new-tokens", "0"], "--new-tokens must be in 1..10,000; got 0"),
+    (["{ckpt}", "--new-tokens", "-3"], "--new-tokens must be in 1..10,000; got -3"),
+    (["{ckpt}", "--batch", "1"], "--batch must be in 2..65,536; got 1"),
+    (["{ckpt}", "--test-subset", "-1"], "--test-subset must be in 0..1,000,000,000; got -1"),
     (["{ckpt}", "--thresholds", "0,none"], "--thresholds must be comma-separated values in (0, 1]"),
     (["{ckpt}", "--out", "{file}/sub"], "--out {file}/sub cannot be created: {file} is a file, not a folder"),
     (["{ckpt}", "--out", "{file}"], "--out {file} is a file; give a folder"),

@@ -344,16 +344,16 @@ def bad_inputs(tmp_path, checkpoint):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["{ckpt}", "--depth", "1", "--format", "onnx", "--out", "{tmp}/x"], "--depth must be >= 2"),
+    (["{ckpt}", "--depth", "1", "--format", "onnx", "--out", "{tmp}/x"], "--depth must be in 2..256; got 1"),
     (["{ckpt}", "--depth", "1000000000", "--format", "safetensors", "--out", "{tmp}/x"],
-     "--depth must be <= 256"),
+     "--depth must be in 2..256"),
     (["{ckpt}", "--format", "safetensors", "--opset", "5", "--out", "{tmp}/x"], "--opset applies to --format onnx only"),
     (["{ckpt}", "--format", "compact", "--out", "{tmp}/afile/x"], "afile is a file, not a folder"),
     (["{ckpt}", "--format", "compact", "--out", "{ckpt}"], "is the checkpoint being exported"),
     (["{ckpt}", "--format", "compact", "--out", "{tmp}/run/ckpt.pt"], "is a file of a training run"),
-    (["{tmp}/loop.pt", "--format", "onnx", "--out", "{tmp}/x"], "loop.pt: a symbolic link loop"),
-    (["{tmp}/fifo.pt", "--format", "onnx", "--out", "{tmp}/x"], "fifo.pt: a FIFO, not a regular file"),
-    (["{tmp}/loop.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "a symbolic link loop"),
+    (["{tmp}/loop.pt", "--format", "onnx", "--out", "{tmp}/x"], "loop.pt: cannot be read (Too many levels"),
+    (["{tmp}/fifo.pt", "--format", "onnx", "--out", "{tmp}/x"], "fifo.pt: not a regular file"),
+    (["{tmp}/loop.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "cannot be read (Too many levels"),
     (["{tmp}/os_system.pt", "--format", "onnx", "--out", "{tmp}/x"], "it stores the Python object posix.system"),
     (["{tmp}/deep.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "depth=1000000000; at most 256"),
     (["{tmp}/wide.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "does not fit its own config"),
@@ -396,7 +396,7 @@ def test_argument_errors_come_before_the_onnx_package_is_looked_for(checkpoint, 
     """Without onnx installed, a bad input is still reported as what it is."""
     monkeypatch.setitem(sys.modules, "onnx", None)
     bad_inputs(tmp_path, checkpoint)
-    for argv, needle in [([checkpoint[1], "--depth", "1"], "--depth must be >= 2"),
+    for argv, needle in [([checkpoint[1], "--depth", "1"], "--depth must be in 2..256; got 1"),
                          ([checkpoint[1], "--opset", "9"], "--opset must be in 14..20"),
                          ([tmp_path / "missing.pt"], "no such file"),
                          ([tmp_path / "diverged.pt"], "weights are not finite")]:

@@ -260,7 +260,7 @@ def test_probe_of_a_language_model_is_refused_without_download(tmp_path, monkeyp
     (["--lr", "nan"], "--lr must be a finite number; got nan"),
     (["--lr", "-1"], "--lr must be in (0, 10]; got -1.0"),
     (["--warmup-steps", "-5"], "--warmup-steps must be in 0..1,000,000,000; got -5"),
-    (["--mix-prob", "1.5"], "--mix-prob must be in [0, 1]; got 1.5"),
+    (["--mix-prob", "1.5"], "--mix-prob must be in 0..1; got 1.5"),
     (["--grad-clip", "inf"], "--grad-clip must be a finite number; got inf"),
     (["--model-args", "dim=abc"], "--model-args dim='abc': dim takes int"),
     (["--model-args", "depth=6.5"], "--model-args depth=6.5: depth takes int"),

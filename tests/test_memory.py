@@ -194,7 +194,7 @@ def test_train_stops_before_any_work_when_nothing_fits(tmp_path, capsys):
     assert message.startswith("train.py: error: --arch alternet-tiny at --batch-size 8") and "\n" not in message
     assert "a smaller model (weights, gradients and AdamW state alone take" in message
     assert not (tmp_path / "lm").exists()
-    with pytest.raises(SystemExit, match=r"--gpu-memory must be in \(0, 1e6\] GB; got -1.0"):
+    with pytest.raises(SystemExit, match=r"--gpu-memory must be in \(0, 1,000,000\]; got -1.0"):
         run_train(tmp_path, "--gpu-memory", "-1")
 
 
@@ -211,7 +211,7 @@ def test_bench_memory_reports_every_part_and_the_fit(capsys):
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
     assert all(v >= 0 for v in parts.values()) and parts["loss"] > 0
     assert "| activations |" in printed and "fits 90% of 80 GB: yes" in printed
-    with pytest.raises(SystemExit, match=r"bench.py: error: --gpus must be in \(0, 65,536\]; got 0"):
+    with pytest.raises(SystemExit, match=r"bench.py: error: --gpus must be in 1..65,536; got 0"):
         bench.main(["memory", "--arch", "alternet-tiny", "--gpus", "0"])
 
 

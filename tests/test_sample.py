@@ -136,20 +136,20 @@ HOSTILE = [  # (arguments after CKPT, or a whole argument list; the one line sam
                                      r"the prompt has 195\)"),
     (["{ckpt}", "--prompt", "\udcff\udcfe"], r"--prompt '\\udcff\\udcfe' is not UTF-8 text"),
     (["{ckpt}", "--prompt", ""], "--prompt must not be empty"),
-    (["{ckpt}", "--max-new-tokens", str(10 ** 12)], r"--max-new-tokens must be in 0..100,000 \(a bound against "),
+    (["{ckpt}", "--max-new-tokens", str(10 ** 12)], "--max-new-tokens must be in 0..100,000; got 1000000000000"),
     (["{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens must be in 0..100,000"),
-    (["{ckpt}", "--max-depth", "0"], r"--max-depth must be in 1..256, got 0"),
-    (["{ckpt}", "--max-depth", str(10 ** 9)], r"--max-depth must be in 1..256, got 1000000000"),
+    (["{ckpt}", "--max-depth", "0"], "--max-depth must be in 1..256; got 0"),
+    (["{ckpt}", "--max-depth", str(10 ** 9)], "--max-depth must be in 1..256; got 1000000000"),
     (["{ckpt}", "--temperature", "-1"], r"--temperature must be 0 \(greedy\) or in \[0.001, 100\]"),
-    (["{ckpt}", "--temperature", "nan"], r"--temperature must be 0 \(greedy\) or in \[0.001, 100\] .*, got nan"),
+    (["{ckpt}", "--temperature", "nan"], r"--temperature must be a finite number; got nan"),
     (["{ckpt}", "--temperature", "1e-320"], r"--temperature must be 0 \(greedy\) or in \[0.001, 100\]"),
     (["{ckpt}", "--halt-threshold", "1.5"], r"--halt-threshold must be in \(0, 1\]"),
-    (["{ckpt}", "--halt-threshold", "nan"], r"--halt-threshold must be in \(0, 1\]"),
+    (["{ckpt}", "--halt-threshold", "nan"], "--halt-threshold must be a finite number; got nan"),
     (["{ckpt}", "--top-k", "500"], "--top-k must be <= vocab_size=128"),
     (["{ckpt}", "--top-k", "0"], "--top-k must be in 1..1,048,576"),
     (["{ckpt}", "--num-samples", "0"], "--num-samples must be in 1..1,000"),
     (["{ckpt}", "--num-samples", str(10 ** 6)], "--num-samples must be in 1..1,000"),
-    (["{ckpt}", "--seed", "-1"], r"--seed must be in 0..2\*\*64-1"),
+    (["{ckpt}", "--seed", "-1"], "--seed must be in 0..4,294,967,295; got -1"),
     (["{ckpt}", "--device", "gpu"], "--device 'gpu': not a device"),
 ]
 
@@ -167,7 +167,7 @@ def test_hostile_inputs_get_one_line(checkpoint, revit_checkpoint, edited_checkp
 
 def test_script_errors_are_one_line_without_traceback(checkpoint, edited_checkpoint):
     code, _, errors = run_script(checkpoint, "--max-depth", "0")
-    assert code != 0 and errors.strip() == "sample.py: error: --max-depth must be in 1..256, got 0"
+    assert code != 0 and errors.strip() == "sample.py: error: --max-depth must be in 1..256; got 0"
     # bytes that are not UTF-8, as a shell passes them ($'\xff\xfe')
     result = subprocess.run([sys.executable, str(ROOT / "sample.py"), str(checkpoint), "--prompt", b"\xff\xfe"],
                             capture_output=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

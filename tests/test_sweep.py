@@ -196,19 +196,28 @@ WRONG_TYPES = [([1, 2], "a JSON list, not an object"),
                 "result.test_acc must be a finite number"),
                ({"argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1,
                                         "depths": {"two": {"acc": 0.5}}}}, "keys must be depths")]
+GOOD = {"key": "x", "argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1}}
+WRONG_TYPES += [  # the last adversary round: each refused by a rule of the record, not as a case of its own
+    ({**GOOD, "result": {**GOOD["result"], "test_acc": 1e308}}, "result.test_acc must be a finite number in 0..1; got 1e+308"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"\u0664": {"acc": 0.5}}}}, "keys must be depths"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"9" * 5000: {"acc": 0.5}}}}, "keys must be depths"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"2": {"acc": float("nan")}}}}, "result.depths must map"),
+    ({**GOOD, "gate_trace": "rising"}, "gate_trace must be a list of [step, gate spread] pairs"),
+    ({**GOOD, "key": "../../A"}, "key must be a cell's name (a-z, 0-9 and -), never a path"),
+    ({**GOOD, "key": None}, "key must be a cell's name")]
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--grids", "table9"], "--grids must name some of experts, elastic, tying, quickstart, planted, planted-lr, "
                              "router-lr, distill, long; got 'table9'"),
     (["--grids", ","], "--grids must name some of"),
-    (["--seeds", "0"], "--seeds must be an integer in [1, 100]; got 0"),
-    (["--seeds", "101"], "--seeds must be an integer in [1, 100]; got 101"),  # the bound itself (fails fast)
-    (["--seeds", str(10**11)], "--seeds must be an integer in [1, 100]; got 100000000000"),
-    (["--threads", str(10**11)], "--threads must be an integer in [1, 1024]; got 100000000000"),
+    (["--seeds", "0"], "--seeds must be in 1..100; got 0"),
+    (["--seeds", "101"], "--seeds must be in 1..100; got 101"),  # the bound itself (fails fast)
+    (["--seeds", str(10**11)], "--seeds must be in 1..100; got 100000000000"),
+    (["--threads", str(10**11)], "--threads must be in 1..1,024; got 100000000000"),
     (["--shard", "0/2"], "--shard takes K/N with 1 <= K <= N"),
     (["--shard", "3/2"], "--shard takes K/N"), (["--shard", "a/b"], "--shard takes K/N"),
-    (["--threads", "0"], "--threads must be an integer in [1, 1024]; got 0"),
+    (["--threads", "0"], "--threads must be in 1..1,024; got 0"),
     (["--device", "tpu"], "--device 'tpu': not a device"),
 ])
 def test_bad_flags_are_one_line_errors_before_any_work(argv, message, tmp_path, fake_train):

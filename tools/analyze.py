@@ -42,7 +42,8 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 
 import revit
 from lib.checkpoint import load_vision_model
-from lib.cli import atomic_write_text, check_depth, fail, outputs_problem, path_problem, pick_device, pyplot
+from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, path_problem
+from lib.cli import atomic_write_text, pick_device, pyplot
 from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, FolderImages, load_images
 
@@ -404,25 +405,14 @@ class Inputs:
     teacher_path: str = ""
 
 
-# Counts of repeated work: bounds a user would not reach by intent (the paper uses 64 of each).
-MAX_REPEATS = 10_000
-MAX_SEED = 2 ** 63 - 1  # torch.Generator seeds are 64-bit signed
-
-
 def check_args(args) -> None:
-    """The flags that need no file, each a ValueError naming the flag and what is allowed."""
+    """The flags that need no file, each one line naming the flag and what is allowed."""
     if args.intervention_images is None:  # the paper's 256, or all of a smaller subset
         args.intervention_images = min(256, args.num_images)
-    bounds = {"num_images": (2, 1 << 20), "intervention_images": (2, args.num_images), "batch_size": (1, 1 << 20),
-              "random_perturbations": (0, MAX_REPEATS), "num_permutations": (0, MAX_REPEATS), "seed": (0, MAX_SEED)}
-    for name, (minimum, maximum) in bounds.items():  # CKA centres over >= 2 images
-        flag, value = "--" + name.replace("_", "-"), getattr(args, name)
-        if value < minimum:
-            raise ValueError(f"{flag} must be >= {minimum}; got {value}")
-        if maximum is not None and value > maximum:
-            why = " (--num-images: they are the first N of that subset)" if name == "intervention_images" else ""
-            raise ValueError(f"{flag} must be <= {maximum}{why}; got {value}")
-    check_depth(args.depth, "--depth")
+    check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
+    if args.intervention_images > args.num_images:
+        raise ValueError(f"--intervention-images must be <= {args.num_images} (--num-images: they are the first N "
+                         f"of that subset); got {args.intervention_images}")
     if args.gradient_batches == 1 or not 0 <= args.gradient_batches <= args.num_images:
         raise ValueError(f"--gradient-batches must be 0 (skip) or between 2 and --num-images ({args.num_images}); "
                          f"got {args.gradient_batches}")

@@ -41,8 +41,8 @@ from lib import memory
 import revit
 import train
 from lib.checkpoint import load_model
-from lib.cli import (InputError, f, fail, json_text, markdown, non_finite_place, outputs_problem, pick_device,
-                     pyplot, write_json)
+from lib.boundary import InputError, check_numbers, closed, fail, outputs_problem, parse_depths
+from lib.cli import f, json_text, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
@@ -83,23 +83,16 @@ def train_errors(what: str):
 # --- vision: every depth, in the form a user deploys and in the compact form ---
 
 
-def parse_depth_list(text: str, model) -> list[int]:
-    """--depths for a vision model: integers >= 2; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
+def depth_list(given: list[int], model) -> list[int]:
+    """--depths (parsed at the boundary) for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
     c = model.config
     single = c.arch == "vit" or c.ffn == "lora"
-    if not text:
+    if not given:
         return [c.depth] if single else list(range(2, 2 * c.depth + 1))
-    try:
-        depths = sorted({int(d) for d in text.split(",") if d.strip()})
-    except ValueError:
-        depths = []
-    if not depths or depths[0] < 2:
-        raise InputError(f"--depths must be comma-separated integers >= 2 (a recurrent step grid needs two "
-                         f"steps); got {text!r}")
-    if single and depths != [c.depth]:
+    if single and given != [c.depth]:
         kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
-        raise InputError(f"--depths {text}: {kind} runs only its own depth {c.depth}")
-    return depths
+        raise InputError(f"--depths {','.join(map(str, given))}: {kind} runs only its own depth {c.depth}")
+    return given
 
 
 def deployed_model(model, depth: int) -> tuple:
@@ -324,7 +317,7 @@ def run_depths(args, device) -> dict:
         mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
         best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte", name="cap D'")
     else:
-        depths = sorted(set(parse_depth_list(args.depths, model)) | {model.config.depth})
+        depths = sorted(set(depth_list(args.depths, model)) | {model.config.depth})
         rows = vision_depth_rows(model, ckpt, task, depths, args, device)
         mark_tradeoffs(rows, "acc", "deployed_ms_b1", higher_is_better=True)
         best = smallest_within(rows, "depth", "acc", 0.005, "deployed_ms_b1", True, "points", scale=100)
@@ -342,11 +335,6 @@ def run_depths(args, device) -> dict:
 # --- command line ---
 
 DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1), "cuda": dict(batch=64, warmup=10, repeats=20, iters=10)}
-RULES = {**bench.FLAG_RULES, "batch": (lambda v: 2 <= v <= 65536, ">= 2 (batch 1 is always measured), at most 65536"),
-         "new_tokens": (lambda v: 1 <= v <= 10000, "an integer in [1, 10000]"),
-         "test_subset": (lambda v: v >= 0, ">= 0 (0: the whole test set)")}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -375,7 +363,8 @@ def check_args(args, device) -> None:
     for key, value in DEFAULTS["cuda" if device.type == "cuda" else "cpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    bench.check_ranges(args, RULES)
+    check_numbers(vars(args), PROG, batch=closed(2, 65536))  # batch 1 is always measured
+    args.depths = sorted(set(parse_depths(args.depths, "--depths", 2, PROG)))  # a step grid needs two steps
     parse_thresholds(args.thresholds)
     out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     problem = outputs_problem("--out", out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run

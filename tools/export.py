@@ -46,8 +46,9 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
 
 import revit
 from lib.checkpoint import import_moe_if_named, load_vision_model
-from lib.values import diverged, fit_problem, weights_problem
-from lib.cli import check_depth, fail, output_problem, path_problem, too_deep, run_main
+from lib.boundary import (MAX_DEPTH, check_numbers, closed, diverged, fail, fit_problem, output_problem,
+                          path_problem, too_deep, weights_problem)
+from lib.cli import run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
 
@@ -308,9 +309,6 @@ def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | 
 
 # --- command line ---
 
-# attention exports as of opset 14; torch.onnx's TorchScript exporter (dynamo=False) writes up to 20
-ONNX_OPSETS = range(14, 21)
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
@@ -329,12 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     """The flags that need no file: a ValueError naming the flag and what is allowed. Optional packages
     are looked for only after every argument and the source checked out (export)."""
-    check_depth(args.depth, "--depth")
     if args.opset is not None and args.format != "onnx":
         raise ValueError(f"--opset applies to --format onnx only; got --format {args.format} --opset {args.opset}")
+    check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
     args.opset = 18 if args.opset is None else args.opset
-    if args.opset not in ONNX_OPSETS:
-        raise ValueError(f"--opset must be in {ONNX_OPSETS.start}..{ONNX_OPSETS.stop - 1}; got {args.opset}")
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model'}")
     if Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve():

@@ -55,7 +55,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -68,8 +68,8 @@ if not __package__:  # run as a file (python tools/probes.py): the project's mod
 
 from lib import checkpoint
 import train
-from lib.cli import (check_depth, dataclass_parser, fail, non_finite_place, opt, outputs_problem, parse_depths,
-                     path_problem, pick_device, write_json)
+from lib.boundary import check_numbers, fail, outputs_problem, parse_depths, path_problem
+from lib.cli import dataclass_parser, non_finite_place, opt, pick_device, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, epoch_order, load_images
 from lib.tasks import DENSE_PROBES
@@ -507,24 +507,9 @@ def check_config(cfg: ProbeConfig) -> None:
         fail(f"--probe must be one of {', '.join(DENSE_PROBES)} here (cls is train.py's); got {cfg.probe!r}{hint}")
     if not cfg.backbone:
         fail(f"--probe {cfg.probe} needs --backbone CHECKPOINT")
-    for name in ("batch_size", "eval_batch_size"):
-        if getattr(cfg, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be > 0; got {getattr(cfg, name)}")
-    for name in ("max_steps", "train_subset", "test_subset"):
-        if getattr(cfg, name) < 0:
-            fail(f"--{name.replace('_', '-')} must be >= 0; got {getattr(cfg, name)}")
+    check_numbers(asdict(cfg))
     if cfg.max_steps == 0 and cfg.epochs <= 0:
         fail(f"--epochs must be > 0 (or give --max-steps); got {cfg.epochs}")
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        fail(f"--lr must be a finite number > 0; got {cfg.lr}")
-    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
-        fail(f"--weight-decay must be a finite number >= 0; got {cfg.weight_decay}")
-    try:
-        check_depth(cfg.depth, "--depth", minimum=1)
-    except ValueError as e:
-        fail(str(e))
-    if not 0 <= cfg.seed < 2 ** 63:
-        fail(f"--seed must be in 0..2**63-1; got {cfg.seed}")
     parse_depths(cfg.eval_depths)
     if cfg.data and path_problem(cfg.data, "folder"):
         fail(f"--data {cfg.data}: {path_problem(cfg.data, 'folder')}")

@@ -34,8 +34,8 @@ if not __package__:  # run as a file (python tools/sweep.py): the project's modu
 import revit
 from lib import tasks
 from lib.checkpoint import load_model
-from lib.cli import (InputError, f, fail, git_commit, json_text, markdown, output_problem, path_problem,
-                     pick_device, pyplot, write_json)
+from lib.boundary import MAX_DEPTH, InputError, check_numbers, fail, output_problem, path_problem
+from lib.cli import f, git_commit, json_text, markdown, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 
 PROG = "python -m tools.sweep"  # how it runs: from the repository root, as a module
@@ -191,9 +191,17 @@ def read_cell(path: str) -> dict:
     return cell
 
 
+# What a cell record may hold: each number finite and in its range (a file is data: an edited 1e308 is not
+# printed as "inf%"), depths as the boundary allows them, and a key that names a file in cells/, never a path.
+RESULT_RANGES = {"test_acc": (0, 1), "test_mse": (0, 1e9), "test_distill_mse": (0, 1e9), "params": (0, 1e12),
+                 "reference_depth": (1, MAX_DEPTH), "minutes": (0, 1e7)}
+CELL_KEY = re.compile(r"[a-z0-9-]{1,200}")  # quality_rows' keys
+
+
 def cell_problem(cell) -> str | None:
     """What is wrong with a cell record's structure, or None. Older cells lack commit/torch: still valid."""
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    def number(v, low=-math.inf, high=math.inf):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and low <= v <= high
     if not isinstance(cell, dict):
         return f"a JSON {type(cell).__name__}, not an object"
     if not isinstance(cell.get("argv"), list) or not all(isinstance(a, str) for a in cell["argv"]):
@@ -201,18 +209,27 @@ def cell_problem(cell) -> str | None:
     result = cell.get("result")
     if not isinstance(result, dict):
         return "result must be an object"
-    for key in ("test_" + metric_of(result), "params", "reference_depth", "minutes"):
-        if not number(result.get(key)):
-            return f"result.{key} must be a finite number; got {result.get(key)!r}"
-    depths, metric = result.get("depths", {}), metric_of(result)
-    if not isinstance(depths, dict) or not all(isinstance(v, dict) and number(v.get(metric)) for v in depths.values()):
-        return f"result.depths must map depths to {{\"{metric}\": number}}"
-    if not all(str(d).isdigit() for d in depths):
-        return "result.depths keys must be depths (integers)"
+    metric = metric_of(result)
+    for key in ("test_" + metric, "params", "reference_depth", "minutes"):
+        if not number(result.get(key), *RESULT_RANGES[key]):
+            low, high = RESULT_RANGES[key]
+            return f"result.{key} must be a finite number in {low:g}..{high:g}; got {result.get(key)!r:.40}"
+    depths, (low, high) = result.get("depths", {}), RESULT_RANGES["test_" + metric]
+    if not isinstance(depths, dict) or not all(isinstance(v, dict) and number(v.get(metric), low, high)
+                                               for v in depths.values()):
+        return f"result.depths must map depths to {{\"{metric}\": number in {low:g}..{high:g}}}"
+    if not all(re.fullmatch(r"[0-9]{1,3}", d) and 1 <= int(d) <= MAX_DEPTH for d in depths):
+        return f"result.depths keys must be depths (integers in 1..{MAX_DEPTH})"
     gates = cell.get("gates")
     if gates and not (isinstance(gates, dict) and number(gates.get("gate_spread"))
                       and isinstance(gates.get("dominant_expert"), list)):
         return "gates must be null, {} or {gate_spread, dominant_expert}"
+    trace = cell.get("gate_trace", [])
+    if not isinstance(trace, list) or not all(isinstance(p, list) and len(p) == 2 and all(map(number, p))
+                                              for p in trace):
+        return "gate_trace must be a list of [step, gate spread] pairs"
+    if not isinstance(cell.get("key"), str) or not CELL_KEY.fullmatch(cell["key"]):
+        return "key must be a cell's name (a-z, 0-9 and -), never a path"
     return None
 
 
@@ -565,19 +582,16 @@ def parse_grids(text: str) -> list[str]:
     return grids
 
 
-MAX_SEEDS, MAX_THREADS = 100, 1024
-
-
 def thread_count(threads: int | None) -> int:
     """--threads, else OMP_NUM_THREADS when the user set it, else one thread per run."""
     if threads is None:
         threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else 1
-    if not 1 <= threads <= MAX_THREADS:
-        raise SweepError(f"--threads must be an integer in [1, {MAX_THREADS}]; got {threads}")
+    check_numbers({"threads": threads}, PROG)
     return threads
 
 
 def run_sweep(args) -> dict:
+    check_numbers(vars(args), PROG)
     try:
         device = pick_device(args.device)
     except ValueError as e:
@@ -586,8 +600,6 @@ def run_sweep(args) -> dict:
     grids, shard, threads = parse_grids(args.grids), parse_shard(args.shard), thread_count(args.threads)
     if regime["arch"] not in revit.PRESETS:
         raise SweepError(f"the regime's arch {regime['arch']!r} is not a vision preset of revit.py")
-    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:  # each seed is a training run per cell
-        raise SweepError(f"--seeds must be an integer in [1, {MAX_SEEDS}]; got {args.seeds}")
     seeds = args.seeds or (2 if args.quick else 3)
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
     if output_problem(out_dir, "folder"):

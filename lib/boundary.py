@@ -1,0 +1,371 @@
+"""The boundary: everything a user may type or load is checked here, once, before any work, and a
+failure is one line naming the flag or the file (`fail`). The rules:
+
+- every number flag of every entry point is finite and in its range (`RANGES`, `check_numbers`);
+- a command writes only new files or files it created; it never overwrites what it did not make
+  (`output_problem`), and every rewrite is atomic (lib/cli.atomic_write_text);
+- a checkpoint or data file is data: weights_only loading (lib/checkpoint.py), plain dense finite
+  tensors (`stored_problem`, `non_finite`), names and shapes of the model (`fit_problem`);
+- nothing reaches the network without --download (lib/data.py, lib/language.py).
+
+Imports nothing of the project but revit.py (for its depth bound).
+"""
+
+from __future__ import annotations
+
+import ast
+import cmath
+import contextlib
+import math
+import os
+import stat
+import sys
+import typing
+from pathlib import Path
+
+import torch
+
+from revit import MAX_DEPTH
+
+# --- one-line errors ---
+
+
+class InputError(ValueError):
+    """Bad input to a tool (a flag, a checkpoint), found before any work: its main reports it with `fail`."""
+
+
+def fail(message: str, prog: str | None = None):
+    """A user error: one line `prog: error: message` on stderr, non-zero exit, no traceback. prog: the
+    script being run (train.py when imported by a test or a notebook)."""
+    raise SystemExit(f"{prog or script_name()}: error: {message}")
+
+
+def script_name() -> str:
+    """The command being run, as its user typed it: `train.py`, `bench.py`, or `python -m tools.NAME`."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name.startswith(("tools.", "lib.")):
+        return f"python -m {spec.name}"
+    name = os.path.basename(sys.argv[0])
+    return name if name.endswith(".py") and name != "__main__.py" else "train.py"
+
+
+# --- number flags: one table for every entry point ---
+
+
+def closed(low, high):
+    """A range: low <= value <= high."""
+    return (lambda v: low <= v <= high), f"in {low:,}..{high:,}"
+
+
+def above(low, high):
+    """A range open at the bottom: low < value <= high."""
+    return (lambda v: low < v <= high), f"in ({low:,}, {high:,}]"
+
+
+# The upper bounds are ours, far above any use: a typo is refused instead of overflowing, allocating for
+# hours or training forever (Python's betavariate with alpha 1e308 does not even return).
+BATCH = 1 << 20  # examples in one step or evaluation batch (ImageNet recipes use 2,048-4,096)
+COUNT = 10 ** 9  # steps, intervals, subset sizes, images
+REPEATS = 10_000  # timed rounds, perturbations, permutations
+RANGES = {  # a flag's name (train.py, bench.py, sample.py, tools/) -> (test, what it allows)
+    **dict.fromkeys(("batch_size", "eval_batch_size", "grad_accum", "top_k", "seq_len"), closed(1, BATCH)),
+    **dict.fromkeys(("num_images", "intervention_images"), closed(2, BATCH)),  # CKA centres over >= 2 images
+    "lr_batch": closed(0, BATCH),
+    **dict.fromkeys(("max_steps", "warmup_steps", "train_subset", "test_subset", "eval_interval",
+                     "save_interval", "stop_at_step", "eval_iters"), closed(0, COUNT)),
+    "log_interval": closed(1, COUNT),
+    "max_new_tokens": closed(0, 100_000),
+    **dict.fromkeys(("epochs", "warmup_epochs"), closed(0, 100_000)),
+    **dict.fromkeys(("repeats", "iters", "new_tokens"), closed(1, REPEATS)),
+    **dict.fromkeys(("random_perturbations", "num_permutations", "gradient_batches"), closed(0, REPEATS)),
+    "warmup": closed(0, 1000),
+    "max_repeats": closed(2, REPEATS),
+    "batch": closed(1, 65536),
+    "repeated_aug": closed(1, 64),
+    "workers": closed(1, 256),
+    "threads": closed(1, 1024),
+    "gpus": closed(1, 1 << 16),
+    "seeds": closed(1, 100),  # each seed is a training run per sweep cell
+    "num_samples": closed(1, 1000),
+    "opset": closed(14, 20),  # ONNX: attention exports as of 14; torch.onnx's TorchScript exporter writes up to 20
+    "patch_size": closed(1, 1024),
+    "block_size": closed(1, 1 << 16),
+    "num_experts": closed(1, 1024),
+    **dict.fromkeys(("depth", "max_depth"), closed(1, MAX_DEPTH)),  # the deepest preset has 24 steps
+    "seed": closed(0, 2 ** 32 - 1),  # data orders: seed * 1_000_003 + epoch
+    "lr": above(0, 10),
+    "gpu_memory": above(0, 10 ** 6),  # GB
+    "peak_tflops": closed(0.001, 100_000),  # today's GPUs: 100 to 2,000 dense bf16 TFLOP/s
+    "budget": closed(10, 86400),  # seconds
+    "resolve": ((lambda v: 0 <= v < 1), "in [0, 1)"),
+    "temperature": ((lambda v: v == 0 or 1e-3 <= v <= 100), "0 (greedy) or in [0.001, 100]"),
+    "halt_threshold": above(0, 1),
+    **dict.fromkeys(("min_lr", "warmup_lr", "weight_decay", "color_jitter"), closed(0, 10)),
+    "grad_clip": closed(0, 10 ** 6),
+    **dict.fromkeys(("mixup", "cutmix"), closed(0, 100)),
+    "router_lr_scale": above(0, 1000),  # ψ's lr multiplier (ours)
+    **dict.fromkeys(("beta1", "beta2"), ((lambda v: 0 <= v < 1), "in [0, 1)")),
+    **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"), closed(0, 1)),
+}
+ANY_NUMBER = closed(-COUNT, COUNT)  # a number flag without a rule of its own
+
+
+def check_numbers(values: dict, prog: str | None = None, **ranges) -> None:
+    """Every number of `values` (a parsed command line: name -> value) finite and in its range: RANGES,
+    or `ranges` where a command allows less (depths.py's --batch >= 2). One line naming the flag."""
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"{flag} must be a finite number; got {value}", prog)
+        ok, allowed = ranges.get(name) or RANGES.get(name, ANY_NUMBER)
+        if not ok(value):
+            fail(f"{flag} must be {allowed}; got {shown_number(value)}", prog)
+
+
+def shown_number(value) -> str:
+    """A number as an error shows it: a 400-digit integer as its first digits and length."""
+    return str(value) if len(str(value)) <= 24 else f"{str(value)[:6]}...({len(str(value))} digits)"
+
+
+# --- the two small languages of flags: depth lists and model arguments ---
+
+
+def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1, prog: str | None = None) -> list[int]:
+    """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH."""
+    items = [d.strip() for d in text.split(",")] if text.strip() else []
+    if not all(d.lstrip("-").isdigit() for d in items):
+        fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}", prog)
+    if any(len(d) > 6 or not minimum <= int(d) <= MAX_DEPTH for d in items):  # never a 5,000-digit int
+        fail(f"{flag} must be in {minimum}..{MAX_DEPTH} (the deepest preset has 24 steps); got {text[:80]!r}", prog)
+    return [int(d) for d in items]
+
+
+def parse_model_args(text: str, config_class=None) -> dict:
+    """'dim=128,heads=4' -> {'dim': 128, 'heads': 4}; with config_class, each name and type checked (the
+    model's own config checks then take the values)."""
+    hints = typing.get_type_hints(config_class) if config_class else {}
+    overrides = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep:
+            fail(f"--model-args expects key=value pairs separated by commas; got {item!r}")
+        if key in overrides:  # which one was meant? never the silent last-one-wins
+            fail(f"--model-args names {key} twice; give each field once")
+        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
+            value = ast.literal_eval(value)
+        if hints and key not in hints:
+            fail(f"--model-args {key}: not a field of {config_class.__name__}; fields: {', '.join(hints)}")
+        if hints and not takes(hints[key], value):
+            fail(f"--model-args {key}={value!r}: {key} takes {type_names(hints[key])}")
+        if too_deep({key: value}):
+            fail(f"--model-args {too_deep({key: value})}")
+        overrides[key] = value
+    return overrides
+
+
+def takes(hint, value) -> bool:
+    """Whether a field annotated `hint` (int, float, str, bool, X | None) takes `value`; a float field
+    takes an int, an int field never takes a bool."""
+    kinds = tuple(k for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
+    if isinstance(value, bool):
+        return bool in kinds
+    return isinstance(value, kinds) or float in kinds and type(value) is int
+
+
+def type_names(hint) -> str:
+    return " or ".join(k.__name__ for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
+
+
+def wrong_type(values: dict, config_class) -> str | None:
+    """The first of `values` (a saved config) whose field in config_class does not take it, as
+    'name=value: name takes int'; None when every known field fits (unknown names are ignored)."""
+    hints = typing.get_type_hints(config_class)
+    for name, value in values.items():
+        if name in hints and not takes(hints[name], value):
+            return f"{name}={value!r}: {name} takes {type_names(hints[name])}"
+    return None
+
+
+DEPTH_FIELDS = ("depth", "max_depth", "raptor_blocks")  # config fields that count steps or blocks
+
+
+def too_deep(config: dict) -> str | None:
+    """A model config (--model-args, a checkpoint, safetensors metadata) deeper than MAX_DEPTH, in words."""
+    for name in DEPTH_FIELDS:
+        if isinstance(config.get(name), int) and config[name] > MAX_DEPTH:
+            return f"{name}={config[name]}; at most {MAX_DEPTH}"
+    return None
+
+
+# --- files: read as data, written only when new or our own ---
+
+
+def path_problem(path, kind: str = "file") -> str | None:
+    """Why `path` cannot be read as a `kind` ("file" or "folder"), in a few words; None when it can."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"no such {kind}" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(mode) != (kind == "folder"):
+        return "a folder, not a file" if kind == "file" else "a file, not a folder"
+    if kind == "file" and not stat.S_ISREG(mode):  # a FIFO or a device: reading it could wait forever
+        return "not a regular file"
+    readable = os.access(path, os.R_OK | (os.X_OK if kind == "folder" else 0))
+    return None if readable else "not readable (permission denied)"
+
+
+RUN_FILES = ("ckpt.pt", "metrics.jsonl", ".lock")  # what train.py keeps in a run folder
+SAVED_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive, a pickle: a checkpoint or a model
+
+
+def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:
+    """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path ("PATH is a
+    file; give a folder"), or None (parent folders are created). No command overwrites what it did not
+    create: a run's files, any saved model and (unless `runs_ok`) a folder holding a run are refused."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != (kind == "folder"):
+        return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"
+    if path.exists() and not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
+        return "is not writable"
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not path.exists() and not parent.is_dir():
+        return f"cannot be created: {parent} is a file, not a folder"
+    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent} is not a writable folder"
+    if kind == "folder":
+        held = [name for name in RUN_FILES if not runs_ok and os.path.lexists(path / name)]
+        return f"holds a training run ({held[0]}); choose another folder" if held else None
+    if path.exists() and (path.name in RUN_FILES or path.name.startswith(".lock")):
+        return f"is a file of a training run ({path.name}); choose another path"
+    if path.is_file() and os.access(path, os.R_OK):
+        with open(path, "rb") as f:  # a regular file: reading its first bytes cannot hang
+            if f.read(4).startswith(SAVED_FILE_MAGIC):
+                return "already holds a saved checkpoint or model (never overwritten); choose another path"
+    return None
+
+
+def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:
+    """output_problem of an output folder and of each file `names` a command writes into it, as the whole
+    one-line message ("--out F: its depths.json is a folder; ..."); None when all can be written."""
+    problem = output_problem(folder, "folder", runs_ok)
+    if problem:
+        return f"{flag} {folder} {problem}"
+    for name in names:
+        problem = output_problem(Path(folder) / name, "file")
+        if problem:
+            return f"{flag} {folder}: its {name} {problem}"
+    return None
+
+
+# --- a checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
+
+
+def plain_values(obj):
+    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token",
+    "metrics.val_loss"), each container visited once: a file of shared references is read in the time
+    of its size."""
+    stack, seen = [("", obj)], set()
+    while stack:
+        place, value = stack.pop()
+        if not isinstance(value, (dict, list, tuple)):
+            yield place, value
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v) for k, v in items)
+
+
+def stored_problem(values) -> str | None:
+    """The first tensor of the file that is not plain data: sparse, meta (no data), quantized, or one whose
+    storage is smaller than its shape claims (a stride-0 view: a small file that expands to gigabytes)."""
+    for place, t in values:
+        if not torch.is_tensor(t):
+            continue
+        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
+                else "a quantized tensor" if t.is_quantized else storage_problem(t))
+        if what:
+            return f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense tensors"
+    return None
+
+
+def storage_problem(t: torch.Tensor) -> str | None:
+    """A tensor whose storage holds fewer bytes than its shape claims, or whose elements share storage
+    (a stride 0 along a dimension of size > 1): what expands a small file on the first copy."""
+    if t.numel() == 0:
+        return None
+    extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    have = t.untyped_storage().nbytes()
+    repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
+    if repeats or have < max(t.numel(), extent) * t.element_size():
+        return f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
+    return None
+
+
+def shown(place: str) -> str:
+    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
+    if place.startswith("model."):
+        return place[len("model."):]
+    return "optimizer state " + place[len("optimizer.state."):] if place.startswith("optimizer.state.") else place
+
+
+def weights_problem(tensors: dict) -> str | None:
+    """The loader's tensor checks for weights read from another format (safetensors): plain and finite."""
+    values = list(plain_values({"model": tensors}))
+    return stored_problem(values) or non_finite(values)
+
+
+def non_finite(values) -> str | None:
+    """The first NaN / inf of the file, in a tensor of any float or complex dtype or a number (weights,
+    optimizer state, metrics, configs): nothing non-finite is evaluated, exported or trained on."""
+    for place, value in values:
+        if torch.is_tensor(value):
+            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
+        else:
+            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
+        if bad:
+            what = "weights are" if place.startswith(("model.", "optimizer.")) else f"{place.split('.')[0]} is"
+            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an earlier "
+                    f"checkpoint")
+    return None
+
+
+def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
+    """How `weights` differ from a model's state dict `expected` (names and shapes), or None."""
+    problems = {"missing": [k for k in expected if k not in weights],
+                "unexpected": [k for k in weights if k not in expected],
+                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
+                                       if k in weights and weights[k].shape != v.shape],
+                "wrongly typed": [f"{k} {str(weights[k].dtype)[6:]} for {str(v.dtype)[6:]}" for k, v in expected.items()
+                                  if k in weights and not holds(v.dtype, weights[k].dtype)]}
+    for problem, names in problems.items():
+        if names:
+            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return None
+
+
+def holds(expected: torch.dtype, given: torch.dtype) -> bool:
+    """Whether a tensor of `given` dtype loads into one of `expected` without loss of kind: a float weight
+    takes only floats (int8 would be rounded, bool become 1.0, complex lose its imaginary part)."""
+    return given.is_floating_point if expected.is_floating_point else given == expected
+
+
+@torch.no_grad()
+def diverged(model: torch.nn.Module) -> str | None:
+    """Finite weights whose output is not (weights near float32's limit overflow in the first matmul): the
+    model on one seeded input, an image of N(0, 1) pixels or a few tokens. Every reader refuses it, as
+    a NaN weight: nothing evaluates, samples from, probes, distils from or exports such a model."""
+    device, c = next(model.parameters()).device, model.config
+    if hasattr(c, "image_size"):  # a vision model of revit.py
+        seeded = torch.Generator().manual_seed(0)
+        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
+    else:  # AlterNet: the logits of a few tokens
+        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
+    if torch.isfinite(out).all():
+        return None
+    return ("its weights are finite but its output is not (NaN or inf on an example input): a diverged run; "
+            "use an earlier checkpoint")
