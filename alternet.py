@@ -185,16 +185,22 @@ class AlterNetConfig:
 MAX_ITERATIONS = 256  # D, and a call's cap on iterations: a bound against typos, as every depth here
 SIZES = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
              num_experts=2 ** 10, top_k=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
-TYPES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
+TYPES = {  # a field's type: what it allows, and the test (a bool is no number; an int is a float)
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+              and math.isfinite(v)),
+    "bool": ("True or False", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+}
 
 
 def field_rules(c: AlterNetConfig):
     """(field, its value is allowed, what it allows): every field's type, then the table of ranges (a
     generator: the ranges compare values only once every type has passed)."""
     for f in dataclasses.fields(c):
-        kind = f.type.removesuffix(" | None")
-        allowed = TYPES[kind] + (" or None" if kind != f.type else "")
-        yield f.name, type_ok(getattr(c, f.name), f.type), allowed
+        kind, value = f.type.removesuffix(" | None"), getattr(c, f.name)
+        (allowed, ok), optional = TYPES[kind], kind != f.type
+        yield f.name, (optional and value is None) or ok(value), allowed + (" or None" if optional else "")
     yield from [  # the table of ranges
         *((name, 1 <= getattr(c, name) <= top, f"an integer in 1..{top}") for name, top in SIZES.items()),
         ("top_k", c.top_k <= c.num_experts, f"in 1..num_experts={c.num_experts}"),
@@ -211,16 +217,6 @@ def field_rules(c: AlterNetConfig):
           for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps")),
         ("random_length_fraction", 0 <= c.random_length_fraction <= 1, "in [0, 1]")
     ]
-
-
-def type_ok(value: object, kind: str) -> bool:
-    """Integers reject floats, strings and bools; floats accept integers and reject NaN and inf."""
-    base = kind.removesuffix(" | None")
-    if value is None or isinstance(value, bool) or base == "bool":
-        return (value is None and base != kind) or (isinstance(value, bool) and base == "bool")
-    if base == "float":
-        return isinstance(value, (int, float)) and math.isfinite(value)
-    return isinstance(value, {"int": int, "str": str}[base])
 
 
 def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | None,
