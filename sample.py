@@ -15,9 +15,9 @@ import torch
 
 import alternet
 from lib.checkpoint import load_model
-from lib.language import no_network
 from lib.boundary import check_numbers, fail
 from lib.cli import DEVICES, pick_device, run_main
+from lib.language import no_network, text_codec
 
 # Bounds a user would not hit by intent (a typo, or a script gone wrong, stops at once instead of
 # running for hours without a word)
@@ -89,7 +89,7 @@ def prepare(args: argparse.Namespace):
     device = pick_device(args.device)
     model, ckpt = load_language_model(args.checkpoint, device)
     with no_network():  # a checkpoint's tokenizer must not make tiktoken fetch its files
-        encode, decode = alternet.text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))
+        encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))
     prompt = encode_prompt(args.prompt, encode, model, device)
     if args.top_k is not None and args.top_k > model.config.vocab_size:
         raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")

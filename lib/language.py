@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,20 @@ def no_network(allowed: bool = False):
         for name in ([] if allowed else ["getaddrinfo", "socket.connect"]):  # no lookup, no connection
             offline.enter_context(mock.patch(f"socket.{name}", side_effect=OSError("no --download")))
         yield
+
+
+def text_codec(tokenizer: str) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """(encode: str -> list of ids, decode: list of ids -> str) for train.py's --tokenizer names."""
+    if tokenizer == "byte":
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    if tokenizer == "gpt2":
+        try:
+            import tiktoken
+            encoding = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # package missing or its encoding files not downloadable
+            raise ValueError(f"the gpt2 tokenizer needs the tiktoken package and its encoding files ({e})") from e
+        return encoding.encode_ordinary, encoding.decode
+    raise ValueError(f"unknown tokenizer {tokenizer!r} (byte or gpt2)")
 
 
 def tokenize(text: str, tokenizer: str = "byte", download: bool = False) -> tuple[torch.Tensor, float, int]:
@@ -159,7 +174,7 @@ class LanguageTask:
 
     def print_sample(self, lm, threshold):
         """A short continuation of the first validation tokens (fixed seed; the training RNG is untouched)."""
-        _, decode = alternet.text_codec(self.cfg.tokenizer)
+        _, decode = text_codec(self.cfg.tokenizer)
         prompt = self.val[:min(32, self.block_size)][None].to(self.device)  # (1, P)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(0)

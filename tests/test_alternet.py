@@ -44,6 +44,11 @@ def tokens_for(model, B=3, T=12, seed=0):
 # --- slow references ------------------------------------------------------------
 
 
+def depth_prior(num_steps, max_depth, kind="gaussian", geometric_p=0.12):
+    """The prior q itself (the model keeps log q): (num_steps,), far-tail entries may round to 0."""
+    return alternet.log_depth_prior(num_steps, max_depth, kind, geometric_p).exp()
+
+
 def loop_halting_distribution(lambdas):
     """Eq. 4-5 with Python loops: lambdas (B, D) nested lists."""
     out = []
@@ -146,20 +151,19 @@ def test_halting_distribution_matches_loop_and_sums_to_one(B, D, k, scale, seed)
     torch.testing.assert_close(p.sum(1), torch.ones(B, dtype=torch.float64))
     loop_p = torch.tensor(loop_halting_distribution(loop_lambdas.tolist()), dtype=torch.float64)
     torch.testing.assert_close(p, loop_p)
-    torch.testing.assert_close(alternet.halting_distribution(loop_lambdas), loop_p)
 
 
 @pytest.mark.parametrize("D", [1, 2, 5, 8, 12, 24])
 def test_depth_priors_are_normalised_over_the_iterations(D):
-    q = alternet.depth_prior(D, D, "gaussian")
+    q = depth_prior(D, D, "gaussian")
     assert q.shape == (D,) and (q > 0).all()
     torch.testing.assert_close(q.sum(), torch.tensor(1.0))
     density = torch.tensor([math.exp(-0.5 * ((n - D / 2) / (D / 4)) ** 2) for n in range(1, D + 1)])
     torch.testing.assert_close(q, density / density.sum())
-    geo = alternet.depth_prior(D, D, "geometric", geometric_p=0.12)
+    geo = depth_prior(D, D, "geometric", geometric_p=0.12)
     torch.testing.assert_close(geo.sum(), torch.tensor(1.0))
     torch.testing.assert_close(geo[1:] / geo[:-1], torch.full((D - 1,), 0.88))
-    capped = alternet.depth_prior(3, D, "gaussian") if D >= 3 else None  # inference cap: truncate, renormalise
+    capped = depth_prior(3, D, "gaussian") if D >= 3 else None  # inference cap: truncate, renormalise
     if capped is not None:
         torch.testing.assert_close(capped, q[:3] / q[:3].sum())
 
@@ -168,7 +172,7 @@ def test_gaussian_prior_mean_is_half_the_iterations():
     """Paper §4: converging to the prior "saves ≈ 50% of iterations" -> mean D/2 iterations
     (up to the truncation to 1..D); Table 2's mu = 6 at D = 12."""
     for D, expected in [(12, 6.1134), (6, 3.1141), (24, 12.1134)]:
-        q = alternet.depth_prior(D, D, "gaussian").double()
+        q = depth_prior(D, D, "gaussian").double()
         iterations = torch.arange(1, D + 1, dtype=torch.float64)
         mean = (q * iterations).sum().item()
         assert abs(mean - expected) < 1e-3 and abs(mean / D - 0.5) < 0.02
@@ -178,7 +182,7 @@ def test_gaussian_prior_mean_is_half_the_iterations():
 @given(D=st.integers(1, 10), B=st.integers(1, 3), seed=st.integers(0, 10_000),
        kind=st.sampled_from(["gaussian", "geometric"]))
 def test_kl_is_zero_at_the_prior_and_positive_elsewhere(D, B, seed, kind):
-    q = alternet.depth_prior(D, D, kind).double()
+    q = depth_prior(D, D, kind).double()
     assert alternet.kl_divergence(q.log().expand(B, D), q.log()).abs() < 1e-12
     g = torch.Generator().manual_seed(seed)
     p = (torch.randn(B, D, generator=g, dtype=torch.float64) * 2).softmax(-1)
@@ -216,7 +220,7 @@ def test_kl_is_finite_and_exact_with_saturated_halt_heads(D, B, k, bias, sign, s
     halt_logits = (sign * bias + torch.randn(B, D, k, generator=g)).requires_grad_()
     log_halt, log_continue = alternet.halting_log_probabilities(log_gates, halt_logits)
     log_p = alternet.halting_log_distribution(log_halt, log_continue)
-    log_q = alternet.depth_prior(D, D, "gaussian").log()
+    log_q = depth_prior(D, D, "gaussian").log()
     kl = alternet.kl_divergence(log_p, log_q)
     task = (log_p.exp() * torch.arange(D, dtype=torch.float32)).sum()  # a p-weighted loss like L_PN
     (kl + task).backward()
@@ -405,7 +409,7 @@ def test_task_loss_is_p_weighted_step_cross_entropy():
             lam = out["halt_lambdas"][b, d].item()
             rir -= ((1 - w) * math.log(lam) + w * math.log(1 - lam)) / (D - 1)
     assert abs(out["aux_losses"]["rir"].item() - 0.3 * rir / 3) < 1e-5
-    prior = alternet.depth_prior(D, D, "gaussian")
+    prior = depth_prior(D, D, "gaussian")
     kl = alternet.kl_divergence(p.log(), prior.log())
     torch.testing.assert_close(out["aux_losses"]["kl"], model.config.kl_weight * kl)
     torch.testing.assert_close(out["loss"], out["task_loss"] + sum(out["aux_losses"].values()))
@@ -494,7 +498,7 @@ def test_kl_ramp_starts_when_the_curriculum_ends():
     model = spread_halting(small_model(min_depth_warmup=10, kl_ramp_steps=100, kl_weight=1.0)).train()
     tokens = tokens_for(model)
     D = model.config.max_depth
-    prior = alternet.depth_prior(D, D, "gaussian").log()
+    prior = depth_prior(D, D, "gaussian").log()
     for step, scale in [(0, 0.0), (9, 0.0), (10, 0.0), (60, 0.5), (110, 1.0), (500, 1.0)]:
         model.set_step(step)
         assert model.kl_scale == scale
@@ -519,7 +523,7 @@ def test_minimum_depth_release_abrupt_or_gradual(release):
     schedule = []
     for step in range(0, 22):
         model.set_step(step)
-        m = model.minimum_depth(5)
+        m = model.first_halt(5) + 1  # iterations before a sequence may halt
         schedule.append(m)
         out = model(tokens, halt_threshold=0.01)  # would stop everyone at once without a minimum
         assert (out["iterations"] == m).all()
@@ -528,7 +532,7 @@ def test_minimum_depth_release_abrupt_or_gradual(release):
     assert schedule[:11] == [5] * 10 + ([1] if release == 0 else [5])
     if release:  # linear from D to 1 over the release steps, never increasing
         assert schedule[10:19] == [5, 5, 4, 4, 3, 3, 2, 2, 1] and schedule[-1] == 1
-    assert model.minimum_depth(3) == 1 and model.eval().minimum_depth(5) == 1
+    assert model.first_halt(3) == 0 and model.eval().first_halt(5) == 0
 
 
 # --- inference: threshold, cap, sampling -----------------------------------------------
@@ -740,7 +744,7 @@ def test_ablation_switches():
     geo = small_model(prior="geometric", geometric_p=0.3)
     out = geo(tokens_for(geo))
     torch.testing.assert_close(out["aux_losses"]["kl"], 0.1 * alternet.kl_divergence(
-        out["halting_distribution"].log(), alternet.depth_prior(4, 4, "geometric", 0.3).log()))
+        out["halting_distribution"].log(), depth_prior(4, 4, "geometric", 0.3).log()))
     assert small_model(z_loss_weight=0.0)(tokens_for(geo))["aux_losses"]["z"] == 0
 
 
@@ -1021,7 +1025,7 @@ def stacked_rir(log_halt, log_continue, step_ce, ran):
 
 def stacked_schedules(model, num_iterations):
     """(minimum depth, a_KL scale) of the curriculum and the ramp at the model's training step."""
-    cfg, step = model.config, model.train_step
+    cfg, step = model.config, model.schedule_step
     if not cfg.halting:
         return num_iterations, 1.0
     if step is None:
@@ -1290,7 +1294,7 @@ def test_compiled_training_recompiles_only_when_the_curriculum_depth_changes():
         out["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()
-        depths.append(model.minimum_depth(2))
+        depths.append(model.first_halt(2) + 1)
         compiles.append(counter.frame_count)
         kl_scales.append(float(model.kl_scale))
     assert depths == [2, 2, 2] + [1] * 17 and len(set(kl_scales)) == 11  # the ramp moved every step

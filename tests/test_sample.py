@@ -207,7 +207,9 @@ def test_a_diverged_model_is_one_line_whichever_check_finds_it(checkpoint, tmp_p
         for temperature in (0.0, 0.8):
             with pytest.raises(ValueError, match="next-token logits are not finite"):
                 alternet.sample_next_token(logits, temperature, None)
-    monkeypatch.setattr(alternet, "sample_next_token", lambda *a: alternet.check_sampling(-1, None, 2))
+    def refused(*args):  # as the sampler refuses a bad argument
+        raise ValueError("temperature must be >= 0, got -1")
+    monkeypatch.setattr(alternet, "sample_next_token", refused)
     with pytest.raises(SystemExit, match=r"^sample.py: error: CKPT .*ckpt.pt: temperature must be >= 0"):
         sample.main([str(checkpoint)])  # any ValueError of the sampler: one line naming the checkpoint
     model, _ = load_model(checkpoint, flag="CKPT")
