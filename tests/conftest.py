@@ -60,7 +60,7 @@ DEEP_FILES = ("test_hostile.py", "test_faults.py", "test_check.py", "test_compil
               "test_probes.py", "test_sweep.py", "test_bench.py", "test_memory.py", "test_layout.py",
               "test_results.py", "test_mutants.py")
 # Deep tests in fast files (every parametrisation of the named function): compile, devices, processes
-# started from scratch (each imports torch again), ranks, crashes, and every preset at full size.
+# started from scratch (each imports torch again), ranks and crashes.
 DEEP_TESTS = (
     "test_alternet.py::test_torch_compile_training_step_matches_eager",
     "test_alternet.py::test_a_compiled_generate_step_halts_as_eager",
@@ -73,7 +73,6 @@ DEEP_TESTS = (
     "test_train.py::test_ddp_two_processes_match_single_process",
     "test_train.py::test_the_suite_runs_on_the_cpu_by_default",
     "test_train.py::test_command_line_exit_code",
-    "test_train.py::test_no_bias_is_decayed_for_any_preset",
     "test_train.py::test_rng_state_of_this_gpu_only",
     "test_train.py::test_more_ranks_than_gpus_is_one_line",
     "test_train.py::test_atomic_save_survives_a_crash",
