@@ -10,8 +10,10 @@ catch each of them. Run by hand, not in CI (it takes a while; run subsets with -
 Each mutant is (name, file, [(original snippet, replacement), ...], tests). The repository is copied
 once into a temporary folder (the working tree is never touched); for each mutant its file is edited
 there, the tests that should catch it run (`pytest -x`), and the file is restored. A mutant is
-"caught" when those tests fail, "SURVIVED" when they pass. Before the mutants, the same tests run on
-the unmodified copy: a selection that fails without a bug proves nothing ("BASELINE FAILS").
+"caught" when those tests fail, "SURVIVED" when they pass. Those of its tests in README's fast command
+(`python -m pytest -q`) run first, those in the deep one (`-m deep`) only if they pass: each line says
+which command caught the bug. Before the mutants, the same tests run on the unmodified copy: a
+selection that fails without a bug proves nothing ("BASELINE FAILS").
 
 When code is refactored a snippet may stop matching: the mutant is then reported as "STALE" with the
 snippet that no longer occurs exactly once, and tests/test_mutants.py (in CI) fails until the entry
@@ -657,6 +659,23 @@ def run_tests(root: Path, tests: tuple, timeout: int) -> tuple:
     return "timeout", time.time() - start
 
 
+# README's two commands as selections of a mutant's tests: the fast set first, then the deep one.
+COMMANDS = (("fast", ("-m", "not deep")), ("deep", ("-m", "deep")))
+
+
+def catch(root: Path, tests: tuple, timeout: int) -> tuple:
+    """Plant-time verdict -> (verdict, command, seconds): the mutant's tests of the fast command run first;
+    only if they pass (or it has none) do its tests of the deep command run."""
+    total = 0.0
+    for command, selection in COMMANDS:
+        status, seconds = run_tests(root, (*selection, *tests), timeout)
+        total += seconds
+        if status not in (0, 5):  # 5: none of its tests is in this command's set
+            verdict = {1: "caught", "timeout": "timeout"}.get(status, f"error (pytest status {status})")
+            return verdict, command, total
+    return "SURVIVED", "", total
+
+
 def preload() -> None:
     """What every test run imports anyway (never the project's own modules: those must come from the copy)."""
     sys.dont_write_bytecode = True  # the copy's files change under the same names: no stale .pyc
@@ -717,21 +736,22 @@ def main(argv=None) -> int:
         preload()
         for tests in baseline_failures(root, [m.tests for m in chosen if m.name not in stale], args.timeout):
             print(f"BASELINE FAILS without any bug: {' '.join(tests)}")
-            results.update({m.name: "baseline fails" for m in chosen if m.tests == tests})
+            results.update({m.name: ("baseline fails", "") for m in chosen if m.tests == tests})
         for m in chosen:
             if m.name in stale or m.name in results:
                 continue
             original_text = apply(m, root)
             try:
-                status, seconds = run_tests(root, m.tests, args.timeout)
+                verdict, command, seconds = catch(root, m.tests, args.timeout)
             finally:
                 (root / m.file).write_text(original_text)
-            verdict = {0: "SURVIVED", 1: "caught", "timeout": "timeout"}.get(status, f"error (pytest status {status})")
-            results[m.name] = verdict
-            print(f"{verdict:<9} {m.name}  ({seconds:.0f} s)", flush=True)
-    survived = [n for n, v in results.items() if v != "caught"]
-    print(f"\n{len(results) - len(survived)} of {len(chosen)} mutants caught; "
-          f"{len(stale)} stale, {len(survived)} not caught{': ' + ', '.join(survived) if survived else ''}")
+            results[m.name] = verdict, command
+            print(f"{verdict:<9} {command:<4} {m.name}  ({seconds:.0f} s)", flush=True)
+    survived = [n for n, (v, _) in results.items() if v != "caught"]
+    by = {command: list(results.values()).count(("caught", command)) for command, _ in COMMANDS}
+    print(f"\n{len(results) - len(survived)} of {len(chosen)} mutants caught ({by['fast']} by the fast "
+          f"command, {by['deep']} only by the deep one); {len(stale)} stale, {len(survived)} not caught"
+          f"{': ' + ', '.join(survived) if survived else ''}")
     return 0 if not stale and not survived else 1
 
 

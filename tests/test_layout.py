@@ -1,6 +1,6 @@
 """The layering a reader relies on: the two model files stand alone, and no module of the project imports
 itself back through others, counting imports inside functions (a cycle hidden in a function is still a
-cycle a reader has to untangle).
+cycle a reader has to untangle). And every test is in one of README's two commands (conftest.py).
 """
 import ast
 import json
@@ -152,3 +152,20 @@ def test_every_line_reads_without_scrolling(name):
     lines = (ROOT / name).read_text().splitlines()
     wide = [f"{name}:{i} has {len(line)}" for i, line in enumerate(lines, 1) if len(line) > MAX_COLUMNS]
     assert wide == [], f"lines wider than {MAX_COLUMNS} columns: {', '.join(wide)}"
+
+
+def test_every_test_file_is_in_one_set_and_every_exception_names_a_test():
+    """`python -m pytest -q` (fast) and `-m deep` together run every test once: each test file is in exactly
+    one of conftest's file lists, and each test it moves to the other set is a test of a file of the first."""
+    import conftest
+    files = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    listed = [*conftest.FAST_FILES, *conftest.DEEP_FILES]
+    assert sorted(listed) == sorted(set(listed)) and set(listed) == files, (
+        f"not in a list of tests/conftest.py: {sorted(files - set(listed))}; listed twice or missing: "
+        f"{sorted({name for name in listed if listed.count(name) > 1 or name not in files})}")
+    moved = [(rule, conftest.FAST_FILES) for rule in conftest.DEEP_TESTS] + [
+        (rule, conftest.DEEP_FILES) for rule in conftest.FAST_TESTS]
+    for rule, home in moved:
+        file, name = rule.split("::")
+        source = (ROOT / "tests" / file).read_text() if file in home else ""
+        assert re.search(rf"^def {re.escape(name)}\(", source, re.M), f"conftest.py names {rule}: no such test"
