@@ -5,7 +5,7 @@ failure is one line naming the flag or the file (`fail`). The rules:
 - a command writes only new files or files it created; it never overwrites what it did not make
   (`output_problem`), and every rewrite is atomic (lib/cli.atomic_write_text);
 - a checkpoint or data file is data: weights_only loading (lib/checkpoint.py), plain dense finite
-  tensors (`stored_problem`, `non_finite`), names and shapes of the model (`fit_problem`);
+  tensors, names and shapes of the model (lib/values.py, imported by the readers only);
 - nothing reaches the network without --download (lib/data.py, lib/language.py).
 
 Imports nothing of the project but revit.py (for its depth bound).
@@ -14,7 +14,6 @@ Imports nothing of the project but revit.py (for its depth bound).
 from __future__ import annotations
 
 import ast
-import cmath
 import contextlib
 import math
 import os
@@ -257,115 +256,3 @@ def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | No
         if problem:
             return f"{flag} {folder}: its {name} {problem}"
     return None
-
-
-# --- a checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
-
-
-def plain_values(obj):
-    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token",
-    "metrics.val_loss"), each container visited once: a file of shared references is read in the time
-    of its size."""
-    stack, seen = [("", obj)], set()
-    while stack:
-        place, value = stack.pop()
-        if not isinstance(value, (dict, list, tuple)):
-            yield place, value
-            continue
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v) for k, v in items)
-
-
-def stored_problem(values) -> str | None:
-    """The first tensor of the file that is not plain data: sparse, meta (no data), quantized, or one whose
-    storage is smaller than its shape claims (a stride-0 view: a small file that expands to gigabytes)."""
-    for place, t in values:
-        if not torch.is_tensor(t):
-            continue
-        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
-                else "a quantized tensor" if t.is_quantized else storage_problem(t))
-        if what:
-            return f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense tensors"
-    return None
-
-
-def storage_problem(t: torch.Tensor) -> str | None:
-    """A tensor whose storage holds fewer bytes than its shape claims, or whose elements share storage
-    (a stride 0 along a dimension of size > 1): what expands a small file on the first copy."""
-    if t.numel() == 0:
-        return None
-    extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-    have = t.untyped_storage().nbytes()
-    repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
-    if repeats or have < max(t.numel(), extent) * t.element_size():
-        return f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
-    return None
-
-
-def shown(place: str) -> str:
-    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
-    if place.startswith("model."):
-        return place[len("model."):]
-    return "optimizer state " + place[len("optimizer.state."):] if place.startswith("optimizer.state.") else place
-
-
-def weights_problem(tensors: dict) -> str | None:
-    """The loader's tensor checks for weights read from another format (safetensors): plain and finite."""
-    values = list(plain_values({"model": tensors}))
-    return stored_problem(values) or non_finite(values)
-
-
-def non_finite(values) -> str | None:
-    """The first NaN / inf of the file, in a tensor of any float or complex dtype or a number (weights,
-    optimizer state, metrics, configs): nothing non-finite is evaluated, exported or trained on."""
-    for place, value in values:
-        if torch.is_tensor(value):
-            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
-        else:
-            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
-        if bad:
-            what = "weights are" if place.startswith(("model.", "optimizer.")) else f"{place.split('.')[0]} is"
-            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an earlier "
-                    f"checkpoint")
-    return None
-
-
-def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
-    """How `weights` differ from a model's state dict `expected` (names and shapes), or None."""
-    problems = {"missing": [k for k in expected if k not in weights],
-                "unexpected": [k for k in weights if k not in expected],
-                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
-                                       if k in weights and weights[k].shape != v.shape],
-                "wrongly typed": [f"{k} {str(weights[k].dtype)[6:]} for {str(v.dtype)[6:]}" for k, v in expected.items()
-                                  if k in weights and not holds(v.dtype, weights[k].dtype)]}
-    for problem, names in problems.items():
-        if names:
-            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
-                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-    return None
-
-
-def holds(expected: torch.dtype, given: torch.dtype) -> bool:
-    """Whether a tensor of `given` dtype loads into one of `expected` without loss of kind: a float weight
-    takes only floats (int8 would be rounded, bool become 1.0, complex lose its imaginary part)."""
-    return given.is_floating_point if expected.is_floating_point else given == expected
-
-
-@torch.no_grad()
-def diverged(model: torch.nn.Module) -> str | None:
-    """Finite weights whose output is not (weights near float32's limit overflow in the first matmul): the
-    model on one seeded input, an image of N(0, 1) pixels or a few tokens. Every reader refuses it, as
-    a NaN weight: nothing evaluates, samples from, probes, distils from or exports such a model."""
-    device, c = next(model.parameters()).device, model.config
-    if hasattr(c, "image_size"):  # a vision model of revit.py
-        seeded = torch.Generator().manual_seed(0)
-        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
-    else:  # AlterNet: the logits of a few tokens
-        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
-    if torch.isfinite(out).all():
-        return None
-    return ("its weights are finite but its output is not (NaN or inf on an example input): a diverged run; "
-            "use an earlier checkpoint")
