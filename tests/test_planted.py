@@ -188,7 +188,7 @@ def test_router_lr_scale_one_is_todays_run_and_a_model_without_psi_is_refused(tm
     with pytest.raises(SystemExit, match="--router-lr-scale 10.0: vit-mini has no depth router psi"):
         train.main(["--arch", "vit-mini", *PLANTED_ARGS, "--max-steps", "1", "--router-lr-scale", "10",
                     "--out-dir", str(tmp_path / "c")])
-    with pytest.raises(SystemExit, match=r"--router-lr-scale must be in \(0, 1000\]; got 0.0"):
+    with pytest.raises(SystemExit, match=r"--router-lr-scale must be in \(0, 1,000\]; got 0.0"):
         train.main(["--arch", "revit-mini", *PLANTED_ARGS, "--max-steps", "1", "--router-lr-scale", "0",
                     "--out-dir", str(tmp_path / "d")])
     with pytest.raises(SystemExit, match="--dataset planted is a regression task of its own"):
