@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -40,7 +41,7 @@ from tqdm import tqdm
 import revit
 from lib import tasks
 from lib.checkpoint import (MODEL_KEYS, RunFolder, atomic_save, checkpoint_or_fail, family_of, preset_module,
-                            preset_names, primitive, rng_state, unwrap)
+                            preset_names, primitive, provenance, rng_state, unwrap)
 from lib.checks import check_config, cpu_time_note
 from lib.cli import (broadcast, dataclass_parser, device_options, fail, init_distributed, non_finite_place,
                      opt, parse_depths, pick_device, run_main, say)
@@ -255,12 +256,15 @@ def loop(run: Run) -> dict:
         if run.step == start_step + 1 and run.device.type == "cpu" and run.is_main:
             note = cpu_time_note(cfg.arch, time.perf_counter() - t_start, total - start_step)
             if note:
-                bar.write(note)
+                say(note)
         if run.step % cfg.log_interval == 0 or run.step == total:
             record = read_loss_parts(record)
             items = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1)  # tokens or images
             rate = items / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
+            if not (cfg.progress and sys.stdout.isatty()):  # no bar on screen: a line to watch instead
+                say(f"step {run.step}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, {rate:.0f} "
+                    f"{'tokens' if cfg.dataset in TEXT_DATASETS else 'images'}/s")
             run.folder.log({**record, "per_s": rate}, run.is_main)
             t0, seen = time.perf_counter(), 0
         stopped = bool(cfg.stop_at_step and run.step >= cfg.stop_at_step)
@@ -498,7 +502,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
         f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
         f"peak lr {sched['peak_lr']:.3g} | out {out_dir}")
     folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
-                "params": num_params, "peak_lr": sched["peak_lr"]}, run.is_main)
+                "params": num_params, "peak_lr": sched["peak_lr"], **provenance(device)}, run.is_main)
     return run
 
 

@@ -14,13 +14,15 @@ import json
 import os
 import random
 import re
+import shlex
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 import revit
-from lib.cli import atomic_write_text, fail, non_finite_place, output_problem, path_problem, too_deep
+from lib.cli import atomic_write_text, fail, git_commit, non_finite_place, output_problem, path_problem, too_deep
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---
@@ -325,6 +327,14 @@ def seed_device(device: torch.device, seed: int) -> None:
 
 
 # --- the run folder: ckpt.pt, metrics.jsonl, and a lock ---
+
+
+def provenance(device) -> dict:
+    """What made a run, for its `start` event: the commit ("-dirty" with uncommitted changes; "unknown"
+    outside git), torch's version, the device and the command line as typed."""
+    return {"commit": git_commit(str(Path(__file__).resolve().parent.parent)) or "unknown",
+            "torch": torch.__version__, "device": str(device),
+            "command": shlex.join(["python", *sys.argv])}
 
 
 class RunFolder:

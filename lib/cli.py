@@ -24,6 +24,7 @@ from dataclasses import field, fields
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 
 # --- one-line errors and rank-0 output ---
@@ -57,9 +58,11 @@ def script_name() -> str:
 
 
 def say(line: str) -> None:
-    """Print on rank 0 only (torchrun starts one process per GPU)."""
+    """Print on rank 0 only (torchrun starts one process per GPU), above a progress bar (tqdm.write): piped
+    output never glues a line to the bar."""
     if os.environ.get("RANK", "0") == "0":
-        print(line, flush=True)
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
 
 
 # --- flags: generated from a dataclass, and the two small languages they share ---

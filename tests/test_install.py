@@ -3,8 +3,8 @@ install nothing else: lib/ and tools/ stay in the repository, so they cannot sha
 
 Offline: a throwaway venv under tmp_path borrows this interpreter's site-packages (torch, einops, pip,
 setuptools) through a .pth file, and pip builds with --no-index --no-build-isolation --no-deps. The clone is a
-copy of the files the install reads plus lib/ and tools/, the folders that made setuptools' automatic discovery
-fail ("Multiple top-level packages discovered in a flat-layout").
+copy of the files the install reads plus lib/ and tools/, the folders that made setuptools' automatic
+discovery fail ("Multiple top-level packages discovered in a flat-layout").
 """
 import json
 import os
@@ -49,12 +49,12 @@ def test_pip_install_puts_the_model_files_and_nothing_else_on_any_folders_path(t
     site_packages = next((env / "lib").glob("python*/site-packages"))
     (site_packages / "borrowed.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")))
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    install = [str(python), "-m", "pip", "install", "--quiet", "--no-index", "--no-build-isolation", "--no-deps",
-               *(["-e"] if editable else []), str(clone)]
+    install = [str(python), "-m", "pip", "install", "--quiet", "--no-index", "--no-build-isolation",
+               "--no-deps", *(["-e"] if editable else []), str(clone)]
     done = subprocess.run(install, cwd=elsewhere, env=clean, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    shown = subprocess.run([str(python), "-c", CHECK], cwd=elsewhere, env=clean, capture_output=True, text=True,
-                           timeout=120)
+    shown = subprocess.run([str(python), "-c", CHECK], cwd=elsewhere, env=clean, capture_output=True,
+                           text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-2000:]
     found = json.loads(shown.stdout)
     home = clone if editable else site_packages  # editable: the clone's own files; else copies in the venv

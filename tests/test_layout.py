@@ -62,7 +62,7 @@ def test_the_top_level_is_the_brief_and_the_rest_is_in_folders():
     assert {path.name for path in ROOT.glob("*.py")} == {"revit.py", "alternet.py", "train.py", "bench.py",
                                                          "sample.py"}
     assert {name.split(".")[1] for name in MODULES if name.startswith("tools.")} == {
-        "analyze", "depths", "export", "probes", "sweep"}
+        "analyze", "depths", "export", "plot", "probes", "sweep"}
 
 
 def test_nothing_imports_upward():
