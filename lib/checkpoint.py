@@ -9,6 +9,7 @@ head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading error
 
 from __future__ import annotations
 
+import difflib
 import fcntl
 import json
 import os
@@ -166,10 +167,12 @@ def preset_module(arch: str, config=None):
 
 
 def family_of(arch: str) -> str:
-    """'vision' or 'language' for a preset name (or the error listing the valid names)."""
+    """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
     module = preset_module(arch)
     if module is None:
-        fail(f"unknown --arch {arch!r}; valid names: {', '.join(preset_names())}")
+        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
+        fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
+             + "python train.py --list-archs prints all names")
     return "vision" if module is revit else "language"
 
 

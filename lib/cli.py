@@ -83,7 +83,8 @@ def dataclass_parser(config_class, description: str, suppress_defaults: bool = F
     for f in fields(config_class):
         kind = ([a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]])[0]
         flag = "--" + f.name.replace("_", "-")
-        shown = "auto" if f.default is None or f.default == "" else f.default
+        unset = "auto" if "auto:" in f.metadata["help"] else "none"  # chosen for you, or simply not used
+        shown = unset if f.default is None or f.default == "" else f.default
         extra = {} if suppress_defaults else {"default": f.default}
         help_text = f"{f.metadata['help']} [default: {shown}]"
         if kind is bool:
