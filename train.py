@@ -475,8 +475,9 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     optimizer = torch.optim.AdamW(groups, lr=sched["peak_lr"],
                                   betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
     if resume_ckpt is not None:  # all of it, before the run folder is touched
-        from lib.resume import check_resume
+        from lib.resume import check_resume, continue_schedule
         check_resume(cfg, resume_ckpt, trainable, optimizer, augment, sched["total_steps"])
+        continue_schedule(cfg.resume, resume_ckpt, sched, lr_at)  # what changes; a complete run stops here
     out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
     cfg.out_dir = out_dir
     folder = RunFolder(out_dir, cfg.resume)

@@ -15,8 +15,9 @@ from tools import plot
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--arch", "revit-mini", "--device", "cpu", "--train-subset", "256", "--test-subset", "128",
-        "--batch-size", "32", "--patch-size", "7", "--depth", "2", "--model-args", "dim=32,heads=2,ffn_dim=64",
-        "--max-steps", "8", "--log-interval", "2", "--eval-interval", "4"]
+        "--batch-size", "32", "--patch-size", "7", "--depth", "2",
+        "--model-args", "dim=32,heads=2,ffn_dim=64", "--max-steps", "8", "--log-interval", "2",
+        "--eval-interval", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_piped_output_shows_the_loss_on_lines_of_their_own(piped_run):
     printed beside tqdm's bar (which ends in no newline) would show the bar glued in front of it."""
     _, output = piped_run
     shown = [line.split("\r")[-1] for line in output.splitlines()]
-    assert [line.split(":")[0] for line in shown if ": loss " in line] == ["step 2", "step 4", "step 6", "step 8"]
+    assert [line.split(":")[0] for line in shown if ": loss " in line] == [f"step {s}" for s in (2, 4, 6, 8)]
     assert sum(line.startswith("step 4: val_acc") for line in shown) == 1
     assert shown[-1].startswith("done: revit-mini")
 
@@ -58,7 +59,8 @@ def test_no_progress_prints_the_loss_every_log_interval(tmp_path, fashion_mnist_
     losses = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in losses if "loss" in r}
     printed = [line for line in capsys.readouterr().out.splitlines() if ": loss " in line]
-    assert [line.split(",")[0] for line in printed] == [f"step {s}: loss {losses[s]:.4f}" for s in (2, 4, 6, 8)]
+    expected = [f"step {s}: loss {losses[s]:.4f}" for s in (2, 4, 6, 8)]
+    assert [line.split(",")[0] for line in printed] == expected
     assert all(line.endswith(" images/s") for line in printed)
 
 
@@ -85,3 +87,42 @@ def test_plot_refuses_a_file_without_training_loss(tmp_path):
                                             '{"step": 1, "eval": {"val_acc": 0.5}}\n')
     with pytest.raises(SystemExit, match="holds no training-loss line"):
         plot.main([str(tmp_path)])
+
+
+# --- resume says what it continues ---
+
+
+def test_a_complete_run_resumed_with_nothing_new_says_so_and_trains_nothing(tmp_path, fashion_mnist_dir,
+                                                                             capsys):
+    import train
+    out = tmp_path / "run"
+    train.main([*TINY, "--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), "--no-progress"])
+    before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--resume", str(out / "ckpt.pt"), "--data-dir", str(fashion_mnist_dir), "--no-progress"])
+    assert stopped.value.code in (0, None)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"--resume {out / 'ckpt.pt'}: the run is complete (step 8 of 8); nothing to train. Extend it with a "
+        f"larger --max-steps or --epochs, or evaluate it with --eval-only {out / 'ckpt.pt'}")
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_extending_a_run_says_how_its_schedule_changes(tmp_path, fashion_mnist_dir, capsys):
+    import train
+    out = tmp_path / "run"
+    train.main([*TINY, "--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), "--no-progress"])
+    saved = torch.load(out / "ckpt.pt", weights_only=True)["scheduler"]
+    capsys.readouterr()
+    summary = train.main(["--resume", str(out / "ckpt.pt"), "--data-dir", str(fashion_mnist_dir),
+                          "--no-progress", "--max-steps", "12", "--lr", "1e-3"])
+    peak = torch.load(out / "ckpt.pt", weights_only=True)["scheduler"]["peak_lr"]  # --lr scaled by the batch
+    before = train.lr_at(8, saved["peak_lr"], saved)
+    longer = train.lr_at(8, saved["peak_lr"], {**saved, "total_steps": 12})
+    overrides = [line for line in capsys.readouterr().out.splitlines() if line.startswith("override:")]
+    assert overrides[-2:] == [
+        f"override: total_steps=12 (the checkpoint's: 8; --max-steps / --epochs): the lr at step 8 goes from "
+        f"{before:.3g} to {longer:.3g}, and the run continues to step 12",
+        f"override: peak_lr={peak:g} (the checkpoint's: {saved['peak_lr']:g}; --lr / --lr-batch): the lr at "
+        f"step 8 goes from {before:.3g} to {before:.3g}"]  # at the cosine's end: min_lr whatever the peak
+    assert longer > 10 * before and summary["step"] == 12
