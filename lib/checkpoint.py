@@ -73,7 +73,13 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        if Path(path).suffix == ".safetensors":  # weights/ ships these: lib/weights.py
+            from lib.weights import read_weights
+            ckpt = read_weights(path)
+        else:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except ValueError as e:  # read_weights: what is wrong with the file, in words
+        raise ValueError(f"{flag} {path}: {e}") from None
     except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
         raise ValueError(f"{flag} {path}: {unreadable(e)}") from None
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]

@@ -579,6 +579,14 @@ MUTANTS = [
     mutant("export: a safetensors source with NaN outputs exported", "tools/export.py",
            "problem = diverged(model)  # as load_vision_model", "problem = None  # as load_vision_model",
            "tests/test_export.py::test_bad_input_gives_one_line_naming_it_and_writes_nothing"),
+    mutant("resume: an extended schedule changes silently", "lib/resume.py", "if saved[key] != sched[key]:",
+           "if False:", "tests/test_runs.py::test_extending_a_run_says_how_its_schedule_changes"),
+    mutant("resume: a complete run evaluated again", "lib/resume.py", 'if step == sched["total_steps"]:',
+           'if step > sched["total_steps"]:',
+           "tests/test_runs.py::test_a_complete_run_resumed_with_nothing_new_says_so_and_trains_nothing"),
+    mutant("train: no loss line without a bar", "train.py", "if not (cfg.progress and sys.stdout.isatty()):",
+           "if not cfg.progress and sys.stdout.isatty():",
+           "tests/test_runs.py::test_piped_output_shows_the_loss_on_lines_of_their_own"),
 ]
 
 
