@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from tools import depths
 import revit
 import train
+from lib import cli
 from lib.cli import pyplot
 
 FAST = settings(max_examples=10, deadline=None)
@@ -65,9 +66,14 @@ def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
     assert [r["reference"] for r in rows] == [True, False, False]
     assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
     assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
-    assert json.loads(lines[-1]) == json.loads((tmp_path / "depths.json").read_text())
+    assert json.loads((tmp_path / "depths.json").read_text()) == json.loads(cli.json_text(result))
     if pyplot() is not None:
         assert (tmp_path / "depths.png").stat().st_size > 0
+        assert lines[-1] == f"wrote {tmp_path / 'depths.json'} and {tmp_path / 'depths.png'}"
+    else:
+        assert lines[-1] == (f"wrote {tmp_path / 'depths.json'} (no depths.png: matplotlib is not installed; "
+                             f"pip install -r requirements-extra.txt)")
+    assert any(line.startswith("| depth | top-1 % |") for line in lines)  # the table, as a table
 
 
 def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):

@@ -12,7 +12,7 @@ The table marks the reference (the trained depth) and the Pareto-optimal rows, a
 depth within half a point of the reference (AlterNet: within 0.01 bits per byte). depths.json and
 depths.png go next to the checkpoint (or --out). Timing and FLOPs follow bench.py's protocol
 (interleaved rounds, flop_counter); memory at batch 1 is measured in a fresh process on a CPU
-(memory.cpu_memory_of) and by the CUDA allocator on a GPU. The last stdout line is the JSON document.
+(memory.cpu_memory_of) and by the CUDA allocator on a GPU. The last line names the files written.
 
 A vision row times two forms: "deployed" is what a user ships at that depth (revit.fold's plain ViT
 where the model folds, §3.1; else the model with its merge cache) and "dynamic" the compact checkpoint
@@ -41,7 +41,7 @@ from lib import memory
 import revit
 import train
 from lib.checkpoint import load_model
-from lib.cli import (InputError, f, fail, json_text, markdown, non_finite_place, outputs_problem, pick_device,
+from lib.cli import (InputError, f, fail, markdown, non_finite_place, outputs_problem, pick_device,
                      pyplot, write_json)
 from lib.cli import run_main  # Ctrl-C: one line
 
@@ -336,6 +336,9 @@ def run_depths(args, device) -> dict:
     result["plot"] = plot_depths(result, os.path.join(out_dir, "depths.png"))
     print(depths_markdown(result) + "\n\n" + bench.environment_line(result["env"]))
     write_json(result, os.path.join(out_dir, "depths.json"))
+    picture = f"and {result['plot']}" if result["plot"] else \
+        "(no depths.png: matplotlib is not installed; pip install -r requirements-extra.txt)"
+    print(f"wrote {os.path.join(out_dir, 'depths.json')} {picture}")
     return result
 
 # --- command line ---
@@ -395,7 +398,6 @@ def main(argv=None) -> dict:
         result = run_depths(args, device)
     except InputError as e:  # the user's input: one line, as argparse reports its own errors
         fail(str(e), PROG)
-    print(json_text(result))
     return result
 
 
