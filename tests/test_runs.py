@@ -126,3 +126,13 @@ def test_extending_a_run_says_how_its_schedule_changes(tmp_path, fashion_mnist_d
         f"override: peak_lr={peak:g} (the checkpoint's: {saved['peak_lr']:g}; --lr / --lr-batch): the lr at "
         f"step 8 goes from {before:.3g} to {before:.3g}"]  # at the cosine's end: min_lr whatever the peak
     assert longer > 10 * before and summary["step"] == 12
+
+
+def test_plot_reads_a_language_run_by_its_bits_per_byte(tmp_path):
+    import train
+    out = tmp_path / "lm"
+    train.main(["--arch", "alternet-tiny", "--out-dir", str(out), "--no-progress", "--max-steps", "4",
+                "--batch-size", "4", "--block-size", "32", "--eval-iters", "2", "--eval-interval", "2",
+                "--log-interval", "1"])
+    curves = plot.read_curves(str(out))
+    assert sorted(curves["train_loss"]) == [1, 2, 3, 4] and sorted(curves["val_bpb"]) == [2, 4]

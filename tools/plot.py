@@ -36,7 +36,8 @@ def read_curves(run: str) -> dict:
             continue  # a torn last line of a killed run
         if isinstance(record, dict) and record.get("event") == "final":  # the last evaluation, at the last step
             record = {"step": max(curves["train_loss"], default=0),
-                      "eval": {f"val_{k[5:]}": v for k, v in record.items() if k.startswith("test_")}}
+                      "eval": {k.replace("test_", "val_", 1): v for k, v in record.items()
+                               if k.startswith(("test_", "val_"))}}  # vision names its scores test_*
         if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "event" in record:
             continue
         if isinstance(record.get("loss"), (int, float)):
