@@ -132,14 +132,16 @@ def test_pareto_rows_dominate_the_rest(points):
         assert dominated == (not r["pareto"])
 
 
-def test_smallest_depth_within_half_a_point():
-    rows = [{"depth": d, "acc": a, "ms": ms, "reference": d == 6}
+def test_smallest_depth_within_half_a_point_is_faster_only_beyond_the_timing_spread():
+    rows = [{"depth": d, "acc": a, "ms": ms, "ms_spread": [ms * 0.95, ms * 1.05], "reference": d == 6}
             for d, a, ms in [(2, 0.80, 1.0), (4, 0.897, 1.9), (6, 0.900, 3.61), (8, 0.901, 4.8)]]
-    assert depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
-        "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
-    rows[1]["ms"] = 7.22  # a noisy timing may make the smaller depth slower: say so, never "0.5× faster"
-    assert depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
-        "depth 4: −0.3 points, 2.0× slower (measured) than the reference (depth 6)"
+    best = lambda: depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100)  # noqa
+    assert best() == "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
+    rows[1].update(ms=7.22, ms_spread=[7.0, 7.5])  # a smaller depth measured slower is said to be slower
+    assert best() == "depth 4: −0.3 points, 2.0× slower than the reference (depth 6)"
+    rows[1].update(ms=3.3, ms_spread=[2.5, 3.7])  # within the reference's spread: neither, whatever the medians
+    assert best() == ("depth 4: −0.3 points, as fast as the reference (depth 6) within the timing spread "
+                      "(interquartile ranges overlap)")
 
 
 @pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),
