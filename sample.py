@@ -34,19 +34,22 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CKPT", help="ckpt.pt written by train.py for an alternet-* preset")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=200,
-                   help="tokens to generate per sample, 0..100,000")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
+                   help="tokens to generate per sample, 0..100,000 [default: %(default)s]")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0 = greedy [default: %(default)s]")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample only from the k most likely tokens [default: all]")
     p.add_argument("--halt-threshold", type=float, default=None,
                    help="stop iterating once the cumulative halting probability reaches this, in (0, 1] "
                         f"(default {DEFAULT_HALT_THRESHOLD}; a fixed-depth model takes none: it runs every iteration)")
     p.add_argument("--max-depth", type=int, default=None,
                    help=f"cap on iterations per token, 1..{alternet.MAX_ITERATIONS} (default: trained D)")
-    p.add_argument("--seed", type=int, default=1337, help="random seed")
-    p.add_argument("--num-samples", type=int, default=1, help="number of samples, 1..1,000")
+    p.add_argument("--seed", type=int, default=1337, help="random seed [default: %(default)s]")
+    p.add_argument("--num-samples", type=int, default=1, help="number of samples, 1..1,000 [default: %(default)s]")
     p.add_argument("--show-iterations", action="store_true",
                    help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
-    p.add_argument("--device", default="cpu", help=f"{DEVICES} (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help=f"{DEVICES} [default: auto: CUDA when available, else CPU]")
     return p
 
 

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -34,7 +35,7 @@ from tqdm import tqdm
 import revit
 from lib import tasks
 from lib.build import build, fit_in_memory
-from lib.checkpoint import RunFolder, family_of, preset_names, primitive, unwrap
+from lib.checkpoint import RunFolder, family_of, preset_names, primitive, provenance, unwrap
 from lib.checks import check_config, cpu_time_note
 from lib.cli import (broadcast, dataclass_parser, device_options, fail, init_distributed, non_finite_place,
                      opt, run_main, say)
@@ -399,7 +400,7 @@ def loop(run: Run) -> dict:
         if run.step == start_step + 1 and run.device.type == "cpu" and run.rank == 0:
             note = cpu_time_note(cfg.arch, time.perf_counter() - t_start, total - start_step)
             if note:
-                bar.write(note)
+                say(note)
         if run.step % cfg.log_interval == 0 or run.step == total:
             parts = [k for k, v in record.items() if torch.is_tensor(v)]  # train_step leaves them on the
             if parts:  # device: read only for the steps logged, in one transfer
@@ -407,6 +408,9 @@ def loop(run: Run) -> dict:
             items = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1)  # tokens or images
             rate = items / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
+            if not (cfg.progress and sys.stdout.isatty()):  # no bar on screen: a line to watch instead
+                say(f"step {run.step}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, {rate:.0f} "
+                    f"{'tokens' if cfg.dataset in TEXT_DATASETS else 'images'}/s")
             run.folder.log({**record, "per_s": rate}, run.rank == 0)
             t0, seen = time.perf_counter(), 0
         if run.step >= total or cfg.stop_at_step and run.step >= cfg.stop_at_step:
@@ -468,6 +472,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     if resume_ckpt is not None:  # checked in full, then loaded, before the run folder is touched
         from lib import resume  # what continues a saved run: imported by resumed runs only
         resume.continue_run(run, resume_ckpt, options["fused_adamw"])
+        resume.continue_schedule(cfg.resume, resume_ckpt, sched, lr_at)  # what changes; a complete run stops
     else:  # each rank its own stream for drop-path / elastic depth / augmentation
         torch.manual_seed(cfg.seed + 1 + rank)
     if rank == 0:
@@ -479,7 +484,7 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
         f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
         f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
     run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
-                    "params": num_params, "peak_lr": sched["peak_lr"]}, rank == 0)
+                    "params": num_params, "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
     return run
 
 

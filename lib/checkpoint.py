@@ -9,10 +9,13 @@ head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading error
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import random
 import re
+import shlex
+import sys
 from pathlib import Path
 
 try:  # the run folder's lock: flock on Unix, msvcrt.locking on Windows
@@ -28,7 +31,8 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.cli import atomic_write_text, broadcast, fail, non_finite_place, output_problem, path_problem, too_deep
+from lib.cli import (atomic_write_text, broadcast, fail, git_commit, non_finite_place, output_problem, path_problem,
+                     too_deep)
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---
@@ -78,7 +82,13 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        if Path(path).suffix == ".safetensors":  # weights/ ships these: lib/weights.py
+            from lib.weights import read_weights
+            ckpt = read_weights(path)
+        else:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except ValueError as e:  # read_weights: what is wrong with the file, in words
+        raise ValueError(f"{flag} {path}: {e}") from None
     except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
         raise ValueError(f"{flag} {path}: {unreadable(e)}") from None
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
@@ -172,10 +182,12 @@ def preset_module(arch: str, config=None):
 
 
 def family_of(arch: str) -> str:
-    """'vision' or 'language' for a preset name (or the error listing the valid names)."""
+    """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
     module = preset_module(arch)
     if module is None:
-        fail(f"unknown --arch {arch!r}; valid names: {', '.join(preset_names())}")
+        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
+        fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
+             + "python train.py --list-archs prints all names")
     return "vision" if module is revit else "language"
 
 
@@ -333,6 +345,14 @@ def seed_device(device: torch.device, seed: int) -> None:
 
 
 # --- the run folder: ckpt.pt, metrics.jsonl, and a lock ---
+
+
+def provenance(device) -> dict:
+    """What made a run, for its `start` event: the commit ("-dirty" with uncommitted changes; "unknown"
+    outside git), torch's version, the device and the command line as typed."""
+    return {"commit": git_commit(str(Path(__file__).resolve().parent.parent)) or "unknown",
+            "torch": torch.__version__, "device": str(device),
+            "command": shlex.join(["python", *sys.argv])}
 
 
 class RunFolder:

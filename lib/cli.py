@@ -17,6 +17,7 @@ from dataclasses import field, fields
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from lib.boundary import (MAX_DEPTH, InputError, check_numbers, fail, output_problem, outputs_problem,  # noqa: F401
                           parse_depths, parse_model_args, path_problem, script_name, too_deep, wrong_type)
@@ -34,9 +35,11 @@ def run_main(main, what_is_kept: str):
 
 
 def say(line: str) -> None:
-    """Print on rank 0 only (torchrun starts one process per GPU)."""
+    """Print on rank 0 only (torchrun starts one process per GPU), above a progress bar (tqdm.write): piped
+    output never glues a line to the bar."""
     if os.environ.get("RANK", "0") == "0":
-        print(line, flush=True)
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
 
 
 # --- flags: generated from a dataclass, and the two small languages they share ---
@@ -57,8 +60,8 @@ def dataclass_parser(config_class, description: str, suppress_defaults: bool = F
     for f in fields(config_class):
         kind = ([a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]])[0]
         flag = "--" + f.name.replace("_", "-")
-        unset = f.default is None or f.default == ""  # "auto" where the help says what is chosen, else none
-        shown = ("auto" if "(auto" in f.metadata["help"] else "none") if unset else f.default
+        unset = "auto" if "auto:" in f.metadata["help"] else "none"  # chosen for you, or simply not used
+        shown = unset if f.default is None or f.default == "" else f.default
         extra = {} if suppress_defaults else {"default": f.default}
         help_text = f"{f.metadata['help']} [default: {shown}]"
         if kind is bool:

@@ -329,7 +329,8 @@ class FolderImages:
             import torchvision.transforms.v2 as T
             from torchvision.datasets import ImageFolder
         except ImportError:
-            raise ValueError("an image folder needs torchvision and Pillow: pip install torchvision pillow") from None
+            raise ValueError("an image folder needs Pillow and the torchvision release of your torch "
+                             "(requirements-extra.txt says which)") from None
         if train:  # 3-Augment's RandomResizedCrop (scale 0.08-1, bicubic); flips etc. run on the device
             resize = [T.RandomResizedCrop(image_size, scale=(0.08, 1.0), interpolation=T.InterpolationMode.BICUBIC)]
         else:  # evaluation crop ratio 1.0 (Table 6): resize the short side, centre crop

@@ -3,9 +3,9 @@ it): the saved config and what may not change on resume (`resume_config`, `saved
 checkpoint never decides (`command_line_only`: the files read, downloads, the teacher); a checkpoint
 rebuilt for evaluation (`evaluation_setup`: --eval-only, tools/depths.py); a resumed checkpoint's loop
 state checked against the rebuilt run (`check_resume`: the optimizer state as load_state_dict and the next
-step would take it, every RNG state as set_rng_state would), then loaded (`continue_run`) and its random
-streams restored (`restore_rng`). A failure is one line naming the flag (lib/cli.fail); the run folder has
-not been touched.
+step would take it, every RNG state as set_rng_state would), what the flags given now change in its
+schedule (`continue_schedule`), then loaded (`continue_run`) and its random streams restored
+(`restore_rng`). A failure is one line naming the flag (lib/cli.fail); the run folder has not been touched.
 """
 
 from __future__ import annotations
@@ -150,6 +150,30 @@ def check_resume(cfg, ckpt: dict, trainable: nn.Module, optimizer, augment,
                or rng_problem(ckpt["rng"], augment))
     if problem:
         fail(f"{flag}: {problem}")
+
+
+# The schedule's numbers a resumed run may change, and the flags that change them.
+SCHEDULE_FLAGS = {"total_steps": "--max-steps / --epochs", "warmup_steps": "--warmup-steps / --warmup-epochs",
+                  "peak_lr": "--lr / --lr-batch", "min_lr": "--min-lr", "warmup_lr": "--warmup-lr"}
+
+
+def continue_schedule(path: str, ckpt: dict, sched: dict, lr_at) -> None:
+    """One `override:` line per number of the checkpoint's schedule that the flags given now change, with
+    what the change alone does to the lr where the run continues (train.lr_at); a run already at its last
+    step is complete: said in one line, and the command exits 0 without training."""
+    step, saved = ckpt["step"], ckpt.get("scheduler")
+    if isinstance(saved, dict) and all(isinstance(saved.get(k), (int, float)) for k in SCHEDULE_FLAGS):
+        for key, flags in SCHEDULE_FLAGS.items():
+            if saved[key] != sched[key]:
+                alone = {**saved, key: sched[key]}
+                before, after = lr_at(step, saved["peak_lr"], saved), lr_at(step, alone["peak_lr"], alone)
+                say(f"override: {key}={sched[key]:g} (the checkpoint's: {saved[key]:g}; {flags}): the lr at "
+                    f"step {step} goes from {before:.3g} to {after:.3g}"
+                    + (f", and the run continues to step {sched[key]}" if key == "total_steps" else ""))
+    if step == sched["total_steps"]:
+        say(f"--resume {path}: the run is complete (step {step} of {step}); nothing to train. Extend it "
+            f"with a larger --max-steps or --epochs, or evaluate it with --eval-only {path}")
+        raise SystemExit(0)
 
 
 ADAM_STATE = {"step", "exp_avg", "exp_avg_sq"}  # what AdamW keeps per parameter (+ max_exp_avg_sq: amsgrad)

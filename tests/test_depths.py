@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from tools import depths
 import revit
 import train
+from lib import cli
 from lib.cli import pyplot
 
 FAST = settings(max_examples=10, deadline=None)
@@ -65,9 +66,14 @@ def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
     assert [r["reference"] for r in rows] == [True, False, False]
     assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
     assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
-    assert json.loads(lines[-1]) == json.loads((tmp_path / "depths.json").read_text())
+    assert json.loads((tmp_path / "depths.json").read_text()) == json.loads(cli.json_text(result))
     if pyplot() is not None:
         assert (tmp_path / "depths.png").stat().st_size > 0
+        assert lines[-1] == f"wrote {tmp_path / 'depths.json'} and {tmp_path / 'depths.png'}"
+    else:
+        assert lines[-1] == (f"wrote {tmp_path / 'depths.json'} (no depths.png: matplotlib is not installed; "
+                             f"pip install -r requirements-extra.txt)")
+    assert any(line.startswith("| depth | top-1 % |") for line in lines)  # the table, as a table
 
 
 def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
@@ -127,14 +133,16 @@ def test_pareto_rows_dominate_the_rest(points):
         assert dominated == (not r["pareto"])
 
 
-def test_smallest_depth_within_half_a_point():
-    rows = [{"depth": d, "acc": a, "ms": ms, "reference": d == 6}
+def test_smallest_depth_within_half_a_point_is_faster_only_beyond_the_timing_spread():
+    rows = [{"depth": d, "acc": a, "ms": ms, "ms_spread": [ms * 0.95, ms * 1.05], "reference": d == 6}
             for d, a, ms in [(2, 0.80, 1.0), (4, 0.897, 1.9), (6, 0.900, 3.61), (8, 0.901, 4.8)]]
-    assert depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
-        "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
-    rows[1]["ms"] = 7.22  # a noisy timing may make the smaller depth slower: say so, never "0.5× faster"
-    assert depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100) == \
-        "depth 4: −0.3 points, 2.0× slower (measured) than the reference (depth 6)"
+    best = lambda: depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100)  # noqa
+    assert best() == "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
+    rows[1].update(ms=7.22, ms_spread=[7.0, 7.5])  # a smaller depth measured slower is said to be slower
+    assert best() == "depth 4: −0.3 points, 2.0× slower than the reference (depth 6)"
+    rows[1].update(ms=3.3, ms_spread=[2.5, 3.7])  # within the reference's spread: neither, whatever the medians
+    assert best() == ("depth 4: −0.3 points, as fast as the reference (depth 6) within the timing spread "
+                      "(interquartile ranges overlap)")
 
 
 @pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),

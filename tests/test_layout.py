@@ -58,11 +58,12 @@ def test_the_graph_is_read_from_the_files():
 
 def test_the_top_level_is_the_brief_and_the_rest_is_in_folders():
     """A newcomer sees the two model files, the loop, the benchmark and the sampler; the tools a user runs
-    on a checkpoint are in tools/, the plumbing they share in lib/."""
+    on a checkpoint are in tools/, the plumbing they share in lib/. hubconf.py is torch.hub's convention: the
+    file must be named so and sit at the top (torch.hub.load(REPO, "revit_mini") imports it from there)."""
     assert {path.name for path in ROOT.glob("*.py")} == {"revit.py", "alternet.py", "train.py", "bench.py",
-                                                         "sample.py"}
+                                                         "sample.py", "hubconf.py"}
     assert {name.split(".")[1] for name in MODULES if name.startswith("tools.")} == {
-        "analyze", "depths", "export", "probes", "sweep"}
+        "analyze", "depths", "export", "plot", "probes", "sweep"}
 
 
 def test_nothing_imports_upward():
@@ -79,6 +80,12 @@ def test_no_import_cycle_at_any_level():
 
 def test_the_model_files_import_nothing_of_the_project():
     assert {name: GRAPH[name] for name in MODEL_FILES} == {name: set() for name in MODEL_FILES}
+
+
+def test_hubconf_imports_only_the_model_files():
+    """torch.hub.load runs hubconf.py from a clone or a downloaded archive: it reads the shipped weights
+    itself, so a hub user needs the two model files, never lib/ or tools/."""
+    assert GRAPH["hubconf"] == {"revit", "alternet"}
 
 
 def test_every_name_readme_points_a_reader_to_exists():

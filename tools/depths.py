@@ -12,7 +12,7 @@ The table marks the reference (the trained depth) and the Pareto-optimal rows, a
 depth within half a point of the reference (AlterNet: within 0.01 bits per byte). depths.json and
 depths.png go next to the checkpoint (or --out). Timing and FLOPs follow bench.py's protocol
 (interleaved rounds, flop_counter); memory at batch 1 is measured in a fresh process on a CPU
-(memory.cpu_memory_of) and by the CUDA allocator on a GPU. The last stdout line is the JSON document.
+(memory.cpu_memory_of) and by the CUDA allocator on a GPU. The last line names the files written.
 
 A vision row times two forms: "deployed" is what a user ships at that depth (revit.fold's plain ViT
 where the model folds, §3.1; else the model with its merge cache) and "dynamic" the compact checkpoint
@@ -42,7 +42,7 @@ import revit
 import train
 from lib.checkpoint import load_model
 from lib.boundary import InputError, check_numbers, closed, fail, outputs_problem, parse_depths
-from lib.cli import f, json_text, markdown, non_finite_place, pick_device, pyplot, write_json
+from lib.cli import f, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
@@ -131,6 +131,7 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
         times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
         for form, batch in fns:
             row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
+        row["deployed_ms_b1_spread"] = spread(times["deployed", 1], 1)
         rows.append(row)
     if args.memory and device.type == "cpu":
         specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
@@ -138,6 +139,12 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
         for row, measured in zip(rows, memory.cpu_memory_of(specs, batch=1, processes=1)):
             row["memory_mib"] = measured.get("memory_mib")
     return rows
+
+
+def spread(seconds: list[float], per: int) -> list[float]:
+    """The interquartile range of repeated timings, in ms per `per` items: what a speed claim must clear."""
+    times = bench.summary(seconds)
+    return [times["q1_ms"] / per, times["q3_ms"] / per]
 
 
 def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
@@ -170,7 +177,8 @@ def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: 
 def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
                     unit: str, scale: float = 1.0, name: str = "depth") -> str:
     """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
-    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"."""
+    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)", said only where the
+    interquartile ranges of the two timings (row[f"{cost}_spread"]) do not overlap."""
     ref = next(r for r in rows if r["reference"])
     sign = 1 if higher_is_better else -1
     good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
@@ -179,8 +187,12 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: s
         return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
     speed = ref[cost] / good[cost]
-    timing = f"{speed:.1f}× faster" if speed >= 1 else f"{1 / speed:.1f}× slower (measured)"
-    return f"{name} {good[size_key]}: {delta} {unit}, {timing} than the reference ({name} {ref[size_key]})"
+    (good_low, good_high), (ref_low, ref_high) = good[f"{cost}_spread"], ref[f"{cost}_spread"]
+    than = f"the reference ({name} {ref[size_key]})"  # faster or slower only beyond the timing spread
+    timing = (f"{speed:.1f}× faster than {than}" if good_high < ref_low else
+              f"{1 / speed:.1f}× slower than {than}" if good_low > ref_high else
+              f"as fast as {than} within the timing spread (interquartile ranges overlap)")
+    return f"{name} {good[size_key]}: {delta} {unit}, {timing}"
 
 
 # --- language: every iteration cap D' <= D and halting threshold ---
@@ -227,6 +239,7 @@ def language_depth_rows(lm, task, args, device) -> list[dict]:
     times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
     for row in rows:
         row["ms_per_token"] = statistics.median(times[row["max_depth"], row["halt_threshold"]]) * 1e3 / args.new_tokens
+        row["ms_per_token_spread"] = spread(times[row["max_depth"], row["halt_threshold"]], args.new_tokens)
     for row in rows:
         row["bpb_metric"] = "alternet.causal_loss"
     return rows
@@ -330,6 +343,9 @@ def run_depths(args, device) -> dict:
     result["plot"] = plot_depths(result, os.path.join(out_dir, "depths.png"))
     print(depths_markdown(result) + "\n\n" + bench.environment_line(result["env"]))
     write_json(result, os.path.join(out_dir, "depths.json"))
+    picture = f"and {result['plot']}" if result["plot"] else \
+        "(no depths.png: matplotlib is not installed; pip install -r requirements-extra.txt)"
+    print(f"wrote {os.path.join(out_dir, 'depths.json')} {picture}")
     return result
 
 # --- command line ---
@@ -385,7 +401,6 @@ def main(argv=None) -> dict:
         result = run_depths(args, device)
     except InputError as e:  # the user's input: one line, as argparse reports its own errors
         fail(str(e), PROG)
-    print(json_text(result))
     return result
 
 

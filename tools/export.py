@@ -29,6 +29,7 @@ either layout into a vit-s/b/l baseline (e.g. DeiT III weights as a distillation
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -48,6 +49,7 @@ import revit
 from lib.checkpoint import import_moe_if_named, load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem, path_problem, too_deep
 from lib.values import diverged, fit_problem, weights_problem
+from lib.weights import WEIGHTS_FORMAT
 from lib.cli import run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
@@ -92,7 +94,7 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
 def load_source(path) -> nn.Module:
     """export.py's input: a checkpoint of this project, or a compact / folded .safetensors -> model in eval mode.
     Either way its weights are plain, finite and of the model's dtypes (the loader's checks)."""
-    if Path(path).suffix == ".safetensors":
+    if Path(path).suffix == ".safetensors" and not is_weights_file(path):
         problem = path_problem(path, "file")
         if problem:
             raise ValueError(f"checkpoint {path}: {problem}")
@@ -102,6 +104,13 @@ def load_source(path) -> nn.Module:
             raise ValueError(f"checkpoint {path}: {problem}")
         return model
     return load_vision_model(path, "checkpoint")[0]
+
+
+def is_weights_file(path) -> bool:
+    """A checkpoint's weights (lib/checkpoint.save_weights, as weights/ ships), read as a checkpoint."""
+    with contextlib.suppress(ValueError):
+        return not path_problem(path, "file") and read_safetensors(path)[1].get("format") == WEIGHTS_FORMAT
+    return False
 
 
 def plain_vit(model: nn.Module, depth: int | None) -> revit.VisionTransformer:

@@ -1,0 +1,44 @@
+"""torch.hub entry points: the trained weights in weights/, to try both models without training.
+
+    import torch
+    model = torch.hub.load("path/to/clone", "revit_mini", source="local")    # reViT on Fashion-MNIST
+    lm = torch.hub.load("path/to/clone", "alternet_tiny", source="local")   # AlterNet on the built-in corpus
+
+Each returns the model in eval mode, rebuilt from weights/NAME.safetensors: its arch and model config are in
+the file's metadata, and weights/NAME.json beside it gives the training command, commit, date, hardware and
+scores. This file imports the two model files, torch and safetensors only: nothing of lib/ or tools/, and the
+model files import nothing of the project. The same files are checkpoints for every command of the
+repository (`python -m tools.depths weights/revit-mini.safetensors`, `python sample.py ...`).
+"""
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+import alternet
+import revit
+
+dependencies = ["torch", "einops", "safetensors"]  # what torch.hub checks before loading this file
+WEIGHTS = Path(__file__).resolve().parent / "weights"
+
+
+def _load(name: str, module, pretrained: bool):
+    with safe_open(str(WEIGHTS / f"{name}.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+        model = module.create_model(metadata["arch"], **json.loads(metadata["model_config"]))
+        if pretrained:
+            model.load_state_dict({key: f.get_tensor(key) for key in f.keys()})
+    return model.eval()
+
+
+def revit_mini(pretrained: bool = True) -> revit.ReViT:
+    """reViT `revit-mini` (E = 4 experts, L = 6 steps, d = 96) trained on Fashion-MNIST: input [B, 1, 28, 28]
+    in [0, 1], normalised with mean 0.2860 and std 0.3530; output logits over the 10 classes. Any depth
+    runs: `model(x, depth=4)`."""
+    return _load("revit-mini", revit, pretrained)
+
+
+def alternet_tiny(pretrained: bool = True) -> alternet.AlterNet:
+    """AlterNet `alternet-tiny` (E = 4 expert blocks, top-2, up to 6 iterations, d = 128) trained on the
+    repository's built-in corpus, byte tokens (vocabulary 256): `lm.generate(ids, max_new_tokens=100)`."""
+    return _load("alternet-tiny", alternet, pretrained)

@@ -1,0 +1,40 @@
+"""A checkpoint without its training state, as a .safetensors file: the format of the weights shipped in
+weights/ (hubconf.py reads them too). No pickle, no optimizer or random state; the arch, the model config,
+train.py's config and the run's metrics are JSON in the file's metadata, so every command that reads a
+trained model (lib/checkpoint.load_checkpoint) takes one in place of a ckpt.pt, with the same checks.
+"""
+from __future__ import annotations
+
+import json
+
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+WEIGHTS_FORMAT = "revit.checkpoint"  # a checkpoint without its training state, as safetensors (weights/)
+WEIGHTS_PARTS = ("model_config", "train_config", "metrics")  # JSON in the file's metadata, with "arch"
+
+
+def save_weights(ckpt: dict, path) -> None:
+    """A checkpoint (train.py's ckpt.pt, loaded) as such a file."""
+    metadata = {"format": WEIGHTS_FORMAT, "arch": ckpt["arch"],
+                **{k: json.dumps(ckpt.get(k, {}), allow_nan=False) for k in WEIGHTS_PARTS}}
+    tensors = {k: v.clone().contiguous() for k, v in ckpt["model"].items()}  # tied weights: one copy each
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def read_weights(path) -> dict:
+    """save_weights' file as a checkpoint dict (load_checkpoint then checks it as any other); ValueError
+    saying what is wrong with a file that is not one."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata, model = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+    if metadata.get("format") != WEIGHTS_FORMAT:
+        raise ValueError(f"a safetensors file of format {metadata.get('format')!r}, not a checkpoint's "
+                         f"weights ({WEIGHTS_FORMAT!r}); tools.export's files load with its load_safetensors")
+    try:
+        parts = {k: json.loads(metadata[k]) for k in WEIGHTS_PARTS}
+    except (KeyError, ValueError, RecursionError):
+        raise ValueError(f"its metadata needs {', '.join(WEIGHTS_PARTS)} as JSON") from None
+    return {"model": model, "arch": metadata.get("arch"), **parts}

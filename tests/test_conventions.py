@@ -1,0 +1,82 @@
+"""Conventions users of nanoGPT and timm rely on: a typo in a preset name gets a suggestion, --help's
+defaults say what happens, every --device defaults to auto, and the extra an image folder needs is listed.
+"""
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+import sample
+import train
+from tools import analyze, depths, probes, sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+PARSERS = {"train.py": train.build_parser, "sample.py": sample.sample_parser, "bench.py": bench.build_parser,
+           "tools.analyze": analyze.build_parser, "tools.depths": depths.build_parser,
+           "tools.probes": probes.build_parser, "tools.sweep": sweep.build_parser}  # export: no --device
+
+
+def actions(parser: argparse.ArgumentParser):
+    """Every action of a parser and of its subcommands' parsers (bench.py latency, memory, ...)."""
+    for action in parser._actions:
+        yield action
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from actions(sub)
+
+
+@pytest.mark.parametrize("typo, suggested", [("revit-tiny", "revit-mini"), ("vit-mni", "vit-mini"),
+                                             ("alternet-tny", "alternet-tiny")])
+def test_an_unknown_arch_suggests_the_closest_presets(typo, suggested):
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--arch", typo])
+    message = str(stopped.value)
+    assert message.startswith(f"train.py: error: unknown --arch {typo!r}; did you mean {suggested} ")
+    assert message.endswith("python train.py --list-archs prints all names") and "\n" not in message
+
+
+def test_a_name_like_no_preset_gets_no_suggestion():
+    with pytest.raises(SystemExit,
+                       match=r"unknown --arch 'zzz'; python train.py --list-archs prints all names$"):
+        train.main(["--arch", "zzz"])
+
+
+def test_help_says_none_for_a_flag_that_is_off_and_auto_for_one_chosen_for_you():
+    """An empty default shows as auto only where the help says what auto picks ("auto: ...")."""
+    shown = {action.dest: action.help for action in train.build_parser()._actions if action.help}
+    for dest in ("resume", "eval_only", "teacher", "backbone"):
+        assert shown[dest].endswith("[default: none]"), dest
+    for dest in ("out_dir", "grad_accum", "data_dir", "device"):
+        assert shown[dest].endswith("[default: auto]"), dest
+    for dest, text in shown.items():
+        if text.endswith("[default: auto]") and dest != "device":
+            assert "auto:" in text, dest
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_every_device_flag_defaults_to_auto(name):
+    found = [a for a in actions(PARSERS[name]()) if "--device" in a.option_strings]
+    defaults = {a.default for a in found} - {argparse.SUPPRESS}  # train.py: TrainConfig's, below
+    assert found and defaults <= {"auto"}, (name, defaults)
+    if name == "train.py":
+        assert train.TrainConfig().device == "auto"
+
+
+def test_sample_help_shows_its_defaults():
+    parser = sample.sample_parser()
+    shown = {a.dest: parser._get_formatter()._expand_help(a) for a in parser._actions if a.help}
+    for dest, default in [("max_new_tokens", "200"), ("temperature", "0.8"), ("seed", "1337"),
+                          ("num_samples", "1"), ("device", "auto")]:
+        assert f"[default: {default}" in shown[dest], dest
+
+
+def test_the_extra_an_image_folder_needs_is_listed_with_its_reason(tmp_path, monkeypatch):
+    extras = (ROOT / "requirements-extra.txt").read_text()
+    assert re.search(r"torchvision.*image folder", extras, re.S) and "pillow" in extras.lower()
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # as on a machine without it
+    from lib import data
+    with pytest.raises(ValueError, match="requirements-extra.txt"):
+        data.FolderImages(tmp_path, 224, True, 0)

@@ -1,0 +1,66 @@
+"""The weights shipped in weights/ (README: try it without training): each reproduces the scores its card
+(weights/NAME.json) records on a fixed test subset, loads through torch.hub from the clone without a network,
+and is a checkpoint every command of the repository reads.
+"""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from lib.checkpoint import checkpoint_or_fail
+
+ROOT = Path(__file__).resolve().parent.parent
+CARDS = sorted((ROOT / "weights").glob("*.json"))
+ENTRY = {"revit-mini": "revit_mini", "alternet-tiny": "alternet_tiny"}  # hubconf's function per card
+
+
+def card(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_the_two_models_are_shipped_small():
+    assert {path.stem for path in CARDS} == set(ENTRY)
+    sizes = {path.stem: (ROOT / "weights" / card(path)["file"]).stat().st_size for path in CARDS}
+    assert sum(sizes.values()) < 8e6, sizes
+
+
+@pytest.mark.parametrize("path", CARDS, ids=lambda p: p.stem)
+def test_the_shipped_weights_reproduce_their_recorded_scores(path, request):
+    """`python train.py --eval-only weights/NAME.safetensors ...` as the card's check names it: the same
+    accuracy to one image in the subset, the same losses to float32 noise across CPUs."""
+    check = card(path)["check"]
+    argv = list(check["argv"])
+    if card(path)["dataset"] == "fashion-mnist":
+        argv += ["--data-dir", str(request.getfixturevalue("fashion_mnist_dir"))]
+    got = train.main([arg.replace("weights/", f"{ROOT}/weights/") for arg in argv])
+    for key, recorded in check["scores"].items():
+        if key.endswith("acc"):
+            assert abs(got[key] - recorded) <= 1 / check["items"] + 1e-9, key
+        else:
+            assert math.isclose(got[key], recorded, rel_tol=1e-3), (key, got[key], recorded)
+
+
+@pytest.mark.parametrize("path", CARDS, ids=lambda p: p.stem)
+def test_torch_hub_loads_them_from_the_clone(path, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("torch.hub reached for the network")
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
+    model = torch.hub.load(str(ROOT), ENTRY[path.stem], source="local", trust_repo=True)
+    saved = checkpoint_or_fail(str(ROOT / "weights" / card(path)["file"]), "weights")["model"]
+    assert not model.training and model.state_dict().keys() == saved.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    fresh = torch.hub.load(str(ROOT), ENTRY[path.stem], source="local", pretrained=False, trust_repo=True)
+    assert type(fresh) is type(model) and fresh.config == model.config
+
+
+def test_a_weights_file_cannot_be_resumed_and_another_safetensors_file_is_named(tmp_path):
+    weights = str(ROOT / "weights" / "revit-mini.safetensors")
+    with pytest.raises(SystemExit, match=r"not a training checkpoint of this project \(missing optimizer, step"):
+        train.main(["--resume", weights])
+    from tools import export
+    export.main([weights, "--format", "safetensors", "--out", str(tmp_path / "folded.safetensors")])
+    with pytest.raises(SystemExit, match="format 'revit.folded', not a checkpoint's weights"):
+        train.main(["--eval-only", str(tmp_path / "folded.safetensors")])

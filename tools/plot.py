@@ -1,0 +1,107 @@
+"""Training curves of one or more runs, read from their metrics.jsonl: the training loss (solid) and the
+validation loss (dots) by step, and beside them the validation accuracy (a vision run) or bits per byte
+(a language run). Needs matplotlib (requirements-extra.txt); without it, says so in one line.
+
+    python -m tools.plot out/revit-mini-<time> [out/vit-mini-<time> ...] [--out curves.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file (python tools/plot.py): the project's modules are not on the path
+    sys.exit("tools/plot.py: error: run it from the repository root as python -m tools.plot")
+
+from lib.cli import fail, output_problem, path_problem, pyplot, run_main
+
+PROG = "python -m tools.plot"
+SECOND_PANEL = ("val_acc", "val_bpb")  # the first of these any run logs: accuracy, or bits per byte for text
+
+
+def read_curves(run: str) -> dict:
+    """{"train_loss": {step: loss}, "val_loss": ..., "val_acc" / "val_bpb": ...} of a run folder (or its
+    metrics.jsonl); a step logged twice keeps its last value."""
+    path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
+    problem = path_problem(path)
+    if problem:
+        fail(f"RUN {run}: {path} {problem}", PROG)
+    curves = {"train_loss": {}}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed run
+        if isinstance(record, dict) and record.get("event") == "final":  # the last evaluation, at the last step
+            record = {"step": max(curves["train_loss"], default=0),
+                      "eval": {k.replace("test_", "val_", 1): v for k, v in record.items()
+                               if k.startswith(("test_", "val_"))}}  # vision names its scores test_*
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "event" in record:
+            continue
+        if isinstance(record.get("loss"), (int, float)):
+            curves["train_loss"][record["step"]] = record["loss"]
+        for key, value in (record.get("eval") or {}).items():
+            if isinstance(value, (int, float)):
+                curves.setdefault(key, {})[record["step"]] = value
+    if not curves["train_loss"]:
+        fail(f"RUN {run}: {path} holds no training-loss line (train.py logs one every --log-interval)",
+             PROG)
+    return curves
+
+
+def draw(plt, runs: dict, out: Path) -> None:
+    second = next((key for key in SECOND_PANEL if any(key in c for c in runs.values())), None)
+    fig, axes = plt.subplots(1, 2 if second else 1, figsize=(11 if second else 6, 4), squeeze=False)
+    loss_ax = axes[0][0]
+    for name, curves in runs.items():
+        line, = loss_ax.plot(*zip(*sorted(curves["train_loss"].items())), label=f"{name} train", lw=1)
+        if "val_loss" in curves:
+            loss_ax.plot(*zip(*sorted(curves["val_loss"].items())), "o--", color=line.get_color(), ms=3,
+                         label=f"{name} val")
+        if second and second in curves:
+            axes[0][1].plot(*zip(*sorted(curves[second].items())), "o-", color=line.get_color(), ms=3,
+                            label=name)
+    loss_ax.set(xlabel="step", ylabel="loss", title="loss")
+    loss_ax.legend(fontsize=7)
+    if second:
+        axes[0][1].set(xlabel="step", ylabel=second, title=second.replace("_", " "))
+        axes[0][1].legend(fontsize=7)
+    fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")  # written whole or not at all
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN",
+                        help="a run folder of train.py (or its metrics.jsonl)")
+    parser.add_argument("--out", default="",
+                        help="the PNG to write [default: curves.png in the first RUN's folder]")
+    args = parser.parse_args(argv)
+    runs = {}
+    for run in args.runs:
+        name = Path(run).name if Path(run).is_dir() else Path(run).parent.name
+        runs[name if name not in runs else run] = read_curves(run)
+    first = Path(args.runs[0])
+    out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / "curves.png"
+    problem = output_problem(out, "file")
+    if problem:
+        fail(f"--out {out} {problem}", PROG)
+    plt = pyplot()
+    if plt is None:
+        fail("matplotlib is not installed, so no figure (pip install -r requirements-extra.txt)", PROG)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    draw(plt, runs, out)
+    print(f"wrote {out} ({len(runs)} run(s))")
+    return out
+
+
+if __name__ == "__main__":
+    run_main(main, "the figure is written whole or not at all")
