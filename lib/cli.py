@@ -12,6 +12,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import typing
 from dataclasses import field, fields
 from pathlib import Path
