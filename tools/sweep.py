@@ -84,7 +84,9 @@ GRIDS = {
 }
 # The planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress LN(f_4 ∘ ... ∘ f_1(x)) per
 # token, distinct fixed random maps f_t): every cell sets its own data, depth and patch, whatever the regime.
-PLANTED = {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, "model_args": "dim=48,heads=3,ffn_dim=96"}
+PLANTED_ARGS = "dim=48,heads=3,ffn_dim=96"
+PLANTED = {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, "model_args": PLANTED_ARGS}
+ELASTIC = {**PLANTED, "depth_drop": 0.3, "eval_depths": "2,3,4,5,6,7,8"}  # elastic training, scored at L = 2 ... 8
 # Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match its
 # final post-norm tokens; then a linear probe (--probe cls) of each frozen model. {runs}: this sweep's run folders.
 TEACHER = "{runs}/distill-teacher-vit-untied-seed{seed}/ckpt.pt"
@@ -98,6 +100,27 @@ GRIDS.update({
     },
     "planted-lr": {  # the planted task with psi at lr x m: does a larger router lr find the program?
         f"reViT E=4, router lr x{m}": {**PLANTED, "num_experts": 4, "router_lr_scale": m} for m in (10, 30)
+    },
+    # Table 3's comparison on the planted task: content routing beside the depth-programmed merge, each
+    # router at the paper's lr and at x30 (the planted-lr grid's setting for psi)
+    "planted-table3": {
+        "feature-only": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=feature"},
+        "feature-only, router lr x30": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=feature",
+                                        "router_lr_scale": 30},
+        "SMEAR": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=smear"},
+        "SMEAR, router lr x30": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=smear", "router_lr_scale": 30},
+        # at U = 1 DeepSeek-V3 routes K = 1 expert with its gate renormalised to 1: no gradient reaches its
+        # router, so a faster router lr changes nothing (lib/moe.py's MOE_TABLE)
+        "DeepSeek-V3 U=1": {**PLANTED, "arch": "revit-{size}-deepseek"},
+        "Raptor k=2": {**PLANTED, "arch": "raptor-{size}-k2"},
+        "Raptor k=4": {**PLANTED, "arch": "raptor-{size}-k4"},  # one stored block per planted map
+    },
+    # Fig. 2's question on the planted task: depth drop 0.3 at L = 4, each checkpoint scored at L = 2 ... 8
+    "planted-elastic": {
+        "reViT E=4, router lr x30": {**ELASTIC, "num_experts": 4, "router_lr_scale": 30},
+        "reViT E=4, depth prior 8": {**ELASTIC, "num_experts": 4, "model_args": PLANTED_ARGS + ",router_prior=8"},
+        "feature-only": {**ELASTIC, "num_experts": 4, "model_args": PLANTED_ARGS + ",ffn=feature"},
+        "reViT E=1": {**ELASTIC, "num_experts": 1},
     },
     "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper);
         # the new cells first: E = 4 and E = 1 are also the experts grid's cells (the same flags)
@@ -482,7 +505,7 @@ def quality_markdown(result: dict) -> str:
             tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
                                 ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
     for grid in dict.fromkeys(r["grid"] for r in result["rows"]):
-        if grid in ("planted", "planted-lr", "router-lr", "distill", "long"):
+        if grid.startswith("planted") or grid in ("router-lr", "distill", "long"):
             rows = [r for r in result["rows"] if r["grid"] == grid]
             out += [f"\n### Grid {grid}\n", markdown(rows, SCORE_COLUMNS)]
     out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
