@@ -89,7 +89,8 @@ class TrainConfig:
     beta2: float = opt(0.999, "AdamW beta2, in [0, 1)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
     router_lr_scale: float = opt(1.0, "the router (reViT's psi, or a lib/moe mechanism's) trains at lr x "
-                                      "this, in its own AdamW group without weight decay (1: the paper's one lr)")
+                                      "this, in its own AdamW group without weight decay (1: the paper's "
+                                      "one lr)")
     # loss and augmentation (applied to the batch tensor on the device)
     loss: str = opt("ce", "ce | bce (DeiT III: binary cross-entropy on binarised mixup/cutmix targets)")
     label_smoothing: float = opt(0.0, "label smoothing of the one-hot targets")

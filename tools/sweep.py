@@ -523,9 +523,11 @@ def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
     experts = [r for r in result["rows"] if r["grid"] == "experts"]
     if experts:
         figures["experts"] = plot_experts(plt, experts)
-    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
-    if elastic:
-        figures["depths"] = plot_elastic(plt, elastic)
+    for grid, kind in (("elastic", "depths"), ("planted-elastic", "planted-depths")):
+        elastic = [r for r in result["rows"] if r["grid"] == grid]
+        untied = [r for r in result["rows"] if r["grid"] == "planted" and r["cell"] == "ViT (untied)"]
+        if elastic:
+            figures[kind] = plot_elastic(plt, elastic, untied[0] if grid == "planted-elastic" and untied else None)
     traced = [r for r in result["rows"] if r.get("gate_traces")]
     if traced:
         figures["gates"] = plot_gate_traces(plt, traced)
@@ -573,16 +575,25 @@ def plot_gate_traces(plt, rows: list[dict]):
     return fig
 
 
-def plot_elastic(plt, elastic: list[dict]):
+def plot_elastic(plt, elastic: list[dict], reference: dict | None = None):
+    """The score of each elastic checkpoint at every inference depth, with a band of one std over seeds;
+    `reference` (a fixed-depth model) is one point at its own depth."""
+    metric = elastic[0].get("metric", "acc")
+    scale, label = (100, "top-1 accuracy (%)") if metric == "acc" else (1, "test MSE (lower is better)")
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
     for r in elastic:
-        depths = sorted(r["depths"])
-        mean = [100 * r["depths"][d]["mean"] for d in depths]
-        std = [100 * r["depths"][d]["std"] for d in depths]
-        ax.plot(depths, mean, "o-", label=r["cell"])
-        ax.fill_between(depths, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+        depths = sorted(r["depths"], key=int)
+        mean = [scale * r["depths"][d]["mean"] for d in depths]
+        std = [scale * r["depths"][d]["std"] for d in depths]
+        ax.plot([int(d) for d in depths], mean, "o-", label=r["cell"])
+        ax.fill_between([int(d) for d in depths], [m - s for m, s in zip(mean, std)],
+                        [m + s for m, s in zip(mean, std)], alpha=0.2)
+    if reference:
+        ax.errorbar([reference["reference_depth"]], [scale * reference[metric]["mean"]],
+                    yerr=[scale * reference[metric]["std"]], fmt="k*", markersize=10, capsize=3,
+                    label=f"{reference['cell']}, trained at L = {reference['reference_depth']}")
     ax.axvline(elastic[0]["reference_depth"], ls=":", color="gray")
-    ax.set(xlabel="inference depth", ylabel="top-1 accuracy (%)", title="after elastic training (mean ± std)")
+    ax.set(xlabel="inference depth", ylabel=label, title="after elastic training (mean ± std)")
     ax.legend(fontsize=7)
     return fig
 
