@@ -89,8 +89,9 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1, in [0, 1)")
     beta2: float = opt(0.999, "AdamW beta2, in [0, 1)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
-    router_lr_scale: float = opt(1.0, "reViT E >= 2: the depth router psi trains at lr x this, in its own "
-                                      "AdamW group without weight decay (1: the paper's one lr)")
+    router_lr_scale: float = opt(1.0, "the router (reViT's psi, or a lib/moe mechanism's) trains at lr x "
+                                      "this, in its own AdamW group without weight decay (1: the paper's "
+                                      "one lr)")
     # loss and augmentation (applied to the batch tensor on the device)
     loss: str = opt("ce", "ce | bce (DeiT III: binary cross-entropy on binarised mixup/cutmix targets)")
     label_smoothing: float = opt(0.0, "label smoothing of the one-hot targets")
@@ -207,9 +208,10 @@ def param_groups(model: nn.Module, weight_decay: float, router_lr_scale: float =
 
 
 def router_parameters(model: nn.Module) -> list:
-    """The parameters of reViT's depth router psi (Eq. 1); [] for a model without one."""
-    ffn = getattr(getattr(model, "block", None), "mlp", None)
-    return list(ffn.router.parameters()) if isinstance(ffn, revit.MergedExpertFFN) else []
+    """The parameters of the shared block's router: reViT's depth router psi (Eq. 1), or a comparison
+    mechanism's content router (lib/moe.py); [] for a model without one."""
+    router = getattr(getattr(getattr(model, "block", None), "mlp", None), "router", None)
+    return list(router.parameters()) if isinstance(router, nn.Module) else []
 
 
 def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) -> dict:
@@ -461,8 +463,8 @@ def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
     model.to(device)
     trainable = model.head if cfg.probe else model
     if cfg.router_lr_scale != 1 and not router_parameters(trainable):
-        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no depth router psi (reViT with "
-             f"E >= 2 and the merged FFN has one); leave it at 1")
+        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no router (reViT with E >= 2 and "
+             f"the routed mechanisms of lib/moe.py have one); leave it at 1")
     groups = param_groups(trainable, cfg.weight_decay, cfg.router_lr_scale)
     optimizer = torch.optim.AdamW(groups, lr=sched["peak_lr"],
                                   betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)

@@ -201,11 +201,13 @@ def distill_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def depth_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Fig. 2 shape: accuracy of each elastic checkpoint at every inference depth."""
+    """Fig. 2 shape: the score (top-1 %, or the planted task's MSE) of each elastic checkpoint at every
+    inference depth."""
     depths = sorted({d for r in rows for d in r["depths"]}, key=int)
     trained = str(rows[0]["reference_depth"])
-    columns = ["gate"] + [f"depth {d}" + (" (trained)" if d == trained else "") for d in depths]
-    return columns, [[r["cell"]] + [pm(r["depths"][d]).split(" [")[0] for d in depths] for r in rows]
+    shown = pm if rows[0].get("metric", "acc") == "acc" else mse
+    columns = ["model"] + [f"depth {d}" + (" (trained)" if d == trained else "") for d in depths]
+    return columns, [[r["cell"]] + [shown(r["depths"][d]).split(" [")[0] for d in depths] for r in rows]
 
 
 def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -218,7 +220,8 @@ def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 GRIDS = {"experts": accuracy_grid, "quickstart": accuracy_grid, "elastic": depth_grid, "tying": tying_grid,
-         "planted": planted_grid, "planted-lr": planted_grid, "router-lr": router_grid, "long": router_grid, "distill": distill_grid}
+         "planted": planted_grid, "planted-lr": planted_grid, "planted-table3": planted_grid,
+         "planted-elastic": depth_grid, "router-lr": router_grid, "long": router_grid, "distill": distill_grid}
 
 
 def short_commit(commit: str) -> str:

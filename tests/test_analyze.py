@@ -317,6 +317,17 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir):
     assert "gate_gradients" not in again and "interventions" not in again
 
 
+def test_a_planted_run_is_analysed_on_its_own_inputs(tmp_path):
+    """A checkpoint trained with --dataset planted reads the planted task's test inputs (lib/data.py's
+    planted_images): 16x16x3, 4x4 patches; its gate program at another depth than it was trained at."""
+    model = tiny_revit(image_size=16, patch_size=4, in_channels=3)
+    torch.save({"model": model.state_dict(), "arch": "revit-mini", "model_config": asdict(model.config),
+                "train_config": {"dataset": "planted"}, "step": 0}, tmp_path / "planted.pt")
+    report = analyze.main([str(tmp_path / "planted.pt"), "--depth", "6", "--out", str(tmp_path / "out"),
+                           "--num-images", "32", "--no-interventions", "--gradient-batches", "0", "--device", "cpu"])
+    assert len(report["gates"]["gates"]) == 6 and len(report["self_cka"]) == 7
+
+
 def test_full_analysis_with_the_model_on_a_device(tmp_path, fashion_mnist_dir, monkeypatch):
     """Every part (gates, ranks, CKA with a teacher, ablations with matched perturbations, permutations,
     gradients) with the models on an accelerator, here the CPU stand-in of device_check: a tensor the code

@@ -167,6 +167,10 @@ def test_router_lr_scale_puts_psi_alone_in_a_third_group():
     assert sorted(ids(groups[0]) + ids(groups[1]) + ids(groups[2])) == sorted(id(p) for p in model.parameters())
     tied = revit.create_model("revit-mini", num_experts=1)
     assert len(train.param_groups(tied, 0.05, 10.0)) == 2  # no psi
+    import lib.moe  # noqa: F401 -- a content router (SMEAR, Table 3) gets the same third group
+    smear = revit.create_model("revit-mini-smear")
+    router = {id(p) for p in smear.block.mlp.router.parameters()}
+    assert set(ids(train.param_groups(smear, 0.05, 30.0)[2])) == router and len(router) == 2
 
 
 def test_router_lr_scale_trains_psi_at_m_times_the_lr(tmp_path):
@@ -185,7 +189,7 @@ def test_router_lr_scale_one_is_todays_run_and_a_model_without_psi_is_refused(tm
     one = train.main(["--arch", "revit-mini", "--num-experts", "2", *PLANTED_ARGS, "--max-steps", "3",
                       "--router-lr-scale", "1", "--out-dir", str(tmp_path / "b")])
     assert base["test_mse"] == one["test_mse"]
-    with pytest.raises(SystemExit, match="--router-lr-scale 10.0: vit-mini has no depth router psi"):
+    with pytest.raises(SystemExit, match="--router-lr-scale 10.0: vit-mini has no router"):
         train.main(["--arch", "vit-mini", *PLANTED_ARGS, "--max-steps", "1", "--router-lr-scale", "10",
                     "--out-dir", str(tmp_path / "c")])
     with pytest.raises(SystemExit, match=r"--router-lr-scale must be in \(0, 1,000\]; got 0.0"):

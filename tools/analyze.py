@@ -389,7 +389,7 @@ def gradient_part(model, images, labels, depth: int, batches: int, seed: int) ->
 
 # --- inputs: everything a user passes, read and checked before anything is written ---
 
-DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet")
+DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet", "planted")  # planted: lib/planted.py
 
 
 @dataclass

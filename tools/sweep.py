@@ -84,7 +84,9 @@ GRIDS = {
 }
 # The planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress LN(f_4 ∘ ... ∘ f_1(x)) per
 # token, distinct fixed random maps f_t): every cell sets its own data, depth and patch, whatever the regime.
-PLANTED = {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, "model_args": "dim=48,heads=3,ffn_dim=96"}
+PLANTED_ARGS = "dim=48,heads=3,ffn_dim=96"
+PLANTED = {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, "model_args": PLANTED_ARGS}
+ELASTIC = {**PLANTED, "depth_drop": 0.3, "eval_depths": "2,3,4,5,6,7,8"}  # elastic training, scored at L = 2 ... 8
 # Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match its
 # final post-norm tokens; then a linear probe (--probe cls) of each frozen model. {runs}: this sweep's run folders.
 TEACHER = "{runs}/distill-teacher-vit-untied-seed{seed}/ckpt.pt"
@@ -98,6 +100,27 @@ GRIDS.update({
     },
     "planted-lr": {  # the planted task with psi at lr x m: does a larger router lr find the program?
         f"reViT E=4, router lr x{m}": {**PLANTED, "num_experts": 4, "router_lr_scale": m} for m in (10, 30)
+    },
+    # Table 3's comparison on the planted task: content routing beside the depth-programmed merge, each
+    # router at the paper's lr and at x30 (the planted-lr grid's setting for psi)
+    "planted-table3": {
+        "feature-only": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=feature"},
+        "feature-only, router lr x30": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=feature",
+                                        "router_lr_scale": 30},
+        "SMEAR": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=smear"},
+        "SMEAR, router lr x30": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=smear", "router_lr_scale": 30},
+        # at U = 1 DeepSeek-V3 routes K = 1 expert with its gate renormalised to 1: no gradient reaches its
+        # router, so a faster router lr changes nothing (lib/moe.py's MOE_TABLE)
+        "DeepSeek-V3 U=1": {**PLANTED, "arch": "revit-{size}-deepseek"},
+        "Raptor k=2": {**PLANTED, "arch": "raptor-{size}-k2"},
+        "Raptor k=4": {**PLANTED, "arch": "raptor-{size}-k4"},  # one stored block per planted map
+    },
+    # Fig. 2's question on the planted task: depth drop 0.3 at L = 4, each checkpoint scored at L = 2 ... 8
+    "planted-elastic": {
+        "reViT E=4, router lr x30": {**ELASTIC, "num_experts": 4, "router_lr_scale": 30},
+        "reViT E=4, depth prior 8": {**ELASTIC, "num_experts": 4, "model_args": PLANTED_ARGS + ",router_prior=8"},
+        "feature-only": {**ELASTIC, "num_experts": 4, "model_args": PLANTED_ARGS + ",ffn=feature"},
+        "reViT E=1": {**ELASTIC, "num_experts": 1},
     },
     "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper);
         # the new cells first: E = 4 and E = 1 are also the experts grid's cells (the same flags)
@@ -482,7 +505,7 @@ def quality_markdown(result: dict) -> str:
             tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
                                 ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
     for grid in dict.fromkeys(r["grid"] for r in result["rows"]):
-        if grid in ("planted", "planted-lr", "router-lr", "distill", "long"):
+        if grid.startswith("planted") or grid in ("router-lr", "distill", "long"):
             rows = [r for r in result["rows"] if r["grid"] == grid]
             out += [f"\n### Grid {grid}\n", markdown(rows, SCORE_COLUMNS)]
     out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
@@ -500,9 +523,11 @@ def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
     experts = [r for r in result["rows"] if r["grid"] == "experts"]
     if experts:
         figures["experts"] = plot_experts(plt, experts)
-    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
-    if elastic:
-        figures["depths"] = plot_elastic(plt, elastic)
+    for grid, kind in (("elastic", "depths"), ("planted-elastic", "planted-depths")):
+        elastic = [r for r in result["rows"] if r["grid"] == grid]
+        untied = [r for r in result["rows"] if r["grid"] == "planted" and r["cell"] == "ViT (untied)"]
+        if elastic:
+            figures[kind] = plot_elastic(plt, elastic, untied[0] if grid == "planted-elastic" and untied else None)
     traced = [r for r in result["rows"] if r.get("gate_traces")]
     if traced:
         figures["gates"] = plot_gate_traces(plt, traced)
@@ -550,16 +575,25 @@ def plot_gate_traces(plt, rows: list[dict]):
     return fig
 
 
-def plot_elastic(plt, elastic: list[dict]):
+def plot_elastic(plt, elastic: list[dict], reference: dict | None = None):
+    """The score of each elastic checkpoint at every inference depth, with a band of one std over seeds;
+    `reference` (a fixed-depth model) is one point at its own depth."""
+    metric = elastic[0].get("metric", "acc")
+    scale, label = (100, "top-1 accuracy (%)") if metric == "acc" else (1, "test MSE (lower is better)")
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
     for r in elastic:
-        depths = sorted(r["depths"])
-        mean = [100 * r["depths"][d]["mean"] for d in depths]
-        std = [100 * r["depths"][d]["std"] for d in depths]
-        ax.plot(depths, mean, "o-", label=r["cell"])
-        ax.fill_between(depths, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+        depths = sorted(r["depths"], key=int)
+        mean = [scale * r["depths"][d]["mean"] for d in depths]
+        std = [scale * r["depths"][d]["std"] for d in depths]
+        ax.plot([int(d) for d in depths], mean, "o-", label=r["cell"])
+        ax.fill_between([int(d) for d in depths], [m - s for m, s in zip(mean, std)],
+                        [m + s for m, s in zip(mean, std)], alpha=0.2)
+    if reference:
+        ax.errorbar([reference["reference_depth"]], [scale * reference[metric]["mean"]],
+                    yerr=[scale * reference[metric]["std"]], fmt="k*", markersize=10, capsize=3,
+                    label=f"{reference['cell']}, trained at L = {reference['reference_depth']}")
     ax.axvline(elastic[0]["reference_depth"], ls=":", color="gray")
-    ax.set(xlabel="inference depth", ylabel="top-1 accuracy (%)", title="after elastic training (mean ± std)")
+    ax.set(xlabel="inference depth", ylabel=label, title="after elastic training (mean ± std)")
     ax.legend(fontsize=7)
     return fig
 
