@@ -391,7 +391,7 @@ def bad_files(tmp_path):
     (["--batch-size", "0"], "--batch-size must be in 1..1,048,576; got 0"),
     (["--gradient-batches", "1"], "--gradient-batches must be 0 (skip) or between 2 and --num-images (16); got 1"),
     (["--depth", "1"], "--depth must be in 2..256; got 1"),
-    (["--dataset", "mnist"], "--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet; got 'mnist'"),
+    (["--dataset", "mnist"], "--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet, planted; got 'mnist'"),
     (["--data-dir", "{tmp}/nowhere"], "--data-dir {tmp}/nowhere: no such folder"),
     (["--device", "tpu:7"], "--device 'tpu:7': not a device"),
 ])
