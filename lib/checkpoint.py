@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.cli import (atomic_write_text, broadcast, fail, git_commit, non_finite_place, output_problem, path_problem,
-                     too_deep)
+from lib.boundary import fail, output_problem, path_problem, too_deep
+from lib.cli import atomic_write_text, broadcast, git_commit, non_finite_place
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---

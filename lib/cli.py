@@ -2,7 +2,7 @@
 line: flags generated from a config dataclass, the device and torchrun's process group (`pick_device`,
 `device_options`, `init_distributed`, `broadcast`), markdown tables, strict JSON written atomically and the
 commit (`markdown`, `write_json`, `git_commit`), and optional matplotlib (`pyplot`). What a user may type
-or load is checked in lib/boundary.py; its names are importable from here too.
+or load is checked in lib/boundary.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lib.boundary import (MAX_DEPTH, InputError, check_numbers, fail, output_problem, outputs_problem,  # noqa: F401
-                          parse_depths, parse_model_args, path_problem, script_name, too_deep, wrong_type)
+from lib.boundary import fail, script_name
 
 
 # --- one-line errors and rank-0 output ---

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lib.cli import path_problem
+from lib.boundary import path_problem
 
 # --- where the built-in data sets live ---
 

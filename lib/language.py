@@ -14,7 +14,8 @@ import torch.distributed as dist
 import alternet
 from lib import data
 from lib.checkpoint import unwrap
-from lib.cli import device_options, fail, parse_model_args, say
+from lib.boundary import fail, parse_model_args
+from lib.cli import device_options, say
 from lib.tasks import autocast_of, make
 
 

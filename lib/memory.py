@@ -66,7 +66,8 @@ from torch.utils._pytree import tree_flatten
 import alternet
 import revit
 from lib.checkpoint import preset_module
-from lib.cli import broadcast, device_options, fail, parse_model_args, say
+from lib.boundary import fail, parse_model_args
+from lib.cli import broadcast, device_options, say
 from lib.data import TEXT_DATASETS
 
 GB = 1e9

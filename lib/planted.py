@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lib import data, tasks
-from lib.cli import fail
+from lib.boundary import fail
 
 
 class PlantedMaps:

@@ -21,7 +21,8 @@ import torch.nn as nn
 from lib.build import build
 from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, set_rng_state
 from lib.values import diverged, fit_problem
-from lib.cli import fail, pick_device, say, wrong_type
+from lib.boundary import fail, wrong_type
+from lib.cli import pick_device, say
 
 
 # The model and the data order of a run: a resumed run must keep them.

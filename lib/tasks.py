@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import revit
 from lib import data
 from lib.checkpoint import checkpoint_or_fail, model_or_fail, preset_module
-from lib.cli import device_options, fail, parse_depths, parse_model_args, say
+from lib.boundary import fail, parse_depths, parse_model_args
+from lib.cli import device_options, say
 
 
 # --- image tasks: classification (and the linear probe), distillation ---

@@ -15,7 +15,8 @@ from pathlib import Path
 if not __package__:  # run as a file (python tools/plot.py): the project's modules are not on the path
     sys.exit("tools/plot.py: error: run it from the repository root as python -m tools.plot")
 
-from lib.cli import fail, output_problem, path_problem, pyplot, run_main
+from lib.boundary import fail, output_problem, path_problem
+from lib.cli import pyplot, run_main
 
 PROG = "python -m tools.plot"
 SECOND_PANEL = ("val_acc", "val_bpb")  # the first of these any run logs: accuracy, or bits per byte for text
