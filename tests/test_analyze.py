@@ -124,7 +124,7 @@ def test_effective_rank_of_a_rank_one_matrix_is_one(m, n, seed):
     assert analyze.effective_rank(torch.outer(randn(m, seed=seed), randn(n, seed=seed + 1))) == pytest.approx(1.0)
 
 
-def test_effective_rank_of_an_unequal_spectrum_weights_the_squared_singular_values():
+def test_effective_rank_weights_squared_singular_values():
     """App. D: the entropy of sigma_i^2 / sum sigma_j^2. Equal singular values cannot tell it from the
     entropy of sigma_i / sum sigma_j (Roy and Vetterli's own normalisation); 3, 1, 0.5 can."""
     spectrum = torch.tensor([3.0, 1.0, 0.5], dtype=torch.float64)

@@ -79,7 +79,7 @@ class FixedHead(torch.nn.Module):
         return self.predictions[features[:, 0, 0].long()]
 
 
-def test_dense_metrics_are_over_all_pixels_not_averaged_per_class_pool_image_or_batch():
+def test_dense_metrics_count_every_pixel_once():
     """Images of different sizes of scored area, a class absent from one image and from the whole
     data, and batches of 2: mIoU is per class over every pixel (not the global IoU of all classes
     pooled, not a mean of per-image or per-batch mIoUs, not counting the absent class as 0); RMSE
@@ -88,7 +88,7 @@ def test_dense_metrics_are_over_all_pixels_not_averaged_per_class_pool_image_or_
     targets = torch.randint(0, 3, (5, 6, 6), generator=g)
     targets[0, :, :4] = probes.IGNORE_INDEX  # image 0: few scored pixels
     targets[1][targets[1] == 2] = 0  # class 2 absent from image 1; class 3 absent everywhere
-    right = torch.tensor([0.95, 0.9, 0.3, 0.5, 0.2])[:, None, None]  # each image its own share of right pixels
+    right = torch.tensor([0.95, 0.9, 0.3, 0.5, 0.2])[:, None, None]  # each image its share of right pixels
     preds = torch.where(torch.rand(5, 6, 6, generator=g) < right, targets.clamp(max=2),
                         torch.randint(0, 3, (5, 6, 6), generator=g))
     data = probes.DenseData("test", "seg", None, None, num_classes=4)
@@ -114,7 +114,8 @@ def test_dense_metrics_are_over_all_pixels_not_averaged_per_class_pool_image_or_
     valid = [(float(p), float(t)) for p, t in zip(guess.flatten(), depth.flatten()) if t == t and t > 0]
     rmse = math.sqrt(sum((p - t) ** 2 for p, t in valid) / len(valid))
     delta1 = sum(max(p / t, t / p) < 1.25 for p, t in valid) / len(valid)
-    assert scores["rmse"] == pytest.approx(rmse, rel=1e-9) and scores["delta1"] == pytest.approx(delta1, rel=1e-12)
+    assert scores["rmse"] == pytest.approx(rmse, rel=1e-9)
+    assert scores["delta1"] == pytest.approx(delta1, rel=1e-12)
     one_sided = sum(p / t < 1.25 for p, t in valid) / len(valid)
     per_image_rmse = sum(probes.depth_map_metrics(probes.depth_map_sums(p, t))["rmse"]
                          for p, t in zip(guess, depth)) / 5

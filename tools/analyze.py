@@ -706,7 +706,7 @@ def write_outputs(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_tables(report, out)
     report["plots"] = save_plots(report, out)
-    atomic_write_text(out / "analysis.json", json.dumps(finite_or_null(report, "", []), indent=1))  # nan: null
+    atomic_write_text(out / "analysis.json", json.dumps(finite_or_null(report, "", []), indent=1))
     print(f"\nwrote {out / 'analysis.json'}, " + ", ".join(p.name for p in sorted(out.glob("*.csv")))
           + "".join(f", {p}" for p in report["plots"]))
 

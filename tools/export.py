@@ -192,13 +192,9 @@ def to_timm_state_dict(vit: revit.VisionTransformer) -> dict:
 
 
 def load_timm_state_dict(model: revit.VisionTransformer, state_dict: dict) -> revit.VisionTransformer:
-    """Load a timm ViT / DeiT III state dict into a plain ViT of revit.py (e.g. create_model("vit-s")).
-
-    Both differences between the layouts are exact rewrites, so outputs equal timm's:
-    - a class-token position row (timm's vit_*) is a constant added to the class token: folded into cls_token;
-    - LayerScale: a model with it takes gamma = 1 for weights without it; a model without it folds
-      the gammas into attn.proj and mlp.fc2 (gamma * (W x + b) = (gamma W) x + gamma b).
-    """
+    """Load a timm ViT / DeiT III state dict into a plain ViT of revit.py (e.g. create_model("vit-s")), by
+    exact rewrites: a class-token position row (timm's vit_*) is added to cls_token; LayerScale is gamma = 1
+    for weights without it, or folded into attn.proj and mlp.fc2 for a model without it (gamma (W x + b))."""
     if not (isinstance(model, revit.VisionTransformer) and model.config.arch == "vit"):
         raise ValueError("load_timm_state_dict loads into a plain ViT (arch 'vit', e.g. create_model('vit-s'))")
     for wrapper in ("model", "state_dict"):  # DeiT / timm training checkpoints wrap the weights

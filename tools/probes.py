@@ -268,14 +268,16 @@ def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseDa
         name, kind, num_classes = "ADE20k", "seg", 150
         label_map = lambda labels: torch.where(labels == 0, IGNORE_INDEX, labels - 1)  # noqa: E731
         pairs = [[(p, ade / "annotations" / split / f"{p.stem}.png")
-                  for p in sorted((ade / "images" / split).glob("*.jpg"))] for split in ("training", "validation")]
+                  for p in sorted((ade / "images" / split).glob("*.jpg"))]
+                 for split in ("training", "validation")]
     elif (nyu / "test").is_dir() and next((nyu / "test").rglob("sync_depth_*.png"), None):
         name, kind, num_classes = "NYUv2", "monodepth", 0
         pairs = [[(p, p.with_name(p.name.replace("rgb_", "sync_depth_")).with_suffix(".png"))
                   for p in sorted((nyu / split).rglob("rgb_*.jpg"))] for split in ("train", "test")]
     elif (root / "train" / "images").is_dir() and (root / "train" / folder).is_dir():
         name, kind, num_classes = f"{root.name} (image folders)", task, None  # K = largest id + 1
-        pairs = [[(p, root / split / folder / f"{p.stem}.png") for p in sorted((root / split / "images").iterdir())
+        pairs = [[(p, root / split / folder / f"{p.stem}.png")
+                  for p in sorted((root / split / "images").iterdir())
                   if p.suffix.lower() in (".png", ".jpg", ".jpeg")] for split in ("train", "val")]
     else:
         fail(f"--data {root}: not a dense data set in a known layout (train.pt/val.pt, ADE20k, NYUv2 "
@@ -516,8 +518,7 @@ def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths:
 
 
 def run(cfg: ProbeConfig) -> dict:
-    """Train dense heads on a frozen backbone and evaluate them at each depth. Every input is checked
-    before anything is written (cache or results). Returns the summary (also probe_results.json)."""
+    """Every input checked; then the heads trained and evaluated at each depth -> the summary."""
     t_start = time.perf_counter()
     check_config(cfg)
     frozen, depths = load_backbone(cfg)
@@ -571,8 +572,7 @@ def results_table(summary: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg = ProbeConfig(**vars(build_parser().parse_args(argv)))
-    return run(cfg)
+    return run(ProbeConfig(**vars(build_parser().parse_args(argv))))
 
 
 if __name__ == "__main__":
