@@ -182,8 +182,6 @@ def timm_model_args(config: revit.ViTConfig) -> tuple[str, dict]:
 
 def to_timm_state_dict(vit: revit.VisionTransformer) -> dict:
     """State dict of a plain ViT (e.g. revit.fold's output) in timm's VisionTransformer layout."""
-    if not (isinstance(vit, revit.VisionTransformer) and vit.config.arch == "vit"):
-        raise ValueError("to_timm_state_dict expects a plain ViT; fold a reViT / Raptor first (revit.fold)")
     state = {k: v.detach().cpu().clone().contiguous() for k, v in vit.state_dict().items()}
     if vit.config.layer_scale_init is None:
         # timm's vit_* add positions after prepending the class token: a zero row leaves it unchanged
@@ -195,8 +193,6 @@ def load_timm_state_dict(model: revit.VisionTransformer, state_dict: dict) -> re
     """Load a timm ViT / DeiT III state dict into a plain ViT of revit.py (e.g. create_model("vit-s")), by
     exact rewrites: a class-token position row (timm's vit_*) is added to cls_token; LayerScale is gamma = 1
     for weights without it, or folded into attn.proj and mlp.fc2 for a model without it (gamma (W x + b))."""
-    if not (isinstance(model, revit.VisionTransformer) and model.config.arch == "vit"):
-        raise ValueError("load_timm_state_dict loads into a plain ViT (arch 'vit', e.g. create_model('vit-s'))")
     for wrapper in ("model", "state_dict"):  # DeiT / timm training checkpoints wrap the weights
         if wrapper in state_dict and isinstance(state_dict[wrapper], dict):
             state_dict = state_dict[wrapper]
