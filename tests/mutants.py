@@ -112,10 +112,10 @@ MUTANTS = [
            "tests/test_revit.py::test_cache_follows_temperature_and_prior_edits"),
     mutant("merge cache recast at every call", R,
            "merged = [w.to(ffn.fc1_weight.dtype) for w in merged]", "merged = list(merged)",
-           "tests/test_merge_cache_dtype.py::test_a_cached_call_casts_no_more_than_deit_iii"),
+           "tests/test_device.py::test_a_cached_call_casts_no_more_than_deit_iii"),
     mutant("bf16 merge through fp32 bank copies", R, "merged = self.merge(g, self.fc1_weight.dtype)",
            "merged = self.merge(g)",
-           "tests/test_bf16_merge.py::test_a_bf16_dynamic_forward_holds_one_bf16_merged_ffn_beyond_the_cached_forward"),
+           "tests/test_device.py::test_a_bf16_dynamic_forward_holds_one_bf16_merged_ffn_beyond_the_cached_forward"),
     # --- App. A.2: Eqs. 6, 8, 9 and their weights (Table 6) ---
     mutant("Eq. 6 entropy of softmax(z), not z / tau", R, "g = torch.softmax(z / temperature, dim=-1)",
            "g = torch.softmax(z, dim=-1)", *AUX),
