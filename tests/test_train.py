@@ -710,3 +710,30 @@ def test_a_cpu_run_resumes_on_the_gpu_and_back(tmp_path, fashion_mnist_dir, caps
     assert step4["step"] == 4 and "override: " in capsys.readouterr().out
     done = train.main(["--resume", str(out / "ckpt.pt"), "--device", "cpu", "--no-progress"])
     assert done["step"] == 6 and 0 <= done["test_acc"] <= 1
+
+
+def test_the_schedule_tells_cosine_from_linear_decay_and_warmup_from_its_off_by_ones():
+    """Warmup-cosine where its usual wrong variants differ (a check at the ends and the midpoint alone passes a
+    linear decay, which agrees there). A quarter and three quarters into the decay the cosine is (2 ± √2) / 4 of
+    the way from min_lr to the peak, a linear decay 3/4 and 1/4. Inside the warmup the ramp is linear from
+    warmup_lr at step 0 to the peak at step `warmup` (nanoGPT's (step + 1) / (warmup + 1) is a step off).
+    min_lr and warmup_lr are large enough that leaving either out moves every value."""
+    sched = dict(warmup_steps=4, total_steps=12, warmup_lr=0.1, min_lr=0.2, peak_lr=1.0)
+    lr = [train.lr_at(step, 1.0, sched) for step in range(21)]
+    assert lr[:5] == pytest.approx([0.1, 0.325, 0.55, 0.775, 1.0])  # 0.1 + 0.9 step / 4
+    assert lr[6] == pytest.approx(0.2 + 0.8 * (2 + 2 ** 0.5) / 4)  # 2 of the 8 decay steps
+    assert lr[8] == pytest.approx(0.6)
+    assert lr[10] == pytest.approx(0.2 + 0.8 * (2 - 2 ** 0.5) / 4)
+    assert lr[12:] == pytest.approx([0.2] * 9)  # min_lr at the end and after it, not back up the cosine
+
+
+def test_the_schedule_scales_the_peak_linearly_with_the_batch_and_counts_warmup_in_steps():
+    """DeiT's linear rule, peak = lr x batch / lr_batch, at a batch other than lr_batch (where every rule
+    agrees): 4e-3 x 64 / 256 = 1e-3 (the square-root rule gives 2e-3). --warmup-epochs 0.5 of 7 steps an epoch
+    is round(3.5) = 4 steps; min_lr and warmup_lr above the peak are lowered to it."""
+    cfg = train.TrainConfig(dataset="fashion-mnist", lr=4e-3, lr_batch=256, batch_size=64, epochs=3,
+                            warmup_epochs=0.5, warmup_lr=1e-6, min_lr=2e-3)
+    sched = train.schedule(cfg, None, steps_per_epoch=7)
+    assert sched["peak_lr"] == pytest.approx(1e-3)
+    assert (sched["warmup_steps"], sched["total_steps"]) == (4, 21)
+    assert (sched["warmup_lr"], sched["min_lr"]) == pytest.approx((1e-6, 1e-3))
