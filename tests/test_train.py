@@ -737,3 +737,31 @@ def test_the_schedule_scales_the_peak_linearly_with_the_batch_and_counts_warmup_
     assert sched["peak_lr"] == pytest.approx(1e-3)
     assert (sched["warmup_steps"], sched["total_steps"]) == (4, 21)
     assert (sched["warmup_lr"], sched["min_lr"]) == pytest.approx((1e-6, 1e-3))
+
+
+def test_the_evaluation_averages_over_images_not_over_batches():
+    """Accuracy and loss are sums over the test images divided by their count: with a last batch smaller
+    than the others (5 images in batches of 2, 2, 1) the mean of the batches' means differs (the test
+    checks it does), as it would on every test set whose size is not a multiple of --eval-batch-size."""
+    from helpers import randomise
+    from lib import data, tasks
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (5, 1, 8, 8), dtype=torch.uint8, generator=g)
+    model = randomise(revit.create_model("vit-mini", image_size=8, patch_size=4, in_channels=1, num_classes=3,
+                                         dim=16, heads=2, ffn_dim=24, depth=2)).eval()  # logits far apart
+    test = data.ImageData(None, data.TensorImages(images, torch.zeros(5, dtype=torch.long)), 3, 1, 8,
+                          [0.5], [0.25])
+    x = (images.float() / 255 - 0.5) / 0.25
+    with torch.no_grad():
+        logits = model(x)
+    labels = logits.argmax(-1)
+    labels[3:] = (labels[3:] + 1) % 3  # right on the first three images, wrong on the last two
+    test.test.labels = labels
+    task = tasks.ClassificationTask(train.TrainConfig(eval_batch_size=2), test, torch.device("cpu"),
+                                    data.Augment(test, torch.device("cpu"), 0), contextlib.nullcontext)
+    scored = task.evaluate(model, [None], 0, 1)[None]
+    losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    assert scored["acc"] == pytest.approx(3 / 5)  # the batches' means: (1 + 1/2 + 0) / 3 = 1/2
+    assert scored["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+    by_batch = torch.stack([part.mean() for part in losses.split(2)]).mean().item()
+    assert abs(by_batch - losses.mean().item()) > 1e-3
