@@ -765,3 +765,20 @@ def test_the_evaluation_averages_over_images_not_over_batches():
     assert scored["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
     by_batch = torch.stack([part.mean() for part in losses.split(2)]).mean().item()
     assert abs(by_batch - losses.mean().item()) > 1e-3
+
+
+def test_bits_per_byte_are_nats_per_token_times_tokens_per_byte_over_ln_2():
+    """bpb = CE (nats a token) x tokens a byte / ln 2, checked at a quarter token a byte (about GPT-2's BPE):
+    at the byte tokenizer's 1 token a byte, multiplying by it and dividing by it agree."""
+    import math
+    from lib import language
+    task = language.LanguageTask(None, None, 0.25, 4, torch.device("cpu"), contextlib.nullcontext)
+    ln2 = math.log(2)
+    # CE sums at [halted, depth 1, depth 2], iterations, tokens, sequences; causal CE, iterations, tokens;
+    # the full-window CE
+    stats = torch.tensor([20 * ln2, 40 * ln2, 10 * ln2, 3, 10, 2, 6 * ln2, 4.5, 3, 9 * ln2]).double()
+    results = task.results(stats, 2)
+    bpb = [float(results[key]["bpb"]) for key in ("halted", 1, 2)]
+    assert bpb == pytest.approx([0.5, 1.0, 0.25])  # 2, 4 and 1 bits a token, 4 bytes a token
+    assert float(results["halted"]["causal_bpb"]) == pytest.approx(0.5)
+    assert float(results["halted"]["iterations"]) == pytest.approx(1.5)
