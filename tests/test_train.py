@@ -782,3 +782,30 @@ def test_bits_per_byte_are_nats_per_token_times_tokens_per_byte_over_ln_2():
     assert bpb == pytest.approx([0.5, 1.0, 0.25])  # 2, 4 and 1 bits a token, 4 bytes a token
     assert float(results["halted"]["causal_bpb"]) == pytest.approx(0.5)
     assert float(results["halted"]["iterations"]) == pytest.approx(1.5)
+
+
+class MeanSquaredError:
+    """A task for train_step alone: the mean squared error of a linear map (a mean, as the cross-entropy)."""
+
+    def loss(self, forward, x, y):
+        return ((forward(x) - y) ** 2).mean(), {}
+
+
+def test_gradient_accumulation_takes_the_step_and_logs_the_loss_of_the_whole_batch():
+    """--grad-accum A: A micro-batches, each loss divided by A, give the step and the logged loss of the whole
+    batch's mean loss. At A = 2, through SGD, whose update is -lr times the gradient (AdamW's update hardly
+    changes when the gradient doubles: a missing 1 / A would not show through it)."""
+    import types
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 3), torch.randn(8, 4), torch.randn(8, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    whole = ((model(x) - y) ** 2).mean()
+    grads = torch.autograd.grad(whole, list(model.parameters()))
+    cfg = types.SimpleNamespace(grad_accum=2, grad_clip=0.0, probe=None)
+    sched = dict(warmup_steps=0, total_steps=1, warmup_lr=0.1, min_lr=0.1, peak_lr=0.1)  # lr 0.1 at step 0
+    run = train.Run(cfg, 0, 1, torch.device("cpu"), model, model, MeanSquaredError(), None, None,
+                    torch.optim.SGD(model.parameters(), lr=0.1), sched, None, None)
+    record = train.train_step(run, x, y)
+    assert record["loss"] == pytest.approx(whole.item(), rel=1e-6)
+    for p, p0, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * g, rtol=1e-5, atol=1e-6)
