@@ -33,7 +33,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-# --- bf16 weights: one bf16 matmul accumulating in fp32, never an fp32 copy of the bank ----------------------
+# --- bf16 weights: one bf16 matmul accumulating in fp32, never an fp32 copy of the bank ---------------------
 # With bf16 weights the dynamic form merges E experts of P parameters at every step. Copying the bank to fp32
 # first would hold E x P fp32 values per step (S/16: 12 such copies alive in inductor's plan, ~130 MB against
 # DeiT III's ~10 MB), so the memory column would show reViT above DeiT III for our bookkeeping, not for the
@@ -156,16 +156,18 @@ def test_the_bf16_cache_is_the_fp32_merge_rounded_once():
         torch.testing.assert_close(cached.double(), reference, rtol=2 ** -8, atol=1e-30)
 
 
-# --- bf16 autocast ----------------------------------------------------------------------------------------
+# --- bf16 autocast ------------------------------------------------------------------------------------------
 # Intended dtypes: psi's gates and every Eq. 2 merge are fp32 (cast to the activation dtype at use); other
 # routers' logits are fp32; the logits a model returns are bf16 (autocast's output dtype for the head's
 # Linear); the residual stream stays fp32.
 # every family: the baselines, reViT in its modes, one mechanism of each MoE family, LoRA
 FAMILIES = {
     "vit": ("vit-mini", {}), "raptor": ("raptor-mini-k2", {}), "revit-fixed": ("revit-mini", {}),
-    "revit-elastic": ("revit-mini", {}), "revit-cached": ("revit-mini", {}), "revit-folded": ("revit-mini", {}),
-    "weight-merge (SMEAR)": ("revit-mini-smear", {}), "token-dispatch (Qwen3)": ("revit-mini-qwen3-u1.5", {}),
-    "output-mixture (Soft-MoE)": ("revit-mini-softmoe-u2", {}), "lora": ("revit-mini-lora", dict(lora_rank=3)),
+    "revit-elastic": ("revit-mini", {}), "revit-cached": ("revit-mini", {}),
+    "revit-folded": ("revit-mini", {}), "weight-merge (SMEAR)": ("revit-mini-smear", {}),
+    "token-dispatch (Qwen3)": ("revit-mini-qwen3-u1.5", {}),
+    "output-mixture (Soft-MoE)": ("revit-mini-softmoe-u2", {}),
+    "lora": ("revit-mini-lora", dict(lora_rank=3)),
 }
 
 
@@ -228,7 +230,7 @@ def test_gates_merges_and_router_logits_stay_fp32_under_autocast():
     torch.testing.assert_close(fold.blocks[1].mlp.fc2.weight, merged[2][1], rtol=1e-6, atol=1e-7)
 
 
-# --- torch.compile ----------------------------------------------------------------------------------------
+# --- torch.compile ------------------------------------------------------------------------------------------
 # Values against eager run with backend="aot_eager": Dynamo's graph capture, guards, graph breaks, recompiles
 # and AOTAutograd's joint forward/backward graph, without inductor's C++ code generation (over a minute for
 # the tiniest model on a CPU). Graphs are counted with the "eager" backend (capture only). Under torch 2.11
@@ -286,7 +288,8 @@ def test_compiled_training_step_matches_eager_and_does_not_recompile():
     model, counter = compiled(twin)
     x, labels = images(4, eager, 1), torch.tensor([0, 1, 2, 3])
     for _ in range(3):  # three steps: the weights change, the graph does not
-        torch.testing.assert_close(train_step(model, x, labels), train_step(eager, x, labels), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(train_step(model, x, labels), train_step(eager, x, labels),
+                                   rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
     assert counter.frame_count == 1  # one graph for the whole forward: no graph break, no recompile
@@ -386,7 +389,8 @@ def test_an_alternet_training_forward_is_a_few_graphs(experts, depth):
     on the second step."""
     model = alternet_model(True, num_experts=experts, max_depth=depth)
     tokens, targets, lengths = alternet_batch(model)
-    first, again = count_graphs(model, lambda m: m(tokens, targets=targets, lengths=lengths)["loss"].backward())
+    step = lambda m: m(tokens, targets=targets, lengths=lengths)["loss"].backward()  # noqa: E731
+    first, again = count_graphs(model, step)
     assert first <= A_FEW and again == 0
     if experts == 2:  # explain names the breaks (it traces once more)
         explained = torch._dynamo.explain(model)(tokens, targets=targets, lengths=lengths)
@@ -436,7 +440,8 @@ def device_model(arch: str, device: torch.device) -> torch.nn.Module:
     """A ViT or reViT of the device's size, weights nudged off their initial symmetries (zero router output
     layer, equal experts) so that every equivalence has something to compare."""
     torch.manual_seed(0)
-    model = revit.create_model(f"{arch}-s") if device.type == "cuda" else revit.create_model(f"{arch}-mini", **TINY)
+    on_gpu = device.type == "cuda"
+    model = revit.create_model(f"{arch}-s") if on_gpu else revit.create_model(f"{arch}-mini", **TINY)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -451,7 +456,8 @@ def forward_backward(model, images, bf16: bool = False):
         out = model(images, return_states=True)
         loss = out["logits"].float().logsumexp(-1).mean() + sum(out["aux_losses"].values())
     loss.backward()
-    return out["logits"].detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+    return out["logits"].detach(), torch.cat(grads)
 
 
 def copy_of(model, **changes):
