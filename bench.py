@@ -962,7 +962,8 @@ def check_parts(args, device, run_dir: str) -> list:
         "train-step": ("training step", "train", ["DeiT III", "reViT fixed"],
                        dict(argv=here + ["train-step"])),
         "correctness": ("correctness", "tests", [],
-                        dict(argv=pytest_argv(device, ["tests/test_on_device.py"]), parse=pytest_rows)),
+                        dict(argv=pytest_argv(device, ["tests/test_device.py::TestOnDevice"]),
+                             parse=pytest_rows)),
         "train.py run": ("train.py run", "run", ["train.py run"],
                          dict(argv=run, blocked=no_data, finish=train_run_rows(run_dir, sizes, device))),
         "elastic": ("training step, elastic depth", "train", [*ELASTIC_ROWS], dict(argv=here + ["elastic"])),
@@ -1095,7 +1096,7 @@ TEST_STATUS = {"PASSED": "ok", "XFAIL": "ok", "SKIPPED": "skipped", "FAILED": "f
 
 
 def pytest_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
-    """tests/test_on_device.py's cases for this device (gpu-marked on CUDA), or only the gpu-marked tests."""
+    """tests/test_device.py's TestOnDevice on this device (gpu-marked on CUDA), or only gpu-marked tests."""
     marker = "gpu" if gpu_only or device.type == "cuda" else "not gpu"
     return [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=0", "--durations-min=0", "-p",
             "no:cacheprovider", "-m", marker, *(os.path.join(HERE, f) for f in files)]

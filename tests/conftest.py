@@ -55,11 +55,10 @@ FAST_FILES = ("test_equations.py", "test_revit.py", "test_alternet.py", "test_mo
               "test_conventions.py")
 # The deep set: the hostile tables, faults and kills, compile and device tests, the tools end to end,
 # memory and timing, the GPU check, the layout and results checks.
-DEEP_FILES = ("test_hostile.py", "test_faults.py", "test_check.py", "test_compile_graphs.py",
-              "test_on_device.py", "test_bf16_merge.py", "test_merge_cache_dtype.py",
-              "test_revit_cuda_paths.py", "test_resume_fused.py", "test_analyze.py", "test_depths.py",
-              "test_probes.py", "test_sweep.py", "test_bench.py", "test_memory.py", "test_layout.py",
-              "test_results.py", "test_mutants.py", "test_install.py", "test_runs.py")
+DEEP_FILES = ("test_hostile.py", "test_faults.py", "test_check.py", "test_device.py", "test_resume_fused.py",
+              "test_analyze.py", "test_depths.py", "test_probes.py", "test_sweep.py", "test_bench.py",
+              "test_memory.py", "test_layout.py", "test_results.py", "test_mutants.py", "test_install.py",
+              "test_runs.py")
 # Deep tests in fast files (every parametrisation of the named function): compile, devices, processes
 # started from scratch (each imports torch again), ranks and crashes.
 DEEP_TESTS = (

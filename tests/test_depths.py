@@ -226,3 +226,14 @@ def test_a_depth_whose_evaluation_is_not_finite_is_refused_before_anything_is_wr
                                      "loss (finite weights that diverge there); choose --depths without it; nothing "
                                      "written")
     assert not (tmp_path / "out").exists()
+
+
+def test_pareto_rows_of_a_lower_is_better_metric_with_ties():
+    """Bits per byte (lower is better) against milliseconds: the rule flips with the metric. A row as good as
+    another and slower, or as fast and worse, is off the front (dominated in one, equal in the other); two
+    identical rows both stay on it (neither is better in one)."""
+    points = [(1.0, 2.0), (1.0, 3.0), (0.8, 3.0), (1.2, 1.0), (1.2, 1.0), (0.9, 5.0)]
+    rows = [{"bpb": bpb, "ms": ms} for bpb, ms in points]
+    depths.mark_tradeoffs(rows, "bpb", "ms", higher_is_better=False)
+    # (1.0, 3.0): as good as (1.0, 2.0) and slower, as fast as (0.8, 3.0) and worse; (0.9, 5.0): (0.8, 3.0)
+    assert [r["pareto"] for r in rows] == [True, False, True, True, True, False]

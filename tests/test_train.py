@@ -710,3 +710,102 @@ def test_a_cpu_run_resumes_on_the_gpu_and_back(tmp_path, fashion_mnist_dir, caps
     assert step4["step"] == 4 and "override: " in capsys.readouterr().out
     done = train.main(["--resume", str(out / "ckpt.pt"), "--device", "cpu", "--no-progress"])
     assert done["step"] == 6 and 0 <= done["test_acc"] <= 1
+
+
+def test_the_schedule_tells_cosine_from_linear_decay_and_warmup_from_its_off_by_ones():
+    """Warmup-cosine where its usual wrong variants differ (a check at the ends and the midpoint alone passes a
+    linear decay, which agrees there). A quarter and three quarters into the decay the cosine is (2 ± √2) / 4 of
+    the way from min_lr to the peak, a linear decay 3/4 and 1/4. Inside the warmup the ramp is linear from
+    warmup_lr at step 0 to the peak at step `warmup` (nanoGPT's (step + 1) / (warmup + 1) is a step off).
+    min_lr and warmup_lr are large enough that leaving either out moves every value."""
+    sched = dict(warmup_steps=4, total_steps=12, warmup_lr=0.1, min_lr=0.2, peak_lr=1.0)
+    lr = [train.lr_at(step, 1.0, sched) for step in range(21)]
+    assert lr[:5] == pytest.approx([0.1, 0.325, 0.55, 0.775, 1.0])  # 0.1 + 0.9 step / 4
+    assert lr[6] == pytest.approx(0.2 + 0.8 * (2 + 2 ** 0.5) / 4)  # 2 of the 8 decay steps
+    assert lr[8] == pytest.approx(0.6)
+    assert lr[10] == pytest.approx(0.2 + 0.8 * (2 - 2 ** 0.5) / 4)
+    assert lr[12:] == pytest.approx([0.2] * 9)  # min_lr at the end and after it, not back up the cosine
+
+
+def test_the_schedule_scales_the_peak_linearly_with_the_batch_and_counts_warmup_in_steps():
+    """DeiT's linear rule, peak = lr x batch / lr_batch, at a batch other than lr_batch (where every rule
+    agrees): 4e-3 x 64 / 256 = 1e-3 (the square-root rule gives 2e-3). --warmup-epochs 0.5 of 7 steps an epoch
+    is round(3.5) = 4 steps; min_lr and warmup_lr above the peak are lowered to it."""
+    cfg = train.TrainConfig(dataset="fashion-mnist", lr=4e-3, lr_batch=256, batch_size=64, epochs=3,
+                            warmup_epochs=0.5, warmup_lr=1e-6, min_lr=2e-3)
+    sched = train.schedule(cfg, None, steps_per_epoch=7)
+    assert sched["peak_lr"] == pytest.approx(1e-3)
+    assert (sched["warmup_steps"], sched["total_steps"]) == (4, 21)
+    assert (sched["warmup_lr"], sched["min_lr"]) == pytest.approx((1e-6, 1e-3))
+
+
+def test_the_evaluation_averages_over_images_not_over_batches():
+    """Accuracy and loss are sums over the test images divided by their count: with a last batch smaller
+    than the others (5 images in batches of 2, 2, 1) the mean of the batches' means differs (the test
+    checks it does), as it would on every test set whose size is not a multiple of --eval-batch-size."""
+    from helpers import randomise
+    from lib import data, tasks
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (5, 1, 8, 8), dtype=torch.uint8, generator=g)
+    model = randomise(revit.create_model("vit-mini", image_size=8, patch_size=4, in_channels=1, num_classes=3,
+                                         dim=16, heads=2, ffn_dim=24, depth=2)).eval()  # logits far apart
+    test = data.ImageData(None, data.TensorImages(images, torch.zeros(5, dtype=torch.long)), 3, 1, 8,
+                          [0.5], [0.25])
+    x = (images.float() / 255 - 0.5) / 0.25
+    with torch.no_grad():
+        logits = model(x)
+    labels = logits.argmax(-1)
+    labels[3:] = (labels[3:] + 1) % 3  # right on the first three images, wrong on the last two
+    test.test.labels = labels
+    task = tasks.ClassificationTask(train.TrainConfig(eval_batch_size=2), test, torch.device("cpu"),
+                                    data.Augment(test, torch.device("cpu"), 0), contextlib.nullcontext)
+    scored = task.evaluate(model, [None], 0, 1)[None]
+    losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    assert scored["acc"] == pytest.approx(3 / 5)  # the batches' means: (1 + 1/2 + 0) / 3 = 1/2
+    assert scored["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+    by_batch = torch.stack([part.mean() for part in losses.split(2)]).mean().item()
+    assert abs(by_batch - losses.mean().item()) > 1e-3
+
+
+def test_bits_per_byte_are_nats_per_token_times_tokens_per_byte_over_ln_2():
+    """bpb = CE (nats a token) x tokens a byte / ln 2, checked at a quarter token a byte (about GPT-2's BPE):
+    at the byte tokenizer's 1 token a byte, multiplying by it and dividing by it agree."""
+    import math
+    from lib import language
+    task = language.LanguageTask(None, None, 0.25, 4, torch.device("cpu"), contextlib.nullcontext)
+    ln2 = math.log(2)
+    # CE sums at [halted, depth 1, depth 2], iterations, tokens, sequences; causal CE, iterations, tokens;
+    # the full-window CE
+    stats = torch.tensor([20 * ln2, 40 * ln2, 10 * ln2, 3, 10, 2, 6 * ln2, 4.5, 3, 9 * ln2]).double()
+    results = task.results(stats, 2)
+    bpb = [float(results[key]["bpb"]) for key in ("halted", 1, 2)]
+    assert bpb == pytest.approx([0.5, 1.0, 0.25])  # 2, 4 and 1 bits a token, 4 bytes a token
+    assert float(results["halted"]["causal_bpb"]) == pytest.approx(0.5)
+    assert float(results["halted"]["iterations"]) == pytest.approx(1.5)
+
+
+class MeanSquaredError:
+    """A task for train_step alone: the mean squared error of a linear map (a mean, as the cross-entropy)."""
+
+    def loss(self, forward, x, y):
+        return ((forward(x) - y) ** 2).mean(), {}
+
+
+def test_gradient_accumulation_takes_the_step_and_logs_the_loss_of_the_whole_batch():
+    """--grad-accum A: A micro-batches, each loss divided by A, give the step and the logged loss of the whole
+    batch's mean loss. At A = 2, through SGD, whose update is -lr times the gradient (AdamW's update hardly
+    changes when the gradient doubles: a missing 1 / A would not show through it)."""
+    import types
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 3), torch.randn(8, 4), torch.randn(8, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    whole = ((model(x) - y) ** 2).mean()
+    grads = torch.autograd.grad(whole, list(model.parameters()))
+    cfg = types.SimpleNamespace(grad_accum=2, grad_clip=0.0, probe=None)
+    sched = dict(warmup_steps=0, total_steps=1, warmup_lr=0.1, min_lr=0.1, peak_lr=0.1)  # lr 0.1 at step 0
+    run = train.Run(cfg, 0, 1, torch.device("cpu"), model, model, MeanSquaredError(), None, None,
+                    torch.optim.SGD(model.parameters(), lr=0.1), sched, None, None)
+    record = train.train_step(run, x, y)
+    assert record["loss"] == pytest.approx(whole.item(), rel=1e-6)
+    for p, p0, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * g, rtol=1e-5, atol=1e-6)
