@@ -50,7 +50,7 @@ import alternet
 import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
-from lib.boundary import InputError, check_numbers, fail, output_problem
+from lib.boundary import RANGES, InputError, check_numbers, fail, output_problem
 from lib.cli import DEVICES, f, git_commit, json_text, markdown, pick_device, run_main, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -735,17 +735,12 @@ def params_markdown(result: dict) -> str:
 
 
 COUNTING_NOTE = (
-    "\nCounting rule (ours; the paper does not state one, this rule reproduces its Table 1 and 10 cells): 2 FLOPs "
-    "per multiply-add of the linear layers, patch embedding and head; attention score/value products not counted; "
-    "reViT online adds its per-step merge (Eq. 2) as E*P multiply-adds (2 E P FLOPs; as FLOPs instead of MACs "
-    "reViT-B/L would be 34.1/120.7, not 34.3/121.5). T=197 is our token count (196 patches + class token). The "
-    "paper's GFLOPs are reproduced in every cell with T=198, one more token (as a DeiT with a distillation token "
-    "has); with T=197, B/L give 33.7/119.3 and reViT-B/L 34.2/120.9, LoRA-S online 10.3. flop_counter on the real "
-    "module (meta device, reViT with merge_cache=False so the merge is counted) equals the T=197 analytic count "
-    "exactly once its attention products (4 T^2 d per step), the router and, for reViT, the diversity loss its "
-    "inference forward computes (2 E^2 P FLOPs; 'other') are set aside. Params: reViT-B/L count 22.8M/39.8M here "
-    "vs the paper's 23.6/40.9: the architecture as described (shared block, E full FFNs, 1-16-E router, stem, "
-    "head) has no room for the extra 0.8M/1.1M.")
+    "\nCounting rule (ours; it reproduces every GFLOPs cell of Tables 1 and 10 over T=198 tokens, one more than "
+    "our 196 patches + class token): 2 FLOPs per multiply-add of the linear layers, patch embedding and head; "
+    "attention products not counted; reViT's merge (Eq. 2) as E*P multiply-adds per step (counted as FLOPs, "
+    "reViT-B/L would be 34.1/120.7). flop_counter equals the T=197 count once the attention products, the router "
+    "and reViT's diversity loss (2 E^2 P FLOPs, 'other') are set aside. reViT-B/L count 22.8M/39.8M params, not "
+    "the paper's 23.6/40.9: the architecture as described has no room for more (RESULTS.md).")
 
 # The columns of a latency row and of a training-step row, in `bench.py latency | train` and in check.md
 LATENCY_COLUMNS = [
@@ -1190,8 +1185,8 @@ def resolve(args, device) -> dict:
 
 
 LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
-    "batches": (lambda t: int(t) if t.strip().isdigit() and 1 <= int(t) <= 65536 else None,
-                "comma-separated integers in [1, 65536], e.g. 1,8"),
+    "batches": (lambda t: int(t) if re.fullmatch(r"\s*\d{1,6}\s*", t) and RANGES["batch"][0](int(t)) else None,
+                f"comma-separated integers {RANGES['batch'][1]}, e.g. 1,8"),
     "modes": (lambda t: t.strip() if t.strip() in ("eager", "compiled", "reduce-overhead") else None,
               "comma-separated of eager, compiled, reduce-overhead (CUDA graphs; CUDA only)"),
     "sizes": (lambda t: t.strip() if t.strip() in ("s", "b", "l") else None, "comma-separated of s, b, l"),
@@ -1207,7 +1202,7 @@ def check_flags(args, device) -> None:
         if isinstance(text, str):
             items = tuple(item(t) for t in text.split(","))
             if not items or None in items:
-                raise InputError(f"--{name} must be {allowed}; got {text!r}")
+                raise InputError(f"--{name} must be {allowed}; got {text[:80]!r}")
             setattr(args, name, items)
     if "reduce-overhead" in (getattr(args, "modes", None) or ()) and device.type != "cuda":
         raise InputError("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)")
