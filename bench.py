@@ -222,16 +222,16 @@ def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT f
         times = timed_rounds(fns, device, more, iters, first=done, times=times)
 
 
-def time_rows(builds: dict, batch: int, device, warmup: int, repeats: int, iters: int, first: str,
-              reference: str = "DeiT III", on_row=None, profile: str = "", resolve=None, max_repeats=0) -> dict:
-    """The rows of one interleaved timing. builds: label -> a function returning (model, one call, the
-    row's fields), built in turn; each call runs once (its seconds as `first`, compilation included; CUDA
-    memory), then all are timed together (resolve: until reViT fixed / DeiT III is known to +- resolve).
+def time_rows(labels, build, batch: int, device, warmup: int, repeats: int, iters: int, first: str,
+              reference: str = "DeiT III", on_row=None, profile: str = "", resolve=None, max_repeats=0) -> tuple:
+    """The rows of one interleaved timing. build(label) -> (model, one call, the row's fields), in turn;
+    each call runs once (its seconds as `first`, compilation included; CUDA memory), then all are timed
+    together (resolve: more rounds until reViT fixed / DeiT III is known to +- resolve).
     on_row(label, row, final): called with each first call (final=False; the callers call it with each
     finished row). profile: torch.profiler's op table of each row, under this heading. -> (rows, times)."""
     fns, rows = {}, {}
-    for label, build in builds.items():
-        model, fns[label], fields = build()
+    for label in labels:
+        model, fns[label], fields = build(label)
         rows[label] = {"model": label, "batch": batch, **fields, **first_call(fns[label], model, device, first)}
         if on_row:
             on_row(label, rows[label], False)
@@ -498,15 +498,14 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
             c = models["DeiT III"].config
             images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
 
-            def build(model):
-                model = model.to(device, weights).eval()
+            def build(label):
+                model = models[label].to(device, weights).eval()
                 run = maybe_compile(model, mode != "eager", mode=None if mode == "compiled" else mode,
                                     backend=backend)
                 fields = {"mode": mode, "image_size": c.image_size, "params_m": model.num_params() / 1e6}
                 return model, inference_call(run, images, device, mixed=weights == torch.float32), fields
-            group, _ = time_rows({label: lambda m=m: build(m) for label, m in models.items()}, batch, device,
-                                 warmup, repeats, iters, "first_call_s", on_row=on_row,
-                                 profile=f"{mode}: " if profile else "")
+            group, _ = time_rows(models, build, batch, device, warmup, repeats, iters, "first_call_s",
+                                 on_row=on_row, profile=f"{mode}: " if profile else "")
             for row in group:
                 if memory and device.type == "cpu" and mode == "eager" and dtype == "float32":
                     row.update(cpu_memory(size, row["model"], batch))
@@ -589,15 +588,15 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
              for k, (name, overrides, compile_row) in train_models(size, compiled).items()
              if labels is None or k in labels}
 
-    def build(name, overrides, compile_row):
+    def build(label):
+        name, overrides, compile_row = specs[label]
         torch.manual_seed(0)
         step = language_train_step if name in alternet.PRESETS else vision_train_step
         model, fn, flops = step(name, overrides, batch, device, lr, compile_row, backend)
         return model, fn, {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
                            "compiled": compile_row, "forward_gflops_per_image": flops / 1e9, "reference": reference}
-    rows, times = time_rows({label: lambda s=s: build(*s) for label, s in specs.items()}, batch, device, warmup,
-                            repeats, iters, "first_step_s", reference, on_row, "train step, " if profile else "",
-                            resolve, max_repeats)
+    rows, times = time_rows(specs, build, batch, device, warmup, repeats, iters, "first_step_s", reference,
+                            on_row, "train step, " if profile else "", resolve, max_repeats)
     by_label = {r["model"]: r for r in rows}
     for r in rows if peak else ():
         r["mfu"] = 3 * r["forward_gflops_per_image"] * 1e9 * batch / (r["median_ms"] / 1e3) / peak
