@@ -224,11 +224,10 @@ def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT f
 
 def time_rows(labels, build, batch: int, device, warmup: int, repeats: int, iters: int, first: str,
               reference: str = "DeiT III", on_row=None, profile: str = "", resolve=None, max_repeats=0) -> tuple:
-    """The rows of one interleaved timing. build(label) -> (model, one call, the row's fields), in turn;
-    each call runs once (its seconds as `first`, compilation included; CUDA memory), then all are timed
-    together (resolve: more rounds until reViT fixed / DeiT III is known to +- resolve).
-    on_row(label, row, final): called with each first call (final=False; the callers call it with each
-    finished row). profile: torch.profiler's op table of each row, under this heading. -> (rows, times)."""
+    """(rows, times) of one interleaved timing. build(label) -> (model, one call, the row's fields), in
+    turn; each call runs once (its seconds as `first`, compilation included; CUDA memory, as on_row(label,
+    row, False)), then all are timed together (resolve: until reViT fixed / DeiT III is known to +- resolve).
+    profile: a heading for torch.profiler's op table of each row."""
     fns, rows = {}, {}
     for label in labels:
         model, fns[label], fields = build(label)
@@ -865,11 +864,9 @@ def run_check(args, device) -> dict:
 
 
 def check_parts(args, device, sizes: dict, run_dir: str) -> list:
-    """The parts, most important first: the paper's Table 7 (latency and memory, batch 1, then the large
-    batch), the training step, correctness on the device, a short train.py run, elastic depth's step, the
-    GPU tests that need the data. Each has its share of the budget and the least time worth starting it
-    with (our choice, from CPU compile times until a GPU run measures them: torch.compile's builds dominate).
-    A part that cannot run here (no data; GPU tests on a CPU) has no process, only its reason."""
+    """The parts, most important first (the paper's Table 7 first), each with its share of the budget and
+    the least share worth starting it with (our choice, from CPU compile times until a GPU run measures
+    them). A part that cannot run here (no data; GPU tests on a CPU) has no process, only its reason."""
     cuda = device.type == "cuda"
     here = [sys.executable, os.path.join(HERE, "bench.py"), "check", "--device", "cuda" if cuda else str(device),
             *(["--quick"] if args.quick else []), "--part"]  # cuda:N: the only GPU the parts see (part_env)
