@@ -112,7 +112,7 @@ def environment(device: torch.device) -> dict:
 
 
 def recorded_commit(folder: str) -> str | None:
-    """The commit in folder/.commit (git-ignored), for a copy of the working tree run where there is no git."""
+    """The commit in folder/.commit (git-ignored): a copy of the working tree run where there is no git."""
     with contextlib.suppress(OSError, UnicodeDecodeError), open(os.path.join(folder, ".commit")) as fh:
         text = fh.read(200).strip()
         if re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", text):
@@ -121,7 +121,7 @@ def recorded_commit(folder: str) -> str | None:
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak; None on a CPU (it depends on SKU, clocks and sharing: we do not guess)."""
+    """The device's dense bf16 peak; None on a CPU (SKU, clocks and sharing decide it: we do not guess)."""
     return peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
@@ -130,7 +130,9 @@ def peak_of(gpu_name: str) -> float | None:
 
 
 def quartiles(values: list[float]) -> tuple:
-    return tuple(statistics.quantiles(values, n=4, method="inclusive")) if len(values) > 1 else (values[0],) * 3
+    if len(values) == 1:
+        return (values[0],) * 3
+    return tuple(statistics.quantiles(values, n=4, method="inclusive"))
 
 
 def summary(seconds: list[float]) -> dict:
@@ -223,7 +225,7 @@ def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT f
 
 
 def time_rows(labels, build, batch: int, device, warmup: int, repeats: int, iters: int, first: str,
-              reference: str = "DeiT III", on_row=None, profile: str = "", resolve=None, max_repeats=0) -> tuple:
+              reference="DeiT III", on_row=None, profile: str = "", resolve=None, max_repeats=0) -> tuple:
     """(rows, times) of one interleaved timing. build(label) -> (model, one call, the row's fields), in
     turn; each call runs once (its seconds as `first`, compilation included; CUDA memory, as on_row(label,
     row, False)), then all are timed together (resolve: until reViT fixed / DeiT III is known to +- resolve).
@@ -231,7 +233,8 @@ def time_rows(labels, build, batch: int, device, warmup: int, repeats: int, iter
     fns, rows = {}, {}
     for label in labels:
         model, fns[label], fields = build(label)
-        rows[label] = {"model": label, "batch": batch, **fields, **first_call(fns[label], model, device, first)}
+        rows[label] = {"model": label, "batch": batch, **fields}
+        rows[label].update(first_call(fns[label], model, device, first))
         if on_row:
             on_row(label, rows[label], False)
     times = time_interleaved(fns, device, warmup, repeats, iters)
@@ -493,7 +496,7 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
     rows = []
     for mode in modes:
         for batch in batches:
-            models = latency_models(size, **(model_args or {}))  # fresh: each row's first call builds its caches
+            models = latency_models(size, **(model_args or {}))  # fresh: each first call builds its caches
             c = models["DeiT III"].config
             images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
 
@@ -593,7 +596,8 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
         step = language_train_step if name in alternet.PRESETS else vision_train_step
         model, fn, flops = step(name, overrides, batch, device, lr, compile_row, backend)
         return model, fn, {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
-                           "compiled": compile_row, "forward_gflops_per_image": flops / 1e9, "reference": reference}
+                           "compiled": compile_row, "forward_gflops_per_image": flops / 1e9,
+                           "reference": reference}
     rows, times = time_rows(specs, build, batch, device, warmup, repeats, iters, "first_step_s", reference,
                             on_row, "train step, " if profile else "", resolve, max_repeats)
     by_label = {r["model"]: r for r in rows}
@@ -733,12 +737,13 @@ def params_markdown(result: dict) -> str:
 
 
 COUNTING_NOTE = (
-    "\nCounting rule (ours; it reproduces every GFLOPs cell of Tables 1 and 10 over T=198 tokens, one more than "
-    "our 196 patches + class token): 2 FLOPs per multiply-add of the linear layers, patch embedding and head; "
-    "attention products not counted; reViT's merge (Eq. 2) as E*P multiply-adds per step (counted as FLOPs, "
-    "reViT-B/L would be 34.1/120.7). flop_counter equals the T=197 count once the attention products, the router "
-    "and reViT's diversity loss (2 E^2 P FLOPs, 'other') are set aside. reViT-B/L count 22.8M/39.8M params, not "
-    "the paper's 23.6/40.9: the architecture as described has no room for more (RESULTS.md).")
+    "\nCounting rule (ours; it reproduces every GFLOPs cell of Tables 1 and 10 over T=198 tokens, one more "
+    "than our 196 patches + class token): 2 FLOPs per multiply-add of the linear layers, patch embedding and "
+    "head; attention products not counted; reViT's merge (Eq. 2) as E*P multiply-adds per step (counted as "
+    "FLOPs, reViT-B/L would be 34.1/120.7). flop_counter equals the T=197 count once the attention products, "
+    "the router and reViT's diversity loss (2 E^2 P FLOPs, 'other') are set aside. reViT-B/L count "
+    "22.8M/39.8M params, not the paper's 23.6/40.9: the architecture as described has no room for more "
+    "(RESULTS.md).")
 
 # The columns of a latency row and of a training-step row, in `bench.py latency | train` and in check.md
 LATENCY_COLUMNS = [
@@ -757,25 +762,27 @@ TRAIN_COLUMNS = [
     ("memory (MiB)", f("memory_mib", "{:.0f}")), ("1st step s", f("first_step_s", "{:.1f}"))]
 NOTES = {
     "latency": "vs DeiT III: median (IQR) over repeats of the per-round ratio, both timed in the same round. "
-               "Memory: on CUDA always; on a CPU the peak RSS of a fresh process per row, eager (bench.py latency).",
-    "train": "vs: the median per-round ratio ± the half-width of its 95% bootstrap interval. MFU = 3 x forward "
-             "FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent part x 0.7) x img/s / peak "
-             "bf16 FLOP/s; 'unknown' where the device's peak is not in the table (always on CPU).",
+               "Memory: on CUDA always; on a CPU the peak RSS of a fresh process per row, eager (bench.py "
+               "latency).",
+    "train": "vs: the median per-round ratio ± the half-width of its 95% bootstrap interval. MFU = 3 x "
+             "forward FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent part x 0.7) x "
+             "img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the table (a CPU's).",
     "tests": "", "run": ""}
 
 
 def latency_markdown(result: dict) -> str:
     table = markdown(result["rows"], [("model", f("model", "{}")), ("mode", f("mode", "{}")),
                                       ("batch", f("batch", "{}"))] + LATENCY_COLUMNS)
-    return (f"## Inference latency and memory ({result['settings']['summary']})\n\n{table}\n\n{NOTES['latency']}"
-            + recompiled_note(result["rows"]) + targets_markdown(result.get("targets", [])))
+    settings = result["settings"]["summary"]
+    text = f"## Inference latency and memory ({settings})\n\n{table}\n\n{NOTES['latency']}"
+    return text + recompiled_note(result["rows"]) + targets_markdown(result.get("targets", []))
 
 
 def train_markdown(result: dict) -> str:
     table = markdown(result["rows"], [("model", f("model", "{}"))] + TRAIN_COLUMNS)
     text = f"## Training step ({result['settings']['summary']})\n\n{table}" + recompiled_note(result["rows"])
-    for key, what in (("ratio_vs_fixed", "elastic 0.3 vs fixed depth"), ("ratio_vs_fixed_eager", "elastic 0.3 "
-                      "vs fixed depth run eagerly (elastic depth's step loop is eager)"),
+    for key, what in (("ratio_vs_fixed", "elastic 0.3 vs fixed depth"),
+                      ("ratio_vs_fixed_eager", "elastic 0.3 vs fixed depth run eagerly (as elastic's loop)"),
                       ("ratio_vs_eager", "AlterNet compiled vs eager")):
         text += "".join(f"\n\n{what}: {ratio_text(r[key])}" for r in result["rows"] if key in r)
     fixed = next((r for r in result["rows"] if r["model"] == "reViT fixed"), None)
@@ -849,8 +856,8 @@ def run_check(args, device) -> dict:
     header = {"command": "check", "env": environment(device), "sizes": sizes_name, "budget_s": args.budget,
               "compile_backend": sizes["backend"], "kinds": {p.name: p.kind for p in parts}}
     report = budget.Report(args.out, header, check_markdown, check_row_line)
-    print(f"bench.py check on {device} ({sizes_name} sizes), budget {args.budget:.0f} s, report in {args.out}",
-          flush=True)
+    print(f"bench.py check on {device} ({sizes_name} sizes), budget {args.budget:.0f} s, report in "
+          f"{args.out}", flush=True)
     try:
         with open(os.path.join(args.out, "check.log"), "w") as log:
             budget.run_plan(parts, args.budget, report, log)
@@ -868,8 +875,8 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
     the least share worth starting it with (our choice, from CPU compile times until a GPU run measures
     them). A part that cannot run here (no data; GPU tests on a CPU) has no process, only its reason."""
     cuda = device.type == "cuda"
-    here = [sys.executable, os.path.join(HERE, "bench.py"), "check", "--device", "cuda" if cuda else str(device),
-            *(["--quick"] if args.quick else []), "--part"]  # cuda:N: the only GPU the parts see (part_env)
+    here = [sys.executable, os.path.join(HERE, "bench.py"), "check", "--device",  # cuda:N: their only GPU
+            "cuda" if cuda else str(device), *(["--quick"] if args.quick else []), "--part"]
     data_dir = ["--data-dir", os.path.abspath(args.data_dir)] if args.data_dir else []
     run = [sys.executable, os.path.join(HERE, "train.py"), *sizes["run"], *data_dir, "--out-dir", run_dir,
            "--no-progress", "--compile-backend", sizes["backend"]]
@@ -879,8 +886,8 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
     small, large = sizes["batches"]
 
     def part(name, kind, share, floor, argv, rows=(), **fields):
-        return budget.Part(name, None if fields.get("blocked") else argv, list(rows), share, floor * args.budget,
-                           kind=kind, env=env, **fields)
+        argv = None if fields.get("blocked") else argv
+        return budget.Part(name, argv, list(rows), share, floor * args.budget, kind=kind, env=env, **fields)
     return [
         part(f"latency, batch {small}", "latency", 0.30, 0.12, here + [f"latency:{small}"], LATENCY_MODELS),
         part(f"latency, batch {large}", "latency", 0.22, 0.08, here + [f"latency:{large}"], LATENCY_MODELS),
@@ -890,8 +897,8 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
         part("train.py run", "run", 0.07, 0.03, run, ["train.py run"], blocked=no_data,
              finish=train_run_rows(run_dir, sizes, device)),
         part("training step, elastic depth", "train", 0.05, 0.03, here + ["elastic"], ELASTIC_ROWS),
-        part("GPU tests that need the data", "tests", 0.06, 0.04, pytest_argv(device, DATA_TESTS, gpu_only=True),
-             parse=pytest_rows, **gpu_tests)]
+        part("GPU tests that need the data", "tests", 0.06, 0.04,
+             pytest_argv(device, DATA_TESTS, gpu_only=True), parse=pytest_rows, **gpu_tests)]
 
 
 def part_env(device, data_dir: str) -> dict:
@@ -914,7 +921,8 @@ def data_problem(data_dir: str) -> str:
         return ""
     except (FileNotFoundError, ValueError):
         where = ", ".join(map(str, data.data_roots(data_dir)))
-        return f"no Fashion-MNIST in {where}; copy its four .gz files into {data_dir or 'data'}/ (README: On a GPU)"
+        return (f"no Fashion-MNIST in {where}; copy its four .gz files into {data_dir or 'data'}/ "
+                "(README: On a GPU)")
 
 
 def step_precision(device) -> str:
@@ -936,9 +944,9 @@ def check_part(key: str, device, sizes: dict) -> dict:
                                                                        compiled), **sizes["latency"])
         else:
             labels = ["DeiT III", "reViT fixed"] if kind == "train-step" else list(ELASTIC_ROWS)
-            bench_train(compiled=True, labels=labels, reference=labels[0], peak=peak_flops(device), device=device,
-                        backend=sizes["backend"], on_row=row_emitter(step_precision(device), compiled),
-                        **sizes["train"])
+            bench_train(compiled=True, labels=labels, reference=labels[0], peak=peak_flops(device),
+                        device=device, backend=sizes["backend"], **sizes["train"],
+                        on_row=row_emitter(step_precision(device), compiled))
     except Exception as e:  # noqa: BLE001 - the traceback to the log, its first line to the report
         traceback.print_exc(file=sys.stdout)
         raise SystemExit(f"error: {first_informative_line(e)}") from None
@@ -967,8 +975,8 @@ def row_emitter(precision: str, compiled: str):
         if not final:
             first = row.get("first_call_s", row.get("first_step_s", 0))
             fields["detail"] = f"first call {first:.1f} s (compilation included); timing"
-        budget.emit(label, status="ok" if final else "running", precision=f"{precision}, {eager.get(label, compiled)}",
-                    **fields)
+        how = f"{precision}, {eager.get(label, compiled)}"
+        budget.emit(label, status="ok" if final else "running", precision=how, **fields)
     return on_row
 
 
@@ -1030,11 +1038,13 @@ def check_markdown(doc: dict) -> str:
     state = ("complete: every row is a result or a reason" if doc["complete"] else
              "NOT complete: rows marked pending or running had not finished when this file was written")
     gpu = f" ({env['gpu']})" if "gpu" in env else ""
+    verdict = "all passed" if doc["ok"] else "see the rows not ok"
     out = [f"# bench.py check: {env['device']}{gpu}, {doc['sizes']} sizes, budget {doc['budget_s']:.0f} s\n",
-           environment_line(env), f"\nReport {state}; {'all passed' if doc['ok'] else 'see the rows not ok'}.\n"]
+           environment_line(env), f"\nReport {state}; {verdict}.\n"]
     for part, kind in kinds.items():
         rows = [r for r in doc["rows"] if r["part"] == part]
-        out += [f"## {part}\n", markdown(rows, CHECK_COLUMNS[kind]), f"\n{NOTES[kind]}" if NOTES[kind] else "", ""]
+        note = [f"\n{NOTES[kind]}"] if NOTES[kind] else []
+        out += [f"## {part}\n", markdown(rows, CHECK_COLUMNS[kind]), *note, ""]
     if doc["sizes"] == "full":  # ours, against the paper's Table 7, on the rows that finished
         done = [r for r in doc["rows"] if r["status"] == "ok"]
         latency = [r for r in done if kinds[r["part"]] == "latency"]
@@ -1181,7 +1191,8 @@ def resolve(args, device) -> dict:
 
 
 LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
-    "batches": (lambda t: int(t) if re.fullmatch(r"\s*\d{1,6}\s*", t) and RANGES["batch"][0](int(t)) else None,
+    "batches": (lambda t: int(t) if re.fullmatch(r"\s*\d{1,6}\s*", t) and RANGES["batch"][0](int(t))
+                else None,
                 f"comma-separated integers {RANGES['batch'][1]}, e.g. 1,8"),
     "modes": (lambda t: t.strip() if t.strip() in ("eager", "compiled", "reduce-overhead") else None,
               "comma-separated of eager, compiled, reduce-overhead (CUDA graphs; CUDA only)"),
@@ -1210,7 +1221,7 @@ def check_flags(args, device) -> None:
     held = [name for name in CHECK_FILES if out and check and os.path.lexists(os.path.join(out, name))]
     if held:  # a check writes only files it creates: another run's report stays as it is
         raise InputError(f"--out {out} already holds {held[0]} (another check's report); choose another --out")
-    if out and output_problem(out, "folder" if check else "file"):  # also a run's folder or files, any saved model
+    if out and output_problem(out, "folder" if check else "file"):  # also a run's folder or files, a model
         raise InputError(f"--out {out} {output_problem(out, 'folder' if check else 'file')}")
 
 
@@ -1320,7 +1331,7 @@ def main(argv=None) -> dict:
     except ValueError as e:  # --device: one line, as below
         fail(str(e), "bench.py")
     try:
-        if device.type == "cuda":  # TF32 for float32 parts outside autocast (the correctness tests turn it off)
+        if device.type == "cuda":  # TF32 for float32 parts outside autocast (test_on_device.py turns it off)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         defaults = resolve(args, device)
         check_flags(args, device)
