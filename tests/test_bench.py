@@ -294,10 +294,11 @@ def test_latency_rows_with_bf16_weights():
 # --- hostile inputs: one line each, before any work, nothing written ---
 
 HOSTILE = [  # (argv, the one line's message); {file}: an existing file, {dir}: an existing folder
-    (["latency", "--batches", "0"], "--batches must be comma-separated integers in [1, 65536], e.g. 1,8; got '0'"),
-    (["latency", "--batches", "1,-4"], "--batches must be comma-separated integers in [1, 65536]"),
-    (["latency", "--batches", "a,b"], "--batches must be comma-separated integers in [1, 65536]"),
+    (["latency", "--batches", "0"], "--batches must be comma-separated integers in 1..65,536, e.g. 1,8; got '0'"),
+    (["latency", "--batches", "1,-4"], "--batches must be comma-separated integers in 1..65,536"),
+    (["latency", "--batches", "a,b"], "--batches must be comma-separated integers in 1..65,536"),
     (["latency", "--batches", "1,,8"], "--batches must be comma-separated integers"),
+    (["latency", "--batches", "9" * 5000], "--batches must be comma-separated integers in 1..65,536"),
     (["latency", "--repeats", "0"], "--repeats must be in 1..10,000; got 0"),
     (["latency", "--iters", "0"], "--iters must be in 1..10,000; got 0"),
     (["latency", "--warmup", "-1"], "--warmup must be in 0..1,000; got -1"),
