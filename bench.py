@@ -325,20 +325,20 @@ def counted_flops(model: torch.nn.Module, depth: int | None = None) -> dict:
 def count_preset(name: str, **overrides) -> tuple:
     """(model, counted_flops) of a preset counted online (reViT merges every call): on the meta device,
     or on the CPU where the forward needs real data (token dispatch sorts and splits tokens)."""
-    if revit.PRESETS[name].get("arch") == "revit":
+    if moe.PRESETS[name].get("arch") == "revit":
         overrides.setdefault("merge_cache", False)
     try:
         with torch.device("meta"):
-            model = revit.create_model(name, **overrides).eval()
+            model = moe.create_model(name, **overrides).eval()
         return model, counted_flops(model)
     except Exception:  # noqa: BLE001 - any failure on meta: count on a real CPU module instead
-        model = revit.create_model(name, **overrides).eval()
+        model = moe.create_model(name, **overrides).eval()
         return model, counted_flops(model)
 
 
 def moe_presets(size: str = "s") -> list[str]:
     """The paper's expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1)."""
-    return sorted(n for n in revit.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
+    return sorted(n for n in moe.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
 
 
 def token_dispatch_presets(size: str = "s") -> list[str]:
@@ -403,11 +403,11 @@ def _table10_rows(with_counter: bool) -> list[dict]:
                "paper_gflops_online": paper[1], "paper_gflops_folded": paper[2]}
         if key == "lora-s":
             with torch.device("meta"):  # revit.py's LoRA module: its own count, online and folded
-                module_params = revit.create_model("revit-s-lora").num_params()
+                module_params = moe.create_model("revit-s-lora").num_params()
             row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6, params_m=module_params / 1e6)
             if with_counter:
                 counted = count_preset("revit-s-lora")[1]
-                folded_module = revit.fold(revit.create_model("revit-s-lora").eval())
+                folded_module = revit.fold(moe.create_model("revit-s-lora").eval())
                 row.update(counter_online_gflops=counted["total"] / 1e9,
                            counter_folded_gflops=counted_flops(folded_module)["total"] / 1e9)
         rows.append(row)
@@ -668,7 +668,7 @@ def train_row(label: str, times: dict, batch: int, extra: dict, peak: float | No
 
 def vision_train_step(name, overrides, batch, device, lr, compiled, backend) -> tuple:
     """(model, one optimizer step, forward FLOPs per image) of a revit.py preset on random images."""
-    model = revit.create_model(name, **overrides).to(device).train()
+    model = moe.create_model(name, **overrides).to(device).train()
     c = model.config
     images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
     labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
@@ -1416,13 +1416,13 @@ def add_memory_parser(sub):
 def run_memory(args, device) -> dict:
     """The estimate of lib/memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
     language = args.arch in alternet.PRESETS
-    if not language and args.arch not in revit.PRESETS:
+    if not language and args.arch not in moe.PRESETS:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
     cfg = train.resolve_config(explicit, announce=False)
     with torch.device("meta"):
-        model = (alternet if language else revit).create_model(args.arch)
+        model = (alternet if language else moe).create_model(args.arch)
     batch = args.batch_size or cfg.batch_size
     seq_len = (args.seq_len or cfg.block_size or model.config.seq_len) if language else None
     if language and seq_len > model.config.seq_len:

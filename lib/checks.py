@@ -50,8 +50,8 @@ def check_config(cfg) -> None:
         fail(f"--teacher {cfg.teacher}: {path_problem(cfg.teacher, 'file')} (a checkpoint of this project, "
              f"or hub:dinov2_vitb14)")
     parse_depths(cfg.eval_depths)
-    module = preset_module(cfg.arch)
-    parse_model_args(cfg.model_args, module.ViTConfig if module is revit else module.AlterNetConfig)
+    module = preset_module(cfg.arch, parse_model_args(cfg.model_args))
+    parse_model_args(cfg.model_args, module.AlterNetConfig if module.__name__ == "alternet" else module.ViTConfig)
 
 
 def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
