@@ -487,7 +487,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
     hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
-    plain = {f.name: getattr(model.config, f.name) for f in fields(ViTConfig)}  # (a subclass's fields: dropped)
+    plain = {f.name: getattr(model.config, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
     config = replace(ViTConfig(**plain), arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1,
                      ffn_dim=hidden, expert_ffn_fraction=1.0)
     reference = next(model.parameters())

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import revit
-from revit import (Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, depth_grid, elastic_plan,
-                   full_precision, gate_penalties)
+from revit import (Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, depth_grid,
+                   elastic_plan, full_precision, gate_penalties)
 
 # --- the interface: what a mechanism's FFN gets from the recurrence ---
 
@@ -63,9 +63,9 @@ class FFN(nn.Module):
         return {}
 
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
-        raise ValueError(f"fold: {type(self).__name__} is input-dependent (its routing depends on the tokens), "
-                         "so it has no fixed per-depth weights to fold; only reViT's merge (any E) and "
-                         "layer-wise LoRA fold into a plain ViT")
+        raise ValueError(f"fold: {type(self).__name__} is input-dependent (its routing depends on the "
+                         "tokens), so it has no fixed per-depth weights to fold; only reViT's merge (any E) "
+                         "and layer-wise LoRA fold into a plain ViT")
 
 class MechanismBlock(Block):
     """reViT's shared block (Eq. 3) with a mechanism as its FFN: step t's FFN gets the step if it asks."""
@@ -747,8 +747,8 @@ MOE_TABLE = {
     "softmoe": {1: (4, 0, 0, 4), 1.5: (6, 0, 0, 4), 2: (8, 0, 0, 4), 4: (16, 0, 0, 4)},  # N/4 slots each
 }
 # the sizes of revit.py's presets (Table 1's S/16, B/16 and B/14; the CPU sizes), without arch and E
-MOE_SIZES = {size: {k: v for k, v in revit.PRESETS[f"revit-{size}"].items() if k not in ("arch", "num_experts")}
-             for size in ("s", "b", "b14", "mini", "mini32")}
+MOE_SIZES = {size: {k: v for k, v in revit.PRESETS[f"revit-{size}"].items()
+                    if k not in ("arch", "num_experts")} for size in ("s", "b", "b14", "mini", "mini32")}
 
 def _moe_presets() -> dict:
     """revit-{size}-{mechanism}-u{U} for every cell of MOE_TABLE, revit-{size}-{mechanism} for U = 1,
