@@ -96,7 +96,7 @@ def gate_summary(model) -> dict:
     (max - min over steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a
     model without depth-only gates (a ViT, Raptor, content routing, a probe) or E = 1."""
     config = getattr(model, "config", None)
-    if not isinstance(model, revit.ReViT) or not isinstance(model.block.mlp, revit.MergedExpertFFN):
+    if not isinstance(model, revit.ReViT) or not getattr(config, "depth_programmed", True) or config.num_experts < 2:
         return {}
     with torch.no_grad():
         gates = model.gate_matrix()
