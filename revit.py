@@ -16,9 +16,9 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
 Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; what every FFN of the shared block
-provides) -> `MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTConfig`, `ViTBase`
--> `ReViT` (`forward`: Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache that
-`forward` uses at inference, Table 1's baselines, `PRESETS`, `create_model` and the input checks.
+provides) -> `MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTBase` -> `ReViT`
+(`forward`: Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache that `forward` uses at
+inference, the fp32 regions, Table 1's baselines, `ViTConfig`, `PRESETS`, `create_model` and the checks.
 """
 
 from __future__ import annotations
@@ -34,16 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-# --- building blocks (DeiT III numerics: LayerNorm eps 1e-6, qkv bias, trunc-normal 0.02) ---
-
-def init_linear(module: nn.Module) -> None:
-    if isinstance(module, nn.Linear):
-        nn.init.trunc_normal_(module.weight, std=0.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LayerNorm):
-        nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
+# --- building blocks (DeiT III numerics: LayerNorm eps 1e-6, qkv bias, trunc-normal 0.02: `init_linear`) ---
 
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
@@ -75,16 +66,6 @@ class Mlp(nn.Module):
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
         """The Mlp weights of each of `depth` steps (fold): its own at every step."""
         return [self.state_dict()] * depth
-
-# fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11)
-
-def full_precision(device: torch.device):
-    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
-    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
-
-@torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
-def autocast_available(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type)
 
 # --- the plain ViT block (Eq. 3) ---
 
@@ -261,50 +242,7 @@ class MergedExpertFFN(ExpertBank):
         names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
         return [dict(zip(names, (w[0] for w in self.merge(g.unsqueeze(0))))) for g in gates]
 
-# --- config, and the stem and head that every model shares ---
-
-@dataclass
-class ViTConfig:
-    """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
-    all use these names. lib/moe.py's config adds its mechanisms' fields to these."""
-    arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
-    image_size: int = 224
-    patch_size: int = 16
-    in_channels: int = 3
-    num_classes: int = 1000       # 0: no head (features only)
-    dim: int = 384                # d
-    heads: int = 6
-    ffn_dim: int = 1536           # d_ff
-    depth: int = 12               # L: blocks of a ViT, recurrent steps of Raptor / reViT (trained depth)
-    layer_scale_init: float | None = None  # LayerScale init (DeiT III, Raptor: 1e-4); None: none (Eq. 3)
-    drop_path: float = 0.0        # stochastic depth inside each block: drops residual branches per sample
-    raptor_blocks: int = 4        # k distinct blocks of Raptor
-    num_experts: int = 4          # E of reViT; E = 1 is the plain tied (ALBERT-style) block
-    router_hidden: int = 16       # width of psi (Eq. 1, App. A.1)
-    router_temperature: float = 1.0  # tau (App. A.1 fixes 1)
-    router_prior: float = 0.0     # beta of a fixed depth prior on the gate logits; 0 = the paper's router
-    depth_drop: float = 0.0       # elastic depth (§3.2): per-image drop rate of whole steps, training only
-    balance_weight: float = 1e-2  # λ_bal of Eq. 6 (App. A.2, Table 6); Qwen3 / MoEUT: their balance loss
-    z_loss_weight: float = 1e-3   # λ_z of Eq. 8 (App. A.2, Table 6)
-    diversity_weight: float = 1e-3  # λ_div of Eq. 9 (App. A.2, Table 6)
-    merge_cache: bool = True      # inference without gradients reuses the merged FFNs of a depth
-    expert_ffn_fraction: float = 1.0  # hidden width of each expert / ffn_dim (the paper's ehr / 4)
-
-    def __post_init__(self):
-        check_fields(self, FIELD_RULES)  # each field's type, then its range (at the end of the file)
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def expert_ffn_dim(self) -> int:
-        return round(self.expert_ffn_fraction * self.ffn_dim)
-
-    @property
-    def model_class(self) -> type:
-        """The class this config builds (lib/moe.py's config names its mechanisms' class)."""
-        return MODELS[self.arch]
+# --- the stem and head that every model shares ---
 
 class ViTBase(nn.Module):
     """Patch embedding, class token, positions, final norm and head: common to every model here."""
@@ -518,6 +456,16 @@ def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
         model.merged_ffns = key, [MergedFFN(*(w[t] for w in merged)) for t in range(depth)]
     return model.merged_ffns[1]
 
+# --- fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11) ---
+
+def full_precision(device: torch.device):
+    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
+    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
+
+@torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
+def autocast_available(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type)
+
 # --- elastic depth's FFN for a step whose images sit at several coordinates (§3.2) ---
 
 class GroupedFFN(NamedTuple):
@@ -545,7 +493,16 @@ class TiedFFN(Mlp):
     def aux_losses(self, depth: int) -> dict:
         return {}
 
-# --- DeiT III's recipe pieces: drop-path (any block's option) and LayerScale (the baselines') ---
+# --- DeiT III's recipe pieces: the init, drop-path (any block's option) and LayerScale (the baselines') ---
+
+def init_linear(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
 
 class DropPath(nn.Module):
     """Stochastic depth inside a block: drops a residual branch per sample (DeiT III's recipe). Not
@@ -627,6 +584,51 @@ class Raptor(VisionTransformer):
 
     def schedule(self, depth: int) -> list[int]:
         return raptor_schedule(len(self.blocks), depth)
+
+# --- the config: every model's settings ---
+
+@dataclass
+class ViTConfig:
+    """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
+    all use these names. lib/moe.py's config adds its mechanisms' fields to these."""
+    arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
+    image_size: int = 224
+    patch_size: int = 16
+    in_channels: int = 3
+    num_classes: int = 1000       # 0: no head (features only)
+    dim: int = 384                # d
+    heads: int = 6
+    ffn_dim: int = 1536           # d_ff
+    depth: int = 12               # L: blocks of a ViT, recurrent steps of Raptor / reViT (trained depth)
+    layer_scale_init: float | None = None  # LayerScale init (DeiT III, Raptor: 1e-4); None: none (Eq. 3)
+    drop_path: float = 0.0        # stochastic depth inside each block: drops residual branches per sample
+    raptor_blocks: int = 4        # k distinct blocks of Raptor
+    num_experts: int = 4          # E of reViT; E = 1 is the plain tied (ALBERT-style) block
+    router_hidden: int = 16       # width of psi (Eq. 1, App. A.1)
+    router_temperature: float = 1.0  # tau (App. A.1 fixes 1)
+    router_prior: float = 0.0     # beta of a fixed depth prior on the gate logits; 0 = the paper's router
+    depth_drop: float = 0.0       # elastic depth (§3.2): per-image drop rate of whole steps, training only
+    balance_weight: float = 1e-2  # λ_bal of Eq. 6 (App. A.2, Table 6)
+    z_loss_weight: float = 1e-3   # λ_z of Eq. 8 (App. A.2, Table 6)
+    diversity_weight: float = 1e-3  # λ_div of Eq. 9 (App. A.2, Table 6)
+    merge_cache: bool = True      # inference without gradients reuses the merged FFNs of a depth
+    expert_ffn_fraction: float = 1.0  # hidden width of each expert / ffn_dim (the paper's ehr / 4)
+
+    def __post_init__(self):
+        check_fields(self, FIELD_RULES)  # each field's type, then its range (at the end of the file)
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return round(self.expert_ffn_fraction * self.ffn_dim)
+
+    @property
+    def model_class(self) -> type:
+        """The class this config builds (lib/moe.py's config names its mechanisms' class)."""
+        return MODELS[self.arch]
 
 # --- presets: Table 1's models (ImageNet 224², patch 16) and small CPU sizes of our own ---
 

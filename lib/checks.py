@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import revit
 from lib.boundary import check_numbers, fail, parse_depths, parse_model_args, path_problem
 from lib.checkpoint import preset_module
 from lib.data import TEXT_DATASETS

@@ -80,7 +80,23 @@ class ComparisonReViT(ReViT):
     """reViT's recurrence (§3.1) and elastic depth (§3.2) with a comparison mechanism in the shared block."""
 
     def build_block(self, c: ViTConfig) -> Block:
-        return BUILDERS[c.ffn](c)
+        """The shared block with mechanism c.ffn as its FFN (hidden width of each expert: expert_ffn_dim)."""
+        if c.ffn == "lora":
+            return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
+        hidden, lambdas = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
+        slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
+        ffn = {
+            "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
+            "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
+            "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, *lambdas),
+            "deepseek": lambda: DeepSeekV3FFN(c.dim, hidden, c.num_experts, c.top_k, c.shared_experts,
+                                              c.bias_update_rate),
+            "qwen3": lambda: Qwen3FFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
+            "moeut": lambda: MoEUTFFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
+            "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
+            "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
+        }[c.ffn]()
+        return MechanismBlock(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
 
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
                 keep: torch.Tensor | None = None):
@@ -626,37 +642,16 @@ class LoRABlock(MechanismBlock):
         return states
 
 
-# --- the comparisons' config: revit.py's fields plus the mechanism and its settings; ffn -> its block ---
+# --- the comparisons' config: revit.py's fields plus the mechanism and its settings ---
 
-def build_lora_block(c: ViTConfig) -> Block:
-    return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
-
-def build_comparison_block(c: ViTConfig) -> Block:
-    """The shared block for an input-dependent mechanism (hidden width of each expert: expert_ffn_dim)."""
-    hidden, lambdas = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
-    slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
-    ffn = {
-        "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
-        "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
-        "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, *lambdas),
-        "deepseek": lambda: DeepSeekV3FFN(c.dim, hidden, c.num_experts, c.top_k, c.shared_experts,
-                                          c.bias_update_rate),
-        "qwen3": lambda: Qwen3FFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
-        "moeut": lambda: MoEUTFFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
-        "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
-        "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
-    }[c.ffn]()
-    return MechanismBlock(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
-
-INPUT_DEPENDENT = ("lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
-BUILDERS = {"lora": build_lora_block, **{name: build_comparison_block for name in INPUT_DEPENDENT}}
-FFNS = ("merge", *BUILDERS)  # every value ViTConfig.ffn may take
+FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
 
 @dataclass
 class ViTConfig(revit.ViTConfig):
-    """revit.ViTConfig plus `ffn` and the settings the mechanisms read (§4.3, App. B, Table 8); the same
-    name, so that callers use revit's or this module's create_model / ViTConfig / PRESETS alike."""
-    ffn: str = "merge"            # the shared block's FFN: reViT's "merge" or a mechanism of BUILDERS
+    """revit.ViTConfig plus `ffn` and the settings the mechanisms read (§4.3, App. B, Table 8; Qwen3's and
+    MoEUT's balance losses take revit's balance_weight). The same name as revit's, so that a caller uses
+    either module's create_model / ViTConfig / PRESETS alike."""
+    ffn: str = "merge"            # the shared block's FFN: reViT's "merge" or a mechanism (FFNS)
     top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
     shared_experts: int = 0       # DeepSeek-V3's always-active experts
     slots_per_expert: int = 0     # Soft-MoE; 0: round(num_patches / 4) (49 for S/16, 64 for B/14)
