@@ -378,20 +378,20 @@ def counted_flops(model: torch.nn.Module, depth: int | None = None) -> dict:
 def count_preset(name: str, **overrides) -> tuple:
     """(model, counted_flops) of a preset counted online (reViT merges every call): on the meta device,
     or on the CPU where the forward needs real data (token dispatch sorts and splits tokens)."""
-    if revit.PRESETS[name].get("arch") == "revit":
+    if moe.PRESETS[name].get("arch") == "revit":
         overrides.setdefault("merge_cache", False)
     try:
         with torch.device("meta"):
-            model = revit.create_model(name, **overrides).eval()
+            model = moe.create_model(name, **overrides).eval()
         return model, counted_flops(model)
     except Exception:  # noqa: BLE001 - any failure on meta: count on a real CPU module instead
-        model = revit.create_model(name, **overrides).eval()
+        model = moe.create_model(name, **overrides).eval()
         return model, counted_flops(model)
 
 
 def moe_presets(size: str = "s") -> list[str]:
     """The paper's expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1)."""
-    return sorted(n for n in revit.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
+    return sorted(n for n in moe.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
 
 
 def token_dispatch_presets(size: str = "s") -> list[str]:
@@ -442,7 +442,7 @@ def table10_rows(with_counter: bool) -> list[dict]:
     analytic, and the module's own count), reViT."""
     with torch.device("meta"):
         vit_s, revit_s, tied = (revit.create_model(n) for n in ("vit-s", "revit-s", "revit-s-e1"))
-        lora_module = revit.create_model("revit-s-lora").num_params()
+        lora_module = moe.create_model("revit-s-lora").num_params()
     c = revit_s.config
     shared, adapters = tied.num_params(), c.depth * lora_params_per_token(c, LORA_RANK)
     folded = analytic_macs(c, 1, online=False)  # 12 dense depth-specific FFNs: the DeiT III count
@@ -459,7 +459,7 @@ def table10_rows(with_counter: bool) -> list[dict]:
         if key == "lora-s":
             row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6)
         if key == "lora-s" and with_counter:  # revit.py's LoRA module: its own count, online and folded
-            folded_module = revit.fold(revit.create_model("revit-s-lora").eval())
+            folded_module = revit.fold(moe.create_model("revit-s-lora").eval())
             row.update(counter_online_gflops=count_preset("revit-s-lora")[1]["total"] / 1e9,
                        counter_folded_gflops=counted_flops(folded_module)["total"] / 1e9)
         rows.append(row)
@@ -615,7 +615,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
 
 def vision_train_step(name, overrides, batch, device, lr, compiled, backend) -> tuple:
     """(model, one optimizer step, forward FLOPs per image) of a revit.py preset on random images."""
-    model = revit.create_model(name, **overrides).to(device).train()
+    model = moe.create_model(name, **overrides).to(device).train()
     c = model.config
     images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
     labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
@@ -1285,13 +1285,13 @@ def parse_rows(text: str | None, size: str, compiled: bool) -> list[str] | None:
 def run_memory(args, device) -> dict:
     """The estimate of lib/memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
     language = args.arch in alternet.PRESETS
-    if not language and args.arch not in revit.PRESETS:
+    if not language and args.arch not in moe.PRESETS:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
     cfg = train.resolve_config(explicit, announce=False)
     with torch.device("meta"):
-        model = (alternet if language else revit).create_model(args.arch)
+        model = (alternet if language else moe).create_model(args.arch)
     batch = args.batch_size or cfg.batch_size
     seq_len = (args.seq_len or cfg.block_size or model.config.seq_len) if language else None
     if language and seq_len > model.config.seq_len:

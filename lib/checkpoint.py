@@ -9,6 +9,7 @@ head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading error
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -171,14 +172,24 @@ def config_problem(ckpt: dict, keys) -> str | None:
 
 
 def preset_module(arch: str, config=None):
-    """revit or alternet, whichever defines preset `arch` (with `config`, its model config); None if neither
-    does. The language model is imported only for a name that is not a vision preset, and lib/moe.py only
-    for a comparison mechanism: a reViT run loads neither."""
-    import_moe_if_named(arch, config)
-    if arch in revit.PRESETS:
+    """revit, lib.moe or alternet: the module whose create_model builds preset `arch` (with `config`, its
+    model config); None if none does. lib/moe.py builds a comparison mechanism's preset and a config with
+    its fields (as every vision checkpoint saved before it had its own config holds); the language model
+    and lib/moe.py are imported only when needed: a reViT run loads neither."""
+    if arch in revit.PRESETS and not set(config if isinstance(config, dict) else ()) - VISION_FIELDS:
         return revit
     import alternet
-    return alternet if arch in alternet.PRESETS else None
+    if arch in alternet.PRESETS:
+        return alternet
+    from lib import moe
+    return moe if arch in moe.PRESETS else None
+
+
+VISION_FIELDS = {f.name for f in dataclasses.fields(revit.ViTConfig)}
+
+
+def is_vision(module) -> bool:
+    return module is not None and module.__name__ in ("revit", "lib.moe")
 
 
 def family_of(arch: str) -> str:
@@ -188,25 +199,13 @@ def family_of(arch: str) -> str:
         close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
         fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
              + "python train.py --list-archs prints all names")
-    return "vision" if module is revit else "language"
+    return "vision" if is_vision(module) else "language"
 
 
 def preset_names() -> list[str]:
     import alternet  # for their names: a list or an unknown --arch
-    import lib.moe  # noqa: F401 -- the comparison mechanisms' presets are names too
-    return sorted(revit.PRESETS) + sorted(alternet.PRESETS)
-
-
-def import_moe_if_named(arch: str | None = None, config=None) -> None:
-    """The comparison mechanisms of §4.3 / App. B live in lib/moe.py, which registers their presets and
-    ffn values with revit when imported: import it when (and only when) `arch` is a name neither model
-    file defines or the model config `config` names an ffn other than reViT's merge."""
-    unknown = False
-    if arch is not None and arch not in revit.PRESETS:
-        import alternet
-        unknown = arch not in alternet.PRESETS
-    if unknown or isinstance(config, dict) and config.get("ffn", "merge") != "merge":
-        import lib.moe  # noqa: F401
+    from lib import moe  # the comparison mechanisms' presets are names too
+    return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
 
 
 def load_model(path, device="cpu", flag: str = "checkpoint"):

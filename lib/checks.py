@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import revit
 from lib.boundary import check_numbers, fail, parse_depths, parse_model_args, path_problem
-from lib.checkpoint import preset_module
+from lib.checkpoint import is_vision, preset_module
 from lib.data import TEXT_DATASETS
 from lib.tasks import DENSE_PROBES, PROBES
 
@@ -50,8 +49,8 @@ def check_config(cfg) -> None:
         fail(f"--teacher {cfg.teacher}: {path_problem(cfg.teacher, 'file')} (a checkpoint of this project, "
              f"or hub:dinov2_vitb14)")
     parse_depths(cfg.eval_depths)
-    module = preset_module(cfg.arch)
-    parse_model_args(cfg.model_args, module.ViTConfig if module is revit else module.AlterNetConfig)
+    module = preset_module(cfg.arch, parse_model_args(cfg.model_args))
+    parse_model_args(cfg.model_args, module.ViTConfig if is_vision(module) else module.AlterNetConfig)
 
 
 def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:

@@ -466,7 +466,7 @@ def _rss_kib(field: str) -> int:
 
 def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
     """The config of the plain ViT that revit.fold(model) returns at the model's own depth."""
-    return dataclasses.replace(config, arch="vit", ffn="merge", depth_drop=0.0, raptor_blocks=1)
+    return dataclasses.replace(config, arch="vit", depth_drop=0.0, raptor_blocks=1)
 
 
 def _memory_worker(spec: dict) -> dict:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.checkpoint import checkpoint_or_fail, model_or_fail, preset_module
+from lib.checkpoint import checkpoint_or_fail, is_vision, model_or_fail, preset_module
 from lib.boundary import fail, parse_depths, parse_model_args
 from lib.cli import device_options, say
 
@@ -96,7 +96,7 @@ def gate_summary(model) -> dict:
     (max - min over steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a
     model without depth-only gates (a ViT, Raptor, content routing, a probe) or E = 1."""
     config = getattr(model, "config", None)
-    if not isinstance(model, revit.ReViT) or not config.depth_programmed or config.num_experts < 2:
+    if not isinstance(model, revit.ReViT) or not getattr(config, "depth_programmed", True) or config.num_experts < 2:
         return {}
     with torch.no_grad():
         gates = model.gate_matrix()
@@ -224,7 +224,7 @@ def summarise(cfg, model: nn.Module, results: dict) -> tuple[dict, str]:
 def backbone_arch(path: str) -> str:
     """A linear probe is named after its --backbone, which must be a vision model of revit.py."""
     arch = checkpoint_or_fail(path, "--backbone")["arch"]
-    if preset_module(arch) is not revit:
+    if not is_vision(preset_module(arch)):
         fail(f"--backbone {path} is a checkpoint of {arch}, not a vision model of revit.py")
     return arch
 
@@ -256,7 +256,8 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
                  f"{cfg.dataset} has {images.channels}x{images.image_size}²")
         model = PROBES[cfg.probe](backbone, images.num_classes, cfg)
     else:
-        model = make(revit.create_model, cfg.arch, ckpt["model_config"] if ckpt else vision_overrides(cfg, images))
+        overrides = ckpt["model_config"] if ckpt else vision_overrides(cfg, images)
+        model = make(preset_module(cfg.arch, overrides).create_model, cfg.arch, overrides)
     task = ClassificationTask(cfg, images, device, augment, autocast)
     if cfg.teacher:
         teacher = load_teacher(cfg.teacher, device)
@@ -274,12 +275,13 @@ AUGMENT_FIELDS = ("random_crop", "three_augment", "color_jitter", "mixup", "cutm
 
 def vision_overrides(cfg, images: data.ImageData) -> dict:
     """Model config overrides: data properties, CLI flags, and the patch size for small images."""
-    preset = revit.PRESETS[cfg.arch]
+    module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, or lib.moe for a mechanism
+    preset = module.PRESETS[cfg.arch]
     overrides = dict(image_size=images.image_size, in_channels=images.channels, num_classes=images.num_classes)
     for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop"):
         if getattr(cfg, name) is not None:
             overrides[name] = getattr(cfg, name)
-    overrides.update(parse_model_args(cfg.model_args, revit.ViTConfig))
+    overrides.update(parse_model_args(cfg.model_args, module.ViTConfig))
     patch = overrides.get("patch_size", preset.get("patch_size", 16))
     if "patch_size" not in overrides and (images.image_size % patch or images.image_size // patch < 4):
         cfg.patch_size = overrides["patch_size"] = 4 if images.image_size % 4 == 0 else 1
@@ -296,7 +298,6 @@ def autocast_of(device, options: dict):
 
 def make(create, arch, overrides):
     """create(arch, **overrides), its ValueError / TypeError as the one-line exit."""
-    preset_module(arch, overrides)  # imports lib.moe where a comparison mechanism is asked for
     try:
         return create(arch, **overrides)
     except (ValueError, TypeError) as e:

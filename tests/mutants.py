@@ -153,7 +153,7 @@ MUTANTS = [
     mutant("fold: gate row 0 for every block", R, "self.merge(g.unsqueeze(0))", "self.merge(gates[:1])", *FOLD),
     mutant("fold: gates of the trained depth", R, "steps = model.block.unrolled_states(depth, gates)",
            'steps = model.block.unrolled_states(depth, model.gate_matrix()[:depth] if gates is None and '
-           'model.config.ffn == "merge" else gates)', *FOLD),
+           'isinstance(model.block.mlp, MergedExpertFFN) else gates)', *FOLD),
     # --- Table 1's baselines: Raptor's schedule, DeiT III's LayerScale ---
     mutant("Raptor thresholds", R, "known = {2: [7], 3: [7, 10], 4: [4, 7, 10]}",
            "known = {2: [6], 3: [6, 9], 4: [3, 6, 9]}", "test_raptor_runs_its_blocks_on_raptors_segments"),

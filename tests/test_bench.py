@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import bench
-from lib import cli
+from lib import cli, moe
 import revit
 
 FAST = settings(max_examples=10, deadline=None)
@@ -60,13 +60,11 @@ def test_analytic_count_equals_flop_counter(arch, heads, head_dim, hidden, depth
 
 
 def test_lora_analytic_count_equals_flop_counter():
-    if "revit-mini-lora" not in revit.PRESETS:
-        pytest.skip("layer-wise LoRA preset not in revit.py")
     model, counted = bench.count_preset("revit-mini-lora", **tiny_config(lora_rank=3))
     macs = bench.analytic_macs(model.config, lora_rank=3)
     assert macs["lora"] > 0
     assert counted["total"] - counted["attention"] == 2 * macs["total"]
-    folded = bench.counted_flops(revit.fold(revit.create_model("revit-mini-lora", **tiny_config(lora_rank=3))))
+    folded = bench.counted_flops(revit.fold(moe.create_model("revit-mini-lora", **tiny_config(lora_rank=3))))
     assert folded["total"] - folded["attention"] == 2 * bench.analytic_macs(model.config)["total"]
 
 

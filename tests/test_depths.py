@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from lib import moe
 from tools import depths
 import revit
 import train
@@ -149,7 +150,7 @@ def test_smallest_depth_within_half_a_point_is_faster_only_beyond_the_timing_spr
                                         ("revit-mini-e1", "folded"), ("revit-mini-lora", "folded"),
                                         ("revit-mini-smear", "model"), ("revit-mini-qwen3", "model")])
 def test_deployed_model_runs_like_the_model_at_that_depth(name, form):
-    model = revit.create_model(name, **tiny_config(num_classes=5, image_size=8, patch_size=4)).eval()
+    model = moe.create_model(name, **tiny_config(num_classes=5, image_size=8, patch_size=4)).eval()
     depth = model.config.depth if name in ("vit-mini", "revit-mini-lora") else 5
     module, depth_arg = depths.deployed_model(model, depth)
     assert (module is not model) == (form == "folded")

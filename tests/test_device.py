@@ -175,7 +175,7 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
     """A tiny model with its default init, plus non-zero routers and LoRA updates (zero at init)."""
     name, overrides = FAMILIES[family]
     torch.manual_seed(seed)
-    model = revit.create_model(name, **{**TINY, **overrides})
+    model = moe.create_model(name, **{**TINY, **overrides})
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "router" in pname or pname.endswith("_up"):

@@ -167,8 +167,8 @@ def test_router_lr_scale_puts_psi_alone_in_a_third_group():
     assert sorted(ids(groups[0]) + ids(groups[1]) + ids(groups[2])) == sorted(id(p) for p in model.parameters())
     tied = revit.create_model("revit-mini", num_experts=1)
     assert len(train.param_groups(tied, 0.05, 10.0)) == 2  # no psi
-    import lib.moe  # noqa: F401 -- a content router (SMEAR, Table 3) gets the same third group
-    smear = revit.create_model("revit-mini-smear")
+    from lib import moe  # a content router (SMEAR, Table 3) gets the same third group
+    smear = moe.create_model("revit-mini-smear")
     router = {id(p) for p in smear.block.mlp.router.parameters()}
     assert set(ids(train.param_groups(smear, 0.05, 30.0)[2])) == router and len(router) == 2
 

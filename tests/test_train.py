@@ -86,8 +86,8 @@ SMALL_LANGUAGE = dict(vocab_size=64, seq_len=16, dim=32, heads=2, ffn_dim=32, de
 def test_no_bias_is_decayed_for_any_preset():
     """Biases are never decayed, whatever their shape (reViT's per-expert biases are (E, d_ff))."""
     import alternet
-    import lib.moe  # noqa: F401 - every preset: the comparison mechanisms' too
-    models = [(name, revit.create_model(name, **SMALL_VISION)) for name in revit.PRESETS]
+    from lib import moe  # every preset: the comparison mechanisms' too
+    models = [(name, moe.create_model(name, **SMALL_VISION)) for name in moe.PRESETS]
     models += [(name, alternet.create_model(name, **SMALL_LANGUAGE)) for name in alternet.PRESETS]
     for name, model in models:
         decay, _ = train.param_groups(model, 0.05)

@@ -37,7 +37,7 @@ if not __package__:  # run as a file (python tools/depths.py): the project's mod
 
 import alternet
 import bench
-from lib import memory
+from lib import memory, moe
 import revit
 import train
 from lib.checkpoint import load_model
@@ -59,7 +59,7 @@ def checkpoint_evaluation(path: str, test_subset: int, device: torch.device, pat
         model, ckpt = load_model(path, device, "CKPT")
     except ValueError as e:
         raise InputError(str(e)) from None
-    if ckpt["arch"] in revit.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
+    if ckpt["arch"] in moe.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
         raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
     flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",  # --depths decides
              **({"test_subset": test_subset} if test_subset else {}),
@@ -86,7 +86,7 @@ def train_errors(what: str):
 def depth_list(given: list[int], model) -> list[int]:
     """--depths (parsed at the boundary) for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
     c = model.config
-    single = c.arch == "vit" or c.ffn == "lora"
+    single = c.arch == "vit" or getattr(c, "ffn", "merge") == "lora"
     if not given:
         return [c.depth] if single else list(range(2, 2 * c.depth + 1))
     if single and given != [c.depth]:
@@ -99,7 +99,7 @@ def deployed_model(model, depth: int) -> tuple:
     """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the model
     folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge cache)."""
     c = model.config
-    if c.arch == "raptor" or (c.arch == "revit" and c.depth_programmed):
+    if c.arch == "raptor" or (c.arch == "revit" and getattr(c, "depth_programmed", True)):
         return revit.fold(model, depth), None
     return model, None if c.arch == "vit" else depth
 
@@ -110,7 +110,7 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
     call, as the paper's Table 7 measured), runtime memory of the deployed form at batch 1."""
     c = model.config
     dynamic = model
-    if c.arch == "revit" and c.ffn == "merge" and c.num_experts > 1:
+    if c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1:
         dynamic = copy_module(model, merge_cache=False).eval()
     rows = []
     for depth in depths:
@@ -322,7 +322,7 @@ def plot_depths(result: dict, path: str) -> str | None:
 def run_depths(args, device) -> dict:
     model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device,
                                              {"data": args.data, "data_dir": args.data_dir})
-    language = ckpt["arch"] not in revit.PRESETS
+    language = ckpt["arch"] not in moe.PRESETS
     settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
                 "new_tokens": args.new_tokens, "test_subset": args.test_subset}
     if language:

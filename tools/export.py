@@ -36,7 +36,8 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
     sys.exit("tools/export.py: error: run it from the repository root as python -m tools.export")
 
 import revit
-from lib.checkpoint import import_moe_if_named, load_vision_model
+from lib import moe
+from lib.checkpoint import load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem, path_problem, too_deep
 from lib.values import diverged, fit_problem, weights_problem
 from lib.weights import WEIGHTS_FORMAT
@@ -138,8 +139,7 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
             fields = json.loads(metadata["config"])
             if isinstance(fields, dict) and too_deep(fields):
                 raise ValueError(too_deep(fields))
-            import_moe_if_named(config=fields)  # a comparison mechanism's config needs lib.moe
-            config = revit.ViTConfig(**fields)
+            config = moe.config_of(fields)  # revit's config, or lib/moe.py's for a comparison mechanism
         except (KeyError, TypeError, ValueError, RecursionError) as e:  # no config, not JSON, fields revit.py lacks
             raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
