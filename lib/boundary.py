@@ -3,12 +3,14 @@ one line naming the flag or the file (`fail`). The rules, each written once:
 
 - every number flag of every entry point is finite and in its range (`RANGES`); train.py's flags are in
   their choices and agree with one another (`check_config`);
-- a command writes only new files or files it created (`output_problem`); rewrites are atomic (lib/cli.py);
-- a loaded checkpoint is data (weights_only in lib/checkpoint.py, an allow-list unpickler for data in
-  lib/data.py): plain dense tensors of the model's names and shapes (`fit_problem`), and nothing
-  non-finite in its weights or outputs, for every reader (`non_finite`, `diverged`);
+- a command writes only new files or its own (`output_problem`), atomically (lib/cli.py), and a resumed
+  run never into another run's folder (lib/checkpoint.RunFolder);
+- a loaded checkpoint is data (weights_only in lib/checkpoint.py; an allow-list unpickler in lib/data.py):
+  plain dense tensors of the model's names and shapes (`fit_problem`), nothing non-finite in its weights
+  or outputs, for every reader (`non_finite`, `diverged`);
 - nothing reaches the network without --download (lib/data.py, lib/language.py, --teacher hub:).
 """
+
 from __future__ import annotations
 
 import ast

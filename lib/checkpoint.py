@@ -379,7 +379,7 @@ class RunFolder:
         self.check(fresh, overwrite)  # the default --out-dir too: its .lock is opened next
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            self.lock = open(self.path / ".lock", "w")
+            self.lock = open(self.path / ".lock", "a")  # "a": never truncates what is there
             if not lock(self.lock):
                 fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
         except OSError as e:

@@ -52,7 +52,7 @@ def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
             f"{mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
 
 
-# --- flags: generated from a dataclass, and the two small languages they share ---
+# --- flags: generated from a dataclass ---
 
 
 def opt(default, help: str):

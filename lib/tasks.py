@@ -1,7 +1,6 @@
 """What an image run trains: the evaluation of each task, the losses that differ from train.py's default,
 what a run reports (`summarise`, every task's depth table), and `build`, which makes the data, model and
-task of a config. train.py's loop and --eval-only use them; tools/depths.py the evaluation (through
-train.evaluate).
+task of a config, for train.py's loop, --eval-only and tools/depths.py.
 
     ClassificationTask   images -> classes (also the linear probe: its model is a ProbeModel); its
                          training loss is the default one, written in train.py's train_step
