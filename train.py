@@ -36,10 +36,9 @@ import revit
 from lib import tasks
 from lib.build import build, fit_in_memory
 from lib.checkpoint import RunFolder, family_of, preset_names, primitive, provenance, unwrap
-from lib.checks import check_config, cpu_time_note
-from lib.boundary import fail
-from lib.cli import (broadcast, dataclass_parser, device_options, init_distributed, non_finite_place, opt,
-                     run_main, say)
+from lib.boundary import check_config, fail
+from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, init_distributed,
+                     non_finite_place, opt, run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 

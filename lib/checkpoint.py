@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.boundary import fail, output_problem, path_problem, too_deep
+from lib.boundary import (diverged, fail, fit_problem, non_finite, output_problem, path_problem, plain_values,
+                          stored_problem, too_deep)
 from lib.cli import atomic_write_text, broadcast, git_commit, non_finite_place
 
 
@@ -57,11 +58,8 @@ def atomic_save(obj: dict, path: Path) -> None:
 
 
 def unreadable(error: Exception) -> str:
-    """Why torch.load refused a file, in one line. Its refusal of a file that holds arbitrary Python
-    objects is reduced to the reason: its advice to load with weights_only=False is never passed on
-    (that would run code stored in the file). torch words that refusal in several ways ("Unsupported
-    global: GLOBAL x.y", "unsupported GLOBAL x.y whose module x is blocked"): the name after GLOBAL
-    is what they share."""
+    """Why torch.load refused a file, in one line, never with its advice to load with weights_only=False
+    (that would run code stored in the file). torch's refusals of a stored object share "GLOBAL x.y"."""
     text = " ".join(str(error).split())
     stored = re.search(r"\bGLOBAL ([\w.]+)", text)
     if stored:  # a pickled Python object (a class, os.system, ...): never loaded, never run
@@ -75,10 +73,9 @@ def unreadable(error: Exception) -> str:
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
-    """A checkpoint of this project as a dict (tensors and plain values only: weights_only=True), with
-    every part named in `keys` checked: its type, finite weights and optimizer state, a model config
-    that builds its arch within the size bounds and fits the weights. ValueError with one line naming
-    the flag, the file and what is wrong."""
+    """A checkpoint of this project (weights_only=True) with every part named in `keys` checked by the
+    boundary's rules: its type, plain finite tensors, a model config that builds its arch and fits the
+    weights. ValueError with one line naming the flag, the file and what is wrong."""
     problem = path_problem(path, "file")
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
@@ -96,11 +93,7 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     if missing:
         raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
                          f"project (missing {', '.join(missing)})")
-    from lib.values import non_finite, plain_values, stored_problem  # the loader's value checks
-    try:  # every value of the file, each container once (shared references are not expanded)
-        values = list(plain_values(ckpt))
-    except ValueError as e:
-        raise ValueError(f"{flag} {path}: {e}") from None
+    values = list(plain_values(ckpt))  # each container once: shared references are not expanded
     problem = (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
                or non_finite(values))
     if problem:
@@ -166,9 +159,7 @@ def config_problem(ckpt: dict, keys) -> str | None:
             model = module.create_model(arch, **config)
     except (ValueError, TypeError) as e:
         return f"its model_config does not build {arch}: {e}"
-    from lib.values import fit_problem, preset_problem
-    problem = preset_problem(ckpt, model.config, module.PRESETS[arch])
-    return problem or (fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None)
+    return fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None
 
 
 def preset_module(arch: str, config=None):
@@ -219,7 +210,6 @@ def load_model(path, device="cpu", flag: str = "checkpoint"):
     model = preset_module(arch, ckpt["model_config"]).create_model(arch, **ckpt["model_config"])
     model.load_state_dict(ckpt["model"])  # names and shapes checked by load_checkpoint
     model = model.to(device).eval()
-    from lib.values import diverged  # the loader's value checks
     problem = diverged(model)
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
@@ -375,10 +365,6 @@ class RunFolder:
         problem = output_problem(self.path, "folder", runs_ok=True)  # its own run: checked below
         if problem:
             fail(f"--out-dir {self.path} {problem}")
-        for file in (self.ckpt, self.metrics, self.path / ".lock"):  # opening a FIFO .lock would wait forever
-            if os.path.lexists(file) and (file.is_symlink() or not file.is_file()):  # written through or hung on
-                fail(f"--out-dir {self.path}: its {file.name} is not a regular file (a symbolic link, a folder or a "
-                     f"FIFO); move it away or choose another --out-dir")
         holds_run = self.ckpt.exists() or self.metrics.exists()
         if fresh and not overwrite and holds_run:
             fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "
@@ -392,7 +378,7 @@ class RunFolder:
         self.check(fresh, overwrite)  # the default --out-dir too: its .lock is opened next
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            self.lock = open(self.path / ".lock", "w")
+            self.lock = open(self.path / ".lock", "a")  # "a": never truncates what is there
             if not lock(self.lock):
                 fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
         except OSError as e:

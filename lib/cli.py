@@ -42,7 +42,17 @@ def say(line: str) -> None:
         sys.stdout.flush()
 
 
-# --- flags: generated from a dataclass, and the two small languages they share ---
+def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
+    """On a CPU, one line with the estimated time of the run; above an hour, the CPU-sized preset."""
+    hours = seconds_per_step * steps / 3600
+    if hours < 1:  # nothing to say about a run that fits a coffee break
+        return None
+    mini = "alternet-tiny" if arch.startswith("alternet") else "revit-mini"
+    return (f"note: on this CPU the run takes about {hours:.1f} h ({steps} steps x {seconds_per_step:.1f} s); "
+            f"{mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
+
+
+# --- flags: generated from a dataclass ---
 
 
 def opt(default, help: str):

@@ -20,8 +20,7 @@ import torch.nn as nn
 
 from lib.build import build
 from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, set_rng_state
-from lib.values import diverged, fit_problem
-from lib.boundary import fail, wrong_type
+from lib.boundary import diverged, fail, fit_problem, wrong_type
 from lib.cli import pick_device, say
 
 

@@ -1,14 +1,13 @@
 """What an image run trains: the evaluation of each task, the losses that differ from train.py's default,
 what a run reports (`summarise`, every task's depth table), and `build`, which makes the data, model and
-task of a config. train.py's loop and --eval-only use them; tools/probes.py reuses DENSE_PROBES,
-tools/depths.py the evaluation (through train.evaluate).
+task of a config, for train.py's loop, --eval-only and tools/depths.py.
 
     ClassificationTask   images -> classes (also the linear probe: its model is a ProbeModel); its
                          training loss is the default one, written in train.py's train_step
     DistillTask          Eq. 5 of reViT (arXiv 2610.12448, App. A.3): match a frozen teacher's final tokens
 
-The language task (AlterNet) is lib/language.py, the planted-depth task lib/planted.py. `cfg` is train.py's TrainConfig; the tasks read only the
-fields they name.
+The language task (AlterNet) is lib/language.py, the planted-depth task lib/planted.py. `cfg` is train.py's
+TrainConfig; the tasks read only the fields they name.
 """
 
 from __future__ import annotations
@@ -175,13 +174,6 @@ class ProbeModel(nn.Module):
         return {"logits": logits, "aux_losses": {}} if return_states else logits
 
 
-# Probe name -> builder(backbone, num_classes, cfg) -> trainable model, trained by the loop above.
-PROBES = {"cls": lambda backbone, num_classes, cfg: ProbeModel(backbone, num_classes, cfg.probe_pool)}
-
-
-# Dense probes train per-patch heads on (cached) frozen features in probes.py's own loop: probes.run.
-DENSE_PROBES = ("seg", "monodepth")
-
 
 # --- what a run reports: the depth table of its final evaluation (train.py, --eval-only) ---
 
@@ -254,7 +246,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
         if (backbone.config.image_size, backbone.config.in_channels) != (images.image_size, images.channels):
             fail(f"--backbone expects {backbone.config.in_channels}x{backbone.config.image_size}² images; "
                  f"{cfg.dataset} has {images.channels}x{images.image_size}²")
-        model = PROBES[cfg.probe](backbone, images.num_classes, cfg)
+        model = ProbeModel(backbone, images.num_classes, cfg.probe_pool)  # --probe cls
     else:
         overrides = ckpt["model_config"] if ckpt else vision_overrides(cfg, images)
         model = make(preset_module(cfg.arch, overrides).create_model, cfg.arch, overrides)

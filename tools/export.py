@@ -38,8 +38,8 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
 import revit
 from lib import moe
 from lib.checkpoint import load_vision_model
-from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem, path_problem, too_deep
-from lib.values import diverged, fit_problem, weights_problem
+from lib.boundary import (MAX_DEPTH, check_numbers, closed, diverged, fail, fit_problem, output_problem, path_problem,
+                          too_deep, weights_problem)
 from lib.weights import WEIGHTS_FORMAT
 from lib.cli import run_main
 

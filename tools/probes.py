@@ -52,11 +52,10 @@ if not __package__:  # run as a file (python tools/probes.py): the project's mod
 
 from lib import checkpoint
 import train
-from lib.boundary import check_numbers, fail, outputs_problem, parse_depths, path_problem
+from lib.boundary import DENSE_PROBES, check_numbers, fail, outputs_problem, parse_depths, path_problem
 from lib.cli import dataclass_parser, non_finite_place, opt, pick_device, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, epoch_order, load_images
-from lib.tasks import DENSE_PROBES
 
 PROG = "python -m tools.probes"  # how it runs: from the repository root, as a module
 
