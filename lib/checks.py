@@ -14,7 +14,8 @@ from lib.data import TEXT_DATASETS
 from lib.tasks import DENSE_PROBES, PROBES
 
 CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"),
-           "probe": ("", *PROBES), "compile_backend": ("inductor", "eager", "aot_eager")}
+           "probe": ("", *PROBES), "compile_backend": ("inductor", "eager", "aot_eager"),
+           "precision": ("auto", "bf16", "fp16", "fp32")}
 
 
 def check_config(cfg) -> None:
