@@ -574,18 +574,25 @@ def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
 
 def test_precision_flag_and_auto_on_the_cpu(tmp_path, fashion_mnist_dir, capsys):
     """--precision takes auto, bf16, fp16 or fp32 (one line otherwise); auto is fp32 on a CPU: no autocast, no
-    scaler state saved. A checkpoint saved before --precision holds bf16 (True: auto, False: fp32)."""
+    scaler state saved; bf16 named runs under CPU autocast. A checkpoint saved before --precision holds bf16
+    (True: auto, False: fp32) and resumes."""
     with pytest.raises(SystemExit, match=r"--precision must be one of auto, bf16, fp16, fp32; got 'fp8'$"):
         train.main(["--precision", "fp8"])
-    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "1")
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "2", "--stop-at-step", "1")
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["train_config"]["precision"] == "auto" and ckpt["scaler"] == {}
     assert "fp16" not in capsys.readouterr().out
-    for bf16, precision in ((True, "auto"), (False, "fp32")):
-        old = {k: v for k, v in ckpt["train_config"].items() if k != "precision"}
-        saved = resume.saved_config(dict(ckpt, train_config=dict(old, bf16=bf16)), "ckpt.pt", "--resume",
+    _, bf16 = run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--precision", "bf16", name="bf16")
+    assert step_losses(bf16)[1] != step_losses(out)[1]  # a named precision applies on the CPU: CPU autocast
+    assert torch.load(bf16 / "ckpt.pt", weights_only=True)["scaler"] == {}  # bf16 needs no scaler
+    old = {k: v for k, v in ckpt["train_config"].items() if k != "precision"}
+    for flag, precision in ((False, "fp32"), (True, "auto")):
+        saved = resume.saved_config(dict(ckpt, train_config=dict(old, bf16=flag)), "ckpt.pt", "--resume",
                                     train.TrainConfig)
         assert saved["precision"] == precision
+    checkpoint.atomic_save(dict(ckpt, train_config=dict(old, bf16=True)), out / "ckpt.pt")  # before --precision
+    assert train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])["step"] == 2
+    assert torch.load(out / "ckpt.pt", weights_only=True)["train_config"]["precision"] == "auto"
 
 
 def overflow_at(step: int, monkeypatch) -> None:
