@@ -9,11 +9,11 @@
 
 The defaults are the quick start; named recipes apply over them, printed at start (`recipe: ...`, then
 one `override: ...` line per flag or automatic choice). The file reads top to bottom: config and recipes;
-optimizer and schedule; `train_step` (augment, forward, cross-entropy + the model's auxiliary losses, on
-one screen); `evaluate`; the loop and its checkpoints; the command line. In lib/: what a config builds
-(build.py: data, model and task, the memory plan), the tasks (tasks.py, language.py), data and
-augmentation (data.py), checkpoints and run folders (checkpoint.py), what --resume and --eval-only must
-match (resume.py).
+the schedule; `train_step` (augment, forward, cross-entropy + the model's auxiliary losses, on one
+screen); `evaluate`; set-up, the loop and its checkpoints; the command line. In lib/: what a config builds
+(build.py: data, model, task, optimizer, the memory plan), the tasks (tasks.py, language.py), data and
+augmentation (data.py), checkpoints and run folders (checkpoint.py), what --resume and --eval-only read
+and check (resume.py).
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
     return cfg
 
 
-# --- schedule (the optimizer: lib/build.py, AdamW's groups) ---
+# --- the schedule (the optimizer, AdamW and its groups: lib/build.py) ---
 
 
 def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) -> dict:
@@ -436,10 +436,10 @@ def loop(run: Run, batches, eval_every: int) -> dict:
             results = evaluate(run.model, run.task, [None], run.rank, run.world)
             stop_unless_finite(run, results, "the evaluation")
             run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
+            numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
             gates = tasks.gate_summary(run.model)  # reViT, E > 1: does a depth program form? (Fig. 3)
-            say(f"step {run.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in run.metrics.items()
-                                                 if isinstance(v, float))
-                + (f", gate spread {gates['gate_spread']:.4f}" if gates else ""))
+            spread = f", gate spread {gates['gate_spread']:.4f}" if gates else ""
+            say(f"step {run.step}: " + ", ".join(numbers) + spread)
             run.folder.log({"step": run.step, "eval": run.metrics, **gates}, run.rank == 0)
         if run.step % eval_every == 0 or cfg.save_interval and run.step % cfg.save_interval == 0:
             save_checkpoint(run)
@@ -448,7 +448,12 @@ def loop(run: Run, batches, eval_every: int) -> dict:
         save_checkpoint(run)
         say(f"stopped at step {run.step} as asked (--stop-at-step); continue with --resume {run.folder.ckpt}")
         return {"step": run.step, "checkpoint": str(run.folder.ckpt)}
-    minutes = (time.perf_counter() - t_start) / 60
+    return finish(run, (time.perf_counter() - t_start) / 60)
+
+
+def finish(run: Run, minutes: float) -> dict:
+    """The final evaluation, at every --eval-depths: printed (`done: ...`), logged and saved."""
+    cfg = run.cfg
     results = evaluate(run.model, run.task, tasks.eval_depths(cfg, run.model), run.rank, run.world)
     stop_unless_finite(run, results, "the final evaluation")
     summary, line = tasks.summarise(cfg, run.model, results)
