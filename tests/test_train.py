@@ -787,6 +787,19 @@ def test_training_on_the_gpu(tmp_path, fashion_mnist_dir):
 
 
 @pytest.mark.gpu
+def test_fp16_training_on_the_gpu(tmp_path, fashion_mnist_dir, capsys):
+    """--precision fp16, auto's choice on a GPU without bf16 (a T4, a V100): CUDA fp16 autocast and fused
+    AdamW with the gradient scaler; its state is saved, each skipped step said, the weights stay finite."""
+    summary, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--device", "cuda", "--precision", "fp16",
+                       "--eval-depths", "2")
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert summary["step"] == 6 and 0 <= summary["test_acc"] <= 1 and 0 < ckpt["scaler"]["scale"] <= 2.0 ** 16
+    skipped = [r["step"] for r in metrics(out) if r.get("event") == "overflow"]
+    assert capsys.readouterr().out.count("fp16 gradients overflowed") == len(skipped) < 6
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+@pytest.mark.gpu
 def test_a_cpu_run_resumes_on_the_gpu_and_back(tmp_path, fashion_mnist_dir, capsys):
     """The augmentation generator's state is 5,056 bytes on the CPU and 16 on CUDA: where a saved state
     cannot apply, it is reseeded and said so."""
