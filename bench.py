@@ -51,7 +51,7 @@ import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
 from lib.boundary import RANGES, InputError, check_numbers, fail, output_problem
-from lib.cli import DEVICES, f, git_commit, json_text, markdown, pick_device, run_main, write_json
+from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -1174,6 +1174,8 @@ def add_memory_parser(sub):
                                                        "1/gpus of the batch)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
     p.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's block size)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="the run's autocast (train.py's auto: bf16 where the GPU has it, else fp16)")
 
 
 def resolve(args, device) -> dict:
@@ -1283,7 +1285,7 @@ def parse_rows(text: str | None, size: str, compiled: bool) -> list[str] | None:
 
 
 def run_memory(args, device) -> dict:
-    """The estimate of lib/memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
+    """The estimate of lib/memory.py for a GPU run under bf16 (or --precision) autocast, as train.py's."""
     language = args.arch in alternet.PRESETS
     if not language and args.arch not in moe.PRESETS:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
@@ -1298,7 +1300,7 @@ def run_memory(args, device) -> dict:
         raise InputError(f"--seq-len {seq_len} exceeds {args.arch}'s seq_len {model.config.seq_len}")
     if batch % (args.gpus * (args.grad_accum or 1)):
         raise InputError(f"--batch-size {batch} must be divisible by --gpus x --grad-accum")
-    profile = memory.measure(model.config, device, torch.bfloat16, seq_len)
+    profile = memory.measure(model.config, device, PRECISIONS[args.precision], seq_len)
     recipe = args.recipe or train.RECIPE_OF.get(cfg.dataset, "")
     recipe += " + alternet.RECIPES (Table 2)" if args.arch in getattr(alternet, "RECIPES", {}) else ""
     settings = {"arch": args.arch, "recipe": recipe, "batch_size": batch, "seq_len": seq_len,

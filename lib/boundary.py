@@ -126,7 +126,8 @@ def check_numbers(values: dict, prog: str | None = None, **ranges) -> None:
 # --- train.py's flags: their choices and the flags that need one another ---
 
 CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"),
-           "probe": ("", "cls"), "compile_backend": ("inductor", "eager", "aot_eager")}
+           "probe": ("", "cls"), "compile_backend": ("inductor", "eager", "aot_eager"),
+           "precision": ("auto", "bf16", "fp16", "fp32")}
 DENSE_PROBES = ("seg", "monodepth")  # per-patch heads on cached features: tools/probes.py's own loop
 
 

@@ -227,7 +227,7 @@ def backbone_arch(path: str) -> str:
 def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     """Data, model and task -> (model, task, batches(start_step), augment, steps_per_epoch). A resumed
     or evaluated checkpoint supplies the model config. Reads only; any user error exits here."""
-    options = device_options(device.type, cfg.bf16)
+    options = device_options(device.type, cfg.precision)
     autocast = autocast_of(device, options)
     try:
         images = data.load_images(cfg.dataset, cfg.data, cfg.data_dir, cfg.download, cfg.train_subset,

@@ -92,6 +92,9 @@ DEEP_TESTS = (
     "test_train.py::test_fold_and_its_check_with_the_model_on_a_device",
     "test_train.py::test_training_on_the_gpu",
     "test_train.py::test_a_cpu_run_resumes_on_the_gpu_and_back",
+    "test_train.py::test_precision_flag_and_auto_on_the_cpu",
+    "test_train.py::test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly",
+    "test_train.py::test_fp16_training_on_the_gpu",
 )
 # Fast tests in deep files: one bad-input table per entry point, and the layout rules a change most often
 # breaks.

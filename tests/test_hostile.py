@@ -132,10 +132,13 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
                        "its rng state of rank 0 cannot be restored"),
     "rng_python_values": (lambda c: c["rng"][0].update(python=(3, ("x",) * 625, None)),
                           "its rng state of rank 0 cannot be restored"),
+    "scaler_zero": (lambda c: c.update(scaler=dict(scale=0.0, growth_factor=2.0, backoff_factor=0.5,
+                                                   growth_interval=2000, _growth_tracker=0)),
+                    "its gradient scaler state must hold _growth_tracker, backoff_factor, growth_factor"),
 }
 LOOP_STATE = ("step_negative", "step_text", "rng_empty", "optimizer_empty", "optimizer_misfit", "nan_optimizer",
               "optimizer_half", "optimizer_betas", "optimizer_lr_text", "optimizer_no_sq", "optimizer_int_state",
-              "optimizer_ids", "rng_torch_size", "rng_python_values")
+              "optimizer_ids", "rng_torch_size", "rng_python_values", "scaler_zero")
 
 
 @pytest.mark.parametrize("name", list(EDITS))
