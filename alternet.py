@@ -155,14 +155,15 @@ class AlterNetConfig:
     balance_weight: float = 1e-2  # a_LB
     z_loss_weight: float = 1e-3  # a_z (group F)
     rir_weight: float = 0.2  # a_RIR
-    # The paper routes on "the last valid token" (§3) but does not say how often a sequence is
-    # shorter than the window; we cut this fraction of each training batch to a uniform random
-    # length, so routing and halting learn every position that generation will route on (our choice).
+    # §3 routes on "the last valid token" but does not say how often a sequence is shorter than the window:
+    # this fraction of each training batch is cut to a uniform random length, so routing and halting learn
+    # every position that generation will route on (our choice).
     random_length_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        refuse((f"{name}={getattr(self, name)!r} is not allowed: {name}", ok, allowed)
-               for name, ok, allowed in field_rules(self))
+        for name, ok, allowed in field_rules(self):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: {name} must be {allowed}")
 
 
 # Sizes a user would not reach by intent, far above the paper's V = 50,257 and D <= 12 (our choice): a
