@@ -283,10 +283,10 @@ class AlterNet(nn.Module):
 
         max_depth: this call's cap D' on iterations (default: the trained D; more extrapolates).
         halt_threshold: stop a sequence once its cumulative halting probability reaches it; sample_halting:
-        stop with probability lambda_d. Either needs halting=True; none stops before the curriculum's minimum
-        depth. targets: (B, T) long, -1 = ignore (as are positions >= lengths): the outputs are the losses.
-        Training (targets, no halting rule; also evaluation at a fixed depth) runs every iteration on the
-        whole batch; the rest is inference: a halting rule, or the logits."""
+        stop with probability lambda_d (the conditional, not p_d). Either needs halting=True; none stops
+        before the curriculum's minimum depth. targets: (B, T) long, -1 = ignore (as are positions >=
+        lengths): the outputs are the losses. Training (targets, no halting rule; also evaluation at a fixed
+        depth) runs every iteration on the whole batch; the rest is inference: a halting rule, or logits."""
         check_call(self.config, tokens, targets, lengths, max_depth, halt_threshold, sample_halting,
                    last_token_only)
         B, T = tokens.shape
