@@ -902,8 +902,9 @@ def test_gradient_accumulation_takes_the_step_and_logs_the_loss_of_the_whole_bat
     grads = torch.autograd.grad(whole, list(model.parameters()))
     cfg = types.SimpleNamespace(grad_accum=2, grad_clip=0.0, probe=None)
     sched = dict(warmup_steps=0, total_steps=1, warmup_lr=0.1, min_lr=0.1, peak_lr=0.1)  # lr 0.1 at step 0
-    run = train.Run(cfg, 0, 1, torch.device("cpu"), model, model, MeanSquaredError(), None, None,
-                    torch.optim.SGD(model.parameters(), lr=0.1), sched, None, None)
+    run = train.Run(cfg, torch.device("cpu"), model, model, MeanSquaredError(), None,
+                    torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False), sched,
+                    None)
     record = train.train_step(run, x, y)
     assert record["loss"] == pytest.approx(whole.item(), rel=1e-6)
     for p, p0, g in zip(model.parameters(), before, grads):
