@@ -6,6 +6,7 @@ No timing assertions: only the shape of what the tool returns.
 import dataclasses
 import io
 import json
+import sys
 from contextlib import redirect_stdout
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tools import depths
+import bench
 import revit
 import train
 from lib import cli
@@ -134,15 +136,39 @@ def test_pareto_rows_dominate_the_rest(points):
 
 
 def test_smallest_depth_within_half_a_point_is_faster_only_beyond_the_timing_spread():
-    rows = [{"depth": d, "acc": a, "ms": ms, "ms_spread": [ms * 0.95, ms * 1.05], "reference": d == 6}
-            for d, a, ms in [(2, 0.80, 1.0), (4, 0.897, 1.9), (6, 0.900, 3.61), (8, 0.901, 4.8)]]
-    best = lambda: depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100)  # noqa
-    assert best() == "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
-    rows[1].update(ms=7.22, ms_spread=[7.0, 7.5])  # a smaller depth measured slower is said to be slower
-    assert best() == "depth 4: −0.3 points, 2.0× slower than the reference (depth 6)"
-    rows[1].update(ms=3.3, ms_spread=[2.5, 3.7])  # within the reference's spread: neither, whatever the medians
-    assert best() == ("depth 4: −0.3 points, as fast as the reference (depth 6) within the timing spread "
-                      "(interquartile ranges overlap)")
+    """The headline from fixed per-round timings (each row timed in the same rounds as the reference):
+    faster or slower only where the 95% interval of the paired ratio excludes 1."""
+    reference = [3.6, 3.7, 3.5, 3.6, 3.8, 3.6, 3.7]
+    rows = [{"depth": d, "acc": a, "reference": d == 6} for d, a in [(2, 0.80), (4, 0.897), (6, 0.900), (8, 0.901)]]
+
+    def best(depth_4_times):
+        for row, times in zip(rows, ([1.0] * 7, depth_4_times, reference, [4.8] * 7)):
+            paired = bench.paired_ratio(times, reference)
+            row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"])
+        return depths.smallest_within(rows, "depth", "acc", 0.005, True, "points", scale=100)
+
+    assert best([1.9] * 7) == "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
+    assert best([7.2] * 7) == "depth 4: −0.3 points, 2.0× slower than the reference (depth 6)"
+    # a median 10% faster, but the rounds disagree (a busy machine): neither faster nor slower
+    noisy = [1.8, 3.9, 3.4, 3.2, 4.5, 3.9, 2.6]
+    assert best(noisy).startswith("depth 4: −0.3 points, as fast as the reference (depth 6) within the timing "
+                                  "spread (95% interval of the latency ratio: ")
+    rows[1]["acc"] = 0.8
+    assert best(noisy) == "no smaller depth is within 0.5 points of the reference (depth 6)"
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stderr, flag, shown", [(Terminal, "--progress", True), (Terminal, "--no-progress", False),
+                                                 (io.StringIO, "--progress", False)])  # piped: never a bar
+def test_progress_is_a_bar_on_a_terminal_and_never_in_piped_output(monkeypatch, capsys, stderr, flag, shown):
+    args = depths.build_parser().parse_args(["x.pt", flag])
+    monkeypatch.setattr("sys.stderr", stderr())
+    assert list(depths.progress(range(3), args, "depths")) == [0, 1, 2]
+    assert ("depths: " in sys.stderr.getvalue()) == shown and capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),

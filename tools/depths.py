@@ -31,6 +31,7 @@ import statistics
 import sys
 
 import torch
+from tqdm import tqdm
 
 if not __package__:  # run as a file (python tools/depths.py): the project's modules are not on the path
     sys.exit("tools/depths.py: error: run it from the repository root as python -m tools.depths")
@@ -112,8 +113,14 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
     dynamic = model
     if c.arch == "revit" and c.ffn == "merge" and c.num_experts > 1:
         dynamic = copy_module(model, merge_cache=False).eval()
+    reference, reference_depth = deployed_model(model, c.depth)
+    if reference is model and c.arch != "vit":  # its own merge cache: the rows' depths never evict it
+        reference = copy_module(model).eval()
+    images = torch.randn(1, c.in_channels, c.image_size, c.image_size, device=device)
+    reference = bench.inference_call(functools.partial(reference, depth=reference_depth) if reference_depth
+                                     else reference, images, device)
     rows = []
-    for depth in depths:
+    for depth in progress(depths, args, "depths"):
         key = None if depth == c.depth else depth  # None: the reference depth
         row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
                **train.evaluate(model, task, [key])[key]}
@@ -128,10 +135,9 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
             images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
             fns.update({(form, batch): bench.inference_call(run, images, device) for form, run in forms.items()})
         row["memory_mib"] = bench.first_call(fns["deployed", 1], module, device, "first_call_s").get("memory_mib")
-        times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
+        times = timed_against_reference(fns, reference, ("deployed", 1), row, args, device)
         for form, batch in fns:
             row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
-        row["deployed_ms_b1_spread"] = spread(times["deployed", 1], 1)
         rows.append(row)
     if args.memory and device.type == "cpu":
         specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
@@ -141,10 +147,22 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
     return rows
 
 
-def spread(seconds: list[float], per: int) -> list[float]:
-    """The interquartile range of repeated timings, in ms per `per` items: what a speed claim must clear."""
-    times = bench.summary(seconds)
-    return [times["q1_ms"] / per, times["q3_ms"] / per]
+def timed_against_reference(fns: dict, reference, compared, row: dict, args, device) -> dict:
+    """Seconds per call of each fn, timed in interleaved rounds (bench.time_interleaved) beside the reference
+    row's deployed call, the pair (fns[compared], reference) for more rounds until their ratio is known to
+    +- --resolve (bench.resolve_ratio); row["relative_latency"]: the median of the per-round ratios and its 95%
+    bootstrap interval (bench.paired_ratio: both timed in the same round, under the same load)."""
+    times = bench.time_interleaved({**fns, "reference": reference}, device, args.warmup, args.repeats, args.iters)
+    times = bench.resolve_ratio({compared: fns[compared], "reference": reference}, times, device, args.iters,
+                                args.resolve, args.max_repeats, pair=(compared, "reference"))
+    paired = bench.paired_ratio(times[compared], times["reference"])
+    row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"])
+    return times
+
+
+def progress(items, args, what: str):
+    """A progress bar over a long loop, on stderr when it is a terminal (piped output stays clean)."""
+    return tqdm(items, desc=what, disable=not args.progress or not sys.stderr.isatty(), leave=False)
 
 
 def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
@@ -174,24 +192,24 @@ def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: 
                               (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
 
 
-def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
-                    unit: str, scale: float = 1.0, name: str = "depth") -> str:
+def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_is_better: bool, unit: str,
+                    scale: float = 1.0, name: str = "depth") -> str:
     """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
-    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)", said only where the
-    interquartile ranges of the two timings (row[f"{cost}_spread"]) do not overlap."""
+    speed: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)", said only where the 95% interval
+    of its paired latency ratio to the reference (row["relative_latency_ci95"]) excludes 1."""
     ref = next(r for r in rows if r["reference"])
     sign = 1 if higher_is_better else -1
     good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
-               key=lambda r: (r[size_key], r[cost]))
+               key=lambda r: (r[size_key], r["relative_latency"]))
     if good is ref:
         return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
-    speed = ref[cost] / good[cost]
-    (good_low, good_high), (ref_low, ref_high) = good[f"{cost}_spread"], ref[f"{cost}_spread"]
+    ratio, (low, high) = good["relative_latency"], good["relative_latency_ci95"]
     than = f"the reference ({name} {ref[size_key]})"  # faster or slower only beyond the timing spread
-    timing = (f"{speed:.1f}× faster than {than}" if good_high < ref_low else
-              f"{1 / speed:.1f}× slower than {than}" if good_low > ref_high else
-              f"as fast as {than} within the timing spread (interquartile ranges overlap)")
+    timing = (f"{1 / ratio:.1f}× faster than {than}" if high < 1 else
+              f"{ratio:.1f}× slower than {than}" if low > 1 else
+              f"as fast as {than} within the timing spread (95% interval of the latency ratio: "
+              f"{low:.2f}–{high:.2f})")
     return f"{name} {good[size_key]}: {delta} {unit}, {timing}"
 
 
@@ -215,33 +233,28 @@ def causal_cross_entropy(lm, x, y, cap, threshold) -> tuple:
 def language_depth_rows(lm, task, args, device) -> list[dict]:
     """Rows over iteration caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations
     per position, latency per generated token (greedy, batch 1)."""
-    windows, tokens_per_byte, eval_batch = language_windows(task, args.test_subset), task.tokens_per_byte, \
-        task.cfg.eval_batch_size
+    windows, eval_batch = language_windows(task, args.test_subset), task.cfg.eval_batch_size
     thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
-    rows, fns = [], {}
-    with torch.inference_mode():
-        for cap in range(1, lm.config.max_depth + 1):
-            for threshold in thresholds:
-                ce = iterations = 0.0
-                for chunk in windows.split(eval_batch):
-                    chunk = chunk.to(device)
-                    with bench.autocast(device):
-                        part = causal_cross_entropy(lm, chunk[:, :-1], chunk[:, 1:], cap, threshold)
-                    ce, iterations = ce + part[0], iterations + part[1]
-                tokens = windows[:, 1:].numel()
-                rows.append({"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * tokens_per_byte /
-                             math.log(2), "mean_iterations": iterations / tokens,
-                             "reference": cap == lm.config.max_depth and threshold == thresholds[0]})
-                refuse_non_finite(rows[-1], f"cap D'={cap}, threshold {threshold}")
-                fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold,
-                                                        device)
-    times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
-    for row in rows:
-        row["ms_per_token"] = statistics.median(times[row["max_depth"], row["halt_threshold"]]) * 1e3 / args.new_tokens
-        row["ms_per_token_spread"] = spread(times[row["max_depth"], row["halt_threshold"]], args.new_tokens)
-    for row in rows:
-        row["bpb_metric"] = "alternet.causal_loss"
+    generate = functools.partial(_generate_call, lm, prompt, args.new_tokens, device=device)
+    reference_setting = (lm.config.max_depth, thresholds[0])
+    reference, rows = functools.partial(generate, *reference_setting), []
+    settings = [(cap, threshold) for cap in range(1, lm.config.max_depth + 1) for threshold in thresholds]
+    for cap, threshold in progress(settings, args, "caps"):
+        ce = iterations = 0.0
+        for chunk in windows.split(eval_batch):
+            chunk = chunk.to(device)
+            with torch.inference_mode(), bench.autocast(device):
+                part = causal_cross_entropy(lm, chunk[:, :-1], chunk[:, 1:], cap, threshold)
+            ce, iterations = ce + part[0], iterations + part[1]
+        tokens = windows[:, 1:].numel()
+        row = {"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * task.tokens_per_byte / math.log(2),
+               "mean_iterations": iterations / tokens, "reference": (cap, threshold) == reference_setting}
+        refuse_non_finite(row, f"cap D'={cap}, threshold {threshold}")
+        times = timed_against_reference({"row": functools.partial(generate, cap, threshold)}, reference, "row", row,
+                                        args, device)
+        rows.append({**row, "ms_per_token": statistics.median(times["row"]) * 1e3 / args.new_tokens,
+                     "bpb_metric": "alternet.causal_loss"})
     return rows
 
 
@@ -265,15 +278,22 @@ def parse_thresholds(text: str) -> list:
 # --- output: the table, the plot, the run ---
 
 
+PAIRED = ("latency ÷ ref: each row timed in the same rounds as the reference, the median of the per-round "
+          "ratios (batch 1) and its 95% bootstrap interval; pareto: no other row is both as good and as fast.")
+
+
 def depths_markdown(result: dict) -> str:
     rows, s = result["rows"], result["settings"]
     mark = lambda r: ("**ref** " if r["reference"] else "") + ("pareto" if r["pareto"] else "")  # noqa: E731
+    relative = ("latency ÷ ref (95%)", lambda r: "{:.2f} ({:.2f}–{:.2f})".format(r["relative_latency"],
+                                                                                *r["relative_latency_ci95"]))
     if result["family"] == "language":
         table = markdown(rows, [
             ("cap D'", f("max_depth", "{}")), ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
             ("bits/byte", f("bpb", "{:.4f}")), ("mean iterations", f("mean_iterations")),
-            ("ms/token", f("ms_per_token", "{:.3f}")), ("", mark)])
-        note = f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} tokens, batch 1."
+            ("ms/token", f("ms_per_token", "{:.3f}")), relative, ("", mark)])
+        note = (f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} tokens, batch "
+                f"1; {PAIRED}")
     else:
         table = markdown(rows, [
             ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
@@ -282,11 +302,10 @@ def depths_markdown(result: dict) -> str:
             ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
             (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
             (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
-            ("memory MiB (b1)", f("memory_mib", "{:.1f}")), ("", mark)])
+            ("memory MiB (b1)", f("memory_mib", "{:.1f}")), relative, ("", mark)])
         note = (f"test images: {s['test_images']}; latency per image, median of {s['repeats']} x {s['iters']} "
                 f"calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
-                f"checkpoint at that depth (reViT merges its experts on every call); pareto: no other depth is "
-                f"both as accurate and as fast (deployed, batch 1).")
+                f"checkpoint at that depth (reViT merges its experts on every call); {PAIRED}")
     return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
 
 
@@ -327,13 +346,13 @@ def run_depths(args, device) -> dict:
                 "new_tokens": args.new_tokens, "test_subset": args.test_subset}
     if language:
         rows = language_depth_rows(model, task, args, device)
-        mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
-        best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte", name="cap D'")
+        mark_tradeoffs(rows, "bpb", "relative_latency", higher_is_better=False)
+        best = smallest_within(rows, "max_depth", "bpb", 0.01, False, "bits/byte", name="cap D'")
     else:
         depths = sorted(set(depth_list(args.depths, model)) | {model.config.depth})
         rows = vision_depth_rows(model, ckpt, task, depths, args, device)
-        mark_tradeoffs(rows, "acc", "deployed_ms_b1", higher_is_better=True)
-        best = smallest_within(rows, "depth", "acc", 0.005, "deployed_ms_b1", True, "points", scale=100)
+        mark_tradeoffs(rows, "acc", "relative_latency", higher_is_better=True)
+        best = smallest_within(rows, "depth", "acc", 0.005, True, "points", scale=100)
         settings["test_images"] = len(task.data.test)
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"],
               "family": "language" if language else "vision", "settings": settings, "rows": rows, "best": best,
@@ -348,9 +367,13 @@ def run_depths(args, device) -> dict:
     print(f"wrote {os.path.join(out_dir, 'depths.json')} {picture}")
     return result
 
+
 # --- command line ---
 
-DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1), "cuda": dict(batch=64, warmup=10, repeats=20, iters=10)}
+DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1, resolve=0.03, max_repeats=60),
+            "cuda": dict(batch=64, warmup=10, repeats=20, iters=10, resolve=0.03, max_repeats=200)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -361,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "windows (default: the checkpoint's own test set)")
     p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
     bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
+    p.add_argument("--resolve", type=float, help="more paired rounds of a row and the reference (batch 1) until "
+                                                  "their latency ratio is known to +- this (default 0.03; 0: --repeats only)")
+    p.add_argument("--max-repeats", type=int, help="at most this many paired rounds per row (CPU 60, CUDA 200)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="measure runtime memory at batch 1 (CPU: a forked fresh process per depth)")
     p.add_argument("--thresholds", default="0.5,none",
@@ -371,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="", help="the run's --data (an ImageFolder root or text), if it had one: "
                                               "paths come from the command line, never from the checkpoint")
     p.add_argument("--data-dir", default="", help="where the built-in data sets live (as train.py's --data-dir)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar over the depths on stderr, when it is a terminal")
     return p
 
 
