@@ -147,8 +147,8 @@ def test_smallest_depth_within_half_a_point_is_faster_only_beyond_the_timing_spr
             row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"])
         return depths.smallest_within(rows, "depth", "acc", 0.005, True, "points", scale=100)
 
-    assert best([1.9] * 7) == "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
-    assert best([7.2] * 7) == "depth 4: −0.3 points, 2.0× slower than the reference (depth 6)"
+    assert best([1.9] * 7) == "depth 4: −0.3 points, 1.89× faster than the reference (depth 6)"
+    assert best([7.2] * 7) == "depth 4: −0.3 points, 2.00× slower than the reference (depth 6)"
     # a median 10% faster, but the rounds disagree (a busy machine): neither faster nor slower
     noisy = [1.8, 3.9, 3.4, 3.2, 4.5, 3.9, 2.6]
     assert best(noisy).startswith("depth 4: −0.3 points, as fast as the reference (depth 6) within the timing "

@@ -206,8 +206,8 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
     ratio, (low, high) = good["relative_latency"], good["relative_latency_ci95"]
     than = f"the reference ({name} {ref[size_key]})"  # faster or slower only beyond the timing spread
-    timing = (f"{1 / ratio:.1f}× faster than {than}" if high < 1 else
-              f"{ratio:.1f}× slower than {than}" if low > 1 else
+    timing = (f"{1 / ratio:.2f}× faster than {than}" if high < 1 else
+              f"{ratio:.2f}× slower than {than}" if low > 1 else
               f"as fast as {than} within the timing spread (95% interval of the latency ratio: "
               f"{low:.2f}–{high:.2f})")
     return f"{name} {good[size_key]}: {delta} {unit}, {timing}"
@@ -303,8 +303,8 @@ def depths_markdown(result: dict) -> str:
             (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
             (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
             ("memory MiB (b1)", f("memory_mib", "{:.1f}")), relative, ("", mark)])
-        note = (f"test images: {s['test_images']}; latency per image, median of {s['repeats']} x {s['iters']} "
-                f"calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
+        note = (f"test images: {s['test_images']}; latency per image, median of at least {s['repeats']} x "
+                f"{s['iters']} calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
                 f"checkpoint at that depth (reViT merges its experts on every call); {PAIRED}")
     return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
 
@@ -343,7 +343,8 @@ def run_depths(args, device) -> dict:
                                              {"data": args.data, "data_dir": args.data_dir})
     language = ckpt["arch"] not in revit.PRESETS
     settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
-                "new_tokens": args.new_tokens, "test_subset": args.test_subset}
+                "new_tokens": args.new_tokens, "test_subset": args.test_subset, "resolve": args.resolve,
+                "max_repeats": args.max_repeats}
     if language:
         rows = language_depth_rows(model, task, args, device)
         mark_tradeoffs(rows, "bpb", "relative_latency", higher_is_better=False)
