@@ -204,7 +204,10 @@ WRONG_TYPES += [  # the last adversary round: each refused by a rule of the reco
     ({**GOOD, "result": {**GOOD["result"], "depths": {"2": {"acc": float("nan")}}}}, "result.depths must map"),
     ({**GOOD, "gate_trace": "rising"}, "gate_trace must be a list of [step, gate spread] pairs"),
     ({**GOOD, "key": "../../A"}, "key must be a cell's name (a-z, 0-9 and -), never a path"),
-    ({**GOOD, "key": None}, "key must be a cell's name")]
+    ({**GOOD, "key": None}, "key must be a cell's name"),
+    ({**GOOD, "gates": {"gate_spread": 0.5, "dominant_expert": ["0" * 9]}}, "gates must be null, {} or"),
+    ({**GOOD, "gates": {"gate_spread": 1e308, "dominant_expert": [0]}}, "gates must be null, {} or"),
+    ({**GOOD, "commit": {"sha": 1}}, "commit and torch must be strings")]
 
 
 @pytest.mark.parametrize("argv, message", [
