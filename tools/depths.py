@@ -2,21 +2,15 @@
 
 The accuracy is train.py's evaluation, the cost GFLOPs, latency and memory, side by side (reViT §3.2,
 §4.4 of arXiv 2610.12448); for AlterNet (arXiv 2611.08741) every iteration cap D' <= D and halting
-threshold.
+threshold, in bits per byte.
 
     python -m tools.depths out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, a table and a plot
     python -m tools.depths CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images
-    python -m tools.depths out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds, bits per byte
+    python -m tools.depths out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds
 
-The table marks the reference (the trained depth) and the Pareto-optimal rows, and names the smallest
-depth within half a point of the reference (AlterNet: within 0.01 bits per byte). depths.json and
-depths.png go next to the checkpoint (or --out). Timing and FLOPs follow bench.py's protocol
-(interleaved rounds, flop_counter); memory at batch 1 is measured in a fresh process on a CPU
-(memory.cpu_memory_of) and by the CUDA allocator on a GPU. The last line names the files written.
-
-A vision row times two forms: "deployed" is what a user ships at that depth (revit.fold's plain ViT
-where the model folds, §3.1; else the model with its merge cache) and "dynamic" the compact checkpoint
-itself (reViT merges its experts on every call, as the paper's Table 7 measured).
+Each row is timed in the same rounds as the reference (the trained depth), so a busy machine slows both;
+the table marks the Pareto rows, and the last lines name the smallest depth as good as the reference,
+whether it is faster beyond the timing spread, and the files written (depths.json, depths.png).
 """
 
 from __future__ import annotations
@@ -45,6 +39,7 @@ from lib.checkpoint import load_model
 from lib.boundary import InputError, check_numbers, closed, fail, outputs_problem, parse_depths
 from lib.cli import f, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
+from tools.plot import save_png
 
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
 
@@ -192,11 +187,14 @@ def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: 
                               (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
 
 
+SAME_SPEED = 0.05  # a latency ratio this close to 1 is "as fast": smaller gaps flip with the load of a CPU
+
+
 def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_is_better: bool, unit: str,
                     scale: float = 1.0, name: str = "depth") -> str:
     """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
-    speed: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)", said only where the 95% interval
-    of its paired latency ratio to the reference (row["relative_latency_ci95"]) excludes 1."""
+    speed: "depth 4: −0.3 points, 1.90× faster than the reference (depth 6)", said only where the 95% interval
+    of its paired latency ratio to the reference (row["relative_latency_ci95"]) lies beyond 1 ± SAME_SPEED."""
     ref = next(r for r in rows if r["reference"])
     sign = 1 if higher_is_better else -1
     good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
@@ -206,10 +204,10 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
     ratio, (low, high) = good["relative_latency"], good["relative_latency_ci95"]
     than = f"the reference ({name} {ref[size_key]})"  # faster or slower only beyond the timing spread
-    timing = (f"{1 / ratio:.2f}× faster than {than}" if high < 1 else
-              f"{ratio:.2f}× slower than {than}" if low > 1 else
-              f"as fast as {than} within the timing spread (95% interval of the latency ratio: "
-              f"{low:.2f}–{high:.2f})")
+    timing = (f"{1 / ratio:.2f}× faster than {than}" if high < 1 - SAME_SPEED else
+              f"{ratio:.2f}× slower than {than}" if low > 1 + SAME_SPEED else
+              f"as fast as {than} within {SAME_SPEED:.0%} and the timing spread (95% interval of the latency "
+              f"ratio: {low:.2f}–{high:.2f})")
     return f"{name} {good[size_key]}: {delta} {unit}, {timing}"
 
 
@@ -223,17 +221,23 @@ def language_windows(task, test_subset: int) -> torch.Tensor:
     return windows[:test_subset or n]
 
 
-def causal_cross_entropy(lm, x, y, cap, threshold) -> tuple:
-    """(summed next-token CE in nats, summed iterations) at iteration cap `cap` and halting `threshold`, each
+def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
+    """Bits per byte and mean iterations per position at iteration cap `cap` and halting `threshold`, each
     position routed and halted on its own prefix as in generation (alternet.causal_loss)."""
-    causal = alternet.causal_loss(lm, x, y, max_depth=cap, halt_threshold=threshold)
-    return float(causal["ce"].sum()), float(causal["iterations"].sum())
+    ce = iterations = 0.0
+    for chunk in windows.split(task.cfg.eval_batch_size):
+        chunk = chunk.to(device)
+        with torch.inference_mode(), bench.autocast(device):
+            causal = alternet.causal_loss(lm, chunk[:, :-1], chunk[:, 1:], max_depth=cap, halt_threshold=threshold)
+        ce, iterations = ce + float(causal["ce"].sum()), iterations + float(causal["iterations"].sum())
+    tokens = windows[:, 1:].numel()
+    return {"bpb": ce / tokens * task.tokens_per_byte / math.log(2), "mean_iterations": iterations / tokens}
 
 
 def language_depth_rows(lm, task, args, device) -> list[dict]:
     """Rows over iteration caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations
     per position, latency per generated token (greedy, batch 1)."""
-    windows, eval_batch = language_windows(task, args.test_subset), task.cfg.eval_batch_size
+    windows = language_windows(task, args.test_subset)
     thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
     generate = functools.partial(_generate_call, lm, prompt, args.new_tokens, device=device)
@@ -241,18 +245,11 @@ def language_depth_rows(lm, task, args, device) -> list[dict]:
     reference, rows = functools.partial(generate, *reference_setting), []
     settings = [(cap, threshold) for cap in range(1, lm.config.max_depth + 1) for threshold in thresholds]
     for cap, threshold in progress(settings, args, "caps"):
-        ce = iterations = 0.0
-        for chunk in windows.split(eval_batch):
-            chunk = chunk.to(device)
-            with torch.inference_mode(), bench.autocast(device):
-                part = causal_cross_entropy(lm, chunk[:, :-1], chunk[:, 1:], cap, threshold)
-            ce, iterations = ce + part[0], iterations + part[1]
-        tokens = windows[:, 1:].numel()
-        row = {"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * task.tokens_per_byte / math.log(2),
-               "mean_iterations": iterations / tokens, "reference": (cap, threshold) == reference_setting}
+        row = {"max_depth": cap, "halt_threshold": threshold, **causal_scores(lm, task, windows, cap, threshold, device),
+               "reference": (cap, threshold) == reference_setting}
         refuse_non_finite(row, f"cap D'={cap}, threshold {threshold}")
-        times = timed_against_reference({"row": functools.partial(generate, cap, threshold)}, reference, "row", row,
-                                        args, device)
+        times = timed_against_reference({"row": functools.partial(generate, cap, threshold)}, reference, "row",
+                                        row, args, device)
         rows.append({**row, "ms_per_token": statistics.median(times["row"]) * 1e3 / args.new_tokens,
                      "bpb_metric": "alternet.causal_loss"})
     return rows
@@ -333,7 +330,7 @@ def plot_depths(result: dict, path: str) -> str | None:
     if language:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     plt.close(fig)
     return path
 

@@ -37,6 +37,7 @@ from lib.checkpoint import load_model
 from lib.boundary import MAX_DEPTH, InputError, check_numbers, fail, output_problem, path_problem
 from lib.cli import f, git_commit, json_text, markdown, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
+from tools.plot import save_png
 
 PROG = "python -m tools.sweep"  # how it runs: from the repository root, as a module
 
@@ -535,7 +536,7 @@ def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
         for folder, pattern in folders:
             os.makedirs(folder, exist_ok=True)
             paths.append(os.path.join(folder, pattern.format(kind=kind)))
-            fig.savefig(paths[-1])
+            save_png(fig, paths[-1])
         plt.close(fig)
     return paths
 
