@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import torch
+from tqdm import tqdm
 
 if not __package__:  # run as a file (python tools/sweep.py): the project's modules are not on the path
     sys.exit("tools/sweep.py: error: run it from the repository root as python -m tools.sweep")
@@ -35,7 +36,7 @@ import revit
 from lib import tasks
 from lib.checkpoint import load_model
 from lib.boundary import MAX_DEPTH, InputError, check_numbers, fail, output_problem, path_problem
-from lib.cli import f, git_commit, json_text, markdown, pick_device, pyplot, write_json
+from lib.cli import f, git_commit, json_text, markdown, pick_device, pyplot, say, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from tools.plot import save_png
 
@@ -380,11 +381,13 @@ def mean_std(values: list[float]) -> dict:
 
 
 def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard: tuple = (1, 1),
-                 threads: int = 1) -> list[dict]:
+                 threads: int = 1, progress: bool = False) -> list[dict]:
     """Each cell over seeds. With shard (K, N) this process trains only every N-th run, starting at the K-th,
-    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'."""
+    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'.
+    A line per run, and with `progress` a bar over the runs on stderr when it is a terminal."""
     cells = [(grid, name, spec) for grid in grids for name, spec in GRIDS[grid].items()]
     rows, index, version = [], 0, code_version()
+    bar = tqdm(total=len(cells) * seeds, desc="runs", disable=not progress or not sys.stderr.isatty(), leave=False)
     for grid, name, spec in cells:
         records = []
         for seed in range(seeds):
@@ -394,11 +397,13 @@ def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard
             mine = (index - 1) % shard[1] == shard[0] - 1
             record = run_cell(key, argv, out_dir, threads, version) if mine else cached_cell(key, argv, out_dir)
             records.append(record)
-            print(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
+            bar.update()
+            say(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
                 "pending (another shard)" if record is None else score_text(record["result"])
-                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")), flush=True)
+                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")))
         if None not in records:
             rows.append(quality_row(grid, name, spec, records))
+    bar.close()
     return rows
 
 
@@ -636,7 +641,7 @@ def run_sweep(args) -> dict:
     problem = output_problem(out_dir, "folder")
     if problem:
         raise InputError(f"--out {out_dir} {problem}")
-    rows = quality_rows(grids, regime, seeds, out_dir, shard, threads)
+    rows = quality_rows(grids, regime, seeds, out_dir, shard, threads, args.progress)
     result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
               "seeds": seeds, "grids": grids,
               "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
@@ -664,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "on one --out folder to split a sweep; then once more for the table)")
     p.add_argument("--device", default="auto", help="train.py's --device for every cell: auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, help="CPU threads per train.py run (default: $OMP_NUM_THREADS if set, else 1)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar over the runs on stderr, when it is a terminal")
     return p
 
 
