@@ -4,7 +4,7 @@ The accuracy is train.py's evaluation, the cost GFLOPs, latency and memory, side
 §4.4 of arXiv 2610.12448); for AlterNet (arXiv 2611.08741) every iteration cap D' <= D and halting
 threshold, in bits per byte.
 
-    python -m tools.depths out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, a table and a plot
+    python -m tools.depths out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, table, plot
     python -m tools.depths CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images
     python -m tools.depths out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds
 
@@ -48,7 +48,7 @@ PROG = "python -m tools.depths"  # how it runs: from the repository root, as a m
 
 
 def checkpoint_evaluation(path: str, test_subset: int, device: torch.device, paths: dict | None = None):
-    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from checkpoint.load_model,
+    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from load_model,
     the task (its own test data or validation text, as trained) from train.evaluation_setup. Every failure is
     one line naming CKPT (InputError)."""
     try:
@@ -56,8 +56,10 @@ def checkpoint_evaluation(path: str, test_subset: int, device: torch.device, pat
     except ValueError as e:
         raise InputError(str(e)) from None
     if ckpt["arch"] in revit.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
-        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
-    flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",  # --depths decides
+        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 "
+                         "accuracy")
+    flags = {"device": str(device), "download": False, "progress": False,
+             "eval_depths": "",  # --depths decides
              **({"test_subset": test_subset} if test_subset else {}),
              **{k: v for k, v in (paths or {}).items() if v}}  # --data, --data-dir: never the checkpoint's
     with train_errors("CKPT"):
@@ -80,7 +82,8 @@ def train_errors(what: str):
 
 
 def depth_list(given: list[int], model) -> list[int]:
-    """--depths (parsed at the boundary) for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
+    """--depths (parsed at the boundary) for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA:
+    L only)."""
     c = model.config
     single = c.arch == "vit" or c.ffn == "lora"
     if not given:
@@ -128,11 +131,14 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
         fns = {}
         for batch in (1, args.batch):
             images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-            fns.update({(form, batch): bench.inference_call(run, images, device) for form, run in forms.items()})
-        row["memory_mib"] = bench.first_call(fns["deployed", 1], module, device, "first_call_s").get("memory_mib")
+            fns.update({(form, batch): bench.inference_call(run, images, device)
+                        for form, run in forms.items()})
+        first = bench.first_call(fns["deployed", 1], module, device, "first_call_s")
+        row["memory_mib"] = first.get("memory_mib")
         times = timed_against_reference(fns, reference, ("deployed", 1), row, args, device)
         for form, batch in fns:
-            row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
+            ms = statistics.median(times[form, batch]) * 1e3 / batch
+            row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = ms
         rows.append(row)
     if args.memory and device.type == "cpu":
         specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
@@ -145,9 +151,10 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
 def timed_against_reference(fns: dict, reference, compared, row: dict, args, device) -> dict:
     """Seconds per call of each fn, timed in interleaved rounds (bench.time_interleaved) beside the reference
     row's deployed call, the pair (fns[compared], reference) for more rounds until their ratio is known to
-    +- --resolve (bench.resolve_ratio); row["relative_latency"]: the median of the per-round ratios and its 95%
-    bootstrap interval (bench.paired_ratio: both timed in the same round, under the same load)."""
-    times = bench.time_interleaved({**fns, "reference": reference}, device, args.warmup, args.repeats, args.iters)
+    +- --resolve (bench.resolve_ratio); row["relative_latency"]: the median of the per-round ratios and its
+    95% bootstrap interval (bench.paired_ratio: both timed in the same round, under the same load)."""
+    fns = {**fns, "reference": reference}
+    times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
     times = bench.resolve_ratio({compared: fns[compared], "reference": reference}, times, device, args.iters,
                                 args.resolve, args.max_repeats, pair=(compared, "reference"))
     paired = bench.paired_ratio(times[compared], times["reference"])
@@ -200,7 +207,8 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_
     good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
                key=lambda r: (r[size_key], r["relative_latency"]))
     if good is ref:
-        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
+        return (f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference "
+                f"({name} {ref[size_key]})")
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
     ratio, (low, high) = good["relative_latency"], good["relative_latency_ci95"]
     than = f"the reference ({name} {ref[size_key]})"  # faster or slower only beyond the timing spread
@@ -228,7 +236,8 @@ def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
     for chunk in windows.split(task.cfg.eval_batch_size):
         chunk = chunk.to(device)
         with torch.inference_mode(), bench.autocast(device):
-            causal = alternet.causal_loss(lm, chunk[:, :-1], chunk[:, 1:], max_depth=cap, halt_threshold=threshold)
+            causal = alternet.causal_loss(lm, chunk[:, :-1], chunk[:, 1:], max_depth=cap,
+                                          halt_threshold=threshold)
         ce, iterations = ce + float(causal["ce"].sum()), iterations + float(causal["iterations"].sum())
     tokens = windows[:, 1:].numel()
     return {"bpb": ce / tokens * task.tokens_per_byte / math.log(2), "mean_iterations": iterations / tokens}
@@ -245,11 +254,12 @@ def language_depth_rows(lm, task, args, device) -> list[dict]:
     reference, rows = functools.partial(generate, *reference_setting), []
     settings = [(cap, threshold) for cap in range(1, lm.config.max_depth + 1) for threshold in thresholds]
     for cap, threshold in progress(settings, args, "caps"):
-        row = {"max_depth": cap, "halt_threshold": threshold, **causal_scores(lm, task, windows, cap, threshold, device),
-               "reference": (cap, threshold) == reference_setting}
+        row = {"max_depth": cap, "halt_threshold": threshold,
+               "reference": (cap, threshold) == reference_setting,
+               **causal_scores(lm, task, windows, cap, threshold, device)}
         refuse_non_finite(row, f"cap D'={cap}, threshold {threshold}")
-        times = timed_against_reference({"row": functools.partial(generate, cap, threshold)}, reference, "row",
-                                        row, args, device)
+        fns = {"row": functools.partial(generate, cap, threshold)}
+        times = timed_against_reference(fns, reference, "row", row, args, device)
         rows.append({**row, "ms_per_token": statistics.median(times["row"]) * 1e3 / args.new_tokens,
                      "bpb_metric": "alternet.causal_loss"})
     return rows
@@ -276,7 +286,8 @@ def parse_thresholds(text: str) -> list:
 
 
 PAIRED = ("latency ÷ ref: each row timed in the same rounds as the reference, the median of the per-round "
-          "ratios (batch 1) and its 95% bootstrap interval; pareto: no other row is both as good and as fast.")
+          "ratios (batch 1) and its 95% bootstrap interval; pareto: no other row is both as good and as "
+          "fast.")
 
 
 def depths_markdown(result: dict) -> str:
@@ -286,11 +297,12 @@ def depths_markdown(result: dict) -> str:
                                                                                 *r["relative_latency_ci95"]))
     if result["family"] == "language":
         table = markdown(rows, [
-            ("cap D'", f("max_depth", "{}")), ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
+            ("cap D'", f("max_depth", "{}")),
+            ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
             ("bits/byte", f("bpb", "{:.4f}")), ("mean iterations", f("mean_iterations")),
             ("ms/token", f("ms_per_token", "{:.3f}")), relative, ("", mark)])
-        note = (f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} tokens, batch "
-                f"1; {PAIRED}")
+        note = (f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} "
+                f"tokens, batch 1; {PAIRED}")
     else:
         table = markdown(rows, [
             ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
@@ -301,9 +313,11 @@ def depths_markdown(result: dict) -> str:
             (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
             ("memory MiB (b1)", f("memory_mib", "{:.1f}")), relative, ("", mark)])
         note = (f"test images: {s['test_images']}; latency per image, median of at least {s['repeats']} x "
-                f"{s['iters']} calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
-                f"checkpoint at that depth (reViT merges its experts on every call); {PAIRED}")
-    return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
+                f"{s['iters']} calls; {rows[0]['deployed_form']}: what a user deploys at that depth; "
+                f"dynamic: the compact checkpoint at that depth (reViT merges its experts on every call); "
+                f"{PAIRED}")
+    title = f"## Choose your depth: {result['checkpoint']} ({result['arch']})"
+    return f"{title}\n\n{table}\n\n{note}\n\n{result['best']}"
 
 
 def plot_depths(result: dict, path: str) -> str | None:
@@ -313,7 +327,8 @@ def plot_depths(result: dict, path: str) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
     language = result["family"] == "language"
-    x_key, y_key, size_key = ("ms_per_token", "bpb", "max_depth") if language else ("deployed_ms_b1", "acc", "depth")
+    x_key, y_key, size_key = (("ms_per_token", "bpb", "max_depth") if language else
+                              ("deployed_ms_b1", "acc", "depth"))
     groups = {}
     for r in result["rows"]:
         groups.setdefault(r.get("halt_threshold", "deployed"), []).append(r)
@@ -321,7 +336,8 @@ def plot_depths(result: dict, path: str) -> str | None:
         ys = [r[y_key] * (1 if language else 100) for r in rows]
         ax.plot([r[x_key] for r in rows], ys, "o-", label=f"threshold {name}" if language else None)
         for r, y in zip(rows, ys):
-            ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
             if r["reference"]:
                 ax.plot([r[x_key]], [y], "o", ms=11, mfc="none", mec="k")
     ax.set_xlabel("ms per generated token" if language else "ms per image (deployed, batch 1)")
@@ -353,7 +369,8 @@ def run_depths(args, device) -> dict:
         best = smallest_within(rows, "depth", "acc", 0.005, True, "points", scale=100)
         settings["test_images"] = len(task.data.test)
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"],
-              "family": "language" if language else "vision", "settings": settings, "rows": rows, "best": best,
+              "family": "language" if language else "vision", "settings": settings, "rows": rows,
+              "best": best,
               "env": bench.environment(device)}
     out_dir = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     os.makedirs(out_dir, exist_ok=True)
@@ -378,23 +395,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
     bench.device_flags(p)
     p.add_argument("--depths", default="", help="comma-separated depths >= 2 (default 2 ... 2L; a ViT: L)")
-    p.add_argument("--test-subset", type=int, default=0, help="evaluate on the first N test images / validation "
-                                                              "windows (default: the checkpoint's own test set)")
-    p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
+    p.add_argument("--test-subset", type=int, default=0,
+                   help="evaluate on the first N test images / validation windows (default: the checkpoint's "
+                        "own test set)")
+    p.add_argument("--batch", type=int,
+                   help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
     bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
-    p.add_argument("--resolve", type=float, help="more paired rounds of a row and the reference (batch 1) until "
-                                                  "their latency ratio is known to +- this (default 0.03; 0: --repeats only)")
-    p.add_argument("--max-repeats", type=int, help="at most this many paired rounds per row (CPU 60, CUDA 200)")
+    p.add_argument("--resolve", type=float,
+                   help="more paired rounds of a row and the reference (batch 1) until their latency ratio "
+                        "is known to +- this (default 0.03; 0: --repeats only)")
+    p.add_argument("--max-repeats", type=int,
+                   help="at most this many paired rounds per row (CPU 60, CUDA 200)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="measure runtime memory at batch 1 (CPU: a forked fresh process per depth)")
     p.add_argument("--thresholds", default="0.5,none",
-                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); the first "
-                        "is the reference")
+                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); "
+                        "the first is the reference")
     p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
     p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
-    p.add_argument("--data", default="", help="the run's --data (an ImageFolder root or text), if it had one: "
-                                              "paths come from the command line, never from the checkpoint")
-    p.add_argument("--data-dir", default="", help="where the built-in data sets live (as train.py's --data-dir)")
+    p.add_argument("--data", default="",
+                   help="the run's --data (an ImageFolder root or text), if it had one: paths come from the "
+                        "command line, never from the checkpoint")
+    p.add_argument("--data-dir", default="",
+                   help="where the built-in data sets live (as train.py's --data-dir)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a progress bar over the depths on stderr, when it is a terminal")
     return p
