@@ -3,6 +3,7 @@ well formed, the trade-off marks right, the deployed form runs like the model; b
 
 No timing assertions: only the shape of what the tool returns.
 """
+import argparse
 import dataclasses
 import io
 import json
@@ -156,6 +157,21 @@ def test_smallest_depth_within_half_a_point_is_faster_only_beyond_the_timing_spr
     assert best([t - 0.1 for t in reference]).startswith("depth 4: −0.3 points, as fast")  # 3% faster each round
     rows[1]["acc"] = 0.8
     assert best(noisy) == "no smaller depth is within 0.5 points of the reference (depth 6)"
+
+
+def test_only_the_headlines_row_is_timed_again_until_its_ratio_is_resolved():
+    rows = [{"depth": d, "acc": a, "reference": d == 6, "relative_latency": 1.0, "relative_latency_ci95": [0, 9]}
+            for d, a in [(2, 0.80), (4, 0.899), (6, 0.900)]]
+    calls = []
+    args = argparse.Namespace(warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=10)
+    depths.resolve_headline(rows, "vision", lambda r: lambda: calls.append(r["depth"]), lambda: None, args,
+                            torch.device("cpu"))
+    assert set(calls) == {4} and 1 + 3 <= len(calls) <= 1 + 10  # depth 4; a warm-up call, 3 to 10 rounds
+    assert rows[1]["relative_latency_ci95"] != [0, 9] and rows[0]["relative_latency_ci95"] == [0, 9]
+    calls.clear()
+    depths.resolve_headline(rows, "vision", lambda r: lambda: calls.append(r["depth"]), lambda: None,
+                            argparse.Namespace(**{**vars(args), "resolve": 0}), torch.device("cpu"))
+    assert calls == []  # --resolve 0: the rounds of the table only
 
 
 class Terminal(io.StringIO):
