@@ -268,25 +268,29 @@ def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
 
 def language_depth_rows(lm, task, args, device) -> list[dict]:
     """Rows over iteration caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations
-    per position, latency per generated token (greedy, batch 1)."""
+    per position, latency per generated token (greedy, batch 1). Every setting is timed in the same rounds
+    (no cache to evict: one model runs them all), each against the reference's times of the same round."""
     windows = language_windows(task, args.test_subset)
     thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
     generate = functools.partial(_generate_call, lm, prompt, args.new_tokens, device=device)
-    reference_setting = (lm.config.max_depth, thresholds[0])
-    reference, rows = functools.partial(generate, *reference_setting), []
+    reference = (lm.config.max_depth, thresholds[0])
     settings = [(cap, threshold) for cap in range(1, lm.config.max_depth + 1) for threshold in thresholds]
+    rows = []
     for cap, threshold in progress(settings, args, "caps"):
-        row = {"max_depth": cap, "halt_threshold": threshold,
-               "reference": (cap, threshold) == reference_setting,
-               **causal_scores(lm, task, windows, cap, threshold, device)}
-        refuse_non_finite(row, f"cap D'={cap}, threshold {threshold}")
-        fns = {"row": functools.partial(generate, cap, threshold)}
-        times = timed_against_reference(fns, reference, "row", row, args, device)
-        rows.append({**row, "ms_per_token": statistics.median(times["row"]) * 1e3 / args.new_tokens,
-                     "bpb_metric": "alternet.causal_loss"})
-    call_of = lambda r: functools.partial(generate, r["max_depth"], r["halt_threshold"])  # noqa: E731
-    resolve_headline(rows, "language", call_of, reference, args, device)
+        rows.append({"max_depth": cap, "halt_threshold": threshold,
+                     "reference": (cap, threshold) == reference,
+                     **causal_scores(lm, task, windows, cap, threshold, device)})
+        refuse_non_finite(rows[-1], f"cap D'={cap}, threshold {threshold}")
+    fns = {setting: functools.partial(generate, *setting) for setting in settings}
+    times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
+    for setting, row in zip(settings, rows):
+        paired = bench.paired_ratio(times[setting], times[reference])
+        row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"],
+                   ms_per_token=statistics.median(times[setting]) * 1e3 / args.new_tokens,
+                   bpb_metric="alternet.causal_loss")
+    call_of = lambda r: fns[r["max_depth"], r["halt_threshold"]]  # noqa: E731
+    resolve_headline(rows, "language", call_of, fns[reference], args, device)
     return rows
 
 
