@@ -267,7 +267,7 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
         return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"
     if path.exists() and not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
         return "is not writable"
-    parent = next(p for p in path.absolute().parents if p.exists())
+    parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
     if not path.exists() and not parent.is_dir():
         return f"cannot be created: {parent} is a file, not a folder"
     if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
