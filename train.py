@@ -363,8 +363,7 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
     parts = build(cfg, rank, world, device, resume_ckpt, plan_memory=True)
     sched = schedule(cfg, parts.model, parts.steps_per_epoch)
     model = parts.model.to(device)
-    trainable = model.head if cfg.probe else model
-    optimizer = adamw(trainable, cfg, sched["peak_lr"], options["fused_adamw"])
+    optimizer = adamw(model.head if cfg.probe else model, cfg, sched["peak_lr"], options["fused_adamw"])
     # fp16 only: the loss scaled up so that small gradients do not flush to zero in fp16
     scaler = torch.amp.GradScaler(device.type, enabled=options["precision"] == "fp16")
     cfg.out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
@@ -380,7 +379,7 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
         run.folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
                         resume_step=resume_ckpt["step"] if resume_ckpt else None)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
-    num_params = sum(p.numel() for p in trainable.parameters())
+    num_params = sum(p.numel() for p in run.trainable.parameters())
     say(f"{cfg.arch}: {num_params / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
         f"{sched['total_steps']} steps ({parts.steps_per_epoch or '-'} per epoch) | "
         f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")

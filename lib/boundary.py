@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import cmath
 import contextlib
+import dataclasses
 import math
 import os
 import stat
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import revit
 from revit import MAX_DEPTH
 
 # --- one-line errors ---
@@ -142,7 +144,6 @@ def check_config(cfg) -> None:
         if getattr(cfg, name) not in choices:
             fail(f"--{name.replace('_', '-')} must be one of {', '.join(c for c in choices if c)}; "
                  f"got {getattr(cfg, name)!r}")
-    from lib.checkpoint import is_vision, preset_module  # (it imports this module)
     module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, lib.moe or alternet
     vision = is_vision(module)
     if not vision and not cfg.max_steps:
@@ -165,6 +166,25 @@ def check_config(cfg) -> None:
              f"hubconf.py): give --download to allow it")
     parse_depths(cfg.eval_depths)
     parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
+
+
+def preset_module(arch: str, config=None):
+    """revit, lib.moe (a comparison mechanism's preset, or a saved `config` with its fields) or alternet:
+    the module whose create_model builds preset `arch`, or None. A reViT run imports neither of the others."""
+    if arch in revit.PRESETS and not set(config if isinstance(config, dict) else ()) - VISION_FIELDS:
+        return revit
+    import alternet
+    if arch in alternet.PRESETS:
+        return alternet
+    from lib import moe
+    return moe if arch in moe.PRESETS else None
+
+
+VISION_FIELDS = {f.name for f in dataclasses.fields(revit.ViTConfig)}
+
+
+def is_vision(module) -> bool:
+    return module is not None and module.__name__ in ("revit", "lib.moe")
 
 
 # --- the two small languages of flags: depth lists and model arguments ---

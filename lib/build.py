@@ -1,9 +1,7 @@
 """What a run's config builds before its first step (train.py's set-up, --eval-only, tools/depths.py):
-the data, model and task of each kind of run (`build`); for a training run the gradient-accumulation
-micro-steps whose peak memory fits the device (`fit_in_memory`), the optimizer (`adamw`, `param_groups`)
-and the module the step calls (`wrap`: DDP, torch.compile). Each kind's module is imported by the
-runs of that kind only: the language model and its task (lib/language.py), the planted task
-(lib/planted.py), the memory planner (lib/memory.py).
+the data, model and task of each kind of run (`build`: lib/tasks.py, lib/planted.py or lib/language.py,
+each imported by its own runs only), the micro-steps whose peak memory fits (`fit_in_memory`, with
+lib/memory.py), the optimizer (`adamw`, `param_groups`) and the module the step calls (`wrap`).
 """
 
 from __future__ import annotations

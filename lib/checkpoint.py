@@ -9,7 +9,6 @@ head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading error
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import os
@@ -32,8 +31,8 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.boundary import (diverged, fail, fit_problem, non_finite, output_problem, path_problem, plain_values,
-                          stored_problem, too_deep)
+from lib.boundary import (diverged, fail, fit_problem, is_vision, non_finite, output_problem, path_problem,
+                          plain_values, preset_module, stored_problem, too_deep)
 from lib.cli import atomic_write_text, broadcast, git_commit, non_finite_place
 
 
@@ -160,27 +159,6 @@ def config_problem(ckpt: dict, keys) -> str | None:
     except (ValueError, TypeError) as e:
         return f"its model_config does not build {arch}: {e}"
     return fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None
-
-
-def preset_module(arch: str, config=None):
-    """revit, lib.moe or alternet: the module whose create_model builds preset `arch` (with `config`, its
-    model config); None if none does. lib/moe.py builds a comparison mechanism's preset and a config with
-    its fields (as every vision checkpoint saved before it had its own config holds); the language model
-    and lib/moe.py are imported only when needed: a reViT run loads neither."""
-    if arch in revit.PRESETS and not set(config if isinstance(config, dict) else ()) - VISION_FIELDS:
-        return revit
-    import alternet
-    if arch in alternet.PRESETS:
-        return alternet
-    from lib import moe
-    return moe if arch in moe.PRESETS else None
-
-
-VISION_FIELDS = {f.name for f in dataclasses.fields(revit.ViTConfig)}
-
-
-def is_vision(module) -> bool:
-    return module is not None and module.__name__ in ("revit", "lib.moe")
 
 
 def family_of(arch: str) -> str:

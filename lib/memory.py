@@ -66,8 +66,7 @@ from torch.utils._pytree import tree_flatten
 
 import alternet
 import revit
-from lib.checkpoint import preset_module
-from lib.boundary import fail, parse_model_args
+from lib.boundary import fail, parse_model_args, preset_module
 from lib.cli import broadcast, device_options, say
 from lib.data import TEXT_DATASETS
 

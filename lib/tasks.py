@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.checkpoint import checkpoint_or_fail, is_vision, model_or_fail, preset_module
-from lib.boundary import fail, parse_depths, parse_model_args
+from lib.boundary import fail, is_vision, parse_depths, parse_model_args, preset_module
+from lib.checkpoint import checkpoint_or_fail, model_or_fail
 from lib.cli import device_options, say
 
 

@@ -437,6 +437,12 @@ def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needl
     assert {name: contents(runs / name) for name in ("A", "B")} == before
 
 
+def test_a_path_at_the_file_system_root_is_one_line():
+    """/ has no parents: the output rule still finds the folder a path would be created in."""
+    from tools import depths
+    assert "CKPT /nonexistent.pt: no such file" in one_line(depths.main, ["/nonexistent.pt"], "python -m tools.depths")
+
+
 def test_a_checkpoint_never_fetches_downloads_or_names_a_path(runs, tmp_path, monkeypatch, capsys):
     """A hub teacher, download=True and a data folder in train_config: --eval-only scores the weights with
     the command line's data (override lines), never calls torch.hub or the network."""
