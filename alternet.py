@@ -1,49 +1,40 @@
 """
-AlterNet: a looped mixture of single-block experts with learned halting.
-
-Kastius, "AlterNet: Adaptive-Depth Mixture-of-Experts with Learned Halting for
-Elastic Inference" (arXiv 2611.08741), §3 and Appendices A-C. Equation numbers in
-the comments are the paper's.
+AlterNet: a looped mixture of single-block experts with learned halting. Kastius, "AlterNet: Adaptive-Depth
+Mixture-of-Experts with Learned Halting for Elastic Inference" (arXiv 2611.08741), §3 and Appendices A-C;
+equation numbers are the paper's.
 
 How it differs from a GPT:
-- Positions are injected once (token + learned position embedding); there is no
-  stack of layers but a loop of up to D iterations over a bank of E experts, each
-  expert ONE pre-norm transformer block (causal attention, then an FFN).
-- Routing is per sequence, not per token: a linear router reads the hidden state of
-  the last valid token plus sinusoidal encodings of the depth coordinate t = d/(D-1)
-  and of the remaining budget 1-t. The encodings go to the router only, never into
-  the residual stream. Top-k experts, softmax renormalised over the selected ones.
-- Each iteration is a gated residual step x <- x + sum_j g_j y_j, with y_j the
-  residual update of expert j (block(x) - x).
-- Every expert has a halt head; their gated mix gives lambda_d, the probability of halting
-  at iteration d given no halt before, and PonderNet turns these into a distribution p over
-  depths (computed in log space, so saturated halt heads give finite gradients). A shared
-  final LayerNorm + LM head (tied to the token embedding) decodes every iteration,
-  and the loss is the p-weighted sum of the per-iteration cross-entropies plus
-  KL(p||prior), Switch load balance, router z-loss and a relative-improvement loss
-  for the halt heads. The cross-entropies are taken in chunks of tokens recomputed in
-  backward, so the loss never holds the D full-vocabulary logit tensors.
-- At inference a sequence stops when its cumulative halting probability passes a
-  threshold (or by sampling); the iteration count may also be capped below D without
-  retraining. `halting=False` is the paper's fixed-depth baseline "Model I".
+- Positions are added once (token + learned position embedding); no stack of layers but a loop of up to D
+  iterations over a bank of E experts, each ONE pre-norm transformer block (causal attention, then an FFN).
+- Routing is per sequence: a linear router reads the last valid token's state plus sinusoidal encodings of
+  the depth t = d/(D-1) and of the remaining budget 1-t (the router's input only, never the residual
+  stream); top-k experts, softmax renormalised over the selected ones. Each iteration is a gated residual
+  step x <- x + sum_j g_j y_j, y_j the residual update of expert j.
+- The experts' halt heads give lambda_d, the probability of halting at iteration d given no halt before;
+  PonderNet turns them into a distribution p over depths (in log space: saturated heads keep finite
+  gradients). A shared final LayerNorm + LM head decodes every iteration; the loss is the p-weighted sum of
+  the iterations' cross-entropies (over chunks of tokens recomputed in backward: never D full-vocabulary
+  logit tensors) plus KL(p || prior), Switch load balance, router z-loss and a relative-improvement loss
+  for the halt heads.
+- At inference a sequence stops once its cumulative halting probability passes a threshold (or by
+  sampling); a cap below D needs no retraining. `halting=False` is the paper's fixed-depth "Model I".
 
-Three names, three ideas: `config.halting` is the switch (halt heads or Model I); `log_lambda` holds
-the heads' log lambda_d (Eq. 4); `halting_distribution` is PonderNet's p (Eq. 5).
+Three names, three ideas: `config.halting` is the switch (halt heads or Model I); `log_lambda` holds the
+heads' log lambda_d (Eq. 4); `halting_distribution` is PonderNet's p (Eq. 5).
 
-A property of the design worth knowing: the router (and the halt heads) read the LAST
-valid token, so on a full window the expert choice for the whole sequence is made with
-every token in view. Attention is causal, but the logits at position i < T-1 depend on
-later tokens through that choice: the gates and halting probabilities are continuous
-functions of the last token's state, so the leak is not a few bits but a real-valued
-signal at every iteration. The full-window loss is therefore optimistic; `causal_loss`
-scores each position as generation does (routing and halting on its own prefix), and
-training cuts part of each batch to random lengths (`random_length_fraction`) so the
-router and halt heads see every position. Generation is exact.
+A property of the design worth knowing: the router (and the halt heads) read the LAST valid token, so on a
+full window the expert choice for the whole sequence is made with every token in view. Attention is causal,
+but the logits at position i < T-1 depend on later tokens through that choice: the gates and halting
+probabilities are continuous functions of the last token's state, so the leak is not a few bits but a
+real-valued signal at every iteration. The full-window loss is therefore optimistic; `causal_loss` scores
+each position as generation does (routing and halting on its own prefix), and training cuts part of each
+batch to random lengths (`random_length_fraction`) so the router and halt heads see every position.
+Generation is exact.
 
 Where the paper is silent the code says "our choice" and why, in brackets at the line; docs/choices.md
-lists them. File layout, in call order: blocks -> config -> the model (forward; training; schedules;
-inference and generate) -> the training loss, Eq. 4-10, in the order train_forward calls it -> helpers
--> causal evaluation -> presets. Tokenizers and sampling from a checkpoint: lib/language.py, sample.py.
+lists them. Layout, in call order: blocks -> config and its contract -> the model (forward; training;
+schedules; inference and generate) -> the training loss (Eq. 4-10, in the order train_forward calls it) ->
+helpers -> causal evaluation -> presets. Tokenizers, and sampling a checkpoint: lib/language.py, sample.py.
 """
 
 from __future__ import annotations
@@ -67,13 +58,11 @@ def depth_coordinate(iteration: int, max_depth: int) -> float:
 
 
 def depth_encoding(t: float, dim: int) -> torch.Tensor:
-    """Vaswani sinusoidal encoding of a scalar position t: (dim,), interleaved sin/cos.
-
-    Parameter-free, so it is defined for t outside [0, 1] too (depths beyond the
-    training D, and a negative budget 1 - t there). Base 10,000 on t in [0, 1] (our choice), Vaswani's:
-    the paper names the encoding, not its scale. Most frequencies barely turn over [0, 1]: only 4 of 16
-    dims move by more than 0.05 across the iterations of alternet-tiny, 8 of 32 for 50M, 15 of 64 for 350M.
-    """
+    """Vaswani's sinusoidal encoding of a scalar t: (dim,), interleaved sin/cos; defined for t outside [0, 1]
+    too (depths beyond the trained D, and a negative budget 1 - t there). Base 10,000 on t in [0, 1] as
+    Vaswani's (our choice): the paper names the encoding, not its scale. Most frequencies barely turn over
+    [0, 1]: 4 of 16 dims move by more than 0.05 across alternet-tiny's iterations, 8 of 32 at 50M, 15 of 64
+    at 350M."""
     freqs = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # (dim/2,)
     angles = t * freqs
     return rearrange(torch.stack([angles.sin(), angles.cos()]), "two f -> (f two)")  # (dim,)
@@ -113,14 +102,11 @@ class FeedForward(nn.Module):
 
 
 class Expert(nn.Module):
-    """One pre-norm transformer block that returns its residual update y = block(x) - x.
-
-    Pre-norm with a GELU FFN (our choice): the paper says "a transformer block"; GPT-2's layout, stable
-    when the same blocks run up to D times. y is the update alone (our choice): the paper leaves open
-    whether expert_k(x) includes the block's residual; so Eq. 3 is a gated residual step. Computed
-    directly (no subtraction), so y is exact.
-    The per-expert halt head lives here (None with a global head or halting off).
-    """
+    """One pre-norm transformer block that returns its residual update y = block(x) - x, computed directly (no
+    subtraction: exact), and the expert's halt head (None with a global head or halting off).
+    Pre-norm with a GELU FFN (our choice): the paper says "a transformer block"; GPT-2's layout, stable when
+    the same blocks run up to D times. y is the update alone (our choice): the paper leaves open whether
+    expert_k(x) includes the block's residual; so Eq. 3 is a gated residual step."""
 
     def __init__(self, config: AlterNetConfig) -> None:
         super().__init__()
@@ -169,9 +155,9 @@ class AlterNetConfig:
     balance_weight: float = 1e-2  # a_LB
     z_loss_weight: float = 1e-3  # a_z (group F)
     rir_weight: float = 0.2  # a_RIR
-    # The paper routes on "the last valid token" (§3) but does not say how often a sequence is
-    # shorter than the window; we cut this fraction of each training batch to a uniform random
-    # length, so routing and halting learn every position that generation will route on (our choice).
+    # §3 routes on "the last valid token" but does not say how often a sequence is shorter than the window:
+    # this fraction of each training batch is cut to a uniform random length, so routing and halting learn
+    # every position that generation will route on (our choice).
     random_length_fraction: float = 0.5
 
     def __post_init__(self) -> None:
@@ -219,46 +205,38 @@ def field_rules(c: AlterNetConfig):
     ]
 
 
-def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | None,
-               lengths: torch.Tensor | None, max_depth: int | None, halt_threshold: float | None,
-               sample_halting: bool, last_token_only: bool = False) -> None:
-    """forward's and generate's contract on shapes and Python values: traced by torch.compile, no host sync
-    (check_values reads the tensors' values, outside the graph)."""
-    T = tokens.shape[-1] if tokens.dim() else 0
-    for name, ok, allowed in [
-            ("tokens", tokens.dim() == 2 and tokens.dtype == torch.long and 1 <= T <= c.seq_len,
-             f"a (B, T) long tensor, T in 1..seq_len={c.seq_len}, got {tuple(tokens.shape)} {tokens.dtype}"),
-            ("targets", targets is None or (targets.shape == tokens.shape and targets.dtype == torch.long),
-             f"a long tensor of the shape of tokens {tuple(tokens.shape)}, or None"),
-            ("targets", targets is None or not last_token_only, "None with last_token_only=True"),
-            ("lengths", lengths is None or (lengths.dtype == torch.long
-                                            and lengths.shape == tokens.shape[:1]),
-             f"a (B,) long tensor with values in 1..T={T}"),
-            ("max_depth", max_depth is None or (type(max_depth) is int and 1 <= max_depth <= MAX_ITERATIONS),
-             f"None or an integer in 1..{MAX_ITERATIONS}, got {max_depth!r}"),
-            ("halt_threshold", halt_threshold is None or 0 < halt_threshold <= 1,
-             f"None or in (0, 1], got {halt_threshold!r}"),
-            ("halt_threshold", halt_threshold is None or not sample_halting,
-             "None with sample_halting=True: they are alternatives, give one of them"),
-            ("halt_threshold", c.halting or (halt_threshold is None and not sample_halting),
-             "None, as sample_halting False, with halting=False (fixed depth): cap with max_depth")]:
+# forward's and generate's contract, run before a compiled graph rather than in it: reading the token ids is
+# a host sync, and under torch.compile a graph break.
+@torch.compiler.disable
+def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+               lengths: torch.Tensor | None = None, max_depth: int | None = None,
+               halt_threshold: float | None = None, sample_halting: bool = False,
+               last_token_only: bool = False) -> None:
+    T, V = tokens.shape[-1] if tokens.dim() else 0, c.vocab_size
+    refuse([
+        ("tokens", tokens.dim() == 2 and tokens.dtype == torch.long and 1 <= T <= c.seq_len,
+         f"a (B, T) long tensor, T in 1..seq_len={c.seq_len}, got {tuple(tokens.shape)} {tokens.dtype}"),
+        ("tokens: token ids", ((tokens >= 0) & (tokens < V)).all(), f"in 0..{V - 1} (vocab_size={V})"),
+        ("targets", targets is None or (targets.shape == tokens.shape and targets.dtype == torch.long
+                                        and not last_token_only and ((targets >= -1) & (targets < V)).all()),
+         f"None, or a long tensor shaped as tokens of ids in 0..{V - 1} or -1 (ignore); None with "
+         "last_token_only=True"),
+        ("lengths", lengths is None or (lengths.dtype == torch.long and lengths.shape == tokens.shape[:1]
+                                        and ((lengths >= 1) & (lengths <= T)).all()),
+         f"a (B,) long tensor with values in 1..T={T}, or None"),
+        ("max_depth", max_depth is None or (type(max_depth) is int and 1 <= max_depth <= MAX_ITERATIONS),
+         f"None or an integer in 1..{MAX_ITERATIONS}, got {max_depth!r}"),
+        ("halt_threshold", halt_threshold is None or (0 < halt_threshold <= 1 and not sample_halting),
+         f"None or in (0, 1], None with sample_halting=True (they are alternatives), got {halt_threshold!r}"),
+        ("halt_threshold", c.halting or (halt_threshold is None and not sample_halting),
+         "None, as sample_halting False, with halting=False (fixed depth): cap with max_depth")])
+
+
+def refuse(rules) -> None:
+    """ValueError naming the first broken rule of (argument, its value is allowed, what it allows)."""
+    for name, ok, allowed in rules:
         if not ok:
             raise ValueError(f"{name} must be {allowed}")
-
-
-# Reading a tensor's values is a host sync, and under torch.compile a graph break: kept out of the graph
-# (before the model's first operation) rather than dropped.
-@torch.compiler.disable
-def check_values(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | None,
-                 lengths: torch.Tensor | None) -> None:
-    for name, ids, ignore in [("tokens", tokens, None), ("targets", targets, -1)]:
-        real = ids if ids is None or ignore is None else ids[ids != ignore]
-        if real is not None and real.numel() and (real.min() < 0 or real.max() >= c.vocab_size):
-            allowed = f"0..{c.vocab_size - 1}" + ("" if ignore is None else f" or {ignore} (ignore)")
-            raise ValueError(f"{name}: token ids must be in {allowed} (vocab_size={c.vocab_size}), "
-                             f"got values in {real.min().item()}..{real.max().item()}")
-    if lengths is not None and (lengths.min() < 1 or lengths.max() > tokens.shape[1]):
-        raise ValueError(f"lengths must be a (B,) long tensor with values in 1..T={tokens.shape[1]}")
 
 
 # --- the model -------------------------------------------------------------------
@@ -272,9 +250,9 @@ class AlterNet(nn.Module):
     (0 after halting); states (D'+1 of (B, T, H)) with return_states. Without targets the logits: logits
     (B, T, V) of the iteration each sequence stopped at ((B, 1, V) with last_token_only); step_logits
     (D', B, T, V), a halted row repeating its output. With targets the losses, no logits (D' x B x T x V
-    floats): loss (Eq. 6), task_loss (L_PN, Eq. 7) and the per-iteration CE, named by their axes:
-    token_losses (D', B, T), 0 where ignored; step_ce (B, D'), per sequence, as p; step_losses (D',),
-    token mean. D' = iterations run: the cap, or fewer once every sequence has halted (compiled: the cap).
+    floats): loss (Eq. 6), task_loss (L_PN, Eq. 7) and the per-iteration CE, iteration first:
+    token_losses (D', B, T), 0 where ignored; step_ce (D', B), per sequence; step_losses (D',), token mean.
+    D' = iterations run: the cap, or fewer once every sequence has halted (compiled: the cap).
     """
 
     def __init__(self, config: AlterNetConfig) -> None:
@@ -301,18 +279,16 @@ class AlterNet(nn.Module):
                 halt_threshold: float | None = None, lengths: torch.Tensor | None = None, *,
                 sample_halting: bool = False, return_states: bool = False,
                 last_token_only: bool = False) -> dict:
-        """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of OUTPUTS.
+        """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of outputs (above).
 
-        max_depth: this call's cap D' on iterations (default: config.max_depth = D, the trained
-        depth; more extrapolates). halt_threshold: stop a sequence once its cumulative halting
-        probability reaches it; sample_halting: stop with probability lambda_d (the conditional,
-        not p_d). Either needs halting=True; no sequence stops before the curriculum's minimum depth.
-        targets: (B, T) long, -1 = ignore (as are positions >= lengths): the outputs are then the
-        losses. Training (targets and no halting rule; also evaluation at a fixed depth) runs every
-        iteration on the whole batch; the rest is inference: a halting rule, or the logits."""
+        max_depth: this call's cap D' on iterations (default: the trained D; more extrapolates).
+        halt_threshold: stop a sequence once its cumulative halting probability reaches it; sample_halting:
+        stop with probability lambda_d (the conditional, not p_d). Either needs halting=True; none stops
+        before the curriculum's minimum depth. targets: (B, T) long, -1 = ignore (as are positions >=
+        lengths): the outputs are the losses. Training (targets, no halting rule; also evaluation at a fixed
+        depth) runs every iteration on the whole batch; the rest is inference: a halting rule, or logits."""
         check_call(self.config, tokens, targets, lengths, max_depth, halt_threshold, sample_halting,
                    last_token_only)
-        check_values(self.config, tokens, targets, lengths)
         B, T = tokens.shape
         num_iterations = self.config.max_depth if max_depth is None else max_depth
         last = torch.full((B,), T - 1, device=tokens.device) if lengths is None else lengths - 1  # (B,)
@@ -352,7 +328,7 @@ class AlterNet(nn.Module):
     def iterate(self, x: torch.Tensor, last: torch.Tensor, iteration: int) -> tuple[torch.Tensor, dict, dict]:
         """One iteration (Eq. 1-4) of the sequences x: (n, T, H), last: (n,) their last valid index.
         -> x_{d+1}, its routing record (each (n, ...)) and the heads' log lambda_d record (each (n,))."""
-        h = x[torch.arange(x.shape[0], device=x.device), last]  # (n, H): the last valid token's state
+        h = at_last(x, last)  # (n, H): the last valid token's state
         raw_logits, router_logits = self.route(h, iteration)  # (n, E)
         top_logits, expert_indices = router_logits.topk(self.config.top_k, dim=-1)  # (n, k)
         log_gates = top_logits.log_softmax(-1)  # Eq. 2: renormalised over the selected experts only
@@ -390,8 +366,7 @@ class AlterNet(nn.Module):
             if expert.halt_head is not None:
                 # the head reads the expert's update y_j at the last valid token (our choice): Eq. 4 writes
                 # lhat_j = head_j(expert_j(x)), and our expert returns its update (Expert)
-                y_last = y[torch.arange(len(y), device=x.device), take(last, rows)]  # (n_e, H)
-                lhat = halt_logit(expert.halt_head, y_last)
+                lhat = halt_logit(expert.halt_head, at_last(y, take(last, rows)))  # (n_e,) each
                 halt_logits = [torch.where(chosen, put_rows(new, rows, n)[:, None], old)
                                for new, old in zip(lhat, halt_logits)]
         return update, halt_logits
@@ -400,25 +375,21 @@ class AlterNet(nn.Module):
                     halt_logits: list[torch.Tensor]) -> dict:
         """log lambda_d and log(1 - lambda_d) of this iteration (Eq. 4), each (n,) fp32, and the L_RIR
         copies (gradient to the halt heads only). Model I (halting off): lambda = 0."""
-        n = x_next.shape[0]
         if self.halt_head is not None:  # the global head reads x_{d+1}'s last valid token (our choice)
-            logits = halt_logit(self.halt_head, x_next[torch.arange(n, device=x_next.device), last])
+            logits = halt_logit(self.halt_head, at_last(x_next, last))
             live, rir = ((F.logsigmoid(logit), F.logsigmoid(-logit)) for logit in logits)
         elif self.config.halting:
             live = halting_log_probabilities(log_gates, halt_logits[0])
             rir = halting_log_probabilities(log_gates.detach(), halt_logits[1])
         else:  # lambda = 0: log lambda = -inf, log(1 - lambda) = 0
-            zeros = x_next.new_zeros(n, dtype=torch.float32)
+            zeros = x_next.new_zeros(len(x_next), dtype=torch.float32)
             live, rir = (torch.full_like(zeros, -math.inf), zeros), (zeros, zeros)
         return {"halt": live[0], "continue": live[1], "rir_halt": rir[0], "rir_continue": rir[1]}
 
     def token_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy of decode(x): x (n, T, H), targets (n, T) -> (n, T) fp32, 0 where -1.
-
-        Never holds the (n, T, V) logits: the tokens go through the final norm, the LM head and the
-        CE in chunks of LOSS_CHUNK_LOGITS // V tokens, each recomputed in backward (activation
-        checkpointing), so the loss's extra memory is one chunk's logits whatever D and T are.
-        """
+        """Per-token cross-entropy of decode(x): x (n, T, H), targets (n, T) -> (n, T) fp32, 0 where -1. Never
+        holds the (n, T, V) logits: chunks of LOSS_CHUNK_LOGITS // V tokens, each recomputed in backward
+        (activation checkpointing), so the loss's extra memory is one chunk's logits whatever D and T are."""
         chunk = loss_chunk_tokens(self.config.vocab_size)
         flat_x, flat_targets = rearrange(x, "n t h -> (n t) h"), targets.flatten()
         losses = [checkpoint(decoded_cross_entropy, self, xs, ts, use_reentrant=False,
@@ -495,26 +466,21 @@ class AlterNet(nn.Module):
 
     def decode(self, x: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
         """Shared final norm + LM head: (n, T, H) -> (n, T, V), or (n, 1, V) at `last` only."""
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x if last is None else at_last(x, last)[:, None]))
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, halt_threshold: float | None = None,
                  max_depth: int | None = None, temperature: float = 1.0, top_k: int | None = None,
                  sample_halting: bool = False, return_iterations: bool = False) -> torch.Tensor | tuple:
-        """Autoregressive sampling with the halting of forward (call .eval() first).
-
-        tokens: (B, T) long -> (B, T + max_new_tokens); the context is cropped to seq_len.
-        halt_threshold, sample_halting, max_depth: as in forward, with its rule (a fixed-depth model takes
-        no halting rule; None: every iteration up to the cap). temperature 0 = greedy.
-        return_iterations: also return the iterations used per new token, (B, max_new_tokens).
-        """
-        check_call(self.config, tokens[..., -self.config.seq_len:], None, None, max_depth, halt_threshold,
-                   sample_halting)
-        if temperature < 0 or not (top_k is None or 1 <= top_k <= self.config.vocab_size):
-            raise ValueError(f"temperature must be >= 0 and top_k None or in 1..vocab_size="
-                             f"{self.config.vocab_size}, got {temperature}, {top_k}")
+        """Autoregressive sampling with forward's halting (call .eval() first): tokens (B, T) long ->
+        (B, T + max_new_tokens), the context cropped to seq_len. halt_threshold, sample_halting, max_depth:
+        as in forward (no rule: every iteration up to the cap). temperature 0 = greedy. return_iterations:
+        also the iterations used per new token, (B, max_new_tokens)."""
+        V = self.config.vocab_size
+        check_call(self.config, tokens[..., -self.config.seq_len:], max_depth=max_depth,
+                   halt_threshold=halt_threshold, sample_halting=sample_halting)
+        refuse([("temperature", temperature >= 0, f">= 0 (0: greedy), got {temperature}"),
+                ("top_k", top_k is None or 1 <= top_k <= V, f"None or in 1..vocab_size={V}, got {top_k}")])
         used = []
         for _ in range(max_new_tokens):
             out = self(tokens[:, -self.config.seq_len:], max_depth=max_depth, halt_threshold=halt_threshold,
@@ -535,17 +501,15 @@ class AlterNet(nn.Module):
 # --- the training loss (Eq. 4-10), in the order train_forward calls it, in log space ----------------
 # A confident halt head saturates: lambda rounds to 1 or prod(1 - lambda) underflows, so some p_d are
 # exactly 0. p log p then has a 0/0 gradient; log p computed from logsigmoid stays finite, and the KL
-# treats p_d = 0 exactly (its term and gradient are 0). Axes: lambda, p and the per-sequence losses are
-# (B, D), a sequence per row and an iteration per column, as p is written; the routing record and the
-# per-token CE are iteration-major (D, B, ...), as the loop appends them.
+# treats p_d = 0 exactly (its term and gradient are 0). Axes: lambda and p are (B, D), a sequence per row
+# as p is written; what the loop appends is iteration-major: the routing record (D, B, ...) and the
+# per-iteration losses token_losses (D, B, T), step_ce (D, B) and step_losses (D,) (.T where they meet p).
 
 
 def halting_log_probabilities(log_gates: torch.Tensor, halt_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Eq. 4 in log space: lambda = sum_j g_j sigmoid(lhat_j) over the selected experts.
-
-    log_gates, halt_logits: (..., k) -> (log lambda, log(1 - lambda)), each (...,). The
-    gates sum to 1, so 1 - lambda = sum_j g_j sigmoid(-lhat_j).
-    """
+    """Eq. 4 in log space: lambda = sum_j g_j sigmoid(lhat_j) over the selected experts. log_gates,
+    halt_logits: (..., k) -> (log lambda, log(1 - lambda)), each (...,); as the gates sum to 1,
+    1 - lambda = sum_j g_j sigmoid(-lhat_j)."""
     log_halt = torch.logsumexp(log_gates + F.logsigmoid(halt_logits), dim=-1)
     log_continue = torch.logsumexp(log_gates + F.logsigmoid(-halt_logits), dim=-1)
     return log_halt, log_continue
@@ -553,14 +517,10 @@ def halting_log_probabilities(log_gates: torch.Tensor, halt_logits: torch.Tensor
 
 def halting_log_distribution(log_halt: torch.Tensor, log_continue: torch.Tensor, first_halt: int = 0,
                              stop: torch.Tensor | None = None) -> torch.Tensor:
-    """Eq. 5, PonderNet, in log space: log p_d = log lambda_d + sum_{i<d} log(1 - lambda_i).
-
-    log_halt, log_continue: (B, D) log lambda and log(1 - lambda) of the halt heads -> log p: (B, D).
-    Two masks on the heads' lambda, nothing else: lambda_d := 0 for d < first_halt (the curriculum's
-    minimum depth, §4), and lambda := 1 at each sequence's last iteration, stop: (B,) (default D-1: the
-    last iteration takes the remaining mass, so every row of p sums to 1; a sequence halted early at h
-    has lambda_h := 1, as a cap at h + 1 would). -inf entries (p_d = 0) are allowed.
-    """
+    """Eq. 5, PonderNet, in log space: log p_d = log lambda_d + sum_{i<d} log(1 - lambda_i). log_halt,
+    log_continue: (B, D) -> log p (B, D), -inf where p_d = 0. Two masks on the heads' lambda, nothing else:
+    lambda_d := 0 for d < first_halt (the curriculum, §4), and lambda := 1 at each sequence's last iteration
+    stop (B,) (default D-1), so every row of p sums to 1 (halted early at h is as a cap at h + 1)."""
     d = torch.arange(log_halt.shape[1], device=log_halt.device)
     last = d == (log_halt.shape[1] - 1 if stop is None else stop[:, None])
     before = d < first_halt
@@ -579,15 +539,15 @@ def training_losses(cfg: AlterNetConfig, routing: dict, log_lambda: dict, log_p:
     log_p: (B, D'); ran: (B, D'), the iterations each sequence ran (None = all). A sequence without a
     scored target counts in neither L_PN's nor L_RIR's 1/B (our choice) and trains no halt head."""
     scored = targets != -1  # (B, T)
-    step_ce = token_losses.sum(-1).T / scored.sum(1, keepdim=True).clamp(min=1)  # .T: (B, D'), as p
+    step_ce = token_losses.sum(-1) / scored.sum(1).clamp(min=1)  # (D', B): each sequence's mean CE
     has_target = scored.any(1, keepdim=True)  # (B, 1)
     p = log_p.exp()
-    task_loss = (p * step_ce).sum() / has_target.sum().clamp(min=1)  # L_PN, Eq. 7
+    task_loss = (p * step_ce.T).sum() / has_target.sum().clamp(min=1)  # L_PN, Eq. 7
     aux = aux_losses(cfg, routing, log_p, kl_scale, ran)
     if cfg.halting:
-        counted = has_target.expand_as(step_ce) if ran is None else ran & has_target  # (B, D')
+        counted = has_target.expand_as(p) if ran is None else ran & has_target  # (B, D')
         aux["rir"] = cfg.rir_weight * relative_improvement_loss(
-            log_lambda["rir_halt"], log_lambda["rir_continue"], step_ce, counted)
+            log_lambda["rir_halt"], log_lambda["rir_continue"], step_ce.T, counted)
     step_losses = (token_losses.sum((1, 2)) / scored.sum().clamp(min=1)).detach()  # (D',) token mean
     return dict(loss=task_loss + sum(aux.values()), task_loss=task_loss, aux_losses=aux, step_ce=step_ce,
                 step_losses=step_losses, token_losses=token_losses)
@@ -614,13 +574,10 @@ def aux_losses(cfg: AlterNetConfig, routing: dict, log_p: torch.Tensor, kl_scale
 
 def load_balance_loss(router_logits: torch.Tensor, expert_indices: torch.Tensor, num_experts: int,
                       ran: torch.Tensor | None = None) -> torch.Tensor:
-    """Switch load balance E * sum_i f_i P_i over routing decisions (paper §3, Fedus et al. 2022).
-
-    router_logits: (N, E) (N = every (sequence, iteration) decision, pooled), expert_indices:
-    (N, k); ran: (N,) bool, the decisions made (inference: not those of halted sequences, whose
-    indices are -1). f_i = fraction of decisions routing to i; it sums to k (our choice), as in HF Mixtral,
-    so the balanced minimum is k and a_LB acts as k x Switch's weight. P_i = mean softmax probability of i.
-    """
+    """Switch load balance E * sum_i f_i P_i (paper §3, Fedus et al. 2022) over N decisions: router_logits
+    (N, E), expert_indices (N, k), ran (N,) bool: the decisions made (not a halted sequence's, indices -1).
+    f_i = fraction of decisions routing to i; it sums to k (our choice), as in HF Mixtral, so the balanced
+    minimum is k and a_LB acts as k x Switch's weight. P_i = mean softmax probability of i."""
     routed = F.one_hot(expert_indices.clamp(min=0), num_experts).sum(1).float()  # (N, E), 0/1 per expert
     fraction = pooled_mean(routed, ran)  # (E,)
     mean_probability = pooled_mean(router_logits.softmax(-1), ran)  # (E,)
@@ -641,12 +598,9 @@ def pooled_mean(values: torch.Tensor, ran: torch.Tensor | None) -> torch.Tensor:
 
 
 def kl_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """Eq. 8: KL(p || q) = mean_b sum_d p_d (log p_d - log q_d). log_p: (B, D), log_q: (D,).
-
-    Exact at p_d = 0 (log p_d = -inf): the term is 0 and so is its gradient; both branches of
-    the `where` stay finite, so backward never forms 0 * inf. The argument order matters:
-    KL(p || prior), not the reversed one several PonderNet codes compute by misusing KLDivLoss.
-    """
+    """Eq. 8: KL(p || q) = mean_b sum_d p_d (log p_d - log q_d); log_p (B, D), log_q (D,). Exact at p_d = 0
+    (log p_d = -inf): its term and gradient are 0, both branches of the `where` finite (no 0 * inf in
+    backward). KL(p || prior), not the reverse that several PonderNet codes get from KLDivLoss."""
     reached = log_p > float("-inf")
     safe_log_p = torch.where(reached, log_p, torch.zeros_like(log_p))
     terms = torch.where(reached, safe_log_p.exp() * (safe_log_p - log_q), torch.zeros_like(log_p))
@@ -655,39 +609,31 @@ def kl_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 
 def log_depth_prior(num_steps: int, max_depth: int, kind: str = "gaussian",
                     geometric_p: float = 0.12) -> torch.Tensor:
-    """log q over iterations 1..num_steps, normalised in log space: (num_steps,), every entry finite.
-
-    gaussian: q_n ∝ N(n; D/2, D/4) with D = max_depth (paper §3; Table 2: mu = 6, sigma = 3 at
-    D = 12); geometric: q_n ∝ p (1-p)^(n-1) (PonderNet). A cap num_steps < D at inference
-    truncates the same prior.
-    """
+    """log q over iterations 1..num_steps, normalised in log space, every entry finite: (num_steps,).
+    gaussian: q_n ∝ N(n; D/2, D/4), D = max_depth (§3; Table 2: mu = 6, sigma = 3 at D = 12); geometric:
+    q_n ∝ p (1-p)^(n-1) (PonderNet). A cap num_steps < D truncates the same prior."""
     iterations = torch.arange(1, num_steps + 1, dtype=torch.float32)
     if kind == "gaussian":
         # Centred on D/2 *iterations*, not 0-based index D/2 (mean D/2 + 1) (our choice): the paper's
         # "converging to the prior saves ≈ 50% of iterations" (§4, Fig. 3) fits a mean of D/2.
         mean, std = max_depth / 2, max_depth / 4
         log_q = -0.5 * ((iterations - mean) / std) ** 2
-    elif kind == "geometric":
+    else:  # "geometric" (the config refuses any other)
         log_q = (iterations - 1) * math.log1p(-geometric_p)
-    else:
-        raise ValueError(f"prior must be one of 'gaussian', 'geometric', got {kind!r}")
     # log_softmax, never softmax(...).log(): far beyond D (a cap of 24 at D = 4, or past ~49 for the
     # 350M prior) q_n underflows to 0 in float32 and its log, the KL and the loss would be inf
     return log_q.log_softmax(0)
 
 
-def relative_improvement_loss(log_halt: torch.Tensor, log_continue: torch.Tensor, step_ce: torch.Tensor,
+def relative_improvement_loss(log_halt: torch.Tensor, log_continue: torch.Tensor, ce: torch.Tensor,
                               ran: torch.Tensor | None = None) -> torch.Tensor:
-    """Eq. 9: L_RIR = 1/B sum_b 1/(D-1) sum_{d>=1} BCE(lambda_d, 1 - w_d), BCE from log lambda.
-
-    log_halt, log_continue: (B, D) log lambda and log(1 - lambda) of the halt heads, the raw lambda_d
-    before Eq. 5's masks, also at d = D-1 where p forces 1 (our choice); step_ce: (B, D); ran: (B, D)
-    bool, which iterations each sequence ran (early halting at inference; all True in training). A
-    sequence averages over the iterations d >= 1 it ran.
-    """
+    """Eq. 9: L_RIR = 1/B sum_b 1/(D-1) sum_{d>=1} BCE(lambda_d, 1 - w_d), BCE from log lambda. log_halt,
+    log_continue: (B, D), the heads' raw lambda_d before Eq. 5's masks, also at d = D-1 where p forces 1
+    (our choice); ce: (B, D) each sequence's CE (step_ce.T); ran: (B, D) bool, the iterations each sequence
+    ran (all in training): a sequence averages over the iterations d >= 1 it ran."""
     if log_halt.shape[1] < 2:
         return log_halt.sum() * 0
-    target = 1 - improvement_weights(step_ce)  # (B, D-1): halt when iteration d did not help
+    target = 1 - improvement_weights(ce)  # (B, D-1): halt when iteration d did not help
     bce = -(target * log_halt[:, 1:] + (1 - target) * log_continue[:, 1:])  # (B, D-1)
     ran = torch.ones_like(bce, dtype=torch.bool) if ran is None else ran[:, 1:]
     per_sequence = (bce * ran).sum(1) / ran.sum(1).clamp(min=1)  # (B,)
@@ -695,13 +641,10 @@ def relative_improvement_loss(log_halt: torch.Tensor, log_continue: torch.Tensor
     return (per_sequence * has_pairs).sum() / has_pairs.sum().clamp(min=1)
 
 
-def improvement_weights(step_ce: torch.Tensor) -> torch.Tensor:
-    """Eq. 10: w_d = sigmoid(50 (max(CE_{d-1} - CE_d, 0) - 0.005)) for d = 1..D-1.
-
-    step_ce: (B, D) per-sequence CE -> (B, D-1), detached (it is a target).
-    """
-    step_ce = step_ce.detach()
-    return torch.sigmoid(50 * ((step_ce[:, :-1] - step_ce[:, 1:]).clamp(min=0) - 0.005))
+def improvement_weights(ce: torch.Tensor) -> torch.Tensor:
+    """Eq. 10: w_d = sigmoid(50 (max(CE_{d-1} - CE_d, 0) - 0.005)), d = 1..D-1: (B, D) -> (B, D-1)."""
+    ce = ce.detach()  # a target
+    return torch.sigmoid(50 * ((ce[:, :-1] - ce[:, 1:]).clamp(min=0) - 0.005))
 
 
 # --- the model's helpers: decoding, initialisation, schedules, the active rows, sampling ---------------
@@ -718,7 +661,7 @@ def loss_chunk_tokens(vocab_size: int) -> int:
 
 def decoded_cross_entropy(model: AlterNet, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(N, H), (N,) -> (N,) fp32: CE of one chunk's decoded logits, taken in fp32 also under autocast."""
-    return F.cross_entropy(model.lm_head(model.norm(x)).float(), targets, ignore_index=-1, reduction="none")
+    return F.cross_entropy(model.decode(x).float(), targets, ignore_index=-1, reduction="none")
 
 
 def init_weights(model: AlterNet, config: AlterNetConfig) -> None:
@@ -738,11 +681,10 @@ def init_weights(model: AlterNet, config: AlterNetConfig) -> None:
 
 
 def curriculum_depth(cfg: AlterNetConfig, step: int) -> int:
-    """Curriculum release (paper §4): for the first min_depth_warmup training steps the model
-    is "forced to stick to its maximum number of iterations": lambda_d := 0 before the
-    last, so p puts all mass on iteration D and L_PN is its CE (the halt heads keep
-    learning from L_RIR). Then the minimum is released, at once by default or linearly
-    from D to 1 over min_depth_release_steps (our choice), off by default. In iterations, 1-based."""
+    """The curriculum's minimum depth in iterations, 1-based (§4): for the first min_depth_warmup steps the
+    model is "forced to stick to its maximum number of iterations" (lambda_d := 0 before D, so L_PN is the
+    CE at D; the halt heads keep learning from L_RIR). Then released at once, or linearly from D to 1 over
+    min_depth_release_steps (our choice), off by default."""
     since_release = step - cfg.min_depth_warmup
     if since_release < 0:
         return cfg.max_depth
@@ -752,9 +694,9 @@ def curriculum_depth(cfg: AlterNetConfig, step: int) -> int:
 
 
 def kl_ramp(cfg: AlterNetConfig, step: int) -> float:
-    """a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1
-    over kl_ramp_steps, its start (our choice): during the curriculum the KL has no gradient, so a ramp
-    running from step 0 would jump to its full value at the release."""
+    """a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1 over
+    kl_ramp_steps. Its start (our choice): in the curriculum the KL has no gradient, so a ramp from step 0
+    would jump to its full value at the release."""
     since_release = step - cfg.min_depth_warmup
     if cfg.kl_ramp_steps == 0:
         return float(since_release >= 0)
@@ -764,14 +706,18 @@ def kl_ramp(cfg: AlterNetConfig, step: int) -> float:
 def active_rows(mask: torch.Tensor, none_when_all: bool = True) -> torch.Tensor | None:
     """The one switch between the eager (sparse) and compiled (static-shape) paths: the indices of the True
     rows of mask (n,), an expert's sequences or the running ones, or None for every row. None under
-    torch.compile (our choice): static shapes and no host sync, one graph; rows not chosen run with gate 0
-    (adding 0 * y is exact) and halted rows are masked out by write_back. Eagerly None also when every row
-    is True, unless none_when_all=False (an expert's rows: always indexed eagerly, one backward graph
-    whatever the routing)."""
+    torch.compile (our choice): static shapes, no host sync, one graph; rows not chosen run with gate 0
+    (adding 0 * y is exact), halted rows are masked by write_back. Eagerly None also when every row is True,
+    unless none_when_all=False (an expert's rows, always indexed: one backward graph whatever the routing)."""
     if torch.compiler.is_compiling():
         return None
     rows = mask.nonzero().squeeze(1)
     return None if none_when_all and rows.numel() == mask.numel() else rows
+
+
+def at_last(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Each sequence's state at its last valid token: x (n, T, H), last (n,) -> (n, H)."""
+    return x[torch.arange(len(x), device=x.device), last]
 
 
 def take(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -869,18 +815,12 @@ def training_lengths(batch_size: int, seq_len: int, fraction: float,
 @torch.no_grad()
 def causal_loss(model: AlterNet, tokens: torch.Tensor, targets: torch.Tensor, max_depth: int | None = None,
                 halt_threshold: float | None = None, rows_per_call: int = 512) -> dict:
-    """Score each position as autoregressive use sees it (call model.eval() first).
-
-    The full-window forward routes and halts every position on the window's last token, which
-    has seen the later targets. Here position i is predicted by the model run on the prefix
-    tokens[:, :i+1] alone, routing and halting on token i (paper §3's "last valid token").
-    Exact and batched: positions are folded into the batch as rows tokens[b, :end] with
-    lengths = i + 1 -- causal attention keeps tokens after i invisible, the router and halt
-    heads read position i -- and only position i is decoded. rows_per_call bounds memory.
-
-    tokens, targets: (B, T) long (targets -1 = ignore) -> dict(ce (B, T) fp32, 0 where ignored;
-    iterations (B, T) long; loss: mean CE over the scored positions).
-    """
+    """Score each position as generation sees it (call model.eval() first): position i predicted by the model
+    run on the prefix tokens[:, :i+1] alone, routing and halting on token i (§3's "last valid token"), where
+    the full-window forward routes every position on the window's last token. Exact and batched: positions
+    fold into the batch as rows tokens[b, :end] with lengths = i + 1 (causal attention hides the tokens
+    after i) and only position i is decoded; rows_per_call bounds memory. tokens, targets: (B, T) long
+    (targets -1 = ignore) -> dict(ce (B, T) fp32, 0 where ignored; iterations (B, T); loss: mean CE)."""
     B, T = tokens.shape
     ce = torch.zeros(B, T, device=tokens.device)
     iterations = torch.zeros(B, T, dtype=torch.long, device=tokens.device)
@@ -926,22 +866,15 @@ PRESETS.update({f"{name}-fixed": dict(overrides, halting=False) for name, overri
 # after warm-up (our choice), min_lr = lr, and Run II's as a cosine decay to 1e-4. C4 (en): pass --data.
 _RECIPE_50M = dict(batch_size=64, block_size=512, warmup_steps=1000, max_steps=5000, lr=3e-4, min_lr=3e-4,
                    lr_batch=0, tokenizer="gpt2")
-RECIPES = {
-    "alternet-50m": _RECIPE_50M,
-    "alternet-50m-fixed": _RECIPE_50M,
-    "alternet-350m": dict(batch_size=256, block_size=512, warmup_steps=2000, max_steps=30000, lr=3e-4,
-                          min_lr=1e-4, lr_batch=0, tokenizer="gpt2"),  # Run II
-    "alternet-350m-fixed": dict(batch_size=256, block_size=512, warmup_steps=2000, max_steps=10000, lr=3e-4,
-                                min_lr=3e-4, lr_batch=0, tokenizer="gpt2"),  # Run I
-}
+_RUN_II = dict(_RECIPE_50M, batch_size=256, warmup_steps=2000, max_steps=30000, min_lr=1e-4)
+RECIPES = {"alternet-50m": _RECIPE_50M, "alternet-50m-fixed": _RECIPE_50M, "alternet-350m": _RUN_II,
+           "alternet-350m-fixed": dict(_RUN_II, max_steps=10000, min_lr=3e-4)}  # Run I
 
 
 def create_model(name: str, **overrides) -> AlterNet:
     """Build a preset, e.g. create_model("alternet-tiny", max_depth=8). Unknown names -> ValueError."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     fields = [f.name for f in dataclasses.fields(AlterNetConfig)]
-    if set(overrides) - set(fields):
-        raise ValueError(f"unknown config field(s) {sorted(set(overrides) - set(fields))}; "
-                         f"AlterNetConfig fields are {fields}")
+    unknown = sorted(set(overrides) - set(fields))
+    refuse([("name", name in PRESETS, f"one of {sorted(PRESETS)}, got {name!r}"),
+            ("overrides", not unknown, f"AlterNetConfig fields {fields}; unknown config field(s) {unknown}")])
     return AlterNet(AlterNetConfig(**{**PRESETS[name], **overrides}))

@@ -7,35 +7,17 @@
     python bench.py check       # the first minutes on a GPU within --budget: Table 7, training, tests, a run
     python bench.py memory --arch alternet-50m   # peak memory per GPU of a training recipe, before the run
 
-Speed and cost only: the quality sweeps (train.py over seeds: accuracy vs E, Table 5; vs depth, Fig. 2)
-are sweep.py's, one checkpoint's accuracy and cost at every depth is depths.py's (it times with this file).
-
-Each subcommand prints markdown tables, then the full results as ONE JSON document on the
-last stdout line. The device is picked automatically (CUDA when present, else CPU); CPU
-runs use smaller defaults, printed with the results. How we measure, and why:
-
-- FLOPs are counted analytically with the paper's rule (2 FLOPs per multiply-add of the
-  linear layers incl. patch embedding and head; attention score/value products not counted;
-  reViT adds the per-step merge of E experts of P parameters, E*P multiply-adds) and
-  cross-checked against torch.utils.flop_counter on the real module, built on the meta
-  device (no memory, no time). The counter also counts the attention products, the router
-  and whatever else a forward computes; the tables show each term.
-- Timing: warm-up first (until torch.compile stops building graphs); each timed region runs
-  `iters` calls and synchronizes the device once, at its end (a no-op on CPU); regions of all
-  rows are interleaved round-robin, so background load hits every row alike; the ratio column
-  is the median over repeats of the per-round ratio against DeiT III timed in the same round,
-  with a 95% bootstrap interval. We report median, IQR and min-max. `train` repeats rounds (one
-  process, a fixed thread count) until reViT fixed / DeiT III is known to +-0.03 (--resolve).
-- CUDA: torch.compile (the paper's setting); latency with bf16 weights cast once, also under CUDA
-  graphs (reduce-overhead; batch 1 is launch-bound without them); training under bf16 autocast.
-  CPU: fp32, eager and compiled.
-- Memory is total runtime memory, as in the paper's Table 7: weights, what stays allocated
-  after the first call (reViT's merged-weight cache), and the peak of activations/workspace.
-  CUDA: weights + allocated growth of the first call + max_memory_allocated growth over a second
-  call, after a matmul has allocated cuBLAS's workspace (not charged to the first row). CPU: a fresh process per row (so no row reuses another's freed memory uncounted); a
-  narrow 2-step model of the same family runs first to load kernels and thread pools; then
-  peak RSS (VmHWM, reset via /proc/self/clear_refs once the model is built) minus the RSS
-  before the model was built. CPU memory is measured in eager mode.
+Each subcommand prints markdown tables, then its results as one JSON document on the last stdout line.
+CUDA when present (torch.compile, bf16; the paper's setting), else the CPU (fp32, smaller defaults). How:
+- FLOPs by the paper's counting rule (analytic_macs), cross-checked with torch's flop_counter on the real
+  module built on the meta device (no memory, no time).
+- Timing: warm-up until torch.compile builds no new graph; each timed region runs `iters` calls and syncs
+  once; the rows are interleaved round-robin, so background load hits every row alike. "vs DeiT III" is
+  the median of the per-round ratios, with a 95% bootstrap interval; `train` adds rounds until reViT fixed
+  / DeiT III is known to +-0.03 (--resolve).
+- Memory as in the paper's Table 7: weights, what the first call left allocated (reViT's merged-weight
+  cache) and the peak of a second call (CUDA); on a CPU the peak RSS of a fresh process per row, eager.
+The quality sweeps are tools/sweep.py's; one checkpoint's accuracy and cost at every depth tools/depths.py's.
 """
 
 from __future__ import annotations
@@ -65,13 +47,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import alternet
-from lib import budget, data, memory
-from lib import moe  # the comparison mechanisms (§4.3, App. B): the cost tables cover them
 import revit
 import train
-from lib.boundary import InputError, check_numbers, fail, output_problem
-from lib.cli import DEVICES, f, git_commit, json_text, markdown, pick_device, write_json
-from lib.cli import run_main  # Ctrl-C: one line
+from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
+from lib.boundary import RANGES, InputError, check_numbers, fail, output_problem
+from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -89,8 +69,8 @@ LORA_RANK = 64  # Table 10: rank-64 updates on qkv, attention out, fc1, fc2 at e
 TABLE_NAMES = {"vit": "DeiT III", "raptor": "Raptor k=4", "revit": "reViT E=4"}
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU; the first substring of the device name that matches wins.
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
-                   ("L40S", 362e12), ("L4", 121e12)]
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                   ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12)]
 
 # --- device, environment, timing ---
 
@@ -132,8 +112,7 @@ def environment(device: torch.device) -> dict:
 
 
 def recorded_commit(folder: str) -> str | None:
-    """The commit named in folder/.commit (git-ignored; README: On a GPU writes it before a copy of the working
-    tree runs where there is no git), marked as read from there; None without a valid one."""
+    """The commit in folder/.commit (git-ignored): a copy of the working tree run where there is no git."""
     with contextlib.suppress(OSError, UnicodeDecodeError), open(os.path.join(folder, ".commit")) as fh:
         text = fh.read(200).strip()
         if re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", text):
@@ -142,19 +121,24 @@ def recorded_commit(folder: str) -> str | None:
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None  # CPU peaks depend on SKU, clocks and sharing: we do not guess
-    return peak_of(torch.cuda.get_device_name(device))
+    """The device's dense bf16 peak; None on a CPU (SKU, clocks and sharing decide it: we do not guess)."""
+    return peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def peak_of(gpu_name: str) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in gpu_name), None)
 
 
+def quartiles(values: list[float]) -> tuple:
+    if len(values) == 1:
+        return (values[0],) * 3
+    return tuple(statistics.quantiles(values, n=4, method="inclusive"))
+
+
 def summary(seconds: list[float]) -> dict:
     """Median, quartiles and range of a list of per-call times, in ms."""
     ms = sorted(1e3 * s for s in seconds)
-    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else (ms[0],) * 3
+    q1, _, q3 = quartiles(ms)
     return {"median_ms": statistics.median(ms), "q1_ms": q1, "q3_ms": q3, "min_ms": ms[0], "max_ms": ms[-1],
             "repeats": len(ms)}
 
@@ -164,7 +148,7 @@ def paired_ratio(times: list[float], reference: list[float], target: float = 0.0
     a 95% bootstrap interval of the median (ratio_pm: its half-width); repeats_needed: rounds for an
     interval of +-target, from the 1/sqrt(n) shrinking of its width."""
     ratios = [a / b for a, b in zip(times, reference)]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0],) * 3
+    q1, _, q3 = quartiles(ratios)
     low, high = bootstrap_interval(ratios)
     half = (high - low) / 2
     needed = math.ceil(len(ratios) * (half / target) ** 2) if half > 0 else len(ratios)
@@ -186,16 +170,13 @@ def compiled_graphs() -> int:
 
 
 def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int, iters: int) -> dict:
-    """Seconds per call for each fn, `repeats` values each.
-
-    Warm-up: at least `warmup` rounds over all fns (and one), more (up to 10) until a whole round
-    compiles no new graph: torch.compile can recompile on the 2nd or 3rd call (guards on caches),
-    and rows sharing code (ReViT.forward) can evict each other's graphs. Then timed_rounds.
-    """
+    """Seconds per call for each fn, `repeats` values each (timed_rounds), after warm-up rounds: at least
+    `warmup` (and one), more (up to 10) until a whole round compiles no new graph (torch.compile can
+    recompile on the 2nd or 3rd call, and rows sharing code can evict each other's graphs)."""
     labels = list(fns)
     for round_ in range(max(warmup, 1) + 10):
         before = compiled_graphs()
-        for label in labels:  # round-robin too: compiled rows sharing code can evict each other's graphs
+        for label in labels:
             fns[label]()
         if round_ + 1 >= warmup and compiled_graphs() == before:
             break
@@ -205,10 +186,9 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
 
 def timed_rounds(fns: dict, device: torch.device, repeats: int, iters: int, first: int = 0,
                  times: dict | None = None) -> dict:
-    """Round r (from `first`) times one region of `iters` calls of every fn, starting at a rotated position;
-    the device is synchronized once at the end of each region (the previous region's end already
-    synchronized its start); the garbage collector waits until the rounds end. Appends to `times`. A row
-    whose timed regions still compiled something is flagged in the result's "recompiled"."""
+    """Round r (from `first`) times one region of `iters` calls of every fn, starting at a rotated position,
+    synchronized once at its end; no garbage collection meanwhile. Appends to `times`; "recompiled": the rows
+    whose timed regions compiled something."""
     labels = list(fns)
     times = times or {label: [] for label in labels}
     recompiled = set(times.pop("recompiled", []))
@@ -231,12 +211,48 @@ def timed_rounds(fns: dict, device: torch.device, repeats: int, iters: int, firs
     return times
 
 
+def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT fixed", "DeiT III")) -> dict:
+    """More interleaved rounds until pair[0] / pair[1] is known to +- target, or max_repeats rounds in all."""
+    if not target or not all(label in fns for label in pair):
+        return times
+    while True:
+        done = len(times[pair[1]])
+        ratio = paired_ratio(times[pair[0]], times[pair[1]], target)
+        if ratio["ratio_pm"] <= target or done >= max_repeats:
+            return times
+        more = min(max_repeats - done, max(ratio["repeats_needed"] - done, 2))
+        times = timed_rounds(fns, device, more, iters, first=done, times=times)
+
+
+def time_rows(labels, build, batch: int, device, warmup: int, repeats: int, iters: int, first: str,
+              reference="DeiT III", on_row=None, profile: str = "", resolve=None, max_repeats=0) -> tuple:
+    """(rows, times) of one interleaved timing. build(label) -> (model, one call, the row's fields), in
+    turn; each call runs once (its seconds as `first`, compilation included; CUDA memory, as on_row(label,
+    row, False)), then all are timed together (resolve: until reViT fixed / DeiT III is known to +- resolve).
+    profile: a heading for torch.profiler's op table of each row."""
+    fns, rows = {}, {}
+    for label in labels:
+        model, fns[label], fields = build(label)
+        rows[label] = {"model": label, "batch": batch, **fields}
+        rows[label].update(first_call(fns[label], model, device, first))
+        if on_row:
+            on_row(label, rows[label], False)
+    times = time_interleaved(fns, device, warmup, repeats, iters)
+    times = resolve_ratio(fns, times, device, iters, resolve, max_repeats)
+    for label, row in rows.items():
+        row.update({**summary(times[label]), **paired_ratio(times[label], times[reference]),
+                    "recompiled_while_timed": label in times["recompiled"]})
+        row["images_per_s"] = 1e3 * batch / row["median_ms"]
+    for label, fn in fns.items() if profile else ():
+        print(f"\n### profile: {profile}{label}, batch {batch}\n\n{profile_table(fn, device)}", flush=True)
+    return list(rows.values()), times
+
+
 def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str | None = None,
                   backend: str = "inductor"):
-    """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches);
-    None: torch's automatic dynamic shapes (a second batch size recompiles once, with a dynamic batch).
-    reViT's elastic step loop is never compiled (revit.ReViT.run_elastic_steps runs eagerly: data-dependent
-    row sets), so elastic rows compile only the stem, head and losses. mode "reduce-overhead": CUDA graphs."""
+    """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches); None:
+    torch's automatic dynamic shapes. reViT's elastic step loop is never compiled (data-dependent row sets:
+    revit.ReViT.run_elastic_steps runs eagerly). mode "reduce-overhead": CUDA graphs."""
     if not compiled:
         return model
     import torch._dynamo.config as dynamo_config
@@ -245,256 +261,6 @@ def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
     return torch.compile(model, dynamic=dynamic, mode=mode, backend=backend)
-
-
-# --- counting parameters and FLOPs (the rule that reproduces the paper's Tables 1 and 10) ---
-
-
-def expert_params(dim: int, hidden: int) -> int:
-    """P_FFN(d, r) = 2 r d^2 + (r + 1) d (paper App. A.5), with hidden = r d: one FFN's weights and biases."""
-    return 2 * dim * hidden + hidden + dim
-
-
-def analytic_macs(config: revit.ViTConfig, extra_tokens: int = 0, online: bool = True,
-                  lora_rank: int = 0) -> dict:
-    """Multiply-adds per image (batch 1) of the linear layers, by the paper's counting rule.
-
-    tokens T = N + 1 (+ extra_tokens). Per step: qkv 3d^2 and out-projection d^2 per token, FFN
-    2 d d_ff per token. Patch embedding is a linear map of each C p^2 patch; the head runs once.
-    online: reViT rebuilds its merged FFN each step (E * P multiply-adds, Eq. 2), shared by the
-    whole batch; folded / cached weights cost nothing per image. lora_rank: layer-wise LoRA
-    evaluated online, x A_t then B_t on each of qkv, out, fc1, fc2 (r (d_in + d_out) per token).
-    """
-    c = config
-    tokens = c.num_patches + 1 + extra_tokens
-    d, hidden = c.dim, c.ffn_dim
-    macs = {"patch_embed": c.num_patches * c.in_channels * c.patch_size ** 2 * d,
-            "attention_linear": c.depth * tokens * 4 * d * d,
-            "ffn": c.depth * tokens * 2 * d * hidden,
-            "head": d * c.num_classes,
-            "merge": 0, "lora": 0}
-    if online and c.arch == "revit" and c.num_experts > 1:
-        macs["merge"] = c.depth * c.num_experts * expert_params(d, hidden)
-    if online and lora_rank:
-        macs["lora"] = c.depth * tokens * lora_rank * ((d + 3 * d) + (d + d) + 2 * (d + hidden))
-    macs["total"] = sum(macs.values())
-    return macs
-
-
-def lora_params(config: revit.ViTConfig, rank: int = LORA_RANK) -> tuple[int, int]:
-    """(shared model, adapters) of the tied block + layer-wise LoRA: the E = 1 reViT plus L rank-r sets."""
-    with torch.device("meta"):
-        shared = revit.create_model("revit-s-e1", **_size_fields(config)).num_params()
-    d, hidden = config.dim, config.ffn_dim
-    adapters = config.depth * rank * ((d + 3 * d) + (d + d) + 2 * (d + hidden))
-    return shared, adapters
-
-
-def _size_fields(config) -> dict:
-    names = ("image_size", "patch_size", "in_channels", "num_classes", "dim", "heads", "ffn_dim", "depth")
-    return {name: getattr(config, name) for name in names}
-
-
-def counted_flops(model: torch.nn.Module, depth: int | None = None) -> dict:
-    """torch.utils.flop_counter on one batch-1 forward (at `depth`, default the model's), split by where
-    the FLOPs happen.
-
-    The model is run on its own device (build it on "meta" to count for free); models whose
-    forward needs data (token dispatch sorts tokens) must be built on the CPU. Gradients stay
-    enabled: the counter's module tracker trips over parameter views made under no_grad (LoRA).
-    total = linear layers and merge (what the paper counts) + attention products + router + other.
-    """
-    c = model.config
-    device = next(model.parameters()).device
-    images = torch.zeros(1, c.in_channels, c.image_size, c.image_size, device=device)
-    counter = FlopCounterMode(display=False)
-    # the counter has no formula for the CPU flash-attention kernel; the math backend is plain matmuls
-    with counter, sdpa_kernel(SDPBackend.MATH):
-        model(images) if depth is None else model(images, depth=depth)
-    by_module = counter.get_flop_counts()
-    module_total = lambda name: sum(by_module[name].values())
-    # the score and value products: SDPA, or the batched matmuls it decomposes into (meta device)
-    attention = sum(n for k in by_module if k.endswith(".attn") for op, n in by_module[k].items()
-                    if "scaled_dot_product" in str(op) or str(op).endswith(".bmm"))
-    router = sum(module_total(k) for k in by_module if k.endswith(".router"))
-    ffn = sum(module_total(k) for k in by_module if k.endswith(".mlp") and ".mlp." not in k)
-    return {"total": counter.get_total_flops(), "attention": attention, "router": router, "ffn_module": ffn,
-            "by_op": {str(op): n for op, n in by_module.get("Global", {}).items()}}
-
-
-def count_preset(name: str, **overrides) -> tuple:
-    """(model, counted_flops) of a preset counted online (reViT merges every call): on the meta device,
-    or on the CPU where the forward needs real data (token dispatch sorts and splits tokens)."""
-    if revit.PRESETS[name].get("arch") == "revit":
-        overrides.setdefault("merge_cache", False)
-    try:
-        with torch.device("meta"):
-            model = revit.create_model(name, **overrides).eval()
-        return model, counted_flops(model)
-    except Exception:  # noqa: BLE001 - any failure on meta: count on a real CPU module instead
-        model = revit.create_model(name, **overrides).eval()
-        return model, counted_flops(model)
-
-
-def moe_presets(size: str = "s") -> list[str]:
-    """The paper's expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1)."""
-    return sorted(n for n in revit.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
-
-
-def token_dispatch_presets(size: str = "s") -> list[str]:
-    return [n for n in moe_presets(size) if any(k in n for k in ("deepseek", "qwen3", "moeut"))]
-
-
-def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_counter: bool = True) -> dict:
-    """Table 1 rows (+ Table 10 and the App. B U = 1 rows at S): params, analytic GFLOPs, counter GFLOPs."""
-    rows = []
-    for size in sizes:
-        for arch in archs:
-            name = f"{arch}-{size}"
-            with torch.device("meta"):
-                model = revit.create_model(name)
-            c = model.config
-            ours, paper_rule = analytic_macs(c), analytic_macs(c, extra_tokens=1)
-            folded = analytic_macs(c, online=False)
-            paper = PAPER_TABLE1.get(name, (None, None))
-            row = {"table": "1", "name": name, "model": f"{TABLE_NAMES[arch]}-{size.upper()}",
-                   "params_m": model.num_params() / 1e6, "paper_params_m": paper[0],
-                   "gflops": 2 * ours["total"] / 1e9, "gflops_t198": 2 * paper_rule["total"] / 1e9,
-                   "gflops_folded": 2 * folded["total"] / 1e9, "paper_gflops": paper[1],
-                   "macs": ours, "tokens": c.num_patches + 1}
-            if with_counter:
-                row.update(_counter_columns(count_preset(name)[1], ours))
-            rows.append(row)
-    if "s" in sizes:
-        rows += _table10_rows(with_counter)
-        for name in moe_presets("s") if with_counter else []:  # the module's nominal U (§4.3) against its real cost
-            model, counted = count_preset(name)
-            dense = 2 * analytic_macs(model.config, online=False)["ffn"]
-            rows.append({"table": "MoE U=1", "name": name, "model": name, "params_m": model.num_params() / 1e6,
-                         "counter_gflops": counted["total"] / 1e9, "counter_attention_gflops": counted["attention"] / 1e9,
-                         "measured_u": counted["ffn_module"] / dense, "nominal_u": float(moe.ffn_budget(model))})
-    return {"rows": rows}
-
-
-def _counter_columns(counted: dict, ours: dict) -> dict:
-    linear = counted["total"] - counted["attention"] - counted["router"]
-    return {"counter_gflops": counted["total"] / 1e9, "counter_linear_gflops": linear / 1e9,
-            "counter_attention_gflops": counted["attention"] / 1e9, "counter_router_flops": counted["router"],
-            # what the forward computes beyond the counting rule, router and attention (reViT: aux losses)
-            "counter_other_flops": linear - 2 * ours["total"], "counter_by_op": counted["by_op"]}
-
-
-def _table10_rows(with_counter: bool) -> list[dict]:
-    """Table 10 at S: DeiT III, tied block + layer-wise LoRA r=64 (analytic, and the module's own count), reViT."""
-    with torch.device("meta"):
-        vit_s, revit_s = revit.create_model("vit-s"), revit.create_model("revit-s")
-    c = revit_s.config
-    shared, adapters = lora_params(c)
-    folded = analytic_macs(c, 1, online=False)  # 12 dense depth-specific FFNs: the DeiT III count
-    rows = []
-    for key, label, params, online in [
-            ("vit-s", "DeiT III-S/16", vit_s.num_params(), analytic_macs(vit_s.config, 1)),
-            ("lora-s", f"Tied ViT-S/16 + LoRA r={LORA_RANK}", shared + adapters,
-             analytic_macs(vit_s.config, 1, lora_rank=LORA_RANK)),
-            ("revit-s", "reViT-S/16 E=4", revit_s.num_params(), analytic_macs(c, 1))]:
-        paper = PAPER_TABLE10[key]
-        row = {"table": "10", "name": key, "model": label, "params_m": params / 1e6, "paper_params_m": paper[0],
-               "gflops_online_t198": 2 * online["total"] / 1e9, "gflops_folded_t198": 2 * folded["total"] / 1e9,
-               "paper_gflops_online": paper[1], "paper_gflops_folded": paper[2]}
-        if key == "lora-s":
-            with torch.device("meta"):  # revit.py's LoRA module: its own count, online and folded
-                module_params = revit.create_model("revit-s-lora").num_params()
-            row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6, params_m=module_params / 1e6)
-            if with_counter:
-                counted = count_preset("revit-s-lora")[1]
-                folded_module = revit.fold(revit.create_model("revit-s-lora").eval())
-                row.update(counter_online_gflops=counted["total"] / 1e9,
-                           counter_folded_gflops=counted_flops(folded_module)["total"] / 1e9)
-        rows.append(row)
-    return rows
-
-
-# --- latency and memory (paper Table 7) ---
-
-
-def latency_models(size: str, **model_args) -> dict:
-    """DeiT III and reViT in three deployment forms (paper §3.1, App. A.5), the reViT forms sharing one set of weights.
-
-    dynamic: merge_cache=False, the merged FFN of each step is rebuilt on every call (as the paper measured);
-    cached: merged FFNs built once per (depth, weights) and reused; folded: revit.fold, a plain ViT.
-    """
-    torch.manual_seed(0)
-    deit = revit.create_model(f"vit-{size}", **model_args)
-    cached = revit.create_model(f"revit-{size}", **model_args)
-    dynamic = revit.create_model(f"revit-{size}", **model_args, merge_cache=False)
-    dynamic.load_state_dict(cached.state_dict())
-    return {"DeiT III": deit, "reViT dynamic": dynamic, "reViT cached": cached, "reViT folded": revit.fold(cached)}
-
-
-LATENCY_MODELS = {  # how a fresh process rebuilds a row's model for the CPU memory measurement
-    "DeiT III": ("vit", {}, False), "reViT dynamic": ("revit", {"merge_cache": False}, False),
-    "reViT cached": ("revit", {}, False), "reViT folded": ("revit", {}, True),
-}
-
-
-def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warmup=2, repeats=7, iters=1,
-                  memory=True, profile=False, dtype="float32", backend="inductor", on_row=None,
-                  model_args=None) -> dict:
-    """modes: eager, compiled, reduce-overhead (compiled with CUDA graphs: batch 1 is launch-bound without
-    them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast).
-    on_row(label, row, final): called with each row's first call (final=False), then with the row.
-    model_args: config overrides of every model (bench.py check's tiny sizes)."""
-    device, weights = torch.device(device), getattr(torch, dtype)
-    rows = []
-    for mode in modes:
-        for batch in batches:
-            models = latency_models(size, **(model_args or {}))  # fresh per group: each row's first call builds its own caches
-            c = models["DeiT III"].config
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
-            fns, extra = {}, {}
-            for label, model in models.items():
-                model = model.to(device, weights).eval()
-                graphs = None if mode in ("eager", "compiled") else mode
-                run = maybe_compile(model, mode != "eager", mode=graphs, backend=backend)
-                fn = inference_call(run, images, device, mixed=weights == torch.float32)
-                extra[label] = {"params_m": model.num_params() / 1e6, **first_call(fn, model, device, "first_call_s")}
-                fns[label] = fn
-                if on_row:
-                    on_row(label, {"model": label, "mode": mode, "batch": batch, **extra[label]}, False)
-            times = time_interleaved(fns, device, warmup, repeats, iters)
-            group = []
-            for label in fns:
-                row = {"model": label, "mode": mode, "batch": batch, "image_size": c.image_size, **extra[label],
-                       **summary(times[label]), **paired_ratio(times[label], times["DeiT III"]),
-                       "recompiled_while_timed": label in times["recompiled"]}
-                row["images_per_s"] = 1e3 * batch / row["median_ms"]
-                if memory and device.type == "cpu" and mode == "eager" and dtype == "float32":
-                    row.update(cpu_memory(size, label, batch))
-                group.append(row)
-            add_memory_ratios(group)
-            for row in group if on_row else ():
-                on_row(row["model"], row, True)
-            rows += group
-            if profile:
-                for label, fn in fns.items():
-                    print(f"\n### profile: {label}, {mode}, batch {batch}\n", flush=True)
-                    print(profile_table(fn, device), flush=True)
-    if memory and device.type == "cpu":  # CPU memory is measured eagerly; copy it onto the compiled rows
-        eager = {(r["model"], r["batch"]): r for r in rows if r["mode"] == "eager"}
-        for r in rows:
-            source = eager.get((r["model"], r["batch"]))
-            if r["mode"] != "eager" and source and "memory_mib" in source:
-                r["memory_mib"], r["memory_method"] = source["memory_mib"], source["memory_method"] + " (eager)"
-    add_memory_ratios(rows)
-    return {"rows": rows}
-
-
-def add_memory_ratios(rows: list[dict]) -> None:
-    """memory_ratio: each row's memory over DeiT III's at the same mode and batch, where both were measured."""
-    for r in rows:
-        ref = next(x for x in rows if x["model"] == "DeiT III" and x["mode"] == r["mode"] and x["batch"] == r["batch"])
-        if "memory_mib" in r and "memory_mib" in ref:
-            r["memory_ratio"] = r["memory_mib"] / ref["memory_mib"]
 
 
 def first_call(fn, model, device, key: str) -> dict:
@@ -521,9 +287,9 @@ def warm_up_cublas(device: torch.device) -> None:
 
 
 def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
-    """Total runtime memory of a model, as in the paper's Table 7: its weights, what its first call
-    left allocated (reViT's merged-weight cache, optimizer state), and the peak of one more call
-    (activations, workspace). Compile-time autotuning buffers of the first call are not counted."""
+    """Total runtime memory, as in the paper's Table 7: the weights, what the first call left allocated
+    (reViT's merged-weight cache, optimizer state) and the peak of one more call (activations, workspace);
+    compile-time autotuning buffers of the first call are not counted."""
     gc.collect()
     torch.cuda.empty_cache()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -534,15 +300,6 @@ def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
     peak = weights + (now - allocated_before_first_call) + torch.cuda.max_memory_allocated(device) - now
     return {"memory_mib": peak / 2 ** 20, "memory_method": "CUDA: weights + left allocated by the first "
             "call + max_memory_allocated growth over a second call"}
-
-
-def inference_call(run, images, device, mixed: bool = True):
-    """run: a model, or any callable of the images (e.g. functools.partial(model, depth=6)). mixed: under
-    autocast on CUDA (fp32 weights); False for weights already in bf16."""
-    def call():
-        with torch.inference_mode(), autocast(device) if mixed else contextlib.nullcontext():
-            return run(images)
-    return call
 
 
 def profile_table(fn, device, calls: int = 3, top: int = 15) -> str:
@@ -559,8 +316,234 @@ def profile_table(fn, device, calls: int = 3, top: int = 15) -> str:
     return prof.key_averages().table(sort_by=sort, row_limit=top)
 
 
+# --- counting parameters and FLOPs (the rule that reproduces the paper's Tables 1 and 10) ---
+
+
+def expert_params(dim: int, hidden: int) -> int:
+    """P_FFN(d, r) = 2 r d^2 + (r + 1) d (paper App. A.5), with hidden = r d: one FFN's weights and biases."""
+    return 2 * dim * hidden + hidden + dim
+
+
+def analytic_macs(config: revit.ViTConfig, extra_tokens: int = 0, online: bool = True,
+                  lora_rank: int = 0) -> dict:
+    """Multiply-adds per image of the linear layers, by the paper's rule, over T = N + 1 (+ extra_tokens)
+    tokens: per step qkv 3d^2, out-projection d^2 and FFN 2 d d_ff per token; the patch embedding and the
+    head. online: reViT's per-step merge of E experts (E * P, Eq. 2, shared by the batch); folded weights
+    cost nothing per image. lora_rank: layer-wise LoRA online on qkv, out, fc1, fc2 (r (d_in + d_out))."""
+    c = config
+    tokens = c.num_patches + 1 + extra_tokens
+    d, hidden = c.dim, c.ffn_dim
+    macs = {"patch_embed": c.num_patches * c.in_channels * c.patch_size ** 2 * d,
+            "attention_linear": c.depth * tokens * 4 * d * d,
+            "ffn": c.depth * tokens * 2 * d * hidden,
+            "head": d * c.num_classes,
+            "merge": 0, "lora": 0}
+    if online and c.arch == "revit" and c.num_experts > 1:
+        macs["merge"] = c.depth * c.num_experts * expert_params(d, hidden)
+    if online and lora_rank:
+        macs["lora"] = c.depth * tokens * lora_params_per_token(c, lora_rank)
+    macs["total"] = sum(macs.values())
+    return macs
+
+
+def lora_params_per_token(config, rank: int) -> int:
+    """One depth's rank-r LoRA factors on qkv (d -> 3d), out (d -> d), fc1 and fc2 (d <-> d_ff)."""
+    d, hidden = config.dim, config.ffn_dim
+    return rank * ((d + 3 * d) + (d + d) + 2 * (d + hidden))
+
+
+def counted_flops(model: torch.nn.Module, depth: int | None = None) -> dict:
+    """torch.utils.flop_counter on one batch-1 forward (at `depth`, default the model's), on the model's
+    own device (meta: free), split by where the FLOPs happen: total = linear layers and merge (the paper's
+    rule) + attention products + router + other. Gradients stay enabled: the counter's module tracker trips
+    over parameter views made under no_grad (LoRA)."""
+    c = model.config
+    device = next(model.parameters()).device
+    images = torch.zeros(1, c.in_channels, c.image_size, c.image_size, device=device)
+    counter = FlopCounterMode(display=False)
+    # the counter has no formula for the CPU flash-attention kernel; the math backend is plain matmuls
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        model(images) if depth is None else model(images, depth=depth)
+    by_module = counter.get_flop_counts()
+    module_total = lambda name: sum(by_module[name].values())
+    # the score and value products: SDPA, or the batched matmuls it decomposes into (meta device)
+    attention = sum(n for k in by_module if k.endswith(".attn") for op, n in by_module[k].items()
+                    if "scaled_dot_product" in str(op) or str(op).endswith(".bmm"))
+    router = sum(module_total(k) for k in by_module if k.endswith(".router"))
+    ffn = sum(module_total(k) for k in by_module if k.endswith(".mlp") and ".mlp." not in k)
+    return {"total": counter.get_total_flops(), "attention": attention, "router": router, "ffn_module": ffn,
+            "by_op": {str(op): n for op, n in by_module.get("Global", {}).items()}}
+
+
+def count_preset(name: str, **overrides) -> tuple:
+    """(model, counted_flops) of a preset counted online (reViT merges every call): on the meta device,
+    or on the CPU where the forward needs real data (token dispatch sorts and splits tokens)."""
+    if moe.PRESETS[name].get("arch") == "revit":
+        overrides.setdefault("merge_cache", False)
+    try:
+        with torch.device("meta"):
+            model = moe.create_model(name, **overrides).eval()
+        return model, counted_flops(model)
+    except Exception:  # noqa: BLE001 - any failure on meta: count on a real CPU module instead
+        model = moe.create_model(name, **overrides).eval()
+        return model, counted_flops(model)
+
+
+def moe_presets(size: str = "s") -> list[str]:
+    """The paper's expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1)."""
+    return sorted(n for n in moe.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
+
+
+def token_dispatch_presets(size: str = "s") -> list[str]:
+    return [n for n in moe_presets(size) if any(k in n for k in ("deepseek", "qwen3", "moeut"))]
+
+
+def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_counter: bool = True) -> dict:
+    """Table 1 rows (+ Table 10 and the App. B U = 1 rows at S): params, analytic GFLOPs, counter GFLOPs."""
+    rows = []
+    for size in sizes:
+        for arch in archs:
+            name = f"{arch}-{size}"
+            with torch.device("meta"):
+                model = revit.create_model(name)
+            c = model.config
+            ours, paper_rule = analytic_macs(c), analytic_macs(c, extra_tokens=1)
+            folded = analytic_macs(c, online=False)
+            paper = PAPER_TABLE1.get(name, (None, None))
+            row = {"table": "1", "name": name, "model": f"{TABLE_NAMES[arch]}-{size.upper()}",
+                   "params_m": model.num_params() / 1e6, "paper_params_m": paper[0],
+                   "gflops": 2 * ours["total"] / 1e9, "gflops_t198": 2 * paper_rule["total"] / 1e9,
+                   "gflops_folded": 2 * folded["total"] / 1e9, "paper_gflops": paper[1],
+                   "macs": ours, "tokens": c.num_patches + 1}
+            if with_counter:
+                row.update(counter_columns(count_preset(name)[1], ours))
+            rows.append(row)
+    if "s" in sizes:
+        rows += table10_rows(with_counter)
+        for name in moe_presets("s") if with_counter else []:  # the module's nominal U (§4.3) against its real cost
+            model, counted = count_preset(name)
+            dense = 2 * analytic_macs(model.config, online=False)["ffn"]
+            rows.append({"table": "MoE U=1", "name": name, "model": name, "params_m": model.num_params() / 1e6,
+                         "counter_gflops": counted["total"] / 1e9, "counter_attention_gflops": counted["attention"] / 1e9,
+                         "measured_u": counted["ffn_module"] / dense, "nominal_u": float(moe.ffn_budget(model))})
+    return {"rows": rows}
+
+
+def counter_columns(counted: dict, ours: dict) -> dict:
+    linear = counted["total"] - counted["attention"] - counted["router"]
+    return {"counter_gflops": counted["total"] / 1e9, "counter_linear_gflops": linear / 1e9,
+            "counter_attention_gflops": counted["attention"] / 1e9, "counter_router_flops": counted["router"],
+            # what the forward computes beyond the counting rule, router and attention (reViT: aux losses)
+            "counter_other_flops": linear - 2 * ours["total"], "counter_by_op": counted["by_op"]}
+
+
+def table10_rows(with_counter: bool) -> list[dict]:
+    """Table 10 at S: DeiT III, tied block + layer-wise LoRA r=64 (the E = 1 reViT plus L rank-r sets:
+    analytic, and the module's own count), reViT."""
+    with torch.device("meta"):
+        vit_s, revit_s, tied = (revit.create_model(n) for n in ("vit-s", "revit-s", "revit-s-e1"))
+        lora_module = moe.create_model("revit-s-lora").num_params()
+    c = revit_s.config
+    shared, adapters = tied.num_params(), c.depth * lora_params_per_token(c, LORA_RANK)
+    folded = analytic_macs(c, 1, online=False)  # 12 dense depth-specific FFNs: the DeiT III count
+    rows = []
+    for key, label, params, online in [
+            ("vit-s", "DeiT III-S/16", vit_s.num_params(), analytic_macs(vit_s.config, 1)),
+            ("lora-s", f"Tied ViT-S/16 + LoRA r={LORA_RANK}", lora_module,
+             analytic_macs(vit_s.config, 1, lora_rank=LORA_RANK)),
+            ("revit-s", "reViT-S/16 E=4", revit_s.num_params(), analytic_macs(c, 1))]:
+        paper = PAPER_TABLE10[key]
+        row = {"table": "10", "name": key, "model": label, "params_m": params / 1e6, "paper_params_m": paper[0],
+               "gflops_online_t198": 2 * online["total"] / 1e9, "gflops_folded_t198": 2 * folded["total"] / 1e9,
+               "paper_gflops_online": paper[1], "paper_gflops_folded": paper[2]}
+        if key == "lora-s":
+            row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6)
+        if key == "lora-s" and with_counter:  # revit.py's LoRA module: its own count, online and folded
+            folded_module = revit.fold(moe.create_model("revit-s-lora").eval())
+            row.update(counter_online_gflops=count_preset("revit-s-lora")[1]["total"] / 1e9,
+                       counter_folded_gflops=counted_flops(folded_module)["total"] / 1e9)
+        rows.append(row)
+    return rows
+
+
+# --- latency and memory (paper Table 7) ---
+
+LATENCY_MODELS = {  # label -> (arch, overrides, folded): DeiT III and reViT in three deployment forms (§3.1)
+    "DeiT III": ("vit", {}, False), "reViT dynamic": ("revit", {"merge_cache": False}, False),
+    "reViT cached": ("revit", {}, False), "reViT folded": ("revit", {}, True),
+}
+
+
+def latency_models(size: str, **model_args) -> dict:
+    """LATENCY_MODELS, the reViT forms sharing one set of weights. dynamic: the merged FFN of each step
+    rebuilt on every call (as the paper measured); cached: built once per (depth, weights) and reused;
+    folded: revit.fold, a plain ViT."""
+    torch.manual_seed(0)
+    deit = revit.create_model(f"vit-{size}", **model_args)
+    cached = revit.create_model(f"revit-{size}", **model_args)
+    dynamic = revit.create_model(f"revit-{size}", **model_args, merge_cache=False)
+    dynamic.load_state_dict(cached.state_dict())
+    return {"DeiT III": deit, "reViT dynamic": dynamic, "reViT cached": cached, "reViT folded": revit.fold(cached)}
+
+
+def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warmup=2, repeats=7, iters=1,
+                  memory=True, profile=False, dtype="float32", backend="inductor", on_row=None,
+                  model_args=None) -> dict:
+    """modes: eager, compiled, reduce-overhead (compiled with CUDA graphs: batch 1 is launch-bound without
+    them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast).
+    on_row: see time_rows. model_args: config overrides of every model (bench.py check's tiny sizes)."""
+    device, weights = torch.device(device), getattr(torch, dtype)
+    rows = []
+    for mode in modes:
+        for batch in batches:
+            models = latency_models(size, **(model_args or {}))  # fresh: each first call builds its caches
+            c = models["DeiT III"].config
+            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
+
+            def build(label):
+                model = models[label].to(device, weights).eval()
+                run = maybe_compile(model, mode != "eager", mode=None if mode == "compiled" else mode,
+                                    backend=backend)
+                fields = {"mode": mode, "image_size": c.image_size, "params_m": model.num_params() / 1e6}
+                return model, inference_call(run, images, device, mixed=weights == torch.float32), fields
+            group, _ = time_rows(models, build, batch, device, warmup, repeats, iters, "first_call_s",
+                                 on_row=on_row, profile=f"{mode}: " if profile else "")
+            for row in group:
+                if memory and device.type == "cpu" and mode == "eager" and dtype == "float32":
+                    row.update(cpu_memory(size, row["model"], batch))
+            add_memory_ratios(group)
+            for row in group if on_row else ():
+                on_row(row["model"], row, True)
+            rows += group
+    if memory and device.type == "cpu":  # CPU memory is measured eagerly; copy it onto the compiled rows
+        eager = {(r["model"], r["batch"]): r for r in rows if r["mode"] == "eager"}
+        for r in rows:
+            source = eager.get((r["model"], r["batch"]))
+            if r["mode"] != "eager" and source and "memory_mib" in source:
+                r["memory_mib"], r["memory_method"] = source["memory_mib"], source["memory_method"] + " (eager)"
+    add_memory_ratios(rows)
+    return {"rows": rows}
+
+
+def add_memory_ratios(rows: list[dict]) -> None:
+    """memory_ratio: each row's memory over DeiT III's at the same mode and batch, where both were measured."""
+    for r in rows:
+        ref = next(x for x in rows if x["model"] == "DeiT III" and x["mode"] == r["mode"] and x["batch"] == r["batch"])
+        if "memory_mib" in r and "memory_mib" in ref:
+            r["memory_ratio"] = r["memory_mib"] / ref["memory_mib"]
+
+
+def inference_call(run, images, device, mixed: bool = True):
+    """run: a model, or any callable of the images (e.g. functools.partial(model, depth=6)). mixed: under
+    autocast on CUDA (fp32 weights); False for weights already in bf16."""
+    def call():
+        with torch.inference_mode(), autocast(device) if mixed else contextlib.nullcontext():
+            return run(images)
+    return call
+
+
 def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int = 2) -> dict:
-    """Peak RSS of one latency row (see cpu_memory_of)."""
+    """Peak RSS of one latency row in a fresh process (lib/memory.cpu_memory_of)."""
     arch, overrides, fold = LATENCY_MODELS[label]
     config = dataclasses.asdict(revit.ViTConfig(**{**revit.PRESETS[f"{arch}-{size}"], **overrides}))
     return memory.cpu_memory_of([{"config": config, "fold": fold}], batch, calls, processes)[0]
@@ -587,88 +570,52 @@ def train_models(size: str, compiled: bool = False) -> dict:
 
 
 def forward_flops(name: str, overrides: dict) -> float:
-    """Model FLOPs of one image's forward for MFU: the flop_counter total (linear, attention, merge, aux).
-
-    Elastic depth runs (1 - p) of the steps on average, so its recurrent part is scaled by that.
-    """
+    """Model FLOPs of one image's forward for MFU: the flop_counter total (linear, attention, merge, aux);
+    elastic depth runs (1 - p) of the steps on average, so its recurrent part is scaled by that."""
     drop = overrides.get("depth_drop", 0.0)
     model, counted = count_preset(name, **{k: v for k, v in overrides.items() if k != "depth_drop"})
-    total = counted["total"]
     macs = analytic_macs(model.config)
     fixed = 2 * (macs["patch_embed"] + macs["head"])
-    return fixed + (1.0 - drop) * (total - fixed)
+    return fixed + (1.0 - drop) * (counted["total"] - fixed)
 
 
 def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repeats=5, iters=1,
                 peak=None, lr=1e-4, profile=False, labels=None, resolve=None, max_repeats=200,
                 backend="inductor", reference="DeiT III", on_row=None, model_args=None) -> dict:
-    """Training-step time of each row, all rows in this process, timed in interleaved rounds (the per-round
-    ratio to the reference row, DeiT III, cancels load that drifts between rounds). labels: only these rows
-    of train_models (with the reference). resolve: more rounds (up to max_repeats) until reViT fixed /
-    DeiT III is known to +- resolve (95% bootstrap interval of the median ratio; paired_ratio).
-    on_row(label, row, final): called with each row's first step (final=False), then with the row.
-    model_args: config overrides of every model (bench.py check's tiny sizes)."""
+    """Training-step time of each row of train_models (labels: only these, with the reference), all in
+    this process, in interleaved rounds: the per-round ratio to the reference cancels load that drifts
+    between rounds (time_rows). model_args: config overrides of every model (bench.py check's tiny sizes)."""
     device = torch.device(device)
     specs = {k: (name, {**overrides, **({} if name in alternet.PRESETS else model_args or {})}, compile_row)
              for k, (name, overrides, compile_row) in train_models(size, compiled).items()
              if labels is None or k in labels}
-    fns, extra = {}, {}
-    for label, (name, overrides, compile_row) in specs.items():
+
+    def build(label):
+        name, overrides, compile_row = specs[label]
         torch.manual_seed(0)
         step = language_train_step if name in alternet.PRESETS else vision_train_step
         model, fn, flops = step(name, overrides, batch, device, lr, compile_row, backend)
-        extra[label] = {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
-                        "compiled": compile_row, "forward_gflops_per_image": flops / 1e9,
-                        **first_call(fn, model, device, "first_step_s")}
-        fns[label] = fn
-        if on_row:
-            on_row(label, {"model": label, "batch": batch, **extra[label]}, False)
-    times = time_interleaved(fns, device, warmup, repeats, iters)
-    times = resolve_ratio(fns, times, device, iters, resolve, max_repeats)
-    rows = [train_row(label, times, batch, extra[label], peak, reference) for label in fns]
-    elastic = next((r for r in rows if r["model"] == "reViT elastic 0.3"), None)
-    for fixed, key in (("reViT fixed", "ratio_vs_fixed"), ("reViT fixed, eager", "ratio_vs_fixed_eager")):
-        if elastic and fixed in fns:
-            elastic[key] = paired_ratio(times["reViT elastic 0.3"], times[fixed])
-    if {"AlterNet", "AlterNet eager"} <= set(fns):
-        next(r for r in rows if r["model"] == "AlterNet")["ratio_vs_eager"] = paired_ratio(
-            times["AlterNet"], times["AlterNet eager"])
+        return model, fn, {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
+                           "compiled": compile_row, "forward_gflops_per_image": flops / 1e9,
+                           "reference": reference}
+    rows, times = time_rows(specs, build, batch, device, warmup, repeats, iters, "first_step_s", reference,
+                            on_row, "train step, " if profile else "", resolve, max_repeats)
+    by_label = {r["model"]: r for r in rows}
+    for r in rows if peak else ():
+        r["mfu"] = 3 * r["forward_gflops_per_image"] * 1e9 * batch / (r["median_ms"] / 1e3) / peak
+    for row, versus, key in (("reViT elastic 0.3", "reViT fixed", "ratio_vs_fixed"),
+                             ("reViT elastic 0.3", "reViT fixed, eager", "ratio_vs_fixed_eager"),
+                             ("AlterNet", "AlterNet eager", "ratio_vs_eager")):
+        if row in by_label and versus in by_label:
+            by_label[row][key] = paired_ratio(times[row], times[versus])
     for row in rows if on_row else ():
         on_row(row["model"], row, True)
-    if profile:
-        for label, fn in fns.items():
-            print(f"\n### profile: train step, {label}, batch {batch}\n", flush=True)
-            print(profile_table(fn, device), flush=True)
     return {"rows": rows}
-
-
-def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT fixed", "DeiT III")) -> dict:
-    """More interleaved rounds until pair[0] / pair[1] is known to +- target, or max_repeats rounds in all."""
-    if not target or not all(label in fns for label in pair):
-        return times
-    while True:
-        done = len(times[pair[1]])
-        ratio = paired_ratio(times[pair[0]], times[pair[1]], target)
-        if ratio["ratio_pm"] <= target or done >= max_repeats:
-            return times
-        more = min(max_repeats - done, max(ratio["repeats_needed"] - done, 2))
-        times = timed_rounds(fns, device, more, iters, first=done, times=times)
-
-
-def train_row(label: str, times: dict, batch: int, extra: dict, peak: float | None,
-              reference: str = "DeiT III") -> dict:
-    row = {"model": label, "batch": batch, **extra, **summary(times[label]), "reference": reference,
-           **paired_ratio(times[label], times[reference]), "recompiled_while_timed": label in times["recompiled"]}
-    row["images_per_s"] = 1e3 * batch / row["median_ms"]
-    if peak:
-        achieved = 3 * row["forward_gflops_per_image"] * 1e9 * batch / (row["median_ms"] / 1e3)
-        row["mfu"] = achieved / peak
-    return row
 
 
 def vision_train_step(name, overrides, batch, device, lr, compiled, backend) -> tuple:
     """(model, one optimizer step, forward FLOPs per image) of a revit.py preset on random images."""
-    model = revit.create_model(name, **overrides).to(device).train()
+    model = moe.create_model(name, **overrides).to(device).train()
     c = model.config
     images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
     labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
@@ -677,7 +624,7 @@ def vision_train_step(name, overrides, batch, device, lr, compiled, backend) -> 
     def loss():
         out = run(images, return_states=True)
         return F.cross_entropy(out["logits"].float(), labels) + sum(out["aux_losses"].values())
-    return model, _train_step(model, loss, lr, device), forward_flops(name, overrides)
+    return model, optimizer_step(model, loss, lr, device), forward_flops(name, overrides)
 
 
 def language_train_step(name, overrides, batch, device, lr, compiled, backend) -> tuple:
@@ -693,10 +640,10 @@ def language_train_step(name, overrides, batch, device, lr, compiled, backend) -
     loss = lambda: run(windows[:, :-1], targets=windows[:, 1:], lengths=lengths)["loss"]  # noqa: E731
     with FlopCounterMode(display=False) as counter:
         model(windows[:1, :-1], targets=windows[:1, 1:])
-    return model, _train_step(model, loss, lr, device), counter.get_total_flops()
+    return model, optimizer_step(model, loss, lr, device), counter.get_total_flops()
 
 
-def _train_step(model, loss, lr, device):
+def optimizer_step(model, loss, lr, device):
     """One optimizer step as train.py takes it (AdamW; reViT: task loss + the already-weighted aux losses)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, fused=device.type == "cuda")
     step = [0]
@@ -726,15 +673,15 @@ def latency_targets(rows: list[dict]) -> list[dict]:
         name, tag = r["model"], f"{r['mode']}, batch {r['batch']}"
         noise = max(0.02, (r["ratio_q3"] - r["ratio_q1"]) / 2)
         if name == "reViT cached":
-            out.append(_target(f"reViT cached <= 1.03x DeiT III ({tag})", r["ratio"], r["ratio"] <= 1.03))
+            out.append(target(f"reViT cached <= 1.03x DeiT III ({tag})", r["ratio"], r["ratio"] <= 1.03))
         if name == "reViT folded":
-            out.append(_target(f"reViT folded = 1.00x +- noise {noise:.2f} ({tag})", r["ratio"],
-                               abs(r["ratio"] - 1.0) <= noise))
+            out.append(target(f"reViT folded = 1.00x +- noise {noise:.2f} ({tag})", r["ratio"],
+                              abs(r["ratio"] - 1.0) <= noise))
         if name == "reViT dynamic" and r["batch"] == largest > 1:
-            out.append(_target(f"reViT dynamic <= 1.10x DeiT III ({tag})", r["ratio"], r["ratio"] <= 1.10))
+            out.append(target(f"reViT dynamic <= 1.10x DeiT III ({tag})", r["ratio"], r["ratio"] <= 1.10))
         if name == "reViT dynamic" and r["batch"] == 1 and "memory_ratio" in r and r["mode"] == rows[0]["mode"]:
-            out.append(_target("reViT dynamic memory <= 0.55x DeiT III (batch 1)", r["memory_ratio"],
-                               r["memory_ratio"] <= 0.55))
+            out.append(target("reViT dynamic memory <= 0.55x DeiT III (batch 1)", r["memory_ratio"],
+                              r["memory_ratio"] <= 0.55))
     return out
 
 
@@ -742,17 +689,17 @@ def train_targets(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         if r["model"] == "reViT fixed":
-            out.append(_target("train step reViT fixed <= 1.10x DeiT III", r["ratio"], r["ratio"] <= 1.10))
-        if r["model"] == "reViT elastic 0.3":
+            out.append(target("train step reViT fixed <= 1.10x DeiT III", r["ratio"], r["ratio"] <= 1.10))
+        if r["model"] == "reViT elastic 0.3" and "ratio_vs_fixed" in r:
             ratio = r["ratio_vs_fixed"]["ratio"]
-            out.append(_target("train step elastic 0.3 <= fixed depth", ratio, ratio <= 1.0))
-            if "ratio_vs_fixed_eager" in r:  # elastic depth runs eagerly: the like-for-like comparison
-                ratio = r["ratio_vs_fixed_eager"]["ratio"]
-                out.append(_target("train step elastic 0.3 <= fixed depth, eager", ratio, ratio <= 1.0))
+            out.append(target("train step elastic 0.3 <= fixed depth", ratio, ratio <= 1.0))
+        if r["model"] == "reViT elastic 0.3" and "ratio_vs_fixed_eager" in r:  # its step loop is eager
+            ratio = r["ratio_vs_fixed_eager"]["ratio"]
+            out.append(target("train step elastic 0.3 <= fixed depth, eager", ratio, ratio <= 1.0))
     return out
 
 
-def _target(text, value, ok):
+def target(text, value, ok):
     return {"target": text, "value": value, "met": bool(ok)}
 
 
@@ -790,59 +737,60 @@ def params_markdown(result: dict) -> str:
 
 
 COUNTING_NOTE = (
-    "\nCounting rule (ours; the paper does not state one, this rule reproduces its Table 1 and 10 cells): 2 FLOPs "
-    "per multiply-add of the linear layers, patch embedding and head; attention score/value products not counted; "
-    "reViT online adds its per-step merge (Eq. 2) as E*P multiply-adds (2 E P FLOPs; as FLOPs instead of MACs "
-    "reViT-B/L would be 34.1/120.7, not 34.3/121.5). T=197 is our token count (196 patches + class token). The "
-    "paper's GFLOPs are reproduced in every cell with T=198, one more token (as a DeiT with a distillation token "
-    "has); with T=197, B/L give 33.7/119.3 and reViT-B/L 34.2/120.9, LoRA-S online 10.3. flop_counter on the real "
-    "module (meta device, reViT with merge_cache=False so the merge is counted) equals the T=197 analytic count "
-    "exactly once its attention products (4 T^2 d per step), the router and, for reViT, the diversity loss its "
-    "inference forward computes (2 E^2 P FLOPs; 'other') are set aside. Params: reViT-B/L count 22.8M/39.8M here "
-    "vs the paper's 23.6/40.9: the architecture as described (shared block, E full FFNs, 1-16-E router, stem, "
-    "head) has no room for the extra 0.8M/1.1M.")
+    "\nCounting rule (ours; it reproduces every GFLOPs cell of Tables 1 and 10 over T=198 tokens, one more "
+    "than our 196 patches + class token): 2 FLOPs per multiply-add of the linear layers, patch embedding and "
+    "head; attention products not counted; reViT's merge (Eq. 2) as E*P multiply-adds per step (counted as "
+    "FLOPs, reViT-B/L would be 34.1/120.7). flop_counter equals the T=197 count once the attention products, "
+    "the router and reViT's diversity loss (2 E^2 P FLOPs, 'other') are set aside. reViT-B/L count "
+    "22.8M/39.8M params, not the paper's 23.6/40.9: the architecture as described has no room for more "
+    "(RESULTS.md).")
+
+# The columns of a latency row and of a training-step row, in `bench.py latency | train` and in check.md
+LATENCY_COLUMNS = [
+    ("params (M)", f("params_m")), ("latency ms (median)", f("median_ms")),
+    ("IQR", lambda r: f"{r['q1_ms']:.2f}–{r['q3_ms']:.2f}"),
+    ("min–max", lambda r: f"{r['min_ms']:.2f}–{r['max_ms']:.2f}"),
+    ("vs DeiT III", lambda r: f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"),
+    ("img/s", f("images_per_s", "{:.1f}")), ("memory (MiB)", f("memory_mib", "{:.1f}")),
+    ("mem vs DeiT", f("memory_ratio", "{:.2f}")), ("1st call s", f("first_call_s", "{:.1f}"))]
+TRAIN_COLUMNS = [
+    ("params (M)", f("params_m")), ("step ms (median)", f("median_ms")),
+    ("IQR", lambda r: f"{r['q1_ms']:.1f}–{r['q3_ms']:.1f}"),
+    ("vs (95% CI)", lambda r: f"{r['reference']}: {ratio_text(r)}"),
+    ("img/s", f("images_per_s", "{:.1f}")), ("fwd GFLOPs/img", f("forward_gflops_per_image")),
+    ("MFU", lambda r: f"{100 * r['mfu']:.1f}%" if "mfu" in r else "unknown"),
+    ("memory (MiB)", f("memory_mib", "{:.0f}")), ("1st step s", f("first_step_s", "{:.1f}"))]
+NOTES = {
+    "latency": "vs DeiT III: median (IQR) over repeats of the per-round ratio, both timed in the same round. "
+               "Memory: on CUDA always; on a CPU the peak RSS of a fresh process per row, eager (bench.py "
+               "latency).",
+    "train": "vs: the median per-round ratio ± the half-width of its 95% bootstrap interval. MFU = 3 x "
+             "forward FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent part x 0.7) x "
+             "img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the table (a CPU's).",
+    "tests": "", "run": ""}
 
 
 def latency_markdown(result: dict) -> str:
-    table = markdown(result["rows"], [
-        ("model", f("model", "{}")), ("mode", f("mode", "{}")), ("batch", f("batch", "{}")),
-        ("params (M)", f("params_m")), ("latency ms (median)", f("median_ms")),
-        ("IQR", lambda r: f"{r['q1_ms']:.2f}–{r['q3_ms']:.2f}"),
-        ("min–max", lambda r: f"{r['min_ms']:.2f}–{r['max_ms']:.2f}"),
-        ("vs DeiT III", lambda r: f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"),
-        ("img/s", f("images_per_s", "{:.1f}")), ("memory (MiB)", f("memory_mib", "{:.1f}")),
-        ("mem vs DeiT", f("memory_ratio", "{:.2f}")), ("1st call s", f("first_call_s", "{:.1f}"))])
-    return (f"## Inference latency and memory ({result['settings']['summary']})\n\n{table}\n\n"
-            "vs DeiT III: median (IQR) over repeats of the per-round ratio, both timed in the same round."
-            + recompiled_note(result["rows"]) + targets_markdown(result.get("targets", [])))
+    table = markdown(result["rows"], [("model", f("model", "{}")), ("mode", f("mode", "{}")),
+                                      ("batch", f("batch", "{}"))] + LATENCY_COLUMNS)
+    settings = result["settings"]["summary"]
+    text = f"## Inference latency and memory ({settings})\n\n{table}\n\n{NOTES['latency']}"
+    return text + recompiled_note(result["rows"]) + targets_markdown(result.get("targets", []))
 
 
 def train_markdown(result: dict) -> str:
-    table = markdown(result["rows"], [
-        ("model", f("model", "{}")), ("params (M)", f("params_m")), ("step ms (median)", f("median_ms")),
-        ("IQR", lambda r: f"{r['q1_ms']:.1f}–{r['q3_ms']:.1f}"),
-        ("vs DeiT III (95% CI)", lambda r: ratio_text(r)),
-        ("img/s", f("images_per_s", "{:.1f}")), ("fwd GFLOPs/img", f("forward_gflops_per_image")),
-        ("MFU", lambda r: f"{100 * r['mfu']:.1f}%" if "mfu" in r else "unknown"),
-        ("memory (MiB)", f("memory_mib", "{:.0f}"))])
+    table = markdown(result["rows"], [("model", f("model", "{}"))] + TRAIN_COLUMNS)
     text = f"## Training step ({result['settings']['summary']})\n\n{table}" + recompiled_note(result["rows"])
-    elastic = next((r for r in result["rows"] if "ratio_vs_fixed" in r), None)
-    if elastic:
-        text += f"\n\nelastic 0.3 vs fixed depth: {ratio_text(elastic['ratio_vs_fixed'])}"
-    if elastic and "ratio_vs_fixed_eager" in elastic:
-        text += (f"; vs fixed depth run eagerly (elastic depth's step loop is eager): "
-                 f"{ratio_text(elastic['ratio_vs_fixed_eager'])}")
-    alter = next((r for r in result["rows"] if "ratio_vs_eager" in r), None)
-    if alter:
-        text += f"\n\nAlterNet compiled vs eager: {ratio_text(alter['ratio_vs_eager'])}"
+    for key, what in (("ratio_vs_fixed", "elastic 0.3 vs fixed depth"),
+                      ("ratio_vs_fixed_eager", "elastic 0.3 vs fixed depth run eagerly (as elastic's loop)"),
+                      ("ratio_vs_eager", "AlterNet compiled vs eager")):
+        text += "".join(f"\n\n{what}: {ratio_text(r[key])}" for r in result["rows"] if key in r)
     fixed = next((r for r in result["rows"] if r["model"] == "reViT fixed"), None)
     if fixed:
         text += (f"\n\nreViT fixed / DeiT III: {ratio_text(fixed)}: median of {fixed['repeats']} paired rounds, 95% "
                  f"bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
                  f"{fixed['repeats_needed']} rounds at this spread.")
-    return text + ("\n\nMFU = 3 x forward FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent "
-                   "part x 0.7) x img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the "
-                   "table (always on CPU).") + targets_markdown(result.get("targets", []))
+    return f"{text}\n\n{NOTES['train']}" + targets_markdown(result.get("targets", []))
 
 
 def ratio_text(r: dict) -> str:
@@ -870,12 +818,11 @@ def environment_line(env: dict) -> str:
             f"{env['cpu_count']} CPUs, {env['torch_threads']} threads · git {env.get('git', '?')}")
 
 
-# --- check: the first minutes on a GPU, a plan within a time budget (python bench.py check) ---
+# --- check: the first minutes on a GPU, an ordered list of parts within --budget (python bench.py check) ---
 
 # Sizes. full (CUDA): S/16 at 224², as the paper's Table 7, inductor; latency with bf16 weights and images
-# cast once, training under bf16 autocast with fused AdamW. tiny (the CPU, or --quick): the same plan and code
-# paths at tiny sizes, fp32, torch.compile with dynamo's eager backend (graph capture, guards, recompiles; no
-# code generation: seconds).
+# cast once, training under bf16 autocast with fused AdamW. tiny (the CPU, or --quick): the same parts and
+# code paths at tiny sizes, fp32, dynamo's eager backend (graph capture and guards, no code generation).
 TINY_MODELS = dict(dim=32, heads=2, ffn_dim=64, depth=2)  # dynamo traces each of the L steps: few of them
 CHECK_SIZES = {
     "full": dict(
@@ -891,99 +838,67 @@ CHECK_SIZES = {
              "--batch-size", "64", "--log-interval", "2", "--model-args", "dim=32,heads=2,ffn_dim=64",
              "--depth", "2"]),
 }
-# The plan, most important first: the paper's Table 7 (latency and memory, batch 1, then the large batch),
-# the training step, correctness on the device, a short train.py run, elastic depth's step, the GPU tests
-# that need the data. key -> (share of the budget, floor: the least, as a share, worth starting the part
-# with). A part's timeout is its share plus what the parts before it left unused. Our choice, sized from CPU
-# compile times until a GPU run measures them (torch.compile's build dominates: 4 builds per latency part).
-CHECK_PLAN = {"latency:0": (0.30, 0.12), "latency:1": (0.22, 0.08), "train-step": (0.20, 0.10),
-              "correctness": (0.10, 0.05), "train.py run": (0.07, 0.03), "elastic": (0.05, 0.03),
-              "data tests": (0.06, 0.04)}
 CHECK_FILES = ("check.json", "check.md", "check.log")  # all a check writes into --out
 ELASTIC_ROWS = ("reViT fixed, eager", "reViT elastic 0.3")
-
-
-def check_sizes(args, device) -> tuple[str, dict]:
-    name = "full" if device.type == "cuda" and not args.quick else "tiny"
-    return name, CHECK_SIZES[name]
+DATA_TESTS = ["tests/test_train.py", "tests/test_analyze.py"]  # gpu-marked: training, resume, analysis
 
 
 def run_check(args, device) -> dict:
-    """The plan in turn (lib/budget.py: each part its own process and timeout, the report rewritten after
-    every row); --part runs one part in this process (what the plan's processes run)."""
+    """The parts in turn (lib/budget.py: each its own process and timeout, the report rewritten after every
+    row); --part runs one part in this process (what the parts' processes run)."""
+    sizes_name = "full" if device.type == "cuda" and not args.quick else "tiny"
+    sizes = CHECK_SIZES[sizes_name]
     if args.part:
-        return check_part(args.part, device, check_sizes(args, device)[1])
-    out_dir = args.out  # checked by check_flags (a given one or the default)
+        return check_part(args.part, device, sizes)
+    os.makedirs(args.out, exist_ok=True)  # checked by check_flags (a given one or the default)
+    run_dir = tempfile.mkdtemp(prefix="revit-check-run-")  # the train.py run's, removed after it
+    parts = check_parts(args, device, sizes, run_dir)
+    header = {"command": "check", "env": environment(device), "sizes": sizes_name, "budget_s": args.budget,
+              "compile_backend": sizes["backend"], "kinds": {p.name: p.kind for p in parts}}
+    report = budget.Report(args.out, header, check_markdown, check_row_line)
+    print(f"bench.py check on {device} ({sizes_name} sizes), budget {args.budget:.0f} s, report in "
+          f"{args.out}", flush=True)
     try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:  # made unwritable since the check
-        raise InputError(f"--out {out_dir} cannot be created: {e.strerror or e}") from None
-    # the train.py run's folder (its checkpoint): made here, empty, so that the rmtree below removes only
-    # what this check created (never a folder that another run holds)
-    run_dir = tempfile.mkdtemp(prefix="revit-check-run-")
-    parts = check_parts(args, device, run_dir)
-    header = check_header(args, device, parts)
-    report = budget.Report(out_dir, header, check_markdown, check_row_line)
-    print(f"bench.py check on {device} ({header['sizes']} sizes), budget {args.budget:.0f} s, report in "
-          f"{out_dir}; {header['tf32']}", flush=True)
-    try:
-        with open(os.path.join(out_dir, "check.log"), "w") as log:
+        with open(os.path.join(args.out, "check.log"), "w") as log:
             budget.run_plan(parts, args.budget, report, log)
     except budget.Stopped as stop:
         print(check_markdown(report.document()) + "\n" + json_text(report.document()), flush=True)
-        raise SystemExit(f"bench.py check: stopped ({stop}); {out_dir} holds every finished row") from None
+        raise SystemExit(f"bench.py check: stopped ({stop}); {args.out} holds every finished row") from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     print("\n" + check_markdown(report.document()), flush=True)
     return report.document()
 
 
-def check_parts(args, device, run_dir: str) -> list:
-    """The plan's parts for this device, most important first (CHECK_PLAN: their shares of the budget). A
-    part that cannot run here (no data; GPU tests on a CPU) has no process, only its reason."""
-    _, sizes = check_sizes(args, device)
-    visible = "cuda" if device.type == "cuda" else str(device)  # cuda:N: the only GPU the parts see (part_env)
-    here = [sys.executable, os.path.join(HERE, "bench.py"), "check", "--device", visible,
-            *(["--quick"] if args.quick else []), "--part"]
+def check_parts(args, device, sizes: dict, run_dir: str) -> list:
+    """The parts, most important first (the paper's Table 7 first), each with its share of the budget and
+    the least share worth starting it with (our choice, from CPU compile times until a GPU run measures
+    them). A part that cannot run here (no data; GPU tests on a CPU) has no process, only its reason."""
+    cuda = device.type == "cuda"
+    here = [sys.executable, os.path.join(HERE, "bench.py"), "check", "--device",  # cuda:N: their only GPU
+            "cuda" if cuda else str(device), *(["--quick"] if args.quick else []), "--part"]
     data_dir = ["--data-dir", os.path.abspath(args.data_dir)] if args.data_dir else []
     run = [sys.executable, os.path.join(HERE, "train.py"), *sizes["run"], *data_dir, "--out-dir", run_dir,
            "--no-progress", "--compile-backend", sizes["backend"]]
     no_data, env = data_problem(args.data_dir), part_env(device, args.data_dir)
-    if device.type == "cuda":
-        gpu_tests = dict(argv=pytest_argv(device, DATA_TESTS, gpu_only=True), blocked=no_data)
-    else:
-        gpu_tests = dict(argv=None, blocked="these tests are marked gpu (they need a CUDA GPU)",
-                         blocked_status="skipped")
+    gpu_tests = dict(blocked=no_data) if cuda else dict(
+        blocked="these tests are marked gpu (they need a CUDA GPU)", blocked_status="skipped")
     small, large = sizes["batches"]
-    models = list(LATENCY_MODELS)
-    specs = {  # key: (name, how its rows read (CHECK_COLUMNS), its rows, the rest of budget.Part)
-        "latency:0": (f"latency, batch {small}", "latency", models, dict(argv=here + [f"latency:{small}"])),
-        "latency:1": (f"latency, batch {large}", "latency", models, dict(argv=here + [f"latency:{large}"])),
-        "train-step": ("training step", "train", ["DeiT III", "reViT fixed"],
-                       dict(argv=here + ["train-step"])),
-        "correctness": ("correctness", "tests", [],
-                        dict(argv=pytest_argv(device, ["tests/test_on_device.py"]), parse=pytest_rows)),
-        "train.py run": ("train.py run", "run", ["train.py run"],
-                         dict(argv=run, blocked=no_data, finish=train_run_rows(run_dir, sizes, device))),
-        "elastic": ("training step, elastic depth", "train", [*ELASTIC_ROWS], dict(argv=here + ["elastic"])),
-        "data tests": ("GPU tests that need the data", "tests", [], dict(parse=pytest_rows, **gpu_tests)),
-    }
-    parts = []
-    for key, (share, floor) in CHECK_PLAN.items():
-        name, kind, rows, fields = specs[key]
-        fields["argv"] = None if fields.get("blocked") else fields["argv"]
-        parts.append(budget.Part(name, rows=rows, share=share, floor=floor * args.budget, kind=kind, env=env,
-                                 **fields))
-    return parts
 
-
-def check_header(args, device, parts) -> dict:
-    sizes_name, sizes = check_sizes(args, device)
-    tf32 = ("TF32 on for the float32 matmuls outside autocast (torch.backends.cuda.matmul.allow_tf32) in the "
-            "latency, training-step and train.py parts; the correctness tests turn it off"
-            if device.type == "cuda" else "TF32: not on a CPU")
-    return {"command": "check", "env": environment(device), "sizes": sizes_name, "budget_s": args.budget,
-            "tf32": tf32, "compile_backend": sizes["backend"], "kinds": {p.name: p.kind for p in parts}}
+    def part(name, kind, share, floor, argv, rows=(), **fields):
+        argv = None if fields.get("blocked") else argv
+        return budget.Part(name, argv, list(rows), share, floor * args.budget, kind=kind, env=env, **fields)
+    return [
+        part(f"latency, batch {small}", "latency", 0.30, 0.12, here + [f"latency:{small}"], LATENCY_MODELS),
+        part(f"latency, batch {large}", "latency", 0.22, 0.08, here + [f"latency:{large}"], LATENCY_MODELS),
+        part("training step", "train", 0.20, 0.10, here + ["train-step"], ["DeiT III", "reViT fixed"]),
+        part("correctness", "tests", 0.10, 0.05, pytest_argv(device, ["tests/test_device.py::TestOnDevice"]),
+             parse=pytest_rows),
+        part("train.py run", "run", 0.07, 0.03, run, ["train.py run"], blocked=no_data,
+             finish=train_run_rows(run_dir, sizes, device)),
+        part("training step, elastic depth", "train", 0.05, 0.03, here + ["elastic"], ELASTIC_ROWS),
+        part("GPU tests that need the data", "tests", 0.06, 0.04,
+             pytest_argv(device, DATA_TESTS, gpu_only=True), parse=pytest_rows, **gpu_tests)]
 
 
 def part_env(device, data_dir: str) -> dict:
@@ -1000,8 +915,7 @@ def part_env(device, data_dir: str) -> dict:
 
 
 def data_problem(data_dir: str) -> str:
-    """'' when Fashion-MNIST is found where train.py looks (--data-dir, else ./data, $REVIT_DATA_DIR,
-    /usr/share/datasets), else the row's one-line reason."""
+    """'' when Fashion-MNIST is found where train.py looks, else the row's one-line reason."""
     try:
         data.find_builtin("fashion-mnist", data_dir)
         return ""
@@ -1011,41 +925,32 @@ def data_problem(data_dir: str) -> str:
                 "(README: On a GPU)")
 
 
-# --- check: a part's own process (bench.py check --part KEY) prints its rows (lib/budget.emit) ---
+def step_precision(device) -> str:
+    return "bf16 autocast, fp32 weights, fused AdamW, TF32 on" if device.type == "cuda" else "fp32, AdamW"
 
 
 def check_part(key: str, device, sizes: dict) -> dict:
-    """Run one part here: latency:B (Table 7 at batch B), train-step (DeiT III vs reViT fixed), elastic
-    (elastic depth vs fixed depth, both step loops eager). An error ends the process with its first line."""
+    """One part in this process, its rows printed as they come (lib/budget.emit): latency:B (Table 7 at
+    batch B), train-step (DeiT III vs reViT fixed) or elastic (elastic vs fixed depth, both step loops
+    eager). An error ends the process with its first line."""
     kind, _, batch = key.partition(":")
-    common = dict(device=device, backend=sizes["backend"])
+    compiled = f"compiled ({sizes['backend']})"
     try:
-        with tf32(device, True):
-            if kind == "latency":  # memory: CUDA's is always measured; a CPU's by bench.py latency, eagerly
-                bench_latency(batches=(int(batch),), modes=("compiled",), memory=False,
-                              on_row=row_emitter(latency_precision(device, sizes)), **common,
-                              **sizes["latency"])
-            else:
-                labels = ["DeiT III", "reViT fixed"] if kind == "train-step" else list(ELASTIC_ROWS)
-                bench_train(compiled=True, labels=labels, reference=labels[0], peak=peak_flops(device),
-                            on_row=row_emitter(train_precision(device, sizes)), **common, **sizes["train"])
+        if kind == "latency":  # memory: CUDA's is always measured; a CPU's by bench.py latency, eagerly
+            weights = "bf16" if sizes["latency"]["dtype"] == "bfloat16" else "fp32"
+            tf32 = ", TF32 on" if device.type == "cuda" else ""
+            bench_latency(batches=(int(batch),), modes=("compiled",), memory=False, device=device,
+                          backend=sizes["backend"], on_row=row_emitter(f"{weights} weights and images{tf32}",
+                                                                       compiled), **sizes["latency"])
+        else:
+            labels = ["DeiT III", "reViT fixed"] if kind == "train-step" else list(ELASTIC_ROWS)
+            bench_train(compiled=True, labels=labels, reference=labels[0], peak=peak_flops(device),
+                        device=device, backend=sizes["backend"], **sizes["train"],
+                        on_row=row_emitter(step_precision(device), compiled))
     except Exception as e:  # noqa: BLE001 - the traceback to the log, its first line to the report
         traceback.print_exc(file=sys.stdout)
         raise SystemExit(f"error: {first_informative_line(e)}") from None
     return {"command": "check", "part": key}
-
-
-@contextlib.contextmanager
-def tf32(device: torch.device, enabled: bool):
-    if device.type != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 # torch's trailing advice on an error, never the error itself (the report shows the first line that is not)
@@ -1061,32 +966,22 @@ def first_informative_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(useful or lines or [''])[0]}"
 
 
-def row_emitter(precision_of):
+def row_emitter(precision: str, compiled: str):
     """bench_latency's and bench_train's on_row: a row after its first call (running), then its result."""
+    eager = {"reViT fixed, eager": "eager", "reViT elastic 0.3": "stem and head compiled, step loop eager"}
+
     def on_row(label, row, final):
         fields = {k: v for k, v in row.items() if k != "overrides"}
         if not final:
             first = row.get("first_call_s", row.get("first_step_s", 0))
             fields["detail"] = f"first call {first:.1f} s (compilation included); timing"
-        budget.emit(label, status="ok" if final else "running", precision=precision_of(label), **fields)
+        how = f"{precision}, {eager.get(label, compiled)}"
+        budget.emit(label, status="ok" if final else "running", precision=how, **fields)
     return on_row
-
-
-def latency_precision(device, sizes) -> callable:
-    weights = "bf16" if sizes["latency"]["dtype"] == "bfloat16" else "fp32"
-    tf32 = ", TF32 on" if device.type == "cuda" else ""
-    return lambda label: f"{weights} weights and images, compiled ({sizes['backend']}){tf32}"
-
-
-def train_precision(device, sizes) -> callable:
-    mixed = "bf16 autocast, fp32 weights, fused AdamW, TF32 on" if device.type == "cuda" else "fp32, AdamW"
-    compiled = {"reViT fixed, eager": "eager", "reViT elastic 0.3": "stem and head compiled, step loop eager"}
-    return lambda label: f"{mixed}, {compiled.get(label, 'compiled (' + sizes['backend'] + ')')}"
 
 
 # --- check: the parts run by pytest and by train.py, read from their output ---
 
-DATA_TESTS = ["tests/test_train.py", "tests/test_analyze.py"]  # gpu-marked: training, resume, analysis
 TEST_LINE = re.compile(r"^\S+?::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \((.*)\))?")  # pytest -v
 TEST_FAILURE = re.compile(r"^(?:FAILED|ERROR) \S+?::(\S+) - (.*)$")  # pytest -rfE
 TEST_SECONDS = re.compile(r"^([\d.]+)s call\s+\S+?::(\S+)$")  # pytest --durations
@@ -1095,7 +990,7 @@ TEST_STATUS = {"PASSED": "ok", "XFAIL": "ok", "SKIPPED": "skipped", "FAILED": "f
 
 
 def pytest_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
-    """tests/test_on_device.py's cases for this device (gpu-marked on CUDA), or only the gpu-marked tests."""
+    """The files' cases for this device (gpu-marked on CUDA), or only the gpu-marked tests."""
     marker = "gpu" if gpu_only or device.type == "cuda" else "not gpu"
     return [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=0", "--durations-min=0", "-p",
             "no:cacheprovider", "-m", marker, *(os.path.join(HERE, f) for f in files)]
@@ -1116,10 +1011,7 @@ def pytest_rows(line: str) -> list[tuple[str, dict]]:
 
 def train_run_rows(run_dir: str, sizes: dict, device):
     """The train.py run's row from its metrics log, once it has ended (after a timeout: the steps it took)."""
-    argv = sizes["run"]
-    max_steps = int(argv[argv.index("--max-steps") + 1])
-    precision = ("bf16 autocast, fused AdamW, TF32 on" if device.type == "cuda" else "fp32, AdamW") + \
-        (f", compiled ({sizes['backend']})" if "--compile" in argv else ", eager")
+    max_steps = int(sizes["run"][sizes["run"].index("--max-steps") + 1])
 
     def finish(status):
         with contextlib.suppress(OSError, ValueError), open(os.path.join(run_dir, "metrics.jsonl")) as fh:
@@ -1130,7 +1022,7 @@ def train_run_rows(run_dir: str, sizes: dict, device):
             row = {"steps": steps, "max_steps": max_steps, "test_acc": final.get("test_acc"),
                    "images_per_s": statistics.median(rates[1:] or rates) if rates else None,  # 1st: the start
                    "first_interval_images_per_s": rates[0] if rates else None,
-                   "minutes": final.get("minutes"), "precision": precision}
+                   "minutes": final.get("minutes"), "precision": f"{step_precision(device)}, eager"}
             done = status == 0 and steps == max_steps and bool(final)
             row.update({"status": "ok"} if done else {"detail": f"{steps} of {max_steps} steps"})
             return [("train.py run", row)]
@@ -1146,14 +1038,19 @@ def check_markdown(doc: dict) -> str:
     state = ("complete: every row is a result or a reason" if doc["complete"] else
              "NOT complete: rows marked pending or running had not finished when this file was written")
     gpu = f" ({env['gpu']})" if "gpu" in env else ""
+    verdict = "all passed" if doc["ok"] else "see the rows not ok"
     out = [f"# bench.py check: {env['device']}{gpu}, {doc['sizes']} sizes, budget {doc['budget_s']:.0f} s\n",
-           environment_line(env),
-           f"\n{doc['tf32']}. Report {state}; {'all passed' if doc['ok'] else 'see the rows not ok'}.\n"]
-    for part in kinds:
+           environment_line(env), f"\nReport {state}; {verdict}.\n"]
+    for part, kind in kinds.items():
         rows = [r for r in doc["rows"] if r["part"] == part]
-        out += [f"## {part}\n", markdown(rows, CHECK_COLUMNS[kinds[part]]), CHECK_NOTES[kinds[part]], ""]
-    if doc["sizes"] == "full":
-        out.append(targets_markdown(check_targets(doc["rows"], kinds)).lstrip("\n") + "\n")
+        note = [f"\n{NOTES[kind]}"] if NOTES[kind] else []
+        out += [f"## {part}\n", markdown(rows, CHECK_COLUMNS[kind]), *note, ""]
+    if doc["sizes"] == "full":  # ours, against the paper's Table 7, on the rows that finished
+        done = [r for r in doc["rows"] if r["status"] == "ok"]
+        latency = [r for r in done if kinds[r["part"]] == "latency"]
+        judged = (latency_targets(latency) if latency else []) + train_targets(
+            [r for r in done if kinds[r["part"]] == "train"])
+        out.append(targets_markdown(judged).lstrip("\n") + "\n")
     out += ["## The plan (most important first; each part its own process and timeout)\n",
             markdown(doc["parts"], [("part", f("part", "{}")), ("timeout s", f("timeout_s", "{:.0f}")),
                                     ("used s", f("seconds", "{:.1f}")), ("status", f("status", "{}")),
@@ -1161,48 +1058,23 @@ def check_markdown(doc: dict) -> str:
     return "\n".join(out)
 
 
-def check_targets(rows: list[dict], kinds: dict) -> list[dict]:
-    """latency_targets and train_targets (ours, against Table 7) on the rows that finished."""
-    done = [r for r in rows if r["status"] == "ok"]
-    latency = [r for r in done if kinds[r["part"]] == "latency"]
-    out = latency_targets(latency) if latency else []
-    out += train_targets([r for r in done if r["part"] == "training step" and r["row"] == "reViT fixed"])
-    return out + [_target("train step elastic 0.3 <= fixed depth, both step loops eager", r["ratio"],
-                          r["ratio"] <= 1.0) for r in done if r["row"] == "reViT elastic 0.3"]
-
-
 def status_cell(r: dict) -> str:
     text = r["status"] if r["status"] in ("ok", "running", "pending") else f"**{r['status']}**"
     return text + (f": {r['detail']}" if r.get("detail") and r["status"] != "ok" else "")
 
 
+CHECK_ROW = [("model", f("row", "{}")), ("batch", f("batch", "{}")), ("status", status_cell)]
+PRECISION = [("precision", f("precision", "{}"))]
 CHECK_COLUMNS = {
-    "latency": [("model", f("row", "{}")), ("batch", f("batch", "{}")), ("status", status_cell),
-                ("ms (median)", f("median_ms", "{:.3f}")),
-                ("IQR", lambda r: f"{r['q1_ms']:.3f}–{r['q3_ms']:.3f}"),
-                ("vs DeiT III", lambda r: f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"),
-                ("img/s", f("images_per_s", "{:.0f}")), ("memory MiB", f("memory_mib", "{:.1f}")),
-                ("mem vs DeiT", f("memory_ratio", "{:.2f}")), ("1st call s", f("first_call_s", "{:.1f}")),
-                ("precision", f("precision", "{}"))],
-    "train": [("model", f("row", "{}")), ("batch", f("batch", "{}")), ("status", status_cell),
-              ("step ms", f("median_ms", "{:.2f}")), ("vs", lambda r: f"{r['reference']}: {ratio_text(r)}"),
-              ("img/s", f("images_per_s", "{:.0f}")), ("MFU", lambda r: f"{100 * r['mfu']:.1f}%"),
-              ("memory MiB", f("memory_mib", "{:.0f}")), ("1st step s", f("first_step_s", "{:.1f}")),
-              ("precision", f("precision", "{}"))],
+    "latency": CHECK_ROW + LATENCY_COLUMNS + PRECISION,
+    "train": CHECK_ROW + TRAIN_COLUMNS + PRECISION,
     "tests": [("test", f("row", "{}")), ("status", status_cell), ("s", f("seconds", "{:.1f}"))],
     "run": [("status", status_cell), ("steps", f("steps", "{}")),
             ("img/s (after the 1st interval)", f("images_per_s", "{:.0f}")),
             ("1st interval img/s (with the start)", f("first_interval_images_per_s", "{:.0f}")),
             ("test acc %", lambda r: f"{100 * r['test_acc']:.2f}"), ("minutes", f("minutes", "{:.2f}")),
-            ("precision", f("precision", "{}"))],
+            *PRECISION],
 }
-CHECK_NOTES = {
-    "latency": "\nvs DeiT III: median (IQR) of the per-round ratios, both timed in the same round. Memory "
-               "(paper Table 7: weights + what the first call left allocated + the peak of a second call) is "
-               "measured on CUDA; on a CPU, `python bench.py latency` measures it eagerly (fresh processes).",
-    "train": "\nvs: the median per-round ratio ± the half-width of its 95% bootstrap interval. MFU needs "
-             "the device's bf16 peak (known GPUs only).",
-    "tests": "", "run": ""}
 
 
 def check_row_line(r: dict) -> str:
@@ -1288,6 +1160,24 @@ def add_check_parser(sub):
                                   "check's processes runs): latency:BATCH, train-step or elastic")
 
 
+def add_memory_parser(sub):
+    p = sub.add_parser("memory", help="expected peak memory per GPU of a preset x recipe x batch x accumulation x "
+                                      "GPUs, measured at reduced sizes on this machine (lib/memory.py)")
+    device_flags(p)
+    p.add_argument("--arch", required=True, help="a preset of revit.py or alternet.py")
+    p.add_argument("--recipe", help="train.py's --recipe (default: the preset's: Table 2 for AlterNet through "
+                                    "alternet.RECIPES, imagenet = Table 6 for a vision preset)")
+    p.add_argument("--batch-size", type=int, help="global batch per optimizer step (default: the recipe's)")
+    p.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default: the fewest that fit, as "
+                                                  "train.py picks)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP: each holds the model and "
+                                                       "1/gpus of the batch)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
+    p.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's block size)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="the run's autocast (train.py's auto: bf16 where the GPU has it, else fp16)")
+
+
 def resolve(args, device) -> dict:
     """Fill unset flags with the device's defaults; say which were defaults."""
     defaults = (CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).get(args.command, {})
@@ -1303,38 +1193,38 @@ def resolve(args, device) -> dict:
 
 
 LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
-    "batches": (lambda t: int(t) if t.strip().isdigit() and 1 <= int(t) <= 65536 else None,
-                "comma-separated integers in [1, 65536], e.g. 1,8"),
+    "batches": (lambda t: int(t) if re.fullmatch(r"\s*\d{1,6}\s*", t) and RANGES["batch"][0](int(t))
+                else None,
+                f"comma-separated integers {RANGES['batch'][1]}, e.g. 1,8"),
     "modes": (lambda t: t.strip() if t.strip() in ("eager", "compiled", "reduce-overhead") else None,
               "comma-separated of eager, compiled, reduce-overhead (CUDA graphs; CUDA only)"),
     "sizes": (lambda t: t.strip() if t.strip() in ("s", "b", "l") else None, "comma-separated of s, b, l"),
 }
-OUTPUT_FOLDERS = ("check",)  # its --out is a folder; for params, latency and train a file
 
 
 def check_flags(args, device) -> None:
     """The one validation of flags every subcommand shares, before anything is built, loaded or written:
-    ranges, comma-separated lists (parsed in place) and the output path. InputError naming the flag."""
+    ranges (lib/boundary.RANGES), comma-separated lists (parsed in place) and the output path."""
     check_numbers(vars(args), "bench.py")
     for name, (item, allowed) in LIST_FLAGS.items():
         text = getattr(args, name, None)
         if isinstance(text, str):
             items = tuple(item(t) for t in text.split(","))
             if not items or None in items:
-                raise InputError(f"--{name} must be {allowed}; got {text!r}")
+                raise InputError(f"--{name} must be {allowed}; got {text[:80]!r}")
             setattr(args, name, items)
     if "reduce-overhead" in (getattr(args, "modes", None) or ()) and device.type != "cuda":
         raise InputError("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)")
-    if args.command == "check" and not args.part and not args.out:  # the default is checked like a given one
-        args.out = f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
-    out, kind = getattr(args, "out", None), "folder" if args.command in OUTPUT_FOLDERS else "file"
-    held = [name for name in CHECK_FILES if out and args.command == "check" and os.path.lexists(os.path.join(out, name))]
-    if held:  # a check writes only files it creates: another run's report stays as it is
-        raise InputError(f"--out {out} already holds {held[0]} (another check's report); choose another --out")
-    if out and output_problem(out, kind):  # also a run's folder or files, and any saved model
-        raise InputError(f"--out {out} {output_problem(out, kind)}")
     if getattr(args, "part", None) and not re.fullmatch(r"latency:\d{1,5}|train-step|elastic", args.part):
         raise InputError(f"--part must be latency:BATCH, train-step or elastic; got {args.part!r}")
+    if args.command == "check" and not args.part and not args.out:  # the default is checked like a given one
+        args.out = f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, check = getattr(args, "out", None), args.command == "check"
+    held = [name for name in CHECK_FILES if out and check and os.path.lexists(os.path.join(out, name))]
+    if held:  # a check writes only files it creates: another run's report stays as it is
+        raise InputError(f"--out {out} already holds {held[0]} (another check's report); choose another --out")
+    if out and output_problem(out, "folder" if check else "file"):  # also a run's folder or files, a model
+        raise InputError(f"--out {out} {output_problem(out, 'folder' if check else 'file')}")
 
 
 def run_params(args, device) -> dict:
@@ -1365,11 +1255,12 @@ def run_train(args, device) -> dict:
     labels = parse_rows(args.rows, args.size, args.compile)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # fixed for the whole run, and recorded
+    precision = "bf16 autocast" if device.type == "cuda" else "fp32"
     settings = {"size": args.size, "batch": args.batch, "compiled": args.compile, "warmup": args.warmup,
-                "repeats": args.repeats, "iters": args.iters, "precision": precision(device), "peak_flops": peak,
+                "repeats": args.repeats, "iters": args.iters, "precision": precision, "peak_flops": peak,
                 "token_dispatch_presets": token_dispatch_presets(args.size), "resolve": args.resolve,
                 "max_repeats": args.max_repeats, "threads": threads, "rows": labels}
-    settings["summary"] = (f"{args.size.upper()}, {precision(device)}, batch {args.batch}, "
+    settings["summary"] = (f"{args.size.upper()}, {precision}, batch {args.batch}, "
                            f"{'compiled' if args.compile else 'eager'}, AdamW, {threads} threads, warm-up "
                            f"{args.warmup}, {args.repeats} to {max(args.repeats, args.max_repeats)} paired rounds "
                            f"x {args.iters} steps until +-{args.resolve}")
@@ -1393,43 +1284,23 @@ def parse_rows(text: str | None, size: str, compiled: bool) -> list[str] | None:
     return ["DeiT III"] + [r for r in rows if r != "DeiT III"]
 
 
-def precision(device) -> str:
-    return "bf16 autocast" if device.type == "cuda" else "fp32"
-
-
-def add_memory_parser(sub):
-    p = sub.add_parser("memory", help="expected peak memory per GPU of a preset x recipe x batch x accumulation x "
-                                      "GPUs, measured at reduced sizes on this machine (lib/memory.py)")
-    device_flags(p)
-    p.add_argument("--arch", required=True, help="a preset of revit.py or alternet.py")
-    p.add_argument("--recipe", help="train.py's --recipe (default: the preset's: Table 2 for AlterNet through "
-                                    "alternet.RECIPES, imagenet = Table 6 for a vision preset)")
-    p.add_argument("--batch-size", type=int, help="global batch per optimizer step (default: the recipe's)")
-    p.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default: the fewest that fit, as "
-                                                  "train.py picks)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP: each holds the model and "
-                                                       "1/gpus of the batch)")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
-    p.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's block size)")
-
-
 def run_memory(args, device) -> dict:
-    """The estimate of lib/memory.py for a GPU run with bf16 autocast (train.py's CUDA default)."""
+    """The estimate of lib/memory.py for a GPU run under bf16 (or --precision) autocast, as train.py's."""
     language = args.arch in alternet.PRESETS
-    if not language and args.arch not in revit.PRESETS:
+    if not language and args.arch not in moe.PRESETS:
         raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
     cfg = train.resolve_config(explicit, announce=False)
     with torch.device("meta"):
-        model = (alternet if language else revit).create_model(args.arch)
+        model = (alternet if language else moe).create_model(args.arch)
     batch = args.batch_size or cfg.batch_size
     seq_len = (args.seq_len or cfg.block_size or model.config.seq_len) if language else None
     if language and seq_len > model.config.seq_len:
         raise InputError(f"--seq-len {seq_len} exceeds {args.arch}'s seq_len {model.config.seq_len}")
     if batch % (args.gpus * (args.grad_accum or 1)):
         raise InputError(f"--batch-size {batch} must be divisible by --gpus x --grad-accum")
-    profile = memory.measure(model.config, device, torch.bfloat16, seq_len)
+    profile = memory.measure(model.config, device, PRECISIONS[args.precision], seq_len)
     recipe = args.recipe or train.RECIPE_OF.get(cfg.dataset, "")
     recipe += " + alternet.RECIPES (Table 2)" if args.arch in getattr(alternet, "RECIPES", {}) else ""
     settings = {"arch": args.arch, "recipe": recipe, "batch_size": batch, "seq_len": seq_len,
@@ -1462,7 +1333,7 @@ def main(argv=None) -> dict:
     except ValueError as e:  # --device: one line, as below
         fail(str(e), "bench.py")
     try:
-        if device.type == "cuda" and args.command != "check":  # TF32 for float32 parts outside autocast
+        if device.type == "cuda":  # TF32 for float32 parts outside autocast (test_device.py's TestOnDevice turns it off)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         defaults = resolve(args, device)
         check_flags(args, device)

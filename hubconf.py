@@ -25,7 +25,10 @@ WEIGHTS = Path(__file__).resolve().parent / "weights"
 def _load(name: str, module, pretrained: bool):
     with safe_open(str(WEIGHTS / f"{name}.safetensors"), framework="pt") as f:
         metadata = f.metadata()
-        model = module.create_model(metadata["arch"], **json.loads(metadata["model_config"]))
+        config = json.loads(metadata["model_config"])
+        if module is revit:  # saved with lib/moe.py's fields too (ffn="merge": reViT's own FFN), unused here
+            config = {k: v for k, v in config.items() if k in revit.ViTConfig.__dataclass_fields__}
+        model = module.create_model(metadata["arch"], **config)
         if pretrained:
             model.load_state_dict({key: f.get_tensor(key) for key in f.keys()})
     return model.eval()

@@ -16,9 +16,9 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
 Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; what every FFN of the shared block
-provides) -> `MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTConfig`, `ViTBase`
--> `ReViT` (`forward`: Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache that
-`forward` uses at inference, Table 1's baselines, `PRESETS`, `create_model` and the input checks.
+provides) -> `MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTBase` -> `ReViT`
+(`forward`: Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache that `forward` uses at
+inference, the fp32 regions, Table 1's baselines, `ViTConfig`, `PRESETS`, `create_model` and the checks.
 """
 
 from __future__ import annotations
@@ -34,16 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-# --- building blocks (DeiT III numerics: LayerNorm eps 1e-6, qkv bias, trunc-normal 0.02) ---
-
-def init_linear(module: nn.Module) -> None:
-    if isinstance(module, nn.Linear):
-        nn.init.trunc_normal_(module.weight, std=0.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LayerNorm):
-        nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
+# --- building blocks (DeiT III numerics: LayerNorm eps 1e-6, qkv bias, trunc-normal 0.02: `init_linear`) ---
 
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
@@ -75,16 +66,6 @@ class Mlp(nn.Module):
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
         """The Mlp weights of each of `depth` steps (fold): its own at every step."""
         return [self.state_dict()] * depth
-
-# fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11)
-
-def full_precision(device: torch.device):
-    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
-    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
-
-@torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
-def autocast_available(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type)
 
 # --- the plain ViT block (Eq. 3) ---
 
@@ -261,58 +242,7 @@ class MergedExpertFFN(ExpertBank):
         names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
         return [dict(zip(names, (w[0] for w in self.merge(g.unsqueeze(0))))) for g in gates]
 
-# --- config, and the stem and head that every model shares ---
-
-@dataclass
-class ViTConfig:
-    """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
-    all use these names. reViT's fields first; the last group is read only by lib/moe.py's mechanisms."""
-    arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
-    image_size: int = 224
-    patch_size: int = 16
-    in_channels: int = 3
-    num_classes: int = 1000       # 0: no head (features only)
-    dim: int = 384                # d
-    heads: int = 6
-    ffn_dim: int = 1536           # d_ff
-    depth: int = 12               # L: blocks of a ViT, recurrent steps of Raptor / reViT (trained depth)
-    layer_scale_init: float | None = None  # LayerScale init (DeiT III, Raptor: 1e-4); None: none (Eq. 3)
-    drop_path: float = 0.0        # stochastic depth inside each block: drops residual branches per sample
-    raptor_blocks: int = 4        # k distinct blocks of Raptor
-    num_experts: int = 4          # E of reViT; E = 1 is the plain tied (ALBERT-style) block
-    router_hidden: int = 16       # width of psi (Eq. 1, App. A.1)
-    router_temperature: float = 1.0  # tau (App. A.1 fixes 1)
-    router_prior: float = 0.0     # beta of a fixed depth prior on the gate logits; 0 = the paper's router
-    depth_drop: float = 0.0       # elastic depth (§3.2): per-image drop rate of whole steps, training only
-    balance_weight: float = 1e-2  # λ_bal of Eq. 6 (App. A.2, Table 6); Qwen3 / MoEUT: their balance loss
-    z_loss_weight: float = 1e-3   # λ_z of Eq. 8 (App. A.2, Table 6)
-    diversity_weight: float = 1e-3  # λ_div of Eq. 9 (App. A.2, Table 6)
-    merge_cache: bool = True      # inference without gradients reuses the merged FFNs of a depth
-    expert_ffn_fraction: float = 1.0  # hidden width of each expert / ffn_dim (the paper's ehr / 4)
-    ffn: str = "merge"            # the shared block's FFN: "merge" (reViT's); lib/moe.py adds the others
-    # lib/moe.py's settings: read only by the comparison mechanisms (§4.3, App. B, Table 8)
-    top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
-    shared_experts: int = 0       # DeepSeek-V3's always-active experts
-    slots_per_expert: int = 0     # Soft-MoE; 0: round(num_patches / 4) (49 for S/16, 64 for B/14)
-    bias_update_rate: float = 1e-3  # DeepSeek-V3's aux-loss-free balancing step
-    remoe_target_sparsity: float = 0.75  # ReMoE: 1 - K/E
-    lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
-
-    def __post_init__(self):
-        check_fields(self)  # each field's type, then its range (FIELD_RULES, at the end of the file)
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def expert_ffn_dim(self) -> int:
-        return round(self.expert_ffn_fraction * self.ffn_dim)
-
-    @property
-    def depth_programmed(self) -> bool:
-        """The FFN of step t depends on the depth only, so the model folds (reViT's merge: any E)."""
-        return self.ffn == "merge" or MECHANISMS[self.ffn].depth_programmed
+# --- the stem and head that every model shares ---
 
 class ViTBase(nn.Module):
     """Patch embedding, class token, positions, final norm and head: common to every model here."""
@@ -495,7 +425,8 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
     hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
-    config = replace(model.config, arch="vit", ffn="merge", depth=depth, depth_drop=0.0, raptor_blocks=1,
+    plain = {f.name: getattr(model.config, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
+    config = replace(ViTConfig(**plain), arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1,
                      ffn_dim=hidden, expert_ffn_fraction=1.0)
     reference = next(model.parameters())
     vit = VisionTransformer(config).to(device=reference.device, dtype=reference.dtype)
@@ -525,6 +456,16 @@ def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
         model.merged_ffns = key, [MergedFFN(*(w[t] for w in merged)) for t in range(depth)]
     return model.merged_ffns[1]
 
+# --- fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11) ---
+
+def full_precision(device: torch.device):
+    """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
+    return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
+
+@torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
+def autocast_available(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type)
+
 # --- elastic depth's FFN for a step whose images sit at several coordinates (§3.2) ---
 
 class GroupedFFN(NamedTuple):
@@ -552,7 +493,16 @@ class TiedFFN(Mlp):
     def aux_losses(self, depth: int) -> dict:
         return {}
 
-# --- DeiT III's recipe pieces: drop-path (any block's option) and LayerScale (the baselines') ---
+# --- DeiT III's recipe pieces: the init, drop-path (any block's option) and LayerScale (the baselines') ---
+
+def init_linear(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
 
 class DropPath(nn.Module):
     """Stochastic depth inside a block: drops a residual branch per sample (DeiT III's recipe). Not
@@ -635,6 +585,51 @@ class Raptor(VisionTransformer):
     def schedule(self, depth: int) -> list[int]:
         return raptor_schedule(len(self.blocks), depth)
 
+# --- the config: every model's settings ---
+
+@dataclass
+class ViTConfig:
+    """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
+    all use these names. lib/moe.py's config adds its mechanisms' fields to these."""
+    arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
+    image_size: int = 224
+    patch_size: int = 16
+    in_channels: int = 3
+    num_classes: int = 1000       # 0: no head (features only)
+    dim: int = 384                # d
+    heads: int = 6
+    ffn_dim: int = 1536           # d_ff
+    depth: int = 12               # L: blocks of a ViT, recurrent steps of Raptor / reViT (trained depth)
+    layer_scale_init: float | None = None  # LayerScale init (DeiT III, Raptor: 1e-4); None: none (Eq. 3)
+    drop_path: float = 0.0        # stochastic depth inside each block: drops residual branches per sample
+    raptor_blocks: int = 4        # k distinct blocks of Raptor
+    num_experts: int = 4          # E of reViT; E = 1 is the plain tied (ALBERT-style) block
+    router_hidden: int = 16       # width of psi (Eq. 1, App. A.1)
+    router_temperature: float = 1.0  # tau (App. A.1 fixes 1)
+    router_prior: float = 0.0     # beta of a fixed depth prior on the gate logits; 0 = the paper's router
+    depth_drop: float = 0.0       # elastic depth (§3.2): per-image drop rate of whole steps, training only
+    balance_weight: float = 1e-2  # λ_bal of Eq. 6 (App. A.2, Table 6)
+    z_loss_weight: float = 1e-3   # λ_z of Eq. 8 (App. A.2, Table 6)
+    diversity_weight: float = 1e-3  # λ_div of Eq. 9 (App. A.2, Table 6)
+    merge_cache: bool = True      # inference without gradients reuses the merged FFNs of a depth
+    expert_ffn_fraction: float = 1.0  # hidden width of each expert / ffn_dim (the paper's ehr / 4)
+
+    def __post_init__(self):
+        check_fields(self, FIELD_RULES)  # each field's type, then its range (at the end of the file)
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return round(self.expert_ffn_fraction * self.ffn_dim)
+
+    @property
+    def model_class(self) -> type:
+        """The class this config builds (lib/moe.py's config names its mechanisms' class)."""
+        return MODELS[self.arch]
+
 # --- presets: Table 1's models (ImageNet 224², patch 16) and small CPU sizes of our own ---
 
 # LayerScale: DeiT III's 1e-4 for the untied ViT. Raptor's official block has LayerScale too
@@ -673,24 +668,17 @@ def derived_presets(table: dict) -> dict:
                 presets[f"revit-{size_name}-e{e}"] = dict(base, num_experts=e)
     return presets
 
-PRESETS.update(derived_presets(PRESETS))  # lib/moe.py adds the comparison mechanisms' presets
+PRESETS.update(derived_presets(PRESETS))
 MODELS = {cls.arch: cls for cls in (VisionTransformer, Raptor, ReViT)}  # the class each ViTConfig.arch builds
 
 def create_model(name: str, **overrides) -> nn.Module:
     """Build a preset by name, e.g. create_model("revit-s", depth_drop=0.3)."""
-    if name not in PRESETS:
-        close = " or ".join(map(repr, difflib.get_close_matches(name, PRESETS, n=3)))
-        hint = f"did you mean {close}?" if close else "`python revit.py` lists the presets"
-        raise ValueError(f"unknown preset name={name!r}; {hint}" + ("" if MECHANISMS else f" ({PART_TWO})"))
-    unknown = sorted(set(overrides) - {f.name for f in fields(ViTConfig)})
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: "
-                         f"{', '.join(f.name for f in fields(ViTConfig))}")
-    return build_model(ViTConfig(**{**PRESETS[name], **overrides}))
+    values = {**preset(name, PRESETS, " (the comparison mechanisms': lib.moe.create_model)"), **overrides}
+    return build_model(make_config(ViTConfig, values))
 
 def build_model(config: ViTConfig) -> nn.Module:
-    """The model a config describes: MODELS[config.arch], or the class lib/moe.py registered for its ffn."""
-    return (MODELS[config.arch] if config.ffn == "merge" else MECHANISMS[config.ffn].model)(config)
+    """The model a config describes: config.model_class, MODELS[config.arch] for this file's configs."""
+    return config.model_class(config)
 
 # --- input checks: bad input gets one ValueError naming the field and what it allows ---
 
@@ -720,30 +708,32 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
       for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight")),
     ("expert_ffn_fraction", lambda c: c.expert_ffn_fraction > 0 and c.expert_ffn_dim >= 1,
      "> 0 with at least one hidden unit (ffn_dim={ffn_dim})"),
-    ("ffn", lambda c: c.ffn == "merge" or c.ffn in MECHANISMS,
-     "'merge' or one of lib/moe.py's {mechanisms} (`import lib.moe` first)"),
-    ("ffn", lambda c: c.ffn == "merge" or c.arch == "revit",
-     "'merge' unless arch='revit' (the mechanisms replace the FFN of reViT's shared block)"),
-    # the comparison mechanisms' settings (lib/moe.py)
-    ("top_k", lambda c: 1 <= c.top_k <= c.num_experts, "between 1 and num_experts={num_experts}"),
-    ("shared_experts", lambda c: 0 <= c.shared_experts <= 2 ** 10, "in 0..1024"),
-    ("shared_experts", lambda c: c.shared_experts == 0 or c.ffn == "deepseek", "0 unless ffn='deepseek'"),
-    ("slots_per_expert", lambda c: 0 <= c.slots_per_expert <= 2 ** 12, "in 0..4096 (0: num_patches / 4)"),
-    ("bias_update_rate", lambda c: c.bias_update_rate >= 0, ">= 0"),
-    ("remoe_target_sparsity", lambda c: 0.0 < c.remoe_target_sparsity < 1.0, "in (0, 1)"),
-    ("lora_rank", lambda c: 1 <= c.lora_rank <= 2 ** 12, "in 1..4096"),
 ]
-PART_TWO = ("the comparison mechanisms of §4.3 / App. B and their presets live in lib/moe.py: "
-            "`import lib.moe` first")
 
-def check_fields(c: ViTConfig) -> None:
-    """Integers refuse floats, strings and bools; floats refuse NaN and inf; then FIELD_RULES in order."""
+def preset(name: str, presets: dict, more: str = "") -> dict:
+    """presets[name]; an unknown name gets one line with the closest names (difflib)."""
+    if name not in presets:
+        close = " or ".join(map(repr, difflib.get_close_matches(name, presets, n=3)))
+        hint = f"did you mean {close}?" if close else "`python revit.py` lists the presets"
+        raise ValueError(f"unknown preset name={name!r}; {hint}{more}")
+    return presets[name]
+
+def make_config(cls: type, values: dict) -> ViTConfig:
+    """cls(**values), a name that is not one of its fields refused in one line."""
+    allowed = [f.name for f in fields(cls)]
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(allowed)}")
+    return cls(**values)
+
+def check_fields(c: ViTConfig, rules: list) -> None:
+    """Integers refuse floats, strings and bools; floats refuse NaN and inf; then the rules in order."""
     for f in fields(c):
         if not type_ok(getattr(c, f.name), f.type):
             kind = f.type.replace(" | None", "")
             need(c, False, f.name, TYPE_RULES[kind] + (" or None" if kind != f.type else ""))
-    for name, test, allowed in FIELD_RULES:
-        need(c, test(c), name, allowed.format_map({**vars(c), "mechanisms": tuple(MECHANISMS)}))
+    for name, test, allowed in rules:
+        need(c, test(c), name, allowed.format_map(vars(c)))
 
 def type_ok(value, kind: str) -> bool:
     if kind.endswith(" | None"):
@@ -769,24 +759,15 @@ def check_images(images: torch.Tensor, c: ViTConfig) -> None:
                          f"{images.dtype} (convert uint8 pixels with images.float() / 255 and normalise)")
 
 def check_model_class(model: nn.Module, c: ViTConfig) -> None:
-    """A config builds the class its arch names: a Raptor config never becomes a 12-block ViT."""
-    if model.arch != c.arch:
-        raise ValueError(f"arch={c.arch!r} builds revit.{MODELS[c.arch].__name__}, "
+    """A config builds the class it names: a Raptor config never becomes a 12-block ViT."""
+    if model.arch != c.arch or not isinstance(model, c.model_class):
+        raise ValueError(f"arch={c.arch!r} builds {c.model_class.__module__}.{c.model_class.__name__}, "
                          f"not {type(model).__name__}; build models with revit.build_model(config)")
-    if c.ffn != "merge" and not isinstance(model, MECHANISMS[c.ffn].model):
-        cls = MECHANISMS[c.ffn].model
-        raise ValueError(f"ffn={c.ffn!r} builds {cls.__module__}.{cls.__name__}, not {type(model).__name__}; "
-                         "build models with revit.build_model(config)")
 
 def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
-    """fold's arguments: a depth-programmed reViT or a Raptor; gates [L, E] for reViT's merge with E >= 2."""
+    """fold's arguments: a reViT or a Raptor; gates [L, E] for reViT's merge with E >= 2."""
     if not isinstance(model, (ReViT, Raptor)):
         raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
-    if not model.config.depth_programmed:
-        foldable = ("merge", *(name for name, entry in MECHANISMS.items() if entry.depth_programmed))
-        raise ValueError(f"fold: ffn={model.config.ffn!r} is input-dependent (its routing depends on the "
-                         f"tokens), so it has no fixed per-depth weights to fold; only ffn in {foldable} "
-                         "(reViT's merge: any E) fold into a plain ViT")
     if gates is not None:
         if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
             raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
@@ -796,15 +777,6 @@ def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | No
         if depth is not None and depth != gates.shape[0]:
             raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
                              "pass gates with one row per step of that depth, or leave depth out")
-
-# --- how lib/moe.py plugs the paper's comparison mechanisms (§4.3, App. B) into reViT ---
-
-class Mechanism(NamedTuple):
-    """A value of ViTConfig.ffn other than "merge": the ReViT subclass that runs it (lib/moe.py)."""
-    model: type
-    depth_programmed: bool  # the FFN of step t depends on the depth only, so the model folds (§3.1)
-
-MECHANISMS: dict[str, Mechanism] = {}  # ViTConfig.ffn -> Mechanism; filled by `import lib.moe`
 
 # --- not in the paper: a fixed depth prior on the gate logits (ViTConfig.router_prior, 0 by default) ---
 

@@ -19,8 +19,6 @@ from lib.boundary import check_numbers, fail
 from lib.cli import DEVICES, pick_device, run_main
 from lib.language import no_network, text_codec
 
-# Bounds a user would not hit by intent (a typo, or a script gone wrong, stops at once instead of
-# running for hours without a word)
 DEFAULT_HALT_THRESHOLD = 0.5  # for a model with halting (train.py's evaluation uses the same)
 
 
@@ -53,13 +51,6 @@ def sample_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_sample_args(args: argparse.Namespace) -> None:
-    """Every number flag in its range (lib/boundary's table), and a prompt to continue."""
-    check_numbers(vars(args), "sample.py")
-    if not args.prompt:
-        raise ValueError("--prompt must not be empty")
-
-
 def load_language_model(path: str, device: torch.device) -> tuple[alternet.AlterNet, dict]:
     """(model in eval mode, checkpoint) of a train.py checkpoint; ValueError with one line if it is not
     usable. The loader builds the model from the checkpoint's config under the rules of a new one."""
@@ -88,7 +79,7 @@ def encode_prompt(prompt: str, encode, model: alternet.AlterNet, device: torch.d
 
 def prepare(args: argparse.Namespace):
     """Everything the sampling needs, checked before any work: (model, prompt ids, decode)."""
-    check_sample_args(args)
+    check_numbers(vars(args), "sample.py")  # every number flag in its range (lib/boundary.RANGES)
     device = pick_device(args.device)
     model, ckpt = load_language_model(args.checkpoint, device)
     with no_network():  # a checkpoint's tokenizer must not make tiktoken fetch its files

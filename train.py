@@ -9,11 +9,11 @@
 
 The defaults are the quick start; named recipes apply over them, printed at start (`recipe: ...`, then
 one `override: ...` line per flag or automatic choice). The file reads top to bottom: config and recipes;
-optimizer and schedule; `train_step` (augment, forward, cross-entropy + the model's auxiliary losses, on
-one screen); `evaluate`; the loop, its set-up and its checkpoints; the command line. In lib/: what a config
-builds (build.py: data, model and task, the memory plan), the tasks (tasks.py, language.py), data and
-augmentation (data.py), checkpoints and run folders (checkpoint.py), what --resume and --eval-only must
-match (resume.py).
+the schedule; `train_step` (augment, forward, cross-entropy + the model's auxiliary losses, on one
+screen); `evaluate`; set-up, the loop and its checkpoints; the command line. In lib/: what a config builds
+(build.py: data, model, task, optimizer, the memory plan), the tasks (tasks.py, language.py), data and
+augmentation (data.py), checkpoints and run folders (checkpoint.py), what --resume and --eval-only read
+and check (resume.py).
 """
 
 from __future__ import annotations
@@ -32,14 +32,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import revit
 from lib import tasks
-from lib.build import build, fit_in_memory
+from lib.build import adamw, build, wrap
 from lib.checkpoint import RunFolder, family_of, preset_names, primitive, provenance, unwrap
-from lib.checks import check_config, cpu_time_note
-from lib.boundary import fail
-from lib.cli import (broadcast, dataclass_parser, device_options, init_distributed, non_finite_place, opt,
-                     run_main, say)
+from lib.boundary import check_config, fail
+from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, init_distributed,
+                     non_finite_place, opt, run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -124,7 +122,8 @@ class TrainConfig:
     stop_at_step: int = opt(0, "stop (as if killed) after this optimizer step, checkpointing first")
     seed: int = opt(0, "random seed: model init, data order, augmentation")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps (Apple silicon)")
-    bf16: bool = opt(True, "bf16 autocast on CUDA (CPU runs in float32)")
+    precision: str = opt("auto", "auto | bf16 | fp16 | fp32 autocast (auto: bf16 on a CUDA GPU that has it, "
+                                 "fp16 with a gradient scaler on one without, fp32 on the CPU and MPS)")
     compile: bool = opt(False, "torch.compile the model (CUDA, or CPU with a C++ compiler)")
     compile_backend: str = opt("inductor", "inductor (generated kernels) | eager (graph capture only)")
     ddp_find_unused: bool = opt(False, "DDP find_unused_parameters (if some parameters may get no gradient)")
@@ -188,31 +187,7 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
     return cfg
 
 
-# --- optimizer and schedule ---
-
-
-def param_groups(model: nn.Module, weight_decay: float, router_lr_scale: float = 1.0):
-    """AdamW groups: decay a weight iff it is >= 2-D, not a bias (reViT's per-expert biases are 2-D:
-    biases are never decayed, whatever their shape, as for every other model) and not listed in
-    the model's no_weight_decay() (class/position tokens, the reViT router's output layer).
-    router_lr_scale m != 1 (ours; the paper trains psi at the one lr): psi of Eq. 1 in a third group, at
-    lr x m ("lr_scale", read by train_step) and without decay. m = 1 keeps the two groups exactly."""
-    exclude = set(getattr(model, "no_weight_decay", lambda: set())())
-    router = {id(p) for p in router_parameters(model)} if router_lr_scale != 1 else set()
-    decay, no_decay, psi = [], [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            decays = p.ndim >= 2 and not name.endswith("bias") and name not in exclude
-            (psi if id(p) in router else decay if decays else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return groups + ([{"params": psi, "weight_decay": 0.0, "lr_scale": router_lr_scale}] if psi else [])
-
-
-def router_parameters(model: nn.Module) -> list:
-    """The parameters of the shared block's router: reViT's depth router psi (Eq. 1), or a comparison
-    mechanism's content router (lib/moe.py); [] for a model without one."""
-    router = getattr(getattr(getattr(model, "block", None), "mlp", None), "router", None)
-    return list(router.parameters()) if isinstance(router, nn.Module) else []
+# --- the schedule (the optimizer, AdamW and its groups: lib/build.py) ---
 
 
 def schedule(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int | None) -> dict:
@@ -249,21 +224,21 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
 
 @dataclass
 class Run:
-    """The state of a run. `model` is the plain module (what checkpoints store and evaluation runs);
-    `forward` is what the training step calls (the same module, compiled and/or DDP-wrapped)."""
+    """What a run's step, evaluation and checkpoints read and change. `model` is the plain module (what
+    checkpoints store and evaluation runs); `forward` is what the training step calls (the same module,
+    compiled and/or DDP-wrapped); `scaler` is fp16's gradient scaler (disabled, a no-op, otherwise)."""
     cfg: TrainConfig
-    rank: int
-    world: int
     device: torch.device
     model: nn.Module
     forward: nn.Module
     task: object
-    batches: object  # batches(start_step) -> (step, inputs, targets), a function of the step alone
     augment: object
     optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
     sched: dict
-    steps_per_epoch: int | None
     folder: RunFolder
+    rank: int = 0
+    world: int = 1
     step: int = 0
     metrics: dict = field(default_factory=dict)
 
@@ -277,8 +252,9 @@ def train_step(run: Run, inputs, targets) -> dict:
     (mixup / cutmix, crops: lib/data.py), forward, cross-entropy plus the model's auxiliary losses (reViT:
     Eqs. 6, 8, 9), backward; distillation (Eq. 5) and language modelling compute their own loss
     (`run.task.loss`). Then the divergence guard (loss AND gradient norm finite, checked before
-    optimizer.step()), clip, step."""
-    cfg, model = run.cfg, run.model
+    optimizer.step()), clip, step. Under fp16 the scaler scales the loss; where the gradients overflow it
+    skips the step (grad_norm None) instead of the guard stopping the run."""
+    cfg, model, scaler = run.cfg, run.model, run.scaler
     lr = lr_at(run.step, run.sched["peak_lr"], run.sched)
     for group in run.optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr  # lr_scale: psi's own group
@@ -298,23 +274,27 @@ def train_step(run: Run, inputs, targets) -> dict:
                 loss, parts = task + sum(aux.values()), {"task": task, **aux}
             else:
                 loss, parts = run.task.loss(run.forward, x, y)
-            (loss / cfg.grad_accum).backward()
+            scaler.scale(loss / cfg.grad_accum).backward()  # without fp16 the loss itself
         loss_sum += loss.detach() / cfg.grad_accum
         for k, v in parts.items():
             parts_sum[k] = parts_sum.get(k, 0.0) + v.detach() / cfg.grad_accum
     if run.world > 1:
         dist.all_reduce(loss_sum)
         loss_sum /= run.world
+    scaler.unscale_(run.optimizer)  # fp16: the true gradients, for the norm and the clip
     # max_norm inf: the norm without clipping (the guard needs it either way); grads are all-reduced
     grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable.parameters(), cfg.grad_clip or math.inf)
     loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()  # one device sync
-    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+    overflow = scaler.is_enabled() and math.isfinite(loss_value) and not math.isfinite(norm_value)
+    if not (math.isfinite(loss_value) and math.isfinite(norm_value) or overflow):
         fail(divergence_message(run, loss_value, norm_value))
-    run.optimizer.step()
+    scaler.step(run.optimizer)  # fp16: skipped where the gradients overflowed; else optimizer.step()
+    scaler.update()  # fp16: the scale halves after an overflow, doubles after 2,000 steps without one
     run.optimizer.zero_grad(set_to_none=True)
     after_optimizer_step(model)
     run.step += 1
-    return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, **parts_sum}
+    return {"step": run.step, "loss": loss_value, "lr": lr, "grad_norm": None if overflow else norm_value,
+            **parts_sum}
 
 
 def classification_loss(logits, targets, kind: str) -> torch.Tensor:
@@ -338,8 +318,8 @@ def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
     hints = [f"a lower --lr (peak now {run.sched['peak_lr']:.3g})",
              f"a longer warmup (--warmup-steps, now {run.sched['warmup_steps']})" if run.cfg.grad_clip else
              "--grad-clip 1.0"]
-    if run.device.type == "cuda" and run.cfg.bf16:
-        hints.append("--no-bf16")
+    if device_options(run.device.type, run.cfg.precision)["autocast_dtype"] is not None:
+        hints.append("--precision fp32")
     return (f"{what} at step {run.step}; stopped before the optimizer step, nothing saved. Last good "
             f"checkpoint: {run.folder.last_good()}. Try {' or '.join(hints)}")
 
@@ -362,25 +342,51 @@ def stop_unless_finite(run: Run, results: dict, what: str) -> None:
              f"saved. Last good checkpoint: {run.folder.last_good()}. Try a lower --lr (peak now {lr:.3g})")
 
 
-def log_evaluation(run: Run) -> None:
-    """The evaluation during training, at the reference depth: printed, logged, kept in the checkpoint."""
-    results = evaluate(run.model, run.task, [None], run.rank, run.world)
-    stop_unless_finite(run, results, "the evaluation")
-    run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
-    numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
-    gates = tasks.gate_summary(run.model)  # reViT, E > 1: does a depth program form? (Fig. 3)
-    spread = f", gate spread {gates['gate_spread']:.4f}" if gates else ""
-    say(f"step {run.step}: " + ", ".join(numbers) + spread)
-    run.folder.log({"step": run.step, "eval": run.metrics, **gates}, run.rank == 0)
-
-
-# --- the loop ---
+# --- the run: set-up, the loop, checkpoints ---
 
 
 def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
-    run = setup(cfg, resume_ckpt)
+    """Set-up (device, data, model, optimizer, run folder; the folder is the first write: all input is
+    validated before it), then the loop; Ctrl-C ends in one line saying where the run continues."""
+    rank, world, device = init_distributed(cfg.device)
+    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
+        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
+             f"{world * (cfg.grad_accum or 1)}")
+    options = device_options(device.type, cfg.precision)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if options["tf32"]:  # TF32 for the float32 parts outside autocast
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if cfg.precision == "auto" and options["precision"] == "fp16":  # a T4, a V100: the free GPUs
+        say(f"override: precision=fp16 (auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 "
+            f"autocast with a gradient scaler)")
+    parts = build(cfg, rank, world, device, resume_ckpt, plan_memory=True)
+    sched = schedule(cfg, parts.model, parts.steps_per_epoch)
+    model = parts.model.to(device)
+    optimizer = adamw(model.head if cfg.probe else model, cfg, sched["peak_lr"], options["fused_adamw"])
+    # fp16 only: the loss scaled up so that small gradients do not flush to zero in fp16
+    scaler = torch.amp.GradScaler(device.type, enabled=options["precision"] == "fp16")
+    cfg.out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
+    run = Run(cfg, device, model, model, parts.task, parts.augment, optimizer, scaler, sched,
+              RunFolder(cfg.out_dir, cfg.resume), rank, world)
+    if resume_ckpt is not None:  # checked in full, then loaded, before the run folder is touched
+        from lib import resume  # what continues a saved run: imported by resumed runs only
+        resume.continue_run(run, resume_ckpt, options["fused_adamw"])
+        resume.continue_schedule(cfg.resume, resume_ckpt, sched, lr_at)  # what changes; a complete run stops
+    else:  # each rank its own stream for drop-path / elastic depth / augmentation
+        torch.manual_seed(cfg.seed + 1 + rank)
+    if rank == 0:
+        run.folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
+                        resume_step=resume_ckpt["step"] if resume_ckpt else None)
+    run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
+    num_params = sum(p.numel() for p in run.trainable.parameters())
+    say(f"{cfg.arch}: {num_params / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
+        f"{sched['total_steps']} steps ({parts.steps_per_epoch or '-'} per epoch) | "
+        f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
+    run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
+                    "params": num_params, "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
     try:
-        return loop(run)
+        return loop(run, parts.batches, cfg.eval_interval or parts.steps_per_epoch or 500)
     except KeyboardInterrupt:  # Ctrl-C: one line saying where the run continues, not a traceback
         where = "no checkpoint was written yet" if run.folder.saved_step is None else \
             f"resume with --resume {run.folder.ckpt} (its step {run.folder.saved_step})"
@@ -389,14 +395,16 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
         run.folder.close()
 
 
-def loop(run: Run) -> dict:
+def loop(run: Run, batches, eval_every: int) -> dict:
+    """The steps to the end of the schedule (batches(start) yields them: the data order is a function of
+    the step, so a resumed run sees the same batches); a line every --log-interval, an evaluation and a
+    checkpoint every `eval_every` steps; then the final evaluation at every --eval-depths."""
     cfg, total = run.cfg, run.sched["total_steps"]
-    eval_every = cfg.eval_interval or run.steps_per_epoch or 500
     bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not cfg.progress, dynamic_ncols=True)
     t_start = t0 = time.perf_counter()
     seen, start_step = 0, run.step
-    for step, inputs, targets in (run.batches(run.step) if run.step < total else ()):
-        assert step == run.step  # the data order is a function of the step: resume sees the same batches
+    for step, inputs, targets in (batches(run.step) if run.step < total else ()):
+        assert step == run.step
         record = train_step(run, inputs, targets)
         seen += len(inputs) * run.world
         bar.update(1)
@@ -404,6 +412,10 @@ def loop(run: Run) -> dict:
             note = cpu_time_note(cfg.arch, time.perf_counter() - t_start, total - start_step)
             if note:
                 say(note)
+        if record["grad_norm"] is None:  # fp16: the scaler skipped the step, its gradients overflowed
+            scale = run.scaler.get_scale()
+            say(f"step {run.step}: fp16 gradients overflowed; the step was skipped, loss scale now {scale:g}")
+            run.folder.log({"event": "overflow", "step": run.step, "loss_scale": scale}, run.rank == 0)
         if run.step % cfg.log_interval == 0 or run.step == total:
             parts = [k for k, v in record.items() if torch.is_tensor(v)]  # train_step leaves them on the
             if parts:  # device: read only for the steps logged, in one transfer
@@ -418,8 +430,15 @@ def loop(run: Run) -> dict:
             t0, seen = time.perf_counter(), 0
         if run.step >= total or cfg.stop_at_step and run.step >= cfg.stop_at_step:
             break
-        if run.step % eval_every == 0:
-            log_evaluation(run)
+        if run.step % eval_every == 0:  # at the reference depth: printed, logged, kept in the checkpoint
+            results = evaluate(run.model, run.task, [None], run.rank, run.world)
+            stop_unless_finite(run, results, "the evaluation")
+            run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
+            numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
+            gates = tasks.gate_summary(run.model)  # reViT, E > 1: does a depth program form? (Fig. 3)
+            spread = f", gate spread {gates['gate_spread']:.4f}" if gates else ""
+            say(f"step {run.step}: " + ", ".join(numbers) + spread)
+            run.folder.log({"step": run.step, "eval": run.metrics, **gates}, run.rank == 0)
         if run.step % eval_every == 0 or cfg.save_interval and run.step % cfg.save_interval == 0:
             save_checkpoint(run)
     bar.close()
@@ -427,7 +446,12 @@ def loop(run: Run) -> dict:
         save_checkpoint(run)
         say(f"stopped at step {run.step} as asked (--stop-at-step); continue with --resume {run.folder.ckpt}")
         return {"step": run.step, "checkpoint": str(run.folder.ckpt)}
-    minutes = (time.perf_counter() - t_start) / 60
+    return finish(run, (time.perf_counter() - t_start) / 60)
+
+
+def finish(run: Run, minutes: float) -> dict:
+    """The final evaluation, at every --eval-depths: printed (`done: ...`), logged and saved."""
+    cfg = run.cfg
     results = evaluate(run.model, run.task, tasks.eval_depths(cfg, run.model), run.rank, run.world)
     stop_unless_finite(run, results, "the final evaluation")
     summary, line = tasks.summarise(cfg, run.model, results)
@@ -440,82 +464,18 @@ def loop(run: Run) -> dict:
     return {**summary, "step": run.step, "checkpoint": str(run.folder.ckpt), "out_dir": str(run.folder.path)}
 
 
-# --- set-up: device, data, model, optimizer, run folder ---
-
-
-def setup(cfg: TrainConfig, resume_ckpt: dict | None) -> Run:
-    """Everything before the first step. The run folder is the first write: all input is validated."""
-    rank, world, device = init_distributed(cfg.device)
-    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
-        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
-             f"{world * cfg.grad_accum}")
-    options = device_options(device.type, cfg.bf16)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if options["tf32"]:  # TF32 for the float32 parts outside autocast
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    language = cfg.dataset in TEXT_DATASETS
-    if language:  # before the text is read and tokenized: the config alone sets the model's size
-        fit_in_memory(cfg, None, device, world, resume_ckpt)
-    model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt)
-    if not language:  # images: the model's input size comes from the data
-        fit_in_memory(cfg, model, device, world)
-    sched = schedule(cfg, model, steps_per_epoch)
-    model.to(device)
-    trainable = model.head if cfg.probe else model
-    if cfg.router_lr_scale != 1 and not router_parameters(trainable):
-        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no router (reViT with E >= 2 and "
-             f"the routed mechanisms of lib/moe.py have one); leave it at 1")
-    groups = param_groups(trainable, cfg.weight_decay, cfg.router_lr_scale)
-    optimizer = torch.optim.AdamW(groups, lr=sched["peak_lr"],
-                                  betas=(cfg.beta1, cfg.beta2), fused=options["fused_adamw"] or None)
-    cfg.out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
-    run = Run(cfg, rank, world, device, model, model, task, batches, augment, optimizer, sched,
-              steps_per_epoch, RunFolder(cfg.out_dir, cfg.resume))
-    if resume_ckpt is not None:  # checked in full, then loaded, before the run folder is touched
-        from lib import resume  # what continues a saved run: imported by resumed runs only
-        resume.continue_run(run, resume_ckpt, options["fused_adamw"])
-        resume.continue_schedule(cfg.resume, resume_ckpt, sched, lr_at)  # what changes; a complete run stops
-    else:  # each rank its own stream for drop-path / elastic depth / augmentation
-        torch.manual_seed(cfg.seed + 1 + rank)
-    if rank == 0:
-        run.folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
-                        resume_step=resume_ckpt["step"] if resume_ckpt else None)
-    run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
-    num_params = sum(p.numel() for p in trainable.parameters())
-    say(f"{cfg.arch}: {num_params / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
-        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
-        f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
-    run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
-                    "params": num_params, "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
-    return run
-
-
-def wrap(model: nn.Module, cfg: TrainConfig, device, world: int) -> nn.Module:
-    """What the training step calls: the model, DDP-wrapped (torchrun) and/or compiled (--compile, any
-    device, --compile-backend), in the order PyTorch documents for both: compile(DDP(model)), so that the
-    compiled graph is split at DDP's gradient buckets and their all-reduce overlaps the backward."""
-    forward = model
-    if world > 1:
-        device_ids = [device.index] if device.type == "cuda" else None
-        forward = nn.parallel.DistributedDataParallel(forward, device_ids=device_ids,
-                                                      find_unused_parameters=cfg.ddp_find_unused)
-    return torch.compile(forward, backend=cfg.compile_backend) if cfg.compile else forward
-
-
-# --- saving a run (the format, the loader and the run folder: lib/checkpoint.py) ---
-
-
 def save_checkpoint(run: Run) -> None:
-    """What a run continues from: model, optimizer, schedule, loop state and every rank's random streams,
-    written by rank 0 with only finite weights; a failure stops every rank in one line (RunFolder.save)."""
+    """What a run continues from: model, optimizer, fp16's loss scale ({} without fp16), schedule, loop
+    state and every rank's random streams, written by rank 0 with only finite weights; a failure stops
+    every rank in one line (RunFolder.save; the format and the loader: lib/checkpoint.py)."""
     cfg = run.cfg
     ckpt = {"model": dict(run.trainable.state_dict()),  # a plain dict: no _metadata past weights_only
             "arch": "linear-probe" if cfg.probe else cfg.arch,
             "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
                                       else asdict(run.model.config)),
             "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
-            "scheduler": dict(run.sched, step=run.step), "step": run.step, "metrics": primitive(run.metrics)}
+            "scaler": run.scaler.state_dict(), "scheduler": dict(run.sched, step=run.step), "step": run.step,
+            "metrics": primitive(run.metrics)}
     run.folder.save(ckpt, run.augment, run.device, run.rank, run.world,
                     f"Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
 
@@ -542,23 +502,16 @@ def main(argv=None) -> dict:
         print("\n".join(preset_names()))
         return {}
     if explicit.get("eval_only"):  # the training loop's evaluation of a checkpoint; writes nothing
-        path = explicit["eval_only"]
-        cfg, model, task = evaluation_setup(path, explicit)
-        results = evaluate(model, task, tasks.eval_depths(cfg, model))
-        if non_finite_place(results):  # finite weights can still score NaN: never reported as a result
-            fail(f"--eval-only {path}: its evaluation gave a non-finite "
-                 f"{non_finite_place(results).removeprefix('None.')} (finite but diverged weights)")
-        summary, line = tasks.summarise(cfg, model, results)
-        say(f"{path}: {line}")
-        return {"arch": cfg.arch, **summary}
-    resume_ckpt, flags = None, explicit
-    if explicit.get("resume"):
+        from lib import resume  # what reads a saved run: imported by --eval-only, --resume and the tools only
+        return resume.evaluate_only(explicit, TrainConfig, resolve_config, evaluate)
+    resume_ckpt = None
+    if explicit.get("resume"):  # the saved run's config, extended by the flags given now
         from lib import resume  # what continues a saved run: imported by resumed runs only
-        resume_ckpt, explicit = resume.resume_config(explicit, TrainConfig)
-    if explicit.get("backbone"):  # a probe is named after its backbone
-        explicit.setdefault("arch", tasks.backbone_arch(explicit["backbone"]))
-    cfg = (resume.resolve_saved(resolve_config, explicit, flags, f"--resume {flags['resume']}") if resume_ckpt
-           else resolve_config(explicit))
+        resume_ckpt, cfg = resume.resume_config(explicit, TrainConfig, resolve_config)
+    else:
+        if explicit.get("backbone"):  # a probe is named after its backbone
+            explicit.setdefault("arch", tasks.backbone_arch(explicit["backbone"]))
+        cfg = resolve_config(explicit)
     if cfg.out_dir:
         RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
     try:

@@ -1,20 +1,22 @@
-"""The boundary: everything a user may type or load is checked here, once, before any work, and a
-failure is one line naming the flag or the file (`fail`). The rules:
+"""The boundary: everything a user may type or load is checked here, once, before any work; a failure is
+one line naming the flag or the file (`fail`). The rules, each written once:
 
-- every number flag of every entry point is finite and in its range (`RANGES`, `check_numbers`);
-- a command writes only new files or files it created; it never overwrites what it did not make
-  (`output_problem`), and every rewrite is atomic (lib/cli.atomic_write_text);
-- a checkpoint or data file is data: weights_only loading (lib/checkpoint.py), plain dense finite
-  tensors, names and shapes of the model (lib/values.py, imported by the readers only);
-- nothing reaches the network without --download (lib/data.py, lib/language.py).
-
-Imports nothing of the project but revit.py (for its depth bound).
+- every number flag of every entry point is finite and in its range (`RANGES`); train.py's flags are in
+  their choices and agree with one another (`check_config`);
+- a command writes only new files or its own (`output_problem`), atomically (lib/cli.py), and a resumed
+  run never into another run's folder (lib/checkpoint.RunFolder);
+- a loaded checkpoint is data (weights_only in lib/checkpoint.py; an allow-list unpickler in lib/data.py):
+  plain dense tensors of the model's names and shapes (`fit_problem`), nothing non-finite in its weights
+  or outputs, for every reader (`non_finite`, `diverged`);
+- nothing reaches the network without --download (lib/data.py, lib/language.py, --teacher hub:).
 """
 
 from __future__ import annotations
 
 import ast
+import cmath
 import contextlib
+import dataclasses
 import math
 import os
 import stat
@@ -24,13 +26,14 @@ from pathlib import Path
 
 import torch
 
+import revit
 from revit import MAX_DEPTH
 
 # --- one-line errors ---
 
 
 class InputError(ValueError):
-    """Bad input to a tool (a flag, a checkpoint), found before any work: its main reports it with `fail`."""
+    """Bad input to a tool, found before any work: its main reports it with `fail`."""
 
 
 def fail(message: str, prog: str | None = None):
@@ -59,8 +62,6 @@ def closed(low, high):
 def above(low, high):
     """A range open at the bottom: low < value <= high."""
     return (lambda v: low < v <= high), f"in ({low:,}, {high:,}]"
-
-
 # The upper bounds are ours, far above any use: a typo is refused instead of overflowing, allocating for
 # hours or training forever (Python's betavariate with alpha 1e308 does not even return).
 BATCH = 1 << 20  # examples in one step or evaluation batch (ImageNet recipes use 2,048-4,096)
@@ -119,13 +120,71 @@ def check_numbers(values: dict, prog: str | None = None, **ranges) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"{flag} must be a finite number; got {value}", prog)
         ok, allowed = ranges.get(name) or RANGES.get(name, ANY_NUMBER)
-        if not ok(value):
-            fail(f"{flag} must be {allowed}; got {shown_number(value)}", prog)
+        shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:6]}...({len(str(value))} digits)"
+        if not ok(value):  # a 400-digit integer is shown as its first digits and its length
+            fail(f"{flag} must be {allowed}; got {shown}", prog)
 
 
-def shown_number(value) -> str:
-    """A number as an error shows it: a 400-digit integer as its first digits and length."""
-    return str(value) if len(str(value)) <= 24 else f"{str(value)[:6]}...({len(str(value))} digits)"
+# --- train.py's flags: their choices and the flags that need one another ---
+
+CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": ("cls", "mean"),
+           "probe": ("", "cls"), "compile_backend": ("inductor", "eager", "aot_eager"),
+           "precision": ("auto", "bf16", "fp16", "fp32")}
+DENSE_PROBES = ("seg", "monodepth")  # per-patch heads on cached features: tools/probes.py's own loop
+
+
+def check_config(cfg) -> None:
+    """train.py's config (its family already matched to --dataset), before anything is read or written:
+    every number in its range, every choice one of CHOICES, the flags that need one another."""
+    if cfg.probe in DENSE_PROBES:
+        fail(f"--probe {cfg.probe} is a dense probe: python -m tools.probes --probe {cfg.probe} "
+             f"--backbone CKPT (train.py trains the linear classification probe, --probe cls)")
+    check_numbers(vars(cfg))
+    for name, choices in CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            fail(f"--{name.replace('_', '-')} must be one of {', '.join(c for c in choices if c)}; "
+                 f"got {getattr(cfg, name)!r}")
+    module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, lib.moe or alternet
+    vision = is_vision(module)
+    if not vision and not cfg.max_steps:
+        fail("text data trains by steps: give --max-steps")
+    if not cfg.max_steps and not cfg.epochs:
+        fail("give --epochs or --max-steps (both are 0)")
+    if cfg.probe and not cfg.backbone:
+        fail("--probe needs --backbone CHECKPOINT (the frozen model to probe)")
+    if cfg.probe and cfg.teacher:
+        fail("--probe and --teacher cannot be combined")
+    problem = cfg.data_dir and path_problem(cfg.data_dir, "folder")
+    if problem:
+        what = " does not exist" if problem == "no such folder" else ": " + problem
+        fail(f"--data-dir {cfg.data_dir}{what} (omit it to search ./data, $REVIT_DATA_DIR and "
+             f"/usr/share/datasets)")
+    if cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file"):
+        fail(f"--data {cfg.data}: {path_problem(cfg.data, 'file')}")
+    if cfg.teacher.startswith("hub:") and not cfg.download:  # torch.hub fetches and runs a repository's code
+        fail(f"--teacher {cfg.teacher} is fetched from torch.hub (it downloads and runs facebookresearch/dinov2's "
+             f"hubconf.py): give --download to allow it")
+    parse_depths(cfg.eval_depths)
+    parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
+
+
+def preset_module(arch: str, config=None):
+    """revit, lib.moe (a comparison mechanism's preset, or a saved `config` with its fields) or alternet:
+    the module whose create_model builds preset `arch`, or None. A reViT run imports neither of the others."""
+    if arch in revit.PRESETS and not set(config if isinstance(config, dict) else ()) - VISION_FIELDS:
+        return revit
+    import alternet
+    if arch in alternet.PRESETS:
+        return alternet
+    from lib import moe
+    return moe if arch in moe.PRESETS else None
+
+
+VISION_FIELDS = {f.name for f in dataclasses.fields(revit.ViTConfig)}
+
+
+def is_vision(module) -> bool:
+    return module is not None and module.__name__ in ("revit", "lib.moe")
 
 
 # --- the two small languages of flags: depth lists and model arguments ---
@@ -228,7 +287,7 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
         return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"
     if path.exists() and not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
         return "is not writable"
-    parent = next(p for p in path.absolute().parents if p.exists())
+    parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
     if not path.exists() and not parent.is_dir():
         return f"cannot be created: {parent} is a file, not a folder"
     if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
@@ -256,3 +315,108 @@ def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | No
         if problem:
             return f"{flag} {folder}: its {name} {problem}"
     return None
+
+
+# --- a loaded checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
+
+
+def plain_values(obj):
+    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token",
+    "metrics.val_loss"), each container visited once: a file of shared references is read in the time
+    of its size."""
+    stack, seen = [("", obj)], set()
+    while stack:
+        place, value = stack.pop()
+        if not isinstance(value, (dict, list, tuple)):
+            yield place, value
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v) for k, v in items)
+
+
+def stored_problem(values) -> str | None:
+    """The first tensor of the file that is not plain data: sparse, meta (no data), quantized, or one whose
+    storage holds fewer bytes than its shape claims or whose elements share storage (a stride 0 along a
+    dimension of size > 1): a small file that expands to gigabytes on the first copy."""
+    for place, t in values:
+        if not torch.is_tensor(t):
+            continue
+        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
+                else "a quantized tensor" if t.is_quantized else None)
+        if what is None and t.numel():
+            extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+            have = t.untyped_storage().nbytes()
+            repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
+            if repeats or have < max(t.numel(), extent) * t.element_size():
+                what = f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
+        if what:
+            return f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense tensors"
+    return None
+
+
+def shown(place: str) -> str:
+    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
+    if place.startswith("model."):
+        return place[len("model."):]
+    return "optimizer state " + place[len("optimizer.state."):] if place.startswith("optimizer.state.") else place
+
+
+def weights_problem(tensors: dict) -> str | None:
+    """The loader's tensor checks for weights read from another format (safetensors): plain and finite."""
+    values = list(plain_values({"model": tensors}))
+    return stored_problem(values) or non_finite(values)
+
+
+def non_finite(values) -> str | None:
+    """The first NaN / inf of the file, in a tensor of any float or complex dtype or a number (weights,
+    optimizer state, metrics, configs): nothing non-finite is evaluated, exported or trained on."""
+    for place, value in values:
+        if torch.is_tensor(value):
+            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
+        else:
+            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
+        if bad:
+            what = "weights are" if place.startswith(("model.", "optimizer.")) else f"{place.split('.')[0]} is"
+            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an earlier "
+                    f"checkpoint")
+    return None
+
+
+def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
+    """How `weights` differ from a model's state dict `expected` (names, shapes, and dtypes: a float weight
+    takes only floats, as int8 would be rounded, bool become 1.0, complex lose its imaginary part), or None."""
+    problems = {"missing": [k for k in expected if k not in weights],
+                "unexpected": [k for k in weights if k not in expected],
+                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
+                                       if k in weights and weights[k].shape != v.shape],
+                "wrongly typed": [f"{k} {str(weights[k].dtype)[6:]} for {str(v.dtype)[6:]}" for k, v in expected.items()
+                                  if k in weights and not holds(v.dtype, weights[k].dtype)]}
+    for problem, names in problems.items():
+        if names:
+            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return None
+
+
+def holds(expected: torch.dtype, given: torch.dtype) -> bool:
+    return given.is_floating_point if expected.is_floating_point else given == expected
+
+
+@torch.no_grad()
+def diverged(model: torch.nn.Module) -> str | None:
+    """Finite weights whose output is not (weights near float32's limit overflow in the first matmul): the
+    model on one seeded input, an image of N(0, 1) pixels or a few tokens. Every reader refuses it, as
+    a NaN weight: nothing evaluates, samples from, probes, distils from or exports such a model."""
+    device, c = next(model.parameters()).device, model.config
+    if hasattr(c, "image_size"):  # a vision model of revit.py
+        seeded = torch.Generator().manual_seed(0)
+        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
+    else:  # AlterNet: the logits of a few tokens
+        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
+    if torch.isfinite(out).all():
+        return None
+    return ("its weights are finite but its output is not (NaN or inf on an example input): a diverged run; "
+            "use an earlier checkpoint")

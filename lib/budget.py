@@ -1,21 +1,15 @@
-"""A plan of parts run in turn within one time budget, each in its own process under its own timeout, with
-a report rewritten after every row: the machinery of `python bench.py check` (bench.py says what each part
-measures and how its rows read).
+"""The machinery of `python bench.py check`: parts run in turn within one time budget, each in its own
+process (a hang in torch.compile or a CUDA error stops there; its process group is killed at its timeout,
+and on Linux dies with the check), with a report rewritten after every row.
 
-- Processes: a part can run long or hang (torch.compile's build, a pytest run, a training run), and only a
-  process can be stopped at its timeout together with everything it started (its process group). On
-  Linux a part also dies with the check (PR_SET_PDEATHSIG), so a killed check leaves nothing running. A
-  CUDA error stays in the part's own process.
-- Rows: a part's output is read line by line. Its `parse` turns a line into row updates (default: the
-  `ROW {json}` lines that `emit` prints); every other line goes to the log. Its `finish` reads what the
-  process left (a training run's metrics) once it has ended, finished or stopped.
-- The report: after every row update, JSON and markdown are rewritten, each to a temporary name and then
-  renamed (a reader never sees half a file), and the row is printed. A check killed at any moment leaves
-  every finished row on disk; the rows of the part that was running say "running". SIGTERM (and Ctrl-C)
-  stop the running part, mark what is left, and write the report before the check exits.
-- The budget (our choice): parts run most important first. Each gets what is left of the budget minus the
-  shares of the parts after it, so time a part does not use passes to the next, and a slow part eats into
-  no later part's share. A part whose time would fall under its floor is not started; its rows say so.
+- Rows: `parse` turns each output line into row updates (default: the `ROW {json}` lines of `emit`); other
+  lines go to the log. `finish` reads what the process left (a run's metrics) once it has ended.
+- The report: after every row update, JSON and markdown are rewritten atomically and the row is printed,
+  so a killed check leaves every finished row on disk. SIGTERM and Ctrl-C stop the running part, mark the
+  rest and write the report.
+- The budget (our choice): each part gets what is left minus the shares of the parts after it, so unused
+  time passes on and a slow part eats into no later share. A part whose time would fall under its floor is
+  not started; its rows say so.
 """
 from __future__ import annotations
 
@@ -173,7 +167,7 @@ def run_part(part: Part, timeout: float, report: Report, entry: dict, log) -> No
     if timed_out:
         why = f"timed out after {timeout:.0f} s (its share of the budget)"
     elif status:
-        why = f"the part exited with status {status}: {last_line(tail)}"
+        why = f"the part exited with status {status}: {tail[-1] if tail else 'no output'}"
     else:
         why = "the part ended without this row"
     entry.update(seconds=round(seconds, 1), exit=status, status="timed out" if timed_out else
@@ -205,10 +199,6 @@ def close_rows(report: Report, part: Part, status: str, why: str) -> None:
             earlier = row.get("detail")  # what a running row said last (its first call's time, say)
             report.update(part.name, row["row"], {"status": status, "detail": f"{why}; {earlier}" if earlier else why})
     report.write()
-
-
-def last_line(tail: deque) -> str:
-    return tail[-1] if tail else "no output"
 
 
 def start_reader(process) -> queue.Queue:

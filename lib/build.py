@@ -1,29 +1,84 @@
 """What a run's config builds before its first step (train.py's set-up, --eval-only, tools/depths.py):
-the data, model and task of each kind of run (`build`), and the gradient-accumulation micro-steps whose
-peak memory fits the device (`fit_in_memory`). Each kind's module is imported by the runs of that kind
-only: the language model and its task (lib/language.py), the planted task (lib/planted.py), the memory
-planner (lib/memory.py).
+the data, model and task of each kind of run (`build`: lib/tasks.py, lib/planted.py or lib/language.py,
+each imported by its own runs only), the micro-steps whose peak memory fits (`fit_in_memory`, with
+lib/memory.py), the optimizer (`adamw`, `param_groups`) and the module the step calls (`wrap`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import torch.nn as nn
 
 from lib import tasks
+from lib.boundary import fail
 from lib.data import TEXT_DATASETS
 
 
-def build(cfg, rank: int, world: int, device, ckpt: dict | None):
-    """Data, model and task of train.py's config -> (model, task, batches(start_step), augment,
-    steps_per_epoch): images (lib/tasks.py), the planted task (lib/planted.py) or text (lib/language.py).
-    A resumed or evaluated checkpoint `ckpt` supplies the model config."""
-    if cfg.dataset in TEXT_DATASETS:
-        from lib import language
-        return language.build(cfg, rank, world, device, ckpt)
-    if cfg.dataset == "planted":  # a regression task of our own
-        from lib import planted
-        return planted.build(cfg, rank, world, device, ckpt)
-    return tasks.build(cfg, rank, world, device, ckpt)
+class Parts(NamedTuple):
+    """What a config builds. batches(start_step) -> (step, inputs, targets): the data order is a function
+    of the step alone, so a resumed run sees the same batches. augment: None for text; steps_per_epoch:
+    None where a run counts steps only (text)."""
+    model: nn.Module
+    task: object
+    batches: object
+    augment: object
+    steps_per_epoch: int | None
+
+
+def build(cfg, rank: int, world: int, device, ckpt: dict | None, plan_memory: bool = False) -> Parts:
+    """Data, model and task of train.py's config: images (lib/tasks.py), the planted task (lib/planted.py)
+    or text (lib/language.py). A resumed or evaluated checkpoint `ckpt` supplies the model config.
+    plan_memory (a training run): the memory gate, before the text is read (the config alone sets a
+    language model's size) or after the images are (their size sets a vision model's input)."""
+    language = cfg.dataset in TEXT_DATASETS
+    if plan_memory and language:
+        fit_in_memory(cfg, None, device, world, ckpt)
+    if language:
+        from lib import language as kind
+    elif cfg.dataset == "planted":  # a regression task of our own
+        from lib import planted as kind
+    else:
+        kind = tasks
+    parts = Parts(*kind.build(cfg, rank, world, device, ckpt))
+    if plan_memory and not language:
+        fit_in_memory(cfg, parts.model, device, world)
+    return parts
+
+
+def adamw(trainable: nn.Module, cfg, peak_lr: float, fused: bool) -> torch.optim.AdamW:
+    """The optimizer of train.py's config: AdamW over param_groups, at the peak lr (train_step sets the lr
+    of each step, times a group's lr_scale)."""
+    if cfg.router_lr_scale != 1 and not router_parameters(trainable):
+        fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no router (reViT with E >= 2 and "
+             f"the routed mechanisms of lib/moe.py have one); leave it at 1")
+    return torch.optim.AdamW(param_groups(trainable, cfg.weight_decay, cfg.router_lr_scale), lr=peak_lr,
+                             betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+
+
+def param_groups(model: nn.Module, weight_decay: float, router_lr_scale: float = 1.0):
+    """AdamW groups: decay a weight iff it is >= 2-D, not a bias (reViT's per-expert biases are 2-D:
+    biases are never decayed, whatever their shape, as for every other model) and not listed in
+    the model's no_weight_decay() (class/position tokens, the reViT router's output layer).
+    router_lr_scale m != 1 (ours; the paper trains psi at the one lr): psi of Eq. 1 in a third group, at
+    lr x m ("lr_scale", read by train_step) and without decay. m = 1 keeps the two groups exactly."""
+    exclude = set(getattr(model, "no_weight_decay", lambda: set())())
+    router = {id(p) for p in router_parameters(model)} if router_lr_scale != 1 else set()
+    decay, no_decay, psi = [], [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            decays = p.ndim >= 2 and not name.endswith("bias") and name not in exclude
+            (psi if id(p) in router else decay if decays else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return groups + ([{"params": psi, "weight_decay": 0.0, "lr_scale": router_lr_scale}] if psi else [])
+
+
+def router_parameters(model: nn.Module) -> list:
+    """The parameters of the shared block's router: reViT's depth router psi (Eq. 1), or a comparison
+    mechanism's content router (lib/moe.py); [] for a model without one."""
+    router = getattr(getattr(getattr(model, "block", None), "mlp", None), "router", None)
+    return list(router.parameters()) if isinstance(router, nn.Module) else []
 
 
 MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estimate, unless --gpu-memory
@@ -41,3 +96,15 @@ def fit_in_memory(cfg, model: nn.Module | None, device, world: int, ckpt: dict |
         return
     from lib import memory
     memory.fit_run(cfg, model, device, world, ckpt, MEASURED_FROM if unasked else 0)
+
+
+def wrap(model: nn.Module, cfg, device, world: int) -> nn.Module:
+    """What the training step calls: the model, DDP-wrapped (torchrun) and/or compiled (--compile, any
+    device, --compile-backend), in the order PyTorch documents for both: compile(DDP(model)), so that the
+    compiled graph is split at DDP's gradient buckets and their all-reduce overlaps the backward."""
+    forward = model
+    if world > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        forward = nn.parallel.DistributedDataParallel(forward, device_ids=device_ids,
+                                                      find_unused_parameters=cfg.ddp_find_unused)
+    return torch.compile(forward, backend=cfg.compile_backend) if cfg.compile else forward

@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.boundary import fail, output_problem, path_problem, too_deep
+from lib.boundary import (diverged, fail, fit_problem, is_vision, non_finite, output_problem, path_problem,
+                          plain_values, preset_module, stored_problem, too_deep)
 from lib.cli import atomic_write_text, broadcast, git_commit, non_finite_place
 
 
@@ -56,11 +57,8 @@ def atomic_save(obj: dict, path: Path) -> None:
 
 
 def unreadable(error: Exception) -> str:
-    """Why torch.load refused a file, in one line. Its refusal of a file that holds arbitrary Python
-    objects is reduced to the reason: its advice to load with weights_only=False is never passed on
-    (that would run code stored in the file). torch words that refusal in several ways ("Unsupported
-    global: GLOBAL x.y", "unsupported GLOBAL x.y whose module x is blocked"): the name after GLOBAL
-    is what they share."""
+    """Why torch.load refused a file, in one line, never with its advice to load with weights_only=False
+    (that would run code stored in the file). torch's refusals of a stored object share "GLOBAL x.y"."""
     text = " ".join(str(error).split())
     stored = re.search(r"\bGLOBAL ([\w.]+)", text)
     if stored:  # a pickled Python object (a class, os.system, ...): never loaded, never run
@@ -74,10 +72,9 @@ def unreadable(error: Exception) -> str:
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
-    """A checkpoint of this project as a dict (tensors and plain values only: weights_only=True), with
-    every part named in `keys` checked: its type, finite weights and optimizer state, a model config
-    that builds its arch within the size bounds and fits the weights. ValueError with one line naming
-    the flag, the file and what is wrong."""
+    """A checkpoint of this project (weights_only=True) with every part named in `keys` checked by the
+    boundary's rules: its type, plain finite tensors, a model config that builds its arch and fits the
+    weights. ValueError with one line naming the flag, the file and what is wrong."""
     problem = path_problem(path, "file")
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
@@ -95,11 +92,7 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     if missing:
         raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
                          f"project (missing {', '.join(missing)})")
-    from lib.values import non_finite, plain_values, stored_problem  # the loader's value checks
-    try:  # every value of the file, each container once (shared references are not expanded)
-        values = list(plain_values(ckpt))
-    except ValueError as e:
-        raise ValueError(f"{flag} {path}: {e}") from None
+    values = list(plain_values(ckpt))  # each container once: shared references are not expanded
     problem = (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
                or non_finite(values))
     if problem:
@@ -165,20 +158,7 @@ def config_problem(ckpt: dict, keys) -> str | None:
             model = module.create_model(arch, **config)
     except (ValueError, TypeError) as e:
         return f"its model_config does not build {arch}: {e}"
-    from lib.values import fit_problem, preset_problem
-    problem = preset_problem(ckpt, model.config, module.PRESETS[arch])
-    return problem or (fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None)
-
-
-def preset_module(arch: str, config=None):
-    """revit or alternet, whichever defines preset `arch` (with `config`, its model config); None if neither
-    does. The language model is imported only for a name that is not a vision preset, and lib/moe.py only
-    for a comparison mechanism: a reViT run loads neither."""
-    import_moe_if_named(arch, config)
-    if arch in revit.PRESETS:
-        return revit
-    import alternet
-    return alternet if arch in alternet.PRESETS else None
+    return fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None
 
 
 def family_of(arch: str) -> str:
@@ -188,25 +168,13 @@ def family_of(arch: str) -> str:
         close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
         fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
              + "python train.py --list-archs prints all names")
-    return "vision" if module is revit else "language"
+    return "vision" if is_vision(module) else "language"
 
 
 def preset_names() -> list[str]:
     import alternet  # for their names: a list or an unknown --arch
-    import lib.moe  # noqa: F401 -- the comparison mechanisms' presets are names too
-    return sorted(revit.PRESETS) + sorted(alternet.PRESETS)
-
-
-def import_moe_if_named(arch: str | None = None, config=None) -> None:
-    """The comparison mechanisms of §4.3 / App. B live in lib/moe.py, which registers their presets and
-    ffn values with revit when imported: import it when (and only when) `arch` is a name neither model
-    file defines or the model config `config` names an ffn other than reViT's merge."""
-    unknown = False
-    if arch is not None and arch not in revit.PRESETS:
-        import alternet
-        unknown = arch not in alternet.PRESETS
-    if unknown or isinstance(config, dict) and config.get("ffn", "merge") != "merge":
-        import lib.moe  # noqa: F401
+    from lib import moe  # the comparison mechanisms' presets are names too
+    return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
 
 
 def load_model(path, device="cpu", flag: str = "checkpoint"):
@@ -220,7 +188,6 @@ def load_model(path, device="cpu", flag: str = "checkpoint"):
     model = preset_module(arch, ckpt["model_config"]).create_model(arch, **ckpt["model_config"])
     model.load_state_dict(ckpt["model"])  # names and shapes checked by load_checkpoint
     model = model.to(device).eval()
-    from lib.values import diverged  # the loader's value checks
     problem = diverged(model)
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
@@ -376,10 +343,6 @@ class RunFolder:
         problem = output_problem(self.path, "folder", runs_ok=True)  # its own run: checked below
         if problem:
             fail(f"--out-dir {self.path} {problem}")
-        for file in (self.ckpt, self.metrics, self.path / ".lock"):  # opening a FIFO .lock would wait forever
-            if os.path.lexists(file) and (file.is_symlink() or not file.is_file()):  # written through or hung on
-                fail(f"--out-dir {self.path}: its {file.name} is not a regular file (a symbolic link, a folder or a "
-                     f"FIFO); move it away or choose another --out-dir")
         holds_run = self.ckpt.exists() or self.metrics.exists()
         if fresh and not overwrite and holds_run:
             fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "
@@ -393,7 +356,7 @@ class RunFolder:
         self.check(fresh, overwrite)  # the default --out-dir too: its .lock is opened next
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            self.lock = open(self.path / ".lock", "w")
+            self.lock = open(self.path / ".lock", "a")  # "a": never truncates what is there
             if not lock(self.lock):
                 fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
         except OSError as e:

@@ -42,7 +42,17 @@ def say(line: str) -> None:
         sys.stdout.flush()
 
 
-# --- flags: generated from a dataclass, and the two small languages they share ---
+def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
+    """On a CPU, one line with the estimated time of the run; above an hour, the CPU-sized preset."""
+    hours = seconds_per_step * steps / 3600
+    if hours < 1:  # nothing to say about a run that fits a coffee break
+        return None
+    mini = "alternet-tiny" if arch.startswith("alternet") else "revit-mini"
+    return (f"note: on this CPU the run takes about {hours:.1f} h ({steps} steps x {seconds_per_step:.1f} s); "
+            f"{mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
+
+
+# --- flags: generated from a dataclass ---
 
 
 def opt(default, help: str):
@@ -99,13 +109,21 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
-def device_options(device_type: str, bf16: bool = True) -> dict:
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}  # --precision: the autocast dtype
+
+
+def device_options(device_type: str, precision: str = "auto") -> dict:
     """What differs by device type, as data (a CPU test checks them with device_type="cuda" or "mps").
-    MPS (our choice): fused AdamW and the data set on the device, as on CUDA; float32 without autocast
-    (bf16 there needs a recent macOS, fp16 a gradient scaler); gloo for torchrun; no TF32."""
+    --precision auto: bf16 autocast on a CUDA GPU that computes in bf16 (compute capability 8 on), fp16
+    with a gradient scaler on one that does not (a T4, a V100), float32 elsewhere; a named precision
+    applies on every device (CPU autocast: slower than float32 on most CPUs, a check of the GPU's path).
+    MPS (our choice): fused AdamW and the data set on the device, as on CUDA; gloo for torchrun; no TF32."""
     cuda, mps = device_type == "cuda", device_type == "mps"
+    if precision == "auto":  # emulated bf16 (a T4 has none in hardware) is not what auto picks
+        precision = ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16") if cuda \
+            else "fp32"
     return {"fused_adamw": cuda or mps, "tf32": cuda, "ddp_backend": "nccl" if cuda else "gloo",
-            "autocast_dtype": torch.bfloat16 if cuda and bf16 else None, "data_on_device": cuda or mps}
+            "autocast_dtype": PRECISIONS[precision], "precision": precision, "data_on_device": cuda or mps}
 
 
 def init_distributed(device_name: str):

@@ -1,13 +1,11 @@
 """Data for train.py: the built-in data sets, image folders, text corpora and the batch augmentation.
+Readers raise ValueError / FileNotFoundError with a message a user can act on (train.py makes it one line).
 
-Everything here takes plain arguments and raises ValueError / FileNotFoundError with a message a
-user can act on; train.py turns those into one line (`train.py: error: ...`).
-
-- images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python archives, read by an unpickler that
-  builds only plain data: nothing in a data folder can run code), any ImageFolder tree;
-  whole small data sets are uint8 tensors, batches are index gathers in a (seed, epoch) order;
-- text: a UTF-8 file / folder, tinyshakespeare, or the default corpus `grammar_corpus()` that the
-  repository generates itself (no download, no file), tokenized by lib/language.py;
+- images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python archives, through an allow-list unpickler:
+  nothing in a data folder runs), any ImageFolder tree; small sets are uint8 tensors, batches index
+  gathers in a (seed, epoch) order;
+- text: a UTF-8 file / folder, tinyshakespeare, or the corpus `grammar_corpus()` generated here (no file),
+  tokenized by lib/language.py;
 - augmentation on the device: the DeiT III recipe of the reViT paper's Table 6 (arXiv 2610.12448):
   random crop + flip, 3-Augment, colour jitter, mixup / cutmix.
 
@@ -105,15 +103,13 @@ def fetch(url: str, path: Path) -> None:
 
 def download_builtin(name: str, target: Path) -> None:
     print(f"downloading {name} into {target} ...")
+    (target / "fashion-mnist" if name == "fashion-mnist" else target).mkdir(parents=True, exist_ok=True)
     if name == "fashion-mnist":
-        (target / "fashion-mnist").mkdir(parents=True, exist_ok=True)
         for file in FMNIST_FILES:
             fetch(URLS[name] + file, target / "fashion-mnist" / file)
     elif name == "tinyshakespeare":
-        target.mkdir(parents=True, exist_ok=True)
         fetch(URLS[name], target / "tinyshakespeare.txt")
     else:
-        target.mkdir(parents=True, exist_ok=True)
         archive = target / Path(URLS[name]).name
         fetch(URLS[name], archive)
         with tarfile.open(archive) as tar:
@@ -174,35 +170,25 @@ def load_fashion_mnist(folder: Path):
     return split("train"), split("t10k"), 10
 
 
-# --- CIFAR's python archives, without running anything they hold ---
+# --- CIFAR's python archives, read by an allow-list unpickler: nothing in a data folder runs ---
 
 
-class ArchiveArray:
-    """A numpy array of the archive as plain data (shape, dtype code, raw bytes): numpy is never imported
-    and nothing of the file is called; the unpickler hands its arguments here instead."""
+class Stored:
+    """What an allowed global of the archive builds (a numpy array or dtype) as plain data: its arguments
+    and its pickled state. numpy is never imported and nothing of the file is called."""
 
     def __init__(self, *args):
-        self.shape, self.dtype, self.raw = None, None, None
-
-    @classmethod
-    def from_buffer(cls, buffer, dtype, shape, order="C"):
-        """numpy's pickle protocol 5 form: numpy.core.numeric._frombuffer(buffer, dtype, shape, order)."""
-        array = cls()
-        array.__setstate__((1, shape, dtype, order != "C", bytes(buffer) if isinstance(buffer, bytearray) else buffer))
-        return array
+        self.args, self.state = args, None
 
     def __setstate__(self, state):
-        if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[4], bytes) and not state[3]):
-            raise pickle.UnpicklingError("an array that is not a plain C-ordered array of numbers")
-        _, self.shape, self.dtype, _, self.raw = state
+        self.state = state
 
 
-class ArchiveDtype:
-    def __init__(self, code, *args):
-        self.code, self.order = code.decode() if isinstance(code, bytes) else code, "|"
-
-    def __setstate__(self, state):
-        self.order = state[1].decode() if isinstance(state[1], bytes) else state[1]
+def from_buffer(buffer, dtype, shape, order="C"):
+    """A protocol-5 array (numpy's _frombuffer) as protocol 2 stores one: (version, shape, dtype, fortran, bytes)."""
+    array = Stored()
+    array.state = (1, shape, dtype, order != "C", buffer)
+    return array
 
 
 def latin1(text, encoding="latin1"):
@@ -212,23 +198,39 @@ def latin1(text, encoding="latin1"):
     return text.encode("latin1")
 
 
-class ArchiveUnpickler(pickle.Unpickler):
-    """Admits what CIFAR's archives hold: dicts, lists, bytes, str, numbers and numpy arrays (as ArchiveArray).
-    Any other global (a class, os.system, ...) is refused before it is looked up."""
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"): lambda cls, shape, dtype: ArchiveArray(),
-               ("numpy._core.multiarray", "_reconstruct"): lambda cls, shape, dtype: ArchiveArray(),
-               ("numpy.core.numeric", "_frombuffer"): ArchiveArray.from_buffer,
-               ("numpy._core.numeric", "_frombuffer"): ArchiveArray.from_buffer,
-               ("numpy", "ndarray"): ArchiveArray, ("numpy", "dtype"): ArchiveDtype, ("_codecs", "encode"): latin1}
+ALLOWED = {  # the globals of CIFAR's archives (numpy 1.x's and 2.x's module names) -> what they build here
+    ("numpy.core.multiarray", "_reconstruct"): Stored, ("numpy._core.multiarray", "_reconstruct"): Stored,
+    ("numpy.core.numeric", "_frombuffer"): from_buffer, ("numpy._core.numeric", "_frombuffer"): from_buffer,
+    ("numpy", "ndarray"): Stored, ("numpy", "dtype"): Stored, ("_codecs", "encode"): latin1,
+}
 
+
+class ArchiveUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if (module, name) not in self.ALLOWED:
+        if (module, name) not in ALLOWED:  # a class, os.system, ...: refused before it is looked up
             raise pickle.UnpicklingError(f"it refers to the Python object {module}.{name}, which a data archive "
                                          "never holds (refused, nothing run)")
-        return self.ALLOWED[(module, name)]
+        return ALLOWED[(module, name)]
 
 
 ARCHIVE_DTYPES = {"u1": torch.uint8, "i1": torch.int8, "i2": torch.int16, "i4": torch.int32, "i8": torch.int64}
+
+
+def array_tensor(array: Stored, what: str) -> torch.Tensor:
+    """A numpy array of the archive, C-ordered little-endian integers -> int64 tensor."""
+    try:
+        _, shape, dtype, fortran, raw = array.state
+        code, order = (str(s, "latin1") if isinstance(s, bytes) else s for s in (dtype.args[0], dtype.state[1]))
+        count = math.prod(shape) if all(isinstance(d, int) and d >= 0 for d in shape) else -1
+    except (TypeError, ValueError, AttributeError, IndexError):
+        raise ValueError(f"{what} is not a plain numpy array") from None
+    if code not in ARCHIVE_DTYPES or order == ">":
+        raise ValueError(f"{what} is an array of {code!r}; integers were expected")
+    if fortran or not isinstance(raw, (bytes, bytearray)) or count * ARCHIVE_DTYPES[code].itemsize != len(raw):
+        raise ValueError(f"{what}: not a C-ordered array of shape {shape} over its bytes")
+    if count == 0:  # torch.frombuffer refuses an empty buffer
+        return torch.zeros(shape, dtype=torch.long)
+    return torch.frombuffer(bytearray(raw), dtype=ARCHIVE_DTYPES[code]).view(shape).long()
 
 
 def expanded_size(value, depth: int = 0, memo: dict | None = None) -> int:
@@ -248,17 +250,8 @@ def archive_tensor(value, what: str, limit: int) -> torch.Tensor:
     """An array or (nested) list of the archive -> int64 tensor; ValueError naming `what` otherwise. A list
     that expands to more than `limit` values (the file's size in bytes: a pickled value takes at least one,
     so only references repeated in a small file reach more) is refused before it is expanded."""
-    if isinstance(value, ArchiveArray):
-        code = getattr(value.dtype, "code", None)
-        if code not in ARCHIVE_DTYPES or getattr(value.dtype, "order", "|") == ">":
-            raise ValueError(f"{what} is an array of {code!r}; integers were expected")
-        dtype = ARCHIVE_DTYPES[code]
-        shape_ok = isinstance(value.shape, tuple) and all(isinstance(d, int) and d >= 0 for d in value.shape)
-        count = math.prod(value.shape) if shape_ok else -1
-        if count * dtype.itemsize != len(value.raw):
-            raise ValueError(f"{what}: its shape {value.shape} does not match its {len(value.raw)} bytes")
-        return torch.frombuffer(bytearray(value.raw), dtype=dtype).view(value.shape).long() if count else \
-            torch.zeros(value.shape, dtype=torch.long)
+    if isinstance(value, Stored):
+        return array_tensor(value, what)
     try:
         size = expanded_size(value)
     except ValueError as e:

@@ -196,7 +196,7 @@ class LanguageTask:
 def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     """Text, model and task -> (model, task, batches(start_step), None, None): lib/tasks.build's shape for a
     language preset. A resumed or evaluated checkpoint supplies the model config."""
-    autocast = autocast_of(device, device_options(device.type, cfg.bf16))
+    autocast = autocast_of(device, device_options(device.type, cfg.precision))
     try:
         train_tokens, val_tokens, tokens_per_byte, vocab = load_text(
             cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)

@@ -13,8 +13,8 @@ a 1/devices share of the batch, split again into grad_accum micro-batches):
   (autocast casts per op, so there are no separate master weights); AdamW keeps exp_avg and
   exp_avg_sq (2 x the parameters); DDP adds its gradient buckets (one more copy of the gradients).
 - activations: what a forward + backward of one micro-batch holds at its peak beyond the
-  weights and the gradients (saved tensors, the backward's transients, autocast's bf16 copies of
-  the weights). Measured with the preset's real width, heads, experts and vocabulary on two small
+  weights and the gradients (saved tensors, the backward's transients, autocast's bf16 / fp16
+  copies of the weights). Measured with the preset's real width, heads, experts and vocabulary on two small
   micro-batches of N1 < N2 tokens (language: one sequence of 8 and of 16 tokens, fewer if one chunk
   of the loss is shorter; vision: 1 and 2 images) at two small depths (2 and 3), then extrapolated:
   - along the tokens N = B x T, op by op: both runs execute the same ops, and after op t the live
@@ -33,8 +33,9 @@ a 1/devices share of the batch, split again into grad_accum micro-batches):
   sizes) and extrapolated op by op in n, as above; the most of the measured depths, not
   extrapolated along D. Added on top of the activations' peak: the last iteration's chunks are
   the first thing backward recomputes, when nearly every activation is still saved.
-- dtype: measured under the run's autocast: bf16 on CUDA (train.py's default; bench.py memory
-  measures a GPU run, with CPU autocast on a CPU), fp32 for a CPU run; the line says which.
+- dtype: measured under the run's autocast (train.py's --precision): bf16 on a CUDA GPU that has it,
+  fp16 on one that does not, fp32 for a CPU run (bench.py memory measures a GPU run, with CPU
+  autocast on a CPU: --precision); the line says which. fp16's gradient scaler unscales in place.
 - the probe (LiveBytes, on any device) counts every tensor storage an op creates while it lives:
   exact for what the dispatcher sees, not the process's RSS; peak_bytes reads
   torch.cuda.max_memory_allocated on CUDA.
@@ -65,8 +66,7 @@ from torch.utils._pytree import tree_flatten
 
 import alternet
 import revit
-from lib.checkpoint import preset_module
-from lib.boundary import fail, parse_model_args
+from lib.boundary import fail, parse_model_args, preset_module
 from lib.cli import broadcast, device_options, say
 from lib.data import TEXT_DATASETS
 
@@ -238,7 +238,7 @@ class Profile:
     small depths, for the model and (language) for the same model with a SMALL_VOCAB vocabulary."""
     model: dict
     small_vocabulary: dict | None
-    precision: str  # the dtype the measurement ran in: "bf16 autocast" | "fp32"
+    precision: str  # the dtype the measurement ran in: "bf16 autocast" | "fp16 autocast" | "fp32"
     tokens_per_sample: int | None  # a vision model's 1 + patches; None: a language model's seq_len
     loss_chunk: int | None = None  # tokens per chunk of a language model's loss (alternet.loss_chunk_tokens)
 
@@ -263,6 +263,7 @@ def along_depth(lines: dict, tokens: int, depth: int) -> float:
     return max(0.0, at1 + (at2 - at1) * (depth - d1) / (d2 - d1 or 1))
 
 
+AUTOCAST_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast"}
 SMALL_VOCAB = 16  # the loss is what a measurement loses when the vocabulary shrinks to this
 _PROFILES: dict = {}
 
@@ -288,8 +289,7 @@ def measure(config, device: torch.device, dtype, seq_len: int | None = None) -> 
                     lines[name][depth] = PeakLine.through(*runs[0], *runs[1])
                     del model
         _PROFILES[key] = Profile(lines["model"], lines.get("small_vocabulary"),
-                                 "bf16 autocast" if dtype == torch.bfloat16 else "fp32", None if language else length,
-                                 chunk)
+                                 AUTOCAST_NAMES.get(dtype, "fp32"), None if language else length, chunk)
     return _PROFILES[key]
 
 
@@ -466,7 +466,7 @@ def _rss_kib(field: str) -> int:
 
 def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
     """The config of the plain ViT that revit.fold(model) returns at the model's own depth."""
-    return dataclasses.replace(config, arch="vit", ffn="merge", depth_drop=0.0, raptor_blocks=1)
+    return dataclasses.replace(config, arch="vit", depth_drop=0.0, raptor_blocks=1)
 
 
 def _memory_worker(spec: dict) -> dict:
@@ -543,7 +543,7 @@ def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None,
             return  # build() reports a bad --model-args in one line
     budget = cfg.gpu_memory or device_memory_gb(device)
     seq_len = (cfg.block_size or model.config.seq_len) if cfg.dataset in TEXT_DATASETS else None
-    dtype = device_options(device.type, cfg.bf16)["autocast_dtype"]
+    dtype = device_options(device.type, cfg.precision)["autocast_dtype"]
     profile = measure(model.config, device, dtype, seq_len)
     if budget is None:  # an OS that does not say how much RAM it has: say, never stop
         say(f"memory: {estimate(model, profile, cfg.batch_size, seq_len, world, cfg.grad_accum).line()}")

@@ -1,9 +1,9 @@
 """The paper's comparison mechanisms (reViT, arXiv 2610.12448, §4.3 and App. B; Tables 3, 4, 8, 10; Fig. 2):
 each replaces the merged FFN of reViT's shared block, under the same recurrence.
 
-`import lib.moe` registers them with revit.py: their ViTConfig.ffn names (revit.MECHANISMS) and their
-presets (revit.PRESETS, revit-{size}-{mechanism}[-u{U}] and revit-{size}-lora); revit.py itself never
-imports this file.
+This file builds its models itself and revit.py never imports it: its `ViTConfig` is revit's plus the
+mechanisms' fields (`ffn` names the mechanism), its `PRESETS` are revit's plus revit-{size}-{mechanism}[-u{U}]
+and revit-{size}-lora, and its `create_model` builds any of them (`config_of` reads a saved config).
 
 How they plug in. A mechanism's model is a `ComparisonReViT`: reViT's recurrence, whose shared block
 (`MechanismBlock`) gives its FFN what the mechanism needs beyond the tokens, through a small interface
@@ -21,6 +21,7 @@ module too, recorded by training forwards only, and are summed over ranks under 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import NamedTuple
 
@@ -31,8 +32,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import revit
-from revit import (PRESETS, Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, ViTConfig,
-                   depth_grid, elastic_plan, full_precision, gate_penalties)
+from revit import (Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, depth_grid,
+                   elastic_plan, full_precision, gate_penalties)
 
 # --- the interface: what a mechanism's FFN gets from the recurrence ---
 
@@ -61,6 +62,11 @@ class FFN(nn.Module):
     def aux_losses(self, depth: int) -> dict:
         return {}
 
+    def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
+        raise ValueError(f"fold: {type(self).__name__} is input-dependent (its routing depends on the "
+                         "tokens), so it has no fixed per-depth weights to fold; only reViT's merge (any E) "
+                         "and layer-wise LoRA fold into a plain ViT")
+
 class MechanismBlock(Block):
     """reViT's shared block (Eq. 3) with a mechanism as its FFN: step t's FFN gets the step if it asks."""
 
@@ -74,7 +80,23 @@ class ComparisonReViT(ReViT):
     """reViT's recurrence (§3.1) and elastic depth (§3.2) with a comparison mechanism in the shared block."""
 
     def build_block(self, c: ViTConfig) -> Block:
-        return BUILDERS[c.ffn](c)
+        """The shared block with mechanism c.ffn as its FFN (hidden width of each expert: expert_ffn_dim)."""
+        if c.ffn == "lora":
+            return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
+        hidden, lambdas = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
+        slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
+        ffn = {
+            "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
+            "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
+            "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, *lambdas),
+            "deepseek": lambda: DeepSeekV3FFN(c.dim, hidden, c.num_experts, c.top_k, c.shared_experts,
+                                              c.bias_update_rate),
+            "qwen3": lambda: Qwen3FFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
+            "moeut": lambda: MoEUTFFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
+            "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
+            "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
+        }[c.ffn]()
+        return MechanismBlock(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
 
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
                 keep: torch.Tensor | None = None):
@@ -620,34 +642,47 @@ class LoRABlock(MechanismBlock):
         return states
 
 
-# --- registering the comparisons with revit.py: ViTConfig.ffn -> block and model, settings' checks ---
+# --- the comparisons' config: revit.py's fields plus the mechanism and its settings ---
 
-def build_lora_block(c: ViTConfig) -> Block:
-    return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
+FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
 
-def build_comparison_block(c: ViTConfig) -> Block:
-    """The shared block for an input-dependent mechanism (hidden width of each expert: expert_ffn_dim)."""
-    hidden, lambdas = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
-    slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
-    ffn = {
-        "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
-        "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
-        "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, *lambdas),
-        "deepseek": lambda: DeepSeekV3FFN(c.dim, hidden, c.num_experts, c.top_k, c.shared_experts,
-                                          c.bias_update_rate),
-        "qwen3": lambda: Qwen3FFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
-        "moeut": lambda: MoEUTFFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
-        "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
-        "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
-    }[c.ffn]()
-    return MechanismBlock(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
+@dataclass
+class ViTConfig(revit.ViTConfig):
+    """revit.ViTConfig plus `ffn` and the settings the mechanisms read (§4.3, App. B, Table 8; Qwen3's and
+    MoEUT's balance losses take revit's balance_weight). The same name as revit's, so that a caller uses
+    either module's create_model / ViTConfig / PRESETS alike."""
+    ffn: str = "merge"            # the shared block's FFN: reViT's "merge" or a mechanism (FFNS)
+    top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
+    shared_experts: int = 0       # DeepSeek-V3's always-active experts
+    slots_per_expert: int = 0     # Soft-MoE; 0: round(num_patches / 4) (49 for S/16, 64 for B/14)
+    bias_update_rate: float = 1e-3  # DeepSeek-V3's aux-loss-free balancing step
+    remoe_target_sparsity: float = 0.75  # ReMoE: 1 - K/E
+    lora_rank: int = 64           # layer-wise LoRA rank r (Table 10: 64 for S/16)
 
-INPUT_DEPENDENT = ("lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
-BUILDERS = {"lora": build_lora_block, **{name: build_comparison_block for name in INPUT_DEPENDENT}}
-revit.MECHANISMS["lora"] = revit.Mechanism(ComparisonReViT, depth_programmed=True)
-revit.MECHANISMS.update({name: revit.Mechanism(ComparisonReViT, depth_programmed=False)
-                         for name in INPUT_DEPENDENT})
-FFNS = ("merge", *revit.MECHANISMS)  # every value ViTConfig.ffn may take
+    def __post_init__(self):
+        revit.check_fields(self, revit.FIELD_RULES + FIELD_RULES)
+
+    @property
+    def model_class(self) -> type:
+        return super().model_class if self.ffn == "merge" else ComparisonReViT
+
+    @property
+    def depth_programmed(self) -> bool:
+        """The FFN of step t depends on the depth only, so the model folds (reViT's merge: any E; LoRA)."""
+        return self.ffn in ("merge", "lora")
+
+FIELD_RULES = [  # revit.FIELD_RULES' form, for this config's own fields
+    ("ffn", lambda c: c.ffn in FFNS, f"one of {FFNS}"),
+    ("ffn", lambda c: c.ffn == "merge" or c.arch == "revit",
+     "'merge' unless arch='revit' (the mechanisms replace the FFN of reViT's shared block)"),
+    ("top_k", lambda c: 1 <= c.top_k <= c.num_experts, "between 1 and num_experts={num_experts}"),
+    ("shared_experts", lambda c: 0 <= c.shared_experts <= 2 ** 10, "in 0..1024"),
+    ("shared_experts", lambda c: c.shared_experts == 0 or c.ffn == "deepseek", "0 unless ffn='deepseek'"),
+    ("slots_per_expert", lambda c: 0 <= c.slots_per_expert <= 2 ** 12, "in 0..4096 (0: num_patches / 4)"),
+    ("bias_update_rate", lambda c: c.bias_update_rate >= 0, ">= 0"),
+    ("remoe_target_sparsity", lambda c: 0.0 < c.remoe_target_sparsity < 1.0, "in (0, 1)"),
+    ("lora_rank", lambda c: 1 <= c.lora_rank <= 2 ** 12, "in 1..4096"),
+]
 
 # --- the paper's measures of a mechanism: stored expert parameters (Table 8) and budget U (§4.3) ---
 
@@ -707,8 +742,8 @@ MOE_TABLE = {
     "softmoe": {1: (4, 0, 0, 4), 1.5: (6, 0, 0, 4), 2: (8, 0, 0, 4), 4: (16, 0, 0, 4)},  # N/4 slots each
 }
 # the sizes of revit.py's presets (Table 1's S/16, B/16 and B/14; the CPU sizes), without arch and E
-MOE_SIZES = {size: {k: v for k, v in PRESETS[f"revit-{size}"].items() if k not in ("arch", "num_experts")}
-             for size in ("s", "b", "b14", "mini", "mini32")}
+MOE_SIZES = {size: {k: v for k, v in revit.PRESETS[f"revit-{size}"].items()
+                    if k not in ("arch", "num_experts")} for size in ("s", "b", "b14", "mini", "mini32")}
 
 def _moe_presets() -> dict:
     """revit-{size}-{mechanism}-u{U} for every cell of MOE_TABLE, revit-{size}-{mechanism} for U = 1,
@@ -728,7 +763,19 @@ def _moe_presets() -> dict:
                                              lora_rank=width["dim"] // 6)
     return presets
 
-PRESETS.update(_moe_presets())
+PRESETS = {**revit.PRESETS, **_moe_presets()}  # every vision preset
+
+def create_model(name: str, **overrides) -> nn.Module:
+    """Build any vision preset by name, revit.py's or a mechanism's: create_model("revit-s-smear")."""
+    return revit.build_model(config_of({**revit.preset(name, PRESETS), **overrides}))
+
+def config_of(values: dict) -> revit.ViTConfig:
+    """The config of a vision model: this file's for a mechanism, else revit's. Checkpoints saved before
+    this file had its own config hold its fields with ffn="merge": checked, then dropped."""
+    config = revit.make_config(ViTConfig, values)
+    if config.ffn != "merge":
+        return config
+    return revit.ViTConfig(**{f.name: getattr(config, f.name) for f in fields(revit.ViTConfig)})
 
 
 if __name__ == "__main__":  # python -m lib.moe [names...]: parameter counts of the presets (meta device)
@@ -739,8 +786,11 @@ if __name__ == "__main__":  # python -m lib.moe [names...]: parameter counts of 
           f"| {'d':>5} | {'E / k':>5} |")
     print(f"|{'-' * 24}|{'-' * 12}|{'-' * 16}|{'-' * 7}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
     for name in names:
-        with torch.device("meta"):
-            model = revit.create_model(name)
+        try:
+            with torch.device("meta"):
+                model = create_model(name)
+        except ValueError as e:
+            sys.exit(f"lib.moe: {e}")
         c = model.config
         ek = {"revit": c.num_experts, "raptor": c.raptor_blocks}.get(c.arch, "")
         budget = f"{ffn_budget(model):.3g}" if c.arch == "revit" else ""

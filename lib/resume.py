@@ -1,11 +1,12 @@
 """What train.py does to continue or evaluate a saved run, imported only then (a new run never loads
 it): the saved config and what may not change on resume (`resume_config`, `saved_config`); the values a
 checkpoint never decides (`command_line_only`: the files read, downloads, the teacher); a checkpoint
-rebuilt for evaluation (`evaluation_setup`: --eval-only, tools/depths.py); a resumed checkpoint's loop
-state checked against the rebuilt run (`check_resume`: the optimizer state as load_state_dict and the next
-step would take it, every RNG state as set_rng_state would), what the flags given now change in its
-schedule (`continue_schedule`), then loaded (`continue_run`) and its random streams restored
-(`restore_rng`). A failure is one line naming the flag (lib/cli.fail); the run folder has not been touched.
+rebuilt for evaluation (`evaluation_setup`: --eval-only, tools/depths.py) and evaluated (`evaluate_only`);
+a resumed checkpoint's loop state checked against the rebuilt run (`check_resume`: the optimizer state as
+load_state_dict and the next step would take it, every RNG state as set_rng_state would, fp16's scaler),
+what the flags given now change in its schedule (`continue_schedule`), then loaded (`continue_run`) and
+its random streams restored (`restore_rng`). A failure is one line naming the flag (lib/cli.fail); the
+run folder has not been touched.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from lib import tasks
 from lib.build import build
 from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, set_rng_state
-from lib.values import diverged, fit_problem
-from lib.boundary import fail, wrong_type
-from lib.cli import pick_device, say
+from lib.boundary import diverged, fail, fit_problem, wrong_type
+from lib.cli import non_finite_place, pick_device, say
 
 
 # The model and the data order of a run: a resumed run must keep them.
@@ -31,9 +32,9 @@ FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "d
                    "probe_pool", "backbone", "teacher")
 
 
-def resume_config(explicit: dict, config_class) -> tuple[dict, dict]:
-    """The checkpoint and the saved run's config (train.py's TrainConfig: `config_class`); flags given now
-    may extend it (e.g. more --epochs)."""
+def resume_config(explicit: dict, config_class, resolve_config) -> tuple[dict, object]:
+    """The checkpoint and the saved run's config, resolved (train.py's TrainConfig and resolve_config:
+    `config_class`, `resolve_config`); flags given now may extend it (e.g. more --epochs)."""
     path = explicit["resume"]
     ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
     saved = saved_config(ckpt, path, "--resume", config_class)
@@ -47,13 +48,16 @@ def resume_config(explicit: dict, config_class) -> tuple[dict, dict]:
     saved = command_line_only(saved, explicit, f"--resume {path}", needed=("data", "teacher"))
     merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
     merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
-    return ckpt, merged
+    return ckpt, resolve_saved(resolve_config, merged, explicit, f"--resume {path}")
 
 
 def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
     """A checkpoint's train_config, each known value of the type its flag takes (the values' ranges are
-    checked with the flags', by resolve_config)."""
+    checked with the flags', by resolve_config). Files saved before --precision hold bf16: True (the
+    default: bf16 autocast on CUDA, fp32 on the CPU) is precision auto, False is fp32."""
     saved = ckpt["train_config"]
+    if "bf16" in saved and "precision" not in saved:
+        saved = {**saved, "precision": {True: "auto", False: "fp32"}.get(saved["bf16"], saved["bf16"])}
     problem = wrong_type(saved, config_class)
     if problem:
         fail(f"{flag} {path}: its train_config has {problem}")
@@ -111,6 +115,21 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
     return cfg, model.to(device).eval(), task
 
 
+def evaluate_only(flags: dict, config_class, resolve_config, evaluate) -> dict:
+    """--eval-only: train.py's evaluation (`evaluate`) of a checkpoint at its --eval-depths, printed; nothing
+    is trained or written. A metric that is not a number (finite but diverged weights can score NaN) is
+    never reported as a result."""
+    path = flags["eval_only"]
+    cfg, model, task = evaluation_setup(path, flags, "--eval-only", config_class, resolve_config)
+    results = evaluate(model, task, tasks.eval_depths(cfg, model))
+    if non_finite_place(results):
+        fail(f"--eval-only {path}: its evaluation gave a non-finite "
+             f"{non_finite_place(results).removeprefix('None.')} (finite but diverged weights)")
+    summary, line = tasks.summarise(cfg, model, results)
+    say(f"{path}: {line}")
+    return {"arch": cfg.arch, **summary}
+
+
 # What a checkpoint never decides: the files a run reads, whether it downloads, the teacher it loads
 # (hub:NAME runs a repository's code). --eval-only, --resume and the tools take these from the command
 # line only; a saved value that differs is shown in an `override:` line.
@@ -145,10 +164,12 @@ def check_resume(cfg, ckpt: dict, trainable: nn.Module, optimizer, augment,
         fail(f"{flag} is at step {ckpt['step']}, past this run's {total_steps} steps; give a larger "
              f"--max-steps or --epochs (the checkpoint is left as it is)")
     names = {id(p): name for name, p in trainable.named_parameters()}
+    # fp16: the scaler may have skipped every step so far, and AdamW makes its state at the first one taken
+    stepped = 0 if ckpt.get("scaler") and not ckpt["optimizer"]["state"] else ckpt["step"]
     problem = (fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
-               or optimizer_problem(ckpt["optimizer"], optimizer, ckpt["step"], names,
+               or optimizer_problem(ckpt["optimizer"], optimizer, stepped, names,
                                     lambda name: may_lack_state(name, distilled=bool(cfg.teacher)))
-               or rng_problem(ckpt["rng"], augment))
+               or rng_problem(ckpt["rng"], augment) or scaler_problem(ckpt.get("scaler")))
     if problem:
         fail(f"{flag}: {problem}")
 
@@ -244,6 +265,19 @@ def step_ok(step) -> bool:
     return isinstance(step, (int, float)) and not isinstance(step, bool) and step >= 0
 
 
+SCALER_STATE = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+
+
+def scaler_problem(state) -> str | None:
+    """fp16's gradient scaler as torch.amp.GradScaler.state_dict() writes it ({} or absent: not fp16)."""
+    if state is None or state == {}:
+        return None
+    numbers = isinstance(state, dict) and all(map(number_at_least_zero, state.values()))
+    if numbers and set(state) == SCALER_STATE and state["scale"] > 0:
+        return None
+    return f"its gradient scaler state must hold {', '.join(sorted(SCALER_STATE))} (numbers >= 0, scale > 0)"
+
+
 def rng_problem(states: list, augment) -> str | None:
     """Whether each saved RNG state can be restored, tried on throwaway generators (not the run's)."""
     for rank, state in enumerate(states):
@@ -261,10 +295,12 @@ def rng_problem(states: list, augment) -> str | None:
 
 def continue_run(run, ckpt: dict, fused_adamw: bool) -> None:
     """train.py's Run where the checkpoint left it: checked in full first (check_resume), then the weights,
-    the optimizer, the step, the last evaluation and every rank's random streams."""
+    the optimizer, fp16's loss scale, the step, the last evaluation and every rank's random streams."""
     check_resume(run.cfg, ckpt, run.trainable, run.optimizer, run.augment, run.sched["total_steps"])
     run.trainable.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
+    if run.scaler.is_enabled() and ckpt.get("scaler"):  # fp16's loss scale (none from another precision)
+        run.scaler.load_state_dict(ckpt["scaler"])
     for group in run.optimizer.param_groups:  # load_state_dict restored the saving device's implementation
         group["fused"] = fused_adamw or None
     run.step = run.folder.saved_step = ckpt["step"]

@@ -1,14 +1,13 @@
 """What an image run trains: the evaluation of each task, the losses that differ from train.py's default,
 what a run reports (`summarise`, every task's depth table), and `build`, which makes the data, model and
-task of a config. train.py's loop and --eval-only use them; tools/probes.py reuses DENSE_PROBES,
-tools/depths.py the evaluation (through train.evaluate).
+task of a config, for train.py's loop, --eval-only and tools/depths.py.
 
     ClassificationTask   images -> classes (also the linear probe: its model is a ProbeModel); its
                          training loss is the default one, written in train.py's train_step
     DistillTask          Eq. 5 of reViT (arXiv 2610.12448, App. A.3): match a frozen teacher's final tokens
 
-The language task (AlterNet) is lib/language.py, the planted-depth task lib/planted.py. `cfg` is train.py's TrainConfig; the tasks read only the
-fields they name.
+The language task (AlterNet) is lib/language.py, the planted-depth task lib/planted.py. `cfg` is train.py's
+TrainConfig; the tasks read only the fields they name.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.checkpoint import checkpoint_or_fail, model_or_fail, preset_module
-from lib.boundary import fail, parse_depths, parse_model_args
+from lib.boundary import fail, is_vision, parse_depths, parse_model_args, preset_module
+from lib.checkpoint import checkpoint_or_fail, model_or_fail
 from lib.cli import device_options, say
 
 
@@ -96,7 +95,7 @@ def gate_summary(model) -> dict:
     (max - min over steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a
     model without depth-only gates (a ViT, Raptor, content routing, a probe) or E = 1."""
     config = getattr(model, "config", None)
-    if not isinstance(model, revit.ReViT) or not config.depth_programmed or config.num_experts < 2:
+    if not isinstance(model, revit.ReViT) or not getattr(config, "depth_programmed", True) or config.num_experts < 2:
         return {}
     with torch.no_grad():
         gates = model.gate_matrix()
@@ -175,13 +174,6 @@ class ProbeModel(nn.Module):
         return {"logits": logits, "aux_losses": {}} if return_states else logits
 
 
-# Probe name -> builder(backbone, num_classes, cfg) -> trainable model, trained by the loop above.
-PROBES = {"cls": lambda backbone, num_classes, cfg: ProbeModel(backbone, num_classes, cfg.probe_pool)}
-
-
-# Dense probes train per-patch heads on (cached) frozen features in probes.py's own loop: probes.run.
-DENSE_PROBES = ("seg", "monodepth")
-
 
 # --- what a run reports: the depth table of its final evaluation (train.py, --eval-only) ---
 
@@ -224,7 +216,7 @@ def summarise(cfg, model: nn.Module, results: dict) -> tuple[dict, str]:
 def backbone_arch(path: str) -> str:
     """A linear probe is named after its --backbone, which must be a vision model of revit.py."""
     arch = checkpoint_or_fail(path, "--backbone")["arch"]
-    if preset_module(arch) is not revit:
+    if not is_vision(preset_module(arch)):
         fail(f"--backbone {path} is a checkpoint of {arch}, not a vision model of revit.py")
     return arch
 
@@ -235,7 +227,7 @@ def backbone_arch(path: str) -> str:
 def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     """Data, model and task -> (model, task, batches(start_step), augment, steps_per_epoch). A resumed
     or evaluated checkpoint supplies the model config. Reads only; any user error exits here."""
-    options = device_options(device.type, cfg.bf16)
+    options = device_options(device.type, cfg.precision)
     autocast = autocast_of(device, options)
     try:
         images = data.load_images(cfg.dataset, cfg.data, cfg.data_dir, cfg.download, cfg.train_subset,
@@ -254,9 +246,10 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
         if (backbone.config.image_size, backbone.config.in_channels) != (images.image_size, images.channels):
             fail(f"--backbone expects {backbone.config.in_channels}x{backbone.config.image_size}² images; "
                  f"{cfg.dataset} has {images.channels}x{images.image_size}²")
-        model = PROBES[cfg.probe](backbone, images.num_classes, cfg)
+        model = ProbeModel(backbone, images.num_classes, cfg.probe_pool)  # --probe cls
     else:
-        model = make(revit.create_model, cfg.arch, ckpt["model_config"] if ckpt else vision_overrides(cfg, images))
+        overrides = ckpt["model_config"] if ckpt else vision_overrides(cfg, images)
+        model = make(preset_module(cfg.arch, overrides).create_model, cfg.arch, overrides)
     task = ClassificationTask(cfg, images, device, augment, autocast)
     if cfg.teacher:
         teacher = load_teacher(cfg.teacher, device)
@@ -274,12 +267,13 @@ AUGMENT_FIELDS = ("random_crop", "three_augment", "color_jitter", "mixup", "cutm
 
 def vision_overrides(cfg, images: data.ImageData) -> dict:
     """Model config overrides: data properties, CLI flags, and the patch size for small images."""
-    preset = revit.PRESETS[cfg.arch]
+    module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, or lib.moe for a mechanism
+    preset = module.PRESETS[cfg.arch]
     overrides = dict(image_size=images.image_size, in_channels=images.channels, num_classes=images.num_classes)
     for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop"):
         if getattr(cfg, name) is not None:
             overrides[name] = getattr(cfg, name)
-    overrides.update(parse_model_args(cfg.model_args, revit.ViTConfig))
+    overrides.update(parse_model_args(cfg.model_args, module.ViTConfig))
     patch = overrides.get("patch_size", preset.get("patch_size", 16))
     if "patch_size" not in overrides and (images.image_size % patch or images.image_size // patch < 4):
         cfg.patch_size = overrides["patch_size"] = 4 if images.image_size % 4 == 0 else 1
@@ -296,7 +290,6 @@ def autocast_of(device, options: dict):
 
 def make(create, arch, overrides):
     """create(arch, **overrides), its ValueError / TypeError as the one-line exit."""
-    preset_module(arch, overrides)  # imports lib.moe where a comparison mechanism is asked for
     try:
         return create(arch, **overrides)
     except (ValueError, TypeError) as e:

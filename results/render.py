@@ -119,10 +119,11 @@ def pm(stats: dict) -> str:
     return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
 
 
-def gap(a: dict, b: dict) -> str:
-    """Difference of two cells' means in points ± its standard error (independent seeds)."""
-    se = 100 * math.sqrt(sum(s["std"] ** 2 / len(s["values"]) for s in (a, b)))
-    return f"{100 * (a['mean'] - b['mean']):+.2f} ± {se:.2f}"
+def gap(a: dict, b: dict, scale: float = 100, places: int = 2) -> str:
+    """Difference of two cells' means ± its standard error (independent seeds): in points, or (scale 1,
+    4 places) of an MSE."""
+    se = scale * math.sqrt(sum(s["std"] ** 2 / len(s["values"]) for s in (a, b)))
+    return f"{scale * (a['mean'] - b['mean']):+.{places}f} ± {se:.{places}f}"
 
 
 def gates(row: dict) -> list[str]:
@@ -161,11 +162,6 @@ def mse(stats: dict) -> str:
     return f"{stats['mean']:.4f} ± {stats['std']:.4f} [" + " ".join(f"{v:.4f}" for v in stats["values"]) + "]"
 
 
-def mse_gap(a: dict, b: dict) -> str:
-    se = math.sqrt(sum(s["std"] ** 2 / len(s["values"]) for s in (a, b)))
-    return f"{a['mean'] - b['mean']:+.4f} ± {se:.4f}"
-
-
 def planted_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """The planted-depth task: test MSE per model over seeds (lower is better), against the tied block, and
     the gate program each seed's router formed."""
@@ -173,8 +169,9 @@ def planted_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     columns = ["model", "params", f"test MSE mean ± std [{len(rows[0]['mse']['values'])} seeds]",
                "vs E = 1 (± s.e.)", "gate spread", "spread, epoch 1 → end (each seed)",
                "dominant expert per step (each seed)"]
-    return columns, [[r["cell"], f"{r['params']:,}", mse(r["mse"]), mse_gap(r["mse"], tied["mse"]) if tied and r is not tied
-                      else "–", gates(r)[0], growth(r), programs(r)] for r in rows]
+    versus = [gap(r["mse"], tied["mse"], 1, 4) if tied and r is not tied else "–" for r in rows]
+    return columns, [[r["cell"], f"{r['params']:,}", mse(r["mse"]), v, gates(r)[0], growth(r), programs(r)]
+                     for r, v in zip(rows, versus)]
 
 
 def router_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:

@@ -55,11 +55,10 @@ FAST_FILES = ("test_equations.py", "test_revit.py", "test_alternet.py", "test_mo
               "test_conventions.py")
 # The deep set: the hostile tables, faults and kills, compile and device tests, the tools end to end,
 # memory and timing, the GPU check, the layout and results checks.
-DEEP_FILES = ("test_hostile.py", "test_faults.py", "test_check.py", "test_compile_graphs.py",
-              "test_on_device.py", "test_bf16_merge.py", "test_merge_cache_dtype.py",
-              "test_revit_cuda_paths.py", "test_resume_fused.py", "test_analyze.py", "test_depths.py",
-              "test_probes.py", "test_sweep.py", "test_bench.py", "test_memory.py", "test_layout.py",
-              "test_results.py", "test_mutants.py", "test_install.py", "test_runs.py")
+DEEP_FILES = ("test_hostile.py", "test_faults.py", "test_check.py", "test_device.py", "test_resume_fused.py",
+              "test_analyze.py", "test_depths.py", "test_probes.py", "test_sweep.py", "test_bench.py",
+              "test_memory.py", "test_layout.py", "test_results.py", "test_mutants.py", "test_install.py",
+              "test_runs.py")
 # Deep tests in fast files (every parametrisation of the named function): compile, devices, processes
 # started from scratch (each imports torch again), ranks and crashes.
 DEEP_TESTS = (
@@ -93,6 +92,9 @@ DEEP_TESTS = (
     "test_train.py::test_fold_and_its_check_with_the_model_on_a_device",
     "test_train.py::test_training_on_the_gpu",
     "test_train.py::test_a_cpu_run_resumes_on_the_gpu_and_back",
+    "test_train.py::test_precision_flag_and_auto_on_the_cpu",
+    "test_train.py::test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly",
+    "test_train.py::test_fp16_training_on_the_gpu",
 )
 # Fast tests in deep files: one bad-input table per entry point, and the layout rules a change most often
 # breaks.

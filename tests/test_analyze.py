@@ -73,6 +73,34 @@ def test_cka_is_symmetric_and_invariant_to_rotation_and_isotropic_scaling(shape,
     assert analyze.linear_cka(x, scale * y) == pytest.approx(cka, abs=1e-9)
 
 
+def hsic(k, l, unbiased=False):
+    """HSIC of two Gram matrices by its definition: tr(K H L H) / (n-1)^2 with the centring matrix H
+    (Kornblith et al., 2019, Eq. 3), or Song et al.'s (2012) unbiased estimator."""
+    n = len(k)
+    if not unbiased:
+        h = torch.eye(n, dtype=torch.float64) - 1 / n
+        return torch.trace(k @ h @ l @ h) / (n - 1) ** 2
+    k, l = k - torch.diag(k.diagonal()), l - torch.diag(l.diagonal())
+    return (torch.trace(k @ l) + k.sum() * l.sum() / ((n - 1) * (n - 2))
+            - 2 / (n - 2) * (k.sum(0) @ l.sum(0))) / (n * (n - 3))
+
+
+def test_cka_is_the_centred_biased_hsic_not_an_uncentred_or_unbiased_variant():
+    """Features far from zero mean and few inputs: CKA without centring, and CKA of the unbiased HSIC,
+    give other numbers here; linear_cka is Kornblith et al.'s (biased HSIC of centred features)."""
+    x = randn(8, 5, seed=11) + 3 * randn(1, 5, seed=12)
+    y = x[:, :3] @ randn(3, 4, seed=13) + randn(8, 4, seed=14) + 2
+    k, l = x @ x.T, y @ y.T
+
+    def cka(unbiased=False):
+        return (hsic(k, l, unbiased) / (hsic(k, k, unbiased) * hsic(l, l, unbiased)).sqrt()).item()
+
+    expected = cka()
+    assert analyze.linear_cka(x, y) == pytest.approx(expected, rel=1e-12)
+    uncentred = ((y.T @ x).square().sum() / ((x.T @ x).norm() * (y.T @ y).norm())).item()
+    assert abs(uncentred - expected) > 0.05 and abs(cka(unbiased=True) - expected) > 0.05
+
+
 def test_cka_matrix_matches_pairwise_cka():
     xs, ys = randn(3, 20, 5, seed=1), randn(2, 20, 7, seed=2)
     expected = torch.tensor([[analyze.linear_cka(x, y) for y in ys] for x in xs], dtype=torch.float64)
@@ -94,6 +122,19 @@ def test_effective_rank_of_k_equal_singular_values_is_k(m, n, seed, value):
 @given(st.integers(1, 10), st.integers(1, 10), st.integers(0, 2**16))
 def test_effective_rank_of_a_rank_one_matrix_is_one(m, n, seed):
     assert analyze.effective_rank(torch.outer(randn(m, seed=seed), randn(n, seed=seed + 1))) == pytest.approx(1.0)
+
+
+def test_effective_rank_weights_squared_singular_values():
+    """App. D: the entropy of sigma_i^2 / sum sigma_j^2. Equal singular values cannot tell it from the
+    entropy of sigma_i / sum sigma_j (Roy and Vetterli's own normalisation); 3, 1, 0.5 can."""
+    spectrum = torch.tensor([3.0, 1.0, 0.5], dtype=torch.float64)
+    matrix = orthogonal(5, 1)[:, :3] @ torch.diag(spectrum) @ orthogonal(4, 2)[:, :3].T
+
+    def entropy_rank(p):
+        return math.exp(-sum(pi * math.log(pi) for pi in (p / p.sum()).tolist()))
+
+    assert analyze.effective_rank(matrix) == pytest.approx(entropy_rank(spectrum ** 2), rel=1e-9)
+    assert abs(entropy_rank(spectrum) - entropy_rank(spectrum ** 2)) > 0.3
 
 
 def test_effective_rank_of_zero_matrix_is_zero():

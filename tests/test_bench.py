@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import bench
-from lib import cli
+from lib import cli, moe
 import revit
 
 FAST = settings(max_examples=10, deadline=None)
@@ -60,13 +60,11 @@ def test_analytic_count_equals_flop_counter(arch, heads, head_dim, hidden, depth
 
 
 def test_lora_analytic_count_equals_flop_counter():
-    if "revit-mini-lora" not in revit.PRESETS:
-        pytest.skip("layer-wise LoRA preset not in revit.py")
     model, counted = bench.count_preset("revit-mini-lora", **tiny_config(lora_rank=3))
     macs = bench.analytic_macs(model.config, lora_rank=3)
     assert macs["lora"] > 0
     assert counted["total"] - counted["attention"] == 2 * macs["total"]
-    folded = bench.counted_flops(revit.fold(revit.create_model("revit-mini-lora", **tiny_config(lora_rank=3))))
+    folded = bench.counted_flops(revit.fold(moe.create_model("revit-mini-lora", **tiny_config(lora_rank=3))))
     assert folded["total"] - folded["attention"] == 2 * bench.analytic_macs(model.config)["total"]
 
 
@@ -294,10 +292,11 @@ def test_latency_rows_with_bf16_weights():
 # --- hostile inputs: one line each, before any work, nothing written ---
 
 HOSTILE = [  # (argv, the one line's message); {file}: an existing file, {dir}: an existing folder
-    (["latency", "--batches", "0"], "--batches must be comma-separated integers in [1, 65536], e.g. 1,8; got '0'"),
-    (["latency", "--batches", "1,-4"], "--batches must be comma-separated integers in [1, 65536]"),
-    (["latency", "--batches", "a,b"], "--batches must be comma-separated integers in [1, 65536]"),
+    (["latency", "--batches", "0"], "--batches must be comma-separated integers in 1..65,536, e.g. 1,8; got '0'"),
+    (["latency", "--batches", "1,-4"], "--batches must be comma-separated integers in 1..65,536"),
+    (["latency", "--batches", "a,b"], "--batches must be comma-separated integers in 1..65,536"),
     (["latency", "--batches", "1,,8"], "--batches must be comma-separated integers"),
+    (["latency", "--batches", "9" * 5000], "--batches must be comma-separated integers in 1..65,536"),
     (["latency", "--repeats", "0"], "--repeats must be in 1..10,000; got 0"),
     (["latency", "--iters", "0"], "--iters must be in 1..10,000; got 0"),
     (["latency", "--warmup", "-1"], "--warmup must be in 0..1,000; got -1"),

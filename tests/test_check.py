@@ -124,8 +124,8 @@ def test_a_part_out_of_time_is_a_row_that_says_so_and_the_rest_is_intact(tmp_pat
     run. With no data found, the train.py run is a row that says so, not a silent skip."""
     real_parts = bench.check_parts
 
-    def stand_ins(args, device, run_dir):
-        parts = real_parts(args, device, run_dir)
+    def stand_ins(args, device, sizes, run_dir):
+        parts = real_parts(args, device, sizes, run_dir)
         for part in parts:
             if part.argv:
                 hang = part.name == "latency, batch 4"
@@ -167,8 +167,8 @@ def test_sigterm_stops_the_running_part_and_leaves_a_report_that_says_so(tmp_pat
                       "while sum(r['status'] == 'ok' for r in json.loads(path.read_text())['rows']) < 6:\n"
                       "    time.sleep(0.05)\nos.kill(os.getppid(), signal.SIGTERM)\ntime.sleep(600)\n")
 
-    def stand_ins(args, device, run_dir):
-        parts = real_parts(args, device, run_dir)
+    def stand_ins(args, device, sizes, run_dir):
+        parts = real_parts(args, device, sizes, run_dir)
         for part in (p for p in parts if p.argv):
             stop = part.name == "latency, batch 4"
             part.argv = stand_in(part.rows[:2] if stop else part.rows, wait_then_stop if stop else "")
@@ -268,7 +268,7 @@ def test_the_gpu_plan(tmp_path, fashion_mnist_dir):
     """What the parts of a CUDA check run (built here without a GPU: nothing is started): full sizes, most
     important first, inductor, the gpu-marked tests, the GPU the check was given as each part's only one."""
     args = bench.build_parser().parse_args(["check", "--device", "cuda:1", "--data-dir", str(fashion_mnist_dir)])
-    parts = bench.check_parts(args, bench.torch.device("cuda", 1), str(tmp_path))
+    parts = bench.check_parts(args, bench.torch.device("cuda", 1), bench.CHECK_SIZES["full"], str(tmp_path))
     assert [p.name for p in parts] == ["latency, batch 1", "latency, batch 64", "training step", "correctness",
                                        "train.py run", "training step, elastic depth", "GPU tests that need the data"]
     assert abs(sum(p.share for p in parts) - 1) < 1e-9 and all(0 < p.floor < p.share * 420 for p in parts)

@@ -3,16 +3,20 @@ well formed, the trade-off marks right, the deployed form runs like the model; b
 
 No timing assertions: only the shape of what the tool returns.
 """
+import argparse
 import dataclasses
 import io
 import json
+import sys
 from contextlib import redirect_stdout
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from lib import moe
 from tools import depths
+import bench
 import revit
 import train
 from lib import cli
@@ -134,22 +138,62 @@ def test_pareto_rows_dominate_the_rest(points):
 
 
 def test_smallest_depth_within_half_a_point_is_faster_only_beyond_the_timing_spread():
-    rows = [{"depth": d, "acc": a, "ms": ms, "ms_spread": [ms * 0.95, ms * 1.05], "reference": d == 6}
-            for d, a, ms in [(2, 0.80, 1.0), (4, 0.897, 1.9), (6, 0.900, 3.61), (8, 0.901, 4.8)]]
-    best = lambda: depths.smallest_within(rows, "depth", "acc", 0.005, "ms", True, "points", scale=100)  # noqa
-    assert best() == "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)"
-    rows[1].update(ms=7.22, ms_spread=[7.0, 7.5])  # a smaller depth measured slower is said to be slower
-    assert best() == "depth 4: −0.3 points, 2.0× slower than the reference (depth 6)"
-    rows[1].update(ms=3.3, ms_spread=[2.5, 3.7])  # within the reference's spread: neither, whatever the medians
-    assert best() == ("depth 4: −0.3 points, as fast as the reference (depth 6) within the timing spread "
-                      "(interquartile ranges overlap)")
+    """The headline from fixed per-round timings (each row timed in the same rounds as the reference):
+    faster or slower only where the 95% interval of the paired ratio lies beyond 1 +- 5%."""
+    reference = [3.6, 3.7, 3.5, 3.6, 3.8, 3.6, 3.7]
+    rows = [{"depth": d, "acc": a, "reference": d == 6} for d, a in [(2, 0.80), (4, 0.897), (6, 0.900), (8, 0.901)]]
+
+    def best(depth_4_times):
+        for row, times in zip(rows, ([1.0] * 7, depth_4_times, reference, [4.8] * 7)):
+            paired = bench.paired_ratio(times, reference)
+            row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"])
+        return depths.smallest_within(rows, "depth", "acc", 0.005, True, "points", scale=100)
+
+    assert best([1.9] * 7) == "depth 4: −0.3 points, 1.89× faster than the reference (depth 6)"
+    assert best([7.2] * 7) == "depth 4: −0.3 points, 2.00× slower than the reference (depth 6)"
+    # a median 10% faster, but the rounds disagree (a busy machine): neither faster nor slower
+    noisy = [1.8, 3.9, 3.4, 3.2, 4.5, 3.9, 2.6]
+    assert best(noisy).startswith("depth 4: −0.3 points, as fast as the reference (depth 6) within 5% and the "
+                                  "timing spread (95% interval of the latency ratio: ")
+    assert best([t - 0.1 for t in reference]).startswith("depth 4: −0.3 points, as fast")  # 3% faster each round
+    rows[1]["acc"] = 0.8
+    assert best(noisy) == "no smaller depth is within 0.5 points of the reference (depth 6)"
+
+
+def test_only_the_headlines_row_is_timed_again_until_its_ratio_is_resolved():
+    rows = [{"depth": d, "acc": a, "reference": d == 6, "relative_latency": 1.0, "relative_latency_ci95": [0, 9]}
+            for d, a in [(2, 0.80), (4, 0.899), (6, 0.900)]]
+    calls = []
+    args = argparse.Namespace(warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=10)
+    depths.resolve_headline(rows, "vision", lambda r: lambda: calls.append(r["depth"]), lambda: None, args,
+                            torch.device("cpu"))
+    assert set(calls) == {4} and 1 + 3 <= len(calls) <= 1 + 10  # depth 4; a warm-up call, 3 to 10 rounds
+    assert rows[1]["relative_latency_ci95"] != [0, 9] and rows[0]["relative_latency_ci95"] == [0, 9]
+    calls.clear()
+    depths.resolve_headline(rows, "vision", lambda r: lambda: calls.append(r["depth"]), lambda: None,
+                            argparse.Namespace(**{**vars(args), "resolve": 0}), torch.device("cpu"))
+    assert calls == []  # --resolve 0: the rounds of the table only
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stderr, flag, shown", [(Terminal, "--progress", True), (Terminal, "--no-progress", False),
+                                                 (io.StringIO, "--progress", False)])  # piped: never a bar
+def test_progress_is_a_bar_on_a_terminal_and_never_in_piped_output(monkeypatch, capsys, stderr, flag, shown):
+    args = depths.build_parser().parse_args(["x.pt", flag])
+    monkeypatch.setattr("sys.stderr", stderr())
+    assert list(depths.progress(range(3), args, "depths")) == [0, 1, 2]
+    assert ("depths: " in sys.stderr.getvalue()) == shown and capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("name, form", [("vit-mini", "model"), ("raptor-mini-k2", "folded"), ("revit-mini", "folded"),
                                         ("revit-mini-e1", "folded"), ("revit-mini-lora", "folded"),
                                         ("revit-mini-smear", "model"), ("revit-mini-qwen3", "model")])
 def test_deployed_model_runs_like_the_model_at_that_depth(name, form):
-    model = revit.create_model(name, **tiny_config(num_classes=5, image_size=8, patch_size=4)).eval()
+    model = moe.create_model(name, **tiny_config(num_classes=5, image_size=8, patch_size=4)).eval()
     depth = model.config.depth if name in ("vit-mini", "revit-mini-lora") else 5
     module, depth_arg = depths.deployed_model(model, depth)
     assert (module is not model) == (form == "folded")
@@ -182,6 +226,9 @@ HOSTILE = [  # (argv, the one line's message); {file}: an existing file used as 
     (["{ckpt}", "--new-tokens", "-3"], "--new-tokens must be in 1..10,000; got -3"),
     (["{ckpt}", "--batch", "1"], "--batch must be in 2..65,536; got 1"),
     (["{ckpt}", "--test-subset", "-1"], "--test-subset must be in 0..1,000,000,000; got -1"),
+    (["{ckpt}", "--test-subset", str(10 ** 30)], "--test-subset must be in 0..1,000,000,000; got 100000...(31 digits)"),
+    (["{ckpt}", "--resolve", "1e308"], "--resolve must be in [0, 1); got 1e+308"),
+    (["{ckpt}", "--max-repeats", "1"], "--max-repeats must be in 2..10,000; got 1"),
     (["{ckpt}", "--thresholds", "0,none"], "--thresholds must be comma-separated values in (0, 1]"),
     (["{ckpt}", "--out", "{file}/sub"], "--out {file}/sub cannot be created: {file} is a file, not a folder"),
     (["{ckpt}", "--out", "{file}"], "--out {file} is a file; give a folder"),
@@ -226,3 +273,14 @@ def test_a_depth_whose_evaluation_is_not_finite_is_refused_before_anything_is_wr
                                      "loss (finite weights that diverge there); choose --depths without it; nothing "
                                      "written")
     assert not (tmp_path / "out").exists()
+
+
+def test_pareto_rows_of_a_lower_is_better_metric_with_ties():
+    """Bits per byte (lower is better) against milliseconds: the rule flips with the metric. A row as good as
+    another and slower, or as fast and worse, is off the front (dominated in one, equal in the other); two
+    identical rows both stay on it (neither is better in one)."""
+    points = [(1.0, 2.0), (1.0, 3.0), (0.8, 3.0), (1.2, 1.0), (1.2, 1.0), (0.9, 5.0)]
+    rows = [{"bpb": bpb, "ms": ms} for bpb, ms in points]
+    depths.mark_tradeoffs(rows, "bpb", "ms", higher_is_better=False)
+    # (1.0, 3.0): as good as (1.0, 2.0) and slower, as fast as (0.8, 3.0) and worse; (0.9, 5.0): (0.8, 3.0)
+    assert [r["pareto"] for r in rows] == [True, False, True, True, True, False]

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import alternet
 import revit
-from lib import moe  # noqa: F401 - registers the comparison mechanisms (§4.3, App. B)
+from lib import moe  # builds every preset, the comparison mechanisms' too (§4.3, App. B)
 
 F64 = torch.float64
 FAST = settings(max_examples=8, deadline=None, derandomize=True)
@@ -113,7 +113,7 @@ def tiny(preset, seed=0, **overrides):
     """A tiny model with random weights everywhere: ψ's first layer large (its output layer starts at zero),
     the experts a shared direction plus their own (cosines strictly between 0 and 1)."""
     torch.manual_seed(seed)
-    model = revit.create_model(preset, **{**TINY, **overrides})
+    model = moe.create_model(preset, **{**TINY, **overrides})
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():

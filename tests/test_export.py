@@ -266,14 +266,13 @@ def test_timm_export_loads_back_into_a_baseline(checkpoint):
 # --- errors ---
 
 
-def test_mismatched_shapes_list_the_keys(tmp_path):
+def test_mismatched_shapes_name_the_keys(tmp_path):
     model = revit.create_model("vit-mini", **TINY)
     state = random_timm_state(revit.ViTConfig(**{**asdict(model.config), "num_classes": 7, "ffn_dim": 48}), False)
     with pytest.raises(ValueError) as info:
         export.load_timm_state_dict(model, state)
     message = str(info.value)
-    assert "\n" not in message and "shape mismatch (14 keys)" in message and "and 6 more" in message
-    assert "blocks.0.mlp.fc1.weight: expected [32, 16], got [48, 16]" in message
+    assert "\n" not in message and "14 differently shaped tensors (head.weight [7, 16] vs [5, 16]" in message
 
     path = tmp_path / "folded.safetensors"
     export.save_safetensors(revit.fold(tiny(), 3), path, "folded")
@@ -281,9 +280,7 @@ def test_mismatched_shapes_list_the_keys(tmp_path):
     with pytest.raises(ValueError) as info:
         export.load_safetensors(path, model=shallower)
     message = str(info.value)
-    assert str(path) in message and "unexpected (12 keys)" in message
-    assert "blocks.2.attn.qkv.weight: [48, 16]" in message
-    assert "missing (4 keys)" in message and "blocks.0.ls1.gamma: expected [16]" in message
+    assert str(path) in message and "4 missing tensors (blocks.0.ls1.gamma, blocks.0.ls2.gamma" in message
 
 
 class OsSystem:
@@ -356,7 +353,7 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}/loop.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "cannot be read (Too many levels"),
     (["{tmp}/os_system.pt", "--format", "onnx", "--out", "{tmp}/x"], "it stores the Python object posix.system"),
     (["{tmp}/deep.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "depth=1000000000; at most 256"),
-    (["{tmp}/wide.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "does not fit its own config"),
+    (["{tmp}/wide.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "do not fit its own config"),
     (["{tmp}/nan.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "nan.safetensors: its weights are not "
                                                                         "finite (head.bias"),
     (["{tmp}/deep.pt", "--format", "onnx", "--out", "{tmp}/x"], "model_config has depth=1000000000; at most 256"),

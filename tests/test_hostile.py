@@ -107,11 +107,6 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
                    "its metrics is not finite (metrics.val_loss holds NaN or inf)"),
     "complex_metric": (lambda c: c["metrics"].update(val_loss=complex(0, float("inf"))),
                        "its metrics is not finite (metrics.val_loss holds NaN or inf)"),
-    "other_preset": (lambda c: c.update(arch="vit-mini"), "its arch names another preset"),
-    "other_train_arch": (lambda c: c["train_config"].update(arch="revit-mini32"), "its arch names another preset"),
-    "edited_model_args": (lambda c: c["train_config"].update(model_args="dim=32,heads=2,ffn_dim=48"),
-                          "its model_config has ffn_dim=64, but revit-mini with its train_config's flags builds "
-                          "ffn_dim=48"),
     # a saved value train.py refuses is the checkpoint's, not a flag the user typed
     "saved_eval_batch": (lambda c: c["train_config"].update(eval_batch_size=-5), "ckpt.pt: its saved "
                          "train_config is refused: --eval-batch-size must be in 1..1,048,576; got -5"),
@@ -137,10 +132,13 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
                        "its rng state of rank 0 cannot be restored"),
     "rng_python_values": (lambda c: c["rng"][0].update(python=(3, ("x",) * 625, None)),
                           "its rng state of rank 0 cannot be restored"),
+    "scaler_zero": (lambda c: c.update(scaler=dict(scale=0.0, growth_factor=2.0, backoff_factor=0.5,
+                                                   growth_interval=2000, _growth_tracker=0)),
+                    "its gradient scaler state must hold _growth_tracker, backoff_factor, growth_factor"),
 }
 LOOP_STATE = ("step_negative", "step_text", "rng_empty", "optimizer_empty", "optimizer_misfit", "nan_optimizer",
               "optimizer_half", "optimizer_betas", "optimizer_lr_text", "optimizer_no_sq", "optimizer_int_state",
-              "optimizer_ids", "rng_torch_size", "rng_python_values")
+              "optimizer_ids", "rng_torch_size", "rng_python_values", "scaler_zero")
 
 
 @pytest.mark.parametrize("name", list(EDITS))
@@ -389,42 +387,6 @@ def test_command_line_refusal_of_a_diverged_checkpoint_is_one_line(runs, tmp_pat
                                                   "(cls_token holds NaN or inf): a diverged run; use an earlier checkpoint"]
 
 
-def test_a_run_file_that_is_a_link_or_fifo_is_refused(runs, tmp_path, fashion_mnist_dir):
-    """Continuing a run cuts its metrics.jsonl: through a symbolic link that would cut another run's log."""
-    (tmp_path / "run").mkdir()
-    shutil.copy(runs / "A" / "ckpt.pt", tmp_path / "run" / "ckpt.pt")
-    (tmp_path / "run" / "metrics.jsonl").symlink_to(runs / "B" / "metrics.jsonl")
-    before = contents(runs / "B")
-    message = one_line(train.main, ["--resume", tmp_path / "run" / "ckpt.pt", "--max-steps", "6"], "train.py")
-    assert "its metrics.jsonl is not a regular file" in message
-    os.mkfifo(tmp_path / "fifo_run_ckpt")
-    (tmp_path / "fresh").mkdir()
-    (tmp_path / "fresh" / "ckpt.pt").symlink_to(tmp_path / "fifo_run_ckpt")
-    message = one_line(train.main, ["--data-dir", fashion_mnist_dir, "--out-dir", tmp_path / "fresh", *TINY,
-                                    "--overwrite"], "train.py")
-    assert "its ckpt.pt is not a regular file" in message
-    assert contents(runs / "B") == before
-
-
-@pytest.mark.parametrize("make", ["symlink", "fifo"])
-def test_a_lock_file_that_is_a_link_or_fifo_is_refused(runs, tmp_path, fashion_mnist_dir, make):
-    """Opening .lock for writing truncates what a link points at (another run's log), and waits forever on a
-    FIFO: refused in one line, as ckpt.pt and metrics.jsonl are, for a given and for the default --out-dir."""
-    run = tmp_path / "run"
-    run.mkdir()
-    if make == "symlink":
-        (run / ".lock").symlink_to(runs / "B" / "metrics.jsonl")
-    else:
-        os.mkfifo(run / ".lock")
-    before = contents(runs / "B")
-    message = one_line(train.main, ["--data-dir", fashion_mnist_dir, "--out-dir", run, *TINY, "--max-steps", "1"],
-                       "train.py")
-    assert f"--out-dir {run}: its .lock is not a regular file" in message, message
-    with pytest.raises(SystemExit, match="its .lock is not a regular file"):  # the folder train() opens itself
-        train.RunFolder(run).open(fresh=True, overwrite=False, resume_step=None)
-    assert contents(runs / "B") == before and sorted(p.name for p in run.iterdir()) == [".lock"]
-
-
 def test_an_edited_feature_cache_entry_is_recomputed(runs, tmp_path, fashion_mnist_dir):
     argv = ["--backbone", str(runs / "A" / "ckpt.pt"), "--data-dir", str(fashion_mnist_dir), "--train-subset", "64",
             "--test-subset", "32", "--max-steps", "2", "--batch-size", "16", "--probe-cache", str(tmp_path / "cache"),
@@ -475,6 +437,12 @@ def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needl
     assert {name: contents(runs / name) for name in ("A", "B")} == before
 
 
+def test_a_path_at_the_file_system_root_is_one_line():
+    """/ has no parents: the output rule still finds the folder a path would be created in."""
+    from tools import depths
+    assert "CKPT /nonexistent.pt: no such file" in one_line(depths.main, ["/nonexistent.pt"], "python -m tools.depths")
+
+
 def test_a_checkpoint_never_fetches_downloads_or_names_a_path(runs, tmp_path, monkeypatch, capsys):
     """A hub teacher, download=True and a data folder in train_config: --eval-only scores the weights with
     the command line's data (override lines), never calls torch.hub or the network."""
@@ -505,7 +473,7 @@ def test_a_train_config_that_is_not_a_dict_is_one_line_in_every_tool(runs, tmp_p
 
 
 def test_every_float_and_complex_dtype_is_under_the_finiteness_rule():
-    from lib.values import non_finite, plain_values
+    from lib.boundary import non_finite, plain_values
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128):
         for bad in (float("nan"), float("inf"), complex(0, float("nan"))):
             if bad.imag and not dtype.is_complex:
@@ -545,10 +513,9 @@ def test_a_cifar_pickle_of_shared_references_is_refused_before_it_expands(tmp_pa
 
 def test_sample_temperature_is_bounded():
     import sample
-    for value in ("1e-320", "1e308", "-1"):
-        args = sample.sample_parser().parse_args(["x.pt", "--temperature", value])
+    for value in ("1e-320", "1e308", "-1"):  # refused before the checkpoint is read
         with pytest.raises(SystemExit, match="--temperature must be 0 \\(greedy\\) or in \\[0.001, 100\\]"):
-            sample.check_sample_args(args)
+            sample.main(["no-such.pt", "--temperature", value])
 
 
 def render_module():
@@ -622,7 +589,7 @@ def test_a_number_on_its_bound_is_taken_and_one_past_it_refused(flag, edge, beyo
 
 
 def test_a_float_weight_takes_every_float_dtype_and_nothing_else():
-    from lib.values import fit_problem
+    from lib.boundary import fit_problem
     expected = {"w": torch.zeros(2, 3)}
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         assert fit_problem(expected, {"w": torch.zeros(2, 3, dtype=dtype)}, "m") is None, dtype

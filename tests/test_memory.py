@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import alternet
 import bench
-from lib import memory
+from lib import build, memory
 import revit
 import train
 
@@ -215,11 +215,22 @@ def test_bench_memory_reports_every_part_and_the_fit(capsys):
         bench.main(["memory", "--arch", "alternet-tiny", "--gpus", "0"])
 
 
+def test_the_plan_and_bench_memory_measure_in_fp16(tmp_path):
+    """--precision fp16 (auto's choice on a GPU without bf16): train.py's plan measures the step under fp16
+    autocast and says so, and the run trains (CPU autocast, the CPU's gradient scaler); bench.py memory
+    --precision fp16 measures the same way."""
+    summary, printed = run_train(tmp_path, "--gpu-memory", "80", "--precision", "fp16")
+    assert "; fp16 autocast, batch 8 x 32 over 1 device(s)" in printed and summary["step"] == 2
+    result = bench.main(["memory", "--arch", "alternet-tiny", "--batch-size", "8", "--seq-len", "32",
+                         "--precision", "fp16"])
+    assert result["precision"] == "fp16 autocast" and result["fits"]
+
+
 def test_small_cpu_runs_skip_the_measurement(monkeypatch):
     """train.py's tests run ~100 tiny CPU models: for them the estimate is one parameter count."""
     monkeypatch.setattr(memory, "measure", lambda *a, **k: pytest.fail("measured a tiny CPU run"))
     cfg = train.resolve_config({"arch": "alternet-tiny", "max_steps": 1}, announce=False)
-    train.fit_in_memory(cfg, None, CPU, 1)
+    build.fit_in_memory(cfg, None, CPU, 1)
     assert cfg.grad_accum == 1
 
 

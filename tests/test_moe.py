@@ -4,8 +4,11 @@ Every mechanism is checked against a slow reference written from its routing rul
 over images, steps and tokens), on tiny widths; storage (Table 8) and the nominal budget U are
 checked on the real S/B presets built on the meta device.
 """
+import dataclasses
 import inspect
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,7 @@ MECHANISMS = ["revit-mini-lory", "revit-mini-smear", "revit-mini-feature", "revi
 
 
 def tiny(name, **overrides):
-    return revit.create_model(name, **{**TINY, **overrides})
+    return moe.create_model(name, **{**TINY, **overrides})
 
 
 
@@ -358,7 +361,7 @@ def test_input_dependent_mechanisms_refuse_to_fold(name):
 
 def test_lora_parameter_counts_match_table_10():
     with torch.device("meta"):
-        model = revit.create_model("revit-s-lora")
+        model = moe.create_model("revit-s-lora")
     adapters = sum(p.numel() for p in model.block.lora.parameters())
     assert adapters == 16 * 12 * 64 * 384                                # 16 L r d = 4.72M
     assert round((model.num_params() - adapters) / 1e6, 2) == 2.53      # the shared model
@@ -388,7 +391,7 @@ def preset(mechanism, budget, size):
 def test_stored_expert_parameters_and_measured_budget_match_the_paper(mechanism, budget, size, millions):
     for name in {preset(mechanism, budget, size), preset(mechanism, budget, "b14" if size == "b" else size)}:
         with torch.device("meta"):
-            model = revit.create_model(name)
+            model = moe.create_model(name)
         assert round(moe.expert_ffn_params(model) / 1e6, 1) == millions  # Table 8
         measured = moe.ffn_budget(model)
         if mechanism == "softmoe":  # S = U * N slots shared by N + 1 tokens (the class token)
@@ -422,19 +425,20 @@ def test_flop_count_is_what_the_module_runs(name):
 def test_preset_names_and_table_encoding():
     for name in ("revit-s-qwen3-u2", "revit-mini-deepseek-u1", "revit-s-lora", "revit-s-feature",
                  "revit-b14-softmoe-u4", "revit-b-moeut-u1.5", "revit-mini32-remoe-u4", "revit-s-smear"):
-        assert name in revit.PRESETS
-    p = revit.PRESETS["revit-s-deepseek-u4"]
+        assert name in moe.PRESETS
+    p = moe.PRESETS["revit-s-deepseek-u4"]
     assert (p["num_experts"], p["top_k"], p["shared_experts"], p["expert_ffn_fraction"]) == (32, 12, 4, 0.25)
-    assert revit.PRESETS["revit-s-qwen3-u1"]["balance_weight"] == 0.0
-    assert revit.PRESETS["revit-s-qwen3-u4"]["balance_weight"] == 1e-3
-    assert revit.PRESETS["revit-s-lora"]["lora_rank"] == 64
+    assert moe.PRESETS["revit-s-qwen3-u1"]["balance_weight"] == 0.0
+    assert moe.PRESETS["revit-s-qwen3-u4"]["balance_weight"] == 1e-3
+    assert moe.PRESETS["revit-s-lora"]["lora_rank"] == 64
     with torch.device("meta"):
-        assert revit.create_model("revit-s-softmoe").block.mlp.slots_per_expert == 49
-        assert revit.create_model("revit-b14-softmoe").block.mlp.slots_per_expert == 64
+        assert moe.create_model("revit-s-softmoe").block.mlp.slots_per_expert == 49
+        assert moe.create_model("revit-b14-softmoe").block.mlp.slots_per_expert == 64
 
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(ffn="switch"), "ffn='switch' is not allowed.*one of"), (dict(ffn="qwen3", top_k=5), "top_k"),
+    (dict(ffn=3), "ffn must be a string"),
     (dict(ffn="qwen3", shared_experts=1), "shared_experts"), (dict(arch="vit", ffn="smear"), "ffn"),
     (dict(expert_ffn_fraction=0.0), "expert_ffn_fraction"), (dict(lora_rank=0), "lora_rank"),
     (dict(ffn="remoe", num_experts=4, top_k=10 ** 6), "top_k must be between 1 and num_experts=4"),
@@ -448,9 +452,9 @@ def test_budgets_are_consistent_across_sizes():
     """ehr is encoded relative to ffn_dim, so the mini presets keep the paper's U for token dispatch."""
     for mechanism in ("deepseek", "qwen3", "moeut", "remoe"):
         for budget in moe.MOE_TABLE[mechanism]:
-            model = revit.create_model(f"revit-mini-{mechanism}-u{budget:g}")
+            model = moe.create_model(f"revit-mini-{mechanism}-u{budget:g}")
             assert moe.ffn_budget(model) == pytest.approx(budget)
-    softmoe = revit.create_model("revit-mini-softmoe")  # U*N slots serve N patches + the class token
+    softmoe = moe.create_model("revit-mini-softmoe")  # U*N slots serve N patches + the class token
     n = softmoe.config.num_patches
     assert math.isclose(moe.ffn_budget(softmoe), n / (n + 1))
 
@@ -471,7 +475,7 @@ def test_only_ffns_that_need_the_step_receive_it():
 def test_each_mechanism_is_run_by_its_own_revit_and_the_plain_one_refuses_it(name):
     model = tiny(name, **({"lora_rank": 2} if "lora" in name else {}))
     assert type(model) is moe.ComparisonReViT and isinstance(model, revit.ReViT)
-    with pytest.raises(ValueError, match=f"ffn='{model.config.ffn}' builds lib.moe.ComparisonReViT"):
+    with pytest.raises(ValueError, match="arch='revit' builds lib.moe.ComparisonReViT, not ReViT"):
         revit.ReViT(model.config)
     assert type(revit.build_model(model.config)) is moe.ComparisonReViT
 
@@ -498,3 +502,25 @@ def test_checkpoints_saved_before_the_mechanisms_stood_on_their_own_still_load(t
         model, _ = load_model(path)
         with torch.no_grad():
             torch.testing.assert_close(model(images), fixture["outputs"][name], msg=name)
+
+
+def test_one_door_builds_every_vision_preset_and_saved_config():
+    """moe.create_model builds revit.py's presets as revit.create_model does (class, config, weights); a
+    config saved with this file's fields and ffn='merge' (every vision checkpoint saved before lib/moe.py
+    had its own config) is checked and builds revit's; `python -m lib.moe NAME` answers in one line."""
+    for name in ("vit-mini", "raptor-mini-k2", "revit-mini", "revit-mini-e1"):
+        torch.manual_seed(0)
+        ours = moe.create_model(name, **TINY)
+        torch.manual_seed(0)
+        plain = revit.create_model(name, **TINY)
+        assert type(ours) is type(plain) and type(ours.config) is revit.ViTConfig and ours.config == plain.config
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), plain.state_dict().values()))
+    saved = dataclasses.asdict(moe.ViTConfig(**{**revit.PRESETS["revit-mini"], **TINY}))
+    assert {"ffn", "top_k", "lora_rank"} <= set(saved) and saved["ffn"] == "merge"
+    assert moe.config_of(saved) == revit.ViTConfig(**{**revit.PRESETS["revit-mini"], **TINY})
+    with pytest.raises(ValueError, match="top_k=0 is not allowed"):
+        moe.config_of({**saved, "top_k": 0})
+    done = subprocess.run([sys.executable, "-m", "lib.moe", "revit-mini-smeer"], capture_output=True, text=True,
+                          cwd=Path(revit.__file__).parent)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "did you mean 'revit-mini-smear'" in done.stderr

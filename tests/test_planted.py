@@ -12,7 +12,7 @@ import torch
 
 import revit
 import train
-from lib import data, planted, tasks
+from lib import build, data, planted, tasks
 from lib.checkpoint import load_model
 
 PLANTED_ARGS = ["--dataset", "planted", "--patch-size", "4", "--depth", "3", "--model-args",
@@ -143,7 +143,7 @@ def test_a_planted_run_logs_the_gate_spread_at_every_evaluation(tmp_path):
 
 
 def old_groups(model, weight_decay):
-    """The grouping before psi had a group of its own (the rule of train.param_groups' docstring)."""
+    """The grouping before psi had a group of its own (the rule of lib/build.param_groups' docstring)."""
     exclude = model.no_weight_decay()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith("bias") and n not in exclude]
     rest = [p for n, p in model.named_parameters() if not any(p is q for q in decay)]
@@ -156,21 +156,21 @@ def ids(group):
 
 def test_router_lr_scale_puts_psi_alone_in_a_third_group():
     model = revit.create_model("revit-mini", num_experts=4)
-    same = train.param_groups(model, 0.05, 1.0)
+    same = build.param_groups(model, 0.05, 1.0)
     assert [ids(g) for g in same] == [ids(g) for g in old_groups(model, 0.05)]
     assert all("lr_scale" not in g for g in same)
-    groups = train.param_groups(model, 0.05, 10.0)
+    groups = build.param_groups(model, 0.05, 10.0)
     assert len(groups) == 3 and groups[2]["lr_scale"] == 10.0 and groups[2]["weight_decay"] == 0.0
     psi = {id(p) for p in model.block.mlp.router.parameters()}
     assert set(ids(groups[2])) == psi and len(psi) == 4  # Linear(1,16) and Linear(16,E): weights, biases
     assert not psi & set(ids(groups[0]) + ids(groups[1]))
     assert sorted(ids(groups[0]) + ids(groups[1]) + ids(groups[2])) == sorted(id(p) for p in model.parameters())
     tied = revit.create_model("revit-mini", num_experts=1)
-    assert len(train.param_groups(tied, 0.05, 10.0)) == 2  # no psi
-    import lib.moe  # noqa: F401 -- a content router (SMEAR, Table 3) gets the same third group
-    smear = revit.create_model("revit-mini-smear")
+    assert len(build.param_groups(tied, 0.05, 10.0)) == 2  # no psi
+    from lib import moe  # a content router (SMEAR, Table 3) gets the same third group
+    smear = moe.create_model("revit-mini-smear")
     router = {id(p) for p in smear.block.mlp.router.parameters()}
-    assert set(ids(train.param_groups(smear, 0.05, 30.0)[2])) == router and len(router) == 2
+    assert set(ids(build.param_groups(smear, 0.05, 30.0)[2])) == router and len(router) == 2
 
 
 def test_router_lr_scale_trains_psi_at_m_times_the_lr(tmp_path):

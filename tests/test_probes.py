@@ -39,6 +39,10 @@ def probe_cfg(backbone, data_dir, **overrides):
 # --- metrics against hand-computed values ---
 
 
+def miou(pred, target, num_classes):
+    return probes.mean_iou(probes.confusion_matrix(pred, target, num_classes))
+
+
 def test_miou_with_ignore_index_and_an_empty_class():
     target = torch.tensor([[0, 0, 1], [1, 255, 2]])
     pred = torch.tensor([[0, 1, 1], [1, 2, 0]])
@@ -47,20 +51,82 @@ def test_miou_with_ignore_index_and_an_empty_class():
     # class 3: absent from target and prediction -> left out of the mean
     confusion = probes.confusion_matrix(pred, target, num_classes=4)
     assert confusion.sum() == 5  # the ignored pixel is dropped
-    assert probes.miou(pred, target, num_classes=4) == pytest.approx((1 / 3 + 2 / 3 + 0) / 3)
-    assert probes.miou(target.clamp(max=3), target, num_classes=4) == 1.0  # perfect on the scored pixels
+    assert miou(pred, target, num_classes=4) == pytest.approx((1 / 3 + 2 / 3 + 0) / 3)
+    assert miou(target.clamp(max=3), target, num_classes=4) == 1.0  # perfect on the scored pixels
 
 
-def test_miou_rejects_out_of_range_labels():
-    with pytest.raises(ValueError):
-        probes.confusion_matrix(torch.tensor([0]), torch.tensor([7]), num_classes=4)
+def slow_scores(preds, targets, num_classes):
+    """mIoU and pixel accuracy by their definitions, pixel by pixel over every image: per class
+    |pred = c and target = c| / |pred = c or target = c| over scored pixels, averaged over the classes
+    that occur in either."""
+    pixels = [(int(p), int(t)) for pred, target in zip(preds, targets)
+              for p, t in zip(pred.flatten(), target.flatten()) if t != probes.IGNORE_INDEX]
+    ious = []
+    for c in range(num_classes):
+        union = sum(p == c or t == c for p, t in pixels)
+        if union:
+            ious.append(sum(p == c and t == c for p, t in pixels) / union)
+    return sum(ious) / len(ious), sum(p == t for p, t in pixels) / len(pixels)
+
+
+class FixedHead(torch.nn.Module):
+    """A 'head' that returns the prediction stored for each image (its feature is the image's index)."""
+    def __init__(self, predictions):
+        super().__init__()
+        self.predictions = predictions
+
+    def forward(self, features, size):
+        return self.predictions[features[:, 0, 0].long()]
+
+
+def test_dense_metrics_count_every_pixel_once():
+    """Images of different sizes of scored area, a class absent from one image and from the whole
+    data, and batches of 2: mIoU is per class over every pixel (not the global IoU of all classes
+    pooled, not a mean of per-image or per-batch mIoUs, not counting the absent class as 0); RMSE
+    and delta < 1.25 are over every valid pixel (not a mean of per-image RMSEs), delta two-sided."""
+    g = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, 3, (5, 6, 6), generator=g)
+    targets[0, :, :4] = probes.IGNORE_INDEX  # image 0: few scored pixels
+    targets[1][targets[1] == 2] = 0  # class 2 absent from image 1; class 3 absent everywhere
+    right = torch.tensor([0.95, 0.9, 0.3, 0.5, 0.2])[:, None, None]  # each image its share of right pixels
+    preds = torch.where(torch.rand(5, 6, 6, generator=g) < right, targets.clamp(max=2),
+                        torch.randint(0, 3, (5, 6, 6), generator=g))
+    data = probes.DenseData("test", "seg", None, None, num_classes=4)
+    feats = torch.arange(5.0)[:, None, None].expand(5, 1, 1)
+    logits = torch.nn.functional.one_hot(preds, 4).permute(0, 3, 1, 2).float()
+    scores = probes.evaluate_head(FixedHead(logits), feats, targets, data, batch_size=2, device="cpu")
+    expected_miou, expected_acc = slow_scores(preds, targets, 4)
+    assert scores["miou"] == pytest.approx(expected_miou, rel=1e-12)
+    assert scores["pixel_acc"] == pytest.approx(expected_acc, rel=1e-6)  # a float32 ratio
+    per_image = sum(slow_scores(p[None], t[None], 4)[0] for p, t in zip(preds, targets)) / 5
+    per_batch = sum(slow_scores(preds[i:i + 2], targets[i:i + 2], 4)[0] for i in (0, 2, 4)) / 3
+    pooled = probes.confusion_matrix(preds, targets, 4).double()
+    pooled = pooled.trace() / (pooled.sum(0) + pooled.sum(1) - pooled.diagonal()).sum()
+    for wrong in (per_image, per_batch, pooled.item(), expected_miou * 3 / 4):  # the input tells these apart
+        assert abs(wrong - expected_miou) > 0.01
+
+    depth = 1 + torch.rand(5, 6, 6, generator=g)
+    depth[0, :, :4] = float("nan")  # image 0: few valid pixels
+    depth[2, 0] = 0.0
+    guess = depth.nan_to_num(1.0) * (0.6 + 0.8 * torch.rand(5, 6, 6, generator=g))  # above and below by 40%
+    data = probes.DenseData("test", "monodepth", None, None)
+    scores = probes.evaluate_head(FixedHead(guess[:, None]), feats, depth, data, batch_size=2, device="cpu")
+    valid = [(float(p), float(t)) for p, t in zip(guess.flatten(), depth.flatten()) if t == t and t > 0]
+    rmse = math.sqrt(sum((p - t) ** 2 for p, t in valid) / len(valid))
+    delta1 = sum(max(p / t, t / p) < 1.25 for p, t in valid) / len(valid)
+    assert scores["rmse"] == pytest.approx(rmse, rel=1e-9)
+    assert scores["delta1"] == pytest.approx(delta1, rel=1e-12)
+    one_sided = sum(p / t < 1.25 for p, t in valid) / len(valid)
+    per_image_rmse = sum(probes.depth_map_metrics(probes.depth_map_sums(p, t))["rmse"]
+                         for p, t in zip(guess, depth)) / 5
+    assert abs(one_sided - delta1) > 0.05 and abs(per_image_rmse - rmse) > 1e-3
 
 
 def test_rmse_and_delta_skip_invalid_pixels():
     target = torch.tensor([[1.0, 2.0], [0.0, float("nan")]])  # 0 and NaN: no measurement
     pred = torch.tensor([[1.5, 2.0], [9.0, 9.0]])
-    assert probes.rmse(pred, target) == pytest.approx(math.sqrt(0.25 / 2))
     metrics = probes.depth_map_metrics(probes.depth_map_sums(pred, target))
+    assert metrics["rmse"] == pytest.approx(math.sqrt(0.25 / 2))
     assert metrics["delta1"] == pytest.approx(0.5)  # 1.5/1 >= 1.25; 2/2 < 1.25
 
 
@@ -72,8 +138,8 @@ def test_proxy_targets():
 
 def test_heads_upsample_to_pixels():
     feats = torch.randn(2, 16, 8)  # (B, P = 4x4, d)
-    assert probes.SegmentationHead(8, 5, grid=4)(feats, (28, 28)).shape == (2, 5, 28, 28)
-    assert probes.DepthMapHead(8, grid=4, hidden=12)(feats, (28, 28)).shape == (2, 28, 28)
+    assert probes.DenseHead(8, 5, grid=4)(feats, (28, 28)).shape == (2, 5, 28, 28)
+    assert probes.DenseHead(8, 1, grid=4, hidden=12)(feats, (28, 28)).shape == (2, 1, 28, 28)
 
 
 # --- probe runs on the Fashion-MNIST proxy ---
@@ -157,7 +223,7 @@ def test_cli_writes_results_and_rejects_bad_input(tmp_path, fashion_mnist_dir, c
     probes.main(["--probe", "seg", *args, "--out-dir", str(tmp_path / "run")])
     assert (tmp_path / "run" / "probe_results.json").is_file()
     heads = torch.load(tmp_path / "run" / "probe_heads.pt", weights_only=True)
-    assert heads["linear"]["linear.weight"].shape == (1 + probes.PROXY_LEVELS, 16)
+    assert heads["linear"]["net.weight"].shape == (1 + probes.PROXY_LEVELS, 16)
     with pytest.raises(SystemExit, match="untied ViT"):  # a plain ViT runs only its own depth
         probes.main(["--probe", "seg", *args, "--eval-depths", "2"])
     with pytest.raises(SystemExit, match="--probe"):

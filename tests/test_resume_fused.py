@@ -25,8 +25,8 @@ def fused_seen():
 
 def fused_device(monkeypatch):
     """This CPU as a device whose choice is fused AdamW (CUDA's, in device_options)."""
-    monkeypatch.setattr(train, "device_options", lambda kind, bf16=True: {**REAL_OPTIONS(kind, bf16),
-                                                                        "fused_adamw": True})
+    monkeypatch.setattr(train, "device_options", lambda kind, precision="auto": {
+        **REAL_OPTIONS(kind, precision), "fused_adamw": True})
 
 
 @pytest.mark.parametrize("saved_on_fused_device", [False, True])

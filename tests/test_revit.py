@@ -604,7 +604,7 @@ def test_raptor_presets_keep_layer_scale_like_deit3():
     (dict(depth_drop=float("nan")), "depth_drop=nan is not allowed: depth_drop must be a finite number"),
     (dict(router_temperature="1"), "router_temperature must be a finite number"),
     (dict(merge_cache="yes"), "merge_cache must be True or False"),
-    (dict(ffn=3), "ffn must be a string"),
+    (dict(arch=3), "arch must be a string"),
     (dict(layer_scale_init=float("inf")), "layer_scale_init must be a finite number or None"),
     (dict(layer_scale_init=0.0), "layer_scale_init must be > 0 or None"),
     (dict(router_prior=-1.0), "router_prior must be >= 0"),
@@ -647,11 +647,12 @@ def test_the_story_reads_to_fold_and_nothing_runs_behind_the_call_site():
     story = [n for n in top_level(source) if n.lineno < fold_line]
     names = module_level_names(story)
     assert not {n for n in names if n.startswith("check_") or "cache" in n.lower() or "hook" in n.lower()}
-    for hidden in ("__class__ =", "register_optimizer_step_post_hook", "register_forward_pre_hook", "CONFIG_CHECKS"):
+    for hidden in ("__class__ =", "register_optimizer_step_post_hook", "register_forward_pre_hook", "CONFIG_CHECKS",
+                   "MECHANISMS"):
         assert hidden not in source, hidden
 
 
-STORY_LINES = 480  # revit.py's top to `fold` (its reading order is in the opening docstring)
+STORY_LINES = 420  # revit.py's top to `fold` (its reading order is in the opening docstring)
 
 
 def module_level_names(statements) -> set:
@@ -677,25 +678,28 @@ def test_the_fixed_depth_forward_is_the_reference_loop():
 
 
 def test_importing_revit_installs_no_hook_and_imports_no_comparison():
-    """No hook, with or without the merge cache; the comparison mechanisms (lib/moe.py) only with
-    `import lib.moe`, and their presets say so without it."""
+    """No hook, with or without the merge cache; the comparison mechanisms (lib/moe.py) are not revit.py's:
+    their names and fields are refused by it in one line, and importing lib.moe changes nothing of it."""
     script = (
-        "import sys, torch, torch.optim.optimizer as o, revit\n"
+        "import sys, dataclasses, torch, torch.optim.optimizer as o, revit\n"
         "assert not o._global_optimizer_post_hooks and 'lib.moe' not in sys.modules\n"
         "model = revit.create_model('revit-mini').eval()\n"
         "with torch.no_grad():\n"
         "    model(torch.randn(1, 1, 28, 28))\n"
         "assert not o._global_optimizer_post_hooks and not model._forward_pre_hooks\n"
         "assert type(model.block.mlp) is revit.MergedExpertFFN and model.merged_ffns is not None\n"
-        "for name, kw in (('revit-s-smear', {}), ('revit-mini', {'ffn': 'smear'})):\n"
+        "for name, kw, says in (('revit-s-smear', {}, 'lib.moe.create_model'), ('revit-mini', {'ffn': 'smear'},\n"
+        "                       \"unknown config field(s) ['ffn']\")):\n"
         "    try:\n"
         "        revit.create_model(name, **kw)\n"
         "    except ValueError as e:\n"
-        "        assert '`import lib.moe` first' in str(e) and '\\n' not in str(e), e\n"
+        "        assert says in str(e) and '\\n' not in str(e), e\n"
         "    else:\n"
         "        raise AssertionError(name)\n"
+        "presets, fields = dict(revit.PRESETS), dataclasses.fields(revit.ViTConfig)\n"
         "import lib.moe\n"
-        "assert type(revit.create_model('revit-mini-smear')).__name__ == 'ComparisonReViT'\n")
+        "assert revit.PRESETS == presets and dataclasses.fields(revit.ViTConfig) == fields\n"
+        "assert type(lib.moe.create_model('revit-mini-smear')).__name__ == 'ComparisonReViT'\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=Path(revit.__file__).parent, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr

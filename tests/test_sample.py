@@ -135,7 +135,7 @@ HOSTILE = [  # (arguments after CKPT, or a whole argument list; the one line sam
     (["{ckpt}", "--prompt", "café"], r"--prompt 'café' has tokens outside this model's vocabulary \(ids 0..127; "
                                      r"the prompt has 195\)"),
     (["{ckpt}", "--prompt", "\udcff\udcfe"], r"--prompt '\\udcff\\udcfe' is not UTF-8 text"),
-    (["{ckpt}", "--prompt", ""], "--prompt must not be empty"),
+    (["{ckpt}", "--prompt", ""], "--prompt '' encodes to no tokens"),
     (["{ckpt}", "--max-new-tokens", str(10 ** 12)], "--max-new-tokens must be in 0..100,000; got 1000000000000"),
     (["{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens must be in 0..100,000"),
     (["{ckpt}", "--max-depth", "0"], "--max-depth must be in 1..256; got 0"),

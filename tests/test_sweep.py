@@ -127,6 +127,21 @@ def test_shards_split_the_runs_and_the_last_pass_builds_the_table(tmp_path, fake
     assert gaps == {"regime": "+2.00 ± 0.82", "d=32": "+2.00 ± 0.82", "2L": "+2.00 ± 0.82"}  # s.e. sqrt(2/3) %
 
 
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_bar_over_the_runs_on_a_terminal_never_glues_to_the_lines_of_stdout(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setattr("sys.stderr", Terminal())
+    _, lines = run_cli(["--device", "cpu", "--grids", "tying", "--out", str(tmp_path)])
+    assert [line.split("]")[0] for line in lines[:18]] == [f"[{i}/18" for i in range(1, 19)]
+    assert "runs: " in sys.stderr.getvalue() and not any("\r" in line or "runs: " in line for line in lines)
+    monkeypatch.setattr("sys.stderr", Terminal())
+    run_cli(["--device", "cpu", "--grids", "tying", "--out", str(tmp_path), "--no-progress"])
+    assert sys.stderr.getvalue() == ""
+
+
 def test_a_cell_killed_before_its_first_checkpoint_starts_over(tmp_path, fake_train):
     run_dir = tmp_path / "runs" / "cell"
     run_dir.mkdir(parents=True)
@@ -204,7 +219,10 @@ WRONG_TYPES += [  # the last adversary round: each refused by a rule of the reco
     ({**GOOD, "result": {**GOOD["result"], "depths": {"2": {"acc": float("nan")}}}}, "result.depths must map"),
     ({**GOOD, "gate_trace": "rising"}, "gate_trace must be a list of [step, gate spread] pairs"),
     ({**GOOD, "key": "../../A"}, "key must be a cell's name (a-z, 0-9 and -), never a path"),
-    ({**GOOD, "key": None}, "key must be a cell's name")]
+    ({**GOOD, "key": None}, "key must be a cell's name"),
+    ({**GOOD, "gates": {"gate_spread": 0.5, "dominant_expert": ["0" * 9]}}, "gates must be null, {} or"),
+    ({**GOOD, "gates": {"gate_spread": 1e308, "dominant_expert": [0]}}, "gates must be null, {} or"),
+    ({**GOOD, "commit": {"sha": 1}}, "commit and torch must be strings")]
 
 
 @pytest.mark.parametrize("argv, message", [

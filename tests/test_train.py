@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lib import checkpoint
-from lib import cli, resume
+from lib import build, cli, resume
 import revit
 import train
 
@@ -72,7 +72,7 @@ def test_table6_recipe_runs(tmp_path, fashion_mnist_dir):
 
 def test_weight_decay_groups():
     model = revit.create_model("revit-mini")
-    decay, no_decay = train.param_groups(model, 0.05)
+    decay, no_decay = build.param_groups(model, 0.05)
     names = {id(p): n for n, p in model.named_parameters()}
     excluded = {names[id(p)] for p in no_decay["params"]}
     assert {"cls_token", "pos_embed", "block.mlp.router.2.weight", "block.mlp.fc1_bias"} <= excluded
@@ -86,11 +86,11 @@ SMALL_LANGUAGE = dict(vocab_size=64, seq_len=16, dim=32, heads=2, ffn_dim=32, de
 def test_no_bias_is_decayed_for_any_preset():
     """Biases are never decayed, whatever their shape (reViT's per-expert biases are (E, d_ff))."""
     import alternet
-    import lib.moe  # noqa: F401 - every preset: the comparison mechanisms' too
-    models = [(name, revit.create_model(name, **SMALL_VISION)) for name in revit.PRESETS]
+    from lib import moe  # every preset: the comparison mechanisms' too
+    models = [(name, moe.create_model(name, **SMALL_VISION)) for name in moe.PRESETS]
     models += [(name, alternet.create_model(name, **SMALL_LANGUAGE)) for name in alternet.PRESETS]
     for name, model in models:
-        decay, _ = train.param_groups(model, 0.05)
+        decay, _ = build.param_groups(model, 0.05)
         decayed = {id(p) for p in decay["params"]}
         for pname, p in model.named_parameters():
             if pname.endswith("bias"):
@@ -118,8 +118,9 @@ def test_gradient_clipping_scales_the_whole_gradient_to_its_max_norm(clip):
     max_norm = clip * norm  # 0.25: a quarter of this gradient's norm
     cfg = types.SimpleNamespace(grad_accum=1, grad_clip=max_norm, probe=None)
     sched = dict(warmup_steps=0, total_steps=1, warmup_lr=0.1, min_lr=0.1, peak_lr=0.1)  # lr 0.1 at step 0
-    run = train.Run(cfg, 0, 1, torch.device("cpu"), model, model, SquaredError(), None, None,
-                    torch.optim.SGD(model.parameters(), lr=0.1), sched, None, None)
+    run = train.Run(cfg, torch.device("cpu"), model, model, SquaredError(), None,
+                    torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False), sched,
+                    None)
     record = train.train_step(run, x, y)
     scale = min(1.0, max_norm / (norm + 1e-6)) if clip else 1.0
     assert record["grad_norm"] == pytest.approx(norm, rel=1e-6)
@@ -479,15 +480,22 @@ def test_eval_only_matches_the_training_evaluation_and_leaves_the_file(tmp_path,
 # --- the CUDA-only choices, reached on a CPU through device_options ---
 
 
-def test_device_options_decide_the_cuda_branches():
+def test_device_options_decide_the_cuda_branches(monkeypatch):
+    """--precision auto: bf16 on a GPU that computes in bf16, fp16 on one that only emulates it (a T4, whose
+    is_bf16_supported() is True by emulation), fp32 on the CPU and MPS; a named precision on any device."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     cuda, cpu = cli.device_options("cuda"), cli.device_options("cpu")
     assert cuda == {"fused_adamw": True, "tf32": True, "ddp_backend": "nccl", "autocast_dtype": torch.bfloat16,
-                    "data_on_device": True}
+                    "precision": "bf16", "data_on_device": True}
     assert cpu == {"fused_adamw": False, "tf32": False, "ddp_backend": "gloo", "autocast_dtype": None,
-                   "data_on_device": False}
-    assert cli.device_options("cuda", bf16=False)["autocast_dtype"] is None
+                   "precision": "fp32", "data_on_device": False}
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert cli.device_options("cuda")["autocast_dtype"] == torch.float16  # a T4: fp16 and its scaler
+    assert cli.device_options("cuda", "fp32")["autocast_dtype"] is None
+    assert [cli.device_options("cpu", p)["autocast_dtype"] for p in ("bf16", "fp16")] == [torch.bfloat16,
+                                                                                        torch.float16]
     assert cli.device_options("mps") == {"fused_adamw": True, "tf32": False, "ddp_backend": "gloo",
-                                         "autocast_dtype": None, "data_on_device": True}
+                                         "autocast_dtype": None, "precision": "fp32", "data_on_device": True}
     assert cli.pick_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
@@ -528,9 +536,9 @@ model = torch.nn.Linear(2, 2)
 if rank == 0:
     torch.nn.init.constant_(model.weight, float("nan"))
 cfg = train.TrainConfig(arch="vit-mini")
-run = train.Run(cfg, rank, 2, torch.device("cpu"), model, model, None, None, None,
-                torch.optim.SGD(model.parameters(), lr=0.1), {{"peak_lr": 0.1}}, None,
-                checkpoint.RunFolder(Path({str(tmp_path)!r})), step=5)
+run = train.Run(cfg, torch.device("cpu"), model, model, None, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                torch.amp.GradScaler("cpu", enabled=False), {{"peak_lr": 0.1}},
+                checkpoint.RunFolder(Path({str(tmp_path)!r})), rank, 2, step=5)
 model.config = revit.ViTConfig()  # saved as the model's config (the save stops before writing)
 try:
     train.save_checkpoint(run)
@@ -550,8 +558,8 @@ dist.destroy_process_group()
 
 def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     """Fused AdamW, the TF32 flags and bf16 autocast, as CUDA runs them, here on the CPU."""
-    cuda = dict(cli.device_options("cuda"), data_on_device=False)
-    monkeypatch.setattr(train, "device_options", lambda device_type, bf16=True: cuda)
+    cuda = dict(cli.device_options("cuda", "bf16"), data_on_device=False)
+    monkeypatch.setattr(train, "device_options", lambda device_type, precision="auto": cuda)
     seen, real_adamw = [], torch.optim.AdamW
     monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: seen.append(k["fused"]) or real_adamw(*a, **k))
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -562,6 +570,84 @@ def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     assert seen == [True] and 0 <= summary["test_acc"] <= 1
+
+
+def test_precision_flag_and_auto_on_the_cpu(tmp_path, fashion_mnist_dir, capsys):
+    """--precision takes auto, bf16, fp16 or fp32 (one line otherwise); auto is fp32 on a CPU: no autocast, no
+    scaler state saved; bf16 named runs under CPU autocast. A checkpoint saved before --precision holds bf16
+    (True: auto, False: fp32) and resumes."""
+    with pytest.raises(SystemExit, match=r"--precision must be one of auto, bf16, fp16, fp32; got 'fp8'$"):
+        train.main(["--precision", "fp8"])
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "2", "--stop-at-step", "1")
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["train_config"]["precision"] == "auto" and ckpt["scaler"] == {}
+    assert "fp16" not in capsys.readouterr().out
+    _, bf16 = run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--precision", "bf16", name="bf16")
+    assert step_losses(bf16)[1] != step_losses(out)[1]  # a named precision applies on the CPU: CPU autocast
+    assert torch.load(bf16 / "ckpt.pt", weights_only=True)["scaler"] == {}  # bf16 needs no scaler
+    old = {k: v for k, v in ckpt["train_config"].items() if k != "precision"}
+    for flag, precision in ((False, "fp32"), (True, "auto")):
+        saved = resume.saved_config(dict(ckpt, train_config=dict(old, bf16=flag)), "ckpt.pt", "--resume",
+                                    train.TrainConfig)
+        assert saved["precision"] == precision
+    checkpoint.atomic_save(dict(ckpt, train_config=dict(old, bf16=True)), out / "ckpt.pt")  # before --precision
+    assert train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])["step"] == 2
+    assert torch.load(out / "ckpt.pt", weights_only=True)["train_config"]["precision"] == "auto"
+
+
+def overflow_at(step: int, monkeypatch) -> None:
+    """At optimizer step `step` (0-based) only, a finite loss whose gradients are NaN: what fp16 overflow does."""
+    real_loss, calls = train.classification_loss, []
+
+    def loss(logits, targets, kind):
+        calls.append(1)
+        value = real_loss(logits, targets, kind)
+        return value + torch.sqrt(0 * logits.sum()) if len(calls) == step + 1 else value  # forward + 0, NaN grad
+
+    monkeypatch.setattr(train, "classification_loss", loss)
+
+
+def test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly(tmp_path, fashion_mnist_dir,
+                                                                            monkeypatch, capsys):
+    """--precision fp16 on a CPU (CPU autocast and torch.amp.GradScaler("cpu")): a step whose gradients
+    overflow (the planted one at step 2, and any at the scaler's first scale, 2^16) is skipped, said in one
+    line and one event, and the loss scale halves; the scaler's state is saved and restored, so a resumed
+    run ends bit-for-bit where the uninterrupted one does."""
+    fp16 = ["--precision", "fp16", "--max-steps", "4", "--eval-interval", "2"]
+    overflow_at(1, monkeypatch)
+    _, straight = run(tmp_path, fashion_mnist_dir, *fp16, name="straight")
+    printed = capsys.readouterr().out
+    events = [r for r in metrics(straight) if r.get("event") == "overflow"]
+    skipped = [r["step"] for r in metrics(straight) if "loss" in r and r["grad_norm"] is None]
+    assert 2 in skipped and [e["step"] for e in events] == skipped and printed.count("overflowed") == len(events)
+    for i, event in enumerate(events):
+        assert event["loss_scale"] == 2.0 ** (16 - i - 1)
+        assert f"step {event['step']}: fp16 gradients overflowed; the step was skipped, loss scale now " \
+               f"{event['loss_scale']:g}\n" in printed
+    for stop in (2, 3):  # at 2 every step so far may have been skipped: AdamW has no state yet
+        overflow_at(1, monkeypatch)
+        _, killed = run(tmp_path, fashion_mnist_dir, *fp16, "--stop-at-step", str(stop), name=f"killed{stop}")
+        saved, skips = torch.load(killed / "ckpt.pt", weights_only=True), sum(s <= stop for s in skipped)
+        assert saved["scaler"]["scale"] == 2.0 ** (16 - skips)
+        assert all(int(s["step"]) == stop - skips for s in saved["optimizer"]["state"].values())  # AdamW's
+        train.main(["--resume", str(killed / "ckpt.pt"), "--no-progress"])
+        a, b = (torch.load(out / "ckpt.pt", weights_only=True) for out in (straight, killed))
+        assert a["scaler"] == b["scaler"] and a["scaler"]["_growth_tracker"] == 4 - skipped[-1]
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert step_losses(straight) == step_losses(killed)
+
+
+def test_the_router_gates_and_merges_stay_fp32_under_fp16_autocast():
+    """As under bf16 (App. A.5): revit.full_precision turns autocast off whatever its dtype."""
+    model = revit.create_model("revit-mini", **dict(SMALL_VISION, num_experts=4)).eval()
+    reference = model.gate_matrix(5)
+    with torch.autocast("cpu", dtype=torch.float16):
+        gates = model.gate_matrix(5)
+        merged = model.block.mlp.merge(gates)
+        logits = model(torch.randn(2, model.config.in_channels, 32, 32))
+    assert gates.dtype == torch.float32 and all(w.dtype == torch.float32 for w in merged)
+    torch.testing.assert_close(gates, reference, rtol=0, atol=0)
+    assert logits.dtype == torch.float16  # the rest of the model did run in fp16
 
 
 def test_a_training_step_reads_the_device_once(tmp_path, fashion_mnist_dir, monkeypatch):
@@ -598,7 +684,7 @@ def test_ddp_wraps_the_model_before_compile(monkeypatch):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         model = revit.create_model("revit-mini", **SMALL_VISION)
-        forward = train.wrap(model, train.TrainConfig(compile=True), torch.device("cpu"), world=2)
+        forward = build.wrap(model, train.TrainConfig(compile=True), torch.device("cpu"), world=2)
         assert isinstance(forward, OptimizedModule)
         assert isinstance(forward._orig_mod, torch.nn.parallel.DistributedDataParallel)
         assert forward.no_sync is not None and checkpoint.unwrap(forward) is model
@@ -701,6 +787,19 @@ def test_training_on_the_gpu(tmp_path, fashion_mnist_dir):
 
 
 @pytest.mark.gpu
+def test_fp16_training_on_the_gpu(tmp_path, fashion_mnist_dir, capsys):
+    """--precision fp16, auto's choice on a GPU without bf16 (a T4, a V100): CUDA fp16 autocast and fused
+    AdamW with the gradient scaler; its state is saved, each skipped step said, the weights stay finite."""
+    summary, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--device", "cuda", "--precision", "fp16",
+                       "--eval-depths", "2")
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert summary["step"] == 6 and 0 <= summary["test_acc"] <= 1 and 0 < ckpt["scaler"]["scale"] <= 2.0 ** 16
+    skipped = [r["step"] for r in metrics(out) if r.get("event") == "overflow"]
+    assert capsys.readouterr().out.count("fp16 gradients overflowed") == len(skipped) < 6
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+@pytest.mark.gpu
 def test_a_cpu_run_resumes_on_the_gpu_and_back(tmp_path, fashion_mnist_dir, capsys):
     """The augmentation generator's state is 5,056 bytes on the CPU and 16 on CUDA: where a saved state
     cannot apply, it is reseeded and said so."""
@@ -710,3 +809,103 @@ def test_a_cpu_run_resumes_on_the_gpu_and_back(tmp_path, fashion_mnist_dir, caps
     assert step4["step"] == 4 and "override: " in capsys.readouterr().out
     done = train.main(["--resume", str(out / "ckpt.pt"), "--device", "cpu", "--no-progress"])
     assert done["step"] == 6 and 0 <= done["test_acc"] <= 1
+
+
+def test_the_schedule_tells_cosine_from_linear_decay_and_warmup_from_its_off_by_ones():
+    """Warmup-cosine where its usual wrong variants differ (a check at the ends and the midpoint alone passes a
+    linear decay, which agrees there). A quarter and three quarters into the decay the cosine is (2 ± √2) / 4 of
+    the way from min_lr to the peak, a linear decay 3/4 and 1/4. Inside the warmup the ramp is linear from
+    warmup_lr at step 0 to the peak at step `warmup` (nanoGPT's (step + 1) / (warmup + 1) is a step off).
+    min_lr and warmup_lr are large enough that leaving either out moves every value."""
+    sched = dict(warmup_steps=4, total_steps=12, warmup_lr=0.1, min_lr=0.2, peak_lr=1.0)
+    lr = [train.lr_at(step, 1.0, sched) for step in range(21)]
+    assert lr[:5] == pytest.approx([0.1, 0.325, 0.55, 0.775, 1.0])  # 0.1 + 0.9 step / 4
+    assert lr[6] == pytest.approx(0.2 + 0.8 * (2 + 2 ** 0.5) / 4)  # 2 of the 8 decay steps
+    assert lr[8] == pytest.approx(0.6)
+    assert lr[10] == pytest.approx(0.2 + 0.8 * (2 - 2 ** 0.5) / 4)
+    assert lr[12:] == pytest.approx([0.2] * 9)  # min_lr at the end and after it, not back up the cosine
+
+
+def test_the_schedule_scales_the_peak_linearly_with_the_batch_and_counts_warmup_in_steps():
+    """DeiT's linear rule, peak = lr x batch / lr_batch, at a batch other than lr_batch (where every rule
+    agrees): 4e-3 x 64 / 256 = 1e-3 (the square-root rule gives 2e-3). --warmup-epochs 0.5 of 7 steps an epoch
+    is round(3.5) = 4 steps; min_lr and warmup_lr above the peak are lowered to it."""
+    cfg = train.TrainConfig(dataset="fashion-mnist", lr=4e-3, lr_batch=256, batch_size=64, epochs=3,
+                            warmup_epochs=0.5, warmup_lr=1e-6, min_lr=2e-3)
+    sched = train.schedule(cfg, None, steps_per_epoch=7)
+    assert sched["peak_lr"] == pytest.approx(1e-3)
+    assert (sched["warmup_steps"], sched["total_steps"]) == (4, 21)
+    assert (sched["warmup_lr"], sched["min_lr"]) == pytest.approx((1e-6, 1e-3))
+
+
+def test_the_evaluation_averages_over_images_not_over_batches():
+    """Accuracy and loss are sums over the test images divided by their count: with a last batch smaller
+    than the others (5 images in batches of 2, 2, 1) the mean of the batches' means differs (the test
+    checks it does), as it would on every test set whose size is not a multiple of --eval-batch-size."""
+    from helpers import randomise
+    from lib import data, tasks
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (5, 1, 8, 8), dtype=torch.uint8, generator=g)
+    model = randomise(revit.create_model("vit-mini", image_size=8, patch_size=4, in_channels=1, num_classes=3,
+                                         dim=16, heads=2, ffn_dim=24, depth=2)).eval()  # logits far apart
+    test = data.ImageData(None, data.TensorImages(images, torch.zeros(5, dtype=torch.long)), 3, 1, 8,
+                          [0.5], [0.25])
+    x = (images.float() / 255 - 0.5) / 0.25
+    with torch.no_grad():
+        logits = model(x)
+    labels = logits.argmax(-1)
+    labels[3:] = (labels[3:] + 1) % 3  # right on the first three images, wrong on the last two
+    test.test.labels = labels
+    task = tasks.ClassificationTask(train.TrainConfig(eval_batch_size=2), test, torch.device("cpu"),
+                                    data.Augment(test, torch.device("cpu"), 0), contextlib.nullcontext)
+    scored = task.evaluate(model, [None], 0, 1)[None]
+    losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    assert scored["acc"] == pytest.approx(3 / 5)  # the batches' means: (1 + 1/2 + 0) / 3 = 1/2
+    assert scored["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+    by_batch = torch.stack([part.mean() for part in losses.split(2)]).mean().item()
+    assert abs(by_batch - losses.mean().item()) > 1e-3
+
+
+def test_bits_per_byte_are_nats_per_token_times_tokens_per_byte_over_ln_2():
+    """bpb = CE (nats a token) x tokens a byte / ln 2, checked at a quarter token a byte (about GPT-2's BPE):
+    at the byte tokenizer's 1 token a byte, multiplying by it and dividing by it agree."""
+    import math
+    from lib import language
+    task = language.LanguageTask(None, None, 0.25, 4, torch.device("cpu"), contextlib.nullcontext)
+    ln2 = math.log(2)
+    # CE sums at [halted, depth 1, depth 2], iterations, tokens, sequences; causal CE, iterations, tokens;
+    # the full-window CE
+    stats = torch.tensor([20 * ln2, 40 * ln2, 10 * ln2, 3, 10, 2, 6 * ln2, 4.5, 3, 9 * ln2]).double()
+    results = task.results(stats, 2)
+    bpb = [float(results[key]["bpb"]) for key in ("halted", 1, 2)]
+    assert bpb == pytest.approx([0.5, 1.0, 0.25])  # 2, 4 and 1 bits a token, 4 bytes a token
+    assert float(results["halted"]["causal_bpb"]) == pytest.approx(0.5)
+    assert float(results["halted"]["iterations"]) == pytest.approx(1.5)
+
+
+class MeanSquaredError:
+    """A task for train_step alone: the mean squared error of a linear map (a mean, as the cross-entropy)."""
+
+    def loss(self, forward, x, y):
+        return ((forward(x) - y) ** 2).mean(), {}
+
+
+def test_gradient_accumulation_takes_the_step_and_logs_the_loss_of_the_whole_batch():
+    """--grad-accum A: A micro-batches, each loss divided by A, give the step and the logged loss of the whole
+    batch's mean loss. At A = 2, through SGD, whose update is -lr times the gradient (AdamW's update hardly
+    changes when the gradient doubles: a missing 1 / A would not show through it)."""
+    import types
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 3), torch.randn(8, 4), torch.randn(8, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    whole = ((model(x) - y) ** 2).mean()
+    grads = torch.autograd.grad(whole, list(model.parameters()))
+    cfg = types.SimpleNamespace(grad_accum=2, grad_clip=0.0, probe=None)
+    sched = dict(warmup_steps=0, total_steps=1, warmup_lr=0.1, min_lr=0.1, peak_lr=0.1)  # lr 0.1 at step 0
+    run = train.Run(cfg, torch.device("cpu"), model, model, MeanSquaredError(), None,
+                    torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False), sched,
+                    None)
+    record = train.train_step(run, x, y)
+    assert record["loss"] == pytest.approx(whole.item(), rel=1e-6)
+    for p, p0, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * g, rtol=1e-5, atol=1e-6)

@@ -2,26 +2,16 @@
 
     python -m tools.analyze runs/revit-mini/ckpt.pt --teacher runs/vit-mini/ckpt.pt --out analysis/
 
-For a checkpoint of this project (the CKA parts also work for a ViT or Raptor checkpoint):
-- the gate matrix G [L, E] at any depth and its dominant-expert path (Fig. 3);
-- effective ranks of W1_bank [E, P], G, W1_traj = G W1_bank and their depth-centred versions (Fig. 5);
-- linear CKA (Kornblith et al., 2019) of mean-pooled patch-token residual states, after the embedding
-  and after every step: self-CKA [L+1, L+1] (Figs. 7-8) and, with --teacher, cross-CKA against the
-  teacher's states with the max-CKA path, its Spearman rho and its mean absolute deviation (MAD)
-  from proportional depth (Fig. 9);
-- expert ablations (one gate column zeroed at every depth, rows renormalised) against random gate
-  perturbations of the same Frobenius displacement of the merged FFN weights (Figs. 4, 10a), and
-  gate-column permutations (Fig. 10b), each as Delta CKA to the teacher's final features;
-- why a gate program forms or not (our diagnosis, not in the paper): the task's gradients on the gate
-  logits (their size and their consistency across batches), on the experts (the expert-specific part)
-  and on psi against the auxiliary losses', for the checkpoint and for a fresh model of its config.
-
-Images are a seeded subset of the test split (Fashion-MNIST by default, or the checkpoint's data set).
-A model under modified gates is the folded ViT (`revit.fold`) with the merged FFNs of those gates
-(`MergedExpertFFN.merge`), so no forward pass is copied here. Outputs in --out: analysis.json (every
-number), gates.csv, self_cka.csv, cross_cka.csv, and PNG figures when matplotlib is installed (an
-optional extra): the gate program with its dominant-expert path (Fig. 3) and the CKA heat maps.
-Every input (checkpoints, flags, data) is read and checked before anything is written.
+On a seeded subset of the test images (the checkpoint's data set): the gate matrix G [L, E] at any
+depth and its dominant-expert path (Fig. 3); effective ranks of W1_bank, G, W1_traj = G W1_bank and
+their depth-centred versions (Fig. 5); linear CKA of mean-pooled patch-token residual states, self-CKA
+(Figs. 7-8) and with --teacher cross-CKA, its max-CKA path, Spearman rho and deviation from
+proportional depth (Fig. 9); expert ablations against random gate perturbations of the same merged-
+weight displacement, and gate-column permutations, as Delta CKA to the teacher's final features (Figs.
+4, 10); and (ours) the task's gradients on the gates, experts and psi, trained and at init. The CKA
+parts also take a ViT or Raptor. A modified gate program runs as the folded ViT of those gates
+(`revit.fold`, `MergedExpertFFN.merge`). --out gets analysis.json (every number), gates.csv,
+self_cka.csv, cross_cka.csv and, with matplotlib, the figures; every input is checked first.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 import revit
 from lib.checkpoint import load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, path_problem
-from lib.cli import atomic_write_text, pick_device, pyplot
+from lib.cli import atomic_write_text, finite_or_null, pick_device, pyplot
 from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, FolderImages, load_images
 
@@ -111,8 +101,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def has_gate_program(model) -> bool:
-    """A reViT whose FFN is the depth-programmed merge (any E; E = 1 is the tied block, G = ones).
-    Content-routed FFNs have no depth-only gates, and layer-wise LoRA has no expert bank."""
+    """A reViT whose FFN is the depth-programmed merge (any E; E = 1 is the tied block, G = ones)."""
     return isinstance(model, revit.ReViT) and getattr(model.config, "ffn", "merge") == "merge"
 
 
@@ -174,11 +163,10 @@ def effective_ranks(model, gates: torch.Tensor) -> dict:
 @torch.no_grad()
 def load_merged_ffns(vit: revit.VisionTransformer, merged: tuple) -> None:
     """Block t of a plain ViT gets merged FFN t; `merged` is MergedExpertFFN.merge's four stacks (L, ...)."""
-    for block, (fc1_weight, fc1_bias, fc2_weight, fc2_bias) in zip(vit.blocks, zip(*merged)):
-        block.mlp.fc1.weight.copy_(fc1_weight)
-        block.mlp.fc1.bias.copy_(fc1_bias)
-        block.mlp.fc2.weight.copy_(fc2_weight)
-        block.mlp.fc2.bias.copy_(fc2_bias)
+    for block, weights in zip(vit.blocks, zip(*merged)):
+        mlp = block.mlp
+        for param, value in zip((mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias), weights):
+            param.copy_(value)
 
 
 def ablate_experts(gates: torch.Tensor, experts) -> torch.Tensor:
@@ -449,15 +437,6 @@ def evaluation_images(args, ckpt: dict, config) -> tuple[torch.Tensor, torch.Ten
     return normalised, labels.long()
 
 
-def analysed_depth(args, model, ckpt) -> int:
-    """--depth, or the checkpoint's reference depth; a plain ViT runs only its own."""
-    config = model.config
-    if config.arch == "vit" and args.depth not in (None, config.depth):
-        raise ValueError(f"--depth {args.depth}: {ckpt['arch']} is a plain ViT and runs only its own depth "
-                         f"({config.depth})")
-    return config.depth if args.depth is None else args.depth
-
-
 def load_teacher(args, config, device) -> tuple:
     teacher, teacher_ckpt = load_vision_model(args.teacher, "--teacher", device)
     tc = teacher.config
@@ -472,7 +451,10 @@ def load_inputs(args) -> Inputs:
     check_args(args)
     device = pick_device(args.device)
     model, ckpt = load_vision_model(args.checkpoint, "checkpoint", device)
-    depth = analysed_depth(args, model, ckpt)
+    depth = args.depth or model.config.depth
+    if model.config.arch == "vit" and depth != model.config.depth:
+        raise ValueError(f"--depth {depth}: {ckpt['arch']} is a plain ViT and runs only its own depth "
+                         f"({model.config.depth})")
     teacher, teacher_ckpt = load_teacher(args, model.config, device) if args.teacher else (None, None)
     images, labels = evaluation_images(args, ckpt, model.config)
     try:
@@ -559,17 +541,6 @@ def write_csv(path: Path, header: list, rows: list) -> None:
         writer = csv.writer(f)
         writer.writerow(header)
         writer.writerows(rows)
-
-
-def json_ready(value):
-    """nan / inf -> null, so analysis.json is strict JSON."""
-    if isinstance(value, dict):
-        return {k: json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def print_report(report: dict) -> None:
@@ -735,7 +706,7 @@ def write_outputs(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_tables(report, out)
     report["plots"] = save_plots(report, out)
-    atomic_write_text(out / "analysis.json", json.dumps(json_ready(report), indent=1))
+    atomic_write_text(out / "analysis.json", json.dumps(finite_or_null(report, "", []), indent=1))
     print(f"\nwrote {out / 'analysis.json'}, " + ", ".join(p.name for p in sorted(out.glob("*.csv")))
           + "".join(f", {p}" for p in report["plots"]))
 

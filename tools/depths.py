@@ -2,21 +2,15 @@
 
 The accuracy is train.py's evaluation, the cost GFLOPs, latency and memory, side by side (reViT §3.2,
 §4.4 of arXiv 2610.12448); for AlterNet (arXiv 2611.08741) every iteration cap D' <= D and halting
-threshold.
+threshold, in bits per byte.
 
-    python -m tools.depths out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, a table and a plot
+    python -m tools.depths out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, table, plot
     python -m tools.depths CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images
-    python -m tools.depths out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds, bits per byte
+    python -m tools.depths out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds
 
-The table marks the reference (the trained depth) and the Pareto-optimal rows, and names the smallest
-depth within half a point of the reference (AlterNet: within 0.01 bits per byte). depths.json and
-depths.png go next to the checkpoint (or --out). Timing and FLOPs follow bench.py's protocol
-(interleaved rounds, flop_counter); memory at batch 1 is measured in a fresh process on a CPU
-(memory.cpu_memory_of) and by the CUDA allocator on a GPU. The last line names the files written.
-
-A vision row times two forms: "deployed" is what a user ships at that depth (revit.fold's plain ViT
-where the model folds, §3.1; else the model with its merge cache) and "dynamic" the compact checkpoint
-itself (reViT merges its experts on every call, as the paper's Table 7 measured).
+Each row is timed in the same rounds as the reference (the trained depth), so a busy machine slows both;
+the table marks the Pareto rows, and the last lines name the smallest depth as good as the reference,
+whether it is faster beyond the timing spread, and the files written (depths.json, depths.png).
 """
 
 from __future__ import annotations
@@ -31,19 +25,21 @@ import statistics
 import sys
 
 import torch
+from tqdm import tqdm
 
 if not __package__:  # run as a file (python tools/depths.py): the project's modules are not on the path
     sys.exit("tools/depths.py: error: run it from the repository root as python -m tools.depths")
 
 import alternet
 import bench
-from lib import memory
+from lib import memory, moe
 import revit
 import train
 from lib.checkpoint import load_model
 from lib.boundary import InputError, check_numbers, closed, fail, outputs_problem, parse_depths
 from lib.cli import f, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
+from tools.plot import save_png
 
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
 
@@ -52,16 +48,18 @@ PROG = "python -m tools.depths"  # how it runs: from the repository root, as a m
 
 
 def checkpoint_evaluation(path: str, test_subset: int, device: torch.device, paths: dict | None = None):
-    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from checkpoint.load_model,
+    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from load_model,
     the task (its own test data or validation text, as trained) from train.evaluation_setup. Every failure is
     one line naming CKPT (InputError)."""
     try:
         model, ckpt = load_model(path, device, "CKPT")
     except ValueError as e:
         raise InputError(str(e)) from None
-    if ckpt["arch"] in revit.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
-        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy")
-    flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",  # --depths decides
+    if ckpt["arch"] in moe.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
+        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 "
+                         "accuracy")
+    flags = {"device": str(device), "download": False, "progress": False,
+             "eval_depths": "",  # --depths decides
              **({"test_subset": test_subset} if test_subset else {}),
              **{k: v for k, v in (paths or {}).items() if v}}  # --data, --data-dir: never the checkpoint's
     with train_errors("CKPT"):
@@ -84,9 +82,10 @@ def train_errors(what: str):
 
 
 def depth_list(given: list[int], model) -> list[int]:
-    """--depths (parsed at the boundary) for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
+    """--depths (parsed at the boundary) for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA:
+    L only)."""
     c = model.config
-    single = c.arch == "vit" or c.ffn == "lora"
+    single = c.arch == "vit" or getattr(c, "ffn", "merge") == "lora"
     if not given:
         return [c.depth] if single else list(range(2, 2 * c.depth + 1))
     if single and given != [c.depth]:
@@ -96,10 +95,11 @@ def depth_list(given: list[int], model) -> list[int]:
 
 
 def deployed_model(model, depth: int) -> tuple:
-    """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the model
-    folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge cache)."""
+    """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the
+    model folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge
+    cache)."""
     c = model.config
-    if c.arch == "raptor" or (c.arch == "revit" and c.depth_programmed):
+    if c.arch == "raptor" or (c.arch == "revit" and getattr(c, "depth_programmed", True)):
         return revit.fold(model, depth), None
     return model, None if c.arch == "vit" else depth
 
@@ -110,10 +110,19 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
     call, as the paper's Table 7 measured), runtime memory of the deployed form at batch 1."""
     c = model.config
     dynamic = model
-    if c.arch == "revit" and c.ffn == "merge" and c.num_experts > 1:
+    if c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1:
         dynamic = copy_module(model, merge_cache=False).eval()
-    rows = []
-    for depth in depths:
+    image = torch.randn(1, c.in_channels, c.image_size, c.image_size, device=device)
+
+    def deployed_call(depth: int, own_copy: bool = False):
+        module, depth_arg = deployed_model(model, depth)
+        if own_copy and module is model and c.arch != "vit":  # its own merge cache: no row's depth evicts it
+            module = copy_module(model).eval()
+        run = functools.partial(module, depth=depth_arg) if depth_arg else module
+        return bench.inference_call(run, image, device)
+
+    reference, rows = deployed_call(c.depth, own_copy=True), []
+    for depth in progress(depths, args, "depths"):
         key = None if depth == c.depth else depth  # None: the reference depth
         row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
                **train.evaluate(model, task, [key])[key]}
@@ -126,13 +135,16 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
         fns = {}
         for batch in (1, args.batch):
             images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-            fns.update({(form, batch): bench.inference_call(run, images, device) for form, run in forms.items()})
-        row["memory_mib"] = bench.first_call(fns["deployed", 1], module, device, "first_call_s").get("memory_mib")
-        times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
+            fns.update({(form, batch): bench.inference_call(run, images, device)
+                        for form, run in forms.items()})
+        first = bench.first_call(fns["deployed", 1], module, device, "first_call_s")
+        row["memory_mib"] = first.get("memory_mib")
+        times = timed_against_reference(fns, reference, ("deployed", 1), row, args, device)
         for form, batch in fns:
-            row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = statistics.median(times[form, batch]) * 1e3 / batch
-        row["deployed_ms_b1_spread"] = spread(times["deployed", 1], 1)
+            ms = statistics.median(times[form, batch]) * 1e3 / batch
+            row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = ms
         rows.append(row)
+    resolve_headline(rows, "vision", lambda r: deployed_call(r["depth"]), reference, args, device)
     if args.memory and device.type == "cpu":
         specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
                  for r in rows]
@@ -141,10 +153,25 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
     return rows
 
 
-def spread(seconds: list[float], per: int) -> list[float]:
-    """The interquartile range of repeated timings, in ms per `per` items: what a speed claim must clear."""
-    times = bench.summary(seconds)
-    return [times["q1_ms"] / per, times["q3_ms"] / per]
+def timed_against_reference(fns: dict, reference, compared, row: dict, args, device, resolve=False) -> dict:
+    """Seconds per call of each fn, timed in interleaved rounds (bench.time_interleaved) beside the reference
+    row's deployed call (with `resolve`, more rounds until their ratio is known to +- --resolve:
+    bench.resolve_ratio); row["relative_latency"]: fns[compared] / reference, the median of the per-round
+    ratios and its 95% bootstrap interval (bench.paired_ratio: both timed in the same round, under the same
+    load)."""
+    fns = {**fns, "reference": reference}
+    times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
+    if resolve:
+        times = bench.resolve_ratio(fns, times, device, args.iters, args.resolve, args.max_repeats,
+                                    pair=(compared, "reference"))
+    paired = bench.paired_ratio(times[compared], times["reference"])
+    row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"])
+    return times
+
+
+def progress(items, args, what: str):
+    """A progress bar over a long loop, on stderr when it is a terminal (piped output stays clean)."""
+    return tqdm(items, desc=what, disable=not args.progress or not sys.stderr.isatty(), leave=False)
 
 
 def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
@@ -174,24 +201,46 @@ def mark_tradeoffs(rows: list[dict], quality: str, cost: str, higher_is_better: 
                               (sign * o[quality] > sign * r[quality] or o[cost] < r[cost]) for o in rows)
 
 
-def smallest_within(rows, size_key: str, quality: str, tolerance: float, cost: str, higher_is_better: bool,
-                    unit: str, scale: float = 1.0, name: str = "depth") -> str:
-    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
-    speed-up: "depth 4: −0.3 points, 1.9× faster than the reference (depth 6)", said only where the
-    interquartile ranges of the two timings (row[f"{cost}_spread"]) do not overlap."""
+def smallest_good(rows, size_key: str, quality: str, tolerance: float, higher_is_better: bool) -> tuple:
+    """(the reference row, the smallest row whose quality is within `tolerance` of the reference's)."""
     ref = next(r for r in rows if r["reference"])
     sign = 1 if higher_is_better else -1
     good = min((r for r in rows if sign * (r[quality] - ref[quality]) >= -tolerance),
-               key=lambda r: (r[size_key], r[cost]))
+               key=lambda r: (r[size_key], r["relative_latency"]))
+    return ref, good
+
+
+def resolve_headline(rows, family: str, call_of, reference, args, device) -> None:
+    """The headline's row timed again beside the reference, more paired rounds until their latency ratio is
+    known to +- --resolve: the one comparison the last line states, made as sure as the rounds allow."""
+    ref, good = smallest_good(rows, *HEADLINE[family][:4])
+    if good is not ref and args.resolve:
+        timed_against_reference({"row": call_of(good)}, reference, "row", good, args, device, resolve=True)
+
+
+# the headline of each family: (size, quality, tolerance, higher is better, unit, scale, name)
+HEADLINE = {"vision": ("depth", "acc", 0.005, True, "points", 100, "depth"),
+            "language": ("max_depth", "bpb", 0.01, False, "bits/byte", 1, "cap D'")}
+SAME_SPEED = 0.05  # a latency ratio this close to 1 is "as fast": smaller gaps flip with the load of a CPU
+
+
+def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_is_better: bool, unit: str,
+                    scale: float = 1.0, name: str = "depth") -> str:
+    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
+    speed: "depth 4: −0.3 points, 1.90× faster than the reference (depth 6)", said only where the 95%
+    interval of its paired latency ratio to the reference (row["relative_latency_ci95"]) lies beyond
+    1 ± SAME_SPEED."""
+    ref, good = smallest_good(rows, size_key, quality, tolerance, higher_is_better)
     if good is ref:
-        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({name} {ref[size_key]})"
+        return (f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference "
+                f"({name} {ref[size_key]})")
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
-    speed = ref[cost] / good[cost]
-    (good_low, good_high), (ref_low, ref_high) = good[f"{cost}_spread"], ref[f"{cost}_spread"]
+    ratio, (low, high) = good["relative_latency"], good["relative_latency_ci95"]
     than = f"the reference ({name} {ref[size_key]})"  # faster or slower only beyond the timing spread
-    timing = (f"{speed:.1f}× faster than {than}" if good_high < ref_low else
-              f"{1 / speed:.1f}× slower than {than}" if good_low > ref_high else
-              f"as fast as {than} within the timing spread (interquartile ranges overlap)")
+    timing = (f"{1 / ratio:.2f}× faster than {than}" if high < 1 - SAME_SPEED else
+              f"{ratio:.2f}× slower than {than}" if low > 1 + SAME_SPEED else
+              f"as fast as {than} within {SAME_SPEED:.0%} and the timing spread (95% interval of the latency "
+              f"ratio: {low:.2f}–{high:.2f})")
     return f"{name} {good[size_key]}: {delta} {unit}, {timing}"
 
 
@@ -205,43 +254,45 @@ def language_windows(task, test_subset: int) -> torch.Tensor:
     return windows[:test_subset or n]
 
 
-def causal_cross_entropy(lm, x, y, cap, threshold) -> tuple:
-    """(summed next-token CE in nats, summed iterations) at iteration cap `cap` and halting `threshold`, each
+def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
+    """Bits per byte and mean iterations per position at iteration cap `cap` and halting `threshold`, each
     position routed and halted on its own prefix as in generation (alternet.causal_loss)."""
-    causal = alternet.causal_loss(lm, x, y, max_depth=cap, halt_threshold=threshold)
-    return float(causal["ce"].sum()), float(causal["iterations"].sum())
+    ce = iterations = 0.0
+    for chunk in windows.split(task.cfg.eval_batch_size):
+        chunk = chunk.to(device)
+        with torch.inference_mode(), bench.autocast(device):
+            causal = alternet.causal_loss(lm, chunk[:, :-1], chunk[:, 1:], max_depth=cap,
+                                          halt_threshold=threshold)
+        ce, iterations = ce + float(causal["ce"].sum()), iterations + float(causal["iterations"].sum())
+    tokens = windows[:, 1:].numel()
+    return {"bpb": ce / tokens * task.tokens_per_byte / math.log(2), "mean_iterations": iterations / tokens}
 
 
 def language_depth_rows(lm, task, args, device) -> list[dict]:
     """Rows over iteration caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations
-    per position, latency per generated token (greedy, batch 1)."""
-    windows, tokens_per_byte, eval_batch = language_windows(task, args.test_subset), task.tokens_per_byte, \
-        task.cfg.eval_batch_size
+    per position, latency per generated token (greedy, batch 1). Every setting is timed in the same rounds
+    (no cache to evict: one model runs them all), each against the reference's times of the same round."""
+    windows = language_windows(task, args.test_subset)
     thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
-    rows, fns = [], {}
-    with torch.inference_mode():
-        for cap in range(1, lm.config.max_depth + 1):
-            for threshold in thresholds:
-                ce = iterations = 0.0
-                for chunk in windows.split(eval_batch):
-                    chunk = chunk.to(device)
-                    with bench.autocast(device):
-                        part = causal_cross_entropy(lm, chunk[:, :-1], chunk[:, 1:], cap, threshold)
-                    ce, iterations = ce + part[0], iterations + part[1]
-                tokens = windows[:, 1:].numel()
-                rows.append({"max_depth": cap, "halt_threshold": threshold, "bpb": ce / tokens * tokens_per_byte /
-                             math.log(2), "mean_iterations": iterations / tokens,
-                             "reference": cap == lm.config.max_depth and threshold == thresholds[0]})
-                refuse_non_finite(rows[-1], f"cap D'={cap}, threshold {threshold}")
-                fns[cap, threshold] = functools.partial(_generate_call, lm, prompt, args.new_tokens, cap, threshold,
-                                                        device)
+    generate = functools.partial(_generate_call, lm, prompt, args.new_tokens, device=device)
+    reference = (lm.config.max_depth, thresholds[0])
+    settings = [(cap, threshold) for cap in range(1, lm.config.max_depth + 1) for threshold in thresholds]
+    rows = []
+    for cap, threshold in progress(settings, args, "caps"):
+        rows.append({"max_depth": cap, "halt_threshold": threshold,
+                     "reference": (cap, threshold) == reference,
+                     **causal_scores(lm, task, windows, cap, threshold, device)})
+        refuse_non_finite(rows[-1], f"cap D'={cap}, threshold {threshold}")
+    fns = {setting: functools.partial(generate, *setting) for setting in settings}
     times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
-    for row in rows:
-        row["ms_per_token"] = statistics.median(times[row["max_depth"], row["halt_threshold"]]) * 1e3 / args.new_tokens
-        row["ms_per_token_spread"] = spread(times[row["max_depth"], row["halt_threshold"]], args.new_tokens)
-    for row in rows:
-        row["bpb_metric"] = "alternet.causal_loss"
+    for setting, row in zip(settings, rows):
+        paired = bench.paired_ratio(times[setting], times[reference])
+        row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"],
+                   ms_per_token=statistics.median(times[setting]) * 1e3 / args.new_tokens,
+                   bpb_metric="alternet.causal_loss")
+    call_of = lambda r: fns[r["max_depth"], r["halt_threshold"]]  # noqa: E731
+    resolve_headline(rows, "language", call_of, fns[reference], args, device)
     return rows
 
 
@@ -265,15 +316,24 @@ def parse_thresholds(text: str) -> list:
 # --- output: the table, the plot, the run ---
 
 
+PAIRED = ("latency ÷ ref: each row timed in the same rounds as the reference, the median of the per-round "
+          "ratios (batch 1) and its 95% bootstrap interval; pareto: no other row is both as good and as "
+          "fast.")
+
+
 def depths_markdown(result: dict) -> str:
     rows, s = result["rows"], result["settings"]
     mark = lambda r: ("**ref** " if r["reference"] else "") + ("pareto" if r["pareto"] else "")  # noqa: E731
+    relative = ("latency ÷ ref (95%)", lambda r: "{:.2f} ({:.2f}–{:.2f})".format(r["relative_latency"],
+                                                                                *r["relative_latency_ci95"]))
     if result["family"] == "language":
         table = markdown(rows, [
-            ("cap D'", f("max_depth", "{}")), ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
+            ("cap D'", f("max_depth", "{}")),
+            ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
             ("bits/byte", f("bpb", "{:.4f}")), ("mean iterations", f("mean_iterations")),
-            ("ms/token", f("ms_per_token", "{:.3f}")), ("", mark)])
-        note = f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} tokens, batch 1."
+            ("ms/token", f("ms_per_token", "{:.3f}")), relative, ("", mark)])
+        note = (f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} "
+                f"tokens, batch 1; {PAIRED}")
     else:
         table = markdown(rows, [
             ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
@@ -282,12 +342,13 @@ def depths_markdown(result: dict) -> str:
             ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
             (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
             (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
-            ("memory MiB (b1)", f("memory_mib", "{:.1f}")), ("", mark)])
-        note = (f"test images: {s['test_images']}; latency per image, median of {s['repeats']} x {s['iters']} "
-                f"calls; {rows[0]['deployed_form']}: what a user deploys at that depth; dynamic: the compact "
-                f"checkpoint at that depth (reViT merges its experts on every call); pareto: no other depth is "
-                f"both as accurate and as fast (deployed, batch 1).")
-    return f"## Choose your depth: {result['checkpoint']} ({result['arch']})\n\n{table}\n\n{note}\n\n{result['best']}"
+            ("memory MiB (b1)", f("memory_mib", "{:.1f}")), relative, ("", mark)])
+        note = (f"test images: {s['test_images']}; latency per image, median of at least {s['repeats']} x "
+                f"{s['iters']} calls; {rows[0]['deployed_form']}: what a user deploys at that depth; "
+                f"dynamic: the compact checkpoint at that depth (reViT merges its experts on every call); "
+                f"{PAIRED}")
+    title = f"## Choose your depth: {result['checkpoint']} ({result['arch']})"
+    return f"{title}\n\n{table}\n\n{note}\n\n{result['best']}"
 
 
 def plot_depths(result: dict, path: str) -> str | None:
@@ -297,7 +358,8 @@ def plot_depths(result: dict, path: str) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
     language = result["family"] == "language"
-    x_key, y_key, size_key = ("ms_per_token", "bpb", "max_depth") if language else ("deployed_ms_b1", "acc", "depth")
+    x_key, y_key, size_key = (("ms_per_token", "bpb", "max_depth") if language else
+                              ("deployed_ms_b1", "acc", "depth"))
     groups = {}
     for r in result["rows"]:
         groups.setdefault(r.get("halt_threshold", "deployed"), []).append(r)
@@ -305,7 +367,8 @@ def plot_depths(result: dict, path: str) -> str | None:
         ys = [r[y_key] * (1 if language else 100) for r in rows]
         ax.plot([r[x_key] for r in rows], ys, "o-", label=f"threshold {name}" if language else None)
         for r, y in zip(rows, ys):
-            ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
             if r["reference"]:
                 ax.plot([r[x_key]], [y], "o", ms=11, mfc="none", mec="k")
     ax.set_xlabel("ms per generated token" if language else "ms per image (deployed, batch 1)")
@@ -314,7 +377,7 @@ def plot_depths(result: dict, path: str) -> str | None:
     if language:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     plt.close(fig)
     return path
 
@@ -322,21 +385,20 @@ def plot_depths(result: dict, path: str) -> str | None:
 def run_depths(args, device) -> dict:
     model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device,
                                              {"data": args.data, "data_dir": args.data_dir})
-    language = ckpt["arch"] not in revit.PRESETS
+    family = "vision" if ckpt["arch"] in moe.PRESETS else "language"
     settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
-                "new_tokens": args.new_tokens, "test_subset": args.test_subset}
-    if language:
+                "new_tokens": args.new_tokens, "test_subset": args.test_subset, "resolve": args.resolve,
+                "max_repeats": args.max_repeats}
+    if family == "language":
         rows = language_depth_rows(model, task, args, device)
-        mark_tradeoffs(rows, "bpb", "ms_per_token", higher_is_better=False)
-        best = smallest_within(rows, "max_depth", "bpb", 0.01, "ms_per_token", False, "bits/byte", name="cap D'")
     else:
         depths = sorted(set(depth_list(args.depths, model)) | {model.config.depth})
         rows = vision_depth_rows(model, ckpt, task, depths, args, device)
-        mark_tradeoffs(rows, "acc", "deployed_ms_b1", higher_is_better=True)
-        best = smallest_within(rows, "depth", "acc", 0.005, "deployed_ms_b1", True, "points", scale=100)
         settings["test_images"] = len(task.data.test)
-    result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"],
-              "family": "language" if language else "vision", "settings": settings, "rows": rows, "best": best,
+    _, quality, _, higher_is_better, *_ = HEADLINE[family]
+    mark_tradeoffs(rows, quality, "relative_latency", higher_is_better)
+    result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"], "family": family,
+              "settings": settings, "rows": rows, "best": smallest_within(rows, *HEADLINE[family]),
               "env": bench.environment(device)}
     out_dir = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     os.makedirs(out_dir, exist_ok=True)
@@ -348,29 +410,44 @@ def run_depths(args, device) -> dict:
     print(f"wrote {os.path.join(out_dir, 'depths.json')} {picture}")
     return result
 
+
 # --- command line ---
 
-DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1), "cuda": dict(batch=64, warmup=10, repeats=20, iters=10)}
+DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1, resolve=0.03, max_repeats=60),
+            "cuda": dict(batch=64, warmup=10, repeats=20, iters=10, resolve=0.03, max_repeats=200)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
     bench.device_flags(p)
     p.add_argument("--depths", default="", help="comma-separated depths >= 2 (default 2 ... 2L; a ViT: L)")
-    p.add_argument("--test-subset", type=int, default=0, help="evaluate on the first N test images / validation "
-                                                              "windows (default: the checkpoint's own test set)")
-    p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
+    p.add_argument("--test-subset", type=int, default=0,
+                   help="evaluate on the first N test images / validation windows (default: the checkpoint's "
+                        "own test set)")
+    p.add_argument("--batch", type=int,
+                   help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
     bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
+    p.add_argument("--resolve", type=float,
+                   help="more paired rounds of a row and the reference (batch 1) until their latency ratio "
+                        "is known to +- this (default 0.03; 0: --repeats only)")
+    p.add_argument("--max-repeats", type=int,
+                   help="at most this many paired rounds per row (CPU 60, CUDA 200)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="measure runtime memory at batch 1 (CPU: a forked fresh process per depth)")
     p.add_argument("--thresholds", default="0.5,none",
-                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); the first "
-                        "is the reference")
+                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); "
+                        "the first is the reference")
     p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
     p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
-    p.add_argument("--data", default="", help="the run's --data (an ImageFolder root or text), if it had one: "
-                                              "paths come from the command line, never from the checkpoint")
-    p.add_argument("--data-dir", default="", help="where the built-in data sets live (as train.py's --data-dir)")
+    p.add_argument("--data", default="",
+                   help="the run's --data (an ImageFolder root or text), if it had one: paths come from the "
+                        "command line, never from the checkpoint")
+    p.add_argument("--data-dir", default="",
+                   help="where the built-in data sets live (as train.py's --data-dir)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar over the depths on stderr, when it is a terminal")
     return p
 
 

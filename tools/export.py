@@ -2,34 +2,24 @@
 
     python -m tools.export CHECKPOINT --depth L --format safetensors|onnx|timm|compact --out PATH
 
-reViT (arXiv 2610.12448) §3.1: the merged FFNs depend only on depth, so once L is chosen they can be
-computed once and the model becomes a plain ViT of L blocks (`revit.fold`). The formats:
-- safetensors: the folded plain ViT, no pickle; its ViTConfig is stored as JSON metadata, so
-  `load_safetensors(path)` rebuilds a `revit.VisionTransformer` without any other file.
-- onnx: the folded graph (batch axis dynamic), checked with onnxruntime against PyTorch's
-  outputs at export time when onnxruntime is installed (optional dependency).
-- timm: a state dict in timm's VisionTransformer layout. A file ending in .safetensors is
-  written as safetensors (timm's `load_checkpoint` reads both), anything else with torch.save.
-- compact: the dynamic model itself (E experts + router) plus its config, what a user keeps to
-  choose L later: `load_safetensors(path)` returns a `revit.ReViT`, and tools/export.py accepts the
-  file in place of a checkpoint (`python -m tools.export model.safetensors --depth 8 --format onnx`).
-Every folded export is checked against the dynamic model at that depth before it is written.
+reViT (arXiv 2610.12448) §3.1: the merged FFNs depend only on depth, so at a chosen L the model folds
+into a plain ViT of L blocks (`revit.fold`), checked against the dynamic model before it is written.
+- safetensors: the folded ViT, its ViTConfig as JSON metadata: `load_safetensors(path)` rebuilds it.
+- onnx: the folded graph (dynamic batch axis), checked with onnxruntime when it is installed.
+- timm: a state dict in timm's VisionTransformer layout (.safetensors or torch.save by the suffix).
+- compact: the dynamic model (experts + router) and its config, to choose L later; `load_safetensors`
+  returns a `revit.ReViT`, and the file stands in for a checkpoint here (`--depth 8 --format onnx`).
 
-timm layout (timm/models/vision_transformer.py): our VisionTransformer already uses timm's names;
-only the positions differ. We add positions to the patch tokens only (DeiT III); timm's
-`vit_*` models keep a row for the class token (`no_embed_class=False`), so a model without
-LayerScale (a folded reViT, Eq. 3) is written with a zero class-token row and loads strictly
-into `timm.create_model("vit_small_patch16_224", ...)`. A model with LayerScale (the DeiT III
-baselines vit-s/b/l) keeps patch-only positions and loads into `deit3_small_patch16_224`
-(`no_embed_class=True`, ls1/ls2 gammas). `timm_model_args(config)` gives the exact name and
-keyword arguments; the timm export prints them. The reverse, `load_timm_state_dict`, loads
-either layout into a vit-s/b/l baseline (e.g. DeiT III weights as a distillation teacher).
+timm layout: our names are timm's; only the positions differ. We add positions to the patch tokens only
+(DeiT III); timm's `vit_*` keep a class-token row, so a model without LayerScale (a folded reViT) gets a
+zero row and loads strictly into `vit_small_patch16_224`; one with LayerScale (the DeiT III baselines)
+keeps patch-only positions for `deit3_small_patch16_224`. `timm_model_args` gives the name and keyword
+arguments (printed by the export); `load_timm_state_dict` loads either layout into a vit-s/b/l baseline.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -46,9 +36,10 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
     sys.exit("tools/export.py: error: run it from the repository root as python -m tools.export")
 
 import revit
-from lib.checkpoint import import_moe_if_named, load_vision_model
-from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem, path_problem, too_deep
-from lib.values import diverged, fit_problem, weights_problem
+from lib import moe
+from lib.checkpoint import load_vision_model
+from lib.boundary import (MAX_DEPTH, check_numbers, closed, diverged, fail, fit_problem, output_problem, path_problem,
+                          too_deep, weights_problem)
 from lib.weights import WEIGHTS_FORMAT
 from lib.cli import run_main
 
@@ -59,32 +50,9 @@ FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
 
 
-# --- shape checks: every loader here goes through this, so a wrong file names its keys ---
-
-
-def shape_report(model: nn.Module, state_dict: dict, limit: int = 8) -> str:
-    """How state_dict differs from the model's, in one line (empty when they fit exactly)."""
-    expected = model.state_dict()
-    mismatched = [f"{k}: expected {list(v.shape)}, got {list(state_dict[k].shape)}"
-                  for k, v in expected.items() if k in state_dict and state_dict[k].shape != v.shape]
-    missing = [f"{k}: expected {list(v.shape)}" for k, v in expected.items() if k not in state_dict]
-    unexpected = [f"{k}: {list(v.shape)}" for k, v in state_dict.items() if k not in expected]
-    parts = []
-    for title, items in (("shape mismatch", mismatched), ("missing", missing), ("unexpected", unexpected)):
-        if items:
-            more = [f"... and {len(items) - limit} more"] if len(items) > limit else []
-            parts.append(f"{title} ({len(items)} keys): " + ", ".join(items[:limit] + more))
-    return "; ".join(parts)
-
-
 def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
-    report = shape_report(model, state_dict)
-    if report:
-        c = model.config
-        raise ValueError(f"{source} does not fit {type(model).__name__}(arch={c.arch}, dim={c.dim}, depth={c.depth}, "
-                         f"image_size={c.image_size}, patch_size={c.patch_size}, "
-                         f"num_classes={c.num_classes}): {report}")
-    problem = fit_problem(model.state_dict(), state_dict, type(model).__name__)  # names and shapes fit: dtypes
+    """state_dict into model, its names, shapes and dtypes checked first (one line naming what differs)."""
+    problem = fit_problem(model.state_dict(), state_dict, type(model).__name__)
     if problem:
         raise ValueError(f"{source}: {problem}")
     model.load_state_dict(state_dict)
@@ -92,25 +60,18 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
 
 
 def load_source(path) -> nn.Module:
-    """export.py's input: a checkpoint of this project, or a compact / folded .safetensors -> model in eval mode.
-    Either way its weights are plain, finite and of the model's dtypes (the loader's checks)."""
-    if Path(path).suffix == ".safetensors" and not is_weights_file(path):
-        problem = path_problem(path, "file")
-        if problem:
-            raise ValueError(f"checkpoint {path}: {problem}")
-        model = load_safetensors(path)
-        problem = diverged(model)  # as load_vision_model: finite weights whose output is not
-        if problem:
-            raise ValueError(f"checkpoint {path}: {problem}")
-        return model
-    return load_vision_model(path, "checkpoint")[0]
-
-
-def is_weights_file(path) -> bool:
-    """A checkpoint's weights (lib/checkpoint.save_weights, as weights/ ships), read as a checkpoint."""
-    with contextlib.suppress(ValueError):
-        return not path_problem(path, "file") and read_safetensors(path)[1].get("format") == WEIGHTS_FORMAT
-    return False
+    """export.py's input -> model in eval mode, its weights plain, finite and of the model's dtypes: a
+    checkpoint of this project (a ckpt.pt, or weights/'s .safetensors) or a compact / folded export."""
+    problem = path_problem(path, "file")
+    if problem:
+        raise ValueError(f"checkpoint {path}: {problem}")
+    if Path(path).suffix != ".safetensors" or read_safetensors(path)[1].get("format") == WEIGHTS_FORMAT:
+        return load_vision_model(path, "checkpoint")[0]
+    model = load_safetensors(path)
+    problem = diverged(model)  # as load_vision_model: finite weights whose output is not
+    if problem:
+        raise ValueError(f"checkpoint {path}: {problem}")
+    return model
 
 
 def plain_vit(model: nn.Module, depth: int | None) -> revit.VisionTransformer:
@@ -128,16 +89,12 @@ def example_images(config: revit.ViTConfig, batch: int, seed: int = 0) -> torch.
     return torch.randn(batch, config.in_channels, config.image_size, config.image_size, generator=g)
 
 
-class VerificationError(RuntimeError):
-    """An export whose outputs differ from the model's: a bug to report, not a user error."""
-
-
 def check_close(expected: torch.Tensor, got: torch.Tensor, what: str) -> float:
     """Max abs difference; fails when it exceeds a float32 tolerance relative to the output scale."""
     diff = (expected.float() - got.float()).abs().max().item()
     tolerance = 1e-4 * max(1.0, expected.abs().max().item())
     if not diff <= tolerance:
-        raise VerificationError(f"{what}: outputs differ by {diff:.3g} (tolerance {tolerance:.3g})")
+        raise ValueError(f"{what}: outputs differ by {diff:.3g} (tolerance {tolerance:.3g})")
     return diff
 
 
@@ -170,11 +127,8 @@ def read_safetensors(path) -> tuple[dict, dict]:
 
 
 def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
-    """Rebuild the model a revit safetensors file describes (compact -> ReViT, folded -> VisionTransformer).
-
-    With `model` given, load the tensors into it instead (a preset of your choice); either way a
-    file whose shapes do not fit fails with the list of keys.
-    """
+    """The model a revit safetensors file describes (compact -> ReViT, folded -> VisionTransformer), or
+    with `model` given, that model (a preset of your choice) with the file's tensors."""
     tensors, metadata = read_safetensors(path)
     if model is None:
         kind = metadata.get("format")
@@ -185,15 +139,14 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
             fields = json.loads(metadata["config"])
             if isinstance(fields, dict) and too_deep(fields):
                 raise ValueError(too_deep(fields))
-            import_moe_if_named(config=fields)  # a comparison mechanism's config needs lib.moe
-            config = revit.ViTConfig(**fields)
+            config = moe.config_of(fields)  # revit's config, or lib/moe.py's for a comparison mechanism
         except (KeyError, TypeError, ValueError, RecursionError) as e:  # no config, not JSON, fields revit.py lacks
             raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
         with torch.device("meta"):  # shapes first, without memory: a config that says 10**6 experts allocates nothing
-            report = shape_report(revit.build_model(config), tensors)
-        if report:
-            raise ValueError(f"{path} does not fit its own config: {report}")
+            problem = fit_problem(revit.build_model(config).state_dict(), tensors, "its own config")
+        if problem:
+            raise ValueError(f"{path}: {problem}")
         model = revit.build_model(config)
     problem = weights_problem(tensors)
     if problem:
@@ -207,18 +160,15 @@ TIMM_WIDTHS = {192: ("tiny", 12, 3), 384: ("small", 12, 6), 768: ("base", 12, 12
 
 
 def timm_model_args(config: revit.ViTConfig) -> tuple[str, dict]:
-    """(timm model name, create_model kwargs) that build a model our timm export loads into strictly.
-
-    No LayerScale -> vit_{size}_patch16_224 (class-token position row); LayerScale (DeiT III) ->
-    deit3_{size}_patch16_224 (no_embed_class=True, init_values set). The kwargs list only what
-    differs from that name's defaults (224², patch 16, 3 channels, 1000 classes, MLP ratio 4).
-    """
+    """(timm model name, create_model kwargs) that build a model our timm export loads into strictly:
+    vit_{size}_patch16_224 without LayerScale, deit3_{size}_patch16_224 with it; the kwargs list only
+    what differs from that name's defaults (224², patch 16, 3 channels, 1000 classes, MLP ratio 4)."""
     layer_scale = config.layer_scale_init is not None
     size, depth, heads = TIMM_WIDTHS.get(config.dim, ("small", 12, 6))
     if layer_scale and size == "tiny":
         size, depth, heads = "small", 12, 6  # timm has no deit3_tiny
     name = f"{'deit3' if layer_scale else 'vit'}_{size}_patch16_224"
-    dims = {"tiny": 192, "small": 384, "base": 768, "large": 1024}
+    dims = {name: dim for dim, (name, _, _) in TIMM_WIDTHS.items()}
     mlp_ratio = config.ffn_dim / config.dim
     if int(config.dim * mlp_ratio) != config.ffn_dim:  # timm builds the hidden width as int(dim * mlp_ratio)
         raise ValueError(f"ffn_dim={config.ffn_dim} is not int(dim * mlp_ratio) for any float ratio timm can take")
@@ -232,8 +182,6 @@ def timm_model_args(config: revit.ViTConfig) -> tuple[str, dict]:
 
 def to_timm_state_dict(vit: revit.VisionTransformer) -> dict:
     """State dict of a plain ViT (e.g. revit.fold's output) in timm's VisionTransformer layout."""
-    if not (isinstance(vit, revit.VisionTransformer) and vit.config.arch == "vit"):
-        raise ValueError("to_timm_state_dict expects a plain ViT; fold a reViT / Raptor first (revit.fold)")
     state = {k: v.detach().cpu().clone().contiguous() for k, v in vit.state_dict().items()}
     if vit.config.layer_scale_init is None:
         # timm's vit_* add positions after prepending the class token: a zero row leaves it unchanged
@@ -242,15 +190,9 @@ def to_timm_state_dict(vit: revit.VisionTransformer) -> dict:
 
 
 def load_timm_state_dict(model: revit.VisionTransformer, state_dict: dict) -> revit.VisionTransformer:
-    """Load a timm ViT / DeiT III state dict into a plain ViT of revit.py (e.g. create_model("vit-s")).
-
-    Both differences between the layouts are exact rewrites, so outputs equal timm's:
-    - a class-token position row (timm's vit_*) is a constant added to the class token: folded into cls_token;
-    - LayerScale: a model with it takes gamma = 1 for weights without it; a model without it folds
-      the gammas into attn.proj and mlp.fc2 (gamma * (W x + b) = (gamma W) x + gamma b).
-    """
-    if not (isinstance(model, revit.VisionTransformer) and model.config.arch == "vit"):
-        raise ValueError("load_timm_state_dict loads into a plain ViT (arch 'vit', e.g. create_model('vit-s'))")
+    """Load a timm ViT / DeiT III state dict into a plain ViT of revit.py (e.g. create_model("vit-s")), by
+    exact rewrites: a class-token position row (timm's vit_*) is added to cls_token; LayerScale is gamma = 1
+    for weights without it, or folded into attn.proj and mlp.fc2 for a model without it (gamma (W x + b))."""
     for wrapper in ("model", "state_dict"):  # DeiT / timm training checkpoints wrap the weights
         if wrapper in state_dict and isinstance(state_dict[wrapper], dict):
             state_dict = state_dict[wrapper]
@@ -340,8 +282,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--opset applies to --format onnx only; got --format {args.format} --opset {args.opset}")
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
     args.opset = 18 if args.opset is None else args.opset
-    if Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'model'}")
     if Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise ValueError(f"--out {args.out} is the checkpoint being exported; give another file")
     problem = output_problem(args.out, "file")  # also a run's files, its lock and any saved model
@@ -395,7 +335,7 @@ def main(argv=None) -> dict:
     try:
         check_args(args)
         summary = export(args)
-    except (ValueError, VerificationError) as e:
+    except ValueError as e:
         fail(str(e), PROG)
     print(json.dumps(summary))  # last stdout line: one JSON document
     return summary

@@ -70,12 +70,20 @@ def draw(plt, runs: dict, out: Path) -> None:
         axes[0][1].set(xlabel="step", ylabel=second, title=second.replace("_", " "))
         axes[0][1].legend(fontsize=7)
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")  # written whole or not at all
     try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, out)
+        save_png(fig, out)
     finally:
         plt.close(fig)
+
+
+def save_png(fig, path) -> None:
+    """Every figure the tools write: a temp file, then os.replace (written whole or not at all)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
         tmp.unlink(missing_ok=True)
 
 

@@ -3,47 +3,30 @@
     python -m tools.probes --probe seg --backbone out/revit-mini/ckpt.pt --eval-depths 2,4,8
     python -m tools.probes --probe monodepth --backbone ckpt.pt --data /datasets/nyu_depth_v2 --probe-cache cache/
 
-The one entry point of the dense probes (train.py trains the linear classification probe, --probe cls).
+reViT (arXiv 2610.12448) Table 2 and App. A.3: the encoder stays frozen and is read out by a linear
+segmentation head (ADE20k) and by linear and two-layer MLP depth heads (NYUv2, RMSE in metres), here
+for any vision checkpoint of this project (train.py trains the classification probe, --probe cls).
+Features are the final-LayerNorm patch tokens, computed once per (checkpoint, depth, data) and
+optionally cached. Per patch token, seg maps to class logits (cross-entropy with an ignore index;
+mIoU, pixel accuracy) and monodepth to a depth (squared error on valid pixels; RMSE, delta < 1.25),
+both upsampled bilinearly. The heads train at --depth and are evaluated at every --eval-depths (the
+elastic-depth curve of Fig. 2); a constant predictor is the baseline row. Simplifications (not the
+protocol of Jacobs et al., 2026): inputs resized to the backbone's input size (no sliding window,
+Eigen crop or depth cap), no augmentation, AdamW with a cosine schedule on fixed features.
 
-reViT (arXiv 2610.12448) Table 2 and App. A.3 "Frozen-backbone evaluation": the encoder stays frozen
-and is read out by an ADE20k linear segmentation head and by linear and two-layer MLP depth heads on
-NYUv2 (RMSE in metres). Here, for any checkpoint of this project (reViT at any depth, ViT, Raptor,
-the MoE baselines):
-- features: out["tokens"][:, 1:], the final-LayerNorm patch tokens, computed once per (checkpoint,
-  depth, data) under no_grad with the backbone in eval mode; optionally cached on disk (safetensors);
-- seg: a linear map per patch token to class logits, upsampled bilinearly to pixel resolution,
-  per-pixel cross-entropy with an ignore index; reported as mIoU (and pixel accuracy);
-- monodepth (monocular depth estimation): a linear and a two-layer MLP head per patch token predict a
-  depth map, upsampled bilinearly, trained with a squared error on valid pixels; reported as RMSE and
-  the accuracy delta < 1.25;
-- the heads are trained at one backbone depth (--depth: recurrent steps, default the backbone's
-  reference depth) and the same heads are evaluated at every --eval-depths, as train.py's
-  classification probe does, so the elastic-depth curve of Fig. 2 can be drawn for dense tasks; a
-  constant predictor is the baseline row.
-Simplifications (stated, not the paper's protocol of Jacobs et al., 2026): images and label maps are
-resized to the backbone's square input size and scored at that resolution (no sliding window, no
-Eigen crop or depth cap for NYUv2); no augmentation; AdamW with a cosine schedule on fixed features.
-
-Data (--data ROOT; without it: the Fashion-MNIST dense proxy). Formats, detected in this order:
-1. tensor files, no Pillow needed: ROOT/train.pt and ROOT/val.pt, each a dict of tensors
-   (torch.save, read with weights_only=True):
-       "images": uint8 (N, C, H, W)   H = W = the backbone's image_size
-       "labels": int64 (N, H, W)      seg: class ids 0..K-1, 255 = ignore;  plus "num_classes": int
-    or "depth":  float32 (N, H, W)    monodepth: depth maps in metres, NaN or 0 = no measurement
-2. ADE20k (ADEChallengeData2016 as released): ROOT/images/{training,validation}/*.jpg and
-   ROOT/annotations/{training,validation}/*.png; annotation 0 ("other") is ignored, 1..150 become
-   classes 0..149 (the usual reduce-zero-label convention). Needs Pillow.
-3. NYUv2, the official-split export used by BTS / AdaBins / DINOv2 depth evaluation:
-   ROOT/official_splits/{train,test}/<scene>/rgb_XXXXX.jpg with sync_depth_XXXXX.png (uint16,
-   millimetres, 0 = invalid). Needs Pillow.
-4. image folders: ROOT/{train,val}/images/<name>.png|jpg with ROOT/{train,val}/labels/<name>.png
-   (class id per pixel, 255 = ignore) or ROOT/{train,val}/depth/<name>.png (uint16 millimetres).
-   Needs Pillow.
-
-The Fashion-MNIST dense proxy (offline work and tests; NOT a segmentation or depth benchmark):
-real Fashion-MNIST images, with targets computed from the pixels themselves -- seg: background
-(pixel < 26/255) plus 4 classes of quantised intensity (5 classes); monodepth: 1 + intensity in
-[1, 2] (arbitrary units). It checks that the machinery works and that patch tokens carry spatial detail.
+Data (--data ROOT), detected in this order (2-4 need Pillow):
+1. ROOT/train.pt and ROOT/val.pt, each a dict of tensors: "images" uint8 (N, C, H, W) at the
+   backbone's image_size, with "labels" int64 (N, H, W) (seg: class ids 0..K-1, 255 = ignore; plus
+   "num_classes": int) or "depth" float32 (N, H, W) (metres; NaN or 0 = no measurement);
+2. ADE20k (ADEChallengeData2016): images/ and annotations/ {training,validation}; annotation 0
+   ("other") is ignored, 1..150 become classes 0..149 (reduce-zero-label);
+3. NYUv2's official splits (as BTS / AdaBins / DINOv2): official_splits/{train,test}/<scene>/
+   rgb_XXXXX.jpg with sync_depth_XXXXX.png (uint16 millimetres, 0 = invalid);
+4. ROOT/{train,val}/images/<name>.png|jpg with labels/<name>.png (class ids, 255 = ignore) or
+   depth/<name>.png (uint16 millimetres).
+Without --data: the Fashion-MNIST dense proxy (a check of the machinery, NOT a benchmark): real
+images with targets from their pixels -- seg: background (< 26/255) and 4 intensity classes;
+monodepth: 1 + intensity in [1, 2] (arbitrary units).
 """
 
 from __future__ import annotations
@@ -56,6 +39,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -68,11 +52,10 @@ if not __package__:  # run as a file (python tools/probes.py): the project's mod
 
 from lib import checkpoint
 import train
-from lib.boundary import check_numbers, fail, outputs_problem, parse_depths, path_problem
+from lib.boundary import DENSE_PROBES, check_numbers, fail, outputs_problem, parse_depths, path_problem
 from lib.cli import dataclass_parser, non_finite_place, opt, pick_device, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, epoch_order, load_images
-from lib.tasks import DENSE_PROBES
 
 PROG = "python -m tools.probes"  # how it runs: from the repository root, as a module
 
@@ -120,13 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 # --- metrics (numerators and denominators accumulate over batches; the ratio is taken once) ---
 
 
-def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
-                     ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:
     """(K, K) pixel counts, rows = true class, columns = predicted class; ignored pixels dropped."""
-    keep = target != ignore_index
-    target, pred = target[keep].long(), pred[keep].long()
-    if target.numel() and (target.min() < 0 or target.max() >= num_classes):
-        raise ValueError(f"labels must be in 0..{num_classes - 1} or {ignore_index} (ignore)")
+    keep = target != IGNORE_INDEX
+    target, pred = target[keep].long(), pred[keep].long()  # labels in range: load_data checks them
     return torch.bincount(target * num_classes + pred, minlength=num_classes ** 2).view(num_classes, num_classes)
 
 
@@ -138,10 +118,6 @@ def mean_iou(confusion: torch.Tensor) -> float:
     union = confusion.sum(0) + confusion.sum(1) - intersection
     present = union > 0
     return (intersection[present] / union[present]).mean().item() if present.any() else float("nan")
-
-
-def miou(pred, target, num_classes: int, ignore_index: int = IGNORE_INDEX) -> float:
-    return mean_iou(confusion_matrix(pred, target, num_classes, ignore_index))
 
 
 def depth_map_sums(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -159,51 +135,30 @@ def depth_map_metrics(sums: torch.Tensor) -> dict:
     return {"rmse": math.sqrt(squared_error / count), "delta1": within / count}
 
 
-def rmse(pred, target) -> float:
-    return depth_map_metrics(depth_map_sums(pred, target))["rmse"]
-
-
 # --- heads: per patch token, then bilinear upsampling to pixel resolution ---
 
 
-class SegmentationHead(nn.Module):
-    """Linear per-patch classifier; logits (not probabilities) are upsampled, as in DINOv2's linear head."""
+class DenseHead(nn.Module):
+    """Per patch token, Linear (hidden=0) or Linear-GELU-Linear to `out` maps, upsampled bilinearly to pixels:
+    class logits (not probabilities, as in DINOv2's linear head) or one depth map starting at `bias`."""
 
-    def __init__(self, dim: int, num_classes: int, grid: int):
+    def __init__(self, dim: int, out: int, grid: int, hidden: int = 0, bias: float = 0.0):
         super().__init__()
         self.grid = grid
-        self.linear = nn.Linear(dim, num_classes)
-        nn.init.trunc_normal_(self.linear.weight, std=0.01)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        logits = rearrange(self.linear(features.float()), "b (h w) k -> b k h w", h=self.grid)
-        return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)  # (B, K, H, W)
-
-
-class DepthMapHead(nn.Module):
-    """One depth value per patch token: linear (hidden=0) or Linear-GELU-Linear; upsampled bilinearly."""
-
-    def __init__(self, dim: int, grid: int, hidden: int = 0, init_depth: float = 0.0):
-        super().__init__()
-        self.grid = grid
-        self.net = nn.Linear(dim, 1) if hidden == 0 else nn.Sequential(
-            nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
+        self.net = nn.Linear(dim, out) if hidden == 0 else nn.Sequential(
+            nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, out))
         last = self.net if hidden == 0 else self.net[-1]
         nn.init.trunc_normal_(last.weight, std=0.01)
-        nn.init.constant_(last.bias, init_depth)  # start at the mean depth: the constant baseline
+        nn.init.constant_(last.bias, bias)
 
     def forward(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        depth = rearrange(self.net(features.float()), "b (h w) 1 -> b 1 h w", h=self.grid)
-        return F.interpolate(depth, size=size, mode="bilinear", align_corners=False)[:, 0]  # (B, H, W)
-
-
-def segmentation_loss(logits, target):
-    return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
+        maps = rearrange(self.net(features.float()), "b (h w) k -> b k h w", h=self.grid)
+        return F.interpolate(maps, size=size, mode="bilinear", align_corners=False)  # (B, K, H, W)
 
 
 def depth_map_loss(pred, target):
-    """Mean squared error over valid pixels (the reported metric is its square root)."""
+    """Mean squared error over valid pixels (the reported metric is its square root); pred (B, 1, H, W)."""
+    pred = pred[:, 0]
     valid = torch.isfinite(target) & (target > 0)
     return ((pred - target.nan_to_num()) ** 2 * valid).sum() / valid.sum().clamp(min=1)
 
@@ -248,19 +203,14 @@ def load_proxy(cfg: ProbeConfig, task: str) -> DenseData:
                      num_classes=1 + PROXY_LEVELS if task == "seg" else 0, unit="a.u.")
 
 
-def require_pil():
+def read_pairs(pairs: list, task: str, size: int, channels: int, label_map=None) -> DenseSplit:
+    """(image file, target file) pairs -> tensors at size x size (bicubic images, nearest targets)."""
+    import numpy as np
     try:
         from PIL import Image
     except ImportError:
         fail("reading ADE20k / NYUv2 / image-folder data needs Pillow (pip install pillow), or convert it to "
              "the tensor format (ROOT/train.pt, ROOT/val.pt; see tools/probes.py)")
-    return Image
-
-
-def read_pairs(pairs: list, task: str, size: int, channels: int, label_map=None) -> DenseSplit:
-    """(image file, target file) pairs -> tensors at size x size (bicubic images, nearest targets)."""
-    import numpy as np
-    Image = require_pil()
     images, targets = [], []
     for image_path, target_path in pairs:
         try:
@@ -278,10 +228,6 @@ def read_pairs(pairs: list, task: str, size: int, channels: int, label_map=None)
     if not images:
         fail(f"--data: no {task} image pairs found")
     return DenseSplit(torch.stack(images), torch.stack(targets))
-
-
-def subset(items: list, n: int) -> list:
-    return items[:n] if n else items
 
 
 def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
@@ -308,57 +254,42 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
     return DenseData(f"{root.name} (tensor files)", task, *splits, num_classes=num_classes)
 
 
-def read_ade20k(ade: Path, task: str, cfg: ProbeConfig, size: int, channels: int) -> DenseData:
-    """Format 2: annotation 0 ("other") is ignored, 1..150 become classes 0..149 (reduce-zero-label)."""
-    if task != "seg":
-        fail(f"--data {ade} is ADE20k (segmentation); --probe {task} needs depth maps (e.g. NYUv2)")
-    reduce_zero = lambda labels: torch.where(labels == 0, IGNORE_INDEX, labels - 1)  # noqa: E731
-    splits = [read_pairs(subset([(p, ade / "annotations" / split / f"{p.stem}.png")
-                                 for p in sorted((ade / "images" / split).glob("*.jpg"))], n),
-                         task, size, channels, reduce_zero)
-              for split, n in (("training", cfg.train_subset), ("validation", cfg.test_subset))]
-    return DenseData("ADE20k", task, *splits, num_classes=150)
-
-
-def read_nyuv2(nyu: Path, task: str, cfg: ProbeConfig, size: int, channels: int) -> DenseData:
-    """Format 3: official splits, rgb_XXXXX.jpg next to sync_depth_XXXXX.png (millimetres)."""
-    if task != "monodepth":
-        fail(f"--data {nyu} is NYUv2 (depth maps); --probe {task} needs label maps (e.g. ADE20k)")
-    splits = [read_pairs(subset([(p, p.with_name(p.name.replace("rgb_", "sync_depth_")).with_suffix(".png"))
-                                 for p in sorted((nyu / split).rglob("rgb_*.jpg"))], n), task, size, channels)
-              for split, n in (("train", cfg.train_subset), ("test", cfg.test_subset))]
-    return DenseData("NYUv2", task, *splits)
-
-
-def read_image_folders(root: Path, task: str, cfg: ProbeConfig, size: int, channels: int) -> DenseData:
-    """Format 4: ROOT/{train,val}/images next to labels/ (seg) or depth/ (monodepth); K = largest id + 1."""
-    folder = "labels" if task == "seg" else "depth"
-    splits = []
-    for split, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
-        files = sorted(p for p in (root / split / "images").iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-        splits.append(read_pairs(subset([(p, root / split / folder / f"{p.stem}.png") for p in files], n),
-                                 task, size, channels))
-    labels = torch.cat([s.targets[s.targets != IGNORE_INDEX] for s in splits]) if task == "seg" else None
-    num_classes = int(labels.max()) + 1 if task == "seg" and labels.numel() else 0
-    return DenseData(f"{root.name} (image folders)", task, *splits, num_classes=num_classes)
-
-
 def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseData:
     """--data ROOT in one of the four documented formats (module docstring), detected in that order."""
     root = Path(cfg.data)
     if all(os.path.lexists(root / name) for name in ("train.pt", "val.pt")):  # read_tensor_files checks them
         return read_tensor_files(root, task, cfg)
-    ade = root / "ADEChallengeData2016" if (root / "ADEChallengeData2016").is_dir() else root
-    if (ade / "annotations" / "training").is_dir():
-        return read_ade20k(ade, task, cfg, size, channels)
-    nyu = root / "official_splits" if (root / "official_splits").is_dir() else root
-    if (nyu / "test").is_dir() and next((nyu / "test").rglob("sync_depth_*.png"), None):
-        return read_nyuv2(nyu, task, cfg, size, channels)
     folder = "labels" if task == "seg" else "depth"
-    if (root / "train" / "images").is_dir() and (root / "train" / folder).is_dir():
-        return read_image_folders(root, task, cfg, size, channels)
-    fail(f"--data {root}: not a dense data set in a known layout (train.pt/val.pt, ADE20k, NYUv2 "
-         f"official_splits, or train/images + train/{folder}); see probes.py")
+    ade = root / "ADEChallengeData2016" if (root / "ADEChallengeData2016").is_dir() else root
+    nyu = root / "official_splits" if (root / "official_splits").is_dir() else root
+    label_map = None
+    if (ade / "annotations" / "training").is_dir():  # annotation 0 ("other") ignored, 1..150 -> 0..149
+        name, kind, num_classes = "ADE20k", "seg", 150
+        label_map = lambda labels: torch.where(labels == 0, IGNORE_INDEX, labels - 1)  # noqa: E731
+        pairs = [[(p, ade / "annotations" / split / f"{p.stem}.png")
+                  for p in sorted((ade / "images" / split).glob("*.jpg"))]
+                 for split in ("training", "validation")]
+    elif (nyu / "test").is_dir() and next((nyu / "test").rglob("sync_depth_*.png"), None):
+        name, kind, num_classes = "NYUv2", "monodepth", 0
+        pairs = [[(p, p.with_name(p.name.replace("rgb_", "sync_depth_")).with_suffix(".png"))
+                  for p in sorted((nyu / split).rglob("rgb_*.jpg"))] for split in ("train", "test")]
+    elif (root / "train" / "images").is_dir() and (root / "train" / folder).is_dir():
+        name, kind, num_classes = f"{root.name} (image folders)", task, None  # K = largest id + 1
+        pairs = [[(p, root / split / folder / f"{p.stem}.png")
+                  for p in sorted((root / split / "images").iterdir())
+                  if p.suffix.lower() in (".png", ".jpg", ".jpeg")] for split in ("train", "val")]
+    else:
+        fail(f"--data {root}: not a dense data set in a known layout (train.pt/val.pt, ADE20k, NYUv2 "
+             f"official_splits, or train/images + train/{folder}); see probes.py")
+    if kind != task:
+        fail(f"--data {root} is {name}, a {kind} data set; --probe {task} needs "
+             f"{'label maps (e.g. ADE20k)' if task == 'seg' else 'depth maps (e.g. NYUv2)'}")
+    splits = [read_pairs(files[:n or None], task, size, channels, label_map)
+              for files, n in zip(pairs, (cfg.train_subset, cfg.test_subset))]
+    if num_classes is None:
+        labels = torch.cat([s.targets[s.targets != IGNORE_INDEX] for s in splits]) if task == "seg" else None
+        num_classes = int(labels.max()) + 1 if task == "seg" and labels.numel() else 0
+    return DenseData(name, task, *splits, num_classes=num_classes)
 
 
 # --- frozen features, with an optional disk cache ---
@@ -398,8 +329,7 @@ def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_siz
 
 @dataclass
 class FrozenBackbone:
-    """The frozen model and what its features depend on: the normalisation it was trained with and,
-    with a cache folder, the checkpoint file's hash (part of every cache key)."""
+    """The frozen model and what its features depend on (each part of the cache key)."""
     model: nn.Module        # eval mode, requires_grad False
     ckpt: dict
     mean: list
@@ -410,8 +340,8 @@ class FrozenBackbone:
     ckpt_hash: str = ""
 
     def features(self, images: torch.Tensor, depth: int | None) -> torch.Tensor:
-        """extract_features, read from / written to the cache when there is one. The key covers everything
-        the features depend on: checkpoint file, depth, images and their normalisation."""
+        """extract_features, through the cache when there is one (key: checkpoint file, depth, images,
+        normalisation)."""
         if not self.cache:
             return extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
         from safetensors import SafetensorError
@@ -444,21 +374,17 @@ def fit_head(head: nn.Module, feats: torch.Tensor, targets: torch.Tensor, loss_f
     sched = dict(warmup_steps=0, total_steps=total, warmup_lr=cfg.lr, min_lr=1e-5 * cfg.lr)
     head.to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step = 0
-    while step < total:
-        epoch, first = divmod(step, steps_per_epoch)
-        order = epoch_order(n, cfg.seed, epoch, 1)
-        for s in range(first, steps_per_epoch):
-            idx = order[s * cfg.batch_size:(s + 1) * cfg.batch_size]
-            for group in optimizer.param_groups:
-                group["lr"] = train.lr_at(step, cfg.lr, sched)
-            loss = loss_fn(head(feats[idx].to(device), size), targets[idx].to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if step == total:
-                break
+    for step in range(total):
+        epoch, s = divmod(step, steps_per_epoch)
+        if s == 0:
+            order = epoch_order(n, cfg.seed, epoch, 1)
+        idx = order[s * cfg.batch_size:(s + 1) * cfg.batch_size]
+        for group in optimizer.param_groups:
+            group["lr"] = train.lr_at(step, cfg.lr, sched)
+        loss = loss_fn(head(feats[idx].to(device), size), targets[idx].to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
     return head.eval()
 
 
@@ -481,8 +407,8 @@ def evaluate_head(head, feats, targets, data: DenseData, batch_size: int, device
     size = tuple(targets.shape[-2:])
     total = 0
     for f, t in zip(feats.split(batch_size), targets.split(batch_size)):
-        pred = head(f.to(device), size).cpu()  # seg: (B, K, H, W) logits; monodepth: (B, H, W)
-        total = total + batch_sums(pred.argmax(1) if data.task == "seg" else pred, t, data)
+        pred = head(f.to(device), size).cpu()  # seg: (B, K, H, W) logits; monodepth: (B, 1, H, W)
+        total = total + batch_sums(pred.argmax(1) if data.task == "seg" else pred[:, 0], t, data)
     return metrics_of(total, data)
 
 
@@ -564,11 +490,11 @@ def train_heads(frozen: FrozenBackbone, data: DenseData, depth: int, constant: f
     grid = config.image_size // config.patch_size
     feats = frozen.features(data.train.images, depth)
     if data.task == "seg":
-        heads = {"linear": lambda: SegmentationHead(config.dim, data.num_classes, grid)}
-        loss_fn = segmentation_loss
+        heads = {"linear": lambda: DenseHead(config.dim, data.num_classes, grid)}
+        loss_fn = partial(F.cross_entropy, ignore_index=IGNORE_INDEX)
     else:
-        heads = {"linear": lambda: DepthMapHead(config.dim, grid, 0, constant),
-                 "mlp": lambda: DepthMapHead(config.dim, grid, config.dim, constant)}
+        heads = {"linear": lambda: DenseHead(config.dim, 1, grid, 0, constant),  # from the constant baseline
+                 "mlp": lambda: DenseHead(config.dim, 1, grid, config.dim, constant)}
         loss_fn = depth_map_loss
     trained = {}
     for name, build in heads.items():
@@ -591,8 +517,7 @@ def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths:
 
 
 def run(cfg: ProbeConfig) -> dict:
-    """Train dense heads on a frozen backbone and evaluate them at each depth. Every input is checked
-    before anything is written (cache or results). Returns the summary (also probe_results.json)."""
+    """Every input checked; then the heads trained and evaluated at each depth -> the summary."""
     t_start = time.perf_counter()
     check_config(cfg)
     frozen, depths = load_backbone(cfg)
@@ -646,8 +571,7 @@ def results_table(summary: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg = ProbeConfig(**vars(build_parser().parse_args(argv)))
-    return run(cfg)
+    return run(ProbeConfig(**vars(build_parser().parse_args(argv))))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import torch
+from tqdm import tqdm
 
 if not __package__:  # run as a file (python tools/sweep.py): the project's modules are not on the path
     sys.exit("tools/sweep.py: error: run it from the repository root as python -m tools.sweep")
@@ -35,8 +36,9 @@ import revit
 from lib import tasks
 from lib.checkpoint import load_model
 from lib.boundary import MAX_DEPTH, InputError, check_numbers, fail, output_problem, path_problem
-from lib.cli import f, git_commit, json_text, markdown, pick_device, pyplot, write_json
+from lib.cli import f, git_commit, json_text, markdown, pick_device, pyplot, say, write_json
 from lib.cli import run_main  # Ctrl-C: one line
+from tools.plot import save_png
 
 PROG = "python -m tools.sweep"  # how it runs: from the repository root, as a module
 
@@ -244,9 +246,12 @@ def cell_problem(cell) -> str | None:
     if not all(re.fullmatch(r"[0-9]{1,3}", d) and 1 <= int(d) <= MAX_DEPTH for d in depths):
         return f"result.depths keys must be depths (integers in 1..{MAX_DEPTH})"
     gates = cell.get("gates")
-    if gates and not (isinstance(gates, dict) and number(gates.get("gate_spread"))
-                      and isinstance(gates.get("dominant_expert"), list)):
-        return "gates must be null, {} or {gate_spread, dominant_expert}"
+    if gates and not (isinstance(gates, dict) and number(gates.get("gate_spread"), 0, 1)
+                      and isinstance(gates.get("dominant_expert"), list)
+                      and all(type(e) is int for e in gates["dominant_expert"])):
+        return "gates must be null, {} or {gate_spread: 0..1, dominant_expert: a list of expert indices}"
+    if not all(isinstance(cell.get(k), (str, type(None))) for k in ("commit", "torch")):
+        return "commit and torch must be strings"
     trace = cell.get("gate_trace", [])
     if not isinstance(trace, list) or not all(isinstance(p, list) and len(p) == 2 and all(map(number, p))
                                               for p in trace):
@@ -376,11 +381,13 @@ def mean_std(values: list[float]) -> dict:
 
 
 def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard: tuple = (1, 1),
-                 threads: int = 1) -> list[dict]:
+                 threads: int = 1, progress: bool = False) -> list[dict]:
     """Each cell over seeds. With shard (K, N) this process trains only every N-th run, starting at the K-th,
-    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'."""
+    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'.
+    A line per run, and with `progress` a bar over the runs on stderr when it is a terminal."""
     cells = [(grid, name, spec) for grid in grids for name, spec in GRIDS[grid].items()]
     rows, index, version = [], 0, code_version()
+    bar = tqdm(total=len(cells) * seeds, desc="runs", disable=not progress or not sys.stderr.isatty(), leave=False)
     for grid, name, spec in cells:
         records = []
         for seed in range(seeds):
@@ -390,11 +397,13 @@ def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard
             mine = (index - 1) % shard[1] == shard[0] - 1
             record = run_cell(key, argv, out_dir, threads, version) if mine else cached_cell(key, argv, out_dir)
             records.append(record)
-            print(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
+            bar.update()
+            say(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
                 "pending (another shard)" if record is None else score_text(record["result"])
-                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")), flush=True)
+                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")))
         if None not in records:
             rows.append(quality_row(grid, name, spec, records))
+    bar.close()
     return rows
 
 
@@ -464,12 +473,6 @@ def tying_gaps(rows: list[dict]) -> list[dict]:
     return pairs
 
 
-ACCURACY_COLUMNS = [("cell", f("cell", "{}")), ("params", f("params", "{:,}")),
-                    ("top-1 % mean ± std [per seed]", lambda r: pm(r["acc"])),
-                    ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
-                    ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))]
-
-
 def score(row: dict) -> str:
     """The row's metric over seeds: top-1 in % (pm), or an MSE to four decimals, with the per-seed values."""
     stats = row[row.get("metric", "acc")]
@@ -482,32 +485,33 @@ def score(row: dict) -> str:
 SCORE_COLUMNS = [("cell", f("cell", "{}")), ("params", f("params", "{:,}")), ("mean ± std [per seed]", score),
                  ("gate spread (0 = flat)", lambda r: gate_cell(r, "{mean:.2f} ± {std:.2f}")),
                  ("dominant expert per step, seed 0", lambda r: gate_cell(r, "{path}"))]
+TITLES = {"experts": "Accuracy against the expert count (paper Table 5, Table 1)",
+          "elastic": "Accuracy at inference depths after elastic training (paper Fig. 2)",
+          "quickstart": "At the quick start's size (d = 96, L = 6, 15 epochs)",
+          "tying": "What tying the blocks costs: untied ViT vs one shared block (E = 1)"}
+
+
+def grid_table(grid: str, rows: list[dict]) -> str:
+    """One grid's table: accuracy at every depth (elastic), the cost of tying (pairs of rows), else a row per
+    cell with its score over seeds and its gates."""
+    if grid == "elastic":
+        depths = sorted({d for r in rows for d in r["depths"]})
+        return markdown(rows, [("cell", f("cell", "{}"))] + [
+            (f"depth {d}" + (" (L)" if d == rows[0]["reference_depth"] else ""), lambda r, d=d: pm(r["depths"][d]))
+            for d in depths])
+    if grid == "tying":
+        return markdown(tying_gaps(rows), [
+            ("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
+            ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])
+    return markdown(rows, SCORE_COLUMNS)
 
 
 def quality_markdown(result: dict) -> str:
     """The sweep's tables, from run_sweep's result or read_quality(OUT/quality.json)."""
     out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
-    experts = [r for r in result["rows"] if r["grid"] == "experts"]
-    if experts:
-        out += ["\n### Accuracy against the expert count (paper Table 5, Table 1)\n", markdown(experts, ACCURACY_COLUMNS)]
-    elastic = [r for r in result["rows"] if r["grid"] == "elastic"]
-    if elastic:
-        depths = sorted({d for r in elastic for d in r["depths"]})
-        out += ["\n### Accuracy at inference depths after elastic training (paper Fig. 2)\n", markdown(elastic, [
-            ("cell", f("cell", "{}"))] + [(f"depth {d}" + (" (L)" if d == elastic[0]["reference_depth"] else ""),
-                                           lambda r, d=d: pm(r["depths"][d])) for d in depths])]
-    quickstart = [r for r in result["rows"] if r["grid"] == "quickstart"]
-    if quickstart:
-        out += ["\n### At the quick start's size (d = 96, L = 6, 15 epochs)\n", markdown(quickstart, ACCURACY_COLUMNS)]
-    tying = [r for r in result["rows"] if r["grid"] == "tying"]
-    if tying:
-        out += ["\n### What tying the blocks costs: untied ViT vs one shared block (E = 1)\n", markdown(
-            tying_gaps(tying), [("setting", f("setting", "{}")), ("ViT (untied)", lambda r: pm(r["vit"])),
-                                ("reViT E=1", lambda r: pm(r["tied"])), ("gap (points ± s.e.)", f("gap", "{}"))])]
     for grid in dict.fromkeys(r["grid"] for r in result["rows"]):
-        if grid.startswith("planted") or grid in ("router-lr", "distill", "long"):
-            rows = [r for r in result["rows"] if r["grid"] == grid]
-            out += [f"\n### Grid {grid}\n", markdown(rows, SCORE_COLUMNS)]
+        rows = [r for r in result["rows"] if r["grid"] == grid]
+        out += [f"\n### {TITLES.get(grid, f'Grid {grid}')}\n", grid_table(grid, rows)]
     out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
                f"count their original run); cells in {result['out_dir']}/cells.")
     return "\n".join(out)
@@ -537,7 +541,7 @@ def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
         for folder, pattern in folders:
             os.makedirs(folder, exist_ok=True)
             paths.append(os.path.join(folder, pattern.format(kind=kind)))
-            fig.savefig(paths[-1])
+            save_png(fig, paths[-1])
         plt.close(fig)
     return paths
 
@@ -632,13 +636,12 @@ def run_sweep(args) -> dict:
         raise SweepError(str(e)) from None
     regime = dict(QUICK_REGIME if args.quick else REGIMES[args.regime], device=str(device))
     grids, shard, threads = parse_grids(args.grids), parse_shard(args.shard), thread_count(args.threads)
-    if regime["arch"] not in revit.PRESETS:
-        raise SweepError(f"the regime's arch {regime['arch']!r} is not a vision preset of revit.py")
     seeds = args.seeds or (2 if args.quick else 3)
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
-    if output_problem(out_dir, "folder"):
-        raise InputError(f"--out {out_dir} {output_problem(out_dir, 'folder')}")
-    rows = quality_rows(grids, regime, seeds, out_dir, shard, threads)
+    problem = output_problem(out_dir, "folder")
+    if problem:
+        raise InputError(f"--out {out_dir} {problem}")
+    rows = quality_rows(grids, regime, seeds, out_dir, shard, threads, args.progress)
     result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
               "seeds": seeds, "grids": grids,
               "regime_argv": cell_argv(regime, {}, 0)[:-2], "out_dir": out_dir, "rows": rows}
@@ -666,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "on one --out folder to split a sweep; then once more for the table)")
     p.add_argument("--device", default="auto", help="train.py's --device for every cell: auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, help="CPU threads per train.py run (default: $OMP_NUM_THREADS if set, else 1)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar over the runs on stderr, when it is a terminal")
     return p
 
 
