@@ -23,6 +23,7 @@ the exceptions, its name (FAST_FILES, DEEP_FILES, DEEP_TESTS, FAST_TESTS below),
 when the file around it changes; tests/test_layout.py checks every file is in exactly one list.
 """
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,13 +53,12 @@ SKIP_GPU = ("needs a CUDA GPU: run with REVIT_GPU_TESTS=1 on a machine that has 
 # bit-exactly, the exports' exactness, and one bad-input line per entry point.
 FAST_FILES = ("test_equations.py", "test_revit.py", "test_alternet.py", "test_moe.py", "test_train.py",
               "test_export.py", "test_data.py", "test_planted.py", "test_sample.py", "test_weights.py",
-              "test_conventions.py")
+              "test_cli.py")
 # The deep set: the hostile tables, faults and kills, compile and device tests, the tools end to end,
 # memory and timing, the GPU check, the layout and results checks.
-DEEP_FILES = ("test_hostile.py", "test_faults.py", "test_check.py", "test_device.py", "test_resume_fused.py",
-              "test_analyze.py", "test_depths.py", "test_probes.py", "test_sweep.py", "test_bench.py",
-              "test_memory.py", "test_layout.py", "test_results.py", "test_mutants.py", "test_install.py",
-              "test_runs.py")
+DEEP_FILES = ("test_hostile.py", "test_faults.py", "test_device.py", "test_analyze.py", "test_depths.py",
+              "test_probes.py", "test_sweep.py", "test_bench.py", "test_memory.py", "test_layout.py",
+              "test_results.py", "test_mutants.py", "test_install.py", "test_plot.py")
 # Deep tests in fast files (every parametrisation of the named function): compile, devices, processes
 # started from scratch (each imports torch again), ranks and crashes.
 DEEP_TESTS = (
@@ -95,6 +95,12 @@ DEEP_TESTS = (
     "test_train.py::test_precision_flag_and_auto_on_the_cpu",
     "test_train.py::test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly",
     "test_train.py::test_fp16_training_on_the_gpu",
+    "test_train.py::test_resume_applies_this_device_s_fused_choice",
+    "test_train.py::test_the_start_event_names_the_commit_torch_device_and_command",
+    "test_train.py::test_piped_output_shows_the_loss_on_lines_of_their_own",
+    "test_train.py::test_no_progress_prints_the_loss_every_log_interval",
+    "test_train.py::test_a_complete_run_resumed_with_nothing_new_says_so_and_trains_nothing",
+    "test_train.py::test_extending_a_run_says_how_its_schedule_changes",
 )
 # Fast tests in deep files: one bad-input table per entry point, and the layout rules a change most often
 # breaks.
@@ -201,3 +207,22 @@ def shakespeare_path():
         pytest.skip("tinyshakespeare.txt not found: set REVIT_DATA_DIR to a folder that holds it "
                     "(python train.py --dataset tinyshakespeare --download --data-dir DIR fetches it)")
     return path
+
+
+# A tiny training run as a user pipes it, shared by the tests of train.py's records and tools/plot.py.
+RECORDED_RUN = ["--arch", "revit-mini", "--device", "cpu", "--train-subset", "256", "--test-subset", "128",
+        "--batch-size", "32", "--patch-size", "7", "--depth", "2",
+        "--model-args", "dim=32,heads=2,ffn_dim=64", "--max-steps", "8", "--log-interval", "2",
+        "--eval-interval", "4"]
+
+
+@pytest.fixture(scope="session")
+def piped_run(tmp_path_factory, fashion_mnist_dir):
+    """A tiny run with its progress bar on (the default), stdout and stderr piped into one stream."""
+    out = tmp_path_factory.mktemp("runs") / "piped"
+    argv = [sys.executable, str(ROOT / "train.py"), *RECORDED_RUN, "--data-dir", str(fashion_mnist_dir),
+            "--out-dir", str(out)]
+    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:]
+    return out, done.stdout

@@ -19,6 +19,8 @@ from lib import checkpoint
 from lib import build, cli, resume
 import revit
 import train
+from conftest import RECORDED_RUN  # the shared recorded run's flags
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_VISION = "dim=32,heads=2,ffn_dim=64"
@@ -909,3 +911,113 @@ def test_gradient_accumulation_takes_the_step_and_logs_the_loss_of_the_whole_bat
     assert record["loss"] == pytest.approx(whole.item(), rel=1e-6)
     for p, p0, g in zip(model.parameters(), before, grads):
         torch.testing.assert_close(p.detach(), p0 - 0.1 * g, rtol=1e-5, atol=1e-6)
+
+
+# --- A resumed run steps with the optimizer implementation of the device it runs on, whatever device saved
+# the checkpoint: torch's Optimizer.load_state_dict restores each saved group's `fused` flag with its
+# hyperparameters, so a CPU checkpoint (fused=None) resumed on a GPU silently dropped fused AdamW, and a GPU
+# checkpoint resumed on a CPU took CPU fused AdamW instead of the CPU runs' default (other numerics).
+# Reproduced on the CPU: the GPU's choice is CPU fused AdamW (torch has one), through device_options.
+
+REAL_OPTIONS = train.device_options
+
+
+@pytest.fixture
+def fused_seen():
+    """The `fused` flag of every optimizer step taken while the test runs."""
+    seen = []
+    handle = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: seen.append(optimizer.param_groups[0]["fused"]))
+    yield seen
+    handle.remove()
+
+
+def fused_device(monkeypatch):
+    """This CPU as a device whose choice is fused AdamW (CUDA's, in device_options)."""
+    monkeypatch.setattr(train, "device_options", lambda kind, precision="auto": {
+        **REAL_OPTIONS(kind, precision), "fused_adamw": True})
+
+
+@pytest.mark.parametrize("saved_on_fused_device", [False, True])
+def test_resume_applies_this_device_s_fused_choice(tmp_path, fashion_mnist_dir, monkeypatch, fused_seen,
+                                                   saved_on_fused_device):
+    with monkeypatch.context() as saving:
+        if saved_on_fused_device:
+            fused_device(saving)
+        _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--stop-at-step", "2")
+    saved = torch.load(out / "ckpt.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert {g["fused"] for g in saved} == ({True} if saved_on_fused_device else {None})
+    if not saved_on_fused_device:
+        fused_device(monkeypatch)  # resumed where fused AdamW is the choice
+    summary = train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])
+    assert summary["step"] == 4
+    resumed = fused_seen[2:]
+    assert len(resumed) == 2 and set(resumed) == ({None} if saved_on_fused_device else {True}), fused_seen
+
+
+# --- a run records what made it, shows its loss, and says what a resume continues ---
+
+
+def test_the_start_event_names_the_commit_torch_device_and_command(piped_run):
+    out, _ = piped_run
+    start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start"
+    assert start["commit"] == (cli.git_commit(str(ROOT)) or "unknown")
+    assert start["torch"] == torch.__version__ and start["device"] == "cpu"
+    assert start["command"].startswith(f"python {ROOT / 'train.py'} --arch revit-mini --device cpu")
+    assert f"--out-dir {out}" in start["command"]
+
+
+def test_piped_output_shows_the_loss_on_lines_of_their_own(piped_run):
+    """What a terminal or `less` shows of each line is what follows its last carriage return: a log line
+    printed beside tqdm's bar (which ends in no newline) would show the bar glued in front of it."""
+    _, output = piped_run
+    shown = [line.split("\r")[-1] for line in output.splitlines()]
+    assert [line.split(":")[0] for line in shown if ": loss " in line] == [f"step {s}" for s in (2, 4, 6, 8)]
+    assert sum(line.startswith("step 4: val_acc") for line in shown) == 1
+    assert shown[-1].startswith("done: revit-mini")
+
+
+def test_no_progress_prints_the_loss_every_log_interval(tmp_path, fashion_mnist_dir, capsys):
+    train.main([*RECORDED_RUN, "--data-dir", str(fashion_mnist_dir), "--out-dir", str(tmp_path / "run"),
+                "--no-progress"])
+    losses = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in losses if "loss" in r}
+    printed = [line for line in capsys.readouterr().out.splitlines() if ": loss " in line]
+    expected = [f"step {s}: loss {losses[s]:.4f}" for s in (2, 4, 6, 8)]
+    assert [line.split(",")[0] for line in printed] == expected
+    assert all(line.endswith(" images/s") for line in printed)
+
+
+def test_a_complete_run_resumed_with_nothing_new_says_so_and_trains_nothing(tmp_path, fashion_mnist_dir,
+                                                                             capsys):
+    out = tmp_path / "run"
+    train.main([*RECORDED_RUN, "--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), "--no-progress"])
+    before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--resume", str(out / "ckpt.pt"), "--data-dir", str(fashion_mnist_dir), "--no-progress"])
+    assert stopped.value.code in (0, None)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"--resume {out / 'ckpt.pt'}: the run is complete (step 8 of 8); nothing to train. Extend it with a "
+        f"larger --max-steps or --epochs, or evaluate it with --eval-only {out / 'ckpt.pt'}")
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_extending_a_run_says_how_its_schedule_changes(tmp_path, fashion_mnist_dir, capsys):
+    out = tmp_path / "run"
+    train.main([*RECORDED_RUN, "--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), "--no-progress"])
+    saved = torch.load(out / "ckpt.pt", weights_only=True)["scheduler"]
+    capsys.readouterr()
+    summary = train.main(["--resume", str(out / "ckpt.pt"), "--data-dir", str(fashion_mnist_dir),
+                          "--no-progress", "--max-steps", "12", "--lr", "1e-3"])
+    peak = torch.load(out / "ckpt.pt", weights_only=True)["scheduler"]["peak_lr"]  # --lr scaled by the batch
+    before = train.lr_at(8, saved["peak_lr"], saved)
+    longer = train.lr_at(8, saved["peak_lr"], {**saved, "total_steps": 12})
+    overrides = [line for line in capsys.readouterr().out.splitlines() if line.startswith("override:")]
+    assert overrides[-2:] == [
+        f"override: total_steps=12 (the checkpoint's: 8; --max-steps / --epochs): the lr at step 8 goes from "
+        f"{before:.3g} to {longer:.3g}, and the run continues to step 12",
+        f"override: peak_lr={peak:g} (the checkpoint's: {saved['peak_lr']:g}; --lr / --lr-batch): the lr at "
+        f"step 8 goes from {before:.3g} to {before:.3g}"]  # at the cosine's end: min_lr whatever the peak
+    assert longer > 10 * before and summary["step"] == 12
