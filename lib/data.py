@@ -97,7 +97,7 @@ def fetch(url: str, path: Path) -> None:
 
 def download_builtin(name: str, target: Path) -> None:
     print(f"downloading {name} into {target} ...")
-    (target / BUILTIN[name][0]).mkdir(parents=True, exist_ok=True)
+    (target / "fashion-mnist" if name == "fashion-mnist" else target).mkdir(parents=True, exist_ok=True)
     if name == "fashion-mnist":
         for file in FMNIST_FILES:
             fetch(URLS[name] + file, target / "fashion-mnist" / file)
