@@ -190,7 +190,7 @@ def close_rows(report: Report, part: Part, status: str, why: str) -> None:
 
 
 def start_reader(process) -> queue.Queue:
-    """The process's lines on a queue (None after the last), read by a thread: the check never blocks on a read."""
+    """The process's lines on a queue (None after the last), read by a thread: the check never blocks."""
     lines = queue.Queue()
 
     def read():
@@ -202,7 +202,7 @@ def start_reader(process) -> queue.Queue:
 
 
 def own_group_dying_with_parent() -> None:
-    """In the part's process before it runs: its own process group, and (Linux) SIGKILL when the check dies."""
+    """In the part's process before it runs: its own process group; (Linux) SIGKILL when the check dies."""
     os.setpgid(0, 0)
     with contextlib.suppress(Exception):
         LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

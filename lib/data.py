@@ -125,8 +125,8 @@ def read_file(path: Path) -> bytes:
         with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
             raw = f.read(MAX_FILE_BYTES + 1)
     except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut-short .gz an EOFError
-        raise ValueError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or str(e) or 'cut short'})") \
-            from None
+        reason = getattr(e, "strerror", None) or str(e) or "cut short"
+        raise ValueError(f"{path}: cannot be read ({reason})") from None
     if len(raw) > MAX_FILE_BYTES:
         raise ValueError(f"{path}: larger than {MAX_FILE_BYTES:,} bytes (our bound for a data file)")
     return raw
@@ -420,8 +420,9 @@ def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", downl
     if not path and corpus == "grammar":
         return grammar_corpus()
     path = Path(path or find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1])
+    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
     try:
-        text = "\n".join(read_file(f).decode() for f in (sorted(path.rglob("*.txt")) if path.is_dir() else [path]))
+        text = "\n".join(read_file(f).decode() for f in files)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text ({e})") from None
     if not text.strip():

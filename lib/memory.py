@@ -97,7 +97,7 @@ def live_bytes(fn) -> list:
 
 
 def peak_bytes(fn, device: torch.device) -> int:
-    """Peak bytes allocated while fn() runs beyond those before: LiveBytes on a CPU, the allocator's on CUDA."""
+    """Peak bytes allocated while fn() runs beyond those before: LiveBytes on a CPU, the allocator on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -140,8 +140,8 @@ def depth_of(config) -> int:
 
 
 def reduced_model(config, device: torch.device, depth: int, **changes) -> nn.Module:
-    """The model of `config` at `depth` with `changes`, training, arbitrary weights and zero gradients (backward
-    adds into them, as every micro-step after the first does). Built on the meta device: no init, no RNG."""
+    """The model of `config` at `depth` with `changes`, training, arbitrary weights and zero gradients
+    (backward adds into them, as every micro-step after the first does). Built on meta: no init, no RNG."""
     language = is_language(config)
     config = dataclasses.replace(config, **changes, **({"max_depth": depth} if language else
                                                        {"depth": depth, "depth_drop": 0.0}))

@@ -178,12 +178,12 @@ def test_cifar_python2_archive_is_read_without_numpy(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "numpy", None)  # never imported: arrays are read as bytes
     (xtr, ytr), (xte, yte), classes = data.load_cifar(tmp_path, 10)
     assert xtr.shape == (10, 3, 32, 32) and ytr.tolist() == [1, 2] * 5 and classes == 10
-    assert torch.equal(xte.flatten(), torch.tensor(list(PY2_PIXELS), dtype=torch.uint8))  # channel planes, row-major
+    assert torch.equal(xte.flatten(), torch.tensor(list(PY2_PIXELS), dtype=torch.uint8))  # planes, row-major
 
 
 @pytest.mark.parametrize("protocol", [2, 5])
 def test_cifar_archives_repickled_by_numpy_are_read(tmp_path, protocol):
-    """numpy 1.x / 2.x arrays pickled by Python 3 (protocol 2: bytes through _codecs.encode; 5: _frombuffer)."""
+    """numpy arrays pickled by Python 3 (protocol 2: bytes through _codecs.encode; 5: _frombuffer)."""
     np = pytest.importorskip("numpy")
     pixels = np.arange(2 * 3072, dtype=np.uint8).reshape(2, 3072)
     (tmp_path / "batch").write_bytes(pickle.dumps({b"data": pixels, b"labels": [4, 9]}, protocol=protocol))
@@ -211,7 +211,7 @@ ROWS = "data is not an array of N > 0 rows of 3072 bytes (uint8)"
     (lambda a: a.replace(b"U\x02u1", b"U\x02i1"), ROWS),  # int8
     (lambda a: a.replace(b"M\x00\x0c\x86", b"M\x00\x06\x86"), ROWS),  # rows of 1536
     (lambda a: a.replace(b"K\x02M\x00\x0c", b"K\x03M\x00\x0c"), ROWS),  # 3 rows, the bytes of 2
-    (lambda a: pickle.dumps({b"data": [[0] * 3072], b"labels": [0]}), ROWS),  # lists: the official files hold arrays
+    (lambda a: pickle.dumps({b"data": [[0] * 3072], b"labels": [0]}), ROWS),  # the official files: arrays
     (lambda a: pickle.dumps({b"data": "pixels", b"labels": [0]}), ROWS),
     (lambda a: pickle.dumps({b"labels": [0]}), "not a CIFAR python archive (a dict with b'data'"),
     (lambda a: pickle.dumps([1, 2, 3]), "not a CIFAR python archive"),
@@ -236,8 +236,8 @@ def idx_bytes(count, stored):
     (lambda p: p.write_bytes(bytes(range(256)) * 4), "cannot be read (Not a gzipped file"),
     (lambda p: p.write_bytes(gzip.compress(idx_bytes(100, 100))[:-12]), "cannot be read (Compressed file ended"),
     (lambda p: p.write_bytes(gzip.compress(idx_bytes(100, 60))), "its IDX header says 100 = 100 values, the file holds 60"),
-    (lambda p: p.write_bytes(gzip.compress(b"\x00\x00\x08\x09")), "not an uint8 IDX file of 1 to 4 dimensions"),
-    (lambda p: p.write_bytes(gzip.compress(idx_bytes(0, 0))), "its IDX header says 0 = 0 values, the file holds 0"),
+    (lambda p: p.write_bytes(gzip.compress(b"\x00\x00\x08\x09")), "not an uint8 IDX file of 1 to 4"),
+    (lambda p: p.write_bytes(gzip.compress(idx_bytes(0, 0))), "its IDX header says 0 = 0 values, the file"),
     (lambda p: p.symlink_to(p), "cannot be read (Too many levels"),
     (lambda p: os.mkfifo(p), "not a regular file"),
     (lambda p: p.mkdir(), "a folder, not a file"),
