@@ -184,14 +184,14 @@ def router_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 def distill_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Teachers (supervised top-1), students (Eq. 5 MSE to their teacher's tokens), then the linear probe of
     every frozen model against the teacher's own probe."""
-    teacher_probe = next(r for r in rows if r["cell"] == "probe: teacher")
+    teacher_probe = next((r for r in rows if r["cell"] == "probe: teacher"), None)  # None: a sweep still running
     columns = ["model", "params (trained)", "measure", "mean ± std [per seed]", "vs the teacher's probe (points ± s.e.)"]
     cells = []
     for r in rows:
         metric = r.get("metric", "acc")
         measure = ("linear probe top-1 %" if r["cell"].startswith("probe") else "top-1 %") if metric == "acc" \
             else "distillation MSE (Eq. 5)"
-        versus = gap(r["acc"], teacher_probe["acc"]) if r["cell"].startswith("probe: student") else "–"
+        versus = gap(r["acc"], teacher_probe["acc"]) if teacher_probe and r["cell"].startswith("probe: s") else "–"
         cells.append([r["cell"], f"{r['params']:,}", measure, pm(r["acc"]) if metric == "acc" else mse(r[metric]),
                       versus])
     return columns, cells
@@ -210,7 +210,8 @@ def depth_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """The rows come in pairs 'SETTING: ViT' / 'SETTING: E=1'; the gap is the cost of tying."""
     by_cell = {r["cell"]: r for r in rows}
-    settings = dict.fromkeys(r["cell"].split(":")[0] for r in rows)
+    settings = [s for s in dict.fromkeys(r["cell"].split(":")[0] for r in rows)  # both rows finished
+                if f"{s}: ViT" in by_cell and f"{s}: E=1" in by_cell]
     columns = ["setting", "ViT, untied", "reViT E = 1 (tied block)", "gap (points ± s.e.)"]
     return columns, [[s, pm(by_cell[f"{s}: ViT"]["acc"]), pm(by_cell[f"{s}: E=1"]["acc"]),
                       gap(by_cell[f"{s}: ViT"]["acc"], by_cell[f"{s}: E=1"]["acc"])] for s in settings]
