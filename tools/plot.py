@@ -88,7 +88,7 @@ def save_png(fig, path) -> None:
 
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder of train.py or its metrics.jsonl")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder of train.py (or metrics.jsonl)")
     parser.add_argument("--out", default="", help="the PNG [default: curves.png beside the first RUN]")
     args = parser.parse_args(argv)
     runs = {}
