@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from results import render
+from lib import tables
 from tools import sweep
 import train
 
@@ -113,7 +113,7 @@ def test_a_cell_written_before_commits_were_recorded_is_still_read(tmp_path, fak
 
 def test_the_committed_quality_json_renders_its_tables():
     result = json.loads((ROOT / "results/quality/d48-L12/quality.json").read_text())
-    table = sweep.quality_markdown(result)  # RESULTS.md's tables, as results/render.py writes them
+    table = sweep.quality_markdown(result)  # RESULTS.md's tables (lib/tables.py)
     assert "| reViT E=4 |" in table and "| depth 12 (trained) |" in table and "| depth 2 | depth 3 |" in table
 
 
@@ -124,7 +124,7 @@ def test_shards_split_the_runs_and_the_last_pass_builds_the_table(tmp_path, fake
     second, _ = run_cli(argv + ["--shard", "2/2"])
     assert len(list((tmp_path / "cells").glob("*.json"))) == 18 and len(second["rows"]) == 6
     assert len(fake_train()) == 18
-    gaps = {setting: gap for setting, _, _, gap in render.tying_grid(second["rows"])[1]}
+    gaps = {setting: gap for setting, _, _, gap in tables.tying_grid(second["rows"])[1]}
     assert gaps == {"regime": "+2.00 ± 0.82", "d=32": "+2.00 ± 0.82", "2L": "+2.00 ± 0.82"}  # s.e. sqrt(2/3) %
 
 

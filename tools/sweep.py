@@ -9,7 +9,7 @@ Each cell of a grid is one `python train.py ...` run per seed, in its own proces
 --threads or OMP_NUM_THREADS says otherwise), its output in OUT/runs/KEY/train.log. A finished run is
 recorded in OUT/cells/KEY.json with the commit and torch version it was trained at; a sweep run again
 reuses every finished cell with the same train.py command, and a run killed mid-way continues from its
-checkpoint. The tables (RESULTS.md's, by results/render.py: accuracy vs E, Table 5; accuracy vs inference
+checkpoint. The tables (RESULTS.md's, lib/tables.py: accuracy vs E, Table 5; accuracy vs inference
 depth after elastic training, Fig. 2; mean ± std over seeds) are printed, written to OUT/quality.json and
 drawn in OUT/quality_*.png. The last stdout line is the JSON document.
 """
@@ -32,11 +32,10 @@ if not __package__:  # run as a file (python tools/sweep.py): the project's modu
     sys.exit("tools/sweep.py: error: run it from the repository root as python -m tools.sweep")
 
 import revit
-from lib import tasks
+from lib import tables, tasks
 from lib.checkpoint import load_model
 from lib.boundary import MAX_DEPTH, InputError, check_numbers, fail, output_problem, path_problem
 from lib.cli import git_commit, json_text, pick_device, pyplot, run_main, say, write_json
-from results import render  # RESULTS.md's tables: the sweep prints the same ones
 from tools.plot import save_png
 
 PROG = "python -m tools.sweep"  # how it runs: from the repository root, as a module
@@ -440,8 +439,8 @@ def quality_markdown(result: dict) -> str:
     """The sweep's tables (run_sweep's result, or OUT/quality.json), as RESULTS.md shows them."""
     out = [f"## Quality sweep: {result['seeds']} seeds per cell, regime `{' '.join(result['regime_argv'])}`"]
     for grid in dict.fromkeys(r["grid"] for r in result["rows"]):
-        columns, cells = render.GRIDS[grid]([r for r in result["rows"] if r["grid"] == grid])
-        out += [f"\n### Grid {grid}\n", render.markdown_table(columns, cells)]
+        columns, cells = tables.GRIDS[grid]([r for r in result["rows"] if r["grid"] == grid])
+        out += [f"\n### Grid {grid}\n", tables.markdown_table(columns, cells)]
     out.append(f"\n{sum(r['minutes'] for r in result['rows']):.1f} training minutes in all (cached cells "
                f"count their original run); cells in {result['out_dir']}/cells.")
     return "\n".join(out)
