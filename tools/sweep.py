@@ -154,15 +154,6 @@ class SweepError(ValueError):
 # --- cells: a regime and a grid entry -> train.py's command line ---
 
 
-def regime_depth(regime: dict) -> int:
-    return regime.get("depth") or revit.PRESETS[regime["arch"]]["depth"]
-
-
-def regime_eval_depths(regime: dict) -> list[int]:
-    depth = regime_depth(regime)
-    return sorted({2, 3, 4, depth, (3 * depth + 1) // 2, 2 * depth})
-
-
 def merge_model_args(base: str, extra: str) -> str:
     """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
     pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
@@ -172,8 +163,10 @@ def merge_model_args(base: str, extra: str) -> str:
 def cell_argv(regime: dict, cell: dict, seed: int, runs: str = "runs") -> list[str]:
     """train.py's command line for one cell and seed: the regime, then the cell's fields ({runs}: the
     sweep's run folders, where a cell finds another's checkpoint)."""
-    fill = {"size": regime["arch"].split("-", 1)[1], "double_depth": 2 * regime_depth(regime),
-            "eval_depths": ",".join(map(str, regime_eval_depths(regime))), "seed": seed, "runs": runs}
+    depth = regime.get("depth") or revit.PRESETS[regime["arch"]]["depth"]
+    eval_depths = sorted({2, 3, 4, depth, (3 * depth + 1) // 2, 2 * depth})
+    fill = {"size": regime["arch"].split("-", 1)[1], "double_depth": 2 * depth,
+            "eval_depths": ",".join(map(str, eval_depths)), "seed": seed, "runs": runs}
     values = dict(regime)
     for key, value in cell.items():
         value = value.format(**fill) if isinstance(value, str) else value
