@@ -39,7 +39,6 @@ OUTPUT_FILES = ("analysis.json", "gates.csv", "self_cka.csv", "cross_cka.csv", "
                 "cross_cka.png")  # all it writes into --out (write_outputs)
 
 
-
 # --- measures: effective rank, linear CKA, Spearman rho ---
 
 
