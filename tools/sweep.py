@@ -279,18 +279,6 @@ def gate_trace(run_dir: str) -> list:
     return [[r["step"], r["gate_spread"]] for r in records if "eval" in r and "gate_spread" in r]
 
 
-def with_gates(record: dict, out_dir: str) -> dict:
-    """Add the gates (lib/tasks.gate_summary) from the cell's checkpoint when the record lacks them and the
-    run folder is here."""
-    path = os.path.join(out_dir, "runs", record["key"], "ckpt.pt")
-    if "gates" in record or not os.path.exists(path):
-        return record
-    record = {**record, "gates": tasks.gate_summary(load_model(path)[0])}
-    cell = {k: v for k, v in record.items() if k != "cached"}
-    write_json(cell, os.path.join(out_dir, "cells", f"{record['key']}.json"))
-    return record
-
-
 # --- running a cell: python train.py in its own process ---
 
 
@@ -341,7 +329,7 @@ def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1, version:
     """One train.py run, unless a finished run of the same command line is cached (cached_cell)."""
     cached = cached_cell(key, argv, out_dir)
     if cached:
-        return with_gates(cached, out_dir)
+        return cached
     run_dir = os.path.join(out_dir, "runs", key)
     os.makedirs(run_dir, exist_ok=True)
     version = version or code_version()
