@@ -44,7 +44,7 @@ import alternet
 import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
-from lib.boundary import RANGES, InputError, check_numbers, fail, output_problem
+from lib.boundary import RANGES, check_numbers, fail, output_problem
 from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -109,7 +109,7 @@ def recorded_commit(folder: str) -> str | None:
 
 
 def peak_of(gpu_name: str) -> float | None:
-    """The device's dense bf16 peak; None for a CPU (SKU, clocks and sharing decide it: we do not guess)."""
+    """A GPU's dense bf16 peak by its name; None where unknown (a CPU's: SKU, clocks, sharing; no guess)."""
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in gpu_name), None)
 
 
@@ -1114,10 +1114,10 @@ def check_flags(args, device) -> dict:
     if check and not args.part and not args.out:  # the default is checked like a given one
         args.out = f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
     out = getattr(args, "out", None)
+    # only new files, or a command's own: another check's report, a run's files and a model stay as they are
     held = [name for name in CHECK_FILES if out and check and os.path.lexists(os.path.join(out, name))]
-    if held:  # a check writes only files it creates: another run's report stays as it is
-        fail(f"--out {out} already holds {held[0]} (another check's report); choose another --out", PROG)
-    problem = out and output_problem(out, "folder" if check else "file")  # also a run's files, a model
+    problem = (f"already holds {held[0]} (another check's report); choose another --out" if held
+               else out and output_problem(out, "folder" if check else "file"))
     if problem:
         fail(f"--out {out} {problem}", PROG)
     return defaults

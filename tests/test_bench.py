@@ -6,22 +6,21 @@ they return, never how fast anything was.
 import io
 import json
 import math
+import os
+import re
+import subprocess
+import sys
+import time
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import bench
-from lib import cli, moe
 import revit
-import os
-import re
-import subprocess
-import sys
-import time
-from pathlib import Path
-from lib import budget
+from lib import budget, cli, moe
 
 FAST = settings(max_examples=10, deadline=None)
 
