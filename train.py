@@ -7,10 +7,9 @@
     python train.py --arch alternet-tiny --data tinyshakespeare.txt     # or --dataset tinyshakespeare
     python train.py --eval-only out/run/ckpt.pt --eval-depths 2,4,8     # evaluate, no training
 
-Top to bottom: the config (the quick start's defaults, named recipes over them, the flags: printed at
-start as `recipe: ...` and `override: ...` lines); the schedule; `train_step`; evaluation and checkpoints;
-the loop; the command line. What a config builds (data, model, task, optimizer, the memory plan) is
-lib/build.py; what --resume and --eval-only read and check is lib/resume.py.
+Top to bottom: the config (defaults, recipes, flags), the schedule, `train_step`, evaluation and
+checkpoints, the loop, the command line. What a config builds is lib/build.py; what --resume and
+--eval-only read, lib/resume.py.
 """
 
 from __future__ import annotations

@@ -89,9 +89,8 @@ class DistillTask(ClassificationTask):
 def gate_summary(model) -> dict:
     """reViT's gate matrix at its trained depth L as the spread (max - min over steps and experts; 0 = flat)
     and the dominant expert of each step (Fig. 3). {} for a model without depth-only gates or E = 1."""
-    config = getattr(model, "config", None)
-    if not isinstance(model, revit.ReViT) or not getattr(config, "depth_programmed", True) \
-            or config.num_experts < 2:
+    if not isinstance(model, revit.ReViT) or not getattr(model.config, "depth_programmed", True) \
+            or model.config.num_experts < 2:
         return {}
     with torch.no_grad():
         gates = model.gate_matrix()
