@@ -481,7 +481,7 @@ MUTANTS = [
     mutant("cli: Ctrl-C as a traceback", "lib/cli.py", "    except KeyboardInterrupt:\n        raise SystemExit(f\"{script_name()}: stopped",
            "    except ZeroDivisionError:\n        raise SystemExit(f\"{script_name()}: stopped",
            "tests/test_hostile.py::test_ctrl_c_ends_every_command_in_one_line"),
-    mutant("train: a NaN evaluation logged", T, 'stop_unless_finite(run, results, "the evaluation")', "pass",
+    mutant("train: a NaN evaluation logged", T, "place = non_finite_place(results)", "place = None",
            "tests/test_faults.py::test_a_non_finite_evaluation_stops_the_run_and_is_never_written"),
     mutant("checkpoint: the log cut in place", "lib/checkpoint.py", 'atomic_write_text(self.metrics, "".join(',
            'self.metrics.write_text("".join(',
