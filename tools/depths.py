@@ -40,8 +40,9 @@ from tools.plot import save_png
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
 
 
-def checkpoint_evaluation(path: str, test_subset: int, device: torch.device, paths: dict):
+def checkpoint_evaluation(args, device: torch.device):
     """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task: its own test data or text)."""
+    path = args.checkpoint
     try:
         model, ckpt = load_model(path, device, "CKPT")
     except ValueError as e:
@@ -49,10 +50,10 @@ def checkpoint_evaluation(path: str, test_subset: int, device: torch.device, pat
     if ckpt["arch"] in moe.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
         fail("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy",
              PROG)
-    flags = {"device": str(device), "download": False, "progress": False,
-             "eval_depths": "",  # --depths decides
-             **({"test_subset": test_subset} if test_subset else {}),
-             **{k: v for k, v in paths.items() if v}}  # --data, --data-dir: never the checkpoint's
+    # --data, --data-dir: the command line's, never the checkpoint's; --depths decides the depths
+    given = {"test_subset": args.test_subset, "data": args.data, "data_dir": args.data_dir}
+    flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",
+             **{k: v for k, v in given.items() if v}}
     try:
         _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
     except SystemExit as e:  # train.py's one-line error, under this tool's name
@@ -352,8 +353,7 @@ def plot_depths(result: dict, path: str) -> str | None:
 
 
 def run_depths(args, device) -> dict:
-    model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device,
-                                             {"data": args.data, "data_dir": args.data_dir})
+    model, ckpt, task = checkpoint_evaluation(args, device)
     family = "vision" if ckpt["arch"] in moe.PRESETS else "language"
     settings = {k: getattr(args, k) for k in ("batch", "warmup", "repeats", "iters", "new_tokens",
                                               "test_subset", "resolve", "max_repeats")}
