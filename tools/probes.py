@@ -320,17 +320,15 @@ def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_siz
     return torch.cat(out)
 
 
-@dataclass
 class FrozenBackbone:
-    """The frozen model and what its features depend on (each part of the cache key)."""
-    model: nn.Module        # eval mode, requires_grad False
-    ckpt: dict
-    mean: list
-    std: list
-    device: torch.device
-    batch_size: int
-    cache: str = ""         # folder of cached features ("" for none)
-    ckpt_hash: str = ""
+    """The frozen model (eval mode, requires_grad False) and what its features depend on: each part of the
+    cache key."""
+
+    def __init__(self, model: nn.Module, ckpt: dict, device, cfg: ProbeConfig):
+        self.model, self.ckpt, self.device, self.batch_size = model, ckpt, device, cfg.eval_batch_size
+        self.mean, self.std = normalisation(ckpt, model.config.in_channels)
+        self.cache = cfg.probe_cache  # folder of cached features ("" for none)
+        self.ckpt_hash = file_hash(cfg.backbone) if cfg.probe_cache else ""
 
     def features(self, images: torch.Tensor, depth: int | None) -> torch.Tensor:
         """extract_features, through the cache when there is one (key: checkpoint file, depth, images,
@@ -475,9 +473,7 @@ def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
                 model(x, depth=depth)
         except ValueError as e:  # e.g. a plain ViT runs only its own depth
             fail(f"--backbone {cfg.backbone} cannot run at depth {depth}: {e}")
-    frozen = FrozenBackbone(model, ckpt, *normalisation(ckpt, config.in_channels), device, cfg.eval_batch_size,
-                            cfg.probe_cache, file_hash(cfg.backbone) if cfg.probe_cache else "")
-    return frozen, depths
+    return FrozenBackbone(model, ckpt, device, cfg), depths
 
 
 def load_data(cfg: ProbeConfig, config) -> DenseData:
