@@ -60,18 +60,14 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
 
 
 def load_source(path) -> nn.Module:
-    """export.py's input -> model in eval mode, its weights plain, finite and of the model's dtypes: a
-    checkpoint of this project (a ckpt.pt, or weights/'s .safetensors) or a compact / folded export."""
+    """export.py's input -> model in eval mode: a checkpoint of this project (a ckpt.pt, or weights/'s
+    .safetensors) or a compact / folded export."""
     problem = path_problem(path, "file")
     if problem:
         raise ValueError(f"checkpoint {path}: {problem}")
-    if Path(path).suffix != ".safetensors" or read_safetensors(path)[1].get("format") == WEIGHTS_FORMAT:
-        return load_vision_model(path, "checkpoint")[0]
-    model = load_safetensors(path)
-    problem = diverged(model)  # as load_vision_model: finite weights whose output is not
-    if problem:
-        raise ValueError(f"checkpoint {path}: {problem}")
-    return model
+    if Path(path).suffix == ".safetensors" and read_safetensors(path)[1].get("format") != WEIGHTS_FORMAT:
+        return load_safetensors(path)
+    return load_vision_model(path, "checkpoint")[0]
 
 
 def plain_vit(model: nn.Module, depth: int | None) -> revit.VisionTransformer:
@@ -128,7 +124,8 @@ def read_safetensors(path) -> tuple[dict, dict]:
 
 def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
     """The model a revit safetensors file describes (compact -> ReViT, folded -> VisionTransformer), or
-    with `model` given, that model (a preset of your choice) with the file's tensors."""
+    with `model` given, that model (a preset of your choice) with the file's tensors. As every reader, it
+    refuses weights that are not plain and finite, and finite weights whose output is not."""
     tensors, metadata = read_safetensors(path)
     if model is None:
         kind = metadata.get("format")
@@ -150,8 +147,12 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
         model = revit.build_model(config)
     problem = weights_problem(tensors)
     if problem:
-        raise ValueError(f"checkpoint {path}: {problem}")
-    return load_weights(model, tensors, str(path)).eval()
+        raise ValueError(f"{path}: {problem}")
+    model = load_weights(model, tensors, str(path)).eval()
+    problem = diverged(model)  # as load_vision_model: finite weights whose output is not
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    return model
 
 
 # --- timm's VisionTransformer layout ---
@@ -228,7 +229,7 @@ def save_timm(vit: revit.VisionTransformer, path) -> dict:
 
 
 def require_onnx() -> None:
-    """Checked before anything is written: torch's own error comes after tracing and is less clear."""
+    """Checked after every argument and before anything is written (torch's own error is less clear)."""
     try:
         import onnx  # noqa: F401 -- torch.onnx.export writes the graph through it
     except ImportError:
@@ -238,7 +239,6 @@ def require_onnx() -> None:
 @torch.no_grad()
 def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | None:
     """Write the folded graph; returns the max |onnxruntime - PyTorch| difference, None without onnxruntime."""
-    require_onnx()
     vit = vit.float().cpu().eval()
     with warnings.catch_warnings():
         # the traced shape checks in ViTBase.embed become constants: the image size is fixed anyway
@@ -276,8 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The flags that need no file: a ValueError naming the flag and what is allowed. Optional packages
-    are looked for only after every argument and the source checked out (export)."""
+    """The flags that need no file (lib/boundary.py's ranges): a ValueError naming the flag."""
     if args.opset is not None and args.format != "onnx":
         raise ValueError(f"--opset applies to --format onnx only; got --format {args.format} --opset {args.opset}")
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
@@ -291,7 +290,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def write_atomically(out: Path, write):
     """write(temporary path), then rename it to `out`: an interrupted export never leaves a torn file.
-    The temporary name keeps the suffix, which save_timm reads. Returns what `write` returns."""
+    The temporary name keeps the suffix, which save_timm reads."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
     try:
@@ -322,7 +321,7 @@ def export(args: argparse.Namespace) -> dict:
         print(f"load in timm: model = timm.create_model({summary['timm_model']!r}{kwargs}); "
               f"model.load_state_dict({read}({str(out)!r}), strict=True)", file=sys.stderr)
     else:
-        require_onnx()  # after every argument and the source: a bad input is reported as such without onnx
+        require_onnx()
         summary["onnx_max_abs_diff"] = write_atomically(out, lambda path: export_onnx(vit, path, args.opset))
         if summary["onnx_max_abs_diff"] is None:
             print("onnxruntime is not installed: the ONNX graph was written but not checked "
