@@ -233,8 +233,8 @@ MUTANTS = [
            "tests/test_moe.py::test_lora_starts_as_the_tied_block_and_runs_only_its_depth"),
 
     # --- AlterNet, Eqs. 1-3: depth encoding, router, gated residual step ---
-    mutant("alternet: t = d / D", A, "return iteration / (max_depth - 1) if max_depth > 1",
-           "return iteration / max_depth if max_depth > 1",
+    mutant("alternet: t = d / D", A, "t = iteration / (max_depth - 1) if max_depth > 1",
+           "t = iteration / max_depth if max_depth > 1",
            *ALTER_FORWARD),
     mutant("alternet: sin/cos order", A, "torch.stack([angles.sin(), angles.cos()])",
            "torch.stack([angles.cos(), angles.sin()])",
@@ -585,8 +585,8 @@ MUTANTS = [
     mutant("drop path per element", R, "keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1)))",
            "keep = x.new_empty(x.shape)", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
     mutant("drop path in eval", R, "if self.p == 0.0 or not self.training:", "if self.p == 0.0:", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
-    mutant("sample: a checkpoint's tokenizer loaded online", "sample.py",
-           "    with no_network():  # a checkpoint's tokenizer", "    if True:  # a checkpoint's tokenizer",
+    mutant("sample: a checkpoint's tokenizer loaded online", "lib/language.py",
+           "    encoding = gpt2_encoding()\n", "    encoding = gpt2_encoding(download=True)\n",
            "tests/test_sample.py::test_a_checkpoint_naming_gpt2_cannot_make_tiktoken_fetch"),
     # --- Eq. 5: distillation ---
     mutant("distillation against the pre-norm tokens", "lib/tasks.py", 'task = F.mse_loss(out["tokens"].float()',
