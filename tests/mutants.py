@@ -467,7 +467,7 @@ MUTANTS = [
     mutant("cli: a saved depth bound strict", "lib/boundary.py", "and config[name] > MAX_DEPTH:",
            "and config[name] >= MAX_DEPTH:", "tests/test_hostile.py::test_depth_bounds_take_their_edges"),
     mutant("boundary: a run's files overwritten", "lib/boundary.py",
-           '(path.name in RUN_FILES or path.name.startswith(".lock"))', "False", "tests/test_hostile.py::test_no_tool_overwrites_a_run"),
+           "if path.exists() and path.name in RUN_FILES:", "if False:", "tests/test_hostile.py::test_no_tool_overwrites_a_run"),
     mutant("resume: missing state refused at step 0", "lib/resume.py", "if refused and step > 0:",
            "if refused and step >= 0:",
            "tests/test_hostile.py::test_a_checkpoint_at_step_0_resumes_without_optimizer_state"),
