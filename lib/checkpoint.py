@@ -52,8 +52,6 @@ def unreadable(error: Exception) -> str:
     if stored:  # a pickled Python object (a class, os.system, ...): never loaded, never run
         return (f"it stores the Python object {stored.group(1)}, which a safe load refuses "
                 "(files of this project hold only tensors and plain values)")
-    if "WeightsUnpickler error:" in text:
-        return f"not a PyTorch file ({text.split('WeightsUnpickler error:', 1)[1].split(' Check the')[0].strip()})"
     if "weights_only" in text or "Weights only load failed" in text:  # any other refusal: never the advice
         return "not a PyTorch file of plain tensors and values (a safe load refuses it)"
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
@@ -63,9 +61,17 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     """A checkpoint (weights_only=True) whose parts named in `keys` pass the boundary's rules: their types,
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
     one line naming the flag, the file and what is wrong."""
-    problem = path_problem(path, "file")
+    ckpt, problem = read_checkpoint(path, keys)
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
+    return ckpt
+
+
+def read_checkpoint(path, keys) -> tuple[dict | None, str | None]:
+    """load_checkpoint's reading and rules -> (checkpoint, what is wrong with it in a few words, or None)."""
+    problem = path_problem(path, "file")
+    if problem:
+        return None, problem
     try:
         if Path(path).suffix == ".safetensors":  # weights/ ships these: lib/weights.py
             from lib.weights import read_weights
@@ -73,19 +79,16 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
         else:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except ValueError as e:  # read_weights: what is wrong with the file, in words
-        raise ValueError(f"{flag} {path}: {e}") from None
+        return None, str(e)
     except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
-        raise ValueError(f"{flag} {path}: {unreadable(e)}") from None
+        return None, unreadable(e)
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
-                         f"project (missing {', '.join(missing)})")
+        return None, (f"not a {'training ' if 'optimizer' in keys else ''}checkpoint of this project "
+                      f"(missing {', '.join(missing)})")
     values = list(plain_values(ckpt))  # each container once: shared references are not expanded
-    problem = (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
-               or non_finite(values))
-    if problem:
-        raise ValueError(f"{flag} {path}: {problem}")
-    return ckpt
+    return ckpt, (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
+                  or non_finite(values))
 
 
 # What each part of a checkpoint must be: a file edited or written by other code fails here, by name.
@@ -396,8 +399,6 @@ def logged_by(line: str, step: int) -> bool:
     """Whether a metrics.jsonl line was written before the checkpoint of `step` (torn lines are not)."""
     try:
         record = json.loads(line)
-    except json.JSONDecodeError:
+        return record.get("event") != "final" and record.get("step", 0) <= step
+    except (json.JSONDecodeError, AttributeError, TypeError):  # AttributeError: not a dict
         return False
-    if not isinstance(record, dict) or not isinstance(record.get("step", 0), (int, float)):
-        return False
-    return record.get("event") != "final" and record.get("step", 0) <= step

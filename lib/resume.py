@@ -217,21 +217,19 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) 
     first step a parameter without state (`names`: id -> name) is refused unless `may_lack(name)`."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = saved["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        return "its optimizer state does not fit the model (parameter groups differ)"
-    if [i for g in groups for i in g["params"]] != list(range(len(params))):
-        return "its optimizer state does not fit the model (parameter ids are not 0.." f"{len(params) - 1})"
+    if [g["params"] for g in groups] != [g["params"] for g in optimizer.state_dict()["param_groups"]]:
+        return (f"its optimizer state does not fit the model (parameter ids are not 0..{len(params) - 1} in "
+                f"{len(optimizer.param_groups)} groups)")
     for g in groups:
         for key, (ok, allowed) in ADAM_GROUP.items():
             if not ok(g.get(key)):
                 return f"its optimizer's {key} is {g.get(key, 'missing')!r}; AdamW takes {allowed}"
     for index, state in saved["state"].items():
-        known = isinstance(index, int) and 0 <= index < len(params) and isinstance(state, dict)
-        if not known or not ADAM_STATE <= set(state) <= ADAM_STATE | {"max_exp_avg_sq"}:
-            return f"its optimizer state does not fit the model (entry {index!r})"
-        shapes = {tuple(v.shape) for k, v in state.items() if torch.is_tensor(v) and k != "step"}
-        floats = all(torch.is_tensor(v) and v.is_floating_point() for k, v in state.items() if k != "step")
-        if shapes - {tuple(params[index].shape)} or not floats or not step_ok(state["step"]):
+        fits = (isinstance(index, int) and 0 <= index < len(params) and isinstance(state, dict)
+                and ADAM_STATE <= set(state) <= ADAM_STATE | {"max_exp_avg_sq"} and step_ok(state["step"])
+                and all(torch.is_tensor(v) and v.is_floating_point() and v.shape == params[index].shape
+                        for k, v in state.items() if k != "step"))
+        if not fits:
             return f"its optimizer state does not fit the model (entry {index!r})"
     stateless = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params) if i not in saved["state"]]
     refused = [name for name in stateless if not may_lack(name)]
