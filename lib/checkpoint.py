@@ -41,7 +41,7 @@ RESUME_KEYS = MODEL_KEYS + ("train_config", "optimizer", "step", "rng")  # what 
 
 
 def atomic_save(obj: dict, path: Path) -> None:
-    atomic_write(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda file: torch.save(obj, file))
 
 
 def unreadable(error: Exception) -> str:

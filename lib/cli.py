@@ -181,17 +181,17 @@ def atomic_write(path, write) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(tmp, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def atomic_write_text(path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode()))
+    atomic_write(path, lambda file: file.write(text.encode()))
 
 
 def json_text(result: dict) -> str:

@@ -98,10 +98,9 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     trained = model.head if cfg.probe else model
     problem = fit_problem(trained.state_dict(), ckpt["model"], ckpt["arch"])
-    if problem:
-        fail(f"{flag} {path}: {problem}")
-    trained.load_state_dict(ckpt["model"])
-    problem = None if cfg.probe else diverged(model.to(device).eval())  # as every reader (load_model)
+    if not problem:
+        trained.load_state_dict(ckpt["model"])
+        problem = None if cfg.probe else diverged(model.to(device).eval())  # as every reader (load_model)
     if problem:
         fail(f"{flag} {path}: {problem}")
     return cfg, model.to(device).eval(), task
