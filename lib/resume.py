@@ -192,14 +192,6 @@ def number_at_least_zero(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
-ADAM_GROUP = {  # the hyperparameters load_state_dict restores with each group: name -> (check, allowed)
-    **dict.fromkeys(("lr", "eps", "weight_decay"), (number_at_least_zero, "a number >= 0")),
-    "betas": (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(
-        number_at_least_zero(b) and b < 1 for b in v), "two numbers in [0, 1)"),
-    **dict.fromkeys(("amsgrad", "maximize"), (lambda v: isinstance(v, bool), "True or False")),
-}
-
-
 # Parameters that no step may reach, by name: a routed expert no sequence of any batch picked yet
 # (AlterNet's experts.N.*), and a distilled student's class head (Eq. 5 reads the final tokens, not the head)
 ROUTED_EXPERT, HEAD = re.compile(r"(^|\.)experts\.\d+\."), re.compile(r"(^|\.)head\.")
@@ -211,18 +203,14 @@ def may_lack_state(name: str, distilled: bool) -> bool:
 
 
 def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) -> str | None:
-    """A saved AdamW state against the run's optimizer: the same groups, valid hyperparameters, parameter
-    ids as state_dict numbers them, per parameter AdamW's state in its shape and a float dtype. After the
-    first step a parameter without state (`names`: id -> name) is refused unless `may_lack(name)`."""
+    """A saved AdamW state against the run's optimizer: parameter ids in groups as state_dict numbers them,
+    per parameter AdamW's state in its shape and a float dtype. After the first step a parameter without
+    state (`names`: id -> name) is refused unless `may_lack(name)`."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = saved["param_groups"]
     if [g["params"] for g in groups] != [g["params"] for g in optimizer.state_dict()["param_groups"]]:
         return (f"its optimizer state does not fit the model (parameter ids are not 0..{len(params) - 1} in "
                 f"{len(optimizer.param_groups)} groups)")
-    for g in groups:
-        for key, (ok, allowed) in ADAM_GROUP.items():
-            if not ok(g.get(key)):
-                return f"its optimizer's {key} is {g.get(key, 'missing')!r}; AdamW takes {allowed}"
     for index, state in saved["state"].items():
         fits = (isinstance(index, int) and 0 <= index < len(params) and isinstance(state, dict)
                 and ADAM_STATE <= set(state) <= ADAM_STATE | {"max_exp_avg_sq"} and step_ok(state["step"])
@@ -277,14 +265,17 @@ def rng_problem(states: list, augment) -> str | None:
 
 
 def continue_run(run, ckpt: dict, fused_adamw: bool) -> None:
-    """train.py's Run where the checkpoint left it: checked in full first (check_resume), then loaded."""
+    """train.py's Run where the checkpoint left it: checked in full first (check_resume), then loaded. The
+    optimizer keeps the run's own settings (lr, betas, decay from its config; this device's fused AdamW):
+    load_state_dict would restore the file's, and with them the saving device's implementation."""
     check_resume(run.cfg, ckpt, run.trainable, run.optimizer, run.augment, run.sched["total_steps"])
+    settings = [dict(group, fused=fused_adamw or None) for group in run.optimizer.param_groups]
     run.trainable.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
+    for group, own in zip(run.optimizer.param_groups, settings):
+        group.update(own)
     if run.scaler.is_enabled() and ckpt.get("scaler"):  # fp16's loss scale (none from another precision)
         run.scaler.load_state_dict(ckpt["scaler"])
-    for group in run.optimizer.param_groups:  # load_state_dict restored the saving device's implementation
-        group["fused"] = fused_adamw or None
     run.step = run.folder.saved_step = ckpt["step"]
     run.metrics = ckpt.get("metrics", {})
     restore_rng(run, ckpt["rng"])
