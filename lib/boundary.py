@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import stat
 import sys
 import typing
 from pathlib import Path
@@ -141,21 +142,22 @@ def check_config(cfg) -> None:
                  f"got {getattr(cfg, name)!r}")
     module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, lib.moe or alternet
     vision = is_vision(module)
-    if not vision and not cfg.max_steps:
-        fail("text data trains by steps: give --max-steps")
-    if not cfg.max_steps and not cfg.epochs:
-        fail("give --epochs or --max-steps (both are 0)")
-    if cfg.probe and not cfg.backbone:
-        fail("--probe needs --backbone CHECKPOINT (the frozen model to probe)")
-    if cfg.probe and cfg.teacher:
-        fail("--probe and --teacher cannot be combined")
-    if cfg.data_dir and path_problem(cfg.data_dir, "folder"):
-        fail(f"--data-dir {cfg.data_dir}: {path_problem(cfg.data_dir, 'folder')}")
-    if cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file"):
-        fail(f"--data {cfg.data}: {path_problem(cfg.data, 'file')}")
-    if cfg.teacher.startswith("hub:") and not cfg.download:  # torch.hub fetches and runs a repository's code
-        fail(f"--teacher {cfg.teacher} is fetched from torch.hub (it downloads and runs facebookresearch/dinov2's "
-             f"hubconf.py): give --download to allow it")
+    data_dir = cfg.data_dir and path_problem(cfg.data_dir, "folder")
+    what = " does not exist" if data_dir == "no such folder" else f": {data_dir}"
+    data = cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file")  # file or folder
+    hub = cfg.teacher.startswith("hub:") and not cfg.download  # torch.hub downloads and runs a repo's code
+    for broken, message in [  # the flags that need one another, and the paths read
+        (not vision and not cfg.max_steps, "text data trains by steps: give --max-steps"),
+        (not cfg.max_steps and not cfg.epochs, "give --epochs or --max-steps (both are 0)"),
+        (cfg.probe and not cfg.backbone, "--probe needs --backbone CHECKPOINT (the frozen model to probe)"),
+        (cfg.probe and cfg.teacher, "--probe and --teacher cannot be combined"),
+        (data_dir, f"--data-dir {cfg.data_dir}{what} (omit it to search ./data, $REVIT_DATA_DIR and "
+                   f"/usr/share/datasets)"),
+        (data, f"--data {cfg.data}: {data}"),
+        (hub, f"--teacher {cfg.teacher} is fetched from torch.hub (it downloads and runs "
+              f"facebookresearch/dinov2's hubconf.py): give --download to allow it")]:
+        if broken:
+            fail(message)
     parse_depths(cfg.eval_depths)
     parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
 
@@ -246,14 +248,16 @@ def too_deep(config: dict) -> str | None:
 
 def path_problem(path, kind: str = "file") -> str | None:
     """Why `path` cannot be read as a `kind` ("file" or "folder"), in a few words; None when it can."""
-    path = Path(path)
-    if not path.exists():
-        return f"no such {kind}"
-    if path.is_dir() != (kind == "folder"):
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"no such {kind}" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(mode) != (kind == "folder"):
         return "a folder, not a file" if kind == "file" else "a file, not a folder"
-    if kind == "file" and not path.is_file():  # a FIFO or a device: reading it could wait forever
+    if kind == "file" and not stat.S_ISREG(mode):  # a FIFO or a device: reading it could wait forever
         return "not a regular file"
-    return None if os.access(path, os.R_OK) else "not readable (permission denied)"
+    readable = os.access(path, os.R_OK | (os.X_OK if kind == "folder" else 0))
+    return None if readable else "not readable (permission denied)"
 
 
 RUN_FILES = ("ckpt.pt", "metrics.jsonl", ".lock")  # what train.py keeps in a run folder

@@ -282,9 +282,11 @@ def test_a_pickled_call_is_reported_as_what_it_is(tmp_path):
     (["--max-steps", str(10 ** 20)], "--max-steps must be in 0..1,000,000,000"),
     (["--epochs", "1000000"], "--epochs must be in 0..100,000"),
     (["--model-args", "num_experts=100000000"], "num_experts must be an integer in 1..1024"),
+    (["--resume", "{tmp}/loop.pt"], "--resume {tmp}/loop.pt: cannot be read (Too many levels"),
     (["--resume", "{tmp}/fifo.pt"], "--resume {tmp}/fifo.pt: not a regular file"),
     (["--eval-only", "{tmp}"], "--eval-only {tmp}: a folder, not a file"),
     (["--teacher", "{tmp}/fifo.pt"], "--teacher {tmp}/fifo.pt: not a regular file"),
+    (["--data-dir", "{tmp}/loop.pt"], "--data-dir {tmp}/loop.pt: cannot be read (Too many levels"),
     (["--data-dir", "{tmp}/fifo.pt"], "--data-dir {tmp}/fifo.pt: a file, not a folder"),
     (["--out-dir", "{tmp}/fifo.pt/run"], "cannot be created: {tmp}/fifo.pt is a file, not a folder"),
     # every number flag has a finite range (no overflow, no library loop that never returns)
@@ -305,6 +307,7 @@ def test_a_pickled_call_is_reported_as_what_it_is(tmp_path):
     (["--teacher", "hub:dinov2_vitb14"], "--teacher hub:dinov2_vitb14 is fetched from torch.hub"),
 ])
 def test_train_flags_and_paths(tmp_path, argv, needle):
+    (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
     os.mkfifo(tmp_path / "fifo.pt")  # reading it would wait forever
     before = sorted(tmp_path.iterdir())
     message = one_line(train.main, [a.format(tmp=tmp_path) for a in argv], "train.py")
@@ -349,9 +352,11 @@ def test_a_data_folder_runs_no_code(tmp_path, monkeypatch):
     (["--seed", "-1"], "--seed must be in 0..4,294,967,295"),
     (["--batch-size", str(10 ** 400)], "--batch-size must be in 1..1,048,576"),
     (["--out", "{tmp}/file/analysis"], "cannot be created: {tmp}/file is a file, not a folder"),
+    (["--data-dir", "{tmp}/loop"], "--data-dir {tmp}/loop: cannot be read (Too many levels"),
 ])
 def test_analyze_flags(runs, tmp_path, fashion_mnist_dir, extra, needle):
     (tmp_path / "file").write_text("a file")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     argv = [runs / "A" / "ckpt.pt", "--data-dir", fashion_mnist_dir, "--num-images", "16",
             *[a.format(tmp=tmp_path) for a in extra]]
     assert needle.format(tmp=tmp_path) in one_line(analyze.main, argv, "python -m tools.analyze")
