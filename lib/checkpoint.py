@@ -40,7 +40,7 @@ RESUME_KEYS = MODEL_KEYS + ("train_config", "optimizer", "step", "rng")  # what 
 
 
 def atomic_save(obj: dict, path: Path) -> None:
-    atomic_write(path, lambda file: torch.save(obj, file))
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def unreadable(error: Exception) -> str:

@@ -176,14 +176,13 @@ def write_json(result: dict, path: str) -> None:
 
 
 def atomic_write(path, write) -> None:
-    """Every rewrite of a file the project owns: `write(file)` to a temp file beside it, then os.replace
-    (a kill leaves the old file or the new one, never a torn one)."""
+    """Every rewrite of a file the project owns: `write(temp_path)` beside it, then os.replace (a kill
+    leaves the old file or the new one, never a torn one)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as file:
-            write(file)
-            file.flush()
+        write(tmp)
+        with open(tmp, "rb+") as file:
             os.fsync(file.fileno())
         os.replace(tmp, path)
     finally:
@@ -191,7 +190,7 @@ def atomic_write(path, write) -> None:
 
 
 def atomic_write_text(path, text: str) -> None:
-    atomic_write(path, lambda file: file.write(text.encode()))
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def json_text(result: dict) -> str:
