@@ -181,8 +181,9 @@ class MergedExpertFFN(ExpertBank):
         self.temperature, self.router_prior = router_temperature, router_prior
         # the weights of Eqs. 6, 8, 9: App. A.2, defaults of Table 6
         self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
-        # psi of Eq. 1, a Sequential for its parameter names (router.0, router.2): run by gate_logits in fp32
-        self.router = nn.Sequential(nn.Linear(1, router_hidden), nn.SiLU(), nn.Linear(router_hidden, num_experts))
+        # psi of Eq. 1 (run by gate_logits in fp32), a Sequential for its names: router.0, router.2
+        self.router = nn.Sequential(nn.Linear(1, router_hidden), nn.SiLU(),
+                                    nn.Linear(router_hidden, num_experts))
 
     def reset_router(self) -> None:
         """App. A.1: the output layer is zero-initialised, so all experts start with equal weight.
@@ -440,7 +441,8 @@ def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
     once in fp32 and cast once to the bank's dtype (equal to merging at every step up to float rounding),
     kept in `model.merged_ffns` under a key of the parameters' version counters (in-place updates,
     load_state_dict), device, dtype, temperature and router_prior; train()/eval() drop it. Not detected:
-    writes that bypass the version counters (`p.data`, a fused optimizer step) with no train()/eval() after."""
+    writes that bypass the version counters (`p.data`, a fused optimizer step) with no train()/eval()
+    after them."""
     ffn = model.block.mlp
     if not isinstance(ffn, MergedExpertFFN):
         return None
@@ -624,35 +626,23 @@ DEIT3 = dict(layer_scale_init=DEIT3_LAYER_SCALE)
 FMNIST = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10)  # 28x28x1, "-mini"
 CIFAR = dict(image_size=32, patch_size=4, in_channels=3, num_classes=10)          # 32x32x3, "-mini32"
 
-SIZES = {  # Table 1's sizes (ImageNet 224², patch 16), then our CPU sizes: Fashion-MNIST ("mini", the
-    # quick start's revit-mini) and CIFAR ("mini32")
+SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DINOv2 distillation's B/14),
+    # then our CPU sizes: Fashion-MNIST ("mini": the quick start's revit-mini) and CIFAR ("mini32")
     "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
     "b": dict(dim=768, heads=12, ffn_dim=3072, depth=12),
     "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
     "mini": dict(**FMNIST, dim=96, heads=3, ffn_dim=192, depth=6),
     "mini32": dict(**CIFAR, dim=96, heads=3, ffn_dim=192, depth=6),
 }
-# Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts)
+SIZES.update({f"{size}14": dict(SIZES[size], patch_size=14) for size in ("s", "b", "l")})
+# Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts); and at every
+# size Raptor with k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5)
 ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
-PRESETS = {f"{arch}-{size}": dict(arch=arch, **width, **extra)
-           for size, width in SIZES.items() for arch, extra in ARCHS.items()}
-
-def derived_presets(table: dict) -> dict:
-    """From each preset above: its patch-14 variant at ImageNet sizes ("-s14", e.g. the B/14 of DINOv2
-    distillation), Raptor with k = 2, 3, 4 ("-k2"), reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5)."""
-    presets = {}
-    for name, preset in table.items():
-        arch, size = name.split("-", 1)
-        patch14 = [] if size.startswith("mini") else [(f"{size}14", dict(preset, patch_size=14))]
-        for size_name, base in [(size, preset), *patch14]:
-            presets[f"{arch}-{size_name}"] = base
-            for k in (2, 3, 4) if arch == "raptor" else ():
-                presets[f"raptor-{size_name}-k{k}"] = dict(base, raptor_blocks=k)
-            for e in (1, 2, 3, 4, 8) if arch == "revit" else ():
-                presets[f"revit-{size_name}-e{e}"] = dict(base, num_experts=e)
-    return presets
-
-PRESETS.update(derived_presets(PRESETS))
+VARIANTS = {"vit": [], "raptor": [(f"-k{k}", dict(raptor_blocks=k)) for k in (2, 3, 4)],
+            "revit": [(f"-e{e}", dict(num_experts=e)) for e in (1, 2, 3, 4, 8)]}
+PRESETS = {f"{arch}-{size}{suffix}": {"arch": arch, **width, **extra, **variant}
+           for size, width in SIZES.items() for arch, extra in ARCHS.items()
+           for suffix, variant in [("", {}), *VARIANTS[arch]]}
 MODELS = {cls.arch: cls for cls in (VisionTransformer, Raptor, ReViT)}  # the class each ViTConfig.arch builds
 
 def create_model(name: str, **overrides) -> nn.Module:

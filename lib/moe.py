@@ -178,10 +178,8 @@ class ExpertPool(ExpertBank):
 
     def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Token dispatch: token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K).
-
-        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous
-        chunk (a loop over experts, never over tokens), and results are scattered back with index_add.
-        """
+        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous chunk
+        (a loop over experts, never over tokens), and results are scattered back with index_add."""
         n, k = expert_index.shape
         flat = expert_index.flatten()                                   # (n K,)
         order = torch.argsort(flat, stable=True)
@@ -300,16 +298,13 @@ class LoryFFN(ContentMergedFFN):
 
 class TokenRoutedFFN(ExpertPool, FFN):
     """Common part of the token-dispatch FFNs: a linear router (no bias) over E experts, top-K per
-    token, grouped dispatch; subclasses choose scores, selection and gate values (`route`)."""
+    token, grouped dispatch. Subclasses choose scores, selection and gate values: route(logits), (n, E)
+    fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int):
         super().__init__(dim, hidden, num_experts)
         self.top_k = top_k
         self.router = nn.Linear(dim, num_experts, bias=False)
-
-    def route(self, logits: torch.Tensor) -> tuple:
-        """(n, E) fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
-        raise NotImplementedError
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         x = rearrange(u, "b t d -> (b t) d")
@@ -692,13 +687,10 @@ def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
     return ffn.active_flops_per_token(num_tokens)
 
 def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
-    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's.
-
-    Measured from the FFN's own FLOP count (`active_flops_per_token`) for images of
-    num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
-    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class
-    token its U is the paper's (slots / patches) times N / (N + 1).
-    """
+    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's, for
+    images of num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
+    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class token its
+    U is the paper's (slots / patches) times N / (N + 1)."""
     c = model.config
     ffn = model.block.mlp if isinstance(model, ReViT) else model.blocks[0].mlp
     flops = active_flops_per_token(ffn, num_tokens or 1 + c.num_patches)
@@ -721,9 +713,7 @@ MOE_TABLE = {
     "remoe": {1: (4, 0, 0, 1), 1.5: (6, 0, 0, 1), 2: (8, 0, 0, 1), 4: (16, 0, 0, 1)},   # all experts run
     "softmoe": {1: (4, 0, 0, 4), 1.5: (6, 0, 0, 4), 2: (8, 0, 0, 4), 4: (16, 0, 0, 4)},  # N/4 slots each
 }
-# the sizes of revit.py's presets (Table 1's S/16, B/16 and B/14; the CPU sizes), without arch and E
-MOE_SIZES = {size: {k: v for k, v in revit.PRESETS[f"revit-{size}"].items()
-                    if k not in ("arch", "num_experts")} for size in ("s", "b", "b14", "mini", "mini32")}
+MOE_SIZES = {size: revit.SIZES[size] for size in ("s", "b", "b14", "mini", "mini32")}  # S/16, B/16, B/14; CPU
 
 def _moe_presets() -> dict:
     """revit-{size}-{mechanism}-u{U} for every cell of MOE_TABLE, revit-{size}-{mechanism} for U = 1,
@@ -760,18 +750,13 @@ def config_of(values: dict) -> revit.ViTConfig:
 if __name__ == "__main__":  # python -m lib.moe [names...]: parameter counts of the presets (meta device)
     import sys
 
-    names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
-    print(f"| {'preset':<22} | {'params (M)':>10} | {'expert FFN (M)':>14} | {'U':>5} | {'L':>3} "
-          f"| {'d':>5} | {'E / k':>5} |")
-    print(f"|{'-' * 24}|{'-' * 12}|{'-' * 16}|{'-' * 7}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
-    for name in names:
+    print("| preset | params (M) | expert FFN (M) | U |\n|---|---:|---:|---:|")
+    for name in sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]:
         try:
             with torch.device("meta"):
                 model = create_model(name)
         except ValueError as e:
             sys.exit(f"lib.moe: {e}")
-        c = model.config
-        ek = {"revit": c.num_experts, "raptor": c.raptor_blocks}.get(c.arch, "")
-        budget = f"{ffn_budget(model):.3g}" if c.arch == "revit" else ""
-        print(f"| {name:<22} | {model.num_params() / 1e6:>10.2f} | {expert_ffn_params(model) / 1e6:>14.2f} "
-              f"| {budget:>5} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")
+        budget = f"{ffn_budget(model):.3g}" if model.config.arch == "revit" else ""
+        counts = f"{model.num_params() / 1e6:.2f} | {expert_ffn_params(model) / 1e6:.2f}"
+        print(f"| {name} | {counts} | {budget} |")
