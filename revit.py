@@ -15,10 +15,9 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; what every FFN of the shared block
-provides) -> `MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTBase` -> `ReViT`
-(`forward`: Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache that `forward` uses at
-inference, the fp32 regions, Table 1's baselines, `ViTConfig`, `PRESETS`, `create_model` and the checks.
+Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; the FFN interface) -> `MergedExpertFFN`
+(`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTBase` -> `ReViT` (`forward`: Eq. 3 with FFN_t;
+`elastic_steps`, §3.2) -> `fold`. Then the merge cache, the fp32 regions, Table 1's baselines, the config.
 """
 
 from __future__ import annotations
@@ -67,8 +66,7 @@ class Mlp(nn.Module):
     def ffn_at(self, s: torch.Tensor) -> Mlp:
         return self
 
-    def per_image_ffn(self, coords: torch.Tensor) -> Mlp:
-        return self
+    per_image_ffn = ffn_at  # the same FFN at every coordinate
 
     def aux_losses(self, depth: int) -> dict:
         return {}
@@ -194,9 +192,8 @@ class MergedExpertFFN(ExpertBank):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) logits z = psi(s) (plus our optional `depth_prior`, at the end), in
-        fp32: under bf16 autocast nn.Linear would give bf16 logits, and the gates and the merge need fp32
-        (App. A.5)."""
+        """(n,) coordinates -> (n, E) logits z = psi(s) (plus our optional `depth_prior`), in fp32 whatever
+        the autocast (nn.Linear would give bf16 logits): the gates and the merge need fp32 (App. A.5)."""
         s, first, last = coords.float().unsqueeze(-1), self.router[0], self.router[2]          # s (n, 1)
         with full_precision(s.device):
             hidden = F.silu(F.linear(s, first.weight.float(), first.bias.float()))             # (n, 16)
@@ -286,17 +283,14 @@ class ViTBase(nn.Module):
         return self.config.depth if depth is None else depth
 
     def finish(self, x, states, aux, return_states, extra=None):
-        """The head on the final state x (B, 1+N, d): logits (B, classes), or with return_states the named
-        outputs logits, pre_logits (B, d), tokens (after the final norm), states (the L + 1 residual states),
-        aux_losses (dict) and `extra` (reViT: its gate matrix)."""
+        """The head on x (B, 1+N, d): logits (B, classes), or with return_states logits, pre_logits (B, d),
+        tokens (after the final norm), states (the L + 1 residual states), aux_losses and `extra` (gates)."""
         tokens = self.norm(x)
         logits = self.head(tokens[:, 0])
         if not return_states:
             return logits
-        out = {"logits": logits, "pre_logits": tokens[:, 0], "tokens": tokens,
-               "states": states, "aux_losses": aux}
-        out.update(extra or {})
-        return out
+        return {"logits": logits, "pre_logits": tokens[:, 0], "tokens": tokens, "states": states,
+                "aux_losses": aux, **(extra or {})}
 
 # --- reViT: one shared block, depth-programmed merged FFN, elastic depth (§3) ---
 
@@ -332,8 +326,7 @@ class ReViT(ViTBase):
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
                 keep: torch.Tensor | None = None):
         """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states. depth: L steps
-        (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs (elastic
-        depth); sampled in training when depth_drop > 0."""
+        (default: the trained one). keep: (B, L) bool, the steps each image runs (elastic depth, §3.2)."""
         depth = self.check_depth(depth)
         # The merge cache (after fold): at inference, the L merged FFNs of this depth, merged once; looked
         # up before any tensor work, so that a compiled forward stays one graph.
@@ -354,9 +347,8 @@ class ReViT(ViTBase):
         extra = {"gates": self.gate_matrix(depth)} if return_states else None
         return self.finish(states[-1], states, aux, return_states, extra)
 
-    # Eager even in a compiled model (the stem, head and losses compile): each step picks its rows and
-    # coordinate groups from data (a GPU syncs with the host at each step); a fixed-shape version would
-    # sum the merges in another order: this keeps the CPU numerics.
+    # Eager in a compiled model (the stem, head and losses compile): each step picks its rows and coordinate
+    # groups from data (a GPU syncs with the host per step); fixed shapes would change the merges' sum order.
     @torch.compiler.disable
     def elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
         """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
@@ -374,16 +366,14 @@ class ReViT(ViTBase):
         return states
 
     def elastic_ffn(self, t: int, coords: torch.Tensor, rows: torch.Tensor) -> Callable:
-        """What the block runs at step t for the images `rows`, at coordinates coords (b,)."""
-        return self.block.mlp.per_image_ffn(coords)
+        return self.block.mlp.per_image_ffn(coords)  # step t's FFN for the images `rows` at coords (b,)
 
     def elastic_mask(self, keep, batch: int, depth: int, device) -> torch.Tensor | None:
-        """The (B, L) retained-step mask, or None when every image runs every step."""
+        """The (B, L) retained-step mask (drawn in training if depth_drop > 0), or None: every step runs."""
         if keep is None and self.training and self.config.depth_drop > 0:
             keep = torch.rand(batch, depth, device=device) >= self.config.depth_drop
         if keep is not None and keep.shape != (batch, depth):
-            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; "
-                             f"got {tuple(keep.shape)}")
+            raise ValueError(f"keep must have shape (batch, depth) {(batch, depth)}; got {tuple(keep.shape)}")
         return None if keep is None or bool(keep.all()) else keep
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
@@ -399,12 +389,10 @@ class ReViT(ViTBase):
         return super().train(mode)
 
     def no_weight_decay(self) -> set:
-        # The router's output layer starts at zero and sets the depth program; decaying it
-        # pulls the gates back towards uniform. (Its bias is 1-D and excluded anyway.)
-        names = super().no_weight_decay()
-        if isinstance(self.block.mlp, MergedExpertFFN):
-            names.add("block.mlp.router.2.weight")
-        return names
+        # psi's output layer starts at zero and sets the depth program: decaying it pulls the gates back
+        # towards uniform (its bias is 1-D and excluded anyway)
+        router = {"block.mlp.router.2.weight"} if isinstance(self.block.mlp, MergedExpertFFN) else set()
+        return super().no_weight_decay() | router
 
 # --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
 

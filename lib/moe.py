@@ -30,7 +30,7 @@ from einops import rearrange
 
 import revit
 from revit import (Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, depth_grid,
-                   elastic_plan, full_precision, gate_penalties)
+                   full_precision, gate_penalties)
 
 # --- the interface: what a mechanism's FFN gets from the recurrence ---
 
