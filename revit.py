@@ -155,6 +155,16 @@ def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
     entropy = -(g * torch.log(g.clamp_min(1e-12))).sum(-1)
     return 1.0 - entropy / math.log(z.shape[-1]), torch.logsumexp(z, dim=-1).pow(2)
 
+class DepthRouter(nn.Sequential):
+    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E), (n, 1) coordinates -> (n, E) logits in fp32
+    whatever the autocast or dtype (App. A.5). A Sequential for its names: router.0, router.2."""
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        first, last = self[0], self[2]
+        with full_precision(s.device):
+            hidden = F.silu(F.linear(s.float(), first.weight.float(), first.bias.float()))  # (n, 16)
+            return F.linear(hidden, last.weight.float(), last.bias.float())
+
 class MergedFFN(NamedTuple):
     """FFN_t of Eq. 2: W2 GELU(W1 u + b1) + b2 with merged fp32 weights (d_ff, d), (d_ff,), (d, d_ff), (d,),
     cast to the tokens' dtype at use."""
@@ -179,9 +189,8 @@ class MergedExpertFFN(ExpertBank):
         self.temperature, self.router_prior = router_temperature, router_prior
         # the weights of Eqs. 6, 8, 9: App. A.2, defaults of Table 6
         self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
-        # psi of Eq. 1 (run by gate_logits in fp32), a Sequential for its names: router.0, router.2
-        self.router = nn.Sequential(nn.Linear(1, router_hidden), nn.SiLU(),
-                                    nn.Linear(router_hidden, num_experts))
+        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(),
+                                  nn.Linear(router_hidden, num_experts))
 
     def reset_router(self) -> None:
         """App. A.1: the output layer is zero-initialised, so all experts start with equal weight.
@@ -192,12 +201,9 @@ class MergedExpertFFN(ExpertBank):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) logits z = psi(s) (plus our optional `depth_prior`), in fp32 whatever
-        the autocast (nn.Linear would give bf16 logits): the gates and the merge need fp32 (App. A.5)."""
-        s, first, last = coords.float().unsqueeze(-1), self.router[0], self.router[2]          # s (n, 1)
-        with full_precision(s.device):
-            hidden = F.silu(F.linear(s, first.weight.float(), first.bias.float()))             # (n, 16)
-            z = F.linear(hidden, last.weight.float(), last.bias.float())                       # (n, E)
+        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) (plus our optional `depth_prior`, at the end)."""
+        s = coords.float().unsqueeze(-1)                                          # (n, 1)
+        z = self.router(s)                                                        # (n, E)
         return z + depth_prior(s, self.num_experts, self.router_prior) if self.router_prior else z
 
     def gates(self, coords: torch.Tensor) -> torch.Tensor:
@@ -205,10 +211,10 @@ class MergedExpertFFN(ExpertBank):
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
 
     def ffn_at(self, s: torch.Tensor) -> MergedFFN:
-        """FFN_t at one depth coordinate s (a (1,) tensor): psi -> softmax (Eq. 1) -> the gate-weighted sum
-        of the experts (Eq. 2) -> the FFN. Gates in fp32 under any autocast; the sum in the bank's dtype (a
-        bf16 bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our choice). Each
-        step builds its own, so one merged FFN is alive at a time."""
+        """FFN_t at one depth coordinate s (a (1,) tensor): psi -> softmax (Eq. 1) -> the gate-weighted sum of
+        the experts (Eq. 2) -> the FFN. Gates in fp32 under any autocast; the sum in the bank's dtype (a bf16
+        bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our choice). Each step
+        builds its own: one merged FFN is alive at a time."""
         z = self.gate_logits(s)                                                   # (1, E) z = psi(s)
         g = torch.softmax(z / self.temperature, dim=-1)                           # (1, E) Eq. 1
         merged = self.merge(g, self.fc1_weight.dtype)                             # (1, ...) Eq. 2
