@@ -1,7 +1,6 @@
-"""What train.py's config builds before the first step: the process (`setup`: device, ranks, seeds), data,
-model and task (`build`), the micro-steps whose peak memory fits (`fit_in_memory`), the optimizer (`adamw`)
-and the module the step calls (`wrap`).
-"""
+"""What train.py's config builds before the first step: the process (`setup`), data, model and task
+(`build`), the micro-steps whose peak memory fits (`fit_in_memory`), the optimizer (`adamw`) and the
+module the step calls (`wrap`)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from lib.data import TEXT_DATASETS
 
 
 def setup(cfg) -> tuple[int, int, torch.device, dict]:
-    """--device and torchrun's ranks, the seeds of the model's init, TF32, the precision --precision auto
-    picks -> (rank, world, device, device_options)."""
+    """--device, torchrun's ranks, the seeds, TF32 and what --precision auto picks -> (rank, world, device,
+    device_options)."""
     rank, world, device = init_distributed(cfg.device)
     if cfg.batch_size % (world * (cfg.grad_accum or 1)):
         fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
