@@ -8,8 +8,8 @@
     python train.py --eval-only out/run/ckpt.pt --eval-depths 2,4,8     # evaluate, no training
 
 Top to bottom: the config (defaults, recipes, flags), the schedule, `train_step`, evaluation and
-checkpoints, the loop, the command line. What a config builds is lib/build.py; what --resume and
---eval-only read, lib/resume.py.
+checkpoints, the loop, the command line. The process set-up and what a config builds are lib/build.py;
+what --resume and --eval-only read, lib/resume.py.
 """
 
 from __future__ import annotations
