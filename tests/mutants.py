@@ -653,7 +653,7 @@ MUTANTS = [
     mutant("resume: a flag given now cannot replace a refused saved value", "lib/resume.py",
            "saved = {name: value for name, value in merged.items() if name not in flags}", "saved = merged",
            "tests/test_hostile.py::test_a_flag_given_now_is_named_as_the_flag_and_may_replace_a_refused_saved_value"),
-    mutant("data: an empty IDX file to torch", "lib/data.py", "if size == 0 or size", "if size",
+    mutant("data: an empty IDX file to torch", "lib/data.py", "not 0 < math.prod(dims) ==", "not math.prod(dims) ==",
            "tests/test_data.py::test_bad_idx_files_are_one_line"),
     mutant("data: a file of any size read", "lib/data.py", "if len(raw) > MAX_FILE_BYTES:", "if False:",
            "tests/test_data.py::test_a_data_file_larger_than_the_bound_is_refused"),
