@@ -240,17 +240,16 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
     splits = []
     for name, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
         path = root / f"{name}.pt"
-        if path_problem(path, "file"):  # a FIFO would make torch.load wait forever
-            fail(f"--data {path}: {path_problem(path, 'file')}")
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, the file is unusable
             fail(f"--data {path}: {checkpoint.unreadable(e)}")
-        if not isinstance(blob, dict) or not all(isinstance(blob.get(k), torch.Tensor) for k in ("images", key)):
-            fail(f"--data {path}: needs a dict with the tensors 'images' and '{key}' for --probe {task}")
-        images, targets = blob["images"][:n or None], blob[key][:n or None]
-        if images.dtype != torch.uint8 or images.ndim != 4 or targets.shape != images[:, 0].shape:
-            fail(f"--data {path}: images must be uint8 (N, C, H, W) and {key} (N, H, W)")
+        images, targets = (blob.get(k) if isinstance(blob, dict) else None for k in ("images", key))
+        if not (torch.is_tensor(images) and torch.is_tensor(targets) and images.dtype == torch.uint8
+                and images.ndim == 4 and targets.shape == images[:, 0].shape):
+            fail(f"--data {path}: needs a dict with the tensors 'images' (uint8, N x C x H x W) and '{key}' "
+                 f"(N x H x W) for --probe {task}")
+        images, targets = images[:n or None], targets[:n or None]
         splits.append(DenseSplit(images, targets.long() if task == "seg" else targets.float()))
     num_classes = blob.get("num_classes", 0) if task == "seg" else 0
     if task == "seg" and not (isinstance(num_classes, int) and num_classes > 0):
