@@ -197,11 +197,8 @@ def proxy_targets(images: torch.Tensor, task: str) -> torch.Tensor:
 
 def load_proxy(cfg: ProbeConfig, task: str) -> DenseData:
     """Real Fashion-MNIST images via train.py's loader, dense targets derived from them (a proxy)."""
-    try:
-        images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
-                             train_subset=cfg.train_subset, test_subset=cfg.test_subset)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
+    images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
+                         train_subset=cfg.train_subset, test_subset=cfg.test_subset)
     splits = [DenseSplit(s.images, proxy_targets(s.images, task)) for s in (images.train, images.test)]
     return DenseData("Fashion-MNIST dense proxy", task, *splits,
                      num_classes=1 + PROXY_LEVELS if task == "seg" else 0, unit="a.u.")
@@ -456,11 +453,8 @@ def check_config(cfg: ProbeConfig) -> None:
 
 def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
     """--backbone, frozen, and the depths it runs at: the one the heads train on first, then --eval-depths."""
-    try:
-        device = pick_device(cfg.device)
-        model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
-    except ValueError as e:
-        fail(str(e))
+    device = pick_device(cfg.device)
+    model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
     model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
     config = model.config
     trained_depth = cfg.depth or config.depth
@@ -494,8 +488,11 @@ def run(cfg: ProbeConfig) -> dict:
     """Every input checked; then the heads trained and evaluated at each depth -> the summary."""
     t_start = time.perf_counter()
     check_config(cfg)
-    frozen, depths = load_backbone(cfg)
-    data = load_data(cfg, frozen.model.config)
+    try:
+        frozen, depths = load_backbone(cfg)
+        data = load_data(cfg, frozen.model.config)
+    except (ValueError, FileNotFoundError) as e:  # a reader's one line, naming the flag or the file
+        fail(str(e))
     baseline, constant = constant_baseline(data)
     heads = train_heads(frozen, data, depths[0], constant, cfg)
     results = evaluate_heads(frozen, heads, data, depths)
