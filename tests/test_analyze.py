@@ -451,7 +451,7 @@ def test_bad_checkpoint_and_depth(tmp_path):
         analyze.main([str(tmp_path / "missing.pt")])
     save_checkpoint(revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4), "vit-mini",
                     tmp_path / "vit.pt")
-    with pytest.raises(SystemExit, match="plain ViT and runs only its own depth"):
+    with pytest.raises(SystemExit, match="--depth 6: vit-mini cannot run at this depth .depth=6: an untied ViT runs only its own depth"):
         analyze.main([str(tmp_path / "vit.pt"), "--depth", "6"])
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="--out .*file is a file"):

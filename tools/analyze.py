@@ -452,14 +452,11 @@ def load_inputs(args) -> Inputs:
     device = pick_device(args.device)
     model, ckpt = load_vision_model(args.checkpoint, "checkpoint", device)
     depth = args.depth or model.config.depth
-    if model.config.arch == "vit" and depth != model.config.depth:
-        raise ValueError(f"--depth {depth}: {ckpt['arch']} is a plain ViT and runs only its own depth "
-                         f"({model.config.depth})")
     teacher, teacher_ckpt = load_teacher(args, model.config, device) if args.teacher else (None, None)
     images, labels = evaluation_images(args, ckpt, model.config)
     try:
-        residual_features(model, images[:1], depth if model.config.arch != "vit" else None)
-    except ValueError as e:  # e.g. layer-wise LoRA runs only at its trained depth
+        residual_features(model, images[:1], depth)
+    except ValueError as e:  # e.g. a plain ViT or layer-wise LoRA runs only at its trained depth
         raise ValueError(f"--depth {depth}: {ckpt['arch']} cannot run at this depth ({e})") from None
     return Inputs(model, ckpt, depth, images, labels, out, teacher, teacher_ckpt, args.teacher)
 
