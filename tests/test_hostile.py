@@ -374,14 +374,10 @@ def test_analyze_clamps_the_default_intervention_subset_to_num_images():
     (["--eval-depths", "3,100000"], "--eval-depths must be in 1..256"),
     (["--out-dir", "{tmp}/file/out"], "--out-dir {tmp}/file/out cannot be created: {tmp}/file is a file"),
     (["--probe-cache", "{tmp}/file"], "--probe-cache {tmp}/file is a file; give a folder"),
-    (["--data", "{tmp}/fifo_data"], "--data {tmp}/fifo_data/train.pt: not a regular file"),
     (["--seed", str(2 ** 70)], "--seed must be in 0..4,294,967,295"),
 ])
 def test_probes_flags(runs, tmp_path, extra, needle):
     (tmp_path / "file").write_text("a file")
-    (tmp_path / "fifo_data").mkdir()
-    os.mkfifo(tmp_path / "fifo_data" / "train.pt")
-    (tmp_path / "fifo_data" / "val.pt").write_bytes(b"")
     argv = ["--backbone", runs / "A" / "ckpt.pt", *[a.format(tmp=tmp_path) for a in extra]]
     assert needle.format(tmp=tmp_path) in one_line(probes.main, argv, "train.py")
 
@@ -490,19 +486,6 @@ def test_every_float_and_complex_dtype_is_under_the_finiteness_rule():
             t[1] = bad
             assert "w holds NaN or inf" in non_finite(list(plain_values({"model": {"w": t}}))), (dtype, bad)
         assert non_finite(list(plain_values({"model": {"w": torch.ones(3, dtype=dtype)}}))) is None
-
-
-def test_a_fifo_named_like_a_corpus_or_a_cell_is_refused_without_waiting(tmp_path):
-    from tools import sweep
-    os.mkfifo(tmp_path / "tinyshakespeare.txt")
-    message = one_line(train.main, ["--arch", "alternet-tiny", "--dataset", "tinyshakespeare", "--data-dir", tmp_path,
-                                    "--max-steps", "1", "--out-dir", tmp_path / "run"], "train.py")
-    assert f"{tmp_path / 'tinyshakespeare.txt'}: not a regular file" in message
-    (tmp_path / "cells").mkdir()
-    os.mkfifo(tmp_path / "cells" / "a.json")
-    with pytest.raises(sweep.SweepError, match="not a regular file"):
-        sweep.read_cell(str(tmp_path / "cells" / "a.json"))
-    assert not (tmp_path / "run").exists()
 
 
 def test_a_cifar_archive_of_lists_is_refused_before_it_expands(tmp_path):
