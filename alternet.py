@@ -172,10 +172,10 @@ TYPES = {"int": (int, "an integer"), "float": ((int, float), "a finite number"),
 # typo or an edited checkpoint config is refused before anything is allocated or run.
 MAX_ITERATIONS = 256  # D, and a call's cap on iterations
 SIZES = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
-             num_experts=2 ** 10, top_k=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
+             num_experts=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
 RANGES = [  # (fields, the test of each one's value v on the config c, what it allows; "{name}": c's name)
     *((name, lambda v, c, top=top: 1 <= v <= top, f"an integer in 1..{top}") for name, top in SIZES.items()),
-    ("top_k", lambda v, c: v <= c.num_experts, "in 1..num_experts={num_experts}"),
+    ("top_k", lambda v, c: 1 <= v <= c.num_experts, "in 1..num_experts={num_experts}"),
     ("dim", lambda v, c: v % c.heads == 0, "divisible by heads={heads}"),
     ("depth_dim", lambda v, c: v % 2 == 0, "even (sin/cos pairs)"),
     ("logit_clamp", lambda v, c: v is None or v > 0, "a positive number or None (off)"),
@@ -201,8 +201,7 @@ def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | 
         ("tokens: token ids", ((tokens >= 0) & (tokens < V)).all(), f"in 0..{V - 1} (vocab_size={V})"),
         ("targets", targets is None or (targets.shape == tokens.shape and targets.dtype == torch.long
                                         and not last_token_only and ((targets >= -1) & (targets < V)).all()),
-         f"None, or a long tensor shaped as tokens of ids in 0..{V - 1} or -1 (ignore); None with "
-         "last_token_only=True"),
+         f"None or a (B, T) long tensor of ids in 0..{V - 1} or -1 (ignore); None if last_token_only"),
         ("lengths", lengths is None or (lengths.dtype == torch.long and lengths.shape == tokens.shape[:1]
                                         and ((lengths >= 1) & (lengths <= T)).all()),
          f"a (B,) long tensor with values in 1..T={T}, or None"),
@@ -215,8 +214,7 @@ def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | 
 
 
 def refuse(rules, shown: AlterNetConfig | None = None) -> None:
-    """ValueError naming the first broken rule (argument, its value is allowed, what it allows); the config
-    `shown` adds the field's value."""
+    """ValueError for the first broken (argument, value allowed?, what it allows); `shown`: the config."""
     for name, ok, allowed in rules:
         if not ok:
             value = "" if shown is None else f"{name}={getattr(shown, name)!r} is not allowed: "

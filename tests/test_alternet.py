@@ -757,7 +757,8 @@ CONFIG_REFUSALS = [
     (dict(halting=1), "True or False"), (dict(prior=1), "a string"),
     (dict(kl_weight=float("nan")), "a finite number"), (dict(halt_bias_init=math.inf), "a finite number"),
     (dict(logit_clamp="10"), "a finite number or None"),
-    (dict(top_k=5), "in 1..num_experts=4"), (dict(dim=33), "divisible by heads=2"),
+    (dict(top_k=5), "in 1..num_experts=4"), (dict(top_k=0), "in 1..num_experts=4"),
+    (dict(dim=33), "divisible by heads=2"),
     (dict(depth_dim=7), "even (sin/cos pairs)"),
     (dict(logit_clamp=0.0), "a positive number or None (off)"),
     (dict(logit_clamp=-1.0), "a positive number or None (off)"), (dict(norm_eps=0.0), "a positive number"),
@@ -827,7 +828,7 @@ def test_token_ids_are_checked_against_the_vocabulary():
     targets = torch.roll(tokens, -1, 1)
     targets[0, 0] = -1  # the ignore value is allowed
     model(tokens, targets=targets)
-    allowed = r"^targets must be None, or a long tensor shaped as tokens of ids in 0\.\.49 or -1 \(ignore\)"
+    allowed = r"^targets must be None or a \(B, T\) long tensor of ids in 0\.\.49 or -1 \(ignore\)"
     for bad in (50, -2):
         wrong = targets.clone()
         wrong[2, 3] = bad
