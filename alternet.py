@@ -234,8 +234,7 @@ class AlterNet(nn.Module):
     (D', B, T, V), a halted row repeating its output. With targets the losses, no logits (D' x B x T x V
     floats): loss (Eq. 6), task_loss (L_PN, Eq. 7) and the per-iteration CE, iteration first:
     token_losses (D', B, T), 0 where ignored; step_ce (D', B), per sequence; step_losses (D',), token mean.
-    D' = iterations run: the cap, or fewer once every sequence has halted (compiled: the cap).
-    """
+    D' = iterations run: the cap, or fewer once every sequence has halted (compiled: the cap)."""
 
     def __init__(self, config: AlterNetConfig) -> None:
         super().__init__()
