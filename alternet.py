@@ -157,43 +157,36 @@ class AlterNetConfig:
     random_length_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        refuse(field_rules(self), shown=self)
+        for f in dataclasses.fields(self):  # each field's type first: RANGES compares values
+            value, kind = getattr(self, f.name), f.type.removesuffix(" | None")
+            typed = isinstance(value, TYPES[kind][0]) and isinstance(value, bool) == (kind == "bool")
+            ok = typed and (kind != "float" or math.isfinite(value)) or (kind != f.type and value is None)
+            refuse([(f.name, ok, TYPES[kind][1] + (" or None" if kind != f.type else ""))], shown=self)
+        refuse(((name, test(getattr(self, name), self), allowed.format_map(vars(self)))
+                for names, test, allowed in RANGES for name in names.split()), shown=self)
 
 
-# Sizes a user would not reach by intent, far above the paper's V = 50,257 and D <= 12 (our choice): a
-# typo or an edited checkpoint config is refused before anything is allocated or run.
-MAX_ITERATIONS = 256  # D, and a call's cap on iterations: a bound against typos, as every depth here
-SIZES = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
-             num_experts=2 ** 10, top_k=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
 TYPES = {"int": (int, "an integer"), "float": ((int, float), "a finite number"),  # a bool is no number
          "bool": (bool, "True or False"), "str": (str, "a string")}
-
-
-def field_rules(c: AlterNetConfig):
-    """(field, its value is allowed, what it allows): every field's type, then the table of ranges (a
-    generator: it compares values only once every type has passed)."""
-    for f in dataclasses.fields(c):
-        value, kind = getattr(c, f.name), f.type.removesuffix(" | None")
-        (types, allowed), optional = TYPES[kind], kind != f.type
-        typed = isinstance(value, types) and isinstance(value, bool) == (kind == "bool")
-        ok = typed and (kind != "float" or math.isfinite(value)) or (optional and value is None)
-        yield f.name, ok, allowed + (" or None" if optional else "")
-    yield from [  # the table of ranges
-        *((name, 1 <= getattr(c, name) <= top, f"an integer in 1..{top}") for name, top in SIZES.items()),
-        ("top_k", c.top_k <= c.num_experts, f"in 1..num_experts={c.num_experts}"),
-        ("dim", c.dim % c.heads == 0, f"divisible by heads={c.heads}"),
-        ("depth_dim", c.depth_dim % 2 == 0, "even (sin/cos pairs)"),
-        ("logit_clamp", c.logit_clamp is None or c.logit_clamp > 0, "a positive number or None (off)"),
-        ("norm_eps", c.norm_eps > 0, "a positive number"),
-        ("halt_head", c.halt_head in ("per_expert", "global"), "one of 'per_expert', 'global'"),
-        ("prior", c.prior in ("gaussian", "geometric"), "one of 'gaussian', 'geometric'"),
-        ("geometric_p", 0 < c.geometric_p < 1, "in (0, 1)"),
-        *((name, getattr(c, name) >= 0, "a finite number >= 0")
-          for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight")),
-        *((name, getattr(c, name) >= 0, "an integer >= 0")
-          for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps")),
-        ("random_length_fraction", 0 <= c.random_length_fraction <= 1, "in [0, 1]")
-    ]
+# Sizes far above the paper's V = 50,257 and D <= 12, past what a user reaches by intent (our choice): a
+# typo or an edited checkpoint config is refused before anything is allocated or run.
+MAX_ITERATIONS = 256  # D, and a call's cap on iterations
+SIZES = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
+             num_experts=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
+RANGES = [  # (fields, the test of each one's value v on the config c, what it allows; "{name}": c's name)
+    *((name, lambda v, c, top=top: 1 <= v <= top, f"an integer in 1..{top}") for name, top in SIZES.items()),
+    ("top_k", lambda v, c: 1 <= v <= c.num_experts, "in 1..num_experts={num_experts}"),
+    ("dim", lambda v, c: v % c.heads == 0, "divisible by heads={heads}"),
+    ("depth_dim", lambda v, c: v % 2 == 0, "even (sin/cos pairs)"),
+    ("logit_clamp", lambda v, c: v is None or v > 0, "a positive number or None (off)"),
+    ("norm_eps", lambda v, c: v > 0, "a positive number"),
+    ("halt_head", lambda v, c: v in ("per_expert", "global"), "one of 'per_expert', 'global'"),
+    ("prior", lambda v, c: v in ("gaussian", "geometric"), "one of 'gaussian', 'geometric'"),
+    ("geometric_p", lambda v, c: 0 < v < 1, "in (0, 1)"),
+    ("kl_weight balance_weight z_loss_weight rir_weight", lambda v, c: v >= 0, "a finite number >= 0"),
+    ("kl_ramp_steps min_depth_warmup min_depth_release_steps", lambda v, c: v >= 0, "an integer >= 0"),
+    ("random_length_fraction", lambda v, c: 0 <= v <= 1, "in [0, 1]"),
+]
 
 
 # forward's and generate's contract, run before a compiled graph rather than in it: reading the token ids is
@@ -208,8 +201,7 @@ def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | 
         ("tokens: token ids", ((tokens >= 0) & (tokens < V)).all(), f"in 0..{V - 1} (vocab_size={V})"),
         ("targets", targets is None or (targets.shape == tokens.shape and targets.dtype == torch.long
                                         and not last_token_only and ((targets >= -1) & (targets < V)).all()),
-         f"None, or a long tensor shaped as tokens of ids in 0..{V - 1} or -1 (ignore); None with "
-         "last_token_only=True"),
+         f"None or a (B, T) long tensor of ids in 0..{V - 1} or -1 (ignore); None if last_token_only"),
         ("lengths", lengths is None or (lengths.dtype == torch.long and lengths.shape == tokens.shape[:1]
                                         and ((lengths >= 1) & (lengths <= T)).all()),
          f"a (B,) long tensor with values in 1..T={T}, or None"),
@@ -222,8 +214,7 @@ def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | 
 
 
 def refuse(rules, shown: AlterNetConfig | None = None) -> None:
-    """ValueError naming the first broken rule of (argument, its value is allowed, what it allows), and the
-    field's value when `shown` is the config."""
+    """ValueError for the first broken (argument, value allowed?, what it allows); `shown`: the config."""
     for name, ok, allowed in rules:
         if not ok:
             value = "" if shown is None else f"{name}={getattr(shown, name)!r} is not allowed: "
@@ -243,8 +234,7 @@ class AlterNet(nn.Module):
     (D', B, T, V), a halted row repeating its output. With targets the losses, no logits (D' x B x T x V
     floats): loss (Eq. 6), task_loss (L_PN, Eq. 7) and the per-iteration CE, iteration first:
     token_losses (D', B, T), 0 where ignored; step_ce (D', B), per sequence; step_losses (D',), token mean.
-    D' = iterations run: the cap, or fewer once every sequence has halted (compiled: the cap).
-    """
+    D' = iterations run: the cap, or fewer once every sequence has halted (compiled: the cap)."""
 
     def __init__(self, config: AlterNetConfig) -> None:
         super().__init__()
