@@ -17,7 +17,7 @@ import alternet
 from lib.checkpoint import load_model
 from lib.boundary import check_numbers, fail
 from lib.cli import DEVICES, pick_device, run_main
-from lib.language import no_network, text_codec
+from lib.language import text_codec
 
 DEFAULT_HALT_THRESHOLD = 0.5  # for a model with halting (train.py's evaluation uses the same)
 
@@ -51,16 +51,6 @@ def sample_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_language_model(path: str, device: torch.device) -> tuple[alternet.AlterNet, dict]:
-    """(model in eval mode, checkpoint) of a train.py checkpoint; ValueError with one line if it is not
-    usable. The loader builds the model from the checkpoint's config under the rules of a new one."""
-    model, ckpt = load_model(path, device=device, flag="CKPT")
-    if not isinstance(model, alternet.AlterNet):
-        raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
-                         f"(one of {', '.join(sorted(alternet.PRESETS))})")
-    return model, ckpt
-
-
 def encode_prompt(prompt: str, encode, model: alternet.AlterNet, device: torch.device) -> torch.Tensor:
     """--prompt as token ids (1, P) in the model's vocabulary; ValueError naming --prompt otherwise."""
     try:
@@ -81,9 +71,11 @@ def prepare(args: argparse.Namespace):
     """Everything the sampling needs, checked before any work: (model, prompt ids, decode)."""
     check_numbers(vars(args), "sample.py")  # every number flag in its range (lib/boundary.RANGES)
     device = pick_device(args.device)
-    model, ckpt = load_language_model(args.checkpoint, device)
-    with no_network():  # a checkpoint's tokenizer must not make tiktoken fetch its files
-        encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))
+    model, ckpt = load_model(args.checkpoint, device=device, flag="CKPT")  # in eval mode
+    if not isinstance(model, alternet.AlterNet):
+        raise ValueError(f"CKPT {args.checkpoint} is a checkpoint of {ckpt.get('arch')!r}, not of an "
+                         f"AlterNet language model (one of {', '.join(sorted(alternet.PRESETS))})")
+    encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))  # offline
     prompt = encode_prompt(args.prompt, encode, model, device)
     if args.top_k is not None and args.top_k > model.config.vocab_size:
         raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")

@@ -8,8 +8,8 @@
     python train.py --eval-only out/run/ckpt.pt --eval-depths 2,4,8     # evaluate, no training
 
 Top to bottom: the config (defaults, recipes, flags), the schedule, `train_step`, evaluation and
-checkpoints, the loop, the command line. What a config builds is lib/build.py; what --resume and
---eval-only read, lib/resume.py.
+checkpoints, the loop, the command line. The process set-up and what a config builds are lib/build.py;
+what --resume and --eval-only read, lib/resume.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,11 +28,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lib import tasks
-from lib.build import adamw, build, wrap
+from lib.build import adamw, build, setup, wrap
 from lib.checkpoint import RunFolder, family_of, preset_names, primitive, provenance, unwrap
 from lib.boundary import check_config, fail
-from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, init_distributed,
-                     non_finite_place, opt, run_main, say)
+from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, non_finite_place, opt,
+                     run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -80,8 +79,7 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1, in [0, 1)")
     beta2: float = opt(0.999, "AdamW beta2, in [0, 1)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
-    router_lr_scale: float = opt(1.0, "the router (reViT's psi, a lib/moe mechanism's) trains at lr x this, "
-                                      "in its own AdamW group, no decay (1: the paper's one lr)")
+    router_lr_scale: float = opt(1.0, "the router (psi) trains at lr x this, no decay (1: the paper's lr)")
     # loss and augmentation (on the device)
     loss: str = opt("ce", "ce | bce (DeiT III: binary cross-entropy on binarised mixup/cutmix targets)")
     label_smoothing: float = opt(0.0, "label smoothing of the one-hot targets")
@@ -100,8 +98,7 @@ class TrainConfig:
     eval_batch_size: int = opt(256, "batch per rank for evaluation")
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
     teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (--download)")
-    probe: str = opt("", "probe of a frozen --backbone: cls (linear classification; the dense probes seg and "
-                         "monodepth: python -m tools.probes)")
+    probe: str = opt("", "cls: a linear probe of a frozen --backbone (dense probes: python -m tools.probes)")
     probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patches)")
     backbone: str = opt("", "probe mode: checkpoint of the frozen backbone")
     # system
@@ -212,9 +209,8 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
 
 @dataclass
 class Run:
-    """What the step, the evaluation and the checkpoints read and change. `model` is the plain module
-    (saved, evaluated); `forward` is what the step calls (compiled and/or DDP-wrapped); `scaler` is fp16's
-    gradient scaler (a disabled no-op otherwise)."""
+    """What the step, the evaluation and the checkpoints read and change. `forward` is `model` as the step
+    calls it (compiled and/or DDP-wrapped); `scaler` is fp16's gradient scaler (a no-op otherwise)."""
     cfg: TrainConfig
     device: torch.device
     model: nn.Module
@@ -293,8 +289,7 @@ def classification_loss(logits, targets, kind: str) -> torch.Tensor:
 
 
 def after_optimizer_step(model: nn.Module) -> None:
-    """Non-gradient updates, after optimizer.step(), of every module that defines the hook (reViT's
-    Part II: DeepSeek-V3's balancing bias, ReMoE's L1 controller)."""
+    """Updates without a gradient after optimizer.step() (Part II: DeepSeek-V3's bias, ReMoE's L1 control)."""
     for module in model.modules():
         if hasattr(module, "after_optimizer_step"):
             module.after_optimizer_step()
@@ -353,18 +348,7 @@ def save_checkpoint(run: Run) -> None:
 def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
     """Set-up (device, data, model, optimizer; every input is checked before the run folder, the first
     write), then the loop; Ctrl-C ends in one line saying where the run continues."""
-    rank, world, device = init_distributed(cfg.device)
-    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
-        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
-             f"{world * (cfg.grad_accum or 1)}")
-    options = device_options(device.type, cfg.precision)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if options["tf32"]:  # TF32 for the float32 parts outside autocast
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if cfg.precision == "auto" and options["precision"] == "fp16":  # a T4, a V100: the free GPUs
-        say(f"override: precision=fp16 (auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 "
-            f"autocast with a gradient scaler)")
+    rank, world, device, options = setup(cfg)  # torchrun's ranks, the device, the seeds, the precision
     parts = build(cfg, rank, world, device, resume_ckpt, plan_memory=True)
     sched = schedule(cfg, parts.model, parts.steps_per_epoch)
     model = parts.model.to(device)
@@ -400,9 +384,8 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
 
 
 def loop(run: Run, batches, eval_every: int) -> dict:
-    """The steps to the end of the schedule (batches(start): the data order is a function of the step, so a
-    resumed run sees the same batches); a line every --log-interval; an evaluation and a checkpoint every
-    `eval_every` steps; then the final evaluation."""
+    """The steps to the schedule's end (batches(start): the order is a function of the step, so a resumed run
+    sees the same batches); a line every --log-interval, an evaluation and a checkpoint every `eval_every`."""
     cfg, total = run.cfg, run.sched["total_steps"]
     unit = "tokens" if cfg.dataset in TEXT_DATASETS else "images"
     bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not cfg.progress, dynamic_ncols=True)
@@ -474,8 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only"):
-    """A checkpoint, rebuilt with its test data as trained -> (cfg, model, task) for evaluate(); `flags`
-    (TrainConfig names, e.g. test_subset, device) may change how it is evaluated, never the model."""
+    """A checkpoint rebuilt with its test data -> (cfg, model, task) for evaluate() (lib/resume.py)."""
     from lib import resume  # what reads a saved run: imported by --eval-only, --resume and the tools only
     return resume.evaluation_setup(path, dict(flags or {}), flag, TrainConfig, resolve_config)
 

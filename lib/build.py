@@ -1,9 +1,10 @@
-"""What train.py's config builds before the first step: data, model and task (`build`), the micro-steps
-whose peak memory fits (`fit_in_memory`), the optimizer (`adamw`) and the module the step calls (`wrap`).
-"""
+"""What train.py's config builds before the first step: the process (`setup`), data, model and task
+(`build`), the micro-steps whose peak memory fits (`fit_in_memory`), the optimizer (`adamw`) and the
+module the step calls (`wrap`)."""
 
 from __future__ import annotations
 
+import random
 from typing import NamedTuple
 
 import torch
@@ -11,7 +12,26 @@ import torch.nn as nn
 
 from lib import tasks
 from lib.boundary import fail
+from lib.cli import device_options, init_distributed, say
 from lib.data import TEXT_DATASETS
+
+
+def setup(cfg) -> tuple[int, int, torch.device, dict]:
+    """--device, torchrun's ranks, the seeds, TF32 and what --precision auto picks -> (rank, world, device,
+    device_options)."""
+    rank, world, device = init_distributed(cfg.device)
+    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
+        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
+             f"{world * (cfg.grad_accum or 1)}")
+    options = device_options(device.type, cfg.precision)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if options["tf32"]:  # TF32 for the float32 parts outside autocast
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if cfg.precision == "auto" and options["precision"] == "fp16":  # a T4, a V100: the free GPUs
+        say(f"override: precision=fp16 (auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 "
+            f"autocast with a gradient scaler)")
+    return rank, world, device, options
 
 
 class Parts(NamedTuple):

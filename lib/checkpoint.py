@@ -1,17 +1,14 @@
-"""Checkpoints and run folders: the floor that train.py and every tool (tools/probes.py, tools/analyze.py,
-tools/export.py, bench.py, sample.py) read checkpoints through, without importing the trainer.
+"""Checkpoints and run folders, read by train.py and every tool without importing the trainer.
 
-A checkpoint of this project is a dict of tensors and plain values, loaded with weights_only=True:
-arch, model_config and model (the weights) rebuild a model (`load_model`); train_config, optimizer,
-scheduler, step, rng and metrics continue a run (train.py --resume). A linear probe saves only its
-head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading errors are one line.
+A checkpoint is a dict of tensors and plain values, loaded with weights_only=True: arch, model_config
+and model rebuild a model (`load_model`); train_config, optimizer, scheduler, step, rng and metrics
+continue a run (train.py --resume). A linear probe saves only its head (arch "linear-probe").
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import os
 import random
 import re
 import shlex
@@ -33,7 +30,7 @@ import torch.nn as nn
 import revit
 from lib.boundary import (diverged, fail, fit_problem, is_vision, non_finite, output_problem, path_problem,
                           plain_values, preset_module, stored_problem, too_deep)
-from lib.cli import atomic_write_text, broadcast, git_commit, non_finite_place
+from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---
@@ -43,41 +40,37 @@ RESUME_KEYS = MODEL_KEYS + ("train_config", "optimizer", "step", "rng")  # what 
 
 
 def atomic_save(obj: dict, path: Path) -> None:
-    """Write to a temp file in the same folder, then os.replace: a crash never leaves a torn file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def unreadable(error: Exception) -> str:
     """Why torch.load refused a file, in one line, never with its advice to load with weights_only=False
-    (that would run code stored in the file). torch's refusals of a stored object share "GLOBAL x.y"."""
+    (that would run code stored in the file)."""
     text = " ".join(str(error).split())
     stored = re.search(r"\bGLOBAL ([\w.]+)", text)
     if stored:  # a pickled Python object (a class, os.system, ...): never loaded, never run
         return (f"it stores the Python object {stored.group(1)}, which a safe load refuses "
                 "(files of this project hold only tensors and plain values)")
-    if "WeightsUnpickler error:" in text:
-        return f"not a PyTorch file ({text.split('WeightsUnpickler error:', 1)[1].split(' Check the')[0].strip()})"
     if "weights_only" in text or "Weights only load failed" in text:  # any other refusal: never the advice
         return "not a PyTorch file of plain tensors and values (a safe load refuses it)"
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
-    """A checkpoint of this project (weights_only=True) with every part named in `keys` checked by the
-    boundary's rules: its type, plain finite tensors, a model config that builds its arch and fits the
-    weights. ValueError with one line naming the flag, the file and what is wrong."""
-    problem = path_problem(path, "file")
+    """A checkpoint (weights_only=True) whose parts named in `keys` pass the boundary's rules: their types,
+    plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
+    one line naming the flag, the file and what is wrong."""
+    ckpt, problem = read_checkpoint(path, keys)
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
+    return ckpt
+
+
+def read_checkpoint(path, keys) -> tuple[dict | None, str | None]:
+    """load_checkpoint's reading and rules -> (checkpoint, what is wrong with it in a few words, or None)."""
+    problem = path_problem(path, "file")
+    if problem:
+        return None, problem
     try:
         if Path(path).suffix == ".safetensors":  # weights/ ships these: lib/weights.py
             from lib.weights import read_weights
@@ -85,23 +78,19 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
         else:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except ValueError as e:  # read_weights: what is wrong with the file, in words
-        raise ValueError(f"{flag} {path}: {e}") from None
+        return None, str(e)
     except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
-        raise ValueError(f"{flag} {path}: {unreadable(e)}") from None
+        return None, unreadable(e)
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
-                         f"project (missing {', '.join(missing)})")
+        return None, (f"not a {'training ' if 'optimizer' in keys else ''}checkpoint of this project "
+                      f"(missing {', '.join(missing)})")
     values = list(plain_values(ckpt))  # each container once: shared references are not expanded
-    problem = (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
-               or non_finite(values))
-    if problem:
-        raise ValueError(f"{flag} {path}: {problem}")
-    return ckpt
+    return ckpt, (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
+                  or non_finite(values))
 
 
-# What each part of a checkpoint must be: (check, what it must be). A file edited or written by other
-# code fails here, by name, instead of deep inside a model or an optimizer.
+# What each part of a checkpoint must be: a file edited or written by other code fails here, by name.
 PARTS = {
     "arch": (lambda v: isinstance(v, str), "a preset name (a string)"),
     "model_config": (lambda v: isinstance(v, dict), "a dict of config fields"),
@@ -113,27 +102,14 @@ PARTS = {
                       g.get("params"), list) for g in v["param_groups"]),
                   "an optimizer state dict (state, param_groups)"),
     "step": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
-    "rng": (lambda v: isinstance(v, list) and len(v) > 0 and all(map(rng_ok, v)),
+    "rng": (lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(r, dict) for r in v),
             "a list of RNG states, one per rank (torch, python, ...)"),
     "metrics": (lambda v: isinstance(v, dict), "a dict"),
 }
 
 
-def rng_ok(state) -> bool:
-    """One rank's RNG states as rng_state() writes them (what set_rng_state can restore)."""
-    def python_ok(s):
-        return isinstance(s, tuple) and len(s) == 3 and isinstance(s[1], tuple) and len(s[1]) == 625
-
-    def generator_ok(t):
-        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.ndim == 1
-
-    return (isinstance(state, dict) and generator_ok(state.get("torch")) and python_ok(state.get("python"))
-            and ("augment" not in state or generator_ok(state["augment"]))
-            and ("augment_batch" not in state or python_ok(state["augment_batch"])))
-
-
 def structure_problem(ckpt: dict, keys) -> str | None:
-    """Each part the caller needs (`keys`), and train_config and metrics (tools read them) when present."""
+    """Each part the caller needs, and train_config and metrics (tools read them) when present."""
     for key in dict.fromkeys((*keys, "train_config", "metrics")):
         if key in ckpt and key in PARTS and not PARTS[key][0](ckpt[key]):
             shown = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
@@ -142,9 +118,8 @@ def structure_problem(ckpt: dict, keys) -> str | None:
 
 
 def config_problem(ckpt: dict, keys) -> str | None:
-    """The model config with the rules of a new model (revit.ViTConfig / alternet.AlterNetConfig, and
-    the depth bound of the command line), checked by building the model on the meta device (no
-    memory, no RNG): then the weights must fit it exactly."""
+    """The model config under a new model's rules, by building it on the meta device (no memory, no RNG);
+    then the weights must fit it exactly."""
     if "model_config" not in keys or ckpt["arch"] == "linear-probe":
         return None
     arch, config = ckpt["arch"], ckpt["model_config"]
@@ -178,8 +153,7 @@ def preset_names() -> list[str]:
 
 
 def load_model(path, device="cpu", flag: str = "checkpoint"):
-    """Rebuild a trained model from a checkpoint of this project -> (model in eval mode, ckpt dict).
-    ValueError with one line naming the flag, the file and what is wrong (load_checkpoint's checks)."""
+    """A trained model from a checkpoint -> (model in eval mode, ckpt); ValueError as load_checkpoint."""
     ckpt = load_checkpoint(path, flag)
     arch = ckpt["arch"]
     if arch == "linear-probe":
@@ -195,8 +169,7 @@ def load_model(path, device="cpu", flag: str = "checkpoint"):
 
 
 def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
-    """A checkpoint of this project that holds a vision model of revit.py -> (model in eval mode, ckpt).
-    Every problem with the file is a ValueError of one line naming `flag`, the file and what is wrong."""
+    """load_model of a vision model of revit.py."""
     model, ckpt = load_model(path, device, flag)
     if not isinstance(model, revit.ViTBase):
         raise ValueError(f"{flag} {path}: holds the language model {ckpt['arch']}; "
@@ -205,15 +178,13 @@ def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
 
 
 def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
-    """load_checkpoint for a command line: its ValueError becomes the one-line exit."""
-    try:
+    try:  # for a command line: the ValueError becomes the one-line exit
         return load_checkpoint(path, flag, keys)
     except ValueError as e:
         fail(str(e))
 
 
 def model_or_fail(path, flag) -> nn.Module:
-    """load_model for a command line: its ValueError becomes the one-line exit."""
     try:
         return load_model(path, flag=flag)[0]
     except ValueError as e:
@@ -244,9 +215,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def rng_state(augment, device: torch.device) -> dict:
-    """Every random stream of this process: torch's CPU generator, Python's, the generator of `device`
-    (this rank's GPU only: a machine that resumes may have another number of GPUs) and the
-    augmentation's (on `device`). Resume repeats them."""
+    """Every random stream of this process: torch's CPU generator, Python's, this rank's device's (a
+    machine that resumes may have another number of GPUs) and the augmentation's. Resume repeats them."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "device_type": device.type}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -259,9 +229,8 @@ def rng_state(augment, device: torch.device) -> dict:
 
 
 def set_rng_state(state: dict | None, augment, device: torch.device, seed: int) -> list[str]:
-    """Restore what `rng_state` saved, on `device`. A stream whose saved state cannot apply here (saved on
-    another device type, or None: by another number of ranks) is reseeded with `seed` instead, so the
-    run continues deterministically but not bit-for-bit. -> the names of the reseeded streams."""
+    """Restore what `rng_state` saved, on `device`; a stream whose state cannot apply here (another device
+    type; None: another number of ranks) is reseeded with `seed`. -> the reseeded streams' names."""
     if state is None:
         torch.manual_seed(seed)  # every device's generator
         random.seed(seed)
@@ -285,8 +254,7 @@ def set_rng_state(state: dict | None, augment, device: torch.device, seed: int) 
 
 
 def applied(restore) -> bool:
-    """Whether a saved generator state could be restored (False: missing, or of another generator)."""
-    try:
+    try:  # False: a state missing, or of another generator
         restore()
     except (KeyError, IndexError, RuntimeError, TypeError):  # RuntimeError: "RNG state is wrong size"
         return False
@@ -315,17 +283,15 @@ def seed_device(device: torch.device, seed: int) -> None:
 
 
 def provenance(device) -> dict:
-    """What made a run, for its `start` event: the commit ("-dirty" with uncommitted changes; "unknown"
-    outside git), torch's version, the device and the command line as typed."""
+    """What made a run, for its `start` event: the commit, torch's version, the device, the command line."""
     return {"commit": git_commit(str(Path(__file__).resolve().parent.parent)) or "unknown",
             "torch": torch.__version__, "device": str(device),
             "command": shlex.join(["python", *sys.argv])}
 
 
 class RunFolder:
-    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (`lock`) while a process trains there.
-    `resume`: the checkpoint a resumed run continues; the folder is that run's own when its ckpt.pt is
-    that file, and then its log is continued, else the folder must hold no run (or --overwrite)."""
+    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held while a process trains there. A resume from
+    the folder's own ckpt.pt continues its log; otherwise the folder must hold no run (or --overwrite)."""
 
     def __init__(self, path, resume: str = ""):
         self.path = Path(path)
@@ -335,12 +301,11 @@ class RunFolder:
         self.saved_step = None  # the step of the checkpoint this run last wrote (or resumed from)
 
     def continues_run(self) -> bool:
-        """A resume whose checkpoint is this folder's ckpt.pt: the run carries on here."""
         return bool(self.resume) and self.ckpt.exists() and self.ckpt.resolve() == Path(self.resume).resolve()
 
     def check(self, fresh: bool, overwrite: bool) -> None:
         """Before any work, without writing: can the folder be written, is it free for this run?"""
-        problem = output_problem(self.path, "folder", runs_ok=True)  # its own run: checked below
+        problem = output_problem(self.path, "folder", runs_ok=True)
         if problem:
             fail(f"--out-dir {self.path} {problem}")
         holds_run = self.ckpt.exists() or self.metrics.exists()
@@ -373,10 +338,8 @@ class RunFolder:
         self.log_file = open(self.metrics, "a")
 
     def save(self, ckpt: dict, augment, device, rank: int, world: int, hint: str) -> None:
-        """train.py's checkpoint with every rank's random streams ("rng", gathered: a collective all ranks
-        join), written by rank 0, atomically and only with finite weights (else the reason, then `hint`).
-        Every rank learns the outcome and all stop with its reason: it is broadcast, a collective that rank 0
-        always joins, so no rank waits at a barrier for one that failed."""
+        """train.py's checkpoint with every rank's random streams, written by rank 0 only with finite weights
+        (else the reason, then `hint`); the outcome is broadcast, so every rank stops with its reason."""
         rngs = [rng_state(augment, device)] if world == 1 else [None] * world
         if world > 1:
             torch.distributed.all_gather_object(rngs, rng_state(augment, device))
@@ -419,8 +382,8 @@ class RunFolder:
 
 
 def lock(handle) -> bool:
-    """Take the open file's exclusive lock without waiting: False if another process holds it. Closing the
-    file releases it. A platform with neither Unix's flock nor Windows' msvcrt runs unlocked."""
+    """Take the open file's exclusive lock without waiting: False if another process holds it. A platform
+    with neither Unix's flock nor Windows' msvcrt runs unlocked."""
     try:
         if fcntl is not None:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -435,8 +398,6 @@ def logged_by(line: str, step: int) -> bool:
     """Whether a metrics.jsonl line was written before the checkpoint of `step` (torn lines are not)."""
     try:
         record = json.loads(line)
-    except json.JSONDecodeError:
+        return record.get("event") != "final" and record.get("step", 0) <= step
+    except (json.JSONDecodeError, AttributeError, TypeError):  # AttributeError: not a dict
         return False
-    if not isinstance(record, dict) or not isinstance(record.get("step", 0), (int, float)):
-        return False
-    return record.get("event") != "final" and record.get("step", 0) <= step

@@ -1,5 +1,5 @@
 """Data for train.py: the built-in data sets, image folders, text corpora and the batch augmentation.
-Readers raise ValueError / FileNotFoundError naming the file (train.py makes it one line).
+A reader refuses a bad file with a ValueError / FileNotFoundError naming it (train.py makes it one line).
 
 - images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python archives, read by an allow-list unpickler:
   nothing in a data folder runs), any ImageFolder tree; batches index gathers in a (seed, epoch) order;
@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lib.boundary import path_problem
 
 # --- where the built-in data sets live ---
 
@@ -118,9 +117,6 @@ MAX_FILE_BYTES = 1 << 30  # a data file, decompressed: 6x CIFAR-10's whole train
 
 def read_file(path: Path) -> bytes:
     """The bytes of a data file (.gz decompressed), at most MAX_FILE_BYTES; ValueError naming the file."""
-    problem = path_problem(path, "file")  # a FIFO, say: reading it would wait forever
-    if problem:
-        raise ValueError(f"{path}: {problem}")
     try:
         with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
             raw = f.read(MAX_FILE_BYTES + 1)
@@ -137,14 +133,11 @@ def read_idx(path: Path) -> torch.Tensor:
     path = Path(path)
     raw = read_file(path)
     rank = raw[3] if raw[:3] == b"\x00\x00\x08" and len(raw) >= 4 else 0
-    if not 1 <= rank <= 4:
-        raise ValueError(f"{path} is not an uint8 IDX file of 1 to 4 dimensions")
     header = 4 + 4 * rank
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
-    size = math.prod(dims)
-    if size == 0 or size != len(raw) - header:  # torch.frombuffer refuses an empty buffer
-        raise ValueError(f"{path}: its IDX header says {'x'.join(map(str, dims))} = {size} values, "
-                         f"the file holds {len(raw) - header} (none, or cut short)")
+    if not 1 <= rank <= 4 or not 0 < math.prod(dims) == len(raw) - header:  # frombuffer refuses b""
+        raise ValueError(f"{path} is not an uint8 IDX file of 1 to 4 dimensions whose header "
+                         f"({'x'.join(map(str, dims)) or 'none'}) counts the {len(raw) - header} bytes it holds")
     return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).view(*dims)
 
 
@@ -194,32 +187,30 @@ class ArchiveUnpickler(pickle.Unpickler):
         return ALLOWED[(module, name)]
 
 
-def cifar_pixels(array, what: str) -> torch.Tensor:
-    """The archive's data: a C-ordered uint8 array of N rows of 3 x 32 x 32 -> (N, 3, 32, 32)."""
-    try:
-        _, (n, width), dtype, fortran, raw = array.state
-        if dtype.args[0] in ("u1", b"u1") and not fortran and width == 3072 and len(raw) == 3072 * n > 0:
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, 3, 32, 32)
-    except (TypeError, ValueError, AttributeError, IndexError):
-        pass
-    raise ValueError(f"{what} is not an array of N > 0 rows of 3072 bytes (uint8)")
+def cifar_pixels(array) -> torch.Tensor:
+    """The archive's data: a C-ordered uint8 array of N > 0 rows of 3 x 32 x 32 -> (N, 3, 32, 32)."""
+    _, (n, width), dtype, fortran, raw = array.state
+    if dtype.args[0] not in ("u1", b"u1") or fortran or width != 3072 or not len(raw) == 3072 * n > 0:
+        raise TypeError
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, 3, 32, 32)
 
 
 def read_cifar_batch(path: Path, label_key: bytes, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One file of the archive -> (images (N, 3, 32, 32) uint8, labels (N,) int64)."""
     raw = read_file(path)
+    reason = (f"a dict of {b'data'!r}, N rows of 3072 bytes (uint8), and {label_key!r}, a list of N labels "
+              f"in 0..{classes - 1}")
     try:
         batch = ArchiveUnpickler(io.BytesIO(raw), encoding="bytes").load()  # the archive is Python 2's
-    except Exception as e:  # noqa: BLE001 -- whatever a torn or crafted pickle raises, the file is unusable
-        raise ValueError(f"{path}: not a CIFAR python archive ({' '.join(str(e).split())[:200] or type(e).__name__})") \
-            from None
-    if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
-        raise ValueError(f"{path}: not a CIFAR python archive (a dict with {b'data'!r} and {label_key!r} expected)")
-    images, labels = cifar_pixels(batch[b"data"], f"{path} data"), batch[label_key]
-    if not isinstance(labels, list) or len(labels) != len(images) or not all(
-            type(y) is int and 0 <= y < classes for y in labels):  # a flat list: it cannot expand
-        raise ValueError(f"{path}: expected a list of {len(images)} labels in 0..{classes - 1}")
-    return images, torch.tensor(labels)
+        images, labels = cifar_pixels(batch[b"data"]), batch[label_key]
+        if type(labels) is list and len(labels) == len(images) and all(
+                type(y) is int and 0 <= y < classes for y in labels):  # a flat list: it cannot expand
+            return images, torch.tensor(labels)
+    except pickle.UnpicklingError as e:  # torn, or a global off the allow-list (refused, nothing run)
+        reason = " ".join(str(e).split())[:200]
+    except Exception:  # noqa: BLE001 -- whatever else a crafted pickle raises, the file is unusable
+        pass
+    raise ValueError(f"{path}: not a CIFAR python archive ({reason})")
 
 
 def load_cifar(folder: Path, classes: int):

@@ -21,13 +21,18 @@ def save_weights(ckpt: dict, path) -> None:
     save_file(tensors, str(path), metadata=metadata)
 
 
-def read_weights(path) -> dict:
-    """save_weights' file as a checkpoint dict (load_checkpoint checks it as any other); else ValueError."""
+def read_safetensors(path) -> tuple[dict, dict]:
+    """(tensors, metadata) of any safetensors file; else ValueError."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            metadata, model = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
     except (SafetensorError, OSError) as e:
         raise ValueError(f"not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+
+
+def read_weights(path) -> dict:
+    """save_weights' file as a checkpoint dict (load_checkpoint checks it as any other); else ValueError."""
+    model, metadata = read_safetensors(path)
     if metadata.get("format") != WEIGHTS_FORMAT:
         raise ValueError(f"a safetensors file of format {metadata.get('format')!r}, not a checkpoint's "
                          f"weights ({WEIGHTS_FORMAT!r}); tools.export's files load with its load_safetensors")

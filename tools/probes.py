@@ -197,11 +197,8 @@ def proxy_targets(images: torch.Tensor, task: str) -> torch.Tensor:
 
 def load_proxy(cfg: ProbeConfig, task: str) -> DenseData:
     """Real Fashion-MNIST images via train.py's loader, dense targets derived from them (a proxy)."""
-    try:
-        images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
-                             train_subset=cfg.train_subset, test_subset=cfg.test_subset)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
+    images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
+                         train_subset=cfg.train_subset, test_subset=cfg.test_subset)
     splits = [DenseSplit(s.images, proxy_targets(s.images, task)) for s in (images.train, images.test)]
     return DenseData("Fashion-MNIST dense proxy", task, *splits,
                      num_classes=1 + PROXY_LEVELS if task == "seg" else 0, unit="a.u.")
@@ -240,17 +237,16 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
     splits = []
     for name, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
         path = root / f"{name}.pt"
-        if path_problem(path, "file"):  # a FIFO would make torch.load wait forever
-            fail(f"--data {path}: {path_problem(path, 'file')}")
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, the file is unusable
             fail(f"--data {path}: {checkpoint.unreadable(e)}")
-        if not isinstance(blob, dict) or not all(isinstance(blob.get(k), torch.Tensor) for k in ("images", key)):
-            fail(f"--data {path}: needs a dict with the tensors 'images' and '{key}' for --probe {task}")
-        images, targets = blob["images"][:n or None], blob[key][:n or None]
-        if images.dtype != torch.uint8 or images.ndim != 4 or targets.shape != images[:, 0].shape:
-            fail(f"--data {path}: images must be uint8 (N, C, H, W) and {key} (N, H, W)")
+        images, targets = (blob.get(k) if isinstance(blob, dict) else None for k in ("images", key))
+        if not (torch.is_tensor(images) and torch.is_tensor(targets) and images.dtype == torch.uint8
+                and images.ndim == 4 and targets.shape == images[:, 0].shape):
+            fail(f"--data {path}: needs a dict with the tensors 'images' (uint8, N x C x H x W) and '{key}' "
+                 f"(N x H x W) for --probe {task}")
+        images, targets = images[:n or None], targets[:n or None]
         splits.append(DenseSplit(images, targets.long() if task == "seg" else targets.float()))
     num_classes = blob.get("num_classes", 0) if task == "seg" else 0
     if task == "seg" and not (isinstance(num_classes, int) and num_classes > 0):
@@ -457,11 +453,8 @@ def check_config(cfg: ProbeConfig) -> None:
 
 def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
     """--backbone, frozen, and the depths it runs at: the one the heads train on first, then --eval-depths."""
-    try:
-        device = pick_device(cfg.device)
-        model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
-    except ValueError as e:
-        fail(str(e))
+    device = pick_device(cfg.device)
+    model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
     model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
     config = model.config
     trained_depth = cfg.depth or config.depth
@@ -495,8 +488,11 @@ def run(cfg: ProbeConfig) -> dict:
     """Every input checked; then the heads trained and evaluated at each depth -> the summary."""
     t_start = time.perf_counter()
     check_config(cfg)
-    frozen, depths = load_backbone(cfg)
-    data = load_data(cfg, frozen.model.config)
+    try:
+        frozen, depths = load_backbone(cfg)
+        data = load_data(cfg, frozen.model.config)
+    except (ValueError, FileNotFoundError) as e:  # a reader's one line, naming the flag or the file
+        fail(str(e))
     baseline, constant = constant_baseline(data)
     heads = train_heads(frozen, data, depths[0], constant, cfg)
     results = evaluate_heads(frozen, heads, data, depths)

@@ -34,7 +34,7 @@ if not __package__:  # run as a file (python tools/sweep.py): the project's modu
 import revit
 from lib import tables, tasks
 from lib.checkpoint import load_model
-from lib.boundary import MAX_DEPTH, InputError, check_numbers, fail, output_problem, path_problem
+from lib.boundary import MAX_DEPTH, InputError, check_numbers, fail, output_problem
 from lib.cli import git_commit, json_text, pick_device, pyplot, run_main, say, write_json
 from tools.plot import save_png
 
@@ -195,14 +195,12 @@ def flag_groups(argv: list[str]) -> list[tuple]:
 
 def read_cell(path: str) -> dict:
     """A cell record from its JSON file, every field checked; a torn or edited file is a SweepError."""
-    problem = path_problem(path, "file")  # a FIFO named like a cell is refused before it is opened
-    if not problem:
-        try:
-            with open(path) as fh:
-                cell = json.load(fh)
-            problem = cell_problem(cell)
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-            problem = f"not a readable cell record ({type(e).__name__}: {e})"
+    try:
+        with open(path) as fh:
+            cell = json.load(fh)
+        problem = cell_problem(cell)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        problem = f"not a readable cell record ({type(e).__name__}: {e})"
     if problem:
         raise SweepError(f"{path}: {problem}; delete it to re-run the cell")
     return cell
