@@ -39,13 +39,16 @@ def sample_parser() -> argparse.ArgumentParser:
                    help="sample only from the k most likely tokens [default: all]")
     p.add_argument("--halt-threshold", type=float, default=None,
                    help="stop iterating once the cumulative halting probability reaches this, in (0, 1] "
-                        f"(default {DEFAULT_HALT_THRESHOLD}; a fixed-depth model takes none: it runs every iteration)")
+                        f"(default {DEFAULT_HALT_THRESHOLD}; a fixed-depth model takes none: it runs every "
+                        "iteration)")
     p.add_argument("--max-depth", type=int, default=None,
                    help=f"cap on iterations per token, 1..{alternet.MAX_ITERATIONS} (default: trained D)")
     p.add_argument("--seed", type=int, default=1337, help="random seed [default: %(default)s]")
-    p.add_argument("--num-samples", type=int, default=1, help="number of samples, 1..1,000 [default: %(default)s]")
+    p.add_argument("--num-samples", type=int, default=1,
+                   help="number of samples, 1..1,000 [default: %(default)s]")
     p.add_argument("--show-iterations", action="store_true",
-                   help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
+                   help="under each sample, one mark per generated token: the iterations it used "
+                        "(1-9, a=10, ...)")
     p.add_argument("--device", default="auto",
                    help=f"{DEVICES} [default: auto: CUDA when available, else CPU]")
     return p
@@ -80,8 +83,9 @@ def prepare(args: argparse.Namespace):
     if args.top_k is not None and args.top_k > model.config.vocab_size:
         raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
     if args.halt_threshold is not None and not model.config.halting:
-        raise ValueError(f"--halt-threshold: {args.checkpoint} is a fixed-depth model (halting=False), which runs "
-                         "every iteration; leave the flag out (cap the iterations with --max-depth)")
+        raise ValueError(f"--halt-threshold: {args.checkpoint} is a fixed-depth model (halting=False), "
+                         "which runs every iteration; leave the flag out (cap the iterations with "
+                         "--max-depth)")
     if args.halt_threshold is None and model.config.halting:
         args.halt_threshold = DEFAULT_HALT_THRESHOLD
     return model, prompt, decode

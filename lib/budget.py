@@ -185,7 +185,8 @@ def close_rows(report: Report, part: Part, status: str, why: str) -> None:
     for row in rows:
         if row["status"] in ("pending", "running"):
             earlier = row.get("detail")  # what a running row said last (its first call's time, say)
-            report.update(part.name, row["row"], {"status": status, "detail": f"{why}; {earlier}" if earlier else why})
+            detail = f"{why}; {earlier}" if earlier else why
+            report.update(part.name, row["row"], {"status": status, "detail": detail})
     report.write()
 
 

@@ -45,8 +45,8 @@ def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
     if hours < 1:  # nothing to say about a run that fits a coffee break
         return None
     mini = "alternet-tiny" if arch.startswith("alternet") else "revit-mini"
-    return (f"note: on this CPU the run takes about {hours:.1f} h ({steps} steps x {seconds_per_step:.1f} s); "
-            f"{mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
+    return (f"note: on this CPU the run takes about {hours:.1f} h ({steps} steps x {seconds_per_step:.1f} s);"
+            f" {mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
 
 
 # --- flags: generated from a dataclass ---
@@ -99,7 +99,8 @@ def pick_device(name: str = "auto") -> torch.device:
         raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"--device {name}: Apple's MPS is not available on this machine (use --device cpu)")
     return device

@@ -222,11 +222,11 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) 
     refused = [name for name in stateless if not may_lack(name)]
     if refused and step > 0:
         return (f"its optimizer state covers {len(saved['state'])} of {len(params)} parameters, none for "
-                f"{refused[0]} (after a step only a routed expert no sequence picked, or a distilled student's "
-                f"class head, has none): an edited or partial file")
+                f"{refused[0]} (after a step only a routed expert no sequence picked, or a distilled "
+                f"student's class head, has none): an edited or partial file")
     if stateless and step > 0:
-        say(f"override: {len(stateless)} of {len(params)} parameters have no optimizer state (a routed expert "
-            f"no sequence picked yet, or a distilled student's unused class head); they start fresh")
+        say(f"override: {len(stateless)} of {len(params)} parameters have no optimizer state (a routed "
+            f"expert no sequence picked yet, or a distilled student's unused class head); they start fresh")
     return None
 
 
