@@ -404,17 +404,15 @@ class ReViT(ViTBase):
 
 @torch.no_grad()
 def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None = None) -> VisionTransformer:
-    """A plain untied ViT (VisionTransformer, below) of `depth` blocks with the same outputs as `model` at
-    that depth, on its device and in its dtype: block t is what the source computes at step t (reViT:
-    Block.unrolled_states; Raptor: the block that serves step t). gates: an optional [L, E] matrix in place
-    of the router's (reViT with E >= 2; depth, if given, must be L), for the analysis tools' expert ablation
-    and permutation (§5)."""
+    """A plain untied ViT (VisionTransformer, below) of `depth` blocks with `model`'s outputs at that depth,
+    on its device and in its dtype: block t is what the source computes at step t. gates: an [L, E] matrix
+    in place of the router's (reViT, E >= 2), for the analysis tools' expert ablation and permutation (§5)."""
     check_foldable(model, depth, gates)
     depth = model.check_depth(gates.shape[0] if gates is not None else depth)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(("block.", "blocks."))}
     if isinstance(model, ReViT):
         steps = model.block.unrolled_states(depth, gates)
-    else:  # Raptor: the block that serves step t
+    else:  # Raptor (or a plain ViT): the block that serves step t
         steps = [model.blocks[j].state_dict() for j in model.schedule(depth)]
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
@@ -431,12 +429,9 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
 
 @torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
 def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
-    """The L merged FFNs that ReViT.forward runs at depth L without gradients (None for E = 1): merged at
-    once in fp32 and cast once to the bank's dtype (equal to merging at every step up to float rounding),
-    kept in `model.merged_ffns` under a key of the parameters' version counters (in-place updates,
-    load_state_dict), device, dtype, temperature and router_prior; train()/eval() drop it. Not detected:
-    writes that bypass the version counters (`p.data`, a fused optimizer step) with no train()/eval()
-    after them."""
+    """The L merged FFNs of depth L (None for E = 1), merged at once in fp32 and cast once (equal to the
+    per-step merge up to float rounding). Not detected: writes that bypass the version counters (`p.data`,
+    a fused optimizer step) with no train()/eval() after them."""
     ffn = model.block.mlp
     if not isinstance(ffn, MergedExpertFFN):
         return None
@@ -615,18 +610,15 @@ class ViTConfig:
 # LayerScale: DeiT III's 1e-4 for the untied ViT. Raptor's official block has LayerScale too
 # (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper trains Raptor with DeiT III's recipe, so
 # our Raptor presets use DeiT III's 1e-4 (our choice). reViT's block has none (Eq. 3).
-DEIT3_LAYER_SCALE = 1e-4
-DEIT3 = dict(layer_scale_init=DEIT3_LAYER_SCALE)
-FMNIST = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10)  # 28x28x1, "-mini"
-CIFAR = dict(image_size=32, patch_size=4, in_channels=3, num_classes=10)          # 32x32x3, "-mini32"
+DEIT3 = dict(layer_scale_init=1e-4)
 
-SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DINOv2 distillation's B/14),
-    # then our CPU sizes: Fashion-MNIST ("mini": the quick start's revit-mini) and CIFAR ("mini32")
+MINI = dict(num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)  # our CPU width
+SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DINOv2 distillation's B/14)
     "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
     "b": dict(dim=768, heads=12, ffn_dim=3072, depth=12),
     "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
-    "mini": dict(**FMNIST, dim=96, heads=3, ffn_dim=192, depth=6),
-    "mini32": dict(**CIFAR, dim=96, heads=3, ffn_dim=192, depth=6),
+    "mini": dict(image_size=28, patch_size=7, in_channels=1, **MINI),  # Fashion-MNIST (the quick start)
+    "mini32": dict(image_size=32, patch_size=4, in_channels=3, **MINI),  # CIFAR-10
 }
 SIZES.update({f"{size}14": dict(SIZES[size], patch_size=14) for size in ("s", "b", "l")})
 # Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts); and at every
@@ -729,14 +721,10 @@ def check_model_class(model: nn.Module, c: ViTConfig) -> None:
                          f"not {type(model).__name__}; build models with revit.build_model(config)")
 
 def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
-    """fold's arguments: a reViT or a Raptor; gates [L, E] only for reViT's merge (E >= 2), L = depth if
-    given."""
-    if not isinstance(model, (ReViT, Raptor)):
-        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
+    """fold's gates: [L, E] for a reViT's merge (E >= 2), L = depth if given."""
     c = model.config
-    merge = isinstance(model, ReViT) and isinstance(model.block.mlp, MergedExpertFFN)
-    if gates is not None and not (merge and gates.ndim == 2 and gates.shape[1] == c.num_experts
-                                  and depth in (None, gates.shape[0])):
+    if gates is not None and not (isinstance(model, ReViT) and c.num_experts >= 2 and gates.ndim == 2
+                                  and gates.shape[1] == c.num_experts and depth in (None, gates.shape[0])):
         raise ValueError(f"fold: gates must have shape [depth, num_experts] of a reViT with num_experts >= 2;"
                          f" got {list(gates.shape)}, depth={depth!r}, arch={c.arch!r}, E={c.num_experts}")
 

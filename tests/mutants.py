@@ -160,7 +160,7 @@ MUTANTS = [
     mutant("Raptor thresholds not scaled with L", R, "scaled = [round(th * depth / 12)",
            "scaled = [round(th * depth // 12)",
            "test_raptor_runs_its_blocks_on_raptors_segments"),
-    mutant("DeiT III LayerScale 1e-5", R, "DEIT3_LAYER_SCALE = 1e-4", "DEIT3_LAYER_SCALE = 1e-5",
+    mutant("DeiT III LayerScale 1e-5", R, "DEIT3 = dict(layer_scale_init=1e-4)", "DEIT3 = dict(layer_scale_init=1e-5)",
            "tests/test_revit.py::test_deit3_numerics",
            "tests/test_revit.py::test_raptor_presets_keep_layer_scale_like_deit3"),
     # --- App. B: content merges (SMEAR, Lory, the feature-only control of Fig. 2) ---
