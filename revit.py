@@ -211,10 +211,9 @@ class MergedExpertFFN(ExpertBank):
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
 
     def ffn_at(self, s: torch.Tensor) -> MergedFFN:
-        """FFN_t at one depth coordinate s (a (1,) tensor): psi -> softmax (Eq. 1) -> the gate-weighted sum of
-        the experts (Eq. 2) -> the FFN. Gates in fp32 under any autocast; the sum in the bank's dtype (a bf16
-        bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our choice). Each step
-        builds its own: one merged FFN is alive at a time."""
+        """FFN_t at one depth coordinate s (a (1,) tensor). Gates in fp32 under any autocast; the sum in the
+        bank's dtype (a bf16 bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our
+        choice). Each step builds its own: one merged FFN is alive at a time."""
         z = self.gate_logits(s)                                                   # (1, E) z = psi(s)
         g = torch.softmax(z / self.temperature, dim=-1)                           # (1, E) Eq. 1
         merged = self.merge(g, self.fc1_weight.dtype)                             # (1, ...) Eq. 2
@@ -278,8 +277,7 @@ class ViTBase(nn.Module):
         check_images(images, self.config)
         images = images.to(self.patch_embed.proj.weight.dtype)
         x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
-        # positions on the patch tokens, none on the class token: DeiT III's layout (our choice)
-        x = x + self.pos_embed  # DeiT III
+        x = x + self.pos_embed  # DeiT III's layout: no position on the class token (our choice)
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
 
     def check_depth(self, depth: int | None) -> int:
@@ -537,11 +535,8 @@ class VisionTransformer(ViTBase):
 # --- ... and Raptor: k distinct blocks shared over the L steps ---
 
 def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
-    """Which block serves each step: contiguous segments, Raptor's own split where it has one.
-
-    Raptor (L=12) lets block i serve 1-based steps t <= thresholds[i]: k=2 -> [7], k=3 -> [7, 10],
-    k=4 -> [4, 7, 10]. At another depth the thresholds scale with L; other k split evenly.
-    """
+    """Which block serves each step: contiguous segments. Raptor (L=12) lets block i serve 1-based steps
+    t <= thresholds[i] (`known`); at another depth they scale with L; other k split evenly."""
     known = {2: [7], 3: [7, 10], 4: [4, 7, 10]}
     ends = [round((i + 1) * depth / num_blocks) for i in range(num_blocks)]
     if num_blocks in known and depth >= num_blocks:
@@ -637,7 +632,6 @@ def create_model(name: str, **overrides) -> nn.Module:
     return build_model(make_config(ViTConfig, values))
 
 def build_model(config: ViTConfig) -> nn.Module:
-    """The model a config describes: config.model_class, MODELS[config.arch] for this file's configs."""
     return config.model_class(config)
 
 # --- input checks: bad input gets one ValueError naming the field and what it allows ---
