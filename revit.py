@@ -468,14 +468,11 @@ class GroupedFFN(NamedTuple):
 
 # --- DeiT III's recipe pieces: the init, drop-path (any block's option) and LayerScale (the baselines') ---
 
-def init_linear(module: nn.Module) -> None:
+def init_linear(module: nn.Module) -> None:  # LayerNorms keep their (1, 0) start
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LayerNorm):
-        nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
 
 class DropPath(nn.Module):
     """Stochastic depth inside a block: drops a residual branch per sample (DeiT III's recipe). Not
@@ -638,7 +635,7 @@ def build_model(config: ViTConfig) -> nn.Module:
 
 TYPES = {  # a field's annotation -> (the types it accepts, what it allows)
     "int": (int, "an integer"), "float": ((int, float), "a finite number"), "bool": (bool, "True or False"),
-    "str": (str, "a string")}
+    "str": (str, "a string"), "float | None": ((int, float, type(None)), "a finite number or None")}
 # Sizes a user would not reach by intent (our choice, far above the paper's ViT-L): a typo or an edited
 # checkpoint config is refused before anything is allocated.
 MAX_DEPTH = 256
@@ -686,19 +683,16 @@ def check_fields(c: ViTConfig, rules: list) -> None:
     """Each field's type first (integers refuse floats, strings and bools; floats refuse NaN and inf), then
     the rules in order: the first that fails raises, naming the field and what it allows."""
     for f in fields(c):
-        value, kind = getattr(c, f.name), f.type.removesuffix(" | None")
-        types, allowed = TYPES[kind]
-        if value is None and kind != f.type:
-            continue
-        ok = isinstance(value, types) and isinstance(value, bool) == (kind == "bool")
-        allowed += " or None" if kind != f.type else ""
-        need(c, ok and (kind != "float" or math.isfinite(value)), f.name, allowed)
+        value, (types, allowed) = getattr(c, f.name), TYPES[f.type]
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not (isinstance(value, types) and isinstance(value, bool) == (f.type == "bool") and finite):
+            raise refusal(c, f.name, allowed)
     for name, test, allowed in rules:
-        need(c, test(c), name, allowed.format_map(vars(c)))
+        if not test(c):
+            raise refusal(c, name, allowed.format_map(vars(c)))
 
-def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
+def refusal(c: ViTConfig, name: str, allowed: str) -> ValueError:
+    return ValueError(f"{name}={getattr(c, name)!r} is not allowed: {name} must be {allowed}")
 
 def check_images(images: torch.Tensor, c: ViTConfig) -> None:
     """Integer pixels are refused, not guessed (uint8 images need .float() / 255 and the normalisation)."""
