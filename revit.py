@@ -79,7 +79,6 @@ class Mlp(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)), with optional
     LayerScale (DeiT III, with the baselines below) and per-sample drop-path on both branches.
-
     The FFN interface: forward(x, ffn) runs `ffn`, tokens (b, T, d) -> tokens, default `mlp`, which holds
     the FFN's parameters (timm's names: mlp.fc1.weight, ...). reViT's (MergedExpertFFN; E = 1: Mlp)
     provides ffn_at(s), FFN_t at one depth coordinate s (1,) (Eqs. 1-2); per_image_ffn(coords), a step's
@@ -232,9 +231,8 @@ class MergedExpertFFN(ExpertBank):
         """App. A.2 on the gates of the depth's grid: Eqs. 6 and 8 are means over the L steps."""
         z = self.gate_logits(depth_grid(depth, self.fc1_weight.device))  # (L, E)
         balance, z_loss = gate_penalties(z, self.temperature)           # (L,) each
-        steps = z.shape[0]
-        return {"balance": self.lambda_bal * balance.sum() / steps,     # Eq. 6
-                "z_loss": self.lambda_z * z_loss.sum() / steps,         # Eq. 8
+        return {"balance": self.lambda_bal * balance.sum() / depth,     # Eq. 6
+                "z_loss": self.lambda_z * z_loss.sum() / depth,         # Eq. 8
                 "diversity": self.lambda_div * self.diversity()}        # Eq. 9
 
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
@@ -418,8 +416,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     plain = {f.name: getattr(model.config, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
     config = replace(ViTConfig(**plain), arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1,
                      ffn_dim=hidden, expert_ffn_fraction=1.0)
-    reference = next(model.parameters())
-    vit = VisionTransformer(config).to(device=reference.device, dtype=reference.dtype)
+    vit = VisionTransformer(config).to(model.cls_token)  # its device and dtype
     vit.load_state_dict(state)
     return vit.train(model.training)
 
@@ -513,8 +510,7 @@ class VisionTransformer(ViTBase):
             for _ in range(num_blocks or c.depth))
         self.init_weights()
 
-    def schedule(self, depth: int) -> list[int]:
-        """Which block serves each step."""
+    def schedule(self, depth: int) -> list[int]:  # which block serves each step
         if depth != self.config.depth:
             raise ValueError(f"depth={depth}: an untied ViT runs only its own depth ({self.config.depth}); "
                              "use a Raptor or reViT model for other depths")
@@ -648,9 +644,8 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
     ("image_size", lambda c: c.image_size % c.patch_size == 0, "a multiple of patch_size={patch_size}"),
     ("dim", lambda c: c.dim % c.heads == 0, "a multiple of heads={heads}"),
     ("num_classes", lambda c: 0 <= c.num_classes <= 2 ** 20, "in 0..2**20"),
-    ("depth", lambda c: c.arch != "revit" or 2 <= c.depth <= MAX_DEPTH,
-     f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps)"),
-    ("depth", lambda c: 1 <= c.depth <= MAX_DEPTH, f"in 1..{MAX_DEPTH}"),
+    ("depth", lambda c: (2 if c.arch == "revit" else 1) <= c.depth <= MAX_DEPTH,
+     f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps), else in 1..{MAX_DEPTH}"),
     ("raptor_blocks", lambda c: c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth,
      "between 1 and depth={depth}"),
     ("layer_scale_init", lambda c: c.layer_scale_init is None or c.layer_scale_init > 0, "> 0 or None"),
