@@ -103,8 +103,7 @@ class Block(nn.Module):
         return x + self.drop_path(self.ls2(ffn(u)))
 
     def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
-        """State dicts of `depth` plain Blocks (dense Mlp): block t computes what this shared block
-        computes at step t (fold); gates: an [L, E] matrix replacing a merged FFN's own gates."""
+        """State dicts of `depth` plain Blocks, block t computing this block's step t (fold); gates [L, E]."""
         shared = {k: v for k, v in self.state_dict().items() if not k.startswith("mlp.")}
         return [{**shared, **{f"mlp.{k}": v for k, v in ffn.items()}}
                 for ffn in self.mlp.dense_states(depth, gates)]
@@ -644,8 +643,9 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
     ("image_size", lambda c: c.image_size % c.patch_size == 0, "a multiple of patch_size={patch_size}"),
     ("dim", lambda c: c.dim % c.heads == 0, "a multiple of heads={heads}"),
     ("num_classes", lambda c: 0 <= c.num_classes <= 2 ** 20, "in 0..2**20"),
-    ("depth", lambda c: (2 if c.arch == "revit" else 1) <= c.depth <= MAX_DEPTH,
-     f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps), else in 1..{MAX_DEPTH}"),
+    ("depth", lambda c: c.arch != "revit" or 2 <= c.depth <= MAX_DEPTH,
+     f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps)"),
+    ("depth", lambda c: 1 <= c.depth <= MAX_DEPTH, f"in 1..{MAX_DEPTH}"),
     ("raptor_blocks", lambda c: c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth,
      "between 1 and depth={depth}"),
     ("layer_scale_init", lambda c: c.layer_scale_init is None or c.layer_scale_init > 0, "> 0 or None"),
