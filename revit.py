@@ -185,7 +185,6 @@ class MergedExpertFFN(ExpertBank):
                  lambda_bal: float = 1e-2, lambda_z: float = 1e-3, lambda_div: float = 1e-3):
         super().__init__(dim, hidden, num_experts)
         self.temperature, self.router_prior = router_temperature, router_prior
-        # the weights of Eqs. 6, 8, 9: App. A.2, defaults of Table 6
         self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
         self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(),
                                   nn.Linear(router_hidden, num_experts))
@@ -501,9 +500,8 @@ class VisionTransformer(ViTBase):
     plain ViT code; Raptor (next) shares k blocks over the steps by overriding `schedule`."""
     arch = "vit"  # the ViTConfig.arch this class builds
 
-    def __init__(self, config: ViTConfig, num_blocks: int | None = None):
-        super().__init__(config)
-        c = config
+    def __init__(self, c: ViTConfig, num_blocks: int | None = None):
+        super().__init__(c)
         self.blocks = nn.ModuleList(
             Block(c.dim, c.heads, Mlp(c.dim, c.ffn_dim), c.layer_scale_init, c.drop_path)
             for _ in range(num_blocks or c.depth))
