@@ -7,6 +7,7 @@ continue a run (train.py --resume). A linear probe saves only its head (arch "li
 
 from __future__ import annotations
 
+import cmath
 import difflib
 import json
 import random
@@ -28,8 +29,7 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.boundary import (diverged, fail, fit_problem, is_vision, non_finite, output_problem, path_problem,
-                          plain_values, preset_module, stored_problem, too_deep)
+from lib.boundary import fail, is_vision, output_problem, path_problem, preset_module, too_deep
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
 
@@ -88,6 +88,106 @@ def read_checkpoint(path, keys) -> tuple[dict | None, str | None]:
     values = list(plain_values(ckpt))  # each container once: shared references are not expanded
     return ckpt, (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
                   or non_finite(values))
+
+
+# --- a loaded checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
+
+
+def plain_values(obj):
+    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token"),
+    each container visited once: a file of shared references is read in the time of its size."""
+    stack, seen = [("", obj)], set()
+    while stack:
+        place, value = stack.pop()
+        if not isinstance(value, (dict, list, tuple)):
+            yield place, value
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v) for k, v in items)
+
+
+def stored_problem(values) -> str | None:
+    """The first tensor that is not plain data: sparse, meta, quantized, or one whose storage holds fewer
+    bytes than its shape claims or repeats (stride 0): a small file that expands to gigabytes."""
+    for place, t in values:
+        if not torch.is_tensor(t):
+            continue
+        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
+                else "a quantized tensor" if t.is_quantized else None)
+        if not what and t.numel():
+            extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+            have = t.untyped_storage().nbytes()
+            repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
+            if repeats or have < max(t.numel(), extent) * t.element_size():
+                what = f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
+        if what:
+            return f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense tensors"
+    return None
+
+
+def shown(place: str) -> str:
+    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
+    if place.startswith("model."):
+        return place[len("model."):]
+    return "optimizer state " + place[len("optimizer.state."):] if place.startswith("optimizer.state.") else place
+
+
+def weights_problem(tensors: dict) -> str | None:
+    """The loader's tensor checks for weights read from safetensors: plain and finite."""
+    values = list(plain_values({"model": tensors}))
+    return stored_problem(values) or non_finite(values)
+
+
+def non_finite(values) -> str | None:
+    """The first NaN / inf of the file, in a tensor of a float or complex dtype or in a number, in words."""
+    for place, value in values:
+        if torch.is_tensor(value):
+            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
+        else:
+            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
+        if bad:
+            what = "weights are" if place.startswith(("model.", "optimizer.")) else f"{place.split('.')[0]} is"
+            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an earlier "
+                    f"checkpoint")
+    return None
+
+
+def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
+    """How `weights` differ from a model's state dict `expected` in names, shapes or dtypes, or None. A float
+    weight takes only floats: int8 would be rounded, bool become 1.0, complex lose its imaginary part."""
+    problems = {"missing": [k for k in expected if k not in weights],
+                "unexpected": [k for k in weights if k not in expected],
+                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
+                                       if k in weights and weights[k].shape != v.shape],
+                "wrongly typed": [f"{k} {str(weights[k].dtype)[6:]} for {str(v.dtype)[6:]}" for k, v in expected.items()
+                                  if k in weights and not holds(v.dtype, weights[k].dtype)]}
+    for problem, names in problems.items():
+        if names:
+            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return None
+
+
+def holds(expected: torch.dtype, given: torch.dtype) -> bool:
+    return given.is_floating_point if expected.is_floating_point else given == expected
+
+
+@torch.no_grad()
+def diverged(model: torch.nn.Module) -> str | None:
+    """Finite weights whose output on one seeded input is not (near float32's limit the first matmul
+    overflows): every reader refuses it, as a NaN weight."""
+    device, c = next(model.parameters()).device, model.config
+    if hasattr(c, "image_size"):  # a vision model of revit.py
+        seeded = torch.Generator().manual_seed(0)
+        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
+    else:  # AlterNet: the logits of a few tokens
+        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
+    if torch.isfinite(out).all():
+        return None
+    return "its weights are finite but its output is not (NaN or inf on an example input): a diverged run"
 
 
 # What each part of a checkpoint must be: a file edited or written by other code fails here, by name.

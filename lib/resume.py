@@ -16,8 +16,8 @@ import torch.nn as nn
 
 from lib import tasks
 from lib.build import build
-from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, set_rng_state
-from lib.boundary import diverged, fail, fit_problem, wrong_type
+from lib.boundary import fail, wrong_type
+from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, diverged, fit_problem, set_rng_state
 from lib.cli import non_finite_place, pick_device, say
 
 
