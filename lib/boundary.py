@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import difflib
 import math
 import os
 import stat
@@ -82,7 +83,7 @@ RANGES = {  # a flag's name (train.py, bench.py, sample.py, tools/) -> (test, wh
     "gpus": closed(1, 1 << 16),
     "seeds": closed(1, 100),  # each seed is a training run per sweep cell
     "num_samples": closed(1, 1000),
-    "opset": closed(14, 20),  # ONNX: attention exports as of 14; torch.onnx's TorchScript exporter writes up to 20
+    "opset": closed(14, 20),  # ONNX: attention exports as of 14; the TorchScript exporter writes up to 20
     "patch_size": closed(1, 1024),
     "block_size": closed(1, 1 << 16),
     "num_experts": closed(1, 1024),
@@ -100,7 +101,8 @@ RANGES = {  # a flag's name (train.py, bench.py, sample.py, tools/) -> (test, wh
     **dict.fromkeys(("mixup", "cutmix"), closed(0, 100)),
     "router_lr_scale": above(0, 1000),  # ψ's lr multiplier (ours)
     **dict.fromkeys(("beta1", "beta2"), ((lambda v: 0 <= v < 1), "in [0, 1)")),
-    **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"), closed(0, 1)),
+    **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
+                    closed(0, 1)),
 }
 ANY_NUMBER = closed(-COUNT, COUNT)  # a number flag without a rule of its own
 
@@ -161,7 +163,7 @@ def check_config(cfg) -> None:
 
 
 def preset_module(arch: str, config=None):
-    """The module (revit, lib.moe or alternet) whose create_model builds preset `arch` with `config`, or None."""
+    """The module (revit, lib.moe or alternet) that builds preset `arch` with `config`, or None."""
     if arch in revit.PRESETS and not set(config if isinstance(config, dict) else ()) - VISION_FIELDS:
         return revit
     import alternet
@@ -178,16 +180,33 @@ def is_vision(module) -> bool:
     return module is not None and module.__name__ in ("revit", "lib.moe")
 
 
+def family_of(arch: str) -> str:
+    """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
+    module = preset_module(arch)
+    if module is None:
+        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
+        fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
+             + "python train.py --list-archs prints all names")
+    return "vision" if is_vision(module) else "language"
+
+
+def preset_names() -> list[str]:
+    import alternet  # for their names: a list or an unknown --arch
+    from lib import moe  # the comparison mechanisms' presets are names too
+    return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
+
+
 # --- the two small languages of flags: depth lists and model arguments ---
 
 
-def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1, prog: str | None = None) -> list[int]:
+def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1,
+                 prog: str | None = None) -> list[int]:
     """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH."""
     items = [d.strip() for d in text.split(",")] if text.strip() else []
     if not all(d.lstrip("-").isdigit() for d in items):
         fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}", prog)
     if any(len(d) > 6 or not minimum <= int(d) <= MAX_DEPTH for d in items):  # never a 5,000-digit int
-        fail(f"{flag} must be in {minimum}..{MAX_DEPTH} (the deepest preset has 24 steps); got {text[:80]!r}", prog)
+        fail(f"{flag} must be in {minimum}..{MAX_DEPTH}; got {text[:80]!r}", prog)
     return [int(d) for d in items]
 
 
@@ -249,7 +268,8 @@ def path_problem(path, kind: str = "file") -> str | None:
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
-        return f"no such {kind}" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror or e})"
+        missing = isinstance(e, FileNotFoundError)
+        return f"no such {kind}" if missing else f"cannot be read ({e.strerror or e})"
     if stat.S_ISDIR(mode) != (kind == "folder"):
         return "a folder, not a file" if kind == "file" else "a file, not a folder"
     if kind == "file" and not stat.S_ISREG(mode):  # a FIFO or a device: reading it could wait forever

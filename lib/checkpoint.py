@@ -8,7 +8,6 @@ continue a run (train.py --resume). A linear probe saves only its head (arch "li
 from __future__ import annotations
 
 import cmath
-import difflib
 import json
 import random
 import re
@@ -29,7 +28,7 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.boundary import fail, is_vision, output_problem, path_problem, preset_module, too_deep
+from lib.boundary import fail, output_problem, path_problem, preset_module, too_deep
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
 
@@ -124,15 +123,16 @@ def stored_problem(values) -> str | None:
             if repeats or have < max(t.numel(), extent) * t.element_size():
                 what = f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
         if what:
-            return f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense tensors"
+            return (f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense "
+                    f"tensors")
     return None
 
 
 def shown(place: str) -> str:
     """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
-    if place.startswith("model."):
-        return place[len("model."):]
-    return "optimizer state " + place[len("optimizer.state."):] if place.startswith("optimizer.state.") else place
+    if place.startswith("optimizer.state."):
+        return "optimizer state " + place.removeprefix("optimizer.state.")
+    return place.removeprefix("model.")
 
 
 def weights_problem(tensors: dict) -> str | None:
@@ -149,21 +149,23 @@ def non_finite(values) -> str | None:
         else:
             bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
         if bad:
-            what = "weights are" if place.startswith(("model.", "optimizer.")) else f"{place.split('.')[0]} is"
-            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an earlier "
-                    f"checkpoint")
+            weights = place.startswith(("model.", "optimizer."))
+            what = "weights are" if weights else f"{place.split('.')[0]} is"
+            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an "
+                    f"earlier checkpoint")
     return None
 
 
 def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
     """How `weights` differ from a model's state dict `expected` in names, shapes or dtypes, or None. A float
     weight takes only floats: int8 would be rounded, bool become 1.0, complex lose its imaginary part."""
+    both = [(k, weights[k], v) for k, v in expected.items() if k in weights]
     problems = {"missing": [k for k in expected if k not in weights],
                 "unexpected": [k for k in weights if k not in expected],
-                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
-                                       if k in weights and weights[k].shape != v.shape],
-                "wrongly typed": [f"{k} {str(weights[k].dtype)[6:]} for {str(v.dtype)[6:]}" for k, v in expected.items()
-                                  if k in weights and not holds(v.dtype, weights[k].dtype)]}
+                "differently shaped": [f"{k} {list(w.shape)} vs {list(v.shape)}" for k, w, v in both
+                                       if w.shape != v.shape],
+                "wrongly typed": [f"{k} {str(w.dtype)[6:]} for {str(v.dtype)[6:]}" for k, w, v in both
+                                  if not holds(v.dtype, w.dtype)]}
     for problem, names in problems.items():
         if names:
             return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
@@ -194,8 +196,8 @@ def diverged(model: torch.nn.Module) -> str | None:
 PARTS = {
     "arch": (lambda v: isinstance(v, str), "a preset name (a string)"),
     "model_config": (lambda v: isinstance(v, dict), "a dict of config fields"),
-    "model": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t) for k, t in v.items()),
-              "a dict of named tensors"),
+    "model": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t)
+                                                    for k, t in v.items()), "a dict of named tensors"),
     "train_config": (lambda v: isinstance(v, dict), "a dict of train.py's settings"),
     "optimizer": (lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
                   and isinstance(v.get("param_groups"), list) and all(isinstance(g, dict) and isinstance(
@@ -236,22 +238,6 @@ def config_problem(ckpt: dict, keys) -> str | None:
     return fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None
 
 
-def family_of(arch: str) -> str:
-    """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
-    module = preset_module(arch)
-    if module is None:
-        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
-        fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
-             + "python train.py --list-archs prints all names")
-    return "vision" if is_vision(module) else "language"
-
-
-def preset_names() -> list[str]:
-    import alternet  # for their names: a list or an unknown --arch
-    from lib import moe  # the comparison mechanisms' presets are names too
-    return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
-
-
 def load_model(path, device="cpu", flag: str = "checkpoint"):
     """A trained model from a checkpoint -> (model in eval mode, ckpt); ValueError as load_checkpoint."""
     ckpt = load_checkpoint(path, flag)
@@ -273,7 +259,8 @@ def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
     model, ckpt = load_model(path, device, flag)
     if not isinstance(model, revit.ViTBase):
         raise ValueError(f"{flag} {path}: holds the language model {ckpt['arch']}; "
-                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE baselines)")
+                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE "
+                         "baselines)")
     return model, ckpt
 
 
@@ -346,7 +333,7 @@ def set_rng_state(state: dict | None, augment, device: torch.device, seed: int) 
         reseeded.append(device.type)
     if augment is not None:
         augment.batch_rng.setstate(state["augment_batch"])
-        same_type = state.get("device_type", device.type) == device.type  # older files: the state's size decides
+        same_type = state.get("device_type", device.type) == device.type  # older files: its size decides
         if not (same_type and applied(lambda: augment.generator.set_state(state["augment"]))):
             augment.generator.manual_seed(seed)  # CPU generator states are 5,056 bytes, CUDA's 16
             reseeded.append("augmentation")
@@ -413,9 +400,10 @@ class RunFolder:
             fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "
                  f"another --out-dir, or replace it with --overwrite")
         if not fresh and not overwrite and holds_run and not self.continues_run():
-            fail(f"--out-dir {self.path} holds a run other than --resume {self.resume} (its own checkpoint is "
-                 f"{self.ckpt}); continuing here would overwrite {self.ckpt.name} and cut {self.metrics.name}: give "
-                 f"the run a new --out-dir, or replace the folder's run with --overwrite")
+            fail(f"--out-dir {self.path} holds a run other than --resume {self.resume} (its own checkpoint "
+                 f"is {self.ckpt}); continuing here would overwrite {self.ckpt.name} and cut "
+                 f"{self.metrics.name}: give the run a new --out-dir, or replace the folder's run with "
+                 f"--overwrite")
 
     def open(self, fresh: bool, overwrite: bool, resume_step: int | None) -> None:
         self.check(fresh, overwrite)  # the default --out-dir too: its .lock is opened next
@@ -427,7 +415,7 @@ class RunFolder:
         except OSError as e:
             fail(f"--out-dir {self.path} is not writable: {e.strerror or e}")
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
-        for stale in [*self.path.glob(f".{self.ckpt.name}.tmp*"), *self.path.glob(f".{self.metrics.name}.tmp*")]:
+        for stale in [*self.path.glob(".ckpt.pt.tmp*"), *self.path.glob(".metrics.jsonl.tmp*")]:
             stale.unlink()  # saves and log rewrites interrupted by a kill
         if fresh or not self.continues_run():  # a new run, or a resumed one moved here: nothing to keep
             self.ckpt.unlink(missing_ok=True)

@@ -33,8 +33,6 @@ def resume_config(explicit: dict, config_class, resolve_config) -> tuple[dict, o
     path = explicit["resume"]
     ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
     saved = saved_config(ckpt, path, "--resume", config_class)
-    if "arch" in explicit and explicit["arch"] != saved.get("arch"):
-        fail(f"--resume {path} is a checkpoint of {saved['arch']}, not {explicit['arch']}")
     for name in FIXED_ON_RESUME:
         if name in explicit and explicit[name] != saved.get(name):
             fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
@@ -233,7 +231,7 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) 
 def step_ok(step) -> bool:  # AdamW's per-parameter step count
     if torch.is_tensor(step):
         return step.numel() == 1 and not step.is_complex() and bool(step >= 0)
-    return isinstance(step, (int, float)) and not isinstance(step, bool) and step >= 0
+    return number_at_least_zero(step)
 
 
 SCALER_STATE = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
