@@ -29,10 +29,6 @@ from revit import MAX_DEPTH
 # --- one-line errors ---
 
 
-class InputError(ValueError):
-    """Bad input to a tool, found before any work: its main reports it with `fail`."""
-
-
 def fail(message: str, prog: str | None = None):
     """A user error: one line `prog: error: message` on stderr, non-zero exit, no traceback."""
     raise SystemExit(f"{prog or script_name()}: error: {message}")
