@@ -214,8 +214,8 @@ def structure_problem(ckpt: dict, keys) -> str | None:
     """Each part the caller needs, and train_config and metrics (tools read them) when present."""
     for key in dict.fromkeys((*keys, "train_config", "metrics")):
         if key in ckpt and key in PARTS and not PARTS[key][0](ckpt[key]):
-            shown = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
-            return f"its {key} must be {PARTS[key][1]}; got {shown[:80]}"
+            got = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
+            return f"its {key} must be {PARTS[key][1]}; got {got[:80]}"
     return None
 
 
