@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from lib import tasks
 from lib.build import adamw, build, setup, wrap
-from lib.checkpoint import RunFolder, family_of, preset_names, primitive, provenance, unwrap
-from lib.boundary import check_config, fail
+from lib.checkpoint import RunFolder, primitive, provenance, unwrap
+from lib.boundary import check_config, fail, family_of, preset_names
 from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, non_finite_place, opt,
                      run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS

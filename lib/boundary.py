@@ -1,20 +1,20 @@
-"""The boundary: everything a user may type or load is checked here, once, before any work; a failure is
+"""The boundary: every flag and path a user may type is checked here, once, before any work; a failure is
 one line naming the flag or the file (`fail`). The rules, each written once:
 
 - every number flag of every entry point is finite and in its range (`RANGES`, `check_numbers`);
 - a command writes only new files or its own (`output_problem`), atomically (lib/cli.py), and a resumed
   run never into another run's folder (lib/checkpoint.RunFolder);
-- a checkpoint is data (weights_only; lib/data.py's allow-list unpickler): plain tensors of the model's
-  names and shapes (`fit_problem`), nothing non-finite in its weights or outputs (`non_finite`, `diverged`);
+- a checkpoint is data, checked by its one reader (lib/checkpoint.py): weights_only, plain finite tensors
+  of the model's names and shapes; data files by lib/data.py's allow-list unpickler;
 - nothing reaches the network without --download (lib/data.py, lib/language.py, --teacher hub:).
 """
 
 from __future__ import annotations
 
 import ast
-import cmath
 import contextlib
 import dataclasses
+import difflib
 import math
 import os
 import stat
@@ -22,16 +22,11 @@ import sys
 import typing
 from pathlib import Path
 
-import torch
 
 import revit
 from revit import MAX_DEPTH
 
 # --- one-line errors ---
-
-
-class InputError(ValueError):
-    """Bad input to a tool, found before any work: its main reports it with `fail`."""
 
 
 def fail(message: str, prog: str | None = None):
@@ -84,7 +79,7 @@ RANGES = {  # a flag's name (train.py, bench.py, sample.py, tools/) -> (test, wh
     "gpus": closed(1, 1 << 16),
     "seeds": closed(1, 100),  # each seed is a training run per sweep cell
     "num_samples": closed(1, 1000),
-    "opset": closed(14, 20),  # ONNX: attention exports as of 14; torch.onnx's TorchScript exporter writes up to 20
+    "opset": closed(14, 20),  # ONNX: attention exports as of 14; the TorchScript exporter writes up to 20
     "patch_size": closed(1, 1024),
     "block_size": closed(1, 1 << 16),
     "num_experts": closed(1, 1024),
@@ -102,7 +97,8 @@ RANGES = {  # a flag's name (train.py, bench.py, sample.py, tools/) -> (test, wh
     **dict.fromkeys(("mixup", "cutmix"), closed(0, 100)),
     "router_lr_scale": above(0, 1000),  # ψ's lr multiplier (ours)
     **dict.fromkeys(("beta1", "beta2"), ((lambda v: 0 <= v < 1), "in [0, 1)")),
-    **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"), closed(0, 1)),
+    **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
+                    closed(0, 1)),
 }
 ANY_NUMBER = closed(-COUNT, COUNT)  # a number flag without a rule of its own
 
@@ -163,7 +159,7 @@ def check_config(cfg) -> None:
 
 
 def preset_module(arch: str, config=None):
-    """The module (revit, lib.moe or alternet) whose create_model builds preset `arch` with `config`, or None."""
+    """The module (revit, lib.moe or alternet) that builds preset `arch` with `config`, or None."""
     if arch in revit.PRESETS and not set(config if isinstance(config, dict) else ()) - VISION_FIELDS:
         return revit
     import alternet
@@ -180,16 +176,33 @@ def is_vision(module) -> bool:
     return module is not None and module.__name__ in ("revit", "lib.moe")
 
 
+def family_of(arch: str) -> str:
+    """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
+    module = preset_module(arch)
+    if module is None:
+        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
+        fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
+             + "python train.py --list-archs prints all names")
+    return "vision" if is_vision(module) else "language"
+
+
+def preset_names() -> list[str]:
+    import alternet  # for their names: a list or an unknown --arch
+    from lib import moe  # the comparison mechanisms' presets are names too
+    return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
+
+
 # --- the two small languages of flags: depth lists and model arguments ---
 
 
-def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1, prog: str | None = None) -> list[int]:
+def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1,
+                 prog: str | None = None) -> list[int]:
     """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH."""
     items = [d.strip() for d in text.split(",")] if text.strip() else []
     if not all(d.lstrip("-").isdigit() for d in items):
         fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}", prog)
     if any(len(d) > 6 or not minimum <= int(d) <= MAX_DEPTH for d in items):  # never a 5,000-digit int
-        fail(f"{flag} must be in {minimum}..{MAX_DEPTH} (the deepest preset has 24 steps); got {text[:80]!r}", prog)
+        fail(f"{flag} must be in {minimum}..{MAX_DEPTH}; got {text[:80]!r}", prog)
     return [int(d) for d in items]
 
 
@@ -251,7 +264,8 @@ def path_problem(path, kind: str = "file") -> str | None:
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
-        return f"no such {kind}" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror or e})"
+        missing = isinstance(e, FileNotFoundError)
+        return f"no such {kind}" if missing else f"cannot be read ({e.strerror or e})"
     if stat.S_ISDIR(mode) != (kind == "folder"):
         return "a folder, not a file" if kind == "file" else "a file, not a folder"
     if kind == "file" and not stat.S_ISREG(mode):  # a FIFO or a device: reading it could wait forever
@@ -300,103 +314,3 @@ def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | No
         if problem:
             return f"{flag} {folder}: its {name} {problem}"
     return None
-
-
-# --- a loaded checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
-
-
-def plain_values(obj):
-    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token"),
-    each container visited once: a file of shared references is read in the time of its size."""
-    stack, seen = [("", obj)], set()
-    while stack:
-        place, value = stack.pop()
-        if not isinstance(value, (dict, list, tuple)):
-            yield place, value
-            continue
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v) for k, v in items)
-
-
-def stored_problem(values) -> str | None:
-    """The first tensor that is not plain data: sparse, meta, quantized, or one whose storage holds fewer
-    bytes than its shape claims or repeats (stride 0): a small file that expands to gigabytes."""
-    for place, t in values:
-        if not torch.is_tensor(t):
-            continue
-        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
-                else "a quantized tensor" if t.is_quantized else None)
-        if not what and t.numel():
-            extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-            have = t.untyped_storage().nbytes()
-            repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
-            if repeats or have < max(t.numel(), extent) * t.element_size():
-                what = f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
-        if what:
-            return f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense tensors"
-    return None
-
-
-def shown(place: str) -> str:
-    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
-    if place.startswith("model."):
-        return place[len("model."):]
-    return "optimizer state " + place[len("optimizer.state."):] if place.startswith("optimizer.state.") else place
-
-
-def weights_problem(tensors: dict) -> str | None:
-    """The loader's tensor checks for weights read from safetensors: plain and finite."""
-    values = list(plain_values({"model": tensors}))
-    return stored_problem(values) or non_finite(values)
-
-
-def non_finite(values) -> str | None:
-    """The first NaN / inf of the file, in a tensor of a float or complex dtype or in a number, in words."""
-    for place, value in values:
-        if torch.is_tensor(value):
-            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
-        else:
-            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
-        if bad:
-            what = "weights are" if place.startswith(("model.", "optimizer.")) else f"{place.split('.')[0]} is"
-            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an earlier "
-                    f"checkpoint")
-    return None
-
-
-def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
-    """How `weights` differ from a model's state dict `expected` in names, shapes or dtypes, or None. A float
-    weight takes only floats: int8 would be rounded, bool become 1.0, complex lose its imaginary part."""
-    problems = {"missing": [k for k in expected if k not in weights],
-                "unexpected": [k for k in weights if k not in expected],
-                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
-                                       if k in weights and weights[k].shape != v.shape],
-                "wrongly typed": [f"{k} {str(weights[k].dtype)[6:]} for {str(v.dtype)[6:]}" for k, v in expected.items()
-                                  if k in weights and not holds(v.dtype, weights[k].dtype)]}
-    for problem, names in problems.items():
-        if names:
-            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
-                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-    return None
-
-
-def holds(expected: torch.dtype, given: torch.dtype) -> bool:
-    return given.is_floating_point if expected.is_floating_point else given == expected
-
-
-@torch.no_grad()
-def diverged(model: torch.nn.Module) -> str | None:
-    """Finite weights whose output on one seeded input is not (near float32's limit the first matmul
-    overflows): every reader refuses it, as a NaN weight."""
-    device, c = next(model.parameters()).device, model.config
-    if hasattr(c, "image_size"):  # a vision model of revit.py
-        seeded = torch.Generator().manual_seed(0)
-        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
-    else:  # AlterNet: the logits of a few tokens
-        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
-    if torch.isfinite(out).all():
-        return None
-    return "its weights are finite but its output is not (NaN or inf on an example input): a diverged run"

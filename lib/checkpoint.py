@@ -7,7 +7,7 @@ continue a run (train.py --resume). A linear probe saves only its head (arch "li
 
 from __future__ import annotations
 
-import difflib
+import cmath
 import json
 import random
 import re
@@ -28,8 +28,7 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.boundary import (diverged, fail, fit_problem, is_vision, non_finite, output_problem, path_problem,
-                          plain_values, preset_module, stored_problem, too_deep)
+from lib.boundary import fail, output_problem, path_problem, preset_module, too_deep
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
 
@@ -90,12 +89,115 @@ def read_checkpoint(path, keys) -> tuple[dict | None, str | None]:
                   or non_finite(values))
 
 
+# --- a loaded checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
+
+
+def plain_values(obj):
+    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token"),
+    each container visited once: a file of shared references is read in the time of its size."""
+    stack, seen = [("", obj)], set()
+    while stack:
+        place, value = stack.pop()
+        if not isinstance(value, (dict, list, tuple)):
+            yield place, value
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v) for k, v in items)
+
+
+def stored_problem(values) -> str | None:
+    """The first tensor that is not plain data: sparse, meta, quantized, or one whose storage holds fewer
+    bytes than its shape claims or repeats (stride 0): a small file that expands to gigabytes."""
+    for place, t in values:
+        if not torch.is_tensor(t):
+            continue
+        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
+                else "a quantized tensor" if t.is_quantized else None)
+        if not what and t.numel():
+            extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+            have = t.untyped_storage().nbytes()
+            repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
+            if repeats or have < max(t.numel(), extent) * t.element_size():
+                what = f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
+        if what:
+            return (f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense "
+                    f"tensors")
+    return None
+
+
+def shown(place: str) -> str:
+    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
+    if place.startswith("optimizer.state."):
+        return "optimizer state " + place.removeprefix("optimizer.state.")
+    return place.removeprefix("model.")
+
+
+def weights_problem(tensors: dict) -> str | None:
+    """The loader's tensor checks for weights read from safetensors: plain and finite."""
+    values = list(plain_values({"model": tensors}))
+    return stored_problem(values) or non_finite(values)
+
+
+def non_finite(values) -> str | None:
+    """The first NaN / inf of the file, in a tensor of a float or complex dtype or in a number, in words."""
+    for place, value in values:
+        if torch.is_tensor(value):
+            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
+        else:
+            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
+        if bad:
+            weights = place.startswith(("model.", "optimizer."))
+            what = "weights are" if weights else f"{place.split('.')[0]} is"
+            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an "
+                    f"earlier checkpoint")
+    return None
+
+
+def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
+    """How `weights` differ from a model's state dict `expected` in names, shapes or dtypes, or None. A float
+    weight takes only floats: int8 would be rounded, bool become 1.0, complex lose its imaginary part."""
+    both = [(k, weights[k], v) for k, v in expected.items() if k in weights]
+    problems = {"missing": [k for k in expected if k not in weights],
+                "unexpected": [k for k in weights if k not in expected],
+                "differently shaped": [f"{k} {list(w.shape)} vs {list(v.shape)}" for k, w, v in both
+                                       if w.shape != v.shape],
+                "wrongly typed": [f"{k} {str(w.dtype)[6:]} for {str(v.dtype)[6:]}" for k, w, v in both
+                                  if not holds(v.dtype, w.dtype)]}
+    for problem, names in problems.items():
+        if names:
+            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return None
+
+
+def holds(expected: torch.dtype, given: torch.dtype) -> bool:
+    return given.is_floating_point if expected.is_floating_point else given == expected
+
+
+@torch.no_grad()
+def diverged(model: torch.nn.Module) -> str | None:
+    """Finite weights whose output on one seeded input is not (near float32's limit the first matmul
+    overflows): every reader refuses it, as a NaN weight."""
+    device, c = next(model.parameters()).device, model.config
+    if hasattr(c, "image_size"):  # a vision model of revit.py
+        seeded = torch.Generator().manual_seed(0)
+        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
+    else:  # AlterNet: the logits of a few tokens
+        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
+    if torch.isfinite(out).all():
+        return None
+    return "its weights are finite but its output is not (NaN or inf on an example input): a diverged run"
+
+
 # What each part of a checkpoint must be: a file edited or written by other code fails here, by name.
 PARTS = {
     "arch": (lambda v: isinstance(v, str), "a preset name (a string)"),
     "model_config": (lambda v: isinstance(v, dict), "a dict of config fields"),
-    "model": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t) for k, t in v.items()),
-              "a dict of named tensors"),
+    "model": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t)
+                                                    for k, t in v.items()), "a dict of named tensors"),
     "train_config": (lambda v: isinstance(v, dict), "a dict of train.py's settings"),
     "optimizer": (lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
                   and isinstance(v.get("param_groups"), list) and all(isinstance(g, dict) and isinstance(
@@ -112,8 +214,8 @@ def structure_problem(ckpt: dict, keys) -> str | None:
     """Each part the caller needs, and train_config and metrics (tools read them) when present."""
     for key in dict.fromkeys((*keys, "train_config", "metrics")):
         if key in ckpt and key in PARTS and not PARTS[key][0](ckpt[key]):
-            shown = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
-            return f"its {key} must be {PARTS[key][1]}; got {shown[:80]}"
+            got = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
+            return f"its {key} must be {PARTS[key][1]}; got {got[:80]}"
     return None
 
 
@@ -134,22 +236,6 @@ def config_problem(ckpt: dict, keys) -> str | None:
     except (ValueError, TypeError) as e:
         return f"its model_config does not build {arch}: {e}"
     return fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None
-
-
-def family_of(arch: str) -> str:
-    """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
-    module = preset_module(arch)
-    if module is None:
-        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
-        fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
-             + "python train.py --list-archs prints all names")
-    return "vision" if is_vision(module) else "language"
-
-
-def preset_names() -> list[str]:
-    import alternet  # for their names: a list or an unknown --arch
-    from lib import moe  # the comparison mechanisms' presets are names too
-    return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
 
 
 def load_model(path, device="cpu", flag: str = "checkpoint"):
@@ -173,7 +259,8 @@ def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
     model, ckpt = load_model(path, device, flag)
     if not isinstance(model, revit.ViTBase):
         raise ValueError(f"{flag} {path}: holds the language model {ckpt['arch']}; "
-                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE baselines)")
+                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE "
+                         "baselines)")
     return model, ckpt
 
 
@@ -246,7 +333,7 @@ def set_rng_state(state: dict | None, augment, device: torch.device, seed: int) 
         reseeded.append(device.type)
     if augment is not None:
         augment.batch_rng.setstate(state["augment_batch"])
-        same_type = state.get("device_type", device.type) == device.type  # older files: the state's size decides
+        same_type = state.get("device_type", device.type) == device.type  # older files: its size decides
         if not (same_type and applied(lambda: augment.generator.set_state(state["augment"]))):
             augment.generator.manual_seed(seed)  # CPU generator states are 5,056 bytes, CUDA's 16
             reseeded.append("augmentation")
@@ -313,9 +400,10 @@ class RunFolder:
             fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "
                  f"another --out-dir, or replace it with --overwrite")
         if not fresh and not overwrite and holds_run and not self.continues_run():
-            fail(f"--out-dir {self.path} holds a run other than --resume {self.resume} (its own checkpoint is "
-                 f"{self.ckpt}); continuing here would overwrite {self.ckpt.name} and cut {self.metrics.name}: give "
-                 f"the run a new --out-dir, or replace the folder's run with --overwrite")
+            fail(f"--out-dir {self.path} holds a run other than --resume {self.resume} (its own checkpoint "
+                 f"is {self.ckpt}); continuing here would overwrite {self.ckpt.name} and cut "
+                 f"{self.metrics.name}: give the run a new --out-dir, or replace the folder's run with "
+                 f"--overwrite")
 
     def open(self, fresh: bool, overwrite: bool, resume_step: int | None) -> None:
         self.check(fresh, overwrite)  # the default --out-dir too: its .lock is opened next
@@ -327,7 +415,7 @@ class RunFolder:
         except OSError as e:
             fail(f"--out-dir {self.path} is not writable: {e.strerror or e}")
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
-        for stale in [*self.path.glob(f".{self.ckpt.name}.tmp*"), *self.path.glob(f".{self.metrics.name}.tmp*")]:
+        for stale in [*self.path.glob(".ckpt.pt.tmp*"), *self.path.glob(".metrics.jsonl.tmp*")]:
             stale.unlink()  # saves and log rewrites interrupted by a kill
         if fresh or not self.continues_run():  # a new run, or a resumed one moved here: nothing to keep
             self.ckpt.unlink(missing_ok=True)

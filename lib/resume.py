@@ -16,8 +16,8 @@ import torch.nn as nn
 
 from lib import tasks
 from lib.build import build
-from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, set_rng_state
-from lib.boundary import diverged, fail, fit_problem, wrong_type
+from lib.boundary import fail, wrong_type
+from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, diverged, fit_problem, set_rng_state
 from lib.cli import non_finite_place, pick_device, say
 
 
@@ -33,17 +33,13 @@ def resume_config(explicit: dict, config_class, resolve_config) -> tuple[dict, o
     path = explicit["resume"]
     ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
     saved = saved_config(ckpt, path, "--resume", config_class)
-    if "arch" in explicit and explicit["arch"] != saved.get("arch"):
-        fail(f"--resume {path} is a checkpoint of {saved['arch']}, not {explicit['arch']}")
     for name in FIXED_ON_RESUME:
         if name in explicit and explicit[name] != saved.get(name):
             fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
                  f"{saved.get(name)!r}); start a new run instead")
-    known = {f.name for f in fields(config_class)} - {"stop_at_step", "overwrite", "eval_only"}
-    saved = command_line_only(saved, explicit, f"--resume {path}", needed=("data", "teacher"))
-    merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
-    merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
-    return ckpt, resolve_saved(resolve_config, merged, explicit, f"--resume {path}")
+    flags = {**explicit, "out_dir": explicit.get("out_dir") or str(Path(path).parent)}  # the folder may move
+    return ckpt, resolve_saved(saved, flags, f"--resume {path}", config_class, resolve_config,
+                               needed=("data", "teacher"), unkept={"stop_at_step", "overwrite", "eval_only"})
 
 
 def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
@@ -58,9 +54,13 @@ def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
     return saved
 
 
-def resolve_saved(resolve_config, merged: dict, flags: dict, source: str):
-    """resolve_config of a saved run's values under the flags given now (`merged`). Where the saved values
-    alone are refused too, the line names the checkpoint (`source`), not a flag the user never typed."""
+def resolve_saved(saved: dict, flags: dict, source: str, config_class, resolve_config, needed, unkept):
+    """resolve_config of a saved run's values (but the `unkept` and COMMAND_LINE_ONLY's) under the flags
+    given now. Where the saved values alone are refused too, the line names the checkpoint (`source`), not a
+    flag the user never typed."""
+    known = {f.name for f in fields(config_class)} - unkept
+    saved = command_line_only(saved, flags, source, needed)
+    merged = {**{k: v for k, v in saved.items() if k in known}, **flags}
     try:
         return resolve_config(merged, announce=False)
     except SystemExit:
@@ -86,11 +86,8 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
         fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
              f"got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
-    known = {f.name for f in fields(config_class)} - {"out_dir", "resume"}
-    saved = saved_config(ckpt, path, flag, config_class)
-    saved = command_line_only(saved, flags, f"{flag} {path}", needed=("data",))
-    cfg = resolve_saved(resolve_config, {**{k: v for k, v in saved.items() if k in known}, **flags}, flags,
-                        f"{flag} {path}")
+    cfg = resolve_saved(saved_config(ckpt, path, flag, config_class), flags, f"{flag} {path}", config_class,
+                        resolve_config, needed=("data",), unkept={"out_dir", "resume"})
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
@@ -233,7 +230,7 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) 
 def step_ok(step) -> bool:  # AdamW's per-parameter step count
     if torch.is_tensor(step):
         return step.numel() == 1 and not step.is_complex() and bool(step >= 0)
-    return isinstance(step, (int, float)) and not isinstance(step, bool) and step >= 0
+    return number_at_least_zero(step)
 
 
 SCALER_STATE = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}

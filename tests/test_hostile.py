@@ -477,7 +477,7 @@ def test_a_train_config_that_is_not_a_dict_is_one_line_in_every_tool(runs, tmp_p
 
 
 def test_every_float_and_complex_dtype_is_under_the_finiteness_rule():
-    from lib.boundary import non_finite, plain_values
+    from lib.checkpoint import non_finite, plain_values
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128):
         for bad in (float("nan"), float("inf"), complex(0, float("nan"))):
             if bad.imag and not dtype.is_complex:
@@ -580,7 +580,7 @@ def test_a_number_on_its_bound_is_taken_and_one_past_it_refused(flag, edge, beyo
 
 
 def test_a_float_weight_takes_every_float_dtype_and_nothing_else():
-    from lib.boundary import fit_problem
+    from lib.checkpoint import fit_problem
     expected = {"w": torch.zeros(2, 3)}
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         assert fit_problem(expected, {"w": torch.zeros(2, 3, dtype=dtype)}, "m") is None, dtype

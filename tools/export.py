@@ -36,9 +36,8 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
 
 import revit
 from lib import moe, weights
-from lib.checkpoint import load_vision_model
-from lib.boundary import (MAX_DEPTH, check_numbers, closed, diverged, fail, fit_problem, output_problem,
-                          weights_problem)
+from lib.checkpoint import diverged, fit_problem, load_vision_model, weights_problem
+from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem
 from lib.cli import run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module

@@ -34,7 +34,7 @@ if not __package__:  # run as a file (python tools/sweep.py): the project's modu
 import revit
 from lib import tables, tasks
 from lib.checkpoint import load_model
-from lib.boundary import MAX_DEPTH, InputError, check_numbers, fail, output_problem
+from lib.boundary import MAX_DEPTH, check_numbers, fail, output_problem
 from lib.cli import git_commit, json_text, pick_device, pyplot, run_main, say, write_json
 from tools.plot import save_png
 
@@ -547,7 +547,7 @@ def run_sweep(args) -> dict:
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
     problem = output_problem(out_dir, "folder")
     if problem:
-        raise InputError(f"--out {out_dir} {problem}")
+        raise SweepError(f"--out {out_dir} {problem}")
     rows = quality_rows(grids, regime, seeds, out_dir, shard, threads, args.progress)
     result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
               "seeds": seeds, "grids": grids, "regime_argv": cell_argv(regime, {}, 0)[:-2],
@@ -587,7 +587,7 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     try:
         result = run_sweep(args)
-    except (SweepError, InputError) as e:  # bad input, a failed cell, a damaged cell file: one line
+    except SweepError as e:  # bad input, a failed cell, a damaged cell file: one line
         fail(str(e), PROG)
     print(json_text(result))
     return result
