@@ -52,11 +52,6 @@ from torch.utils.checkpoint import checkpoint
 # --- building blocks: depth encoding (Eq. 1), attention, FFN, expert ------------------
 
 
-def depth_coordinate(iteration: int, max_depth: int) -> float:
-    """t = d / (D - 1) (Eq. 1), D = the trained max_depth. D = 1 has a single iteration; we give it t = 0."""
-    return iteration / (max_depth - 1) if max_depth > 1 else 0.0
-
-
 def depth_encoding(t: float, dim: int) -> torch.Tensor:
     """Vaswani's sinusoidal encoding of a scalar t: (dim,), interleaved sin/cos; defined for t outside [0, 1]
     too (depths beyond the trained D, and a negative budget 1 - t there). Base 10,000 on t in [0, 1] as
@@ -69,9 +64,10 @@ def depth_encoding(t: float, dim: int) -> torch.Tensor:
 
 
 def router_encodings(iteration: int, cfg: AlterNetConfig) -> torch.Tensor:
-    """The router's depth inputs at iteration d (Eq. 1): e_t, and e_{1-t} (the remaining budget) with
-    budget_signal: (m or 2m,)."""
-    t = depth_coordinate(iteration, cfg.max_depth)
+    """The router's depth inputs at iteration d (Eq. 1): e_t, t = d / (D - 1) with D the trained max_depth
+    (D = 1: t = 0), and e_{1-t} (the remaining budget) with budget_signal: (m or 2m,)."""
+    max_depth = cfg.max_depth
+    t = iteration / (max_depth - 1) if max_depth > 1 else 0.0
     encodings = [depth_encoding(t, cfg.depth_dim)]  # e_t
     if cfg.budget_signal:
         encodings.append(depth_encoding(1 - t, cfg.depth_dim))  # e_{1-t}: remaining budget
@@ -161,57 +157,43 @@ class AlterNetConfig:
     random_length_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        for name, ok, allowed in field_rules(self):
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: {name} must be {allowed}")
+        for f in dataclasses.fields(self):  # each field's type first: RANGES compares values
+            value, kind = getattr(self, f.name), f.type.removesuffix(" | None")
+            typed = isinstance(value, TYPES[kind][0]) and isinstance(value, bool) == (kind == "bool")
+            ok = typed and (kind != "float" or math.isfinite(value)) or (kind != f.type and value is None)
+            refuse([(f.name, ok, TYPES[kind][1] + (" or None" if kind != f.type else ""))], shown=self)
+        refuse(((name, test(getattr(self, name), self), allowed.format_map(vars(self)))
+                for names, test, allowed in RANGES for name in names.split()), shown=self)
 
 
-# Sizes a user would not reach by intent, far above the paper's V = 50,257 and D <= 12 (our choice): a
+TYPES = {"int": (int, "an integer"), "float": ((int, float), "a finite number"),  # a bool is no number
+         "bool": (bool, "True or False"), "str": (str, "a string")}
+# Sizes far above the paper's V = 50,257 and D <= 12, past what a user reaches by intent (our choice): a
 # typo or an edited checkpoint config is refused before anything is allocated or run.
-MAX_ITERATIONS = 256  # D, and a call's cap on iterations: a bound against typos, as every depth here
+MAX_ITERATIONS = 256  # D, and a call's cap on iterations
 SIZES = dict(vocab_size=2 ** 20, seq_len=2 ** 17, dim=2 ** 15, heads=2 ** 10, ffn_dim=2 ** 17,
-             num_experts=2 ** 10, top_k=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
-TYPES = {  # a field's type: what it allows, and the test (a bool is no number; an int is a float)
-    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "float": ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-              and math.isfinite(v)),
-    "bool": ("True or False", lambda v: isinstance(v, bool)),
-    "str": ("a string", lambda v: isinstance(v, str)),
-}
-
-
-def field_rules(c: AlterNetConfig):
-    """(field, its value is allowed, what it allows): every field's type, then the table of ranges (a
-    generator: the ranges compare values only once every type has passed)."""
-    for f in dataclasses.fields(c):
-        kind, value = f.type.removesuffix(" | None"), getattr(c, f.name)
-        (allowed, ok), optional = TYPES[kind], kind != f.type
-        yield f.name, (optional and value is None) or ok(value), allowed + (" or None" if optional else "")
-    yield from [  # the table of ranges
-        *((name, 1 <= getattr(c, name) <= top, f"an integer in 1..{top}") for name, top in SIZES.items()),
-        ("top_k", c.top_k <= c.num_experts, f"in 1..num_experts={c.num_experts}"),
-        ("dim", c.dim % c.heads == 0, f"divisible by heads={c.heads}"),
-        ("depth_dim", c.depth_dim % 2 == 0, "even (sin/cos pairs)"),
-        ("logit_clamp", c.logit_clamp is None or c.logit_clamp > 0, "a positive number or None (off)"),
-        ("norm_eps", c.norm_eps > 0, "a positive number"),
-        ("halt_head", c.halt_head in ("per_expert", "global"), "one of 'per_expert', 'global'"),
-        ("prior", c.prior in ("gaussian", "geometric"), "one of 'gaussian', 'geometric'"),
-        ("geometric_p", 0 < c.geometric_p < 1, "in (0, 1)"),
-        *((name, getattr(c, name) >= 0, "a finite number >= 0")
-          for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight")),
-        *((name, getattr(c, name) >= 0, "an integer >= 0")
-          for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps")),
-        ("random_length_fraction", 0 <= c.random_length_fraction <= 1, "in [0, 1]")
-    ]
+             num_experts=2 ** 10, max_depth=MAX_ITERATIONS, depth_dim=2 ** 12)
+RANGES = [  # (fields, the test of each one's value v on the config c, what it allows; "{name}": c's name)
+    *((name, lambda v, c, top=top: 1 <= v <= top, f"an integer in 1..{top}") for name, top in SIZES.items()),
+    ("top_k", lambda v, c: 1 <= v <= c.num_experts, "in 1..num_experts={num_experts}"),
+    ("dim", lambda v, c: v % c.heads == 0, "divisible by heads={heads}"),
+    ("depth_dim", lambda v, c: v % 2 == 0, "even (sin/cos pairs)"),
+    ("logit_clamp", lambda v, c: v is None or v > 0, "a positive number or None (off)"),
+    ("norm_eps", lambda v, c: v > 0, "a positive number"),
+    ("halt_head", lambda v, c: v in ("per_expert", "global"), "one of 'per_expert', 'global'"),
+    ("prior", lambda v, c: v in ("gaussian", "geometric"), "one of 'gaussian', 'geometric'"),
+    ("geometric_p", lambda v, c: 0 < v < 1, "in (0, 1)"),
+    ("kl_weight balance_weight z_loss_weight rir_weight", lambda v, c: v >= 0, "a finite number >= 0"),
+    ("kl_ramp_steps min_depth_warmup min_depth_release_steps", lambda v, c: v >= 0, "an integer >= 0"),
+    ("random_length_fraction", lambda v, c: 0 <= v <= 1, "in [0, 1]"),
+]
 
 
 # forward's and generate's contract, run before a compiled graph rather than in it: reading the token ids is
 # a host sync, and under torch.compile a graph break.
 @torch.compiler.disable
-def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-               lengths: torch.Tensor | None = None, max_depth: int | None = None,
-               halt_threshold: float | None = None, sample_halting: bool = False,
-               last_token_only: bool = False) -> None:
+def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | None = None, lengths=None,
+               max_depth=None, halt_threshold=None, sample_halting=False, last_token_only=False) -> None:
     T, V = tokens.shape[-1] if tokens.dim() else 0, c.vocab_size
     refuse([
         ("tokens", tokens.dim() == 2 and tokens.dtype == torch.long and 1 <= T <= c.seq_len,
@@ -219,8 +201,7 @@ def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | 
         ("tokens: token ids", ((tokens >= 0) & (tokens < V)).all(), f"in 0..{V - 1} (vocab_size={V})"),
         ("targets", targets is None or (targets.shape == tokens.shape and targets.dtype == torch.long
                                         and not last_token_only and ((targets >= -1) & (targets < V)).all()),
-         f"None, or a long tensor shaped as tokens of ids in 0..{V - 1} or -1 (ignore); None with "
-         "last_token_only=True"),
+         f"None or a (B, T) long tensor of ids in 0..{V - 1} or -1 (ignore); None if last_token_only"),
         ("lengths", lengths is None or (lengths.dtype == torch.long and lengths.shape == tokens.shape[:1]
                                         and ((lengths >= 1) & (lengths <= T)).all()),
          f"a (B,) long tensor with values in 1..T={T}, or None"),
@@ -232,11 +213,12 @@ def check_call(c: AlterNetConfig, tokens: torch.Tensor, targets: torch.Tensor | 
          "None, as sample_halting False, with halting=False (fixed depth): cap with max_depth")])
 
 
-def refuse(rules) -> None:
-    """ValueError naming the first broken rule of (argument, its value is allowed, what it allows)."""
+def refuse(rules, shown: AlterNetConfig | None = None) -> None:
+    """ValueError for the first broken (argument, value allowed?, what it allows); `shown`: the config."""
     for name, ok, allowed in rules:
         if not ok:
-            raise ValueError(f"{name} must be {allowed}")
+            value = "" if shown is None else f"{name}={getattr(shown, name)!r} is not allowed: "
+            raise ValueError(f"{value}{name} must be {allowed}")
 
 
 # --- the model -------------------------------------------------------------------
@@ -252,8 +234,7 @@ class AlterNet(nn.Module):
     (D', B, T, V), a halted row repeating its output. With targets the losses, no logits (D' x B x T x V
     floats): loss (Eq. 6), task_loss (L_PN, Eq. 7) and the per-iteration CE, iteration first:
     token_losses (D', B, T), 0 where ignored; step_ce (D', B), per sequence; step_losses (D',), token mean.
-    D' = iterations run: the cap, or fewer once every sequence has halted (compiled: the cap).
-    """
+    D' = iterations run: the cap, or fewer once every sequence has halted (compiled: the cap)."""
 
     def __init__(self, config: AlterNetConfig) -> None:
         super().__init__()
@@ -294,7 +275,8 @@ class AlterNet(nn.Module):
         last = torch.full((B,), T - 1, device=tokens.device) if lengths is None else lengths - 1  # (B,)
         x = self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device))  # (B, T, H), once
         first_halt = self.first_halt(num_iterations)
-        targets = None if targets is None else scored_targets(targets, lengths)
+        if targets is not None and lengths is not None:  # the padding, positions >= lengths, is ignored (-1)
+            targets = targets.masked_fill(torch.arange(T, device=tokens.device) >= lengths[:, None], -1)
         if targets is None or halt_threshold is not None or sample_halting:
             out = self.infer(x, last, targets, num_iterations, first_halt, (halt_threshold, sample_halting),
                              last_token_only)
@@ -655,7 +637,6 @@ LOSS_CHUNK_LOGITS = 2 ** 25
 
 
 def loss_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk of the loss (LOSS_CHUNK_LOGITS // V, at least 1)."""
     return max(1, LOSS_CHUNK_LOGITS // vocab_size)
 
 
@@ -721,7 +702,6 @@ def at_last(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
 
 
 def take(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """values at `rows` (dim 0), or all of them for rows None."""
     return values if rows is None else values[rows]
 
 
@@ -781,8 +761,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | Non
     from softmax(logits / temperature), optionally among the top_k most likely. ValueError for logits that
     are not finite (a diverged model: neither argmax nor multinomial has an answer)."""
     if not torch.isfinite(logits).all():
-        raise ValueError("the model's next-token logits are not finite (NaN or inf): finite but diverged "
-                         "weights")
+        raise ValueError("the model's next-token logits are not finite (NaN or inf): diverged weights")
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits / temperature
@@ -792,21 +771,12 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | Non
     return torch.multinomial(logits.softmax(-1), num_samples=1)
 
 
-def scored_targets(targets: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """targets with -1 (ignored) also at the padding, positions >= lengths: (B, T) long."""
-    if lengths is None:
-        return targets
-    padding = torch.arange(targets.shape[1], device=targets.device) >= lengths[:, None]  # (B, T)
-    return targets.masked_fill(padding, -1)
-
-
 # --- causal evaluation: every position routed and halted on its own prefix ------------
 
 
 def training_lengths(batch_size: int, seq_len: int, fraction: float,
                      generator: torch.Generator | None = None) -> torch.Tensor:
-    """Valid lengths for a training batch: (batch_size,) long. A `fraction` of the rows (chosen at
-    random) get a uniform random length in 1..seq_len, the rest the full window."""
+    """Valid lengths (batch_size,): a random `fraction` of the rows cut to a uniform length in 1..seq_len."""
     cut = torch.rand(batch_size, generator=generator) < fraction
     random_lengths = torch.randint(1, seq_len + 1, (batch_size,), generator=generator)
     return torch.where(cut, random_lengths, torch.full_like(random_lengths, seq_len))

@@ -3,21 +3,16 @@
     python bench.py params      # parameters and GFLOPs/image at S/B/L 224² (paper Tables 1 and 10)
     python bench.py latency     # inference latency and memory, the protocol of the paper's Table 7
     python bench.py train       # training-step throughput (img/s) and MFU
-    python bench.py latency --out latency.json   # also write the JSON document to a file
     python bench.py check       # the first minutes on a GPU within --budget: Table 7, training, tests, a run
     python bench.py memory --arch alternet-50m   # peak memory per GPU of a training recipe, before the run
 
-Each subcommand prints markdown tables, then its results as one JSON document on the last stdout line.
-CUDA when present (torch.compile, bf16; the paper's setting), else the CPU (fp32, smaller defaults). How:
-- FLOPs by the paper's counting rule (analytic_macs), cross-checked with torch's flop_counter on the real
-  module built on the meta device (no memory, no time).
-- Timing: warm-up until torch.compile builds no new graph; each timed region runs `iters` calls and syncs
-  once; the rows are interleaved round-robin, so background load hits every row alike. "vs DeiT III" is
-  the median of the per-round ratios, with a 95% bootstrap interval; `train` adds rounds until reViT fixed
-  / DeiT III is known to +-0.03 (--resolve).
-- Memory as in the paper's Table 7: weights, what the first call left allocated (reViT's merged-weight
-  cache) and the peak of a second call (CUDA); on a CPU the peak RSS of a fresh process per row, eager.
-The quality sweeps are tools/sweep.py's; one checkpoint's accuracy and cost at every depth tools/depths.py's.
+Each prints markdown tables, then its results as one JSON document on the last stdout line (--out: also
+to a file). CUDA when present (torch.compile, bf16: the paper's setting), else the CPU (fp32, smaller sizes).
+- FLOPs by the paper's counting rule (analytic_macs), cross-checked with torch's flop_counter.
+- Timing: warm-up until torch.compile builds no new graph; rows interleaved round-robin, so background load
+  hits every row alike; "vs DeiT III" is the median per-round ratio with a 95% bootstrap interval.
+- Memory as in the paper's Table 7 on CUDA; on a CPU the peak RSS of a fresh process per row.
+Quality sweeps: tools/sweep.py; one checkpoint's accuracy and cost at every depth: tools/depths.py.
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ import random
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +44,7 @@ import alternet
 import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
-from lib.boundary import RANGES, InputError, check_numbers, fail, output_problem
+from lib.boundary import RANGES, check_numbers, fail, output_problem
 from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,20 +76,7 @@ def synchronize(device: torch.device) -> None:
 
 def autocast(device: torch.device):
     """bf16 autocast on CUDA (the paper's setting); CPU stays in fp32."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def cpu_model_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown"
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def environment(device: torch.device) -> dict:
@@ -111,6 +92,13 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def cpu_model_name() -> str:
+    names = []
+    with contextlib.suppress(OSError, UnicodeDecodeError), open("/proc/cpuinfo") as fh:  # Linux
+        names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+    return (names or [platform.processor() or "unknown"])[0]
+
+
 def recorded_commit(folder: str) -> str | None:
     """The commit in folder/.commit (git-ignored): a copy of the working tree run where there is no git."""
     with contextlib.suppress(OSError, UnicodeDecodeError), open(os.path.join(folder, ".commit")) as fh:
@@ -120,12 +108,8 @@ def recorded_commit(folder: str) -> str | None:
     return None
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak; None on a CPU (SKU, clocks and sharing decide it: we do not guess)."""
-    return peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-
-
 def peak_of(gpu_name: str) -> float | None:
+    """A GPU's dense bf16 peak by its name; None where unknown (a CPU's: SKU, clocks, sharing; no guess)."""
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in gpu_name), None)
 
 
@@ -136,7 +120,6 @@ def quartiles(values: list[float]) -> tuple:
 
 
 def summary(seconds: list[float]) -> dict:
-    """Median, quartiles and range of a list of per-call times, in ms."""
     ms = sorted(1e3 * s for s in seconds)
     q1, _, q3 = quartiles(ms)
     return {"median_ms": statistics.median(ms), "q1_ms": q1, "q3_ms": q3, "min_ms": ms[0], "max_ms": ms[-1],
@@ -170,14 +153,12 @@ def compiled_graphs() -> int:
 
 
 def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int, iters: int) -> dict:
-    """Seconds per call for each fn, `repeats` values each (timed_rounds), after warm-up rounds: at least
-    `warmup` (and one), more (up to 10) until a whole round compiles no new graph (torch.compile can
-    recompile on the 2nd or 3rd call, and rows sharing code can evict each other's graphs)."""
-    labels = list(fns)
+    """Seconds per call of each fn, `repeats` values each, after at least `warmup` rounds (and one), more (up
+    to 10) until a round compiles no new graph (torch.compile can recompile on the 2nd or 3rd call)."""
     for round_ in range(max(warmup, 1) + 10):
         before = compiled_graphs()
-        for label in labels:
-            fns[label]()
+        for fn in fns.values():
+            fn()
         if round_ + 1 >= warmup and compiled_graphs() == before:
             break
     synchronize(device)
@@ -186,9 +167,8 @@ def time_interleaved(fns: dict, device: torch.device, warmup: int, repeats: int,
 
 def timed_rounds(fns: dict, device: torch.device, repeats: int, iters: int, first: int = 0,
                  times: dict | None = None) -> dict:
-    """Round r (from `first`) times one region of `iters` calls of every fn, starting at a rotated position,
-    synchronized once at its end; no garbage collection meanwhile. Appends to `times`; "recompiled": the rows
-    whose timed regions compiled something."""
+    """Round r (from `first`) times `iters` calls of each fn, from a rotated position, synced once, without
+    garbage collection; appended to `times`. "recompiled": the rows whose timed regions compiled something."""
     labels = list(fns)
     times = times or {label: [] for label in labels}
     recompiled = set(times.pop("recompiled", []))
@@ -225,11 +205,9 @@ def resolve_ratio(fns, times, device, iters, target, max_repeats, pair=("reViT f
 
 
 def time_rows(labels, build, batch: int, device, warmup: int, repeats: int, iters: int, first: str,
-              reference="DeiT III", on_row=None, profile: str = "", resolve=None, max_repeats=0) -> tuple:
-    """(rows, times) of one interleaved timing. build(label) -> (model, one call, the row's fields), in
-    turn; each call runs once (its seconds as `first`, compilation included; CUDA memory, as on_row(label,
-    row, False)), then all are timed together (resolve: until reViT fixed / DeiT III is known to +- resolve).
-    profile: a heading for torch.profiler's op table of each row."""
+              reference="DeiT III", on_row=None, resolve=None, max_repeats=0) -> tuple:
+    """(rows, times): build(label) -> (model, one call, the row's fields); each call runs once (first_call;
+    then on_row(label, row, False)), then all are timed together (resolve: see resolve_ratio)."""
     fns, rows = {}, {}
     for label in labels:
         model, fns[label], fields = build(label)
@@ -243,16 +221,13 @@ def time_rows(labels, build, batch: int, device, warmup: int, repeats: int, iter
         row.update({**summary(times[label]), **paired_ratio(times[label], times[reference]),
                     "recompiled_while_timed": label in times["recompiled"]})
         row["images_per_s"] = 1e3 * batch / row["median_ms"]
-    for label, fn in fns.items() if profile else ():
-        print(f"\n### profile: {profile}{label}, batch {batch}\n\n{profile_table(fn, device)}", flush=True)
     return list(rows.values()), times
 
 
 def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str | None = None,
                   backend: str = "inductor"):
     """torch.compile(model) when asked. dynamic=False: static shapes (inference at fixed batches); None:
-    torch's automatic dynamic shapes. reViT's elastic step loop is never compiled (data-dependent row sets:
-    revit.ReViT.run_elastic_steps runs eagerly). mode "reduce-overhead": CUDA graphs."""
+    torch's automatic dynamic shapes. mode "reduce-overhead": CUDA graphs."""
     if not compiled:
         return model
     import torch._dynamo.config as dynamo_config
@@ -264,32 +239,19 @@ def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str
 
 
 def first_call(fn, model, device, key: str) -> dict:
-    """Run fn once: its wall time (compilation included) under `key`, and on CUDA the memory figures."""
-    warm_up_cublas(device)
-    start = time.perf_counter()
-    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    """Run fn once: its wall time (compilation included) under `key`; on CUDA the runtime memory as in the
+    paper's Table 7: the weights, what this call left allocated (reViT's merged-weight cache, optimizer
+    state) and the peak of one more call (activations, workspace), not compile-time autotuning buffers."""
+    cuda = device.type == "cuda"
+    for dtype in (torch.float32, torch.bfloat16) if cuda else ():  # cuBLAS's workspace: not the row's
+        torch.ones(64, 64, device=device, dtype=dtype) @ torch.ones(64, 64, device=device, dtype=dtype)
+    synchronize(device)
+    allocated, start = torch.cuda.memory_allocated(device) if cuda else 0, time.perf_counter()
     fn()
     synchronize(device)
     out = {key: time.perf_counter() - start}
-    if device.type == "cuda":
-        out.update(cuda_memory(fn, model, device, allocated))
-    return out
-
-
-def warm_up_cublas(device: torch.device) -> None:
-    """The first matmul of a process allocates cuBLAS's workspace (32 MiB on Hopper) through the caching
-    allocator; done here, before any row is measured, it is not charged to the first row."""
-    if device.type == "cuda":
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.ones(64, 64, device=device, dtype=dtype)
-            x @ x
-        synchronize(device)
-
-
-def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
-    """Total runtime memory, as in the paper's Table 7: the weights, what the first call left allocated
-    (reViT's merged-weight cache, optimizer state) and the peak of one more call (activations, workspace);
-    compile-time autotuning buffers of the first call are not counted."""
+    if not cuda:
+        return out
     gc.collect()
     torch.cuda.empty_cache()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -297,23 +259,9 @@ def cuda_memory(fn, model, device, allocated_before_first_call: int) -> dict:
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     synchronize(device)
-    peak = weights + (now - allocated_before_first_call) + torch.cuda.max_memory_allocated(device) - now
-    return {"memory_mib": peak / 2 ** 20, "memory_method": "CUDA: weights + left allocated by the first "
-            "call + max_memory_allocated growth over a second call"}
-
-
-def profile_table(fn, device, calls: int = 3, top: int = 15) -> str:
-    """torch.profiler over a few calls: where the time goes, by op."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    fn()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-    sort = "cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=top)
+    peak = weights + (now - allocated) + torch.cuda.max_memory_allocated(device) - now
+    return {**out, "memory_mib": peak / 2 ** 20, "memory_method": "CUDA: weights + left allocated by the "
+            "first call + max_memory_allocated growth over a second call"}
 
 
 # --- counting parameters and FLOPs (the rule that reproduces the paper's Tables 1 and 10) ---
@@ -353,10 +301,9 @@ def lora_params_per_token(config, rank: int) -> int:
 
 
 def counted_flops(model: torch.nn.Module, depth: int | None = None) -> dict:
-    """torch.utils.flop_counter on one batch-1 forward (at `depth`, default the model's), on the model's
-    own device (meta: free), split by where the FLOPs happen: total = linear layers and merge (the paper's
-    rule) + attention products + router + other. Gradients stay enabled: the counter's module tracker trips
-    over parameter views made under no_grad (LoRA)."""
+    """torch.utils.flop_counter on one batch-1 forward (at `depth`) on the model's device (meta: free): total
+    = linear layers and merge (the paper's rule) + attention products + router + other. Gradients stay on:
+    the counter's module tracker trips over parameter views made under no_grad (LoRA)."""
     c = model.config
     device = next(model.parameters()).device
     images = torch.zeros(1, c.in_channels, c.image_size, c.image_size, device=device)
@@ -365,13 +312,11 @@ def counted_flops(model: torch.nn.Module, depth: int | None = None) -> dict:
     with counter, sdpa_kernel(SDPBackend.MATH):
         model(images) if depth is None else model(images, depth=depth)
     by_module = counter.get_flop_counts()
-    module_total = lambda name: sum(by_module[name].values())
     # the score and value products: SDPA, or the batched matmuls it decomposes into (meta device)
     attention = sum(n for k in by_module if k.endswith(".attn") for op, n in by_module[k].items()
                     if "scaled_dot_product" in str(op) or str(op).endswith(".bmm"))
-    router = sum(module_total(k) for k in by_module if k.endswith(".router"))
-    ffn = sum(module_total(k) for k in by_module if k.endswith(".mlp") and ".mlp." not in k)
-    return {"total": counter.get_total_flops(), "attention": attention, "router": router, "ffn_module": ffn,
+    router = sum(n for k in by_module if k.endswith(".router") for n in by_module[k].values())
+    return {"total": counter.get_total_flops(), "attention": attention, "router": router,
             "by_op": {str(op): n for op, n in by_module.get("Global", {}).items()}}
 
 
@@ -389,17 +334,14 @@ def count_preset(name: str, **overrides) -> tuple:
         return model, counted_flops(model)
 
 
-def moe_presets(size: str = "s") -> list[str]:
-    """The paper's expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1)."""
-    return sorted(n for n in moe.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1"))
-
-
 def token_dispatch_presets(size: str = "s") -> list[str]:
-    return [n for n in moe_presets(size) if any(k in n for k in ("deepseek", "qwen3", "moeut"))]
+    """The paper's token-dispatch expert mechanisms (§4.3, App. B) at U = 1 (e.g. revit-s-qwen3-u1)."""
+    return sorted(n for n in moe.PRESETS if n.startswith(f"revit-{size}-") and n.endswith("-u1")
+                  and any(k in n for k in ("deepseek", "qwen3", "moeut")))
 
 
 def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_counter: bool = True) -> dict:
-    """Table 1 rows (+ Table 10 and the App. B U = 1 rows at S): params, analytic GFLOPs, counter GFLOPs."""
+    """Table 1 rows (+ Table 10 at S): params, analytic GFLOPs, counter GFLOPs."""
     rows = []
     for size in sizes:
         for arch in archs:
@@ -408,25 +350,16 @@ def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_c
                 model = revit.create_model(name)
             c = model.config
             ours, paper_rule = analytic_macs(c), analytic_macs(c, extra_tokens=1)
-            folded = analytic_macs(c, online=False)
             paper = PAPER_TABLE1.get(name, (None, None))
             row = {"table": "1", "name": name, "model": f"{TABLE_NAMES[arch]}-{size.upper()}",
                    "params_m": model.num_params() / 1e6, "paper_params_m": paper[0],
                    "gflops": 2 * ours["total"] / 1e9, "gflops_t198": 2 * paper_rule["total"] / 1e9,
-                   "gflops_folded": 2 * folded["total"] / 1e9, "paper_gflops": paper[1],
-                   "macs": ours, "tokens": c.num_patches + 1}
+                   "gflops_folded": 2 * analytic_macs(c, online=False)["total"] / 1e9,
+                   "paper_gflops": paper[1], "macs": ours, "tokens": c.num_patches + 1}
             if with_counter:
                 row.update(counter_columns(count_preset(name)[1], ours))
             rows.append(row)
-    if "s" in sizes:
-        rows += table10_rows(with_counter)
-        for name in moe_presets("s") if with_counter else []:  # the module's nominal U (§4.3) against its real cost
-            model, counted = count_preset(name)
-            dense = 2 * analytic_macs(model.config, online=False)["ffn"]
-            rows.append({"table": "MoE U=1", "name": name, "model": name, "params_m": model.num_params() / 1e6,
-                         "counter_gflops": counted["total"] / 1e9, "counter_attention_gflops": counted["attention"] / 1e9,
-                         "measured_u": counted["ffn_module"] / dense, "nominal_u": float(moe.ffn_budget(model))})
-    return {"rows": rows}
+    return {"rows": rows + (table10_rows(with_counter) if "s" in sizes else [])}
 
 
 def counter_columns(counted: dict, ours: dict) -> dict:
@@ -453,8 +386,9 @@ def table10_rows(with_counter: bool) -> list[dict]:
              analytic_macs(vit_s.config, 1, lora_rank=LORA_RANK)),
             ("revit-s", "reViT-S/16 E=4", revit_s.num_params(), analytic_macs(c, 1))]:
         paper = PAPER_TABLE10[key]
-        row = {"table": "10", "name": key, "model": label, "params_m": params / 1e6, "paper_params_m": paper[0],
-               "gflops_online_t198": 2 * online["total"] / 1e9, "gflops_folded_t198": 2 * folded["total"] / 1e9,
+        row = {"table": "10", "name": key, "model": label, "params_m": params / 1e6,
+               "paper_params_m": paper[0], "gflops_online_t198": 2 * online["total"] / 1e9,
+               "gflops_folded_t198": 2 * folded["total"] / 1e9,
                "paper_gflops_online": paper[1], "paper_gflops_folded": paper[2]}
         if key == "lora-s":
             row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6)
@@ -475,30 +409,30 @@ LATENCY_MODELS = {  # label -> (arch, overrides, folded): DeiT III and reViT in 
 
 
 def latency_models(size: str, **model_args) -> dict:
-    """LATENCY_MODELS, the reViT forms sharing one set of weights. dynamic: the merged FFN of each step
-    rebuilt on every call (as the paper measured); cached: built once per (depth, weights) and reused;
-    folded: revit.fold, a plain ViT."""
+    """LATENCY_MODELS, the reViT forms sharing one set of weights. dynamic: each step's merged FFN rebuilt at
+    every call (as the paper measured); cached: built once and reused; folded: revit.fold, a plain ViT."""
     torch.manual_seed(0)
     deit = revit.create_model(f"vit-{size}", **model_args)
     cached = revit.create_model(f"revit-{size}", **model_args)
     dynamic = revit.create_model(f"revit-{size}", **model_args, merge_cache=False)
     dynamic.load_state_dict(cached.state_dict())
-    return {"DeiT III": deit, "reViT dynamic": dynamic, "reViT cached": cached, "reViT folded": revit.fold(cached)}
+    return {"DeiT III": deit, "reViT dynamic": dynamic, "reViT cached": cached,
+            "reViT folded": revit.fold(cached)}
 
 
 def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warmup=2, repeats=7, iters=1,
-                  memory=True, profile=False, dtype="float32", backend="inductor", on_row=None,
-                  model_args=None) -> dict:
+                  memory=True, dtype="float32", backend="inductor", on_row=None, model_args=None) -> dict:
     """modes: eager, compiled, reduce-overhead (compiled with CUDA graphs: batch 1 is launch-bound without
     them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast).
     on_row: see time_rows. model_args: config overrides of every model (bench.py check's tiny sizes)."""
     device, weights = torch.device(device), getattr(torch, dtype)
-    rows = []
+    rows, rss = [], {}
     for mode in modes:
         for batch in batches:
             models = latency_models(size, **(model_args or {}))  # fresh: each first call builds its caches
             c = models["DeiT III"].config
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
+            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device,
+                                 dtype=weights)
 
             def build(label):
                 model = models[label].to(device, weights).eval()
@@ -507,30 +441,19 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
                 fields = {"mode": mode, "image_size": c.image_size, "params_m": model.num_params() / 1e6}
                 return model, inference_call(run, images, device, mixed=weights == torch.float32), fields
             group, _ = time_rows(models, build, batch, device, warmup, repeats, iters, "first_call_s",
-                                 on_row=on_row, profile=f"{mode}: " if profile else "")
-            for row in group:
-                if memory and device.type == "cpu" and mode == "eager" and dtype == "float32":
-                    row.update(cpu_memory(size, row["model"], batch))
-            add_memory_ratios(group)
-            for row in group if on_row else ():
-                on_row(row["model"], row, True)
+                                 on_row=on_row)
+            for row in group if memory and device.type == "cpu" and dtype == "float32" else ():
+                if (row["model"], batch) not in rss:  # eagerly, in a fresh process: once for every mode
+                    rss[row["model"], batch] = cpu_memory(size, row["model"], batch)
+                row.update(rss[row["model"], batch])
+                row["memory_method"] += "" if mode == "eager" else " (eager)"
+            for row in group:  # group[0]: DeiT III at this mode and batch
+                if "memory_mib" in row and "memory_mib" in group[0]:
+                    row["memory_ratio"] = row["memory_mib"] / group[0]["memory_mib"]
+                if on_row:
+                    on_row(row["model"], row, True)
             rows += group
-    if memory and device.type == "cpu":  # CPU memory is measured eagerly; copy it onto the compiled rows
-        eager = {(r["model"], r["batch"]): r for r in rows if r["mode"] == "eager"}
-        for r in rows:
-            source = eager.get((r["model"], r["batch"]))
-            if r["mode"] != "eager" and source and "memory_mib" in source:
-                r["memory_mib"], r["memory_method"] = source["memory_mib"], source["memory_method"] + " (eager)"
-    add_memory_ratios(rows)
     return {"rows": rows}
-
-
-def add_memory_ratios(rows: list[dict]) -> None:
-    """memory_ratio: each row's memory over DeiT III's at the same mode and batch, where both were measured."""
-    for r in rows:
-        ref = next(x for x in rows if x["model"] == "DeiT III" and x["mode"] == r["mode"] and x["batch"] == r["batch"])
-        if "memory_mib" in r and "memory_mib" in ref:
-            r["memory_ratio"] = r["memory_mib"] / ref["memory_mib"]
 
 
 def inference_call(run, images, device, mixed: bool = True):
@@ -553,9 +476,9 @@ def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int
 
 
 def train_models(size: str, compiled: bool = False) -> dict:
-    """label -> (preset, overrides, compiled). Elastic depth runs its step loop eagerly (revit.py), so where the
-    rows are compiled an eager fixed-depth row is added: against it, elastic depth's cost is the method's,
-    not the missing compilation's."""
+    """label -> (preset, overrides, compiled). Elastic depth runs its step loop eagerly (revit.py), so where
+    the rows are compiled an eager fixed-depth row is added: against it, elastic depth's cost is the
+    method's, not the missing compilation's."""
     rows = {"DeiT III": ("vit-" + size, {}, compiled), "reViT fixed": ("revit-" + size, {}, compiled),
             "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3}, compiled)}
     if compiled:
@@ -579,12 +502,11 @@ def forward_flops(name: str, overrides: dict) -> float:
     return fixed + (1.0 - drop) * (counted["total"] - fixed)
 
 
-def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repeats=5, iters=1,
-                peak=None, lr=1e-4, profile=False, labels=None, resolve=None, max_repeats=200,
-                backend="inductor", reference="DeiT III", on_row=None, model_args=None) -> dict:
-    """Training-step time of each row of train_models (labels: only these, with the reference), all in
-    this process, in interleaved rounds: the per-round ratio to the reference cancels load that drifts
-    between rounds (time_rows). model_args: config overrides of every model (bench.py check's tiny sizes)."""
+def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repeats=5, iters=1, peak=None,
+                labels=None, resolve=None, max_repeats=200, backend="inductor", reference="DeiT III",
+                on_row=None, model_args=None) -> dict:
+    """Training-step time of each row of train_models (labels: only these, with the reference), in
+    interleaved rounds (time_rows). model_args: config overrides of every model (the check's tiny sizes)."""
     device = torch.device(device)
     specs = {k: (name, {**overrides, **({} if name in alternet.PRESETS else model_args or {})}, compile_row)
              for k, (name, overrides, compile_row) in train_models(size, compiled).items()
@@ -594,12 +516,12 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
         name, overrides, compile_row = specs[label]
         torch.manual_seed(0)
         step = language_train_step if name in alternet.PRESETS else vision_train_step
-        model, fn, flops = step(name, overrides, batch, device, lr, compile_row, backend)
+        model, fn, flops = step(name, overrides, batch, device, compile_row, backend)
         return model, fn, {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
                            "compiled": compile_row, "forward_gflops_per_image": flops / 1e9,
                            "reference": reference}
     rows, times = time_rows(specs, build, batch, device, warmup, repeats, iters, "first_step_s", reference,
-                            on_row, "train step, " if profile else "", resolve, max_repeats)
+                            on_row, resolve, max_repeats)
     by_label = {r["model"]: r for r in rows}
     for r in rows if peak else ():
         r["mfu"] = 3 * r["forward_gflops_per_image"] * 1e9 * batch / (r["median_ms"] / 1e3) / peak
@@ -613,7 +535,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     return {"rows": rows}
 
 
-def vision_train_step(name, overrides, batch, device, lr, compiled, backend) -> tuple:
+def vision_train_step(name, overrides, batch, device, compiled, backend) -> tuple:
     """(model, one optimizer step, forward FLOPs per image) of a revit.py preset on random images."""
     model = moe.create_model(name, **overrides).to(device).train()
     c = model.config
@@ -624,10 +546,10 @@ def vision_train_step(name, overrides, batch, device, lr, compiled, backend) -> 
     def loss():
         out = run(images, return_states=True)
         return F.cross_entropy(out["logits"].float(), labels) + sum(out["aux_losses"].values())
-    return model, optimizer_step(model, loss, lr, device), forward_flops(name, overrides)
+    return model, optimizer_step(model, loss, device), forward_flops(name, overrides)
 
 
-def language_train_step(name, overrides, batch, device, lr, compiled, backend) -> tuple:
+def language_train_step(name, overrides, batch, device, compiled, backend) -> tuple:
     """(model, one optimizer step, forward FLOPs per window) of an alternet.py preset as train.py trains it
     (lib/language.py): `batch` random windows of seq_len tokens, random_length_fraction of them cut to random
     lengths (fixed here), the model's own loss."""
@@ -640,12 +562,12 @@ def language_train_step(name, overrides, batch, device, lr, compiled, backend) -
     loss = lambda: run(windows[:, :-1], targets=windows[:, 1:], lengths=lengths)["loss"]  # noqa: E731
     with FlopCounterMode(display=False) as counter:
         model(windows[:1, :-1], targets=windows[:1, 1:])
-    return model, optimizer_step(model, loss, lr, device), counter.get_total_flops()
+    return model, optimizer_step(model, loss, device), counter.get_total_flops()
 
 
-def optimizer_step(model, loss, lr, device):
+def optimizer_step(model, loss, device):
     """One optimizer step as train.py takes it (AdamW; reViT: task loss + the already-weighted aux losses)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
     step = [0]
 
     def call():
@@ -679,7 +601,8 @@ def latency_targets(rows: list[dict]) -> list[dict]:
                               abs(r["ratio"] - 1.0) <= noise))
         if name == "reViT dynamic" and r["batch"] == largest > 1:
             out.append(target(f"reViT dynamic <= 1.10x DeiT III ({tag})", r["ratio"], r["ratio"] <= 1.10))
-        if name == "reViT dynamic" and r["batch"] == 1 and "memory_ratio" in r and r["mode"] == rows[0]["mode"]:
+        first_mode = r["mode"] == rows[0]["mode"]
+        if name == "reViT dynamic" and r["batch"] == 1 and "memory_ratio" in r and first_mode:
             out.append(target("reViT dynamic memory <= 0.55x DeiT III (batch 1)", r["memory_ratio"],
                               r["memory_ratio"] <= 0.55))
     return out
@@ -690,12 +613,10 @@ def train_targets(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["model"] == "reViT fixed":
             out.append(target("train step reViT fixed <= 1.10x DeiT III", r["ratio"], r["ratio"] <= 1.10))
-        if r["model"] == "reViT elastic 0.3" and "ratio_vs_fixed" in r:
-            ratio = r["ratio_vs_fixed"]["ratio"]
-            out.append(target("train step elastic 0.3 <= fixed depth", ratio, ratio <= 1.0))
-        if r["model"] == "reViT elastic 0.3" and "ratio_vs_fixed_eager" in r:  # its step loop is eager
-            ratio = r["ratio_vs_fixed_eager"]["ratio"]
-            out.append(target("train step elastic 0.3 <= fixed depth, eager", ratio, ratio <= 1.0))
+        for key, how in (("ratio_vs_fixed", ""), ("ratio_vs_fixed_eager", ", eager")):  # its loop is eager
+            if r["model"] == "reViT elastic 0.3" and key in r:
+                ratio = r[key]["ratio"]
+                out.append(target(f"train step elastic 0.3 <= fixed depth{how}", ratio, ratio <= 1.0))
     return out
 
 
@@ -711,29 +632,23 @@ def params_markdown(result: dict) -> str:
     out = ["## Parameters and GFLOPs/image, 224², 1000 classes, batch 1 (paper Table 1)\n", markdown(
         [r for r in rows if r["table"] == "1"], [
             ("model", f("model", "{}")), ("params (M)", f("params_m")), ("paper", f("paper_params_m", "{}")),
-            ("GFLOPs T=197", f("gflops")), ("GFLOPs T=198", f("gflops_t198")), ("paper", f("paper_gflops", "{}")),
-            ("folded", f("gflops_folded")), ("flop_counter linear+merge", f("counter_linear_gflops", "{:.3f}")),
+            ("GFLOPs T=197", f("gflops")), ("GFLOPs T=198", f("gflops_t198")),
+            ("paper", f("paper_gflops", "{}")), ("folded", f("gflops_folded")),
+            ("flop_counter linear+merge", f("counter_linear_gflops", "{:.3f}")),
             ("+ attention", f("counter_attention_gflops", "{:.3f}")), ("+ router + other (MFLOPs)",
              lambda r: f"{r['counter_router_flops'] / 1e6:.3f} + {r['counter_other_flops'] / 1e6:.1f}"),
             ("= flop_counter total", f("counter_gflops", "{:.3f}"))])]
     out += ["\n## Depth-specific parameterizations at S/16 (paper Table 10), GFLOPs with T=198\n", markdown(
         [r for r in rows if r["table"] == "10"], [
-            ("model", f("model", "{}")), ("compact params (M)", f("params_m")), ("paper", f("paper_params_m", "{}")),
-            ("GFLOPs online / folded", lambda r: f"{r['gflops_online_t198']:.2f} / {r['gflops_folded_t198']:.2f}"),
+            ("model", f("model", "{}")), ("compact params (M)", f("params_m")),
+            ("paper", f("paper_params_m", "{}")),
+            ("GFLOPs online / folded",
+             lambda r: f"{r['gflops_online_t198']:.2f} / {r['gflops_folded_t198']:.2f}"),
             ("paper", lambda r: f"{r['paper_gflops_online']} / {r['paper_gflops_folded']}")])]
     lora = next(r for r in rows if r["name"] == "lora-s")
-    out.append(f"\nLoRA-S: shared model {lora['lora_shared_m']:.2f}M + adapters {lora['lora_adapters_m']:.2f}M "
-               f"(paper 2.53M + 4.72M; the module's count: {lora['params_m']:.2f}M).")
-    moe = [r for r in rows if r["table"] == "MoE U=1"]
-    if moe:
-        out += ["\n## Expert mechanisms at U = 1, S/16 (paper §4.3, App. B): real cost against nominal U\n",
-                markdown(moe, [("preset", f("name", "{}")), ("params (M)", f("params_m")),
-                               ("flop_counter GFLOPs", f("counter_gflops", "{:.3f}")),
-                               ("attention", f("counter_attention_gflops", "{:.3f}")),
-                               ("measured U", f("measured_u", "{:.3f}")),
-                               ("module's nominal U", f("nominal_u", "{:.3f}"))])]
-    out.append(COUNTING_NOTE)
-    return "\n".join(out)
+    out.append(f"\nLoRA-S: shared model {lora['lora_shared_m']:.2f}M + adapters {lora['lora_adapters_m']:.2f}"
+               f"M (paper 2.53M + 4.72M; the module's count: {lora['params_m']:.2f}M).")
+    return "\n".join(out + [COUNTING_NOTE])
 
 
 COUNTING_NOTE = (
@@ -766,15 +681,14 @@ NOTES = {
                "latency).",
     "train": "vs: the median per-round ratio ± the half-width of its 95% bootstrap interval. MFU = 3 x "
              "forward FLOPs (flop_counter: linear, attention, merge, aux; elastic: recurrent part x 0.7) x "
-             "img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the table (a CPU's).",
-    "tests": "", "run": ""}
+             "img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the table (a CPU's)."}
 
 
 def latency_markdown(result: dict) -> str:
     table = markdown(result["rows"], [("model", f("model", "{}")), ("mode", f("mode", "{}")),
                                       ("batch", f("batch", "{}"))] + LATENCY_COLUMNS)
-    settings = result["settings"]["summary"]
-    text = f"## Inference latency and memory ({settings})\n\n{table}\n\n{NOTES['latency']}"
+    text = f"## Inference latency and memory ({result['settings']['summary']})\n\n{table}"
+    text += f"\n\n{NOTES['latency']}"
     return text + recompiled_note(result["rows"]) + targets_markdown(result.get("targets", []))
 
 
@@ -785,16 +699,15 @@ def train_markdown(result: dict) -> str:
                       ("ratio_vs_fixed_eager", "elastic 0.3 vs fixed depth run eagerly (as elastic's loop)"),
                       ("ratio_vs_eager", "AlterNet compiled vs eager")):
         text += "".join(f"\n\n{what}: {ratio_text(r[key])}" for r in result["rows"] if key in r)
-    fixed = next((r for r in result["rows"] if r["model"] == "reViT fixed"), None)
-    if fixed:
-        text += (f"\n\nreViT fixed / DeiT III: {ratio_text(fixed)}: median of {fixed['repeats']} paired rounds, 95% "
-                 f"bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
+    for fixed in (r for r in result["rows"] if r["model"] == "reViT fixed"):
+        text += (f"\n\nreViT fixed / DeiT III: {ratio_text(fixed)}: median of {fixed['repeats']} paired "
+                 f"rounds, 95% bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
                  f"{fixed['repeats_needed']} rounds at this spread.")
     return f"{text}\n\n{NOTES['train']}" + targets_markdown(result.get("targets", []))
 
 
 def ratio_text(r: dict) -> str:
-    """'1.062 ± 0.021 (1.041–1.083)': the median per-round ratio, the half-width of its 95% interval, the interval."""
+    """'1.062 ± 0.021 (1.041–1.083)': the median per-round ratio ± half its 95% interval; the interval."""
     low, high = r["ratio_ci95"]
     return f"{r['ratio']:.3f} ± {r['ratio_pm']:.3f} ({low:.3f}–{high:.3f})"
 
@@ -802,7 +715,9 @@ def ratio_text(r: dict) -> str:
 def recompiled_note(rows) -> str:
     flagged = [f"{r['model']} ({r.get('mode', 'train')}, batch {r['batch']})" for r in rows
                if r.get("recompiled_while_timed")]
-    return ("\ntorch.compile built new graphs inside timed regions of: " + ", ".join(flagged) + ".") if flagged else ""
+    if not flagged:
+        return ""
+    return f"\ntorch.compile built new graphs inside timed regions of: {', '.join(flagged)}."
 
 
 def targets_markdown(targets: list[dict]) -> str:
@@ -829,7 +744,7 @@ CHECK_SIZES = {
         backend="inductor", batches=(1, 64),
         latency=dict(size="s", warmup=5, repeats=10, iters=10, dtype="bfloat16"),
         train=dict(size="s", batch=128, warmup=3, repeats=8, iters=3),
-        run=["--arch", "revit-s", "--max-steps", "100", "--log-interval", "10"]),  # eager (rows above compile)
+        run=["--arch", "revit-s", "--max-steps", "100", "--log-interval", "10"]),  # eager
     "tiny": dict(
         backend="eager", batches=(1, 4),
         latency=dict(size="mini", warmup=1, repeats=3, iters=2, dtype="float32", model_args=TINY_MODELS),
@@ -902,9 +817,8 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
 
 
 def part_env(device, data_dir: str) -> dict:
-    """The parts' environment: unbuffered output (rows as they come), the GPU tests on (conftest.py hides the
-    GPUs otherwise), the data folder for the tests' fixture, lines wide enough for pytest's skip reasons; a
-    calling pytest's options stay its own."""
+    """Rows as they come (unbuffered), the GPU tests on (conftest.py hides the GPUs otherwise), the data for
+    the tests' fixture, lines wide enough for pytest's skip reasons; not the caller's PYTEST_ADDOPTS."""
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env.update(PYTHONUNBUFFERED="1", REVIT_GPU_TESTS="1" if device.type == "cuda" else "0", COLUMNS="400")
     if device.type == "cuda" and device.index is not None:
@@ -939,14 +853,15 @@ def check_part(key: str, device, sizes: dict) -> dict:
         if kind == "latency":  # memory: CUDA's is always measured; a CPU's by bench.py latency, eagerly
             weights = "bf16" if sizes["latency"]["dtype"] == "bfloat16" else "fp32"
             tf32 = ", TF32 on" if device.type == "cuda" else ""
+            on_row = row_emitter(f"{weights} weights and images{tf32}", compiled)
             bench_latency(batches=(int(batch),), modes=("compiled",), memory=False, device=device,
-                          backend=sizes["backend"], on_row=row_emitter(f"{weights} weights and images{tf32}",
-                                                                       compiled), **sizes["latency"])
+                          backend=sizes["backend"], on_row=on_row, **sizes["latency"])
         else:
             labels = ["DeiT III", "reViT fixed"] if kind == "train-step" else list(ELASTIC_ROWS)
-            bench_train(compiled=True, labels=labels, reference=labels[0], peak=peak_flops(device),
-                        device=device, backend=sizes["backend"], **sizes["train"],
-                        on_row=row_emitter(step_precision(device), compiled))
+            peak = peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+            bench_train(compiled=True, labels=labels, reference=labels[0], peak=peak, device=device,
+                        backend=sizes["backend"], on_row=row_emitter(step_precision(device), compiled),
+                        **sizes["train"])
     except Exception as e:  # noqa: BLE001 - the traceback to the log, its first line to the report
         traceback.print_exc(file=sys.stdout)
         raise SystemExit(f"error: {first_informative_line(e)}") from None
@@ -962,7 +877,8 @@ def first_informative_line(error: BaseException) -> str:
     """'Type: line' with the first line of the message that is neither one of torch's hints (TORCH_HINTS)
     nor a heading such as dynamo's "backend='inductor' raised:"."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    useful = [line for line in lines if not any(h in line for h in TORCH_HINTS) and not line.endswith("raised:")]
+    useful = [line for line in lines
+              if not line.endswith("raised:") and not any(hint in line for hint in TORCH_HINTS)]
     return f"{type(error).__name__}: {(useful or lines or [''])[0]}"
 
 
@@ -1043,7 +959,7 @@ def check_markdown(doc: dict) -> str:
            environment_line(env), f"\nReport {state}; {verdict}.\n"]
     for part, kind in kinds.items():
         rows = [r for r in doc["rows"] if r["part"] == part]
-        note = [f"\n{NOTES[kind]}"] if NOTES[kind] else []
+        note = [f"\n{NOTES[kind]}"] if kind in NOTES else []
         out += [f"## {part}\n", markdown(rows, CHECK_COLUMNS[kind]), *note, ""]
     if doc["sizes"] == "full":  # ours, against the paper's Table 7, on the rows that finished
         done = [r for r in doc["rows"] if r["status"] == "ok"]
@@ -1086,51 +1002,78 @@ def check_row_line(r: dict) -> str:
     detail = [r["detail"]] if r.get("detail") and r["status"] != "ok" else []
     return " | ".join([r["part"], r["row"], r["status"], *shown, *detail])
 
+
 # --- command line ---
 
-CPU_DEFAULTS = {"latency": dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1, dtype="float32"),
-                "train": dict(batch=8, compile=False, warmup=1, repeats=10, iters=1, resolve=0.03, max_repeats=60)}
-QUICK_DEFAULTS = {"train": dict(batch=4, compile=False, warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=6)}
-CUDA_DEFAULTS = {"latency": dict(batches="1,64", modes="compiled,reduce-overhead", warmup=10, repeats=30, iters=20,
-                                 dtype="bfloat16"),
-                 "train": dict(batch=128, compile=True, warmup=5, repeats=20, iters=5, resolve=0.03, max_repeats=200)}
+PROG = "bench.py"
+DEFAULTS = {  # (command, on CUDA) -> what unset flags become: Table 7's sizes on CUDA, smaller on a CPU
+    ("latency", False): dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1),
+    ("latency", True): dict(batches="1,64", modes="compiled,reduce-overhead", warmup=10, repeats=30,
+                            iters=20),
+    ("train", False): dict(batch=8, compile=False, warmup=1, repeats=10, iters=1, resolve=0.03,
+                           max_repeats=60),
+    ("train", True): dict(batch=128, compile=True, warmup=5, repeats=20, iters=5, resolve=0.03,
+                          max_repeats=200),
+}
+QUICK = dict(batch=4, compile=False, warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=6)
+MODES = ("eager", "compiled", "reduce-overhead")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("params", help="parameters and GFLOPs/image at S/B/L (paper Tables 1 and 10)")
-    p.add_argument("--out", help="also write the JSON results to this file")
-    p.add_argument("--sizes", default="s,b,l", help="comma-separated model sizes (s, b, l)")
-    p.add_argument("--no-counter", action="store_true", help="skip the flop_counter cross-check")
-    for name, text in [("latency", "inference latency and memory, DeiT III vs reViT dynamic/cached/folded"),
-                       ("train", "training-step throughput and MFU")]:
+
+    def command(name, text, out="also write the JSON results to this file", device=True):
         p = sub.add_parser(name, help=text)
-        device_flags(p)
-        p.add_argument("--out", help="also write the JSON results to this file")
+        if device:
+            device_flags(p)
+        if out:
+            p.add_argument("--out", help=out)
+        return p
+    params = command("params", "parameters and GFLOPs/image at S/B/L (paper Tables 1 and 10)", device=False)
+    params.add_argument("--no-counter", action="store_true", help="skip the flop_counter cross-check")
+    lat = command("latency", "inference latency and memory, DeiT III vs reViT dynamic/cached/folded")
+    tr = command("train", "training-step throughput and MFU")
+    for name, p in (("latency", lat), ("train", tr)):
         p.add_argument("--size", default="s", choices=["s", "b", "l", "mini", "mini32"],
                        help="model size of the presets (vit-SIZE, revit-SIZE); s = ViT-S/16 at 224²")
-        timing_flags(p, "CPU 2/1, CUDA 10/5 for latency/train", "CPU 7/5, CUDA 30/20", "CPU 1, CUDA 20/5")
-        p.add_argument("--profile", action="store_true", help="also print a torch.profiler op table per row")
-    lat, tr = sub.choices["latency"], sub.choices["train"]
+        cpu, cuda = DEFAULTS[name, False], DEFAULTS[name, True]
+        timing_flags(p, *(f"CPU {cpu[key]}, CUDA {cuda[key]}" for key in ("warmup", "repeats", "iters")))
     lat.add_argument("--batches", help="comma-separated batch sizes (CPU 1,8; CUDA 1,64 as in Table 7)")
-    lat.add_argument("--modes", help="comma-separated: eager, compiled, reduce-overhead (CUDA graphs, CUDA only); "
-                                     "CPU eager,compiled; CUDA compiled,reduce-overhead")
-    lat.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and images, cast once before timing "
-                                                                     "(CPU float32; CUDA bfloat16)")
-    lat.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    lat.add_argument("--modes", help="comma-separated of eager, compiled, reduce-overhead (CUDA graphs) "
+                                     "(CPU eager,compiled; CUDA compiled,reduce-overhead)")
     tr.add_argument("--batch", type=int, help="batch size (CPU 8, CUDA 128)")
     tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (CUDA default on, CPU off)")
     tr.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: table for known GPUs)")
-    tr.add_argument("--resolve", type=float, help="repeat paired rounds until reViT fixed / DeiT III is known to "
-                                                  "+- this (95%% bootstrap interval; default 0.03; 0: --repeats only)")
-    tr.add_argument("--max-repeats", type=int, help="at most this many paired rounds (default CPU 60, CUDA 200)")
-    tr.add_argument("--rows", help="comma-separated rows to time (default all; DeiT III always), e.g. 'reViT fixed'")
-    tr.add_argument("--quick", action="store_true", help="a smoke run in seconds: mini size, batch 4, few rounds")
-    add_check_parser(sub)
-    add_memory_parser(sub)
+    tr.add_argument("--resolve", type=float, help="add paired rounds until reViT fixed / DeiT III is known "
+                                                  "to +- this (95%% interval; default 0.03; 0: --repeats)")
+    tr.add_argument("--max-repeats", type=int, help="at most this many paired rounds (CPU 60, CUDA 200)")
+    tr.add_argument("--rows", help="comma-separated rows to time (default all; DeiT III always)")
+    tr.add_argument("--quick", action="store_true", help="seconds: mini size, batch 4, few rounds")
+    check = command("check", "the first minutes on a GPU within a time budget: Table 7 latency and memory, "
+                             "training step, correctness, a short train.py run; rows written as they finish",
+                    out="folder for check.md, check.json and check.log (default: out/check-TIME), new")
+    check.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check (default "
+                       "420); parts run most important first, each its share")
+    check.add_argument("--data-dir", default="", help="where Fashion-MNIST is (default: train.py's search)")
+    check.add_argument("--quick", action="store_true", help="tiny sizes on any device (always on a CPU)")
+    check.add_argument("--part", help="run one part in this process (what the check's processes run): "
+                                      "latency:BATCH, train-step or elastic")
+    mem = command("memory", "expected peak memory per GPU of a preset x recipe x batch x GPUs, measured at "
+                            "reduced sizes on this machine (lib/memory.py)", out=None)
+    mem.add_argument("--arch", required=True, help="a preset of revit.py or alternet.py")
+    mem.add_argument("--recipe", help="train.py's --recipe (default: alternet.RECIPES, Table 2; imagenet, "
+                                      "Table 6)")
+    mem.add_argument("--batch-size", type=int, help="global batch per optimizer step (default: the recipe's)")
+    mem.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default: the fewest "
+                                                    "that fit)")
+    mem.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP)")
+    mem.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
+    mem.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's)")
+    mem.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                     help="the run's autocast (train.py's auto: bf16 where the GPU has it, else fp16)")
     return parser
 
 
@@ -1145,161 +1088,108 @@ def timing_flags(p, warmup: str, repeats: str, iters: str):
     p.add_argument("--iters", type=int, help=f"calls per timed region ({iters})")
 
 
-def add_check_parser(sub):
-    p = sub.add_parser("check", help="the first minutes on a GPU within a time budget: Table 7 latency and memory, "
-                                     "training step, correctness, a short train.py run; rows written as they finish")
-    device_flags(p)
-    p.add_argument("--budget", type=float, default=420.0,
-                   help="seconds for the whole check (default 420); parts run most important first, each its share")
-    p.add_argument("--data-dir", default="", help="where Fashion-MNIST is, for the train.py run and the GPU tests "
-                                                  "that need it (default: train.py's search: ./data, ...)")
-    p.add_argument("--out", help="folder for check.md, check.json and check.log (default: out/check-TIME); "
-                                 "one that already holds any of them is refused")
-    p.add_argument("--quick", action="store_true", help="tiny sizes on any device (always on a CPU: seconds)")
-    p.add_argument("--part", help="run one part of the plan in this process and print its rows (what each of the "
-                                  "check's processes runs): latency:BATCH, train-step or elastic")
-
-
-def add_memory_parser(sub):
-    p = sub.add_parser("memory", help="expected peak memory per GPU of a preset x recipe x batch x accumulation x "
-                                      "GPUs, measured at reduced sizes on this machine (lib/memory.py)")
-    device_flags(p)
-    p.add_argument("--arch", required=True, help="a preset of revit.py or alternet.py")
-    p.add_argument("--recipe", help="train.py's --recipe (default: the preset's: Table 2 for AlterNet through "
-                                    "alternet.RECIPES, imagenet = Table 6 for a vision preset)")
-    p.add_argument("--batch-size", type=int, help="global batch per optimizer step (default: the recipe's)")
-    p.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default: the fewest that fit, as "
-                                                  "train.py picks)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP: each holds the model and "
-                                                       "1/gpus of the batch)")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
-    p.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's block size)")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                   help="the run's autocast (train.py's auto: bf16 where the GPU has it, else fp16)")
-
-
-def resolve(args, device) -> dict:
-    """Fill unset flags with the device's defaults; say which were defaults."""
-    defaults = (CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).get(args.command, {})
-    if getattr(args, "quick", False) and args.command in QUICK_DEFAULTS:
-        args.size = "mini"
-        defaults = {**defaults, **QUICK_DEFAULTS[args.command]}
-    used = {}
-    for key, value in defaults.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-            used[key] = value
-    return used
-
-
-LIST_FLAGS = {  # comma-separated flags: name -> (parse one item, what is allowed); parsed into a tuple
-    "batches": (lambda t: int(t) if re.fullmatch(r"\s*\d{1,6}\s*", t) and RANGES["batch"][0](int(t))
-                else None,
-                f"comma-separated integers {RANGES['batch'][1]}, e.g. 1,8"),
-    "modes": (lambda t: t.strip() if t.strip() in ("eager", "compiled", "reduce-overhead") else None,
-              "comma-separated of eager, compiled, reduce-overhead (CUDA graphs; CUDA only)"),
-    "sizes": (lambda t: t.strip() if t.strip() in ("s", "b", "l") else None, "comma-separated of s, b, l"),
-}
-
-
-def check_flags(args, device) -> None:
-    """The one validation of flags every subcommand shares, before anything is built, loaded or written:
-    ranges (lib/boundary.RANGES), comma-separated lists (parsed in place) and the output path."""
-    check_numbers(vars(args), "bench.py")
-    for name, (item, allowed) in LIST_FLAGS.items():
-        text = getattr(args, name, None)
-        if isinstance(text, str):
-            items = tuple(item(t) for t in text.split(","))
-            if not items or None in items:
-                raise InputError(f"--{name} must be {allowed}; got {text[:80]!r}")
-            setattr(args, name, items)
+def check_flags(args, device) -> dict:
+    """Every subcommand's flags, before any work: defaults for the unset ones (returned), then ranges
+    (lib/boundary.RANGES), comma-separated lists (parsed in place) and the output path."""
+    defaults = {k: v for k, v in DEFAULTS.get((args.command, device.type == "cuda"), {}).items()
+                if getattr(args, k) is None}
+    if args.command == "train" and args.quick:  # mini size, and QUICK's values for the flags not given
+        defaults.update({k: v for k, v in QUICK.items() if getattr(args, k) is None}, size="mini")
+    vars(args).update(defaults)
+    check_numbers(vars(args), PROG)
+    (batch_ok, batch_range), number = RANGES["batch"], re.compile(r"\d{1,6}")
+    comma_list(args, "batches", lambda t: int(t) if number.fullmatch(t) and batch_ok(int(t)) else None,
+               f"be comma-separated integers {batch_range}, e.g. 1,8")
+    comma_list(args, "modes", lambda t: t if t in MODES else None,
+               "be comma-separated of " + ", ".join(MODES))
+    if args.command == "train":
+        known = train_models(args.size, args.compile)
+        comma_list(args, "rows", lambda t: t if t in known else None, "name some of " + ", ".join(known))
     if "reduce-overhead" in (getattr(args, "modes", None) or ()) and device.type != "cuda":
-        raise InputError("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)")
+        fail("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)",
+             PROG)
     if getattr(args, "part", None) and not re.fullmatch(r"latency:\d{1,5}|train-step|elastic", args.part):
-        raise InputError(f"--part must be latency:BATCH, train-step or elastic; got {args.part!r}")
-    if args.command == "check" and not args.part and not args.out:  # the default is checked like a given one
+        fail(f"--part must be latency:BATCH, train-step or elastic; got {args.part!r}", PROG)
+    check = args.command == "check"
+    if check and not args.part and not args.out:  # the default is checked like a given one
         args.out = f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
-    out, check = getattr(args, "out", None), args.command == "check"
+    out = getattr(args, "out", None)
+    # only new files, or a command's own: another check's report, a run's files and a model stay as they are
     held = [name for name in CHECK_FILES if out and check and os.path.lexists(os.path.join(out, name))]
-    if held:  # a check writes only files it creates: another run's report stays as it is
-        raise InputError(f"--out {out} already holds {held[0]} (another check's report); choose another --out")
-    if out and output_problem(out, "folder" if check else "file"):  # also a run's folder or files, a model
-        raise InputError(f"--out {out} {output_problem(out, 'folder' if check else 'file')}")
+    problem = (f"already holds {held[0]} (another check's report); choose another --out" if held
+               else out and output_problem(out, "folder" if check else "file"))
+    if problem:
+        fail(f"--out {out} {problem}", PROG)
+    return defaults
+
+
+def comma_list(args, name: str, item, allowed: str) -> None:
+    """--NAME 'a,b' -> a tuple of item(each), in place; one line saying what is allowed if any is None."""
+    text = getattr(args, name, None)
+    if isinstance(text, str):
+        items = tuple(item(t.strip()) for t in text.split(","))
+        if None in items:
+            fail(f"--{name} must {allowed}; got {text[:80]!r}", PROG)
+        setattr(args, name, items)
 
 
 def run_params(args, device) -> dict:
-    result = {"command": "params", **bench_params(args.sizes, with_counter=not args.no_counter),
+    result = {"command": "params", **bench_params(with_counter=not args.no_counter),
               "env": environment(torch.device("cpu"))}
     print(params_markdown(result))
     return result
 
 
 def run_latency(args, device) -> dict:
-    batches, modes = args.batches, args.modes
-    settings = {"size": args.size, "batches": batches, "modes": modes, "warmup": args.warmup,
-                "repeats": args.repeats, "iters": args.iters, "precision": f"{args.dtype} weights"}
-    settings["summary"] = (f"{args.size.upper()}, {args.dtype} weights, batches {list(batches)}, {'/'.join(modes)}, "
-                           f"warm-up {args.warmup}, {args.repeats} repeats x {args.iters} calls")
+    dtype = "bfloat16" if device.type == "cuda" else "float32"  # CUDA: cast once, no per-call autocast
+    settings = {"size": args.size, "batches": args.batches, "modes": args.modes, "warmup": args.warmup,
+                "repeats": args.repeats, "iters": args.iters, "precision": f"{dtype} weights",
+                "summary": f"{args.size.upper()}, {dtype} weights, batches {list(args.batches)}, "
+                           f"{'/'.join(args.modes)}, warm-up {args.warmup}, {args.repeats} repeats x "
+                           f"{args.iters} calls"}
     result = {"command": "latency", "settings": settings,
-              **bench_latency(args.size, batches, modes, device, args.warmup, args.repeats, args.iters,
-                              memory=not args.no_memory, profile=args.profile, dtype=args.dtype)}
+              **bench_latency(args.size, args.batches, args.modes, device, args.warmup, args.repeats,
+                              args.iters, dtype=dtype)}
     result["targets"] = latency_targets(result["rows"]) if args.size == "s" else []
     print(latency_markdown(result))
     return result
 
 
 def run_train(args, device) -> dict:
-    """The training-step protocol: every row in this process, a fixed thread count, warm-up, interleaved
-    paired rounds, repeated until reViT fixed / DeiT III is resolved to +- --resolve (or --max-repeats)."""
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device)
-    labels = parse_rows(args.rows, args.size, args.compile)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads)  # fixed for the whole run, and recorded
-    precision = "bf16 autocast" if device.type == "cuda" else "fp32"
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (
+        peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
+    labels = ["DeiT III", *(r for r in args.rows if r != "DeiT III")] if args.rows else None
+    precision, threads = ("bf16 autocast" if device.type == "cuda" else "fp32"), torch.get_num_threads()
     settings = {"size": args.size, "batch": args.batch, "compiled": args.compile, "warmup": args.warmup,
                 "repeats": args.repeats, "iters": args.iters, "precision": precision, "peak_flops": peak,
                 "token_dispatch_presets": token_dispatch_presets(args.size), "resolve": args.resolve,
-                "max_repeats": args.max_repeats, "threads": threads, "rows": labels}
-    settings["summary"] = (f"{args.size.upper()}, {precision}, batch {args.batch}, "
+                "max_repeats": args.max_repeats, "threads": threads, "rows": labels,
+                "summary": f"{args.size.upper()}, {precision}, batch {args.batch}, "
                            f"{'compiled' if args.compile else 'eager'}, AdamW, {threads} threads, warm-up "
-                           f"{args.warmup}, {args.repeats} to {max(args.repeats, args.max_repeats)} paired rounds "
-                           f"x {args.iters} steps until +-{args.resolve}")
+                           f"{args.warmup}, {args.repeats} to {max(args.repeats, args.max_repeats)} paired "
+                           f"rounds x {args.iters} steps until +-{args.resolve}"}
     result = {"command": "train", "settings": settings,
-              **bench_train(args.size, args.batch, device, args.compile, args.warmup, args.repeats, args.iters,
-                            peak, profile=args.profile, labels=labels, resolve=args.resolve,
-                            max_repeats=args.max_repeats)}
+              **bench_train(args.size, args.batch, device, args.compile, args.warmup, args.repeats,
+                            args.iters, peak, labels, args.resolve, args.max_repeats)}
     result["targets"] = train_targets(result["rows"]) if args.size == "s" else []
     print(train_markdown(result))
     return result
 
 
-def parse_rows(text: str | None, size: str, compiled: bool) -> list[str] | None:
-    """--rows: some of train_models' labels (DeiT III always, as every ratio's reference)."""
-    if not text:
-        return None
-    known = train_models(size, compiled)
-    rows = [r.strip() for r in text.split(",") if r.strip()]
-    if not rows or any(r not in known for r in rows):
-        raise InputError(f"--rows must name some of {', '.join(known)}; got {text!r}")
-    return ["DeiT III"] + [r for r in rows if r != "DeiT III"]
-
-
 def run_memory(args, device) -> dict:
     """The estimate of lib/memory.py for a GPU run under bf16 (or --precision) autocast, as train.py's."""
     language = args.arch in alternet.PRESETS
-    if not language and args.arch not in moe.PRESETS:
-        raise InputError(f"--arch {args.arch!r}: not a preset of revit.py or alternet.py")
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
-    cfg = train.resolve_config(explicit, announce=False)
+    cfg = train.resolve_config(explicit, announce=False)  # an unknown --arch: one line, with suggestions
     with torch.device("meta"):
         model = (alternet if language else moe).create_model(args.arch)
     batch = args.batch_size or cfg.batch_size
     seq_len = (args.seq_len or cfg.block_size or model.config.seq_len) if language else None
     if language and seq_len > model.config.seq_len:
-        raise InputError(f"--seq-len {seq_len} exceeds {args.arch}'s seq_len {model.config.seq_len}")
+        fail(f"--seq-len {seq_len} exceeds {args.arch}'s seq_len {model.config.seq_len}", PROG)
     if batch % (args.gpus * (args.grad_accum or 1)):
-        raise InputError(f"--batch-size {batch} must be divisible by --gpus x --grad-accum")
+        fail(f"--batch-size {batch} must be divisible by --gpus x --grad-accum", PROG)
     profile = memory.measure(model.config, device, PRECISIONS[args.precision], seq_len)
     recipe = args.recipe or train.RECIPE_OF.get(cfg.dataset, "")
     recipe += " + alternet.RECIPES (Table 2)" if args.arch in getattr(alternet, "RECIPES", {}) else ""
@@ -1309,16 +1199,17 @@ def run_memory(args, device) -> dict:
         estimate, how_to_fit = memory.plan(model, profile, batch, seq_len, args.gpus, args.gpu_memory,
                                            args.grad_accum), None
     except ValueError as e:
-        estimate, how_to_fit = memory.estimate(model, profile, batch, seq_len, args.gpus, args.grad_accum or 1), str(e)
-    fits = how_to_fit is None
+        estimate = memory.estimate(model, profile, batch, seq_len, args.gpus, args.grad_accum or 1)
+        how_to_fit = str(e)
     rows = [("weights", estimate.weights), ("gradients", estimate.grads), ("AdamW state", estimate.optimizer),
             ("activations", estimate.activations), ("loss", estimate.loss), ("total", estimate.total)]
     print(f"{args.arch}: {estimate.line()}\n\n| per device | GB |\n|---|---|")
     print("\n".join(f"| {name} | {value / memory.GB:.2f} |" for name, value in rows))
-    print(f"\nfits {memory.USABLE:.0%} of {args.gpu_memory:g} GB: {'yes' if fits else 'no -- ' + how_to_fit}")
+    print(f"\nfits {memory.USABLE:.0%} of {args.gpu_memory:g} GB: "
+          f"{'no -- ' + how_to_fit if how_to_fit else 'yes'}")
     return {"command": "memory", "settings": settings, "grad_accum": estimate.grad_accum,
             "micro_batch": estimate.micro_batch, "precision": estimate.precision,
-            "bytes": {name: value for name, value in rows}, "fits": fits, "how_to_fit": how_to_fit}
+            "bytes": dict(rows), "fits": how_to_fit is None, "how_to_fit": how_to_fit}
 
 
 COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "check": run_check,
@@ -1326,29 +1217,22 @@ COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "c
 
 
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         device = pick_device(getattr(args, "device", "cpu"))
-    except ValueError as e:  # --device: one line, as below
-        fail(str(e), "bench.py")
-    try:
-        if device.type == "cuda":  # TF32 for float32 parts outside autocast (test_device.py's TestOnDevice turns it off)
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        defaults = resolve(args, device)
-        check_flags(args, device)
-        if getattr(args, "threads", None):
-            torch.set_num_threads(args.threads)
-        result = COMMANDS[args.command](args, device)
-    except InputError as e:  # the user's input: one line, as argparse reports its own errors
-        fail(str(e), "bench.py")
+    except ValueError as e:  # --device: one line, as argparse reports its own errors
+        fail(str(e), PROG)
+    defaults = check_flags(args, device)
+    if device.type == "cuda":  # TF32 for float32 parts outside autocast (test_device.py's TestOnDevice: off)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    result = COMMANDS[args.command](args, device)
     if args.command in ("latency", "train"):
-        env = result["env"] = environment(device)
-        result["settings"]["defaults_used"] = defaults
+        result["env"], result["settings"]["defaults_used"] = environment(device), defaults
         if device.type == "cpu":
-            print(f"\nCPU-sized defaults used: {defaults} (CUDA defaults: {CUDA_DEFAULTS[args.command]}).\n"
-                  "GPU numbers: run the same command on a CUDA machine (bf16 autocast + torch.compile).")
-        print("\n" + environment_line(env))
+            print(f"\nCPU-sized defaults used: {defaults}; GPU numbers: the same command on a CUDA machine.")
+        print("\n" + environment_line(result["env"]))
     if args.command in ("params", "latency", "train") and args.out:
         write_json(result, args.out)
     print(json_text(result))
@@ -1356,4 +1240,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if run_main(main, "every report it writes is written whole or not at all").get("ok", True) else 1)
+    result = run_main(main, "every report it writes is written whole or not at all")
+    sys.exit(0 if result.get("ok", True) else 1)

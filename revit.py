@@ -15,10 +15,9 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; what every FFN of the shared block
-provides) -> `MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTBase` -> `ReViT`
-(`forward`: Eq. 3 with FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache that `forward` uses at
-inference, the fp32 regions, Table 1's baselines, `ViTConfig`, `PRESETS`, `create_model` and the checks.
+Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; the FFN interface) -> `MergedExpertFFN`
+(`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTBase` -> `ReViT` (`forward`: Eq. 3 with FFN_t;
+`elastic_steps`, §3.2) -> `fold`. Then the merge cache, the fp32 regions, Table 1's baselines, the config.
 """
 
 from __future__ import annotations
@@ -53,7 +52,8 @@ class Attention(nn.Module):
         return self.proj(self.attend(self.qkv(x)))
 
 class Mlp(nn.Module):
-    """The dense FFN of a ViT block: fc2(GELU(fc1(u)))."""
+    """The dense FFN of a ViT block: fc2(GELU(fc1(u))). As reViT's FFN with E = 1 (the plain tied,
+    ALBERT-style block) it has no router: FFN_t is this one Mlp at every step."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -63,18 +63,24 @@ class Mlp(nn.Module):
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(u)))
 
+    def ffn_at(self, s: torch.Tensor) -> Mlp:
+        return self
+
+    per_image_ffn = ffn_at  # the same FFN at every coordinate
+
+    def aux_losses(self, depth: int) -> dict:
+        return {}
+
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
-        """The Mlp weights of each of `depth` steps (fold): its own at every step."""
-        return [self.state_dict()] * depth
+        return [self.state_dict()] * depth  # the weights of each step (fold): its own at every step
 
 # --- the plain ViT block (Eq. 3) ---
 
 class Block(nn.Module):
     """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)), with optional
     LayerScale (DeiT III, with the baselines below) and per-sample drop-path on both branches.
-
     The FFN interface: forward(x, ffn) runs `ffn`, tokens (b, T, d) -> tokens, default `mlp`, which holds
-    the FFN's parameters (timm's names: mlp.fc1.weight, ...). reViT's (MergedExpertFFN; E = 1: TiedFFN)
+    the FFN's parameters (timm's names: mlp.fc1.weight, ...). reViT's (MergedExpertFFN; E = 1: Mlp)
     provides ffn_at(s), FFN_t at one depth coordinate s (1,) (Eqs. 1-2); per_image_ffn(coords), a step's
     FFN for images at coordinates (b,) (§3.2); aux_losses(depth), a dict (App. A.2); and
     dense_states(depth, gates), the Mlp weights of each step (fold)."""
@@ -97,8 +103,7 @@ class Block(nn.Module):
         return x + self.drop_path(self.ls2(ffn(u)))
 
     def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
-        """State dicts of `depth` plain Blocks (dense Mlp): block t computes what this shared block
-        computes at step t (fold); gates: an [L, E] matrix replacing a merged FFN's own gates."""
+        """State dicts of `depth` plain Blocks, block t computing this block's step t (fold); gates [L, E]."""
         shared = {k: v for k, v in self.state_dict().items() if not k.startswith("mlp.")}
         return [{**shared, **{f"mlp.{k}": v for k, v in ffn.items()}}
                 for ffn in self.mlp.dense_states(depth, gates)]
@@ -149,15 +154,10 @@ def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
     return 1.0 - entropy / math.log(z.shape[-1]), torch.logsumexp(z, dim=-1).pow(2)
 
 class DepthRouter(nn.Sequential):
-    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E) on the depth coordinate. A Sequential for its
-    parameter names (router.0, router.2, as checkpoints hold them); its own forward runs in fp32, since
-    under bf16 autocast nn.Linear would give bf16 logits and the gates and the merge need fp32 (App. A.5)."""
-
-    def __init__(self, hidden: int, num_experts: int):
-        super().__init__(nn.Linear(1, hidden), nn.SiLU(), nn.Linear(hidden, num_experts))
+    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E), (n, 1) coordinates -> (n, E) logits in fp32
+    whatever the autocast or dtype (App. A.5). A Sequential for its names: router.0, router.2."""
 
     def forward(self, s: torch.Tensor) -> torch.Tensor:
-        """(n, 1) coordinates -> (n, E) logits."""
         first, last = self[0], self[2]
         with full_precision(s.device):
             hidden = F.silu(F.linear(s.float(), first.weight.float(), first.bias.float()))  # (n, 16)
@@ -185,9 +185,9 @@ class MergedExpertFFN(ExpertBank):
                  lambda_bal: float = 1e-2, lambda_z: float = 1e-3, lambda_div: float = 1e-3):
         super().__init__(dim, hidden, num_experts)
         self.temperature, self.router_prior = router_temperature, router_prior
-        # the weights of Eqs. 6, 8, 9: App. A.2, defaults of Table 6
         self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
-        self.router = DepthRouter(router_hidden, num_experts)
+        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(),
+                                  nn.Linear(router_hidden, num_experts))
 
     def reset_router(self) -> None:
         """App. A.1: the output layer is zero-initialised, so all experts start with equal weight.
@@ -208,10 +208,9 @@ class MergedExpertFFN(ExpertBank):
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
 
     def ffn_at(self, s: torch.Tensor) -> MergedFFN:
-        """FFN_t at one depth coordinate s (a (1,) tensor): psi -> softmax (Eq. 1) -> the gate-weighted sum
-        of the experts (Eq. 2) -> the FFN. Gates in fp32 under any autocast; the sum in the bank's dtype (a
-        bf16 bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our choice). Each
-        step builds its own, so one merged FFN is alive at a time."""
+        """FFN_t at one depth coordinate s (a (1,) tensor). Gates in fp32 under any autocast; the sum in the
+        bank's dtype (a bf16 bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our
+        choice). Each step builds its own: one merged FFN is alive at a time."""
         z = self.gate_logits(s)                                                   # (1, E) z = psi(s)
         g = torch.softmax(z / self.temperature, dim=-1)                           # (1, E) Eq. 1
         merged = self.merge(g, self.fc1_weight.dtype)                             # (1, ...) Eq. 2
@@ -230,9 +229,8 @@ class MergedExpertFFN(ExpertBank):
         """App. A.2 on the gates of the depth's grid: Eqs. 6 and 8 are means over the L steps."""
         z = self.gate_logits(depth_grid(depth, self.fc1_weight.device))  # (L, E)
         balance, z_loss = gate_penalties(z, self.temperature)           # (L,) each
-        steps = z.shape[0]
-        return {"balance": self.lambda_bal * balance.sum() / steps,     # Eq. 6
-                "z_loss": self.lambda_z * z_loss.sum() / steps,         # Eq. 8
+        return {"balance": self.lambda_bal * balance.sum() / depth,     # Eq. 6
+                "z_loss": self.lambda_z * z_loss.sum() / depth,         # Eq. 8
                 "diversity": self.lambda_div * self.diversity()}        # Eq. 9
 
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
@@ -275,8 +273,7 @@ class ViTBase(nn.Module):
         check_images(images, self.config)
         images = images.to(self.patch_embed.proj.weight.dtype)
         x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
-        # positions on the patch tokens, none on the class token: DeiT III's layout (our choice)
-        x = x + self.pos_embed  # DeiT III
+        x = x + self.pos_embed  # DeiT III's layout: no position on the class token (our choice)
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
 
     def check_depth(self, depth: int | None) -> int:
@@ -286,17 +283,14 @@ class ViTBase(nn.Module):
         return self.config.depth if depth is None else depth
 
     def finish(self, x, states, aux, return_states, extra=None):
-        """The head on the final state x (B, 1+N, d): logits (B, classes), or with return_states the named
-        outputs logits, pre_logits (B, d), tokens (after the final norm), states (the L + 1 residual states),
-        aux_losses (dict) and `extra` (reViT: its gate matrix)."""
+        """The head on x (B, 1+N, d): logits (B, classes), or with return_states logits, pre_logits (B, d),
+        tokens (after the final norm), states (the L + 1 residual states), aux_losses and `extra` (gates)."""
         tokens = self.norm(x)
         logits = self.head(tokens[:, 0])
         if not return_states:
             return logits
-        out = {"logits": logits, "pre_logits": tokens[:, 0], "tokens": tokens,
-               "states": states, "aux_losses": aux}
-        out.update(extra or {})
-        return out
+        return {"logits": logits, "pre_logits": tokens[:, 0], "tokens": tokens, "states": states,
+                "aux_losses": aux, **(extra or {})}
 
 # --- reViT: one shared block, depth-programmed merged FFN, elastic depth (§3) ---
 
@@ -322,7 +316,7 @@ class ReViT(ViTBase):
     def build_block(self, c: ViTConfig) -> Block:
         """The shared block: Eq. 3 with reViT's merged expert FFN (E = 1: one dense Mlp, the tied block)."""
         if c.num_experts == 1:
-            ffn = TiedFFN(c.dim, c.expert_ffn_dim)
+            ffn = Mlp(c.dim, c.expert_ffn_dim)
         else:
             ffn = MergedExpertFFN(c.dim, c.expert_ffn_dim, c.num_experts, c.router_hidden,
                                   c.router_temperature, c.router_prior,
@@ -332,8 +326,7 @@ class ReViT(ViTBase):
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
                 keep: torch.Tensor | None = None):
         """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states. depth: L steps
-        (default: the trained one). keep: optional (B, L) bool mask of the steps each image runs (elastic
-        depth); sampled in training when depth_drop > 0."""
+        (default: the trained one). keep: (B, L) bool, the steps each image runs (elastic depth, §3.2)."""
         depth = self.check_depth(depth)
         # The merge cache (after fold): at inference, the L merged FFNs of this depth, merged once; looked
         # up before any tensor work, so that a compiled forward stays one graph.
@@ -354,9 +347,8 @@ class ReViT(ViTBase):
         extra = {"gates": self.gate_matrix(depth)} if return_states else None
         return self.finish(states[-1], states, aux, return_states, extra)
 
-    # Eager even in a compiled model (the stem, head and losses compile): each step picks its rows and
-    # coordinate groups from data (a GPU syncs with the host at each step); a fixed-shape version would
-    # sum the merges in another order: this keeps the CPU numerics.
+    # Eager in a compiled model (the stem, head and losses compile): each step picks its rows and coordinate
+    # groups from data (a GPU syncs with the host per step); fixed shapes would change the merges' sum order.
     @torch.compiler.disable
     def elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
         """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
@@ -367,20 +359,21 @@ class ReViT(ViTBase):
             # rescaled by 1/(1-p) as drop-path's are (our choice)
             rows = keep[:, t].nonzero().squeeze(1)
             if len(rows) == x.shape[0]:
-                x = self.block(x, self.block.mlp.per_image_ffn(coords[:, t]))
+                x = self.block(x, self.elastic_ffn(t, coords[:, t], rows))
             elif len(rows):  # (an image whose mask keeps no step is never run: the head reads LN(embedding))
-                ffn_t = self.block.mlp.per_image_ffn(coords[rows, t])
-                x = x.index_copy(0, rows, self.block(x[rows], ffn_t))
+                x = x.index_copy(0, rows, self.block(x[rows], self.elastic_ffn(t, coords[rows, t], rows)))
             states.append(x)
         return states
 
+    def elastic_ffn(self, t: int, coords: torch.Tensor, rows: torch.Tensor) -> Callable:
+        return self.block.mlp.per_image_ffn(coords)  # step t's FFN for the images `rows` at coords (b,)
+
     def elastic_mask(self, keep, batch: int, depth: int, device) -> torch.Tensor | None:
-        """The (B, L) retained-step mask, or None when every image runs every step."""
+        """The (B, L) retained-step mask (drawn in training if depth_drop > 0), or None: every step runs."""
         if keep is None and self.training and self.config.depth_drop > 0:
             keep = torch.rand(batch, depth, device=device) >= self.config.depth_drop
         if keep is not None and keep.shape != (batch, depth):
-            raise ValueError(f"keep must have shape (batch, depth) = {(batch, depth)}; "
-                             f"got {tuple(keep.shape)}")
+            raise ValueError(f"keep must have shape (batch, depth) {(batch, depth)}; got {tuple(keep.shape)}")
         return None if keep is None or bool(keep.all()) else keep
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
@@ -396,31 +389,24 @@ class ReViT(ViTBase):
         return super().train(mode)
 
     def no_weight_decay(self) -> set:
-        # The router's output layer starts at zero and sets the depth program; decaying it
-        # pulls the gates back towards uniform. (Its bias is 1-D and excluded anyway.)
-        names = super().no_weight_decay()
-        if isinstance(self.block.mlp, MergedExpertFFN):
-            names.add("block.mlp.router.2.weight")
-        return names
+        # psi's output layer starts at zero and sets the depth program: decaying it pulls the gates back
+        # towards uniform (its bias is 1-D and excluded anyway)
+        router = {"block.mlp.router.2.weight"} if isinstance(self.block.mlp, MergedExpertFFN) else set()
+        return super().no_weight_decay() | router
 
 # --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
 
 @torch.no_grad()
 def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None = None) -> VisionTransformer:
-    """Return a plain untied ViT (VisionTransformer, below) of `depth` blocks with the same outputs
-    as `model` at that depth, on the model's device and in its dtype.
-
-    gates: optional [L, E] matrix that replaces the router's gates (reViT with E >= 2 only; depth, if
-    given too, must be L) — the analysis tools use it for expert ablation and permutation (§5). Block t
-    of the result is what the source computes at step t (Block.unrolled_states): for reViT, the shared
-    attention and merged FFN t; for Raptor (below), the block that serves step t.
-    """
+    """A plain untied ViT (VisionTransformer, below) of `depth` blocks with `model`'s outputs at that depth,
+    on its device and in its dtype: block t is what the source computes at step t. gates: an [L, E] matrix
+    in place of the router's (reViT, E >= 2), for the analysis tools' expert ablation and permutation (§5)."""
     check_foldable(model, depth, gates)
     depth = model.check_depth(gates.shape[0] if gates is not None else depth)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(("block.", "blocks."))}
     if isinstance(model, ReViT):
         steps = model.block.unrolled_states(depth, gates)
-    else:  # Raptor: the block that serves step t
+    else:  # Raptor (or a plain ViT): the block that serves step t
         steps = [model.blocks[j].state_dict() for j in model.schedule(depth)]
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
@@ -428,8 +414,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     plain = {f.name: getattr(model.config, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
     config = replace(ViTConfig(**plain), arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1,
                      ffn_dim=hidden, expert_ffn_fraction=1.0)
-    reference = next(model.parameters())
-    vit = VisionTransformer(config).to(device=reference.device, dtype=reference.dtype)
+    vit = VisionTransformer(config).to(model.cls_token)  # its device and dtype
     vit.load_state_dict(state)
     return vit.train(model.training)
 
@@ -437,12 +422,9 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
 
 @torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
 def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
-    """The L merged FFNs that ReViT.forward runs at depth L without gradients: merged at once in fp32, cast
-    once to the bank's dtype, kept in `model.merged_ffns` until the weights change (equal to merging at
-    every step up to float rounding); None for E = 1. Its key: the parameters' version counters (in-place
-    updates, load_state_dict), device and dtype, temperature and router_prior; train()/eval() drop it.
-    Not detected: writes that bypass the version counters (`p.data`, a fused optimizer step) with no
-    train()/eval() after them."""
+    """The L merged FFNs of depth L (None for E = 1), merged at once in fp32 and cast once (equal to the
+    per-step merge up to float rounding). Not detected: writes that bypass the version counters (`p.data`,
+    a fused optimizer step) with no train()/eval() after them."""
     ffn = model.block.mlp
     if not isinstance(ffn, MergedExpertFFN):
         return None
@@ -479,30 +461,13 @@ class GroupedFFN(NamedTuple):
         y = torch.cat([MergedFFN(*(w[i] for w in self.merged))(chunk) for i, chunk in enumerate(chunks)])
         return y[torch.argsort(order)]  # back to the batch order
 
-# --- E = 1: the tied block, no router ---
-
-class TiedFFN(Mlp):
-    """E = 1: the plain tied (ALBERT-style) block. No router: FFN_t is this one Mlp at every step."""
-
-    def ffn_at(self, s: torch.Tensor) -> Mlp:
-        return self
-
-    def per_image_ffn(self, coords: torch.Tensor) -> Mlp:
-        return self
-
-    def aux_losses(self, depth: int) -> dict:
-        return {}
-
 # --- DeiT III's recipe pieces: the init, drop-path (any block's option) and LayerScale (the baselines') ---
 
-def init_linear(module: nn.Module) -> None:
+def init_linear(module: nn.Module) -> None:  # LayerNorms keep their (1, 0) start
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LayerNorm):
-        nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
 
 class DropPath(nn.Module):
     """Stochastic depth inside a block: drops a residual branch per sample (DeiT III's recipe). Not
@@ -535,16 +500,14 @@ class VisionTransformer(ViTBase):
     plain ViT code; Raptor (next) shares k blocks over the steps by overriding `schedule`."""
     arch = "vit"  # the ViTConfig.arch this class builds
 
-    def __init__(self, config: ViTConfig, num_blocks: int | None = None):
-        super().__init__(config)
-        c = config
+    def __init__(self, c: ViTConfig, num_blocks: int | None = None):
+        super().__init__(c)
         self.blocks = nn.ModuleList(
             Block(c.dim, c.heads, Mlp(c.dim, c.ffn_dim), c.layer_scale_init, c.drop_path)
             for _ in range(num_blocks or c.depth))
         self.init_weights()
 
-    def schedule(self, depth: int) -> list[int]:
-        """Which block serves each step."""
+    def schedule(self, depth: int) -> list[int]:  # which block serves each step
         if depth != self.config.depth:
             raise ValueError(f"depth={depth}: an untied ViT runs only its own depth ({self.config.depth}); "
                              "use a Raptor or reViT model for other depths")
@@ -562,11 +525,8 @@ class VisionTransformer(ViTBase):
 # --- ... and Raptor: k distinct blocks shared over the L steps ---
 
 def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
-    """Which block serves each step: contiguous segments, Raptor's own split where it has one.
-
-    Raptor (L=12) lets block i serve 1-based steps t <= thresholds[i]: k=2 -> [7], k=3 -> [7, 10],
-    k=4 -> [4, 7, 10]. At another depth the thresholds scale with L; other k split evenly.
-    """
+    """Which block serves each step: contiguous segments. Raptor (L=12) lets block i serve 1-based steps
+    t <= thresholds[i] (`known`); at another depth they scale with L; other k split evenly."""
     known = {2: [7], 3: [7, 10], 4: [4, 7, 10]}
     ends = [round((i + 1) * depth / num_blocks) for i in range(num_blocks)]
     if num_blocks in known and depth >= num_blocks:
@@ -635,40 +595,25 @@ class ViTConfig:
 # LayerScale: DeiT III's 1e-4 for the untied ViT. Raptor's official block has LayerScale too
 # (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper trains Raptor with DeiT III's recipe, so
 # our Raptor presets use DeiT III's 1e-4 (our choice). reViT's block has none (Eq. 3).
-DEIT3_LAYER_SCALE = 1e-4
-DEIT3 = dict(layer_scale_init=DEIT3_LAYER_SCALE)
-FMNIST = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10)  # 28x28x1, "-mini"
-CIFAR = dict(image_size=32, patch_size=4, in_channels=3, num_classes=10)          # 32x32x3, "-mini32"
+DEIT3 = dict(layer_scale_init=1e-4)
 
-SIZES = {  # Table 1's sizes (ImageNet 224², patch 16), then our CPU sizes: Fashion-MNIST ("mini", the
-    # quick start's revit-mini) and CIFAR ("mini32")
+MINI = dict(num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)  # our CPU width
+SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DINOv2 distillation's B/14)
     "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
     "b": dict(dim=768, heads=12, ffn_dim=3072, depth=12),
     "l": dict(dim=1024, heads=16, ffn_dim=4096, depth=24),
-    "mini": dict(**FMNIST, dim=96, heads=3, ffn_dim=192, depth=6),
-    "mini32": dict(**CIFAR, dim=96, heads=3, ffn_dim=192, depth=6),
+    "mini": dict(image_size=28, patch_size=7, in_channels=1, **MINI),  # Fashion-MNIST (the quick start)
+    "mini32": dict(image_size=32, patch_size=4, in_channels=3, **MINI),  # CIFAR-10
 }
-# Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts)
+SIZES.update({f"{size}14": dict(SIZES[size], patch_size=14) for size in ("s", "b", "l")})
+# Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts); and at every
+# size Raptor with k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5)
 ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
-PRESETS = {f"{arch}-{size}": dict(arch=arch, **width, **extra)
-           for size, width in SIZES.items() for arch, extra in ARCHS.items()}
-
-def derived_presets(table: dict) -> dict:
-    """From each preset above: its patch-14 variant at ImageNet sizes ("-s14", e.g. the B/14 of DINOv2
-    distillation), Raptor with k = 2, 3, 4 ("-k2"), reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5)."""
-    presets = {}
-    for name, preset in table.items():
-        arch, size = name.split("-", 1)
-        patch14 = [] if size.startswith("mini") else [(f"{size}14", dict(preset, patch_size=14))]
-        for size_name, base in [(size, preset), *patch14]:
-            presets[f"{arch}-{size_name}"] = base
-            for k in (2, 3, 4) if arch == "raptor" else ():
-                presets[f"raptor-{size_name}-k{k}"] = dict(base, raptor_blocks=k)
-            for e in (1, 2, 3, 4, 8) if arch == "revit" else ():
-                presets[f"revit-{size_name}-e{e}"] = dict(base, num_experts=e)
-    return presets
-
-PRESETS.update(derived_presets(PRESETS))
+VARIANTS = {"vit": [], "raptor": [(f"-k{k}", dict(raptor_blocks=k)) for k in (2, 3, 4)],
+            "revit": [(f"-e{e}", dict(num_experts=e)) for e in (1, 2, 3, 4, 8)]}
+PRESETS = {f"{arch}-{size}{suffix}": {"arch": arch, **width, **extra, **variant}
+           for size, width in SIZES.items() for arch, extra in ARCHS.items()
+           for suffix, variant in [("", {}), *VARIANTS[arch]]}
 MODELS = {cls.arch: cls for cls in (VisionTransformer, Raptor, ReViT)}  # the class each ViTConfig.arch builds
 
 def create_model(name: str, **overrides) -> nn.Module:
@@ -677,12 +622,13 @@ def create_model(name: str, **overrides) -> nn.Module:
     return build_model(make_config(ViTConfig, values))
 
 def build_model(config: ViTConfig) -> nn.Module:
-    """The model a config describes: config.model_class, MODELS[config.arch] for this file's configs."""
     return config.model_class(config)
 
 # --- input checks: bad input gets one ValueError naming the field and what it allows ---
 
-TYPE_RULES = {"int": "an integer", "float": "a finite number", "bool": "True or False", "str": "a string"}
+TYPES = {  # a field's annotation -> (the types it accepts, what it allows)
+    "int": (int, "an integer"), "float": ((int, float), "a finite number"), "bool": (bool, "True or False"),
+    "str": (str, "a string"), "float | None": ((int, float, type(None)), "a finite number or None")}
 # Sizes a user would not reach by intent (our choice, far above the paper's ViT-L): a typo or an edited
 # checkpoint config is refused before anything is allocated.
 MAX_DEPTH = 256
@@ -727,36 +673,27 @@ def make_config(cls: type, values: dict) -> ViTConfig:
     return cls(**values)
 
 def check_fields(c: ViTConfig, rules: list) -> None:
-    """Integers refuse floats, strings and bools; floats refuse NaN and inf; then the rules in order."""
+    """Each field's type first (integers refuse floats, strings and bools; floats refuse NaN and inf), then
+    the rules in order: the first that fails raises, naming the field and what it allows."""
     for f in fields(c):
-        if not type_ok(getattr(c, f.name), f.type):
-            kind = f.type.replace(" | None", "")
-            need(c, False, f.name, TYPE_RULES[kind] + (" or None" if kind != f.type else ""))
+        value, (types, allowed) = getattr(c, f.name), TYPES[f.type]
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not (isinstance(value, types) and isinstance(value, bool) == (f.type == "bool") and finite):
+            raise refusal(c, f.name, allowed)
     for name, test, allowed in rules:
-        need(c, test(c), name, allowed.format_map(vars(c)))
+        if not test(c):
+            raise refusal(c, name, allowed.format_map(vars(c)))
 
-def type_ok(value, kind: str) -> bool:
-    if kind.endswith(" | None"):
-        return value is None or type_ok(value, kind[:-7])
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, {"bool": bool, "str": str}[kind])
-
-def need(config: ViTConfig, ok: bool, name: str, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={getattr(config, name)!r} is not allowed: {name} must be {allowed}")
+def refusal(c: ViTConfig, name: str, allowed: str) -> ValueError:
+    return ValueError(f"{name}={getattr(c, name)!r} is not allowed: {name} must be {allowed}")
 
 def check_images(images: torch.Tensor, c: ViTConfig) -> None:
-    """(B, C, H, W) of the configured shape and a floating dtype (integer pixels are refused, not guessed)."""
-    if images.ndim != 4 or images.shape[1:] != (c.in_channels, c.image_size, c.image_size):
-        raise ValueError(f"images must have shape (B, {c.in_channels}, {c.image_size}, {c.image_size}) "
-                         f"(in_channels={c.in_channels}, image_size={c.image_size}); "
-                         f"got {tuple(images.shape)}")
-    if not images.is_floating_point():
-        raise ValueError(f"images must be a floating-point tensor, normalised as in training; got "
-                         f"{images.dtype} (convert uint8 pixels with images.float() / 255 and normalise)")
+    """Integer pixels are refused, not guessed (uint8 images need .float() / 255 and the normalisation)."""
+    shape = (c.in_channels, c.image_size, c.image_size)
+    if images.ndim != 4 or images.shape[1:] != shape or not images.is_floating_point():
+        raise ValueError(f"images must be a floating-point tensor normalised as in training, of shape "
+                         f"(B, in_channels={c.in_channels}, image_size={c.image_size}, {c.image_size}); "
+                         f"got {images.dtype} {tuple(images.shape)}")
 
 def check_model_class(model: nn.Module, c: ViTConfig) -> None:
     """A config builds the class it names: a Raptor config never becomes a 12-block ViT."""
@@ -765,18 +702,12 @@ def check_model_class(model: nn.Module, c: ViTConfig) -> None:
                          f"not {type(model).__name__}; build models with revit.build_model(config)")
 
 def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
-    """fold's arguments: a reViT or a Raptor; gates [L, E] for reViT's merge with E >= 2."""
-    if not isinstance(model, (ReViT, Raptor)):
-        raise ValueError("fold(model) expects a reViT or Raptor model; a plain ViT is already folded")
-    if gates is not None:
-        if not isinstance(model, ReViT) or not isinstance(model.block.mlp, MergedExpertFFN):
-            raise ValueError("fold: gates= applies to a reViT with num_experts >= 2 only")
-        if gates.ndim != 2 or gates.shape[1] != model.config.num_experts:
-            raise ValueError(f"fold: gates must have shape [depth, E={model.config.num_experts}]; "
-                             f"got {tuple(gates.shape)}")
-        if depth is not None and depth != gates.shape[0]:
-            raise ValueError(f"fold: depth={depth!r} disagrees with gates of shape {list(gates.shape)}; "
-                             "pass gates with one row per step of that depth, or leave depth out")
+    """fold's gates: [L, E] for a reViT's merge (E >= 2), L = depth if given."""
+    c = model.config
+    if gates is not None and not (isinstance(model, ReViT) and c.num_experts >= 2 and gates.ndim == 2
+                                  and gates.shape[1] == c.num_experts and depth in (None, gates.shape[0])):
+        raise ValueError(f"fold: gates must have shape [depth, num_experts] of a reViT with num_experts >= 2;"
+                         f" got {list(gates.shape)}, depth={depth!r}, arch={c.arch!r}, E={c.num_experts}")
 
 # --- not in the paper: a fixed depth prior on the gate logits (ViTConfig.router_prior, 0 by default) ---
 
@@ -789,15 +720,10 @@ def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
     import sys
 
-    names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
-    print(f"| {'preset':<22} | {'params (M)':>10} | {'L':>3} | {'d':>5} | {'E / k':>5} |")
-    print(f"|{'-' * 24}|{'-' * 12}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
-    for name in names:
+    print("| preset | params (M) |\n|---|---:|")
+    for name in sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]:
         try:
             with torch.device("meta"):
-                model = create_model(name)
+                print(f"| {name} | {create_model(name).num_params() / 1e6:.2f} |")
         except ValueError as e:
             sys.exit(f"revit.py: {e}")
-        c = model.config
-        ek = {"revit": c.num_experts, "raptor": c.raptor_blocks}.get(c.arch, "")
-        print(f"| {name:<22} | {model.num_params() / 1e6:>10.2f} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")

@@ -17,7 +17,7 @@ import alternet
 from lib.checkpoint import load_model
 from lib.boundary import check_numbers, fail
 from lib.cli import DEVICES, pick_device, run_main
-from lib.language import no_network, text_codec
+from lib.language import text_codec
 
 DEFAULT_HALT_THRESHOLD = 0.5  # for a model with halting (train.py's evaluation uses the same)
 
@@ -39,26 +39,19 @@ def sample_parser() -> argparse.ArgumentParser:
                    help="sample only from the k most likely tokens [default: all]")
     p.add_argument("--halt-threshold", type=float, default=None,
                    help="stop iterating once the cumulative halting probability reaches this, in (0, 1] "
-                        f"(default {DEFAULT_HALT_THRESHOLD}; a fixed-depth model takes none: it runs every iteration)")
+                        f"(default {DEFAULT_HALT_THRESHOLD}; a fixed-depth model takes none: it runs every "
+                        "iteration)")
     p.add_argument("--max-depth", type=int, default=None,
                    help=f"cap on iterations per token, 1..{alternet.MAX_ITERATIONS} (default: trained D)")
     p.add_argument("--seed", type=int, default=1337, help="random seed [default: %(default)s]")
-    p.add_argument("--num-samples", type=int, default=1, help="number of samples, 1..1,000 [default: %(default)s]")
+    p.add_argument("--num-samples", type=int, default=1,
+                   help="number of samples, 1..1,000 [default: %(default)s]")
     p.add_argument("--show-iterations", action="store_true",
-                   help="under each sample, one mark per generated token: the iterations it used (1-9, a=10, ...)")
+                   help="under each sample, one mark per generated token: the iterations it used "
+                        "(1-9, a=10, ...)")
     p.add_argument("--device", default="auto",
                    help=f"{DEVICES} [default: auto: CUDA when available, else CPU]")
     return p
-
-
-def load_language_model(path: str, device: torch.device) -> tuple[alternet.AlterNet, dict]:
-    """(model in eval mode, checkpoint) of a train.py checkpoint; ValueError with one line if it is not
-    usable. The loader builds the model from the checkpoint's config under the rules of a new one."""
-    model, ckpt = load_model(path, device=device, flag="CKPT")
-    if not isinstance(model, alternet.AlterNet):
-        raise ValueError(f"CKPT {path} is a checkpoint of {ckpt.get('arch')!r}, not of an AlterNet language model "
-                         f"(one of {', '.join(sorted(alternet.PRESETS))})")
-    return model, ckpt
 
 
 def encode_prompt(prompt: str, encode, model: alternet.AlterNet, device: torch.device) -> torch.Tensor:
@@ -81,15 +74,18 @@ def prepare(args: argparse.Namespace):
     """Everything the sampling needs, checked before any work: (model, prompt ids, decode)."""
     check_numbers(vars(args), "sample.py")  # every number flag in its range (lib/boundary.RANGES)
     device = pick_device(args.device)
-    model, ckpt = load_language_model(args.checkpoint, device)
-    with no_network():  # a checkpoint's tokenizer must not make tiktoken fetch its files
-        encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))
+    model, ckpt = load_model(args.checkpoint, device=device, flag="CKPT")  # in eval mode
+    if not isinstance(model, alternet.AlterNet):
+        raise ValueError(f"CKPT {args.checkpoint} is a checkpoint of {ckpt.get('arch')!r}, not of an "
+                         f"AlterNet language model (one of {', '.join(sorted(alternet.PRESETS))})")
+    encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))  # offline
     prompt = encode_prompt(args.prompt, encode, model, device)
     if args.top_k is not None and args.top_k > model.config.vocab_size:
         raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
     if args.halt_threshold is not None and not model.config.halting:
-        raise ValueError(f"--halt-threshold: {args.checkpoint} is a fixed-depth model (halting=False), which runs "
-                         "every iteration; leave the flag out (cap the iterations with --max-depth)")
+        raise ValueError(f"--halt-threshold: {args.checkpoint} is a fixed-depth model (halting=False), "
+                         "which runs every iteration; leave the flag out (cap the iterations with "
+                         "--max-depth)")
     if args.halt_threshold is None and model.config.halting:
         args.halt_threshold = DEFAULT_HALT_THRESHOLD
     return model, prompt, decode

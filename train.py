@@ -7,13 +7,9 @@
     python train.py --arch alternet-tiny --data tinyshakespeare.txt     # or --dataset tinyshakespeare
     python train.py --eval-only out/run/ckpt.pt --eval-depths 2,4,8     # evaluate, no training
 
-The defaults are the quick start; named recipes apply over them, printed at start (`recipe: ...`, then
-one `override: ...` line per flag or automatic choice). The file reads top to bottom: config and recipes;
-the schedule; `train_step` (augment, forward, cross-entropy + the model's auxiliary losses, on one
-screen); `evaluate`; set-up, the loop and its checkpoints; the command line. In lib/: what a config builds
-(build.py: data, model, task, optimizer, the memory plan), the tasks (tasks.py, language.py), data and
-augmentation (data.py), checkpoints and run folders (checkpoint.py), what --resume and --eval-only read
-and check (resume.py).
+Top to bottom: the config (defaults, recipes, flags), the schedule, `train_step`, evaluation and
+checkpoints, the loop, the command line. The process set-up and what a config builds are lib/build.py;
+what --resume and --eval-only read, lib/resume.py.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,11 +28,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lib import tasks
-from lib.build import adamw, build, wrap
-from lib.checkpoint import RunFolder, family_of, preset_names, primitive, provenance, unwrap
-from lib.boundary import check_config, fail
-from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, init_distributed,
-                     non_finite_place, opt, run_main, say)
+from lib.build import adamw, build, setup, wrap
+from lib.checkpoint import RunFolder, primitive, provenance, unwrap
+from lib.boundary import check_config, fail, family_of, preset_names
+from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, non_finite_place, opt,
+                     run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
 
 
@@ -56,11 +51,9 @@ class TrainConfig:
     model_args: str = opt("", "any other model config fields, e.g. 'dim=128,heads=4' (see revit.ViTConfig)")
     # data
     dataset: str = opt("", "fashion-mnist | cifar10 | cifar100 | imagenet (ImageFolder at --data) | grammar "
-                           "| tinyshakespeare | text (your --data) (auto: fashion-mnist for vision presets, "
-                           "grammar, the built-in corpus, for language presets)")
+                           "| tinyshakespeare | text (your --data) (auto: fashion-mnist; text: grammar)")
     data: str = opt("", "your data: an ImageFolder root with train/ and val/, or a UTF-8 text file / folder")
-    data_dir: str = opt("", "where the built-in data sets live (auto: ./data, then $REVIT_DATA_DIR, then "
-                            "/usr/share/datasets)")
+    data_dir: str = opt("", "built-in data sets' folder (auto: ./data, $REVIT_DATA_DIR, /usr/share/datasets)")
     download: bool = opt(False, "download a built-in data set into the data dir if no search location has it")
     tokenizer: str = opt("byte", "text only: byte (vocab 256) | gpt2 (tiktoken BPE, vocab 50257)")
     block_size: int | None = opt(None, "text only: training sequence length (auto: the model's max length)")
@@ -68,8 +61,7 @@ class TrainConfig:
     test_subset: int = opt(0, "evaluate on only the first N test examples (0: all)")
     workers: int = opt(8, "ImageFolder only: data-loading worker processes per rank")
     # optimisation
-    recipe: str = opt("", "named settings applied over these defaults: imagenet | cifar | text | probe "
-                          "(auto: from the data set and mode; printed at start)")
+    recipe: str = opt("", "imagenet | cifar | text | probe: settings over these defaults (auto: by data)")
     epochs: int | None = opt(15, "training epochs")
     max_steps: int = opt(0, "optimizer steps to train; overrides --epochs when > 0")
     batch_size: int = opt(256, "GLOBAL batch per optimizer step, over all ranks and accumulation steps")
@@ -83,15 +75,12 @@ class TrainConfig:
     warmup_epochs: float = opt(0.5, "linear warmup length in epochs")
     warmup_steps: int | None = opt(None, "warmup length in optimizer steps; overrides --warmup-epochs")
     warmup_lr: float = opt(1e-6, "learning rate at the start of warmup")
-    weight_decay: float = opt(0.05, "AdamW weight decay; never on biases, norms, LayerScale, class/position "
-                                    "tokens or what a model lists in no_weight_decay()")
+    weight_decay: float = opt(0.05, "AdamW weight decay (never on biases, norms, no_weight_decay())")
     beta1: float = opt(0.9, "AdamW beta1, in [0, 1)")
     beta2: float = opt(0.999, "AdamW beta2, in [0, 1)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
-    router_lr_scale: float = opt(1.0, "the router (reViT's psi, or a lib/moe mechanism's) trains at lr x "
-                                      "this, in its own AdamW group without weight decay (1: the paper's "
-                                      "one lr)")
-    # loss and augmentation (applied to the batch tensor on the device)
+    router_lr_scale: float = opt(1.0, "the router (psi) trains at lr x this, no decay (1: the paper's lr)")
+    # loss and augmentation (on the device)
     loss: str = opt("ce", "ce | bce (DeiT III: binary cross-entropy on binarised mixup/cutmix targets)")
     label_smoothing: float = opt(0.0, "label smoothing of the one-hot targets")
     mixup: float = opt(0.0, "mixup Beta(alpha, alpha) parameter (0: off)")
@@ -109,13 +98,11 @@ class TrainConfig:
     eval_batch_size: int = opt(256, "batch per rank for evaluation")
     eval_iters: int = opt(0, "text only: evaluate on at most this many validation batches (0: all)")
     teacher: str = opt("", "distillation: a checkpoint of this project, or hub:dinov2_vitb14 (--download)")
-    probe: str = opt("", "probe of a frozen --backbone: cls (linear classification; the dense probes seg and "
-                         "monodepth: python -m tools.probes)")
+    probe: str = opt("", "cls: a linear probe of a frozen --backbone (dense probes: python -m tools.probes)")
     probe_pool: str = opt("cls", "probe input: cls (final class token, out['pre_logits']) | mean (patches)")
     backbone: str = opt("", "probe mode: checkpoint of the frozen backbone")
     # system
-    out_dir: str = opt("", "run folder for ckpt.pt and metrics.jsonl (auto: out/<arch>-<time>; with "
-                           "--resume: the checkpoint's folder)")
+    out_dir: str = opt("", "folder of ckpt.pt and metrics.jsonl (auto: out/<arch>-<time>; --resume: its own)")
     overwrite: bool = opt(False, "start a new run in an --out-dir that holds one (its files are replaced)")
     resume: str = opt("", "continue the run saved in this checkpoint (same arch; config taken from it)")
     save_interval: int = opt(0, "also checkpoint every N optimizer steps (0: at evaluations and the end)")
@@ -149,13 +136,12 @@ RECIPE_OF = {"cifar10": "cifar", "cifar100": "cifar", "imagenet": "imagenet",
 
 
 def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
-    """Quick-start defaults <- the recipe(s) <- flags the user gave; prints what applies. Validates all."""
+    """Quick-start defaults <- the recipe(s) <- the flags given; prints what applies, then checks it all."""
     show = say if announce else (lambda line: None)
-    arch = explicit.get("arch", TrainConfig.arch)
+    arch, data = explicit.get("arch", TrainConfig.arch), explicit.get("data")
     family = family_of(arch)
-    dataset = explicit.get("dataset") or ("grammar" if family == "language" and not explicit.get("data") else
-                                          "text" if family == "language" else
-                                          "imagenet" if explicit.get("data") else "fashion-mnist")
+    images = "imagenet" if data else "fashion-mnist"
+    dataset = explicit.get("dataset") or (("text" if data else "grammar") if family == "language" else images)
     if dataset not in IMAGE_DATASETS + TEXT_DATASETS:
         fail(f"unknown --dataset {dataset!r}; choose one of {', '.join(IMAGE_DATASETS + TEXT_DATASETS)}")
     if (family == "language") != (dataset in TEXT_DATASETS):
@@ -177,10 +163,9 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
         values.update(overrides)
     if not explicit.get("dataset"):
         show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
-             f"{family} preset{', --data given' if explicit.get('data') else ''})")
+             f"{family} preset{', --data given' if data else ''})")
     for name, value in explicit.items():
-        changed = values[name] != value if name in values else value != getattr(TrainConfig, name)
-        if changed:
+        if values[name] != value if name in values else value != getattr(TrainConfig, name):
             show(f"override: {name}={value} (--{name.replace('_', '-')})")
     cfg = TrainConfig(**{**values, **explicit})
     check_config(cfg)
@@ -224,9 +209,8 @@ def lr_at(step: int, peak: float, sched: dict) -> float:
 
 @dataclass
 class Run:
-    """What a run's step, evaluation and checkpoints read and change. `model` is the plain module (what
-    checkpoints store and evaluation runs); `forward` is what the training step calls (the same module,
-    compiled and/or DDP-wrapped); `scaler` is fp16's gradient scaler (disabled, a no-op, otherwise)."""
+    """What the step, the evaluation and the checkpoints read and change. `forward` is `model` as the step
+    calls it (compiled and/or DDP-wrapped); `scaler` is fp16's gradient scaler (a no-op otherwise)."""
     cfg: TrainConfig
     device: torch.device
     model: nn.Module
@@ -246,14 +230,14 @@ class Run:
     def trainable(self) -> nn.Module:  # a probe trains (and saves) only its head
         return self.model.head if self.cfg.probe else self.model
 
+    def params(self) -> int:
+        return sum(p.numel() for p in self.trainable.parameters())
+
 
 def train_step(run: Run, inputs, targets) -> dict:
-    """One optimizer step. For the default task, image classification, the step is this screen: augment
-    (mixup / cutmix, crops: lib/data.py), forward, cross-entropy plus the model's auxiliary losses (reViT:
-    Eqs. 6, 8, 9), backward; distillation (Eq. 5) and language modelling compute their own loss
-    (`run.task.loss`). Then the divergence guard (loss AND gradient norm finite, checked before
-    optimizer.step()), clip, step. Under fp16 the scaler scales the loss; where the gradients overflow it
-    skips the step (grad_norm None) instead of the guard stopping the run."""
+    """One optimizer step: augment, forward, cross-entropy + the model's auxiliary losses (reViT: Eqs. 6, 8,
+    9; distillation, Eq. 5, and language modelling: `run.task.loss`), backward; then the divergence guard
+    (loss and gradient norm finite, before optimizer.step()), clip, step. fp16: an overflow skips the step."""
     cfg, model, scaler = run.cfg, run.model, run.scaler
     lr = lr_at(run.step, run.sched["peak_lr"], run.sched)
     for group in run.optimizer.param_groups:
@@ -305,8 +289,7 @@ def classification_loss(logits, targets, kind: str) -> torch.Tensor:
 
 
 def after_optimizer_step(model: nn.Module) -> None:
-    """Non-gradient updates, after optimizer.step(), of every module that defines the hook (reViT's
-    Part II: DeepSeek-V3's balancing bias, ReMoE's L1 controller)."""
+    """Updates without a gradient after optimizer.step() (Part II: DeepSeek-V3's bias, ReMoE's L1 control)."""
     for module in model.modules():
         if hasattr(module, "after_optimizer_step"):
             module.after_optimizer_step()
@@ -324,7 +307,7 @@ def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
             f"checkpoint: {run.folder.last_good()}. Try {' or '.join(hints)}")
 
 
-# --- evaluation ---
+# --- evaluation and checkpoints ---
 
 
 def evaluate(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
@@ -334,32 +317,38 @@ def evaluate(model: nn.Module, task, depths=(None,), rank: int = 0, world: int =
     return {None if key == "halted" else key: value for key, value in results.items()}
 
 
-def stop_unless_finite(run: Run, results: dict, what: str) -> None:
-    """A metric that is not a number (finite weights can score NaN) stops the run as a non-finite loss."""
-    place, lr = non_finite_place(results), run.sched["peak_lr"]
+def evaluate_run(run: Run, depths, what: str) -> dict:
+    """evaluate() in the loop: a metric that is not a number (finite weights can score NaN) stops the run."""
+    results, lr = evaluate(run.model, run.task, depths, run.rank, run.world), run.sched["peak_lr"]
+    place = non_finite_place(results)
     if place:
         fail(f"{what} at step {run.step} gave a non-finite {place.removeprefix('None.')}; not logged, not "
              f"saved. Last good checkpoint: {run.folder.last_good()}. Try a lower --lr (peak now {lr:.3g})")
+    return results
 
 
-# --- the run: set-up, the loop, checkpoints ---
+def save_checkpoint(run: Run) -> None:
+    """What a run continues from: model, optimizer, fp16's loss scale ({} without fp16), schedule, loop
+    state and every rank's random streams, written by rank 0 with only finite weights (RunFolder.save)."""
+    cfg = run.cfg
+    ckpt = {"model": dict(run.trainable.state_dict()),  # a plain dict: no _metadata past weights_only
+            "arch": "linear-probe" if cfg.probe else cfg.arch,
+            "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
+                                      else asdict(run.model.config)),
+            "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
+            "scaler": run.scaler.state_dict(), "scheduler": dict(run.sched, step=run.step), "step": run.step,
+            "metrics": primitive(run.metrics)}
+    run.folder.save(ckpt, run.augment, run.device, run.rank, run.world,
+                    f"Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
+
+
+# --- the run: set-up, the loop, the final evaluation ---
 
 
 def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
-    """Set-up (device, data, model, optimizer, run folder; the folder is the first write: all input is
-    validated before it), then the loop; Ctrl-C ends in one line saying where the run continues."""
-    rank, world, device = init_distributed(cfg.device)
-    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
-        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
-             f"{world * (cfg.grad_accum or 1)}")
-    options = device_options(device.type, cfg.precision)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if options["tf32"]:  # TF32 for the float32 parts outside autocast
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if cfg.precision == "auto" and options["precision"] == "fp16":  # a T4, a V100: the free GPUs
-        say(f"override: precision=fp16 (auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 "
-            f"autocast with a gradient scaler)")
+    """Set-up (device, data, model, optimizer; every input is checked before the run folder, the first
+    write), then the loop; Ctrl-C ends in one line saying where the run continues."""
+    rank, world, device, options = setup(cfg)  # torchrun's ranks, the device, the seeds, the precision
     parts = build(cfg, rank, world, device, resume_ckpt, plan_memory=True)
     sched = schedule(cfg, parts.model, parts.steps_per_epoch)
     model = parts.model.to(device)
@@ -379,12 +368,11 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
         run.folder.open(fresh=resume_ckpt is None, overwrite=cfg.overwrite,
                         resume_step=resume_ckpt["step"] if resume_ckpt else None)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
-    num_params = sum(p.numel() for p in run.trainable.parameters())
-    say(f"{cfg.arch}: {num_params / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
+    say(f"{cfg.arch}: {run.params() / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
         f"{sched['total_steps']} steps ({parts.steps_per_epoch or '-'} per epoch) | "
         f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
     run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
-                    "params": num_params, "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
+                    "params": run.params(), "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
     try:
         return loop(run, parts.batches, cfg.eval_interval or parts.steps_per_epoch or 500)
     except KeyboardInterrupt:  # Ctrl-C: one line saying where the run continues, not a traceback
@@ -396,17 +384,17 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
 
 
 def loop(run: Run, batches, eval_every: int) -> dict:
-    """The steps to the end of the schedule (batches(start) yields them: the data order is a function of
-    the step, so a resumed run sees the same batches); a line every --log-interval, an evaluation and a
-    checkpoint every `eval_every` steps; then the final evaluation at every --eval-depths."""
+    """The steps to the schedule's end (batches(start): the order is a function of the step, so a resumed run
+    sees the same batches); a line every --log-interval, an evaluation and a checkpoint every `eval_every`."""
     cfg, total = run.cfg, run.sched["total_steps"]
+    unit = "tokens" if cfg.dataset in TEXT_DATASETS else "images"
     bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not cfg.progress, dynamic_ncols=True)
     t_start = t0 = time.perf_counter()
     seen, start_step = 0, run.step
     for step, inputs, targets in (batches(run.step) if run.step < total else ()):
         assert step == run.step
         record = train_step(run, inputs, targets)
-        seen += len(inputs) * run.world
+        seen += len(inputs) * run.world * (inputs.shape[1] if unit == "tokens" else 1)
         bar.update(1)
         if run.step == start_step + 1 and run.device.type == "cpu" and run.rank == 0:
             note = cpu_time_note(cfg.arch, time.perf_counter() - t_start, total - start_step)
@@ -420,19 +408,16 @@ def loop(run: Run, batches, eval_every: int) -> dict:
             parts = [k for k, v in record.items() if torch.is_tensor(v)]  # train_step leaves them on the
             if parts:  # device: read only for the steps logged, in one transfer
                 record.update(zip(parts, torch.stack([record[k].float() for k in parts]).tolist()))
-            items = seen * (inputs.shape[1] if cfg.dataset in TEXT_DATASETS else 1)  # tokens or images
-            rate = items / max(time.perf_counter() - t0, 1e-9)
+            rate = seen / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
             if not (cfg.progress and sys.stdout.isatty()):  # no bar on screen: a line to watch instead
-                say(f"step {run.step}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, {rate:.0f} "
-                    f"{'tokens' if cfg.dataset in TEXT_DATASETS else 'images'}/s")
+                say(f"step {run.step}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, {rate:.0f} {unit}/s")
             run.folder.log({**record, "per_s": rate}, run.rank == 0)
             t0, seen = time.perf_counter(), 0
         if run.step >= total or cfg.stop_at_step and run.step >= cfg.stop_at_step:
             break
         if run.step % eval_every == 0:  # at the reference depth: printed, logged, kept in the checkpoint
-            results = evaluate(run.model, run.task, [None], run.rank, run.world)
-            stop_unless_finite(run, results, "the evaluation")
+            results = evaluate_run(run, [None], "the evaluation")
             run.metrics = {"step": run.step, **{f"val_{k}": v for k, v in results[None].items()}}
             numbers = (f"{k} {v:.4f}" for k, v in run.metrics.items() if isinstance(v, float))
             gates = tasks.gate_summary(run.model)  # reViT, E > 1: does a depth program form? (Fig. 3)
@@ -452,32 +437,14 @@ def loop(run: Run, batches, eval_every: int) -> dict:
 def finish(run: Run, minutes: float) -> dict:
     """The final evaluation, at every --eval-depths: printed (`done: ...`), logged and saved."""
     cfg = run.cfg
-    results = evaluate(run.model, run.task, tasks.eval_depths(cfg, run.model), run.rank, run.world)
-    stop_unless_finite(run, results, "the final evaluation")
+    results = evaluate_run(run, tasks.eval_depths(cfg, run.model), "the final evaluation")
     summary, line = tasks.summarise(cfg, run.model, results)
-    num_params = sum(p.numel() for p in run.trainable.parameters())
-    say(f"done: {cfg.arch} | {num_params / 1e6:.3f}M params | {line} | {minutes:.1f} min")
-    summary = {"arch": cfg.arch, "params": num_params, **summary, "minutes": minutes}
+    say(f"done: {cfg.arch} | {run.params() / 1e6:.3f}M params | {line} | {minutes:.1f} min")
+    summary = {"arch": cfg.arch, "params": run.params(), **summary, "minutes": minutes}
     run.metrics = {"step": run.step, **summary}
     save_checkpoint(run)
     run.folder.log({"event": "final", **summary}, run.rank == 0)
     return {**summary, "step": run.step, "checkpoint": str(run.folder.ckpt), "out_dir": str(run.folder.path)}
-
-
-def save_checkpoint(run: Run) -> None:
-    """What a run continues from: model, optimizer, fp16's loss scale ({} without fp16), schedule, loop
-    state and every rank's random streams, written by rank 0 with only finite weights; a failure stops
-    every rank in one line (RunFolder.save; the format and the loader: lib/checkpoint.py)."""
-    cfg = run.cfg
-    ckpt = {"model": dict(run.trainable.state_dict()),  # a plain dict: no _metadata past weights_only
-            "arch": "linear-probe" if cfg.probe else cfg.arch,
-            "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
-                                      else asdict(run.model.config)),
-            "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
-            "scaler": run.scaler.state_dict(), "scheduler": dict(run.sched, step=run.step), "step": run.step,
-            "metrics": primitive(run.metrics)}
-    run.folder.save(ckpt, run.augment, run.device, run.rank, run.world,
-                    f"Try a lower --lr (peak now {run.sched['peak_lr']:.3g})")
 
 
 # --- command line ---
@@ -490,8 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def evaluation_setup(path, flags: dict | None = None, flag: str = "--eval-only"):
-    """A checkpoint, rebuilt with its test data as trained -> (cfg, model, task) for evaluate(); `flags`
-    (TrainConfig names, e.g. test_subset, device) may change how it is evaluated, never the model."""
+    """A checkpoint rebuilt with its test data -> (cfg, model, task) for evaluate() (lib/resume.py)."""
     from lib import resume  # what reads a saved run: imported by --eval-only, --resume and the tools only
     return resume.evaluation_setup(path, dict(flags or {}), flag, TrainConfig, resolve_config)
 
@@ -501,17 +467,16 @@ def main(argv=None) -> dict:
     if explicit.pop("list_archs", False):
         print("\n".join(preset_names()))
         return {}
-    if explicit.get("eval_only"):  # the training loop's evaluation of a checkpoint; writes nothing
+    if explicit.get("eval_only") or explicit.get("resume"):
         from lib import resume  # what reads a saved run: imported by --eval-only, --resume and the tools only
+    if explicit.get("eval_only"):  # the training loop's evaluation of a checkpoint; writes nothing
         return resume.evaluate_only(explicit, TrainConfig, resolve_config, evaluate)
-    resume_ckpt = None
     if explicit.get("resume"):  # the saved run's config, extended by the flags given now
-        from lib import resume  # what continues a saved run: imported by resumed runs only
         resume_ckpt, cfg = resume.resume_config(explicit, TrainConfig, resolve_config)
     else:
         if explicit.get("backbone"):  # a probe is named after its backbone
             explicit.setdefault("arch", tasks.backbone_arch(explicit["backbone"]))
-        cfg = resolve_config(explicit)
+        resume_ckpt, cfg = None, resolve_config(explicit)
     if cfg.out_dir:
         RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
     try:

@@ -1,22 +1,20 @@
-"""The boundary: everything a user may type or load is checked here, once, before any work; a failure is
+"""The boundary: every flag and path a user may type is checked here, once, before any work; a failure is
 one line naming the flag or the file (`fail`). The rules, each written once:
 
-- every number flag of every entry point is finite and in its range (`RANGES`); train.py's flags are in
-  their choices and agree with one another (`check_config`);
+- every number flag of every entry point is finite and in its range (`RANGES`, `check_numbers`);
 - a command writes only new files or its own (`output_problem`), atomically (lib/cli.py), and a resumed
   run never into another run's folder (lib/checkpoint.RunFolder);
-- a loaded checkpoint is data (weights_only in lib/checkpoint.py; an allow-list unpickler in lib/data.py):
-  plain dense tensors of the model's names and shapes (`fit_problem`), nothing non-finite in its weights
-  or outputs, for every reader (`non_finite`, `diverged`);
+- a checkpoint is data, checked by its one reader (lib/checkpoint.py): weights_only, plain finite tensors
+  of the model's names and shapes; data files by lib/data.py's allow-list unpickler;
 - nothing reaches the network without --download (lib/data.py, lib/language.py, --teacher hub:).
 """
 
 from __future__ import annotations
 
 import ast
-import cmath
 import contextlib
 import dataclasses
+import difflib
 import math
 import os
 import stat
@@ -24,7 +22,6 @@ import sys
 import typing
 from pathlib import Path
 
-import torch
 
 import revit
 from revit import MAX_DEPTH
@@ -32,13 +29,8 @@ from revit import MAX_DEPTH
 # --- one-line errors ---
 
 
-class InputError(ValueError):
-    """Bad input to a tool, found before any work: its main reports it with `fail`."""
-
-
 def fail(message: str, prog: str | None = None):
-    """A user error: one line `prog: error: message` on stderr, non-zero exit, no traceback. prog: the
-    script being run (train.py when imported by a test or a notebook)."""
+    """A user error: one line `prog: error: message` on stderr, non-zero exit, no traceback."""
     raise SystemExit(f"{prog or script_name()}: error: {message}")
 
 
@@ -55,13 +47,13 @@ def script_name() -> str:
 
 
 def closed(low, high):
-    """A range: low <= value <= high."""
     return (lambda v: low <= v <= high), f"in {low:,}..{high:,}"
 
 
 def above(low, high):
-    """A range open at the bottom: low < value <= high."""
     return (lambda v: low < v <= high), f"in ({low:,}, {high:,}]"
+
+
 # The upper bounds are ours, far above any use: a typo is refused instead of overflowing, allocating for
 # hours or training forever (Python's betavariate with alpha 1e308 does not even return).
 BATCH = 1 << 20  # examples in one step or evaluation batch (ImageNet recipes use 2,048-4,096)
@@ -87,7 +79,7 @@ RANGES = {  # a flag's name (train.py, bench.py, sample.py, tools/) -> (test, wh
     "gpus": closed(1, 1 << 16),
     "seeds": closed(1, 100),  # each seed is a training run per sweep cell
     "num_samples": closed(1, 1000),
-    "opset": closed(14, 20),  # ONNX: attention exports as of 14; torch.onnx's TorchScript exporter writes up to 20
+    "opset": closed(14, 20),  # ONNX: attention exports as of 14; the TorchScript exporter writes up to 20
     "patch_size": closed(1, 1024),
     "block_size": closed(1, 1 << 16),
     "num_experts": closed(1, 1024),
@@ -105,14 +97,15 @@ RANGES = {  # a flag's name (train.py, bench.py, sample.py, tools/) -> (test, wh
     **dict.fromkeys(("mixup", "cutmix"), closed(0, 100)),
     "router_lr_scale": above(0, 1000),  # ψ's lr multiplier (ours)
     **dict.fromkeys(("beta1", "beta2"), ((lambda v: 0 <= v < 1), "in [0, 1)")),
-    **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"), closed(0, 1)),
+    **dict.fromkeys(("label_smoothing", "mix_prob", "mix_switch_prob", "drop_path", "depth_drop"),
+                    closed(0, 1)),
 }
 ANY_NUMBER = closed(-COUNT, COUNT)  # a number flag without a rule of its own
 
 
 def check_numbers(values: dict, prog: str | None = None, **ranges) -> None:
-    """Every number of `values` (a parsed command line: name -> value) finite and in its range: RANGES,
-    or `ranges` where a command allows less (depths.py's --batch >= 2). One line naming the flag."""
+    """Every number of `values` (flag name -> value) finite and in its range: RANGES, or `ranges` where a
+    command allows less (depths.py's --batch >= 2)."""
     for name, value in values.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
@@ -134,8 +127,7 @@ DENSE_PROBES = ("seg", "monodepth")  # per-patch heads on cached features: tools
 
 
 def check_config(cfg) -> None:
-    """train.py's config (its family already matched to --dataset), before anything is read or written:
-    every number in its range, every choice one of CHOICES, the flags that need one another."""
+    """train.py's config before anything is read or written: numbers, choices, flags that need one another."""
     if cfg.probe in DENSE_PROBES:
         fail(f"--probe {cfg.probe} is a dense probe: python -m tools.probes --probe {cfg.probe} "
              f"--backbone CKPT (train.py trains the linear classification probe, --probe cls)")
@@ -146,31 +138,28 @@ def check_config(cfg) -> None:
                  f"got {getattr(cfg, name)!r}")
     module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, lib.moe or alternet
     vision = is_vision(module)
-    if not vision and not cfg.max_steps:
-        fail("text data trains by steps: give --max-steps")
-    if not cfg.max_steps and not cfg.epochs:
-        fail("give --epochs or --max-steps (both are 0)")
-    if cfg.probe and not cfg.backbone:
-        fail("--probe needs --backbone CHECKPOINT (the frozen model to probe)")
-    if cfg.probe and cfg.teacher:
-        fail("--probe and --teacher cannot be combined")
-    problem = cfg.data_dir and path_problem(cfg.data_dir, "folder")
-    if problem:
-        what = " does not exist" if problem == "no such folder" else ": " + problem
-        fail(f"--data-dir {cfg.data_dir}{what} (omit it to search ./data, $REVIT_DATA_DIR and "
-             f"/usr/share/datasets)")
-    if cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file"):
-        fail(f"--data {cfg.data}: {path_problem(cfg.data, 'file')}")
-    if cfg.teacher.startswith("hub:") and not cfg.download:  # torch.hub fetches and runs a repository's code
-        fail(f"--teacher {cfg.teacher} is fetched from torch.hub (it downloads and runs facebookresearch/dinov2's "
-             f"hubconf.py): give --download to allow it")
+    data_dir = cfg.data_dir and path_problem(cfg.data_dir, "folder")
+    what = " does not exist" if data_dir == "no such folder" else f": {data_dir}"
+    data = cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file")  # file or folder
+    hub = cfg.teacher.startswith("hub:") and not cfg.download  # torch.hub downloads and runs a repo's code
+    for broken, message in [  # the flags that need one another, and the paths read
+        (not vision and not cfg.max_steps, "text data trains by steps: give --max-steps"),
+        (not cfg.max_steps and not cfg.epochs, "give --epochs or --max-steps (both are 0)"),
+        (cfg.probe and not cfg.backbone, "--probe needs --backbone CHECKPOINT (the frozen model to probe)"),
+        (cfg.probe and cfg.teacher, "--probe and --teacher cannot be combined"),
+        (data_dir, f"--data-dir {cfg.data_dir}{what} (omit it to search ./data, $REVIT_DATA_DIR and "
+                   f"/usr/share/datasets)"),
+        (data, f"--data {cfg.data}: {data}"),
+        (hub, f"--teacher {cfg.teacher} is fetched from torch.hub (it downloads and runs "
+              f"facebookresearch/dinov2's hubconf.py): give --download to allow it")]:
+        if broken:
+            fail(message)
     parse_depths(cfg.eval_depths)
     parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
 
 
 def preset_module(arch: str, config=None):
-    """revit, lib.moe (a comparison mechanism's preset, or a saved `config` with its fields) or alternet:
-    the module whose create_model builds preset `arch`, or None. A reViT run imports neither of the others."""
+    """The module (revit, lib.moe or alternet) that builds preset `arch` with `config`, or None."""
     if arch in revit.PRESETS and not set(config if isinstance(config, dict) else ()) - VISION_FIELDS:
         return revit
     import alternet
@@ -187,22 +176,38 @@ def is_vision(module) -> bool:
     return module is not None and module.__name__ in ("revit", "lib.moe")
 
 
+def family_of(arch: str) -> str:
+    """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
+    module = preset_module(arch)
+    if module is None:
+        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
+        fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
+             + "python train.py --list-archs prints all names")
+    return "vision" if is_vision(module) else "language"
+
+
+def preset_names() -> list[str]:
+    import alternet  # for their names: a list or an unknown --arch
+    from lib import moe  # the comparison mechanisms' presets are names too
+    return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
+
+
 # --- the two small languages of flags: depth lists and model arguments ---
 
 
-def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1, prog: str | None = None) -> list[int]:
+def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1,
+                 prog: str | None = None) -> list[int]:
     """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH."""
     items = [d.strip() for d in text.split(",")] if text.strip() else []
     if not all(d.lstrip("-").isdigit() for d in items):
         fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}", prog)
     if any(len(d) > 6 or not minimum <= int(d) <= MAX_DEPTH for d in items):  # never a 5,000-digit int
-        fail(f"{flag} must be in {minimum}..{MAX_DEPTH} (the deepest preset has 24 steps); got {text[:80]!r}", prog)
+        fail(f"{flag} must be in {minimum}..{MAX_DEPTH}; got {text[:80]!r}", prog)
     return [int(d) for d in items]
 
 
 def parse_model_args(text: str, config_class=None) -> dict:
-    """'dim=128,heads=4' -> {'dim': 128, 'heads': 4}; with config_class, each name and type checked (the
-    model's own config checks then take the values)."""
+    """'dim=128,heads=4' -> {'dim': 128, 'heads': 4}; with config_class, each name and type checked."""
     hints = typing.get_type_hints(config_class) if config_class else {}
     overrides = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -215,17 +220,15 @@ def parse_model_args(text: str, config_class=None) -> dict:
             value = ast.literal_eval(value)
         if hints and key not in hints:
             fail(f"--model-args {key}: not a field of {config_class.__name__}; fields: {', '.join(hints)}")
-        if hints and not takes(hints[key], value):
-            fail(f"--model-args {key}={value!r}: {key} takes {type_names(hints[key])}")
-        if too_deep({key: value}):
-            fail(f"--model-args {too_deep({key: value})}")
+        problem = (hints and wrong_type({key: value}, config_class)) or too_deep({key: value})
+        if problem:
+            fail(f"--model-args {problem}")
         overrides[key] = value
     return overrides
 
 
 def takes(hint, value) -> bool:
-    """Whether a field annotated `hint` (int, float, str, bool, X | None) takes `value`; a float field
-    takes an int, an int field never takes a bool."""
+    """Whether a field annotated `hint` takes `value` (a float field takes an int, an int never a bool)."""
     kinds = tuple(k for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
     if isinstance(value, bool):
         return bool in kinds
@@ -237,8 +240,7 @@ def type_names(hint) -> str:
 
 
 def wrong_type(values: dict, config_class) -> str | None:
-    """The first of `values` (a saved config) whose field in config_class does not take it, as
-    'name=value: name takes int'; None when every known field fits (unknown names are ignored)."""
+    """The first known field of a saved config whose value config_class does not take, in words, or None."""
     hints = typing.get_type_hints(config_class)
     for name, value in values.items():
         if name in hints and not takes(hints[name], value):
@@ -246,12 +248,9 @@ def wrong_type(values: dict, config_class) -> str | None:
     return None
 
 
-DEPTH_FIELDS = ("depth", "max_depth", "raptor_blocks")  # config fields that count steps or blocks
-
-
 def too_deep(config: dict) -> str | None:
     """A model config (--model-args, a checkpoint, safetensors metadata) deeper than MAX_DEPTH, in words."""
-    for name in DEPTH_FIELDS:
+    for name in ("depth", "max_depth", "raptor_blocks"):  # the fields that count steps or blocks
         if isinstance(config.get(name), int) and config[name] > MAX_DEPTH:
             return f"{name}={config[name]}; at most {MAX_DEPTH}"
     return None
@@ -265,7 +264,8 @@ def path_problem(path, kind: str = "file") -> str | None:
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
-        return f"no such {kind}" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror or e})"
+        missing = isinstance(e, FileNotFoundError)
+        return f"no such {kind}" if missing else f"cannot be read ({e.strerror or e})"
     if stat.S_ISDIR(mode) != (kind == "folder"):
         return "a folder, not a file" if kind == "file" else "a file, not a folder"
     if kind == "file" and not stat.S_ISREG(mode):  # a FIFO or a device: reading it could wait forever
@@ -279,13 +279,12 @@ SAVED_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive, a pickl
 
 
 def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:
-    """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path ("PATH is a
-    file; give a folder"), or None (parent folders are created). No command overwrites what it did not
-    create: a run's files, any saved model and (unless `runs_ok`) a folder holding a run are refused."""
+    """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path, or None
+    (parent folders are created). Never over a run's files, a saved model or (unless `runs_ok`) a run."""
     path = Path(path)
     if path.exists() and path.is_dir() != (kind == "folder"):
         return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"
-    if path.exists() and not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
+    if path.exists() and not os.access(path, os.W_OK):
         return "is not writable"
     parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
     if not path.exists() and not parent.is_dir():
@@ -293,12 +292,12 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
     if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"cannot be created: {parent} is not a writable folder"
     if kind == "folder":
-        held = [name for name in RUN_FILES if not runs_ok and os.path.lexists(path / name)]
+        held = [name for name in RUN_FILES if not runs_ok and (path / name).exists()]
         return f"holds a training run ({held[0]}); choose another folder" if held else None
-    if path.exists() and (path.name in RUN_FILES or path.name.startswith(".lock")):
+    if path.exists() and path.name in RUN_FILES:
         return f"is a file of a training run ({path.name}); choose another path"
-    if path.is_file() and os.access(path, os.R_OK):
-        with open(path, "rb") as f:  # a regular file: reading its first bytes cannot hang
+    if path.is_file():
+        with open(path, "rb") as f:
             if f.read(4).startswith(SAVED_FILE_MAGIC):
                 return "already holds a saved checkpoint or model (never overwritten); choose another path"
     return None
@@ -306,7 +305,7 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:
     """output_problem of an output folder and of each file `names` a command writes into it, as the whole
-    one-line message ("--out F: its depths.json is a folder; ..."); None when all can be written."""
+    one-line message; None when all can be written."""
     problem = output_problem(folder, "folder", runs_ok)
     if problem:
         return f"{flag} {folder} {problem}"
@@ -315,108 +314,3 @@ def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | No
         if problem:
             return f"{flag} {folder}: its {name} {problem}"
     return None
-
-
-# --- a loaded checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
-
-
-def plain_values(obj):
-    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token",
-    "metrics.val_loss"), each container visited once: a file of shared references is read in the time
-    of its size."""
-    stack, seen = [("", obj)], set()
-    while stack:
-        place, value = stack.pop()
-        if not isinstance(value, (dict, list, tuple)):
-            yield place, value
-            continue
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v) for k, v in items)
-
-
-def stored_problem(values) -> str | None:
-    """The first tensor of the file that is not plain data: sparse, meta (no data), quantized, or one whose
-    storage holds fewer bytes than its shape claims or whose elements share storage (a stride 0 along a
-    dimension of size > 1): a small file that expands to gigabytes on the first copy."""
-    for place, t in values:
-        if not torch.is_tensor(t):
-            continue
-        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
-                else "a quantized tensor" if t.is_quantized else None)
-        if what is None and t.numel():
-            extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-            have = t.untyped_storage().nbytes()
-            repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
-            if repeats or have < max(t.numel(), extent) * t.element_size():
-                what = f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
-        if what:
-            return f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense tensors"
-    return None
-
-
-def shown(place: str) -> str:
-    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
-    if place.startswith("model."):
-        return place[len("model."):]
-    return "optimizer state " + place[len("optimizer.state."):] if place.startswith("optimizer.state.") else place
-
-
-def weights_problem(tensors: dict) -> str | None:
-    """The loader's tensor checks for weights read from another format (safetensors): plain and finite."""
-    values = list(plain_values({"model": tensors}))
-    return stored_problem(values) or non_finite(values)
-
-
-def non_finite(values) -> str | None:
-    """The first NaN / inf of the file, in a tensor of any float or complex dtype or a number (weights,
-    optimizer state, metrics, configs): nothing non-finite is evaluated, exported or trained on."""
-    for place, value in values:
-        if torch.is_tensor(value):
-            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
-        else:
-            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
-        if bad:
-            what = "weights are" if place.startswith(("model.", "optimizer.")) else f"{place.split('.')[0]} is"
-            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an earlier "
-                    f"checkpoint")
-    return None
-
-
-def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
-    """How `weights` differ from a model's state dict `expected` (names, shapes, and dtypes: a float weight
-    takes only floats, as int8 would be rounded, bool become 1.0, complex lose its imaginary part), or None."""
-    problems = {"missing": [k for k in expected if k not in weights],
-                "unexpected": [k for k in weights if k not in expected],
-                "differently shaped": [f"{k} {list(weights[k].shape)} vs {list(v.shape)}" for k, v in expected.items()
-                                       if k in weights and weights[k].shape != v.shape],
-                "wrongly typed": [f"{k} {str(weights[k].dtype)[6:]} for {str(v.dtype)[6:]}" for k, v in expected.items()
-                                  if k in weights and not holds(v.dtype, weights[k].dtype)]}
-    for problem, names in problems.items():
-        if names:
-            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
-                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-    return None
-
-
-def holds(expected: torch.dtype, given: torch.dtype) -> bool:
-    return given.is_floating_point if expected.is_floating_point else given == expected
-
-
-@torch.no_grad()
-def diverged(model: torch.nn.Module) -> str | None:
-    """Finite weights whose output is not (weights near float32's limit overflow in the first matmul): the
-    model on one seeded input, an image of N(0, 1) pixels or a few tokens. Every reader refuses it, as
-    a NaN weight: nothing evaluates, samples from, probes, distils from or exports such a model."""
-    device, c = next(model.parameters()).device, model.config
-    if hasattr(c, "image_size"):  # a vision model of revit.py
-        seeded = torch.Generator().manual_seed(0)
-        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
-    else:  # AlterNet: the logits of a few tokens
-        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
-    if torch.isfinite(out).all():
-        return None
-    return ("its weights are finite but its output is not (NaN or inf on an example input): a diverged run; "
-            "use an earlier checkpoint")

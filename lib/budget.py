@@ -1,15 +1,9 @@
-"""The machinery of `python bench.py check`: parts run in turn within one time budget, each in its own
-process (a hang in torch.compile or a CUDA error stops there; its process group is killed at its timeout,
-and on Linux dies with the check), with a report rewritten after every row.
+"""`python bench.py check`'s machinery: parts run in turn within one time budget, each its own process
+(group), killed at its timeout and, on Linux, with the check; the report is rewritten after every row.
 
-- Rows: `parse` turns each output line into row updates (default: the `ROW {json}` lines of `emit`); other
-  lines go to the log. `finish` reads what the process left (a run's metrics) once it has ended.
-- The report: after every row update, JSON and markdown are rewritten atomically and the row is printed,
-  so a killed check leaves every finished row on disk. SIGTERM and Ctrl-C stop the running part, mark the
-  rest and write the report.
-- The budget (our choice): each part gets what is left minus the shares of the parts after it, so unused
-  time passes on and a slow part eats into no later share. A part whose time would fall under its floor is
-  not started; its rows say so.
+Each part gets what is left minus the shares of the parts after it (unused time passes on); a part whose
+time would fall under its floor is not started, and its rows say so. SIGTERM and Ctrl-C stop the running
+part, mark the rest and write the report: a killed check leaves every finished row on disk.
 """
 from __future__ import annotations
 
@@ -25,12 +19,10 @@ import threading
 import time
 from collections import deque
 
-from lib.cli import json_text, write_json
+from lib.cli import atomic_write_text, json_text, write_json
 
 ROW = "ROW "
-# Row statuses of a check that passed. The others: failed, error, timed out, not run, stopped (the check was
-# stopped), and pending or running: on disk while the check runs, or after it was killed.
-PASSED = ("ok", "skipped")
+PASSED = ("ok", "skipped")  # the others: failed, error, timed out, not run, stopped, pending, running
 PR_SET_PDEATHSIG = 1
 
 
@@ -58,8 +50,8 @@ class Part:
     blocked_status: str = "not run"  # or "skipped": a part that does not apply here (GPU tests on a CPU)
     kind: str = ""                  # how the report shows its rows (the caller's render knows)
     env: dict | None = None
-    parse: callable = parse_rows    # line -> [(row label, fields)]
-    finish: callable = None         # (exit status, or None when stopped) -> [(row label, fields)]
+    parse: callable = parse_rows    # an output line -> [(row label, fields)]; other lines go to the log
+    finish: callable = None         # (exit status, or None when stopped) -> [(row label, fields)], at its end
 
 
 class Stopped(Exception):
@@ -67,7 +59,7 @@ class Stopped(Exception):
 
 
 class Report:
-    """The rows and the plan, written to out_dir/check.json and check.md after every change."""
+    """The rows and the plan, in out_dir/check.json and check.md, rewritten after every change."""
 
     def __init__(self, out_dir: str, header: dict, render, line):
         self.out_dir, self.header, self.render, self.line = out_dir, header, render, line
@@ -81,7 +73,7 @@ class Report:
         return found
 
     def update(self, part: str, label: str, fields: dict) -> None:
-        """Change a row, rewrite the report, and print the row when it has just got its result."""
+        """Change a row, rewrite the report, print the row when it has just got its result."""
         row = self.row(part, label)
         before = row["status"]
         row.update(fields)
@@ -95,22 +87,19 @@ class Report:
                 "complete": not statuses & {"pending", "running"}, "ok": statuses <= set(PASSED)}
 
     def write(self) -> None:
-        """Both files, each to a temporary name then renamed; SIGTERM and SIGINT wait until both are done."""
+        """Both files, atomically; SIGTERM and SIGINT wait until both are written."""
         signals = {signal.SIGTERM, signal.SIGINT}
         mask = getattr(signal, "pthread_sigmask", lambda how, signals: None)  # Windows: no signal mask
         mask(signal.SIG_BLOCK, signals)
         try:
             write_json(self.document(), os.path.join(self.out_dir, "check.json"))
-            path = os.path.join(self.out_dir, "check.md")
-            with open(f"{path}.tmp{os.getpid()}", "w") as fh:
-                fh.write(self.render(self.document()) + "\n")
-            os.replace(f"{path}.tmp{os.getpid()}", path)
+            atomic_write_text(os.path.join(self.out_dir, "check.md"), self.render(self.document()) + "\n")
         finally:
             mask(signal.SIG_UNBLOCK, signals)
 
 
 def run_plan(parts: list[Part], budget: float, report: Report, log) -> None:
-    """Every part in turn, each under its timeout (see the module's docstring); `log` an open text file."""
+    """Every part in turn, each under its timeout; `log` an open text file."""
     deadline = time.monotonic() + budget
     for part in parts:
         report.parts.append({"part": part.name, "status": "pending"})
@@ -133,11 +122,11 @@ def run_plan(parts: list[Part], budget: float, report: Report, log) -> None:
                 entry.update(status="running", timeout_s=round(timeout, 1))
                 run_part(part, timeout, report, entry, log)
             except Stopped as stop:
-                entry.update(status="stopped", detail=f"the check was stopped ({stop})")
-                close_rows(report, part, "stopped", f"the check was stopped ({stop})")
-                for later, e in zip(parts[i + 1:], report.parts[i + 1:]):
-                    e.update(status="not run", detail=f"the check was stopped ({stop})")
-                    close_rows(report, later, "not run", e["detail"])
+                why = f"the check was stopped ({stop})"
+                for j in range(i, len(parts)):  # this part stopped, the later ones not run
+                    status = "stopped" if j == i else "not run"
+                    report.parts[j].update(status=status, detail=why)
+                    close_rows(report, parts[j], status, why)
                 raise
 
 
@@ -191,19 +180,18 @@ def take_line(part: Part, line: str, report: Report, tail: deque, log) -> None:
 
 
 def close_rows(report: Report, part: Part, status: str, why: str) -> None:
-    """Every row of `part` that has no result yet gets `status` and the reason; a part that made no row
-    at all gets one, named after the part."""
+    """Every row of `part` without a result gets `status` and why (a part that made no row: one, its name)."""
     rows = [r for r in report.rows if r["part"] == part.name] or [report.row(part.name, part.name)]
     for row in rows:
         if row["status"] in ("pending", "running"):
             earlier = row.get("detail")  # what a running row said last (its first call's time, say)
-            report.update(part.name, row["row"], {"status": status, "detail": f"{why}; {earlier}" if earlier else why})
+            detail = f"{why}; {earlier}" if earlier else why
+            report.update(part.name, row["row"], {"status": status, "detail": detail})
     report.write()
 
 
 def start_reader(process) -> queue.Queue:
-    """The process's output lines on a queue (None after the last), read by a thread: the check waits on the
-    queue with a timeout, never on a blocking read."""
+    """The process's lines on a queue (None after the last), read by a thread: the check never blocks."""
     lines = queue.Queue()
 
     def read():
@@ -215,8 +203,7 @@ def start_reader(process) -> queue.Queue:
 
 
 def own_group_dying_with_parent() -> None:
-    """In the part's process, before it runs: its own process group (a timeout stops everything it
-    started) and, on Linux, SIGKILL when the check's process dies."""
+    """In the part's process before it runs: its own process group; (Linux) SIGKILL when the check dies."""
     os.setpgid(0, 0)
     with contextlib.suppress(Exception):
         LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -228,7 +215,7 @@ OWN_GROUP = dict(preexec_fn=own_group_dying_with_parent) if os.name == "posix" e
 
 
 def stop_group(process) -> None:
-    """SIGKILL to the part's process group (its own children too), then reap it."""
+    """SIGKILL to the part's process group (its children too), then reap it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if os.name == "posix":
             os.killpg(process.pid, signal.SIGKILL)
@@ -241,7 +228,7 @@ def stop_group(process) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """SIGTERM and SIGINT raise Stopped in the main thread while the plan runs (the previous handlers after)."""
+    """SIGTERM and SIGINT raise Stopped in the main thread while the plan runs."""
     def stop(signum, frame):
         raise Stopped(f"{signal.Signals(signum).name} after {time.monotonic() - started:.0f} s")
     started = time.monotonic()

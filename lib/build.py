@@ -1,11 +1,10 @@
-"""What a run's config builds before its first step (train.py's set-up, --eval-only, tools/depths.py):
-the data, model and task of each kind of run (`build`: lib/tasks.py, lib/planted.py or lib/language.py,
-each imported by its own runs only), the micro-steps whose peak memory fits (`fit_in_memory`, with
-lib/memory.py), the optimizer (`adamw`, `param_groups`) and the module the step calls (`wrap`).
-"""
+"""What train.py's config builds before the first step: the process (`setup`), data, model and task
+(`build`), the micro-steps whose peak memory fits (`fit_in_memory`), the optimizer (`adamw`) and the
+module the step calls (`wrap`)."""
 
 from __future__ import annotations
 
+import random
 from typing import NamedTuple
 
 import torch
@@ -13,13 +12,31 @@ import torch.nn as nn
 
 from lib import tasks
 from lib.boundary import fail
+from lib.cli import device_options, init_distributed, say
 from lib.data import TEXT_DATASETS
 
 
+def setup(cfg) -> tuple[int, int, torch.device, dict]:
+    """--device, torchrun's ranks, the seeds, TF32 and what --precision auto picks -> (rank, world, device,
+    device_options)."""
+    rank, world, device = init_distributed(cfg.device)
+    if cfg.batch_size % (world * (cfg.grad_accum or 1)):
+        fail(f"--batch-size {cfg.batch_size} must be divisible by ranks x --grad-accum = "
+             f"{world * (cfg.grad_accum or 1)}")
+    options = device_options(device.type, cfg.precision)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if options["tf32"]:  # TF32 for the float32 parts outside autocast
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if cfg.precision == "auto" and options["precision"] == "fp16":  # a T4, a V100: the free GPUs
+        say(f"override: precision=fp16 (auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 "
+            f"autocast with a gradient scaler)")
+    return rank, world, device, options
+
+
 class Parts(NamedTuple):
-    """What a config builds. batches(start_step) -> (step, inputs, targets): the data order is a function
-    of the step alone, so a resumed run sees the same batches. augment: None for text; steps_per_epoch:
-    None where a run counts steps only (text)."""
+    """batches(start_step) -> (step, inputs, targets), an order set by the step alone (a resumed run sees
+    the same batches); augment and steps_per_epoch are None for text."""
     model: nn.Module
     task: object
     batches: object
@@ -28,10 +45,9 @@ class Parts(NamedTuple):
 
 
 def build(cfg, rank: int, world: int, device, ckpt: dict | None, plan_memory: bool = False) -> Parts:
-    """Data, model and task of train.py's config: images (lib/tasks.py), the planted task (lib/planted.py)
-    or text (lib/language.py). A resumed or evaluated checkpoint `ckpt` supplies the model config.
-    plan_memory (a training run): the memory gate, before the text is read (the config alone sets a
-    language model's size) or after the images are (their size sets a vision model's input)."""
+    """Images (lib/tasks.py, lib/planted.py) or text (lib/language.py, imported by text runs only); a
+    resumed or evaluated checkpoint `ckpt` supplies the model config. plan_memory (training): the memory
+    gate, before the text is read (the config sets a language model's size) or after the images are."""
     language = cfg.dataset in TEXT_DATASETS
     if plan_memory and language:
         fit_in_memory(cfg, None, device, world, ckpt)
@@ -48,8 +64,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None, plan_memory: bo
 
 
 def adamw(trainable: nn.Module, cfg, peak_lr: float, fused: bool) -> torch.optim.AdamW:
-    """The optimizer of train.py's config: AdamW over param_groups, at the peak lr (train_step sets the lr
-    of each step, times a group's lr_scale)."""
+    """AdamW over param_groups at the peak lr (train_step sets each step's lr, times a group's lr_scale)."""
     if cfg.router_lr_scale != 1 and not router_parameters(trainable):
         fail(f"--router-lr-scale {cfg.router_lr_scale}: {cfg.arch} has no router (reViT with E >= 2 and "
              f"the routed mechanisms of lib/moe.py have one); leave it at 1")
@@ -58,11 +73,10 @@ def adamw(trainable: nn.Module, cfg, peak_lr: float, fused: bool) -> torch.optim
 
 
 def param_groups(model: nn.Module, weight_decay: float, router_lr_scale: float = 1.0):
-    """AdamW groups: decay a weight iff it is >= 2-D, not a bias (reViT's per-expert biases are 2-D:
-    biases are never decayed, whatever their shape, as for every other model) and not listed in
-    the model's no_weight_decay() (class/position tokens, the reViT router's output layer).
-    router_lr_scale m != 1 (ours; the paper trains psi at the one lr): psi of Eq. 1 in a third group, at
-    lr x m ("lr_scale", read by train_step) and without decay. m = 1 keeps the two groups exactly."""
+    """AdamW groups: decay a weight iff it is >= 2-D, not a bias (reViT's per-expert biases are 2-D) and
+    not in the model's no_weight_decay() (class/position tokens, the reViT router's output layer).
+    router_lr_scale m != 1 (ours; the paper trains psi at the one lr): psi of Eq. 1 in a third group at
+    lr x m ("lr_scale") without decay; m = 1 keeps the two groups exactly."""
     exclude = set(getattr(model, "no_weight_decay", lambda: set())())
     router = {id(p) for p in router_parameters(model)} if router_lr_scale != 1 else set()
     decay, no_decay, psi = [], [], []
@@ -85,10 +99,9 @@ MEASURED_FROM = 20_000_000  # parameters: smaller models on a CPU skip the estim
 
 
 def fit_in_memory(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None = None) -> None:
-    """Before the first step: the fewest --grad-accum micro-steps whose expected peak memory per device
-    fits (lib/memory.py). Skipped for probes, distillation and CPU runs of models under MEASURED_FROM
-    parameters without --gpu-memory (measuring would dominate their start-up). model None: the language
-    model of cfg (or ckpt), sized on the meta device before the text is read."""
+    """The fewest --grad-accum micro-steps whose expected peak memory per device fits (lib/memory.py);
+    skipped for probes, distillation and CPU runs of models under MEASURED_FROM parameters without
+    --gpu-memory (measuring would dominate their start-up). model None: cfg's (or ckpt's) language model."""
     unasked = device.type != "cuda" and cfg.gpu_memory is None  # a CPU run that names no memory budget
     small = model is not None and sum(p.numel() for p in model.parameters()) < MEASURED_FROM
     if cfg.probe or cfg.teacher or (unasked and small):
@@ -99,9 +112,8 @@ def fit_in_memory(cfg, model: nn.Module | None, device, world: int, ckpt: dict |
 
 
 def wrap(model: nn.Module, cfg, device, world: int) -> nn.Module:
-    """What the training step calls: the model, DDP-wrapped (torchrun) and/or compiled (--compile, any
-    device, --compile-backend), in the order PyTorch documents for both: compile(DDP(model)), so that the
-    compiled graph is split at DDP's gradient buckets and their all-reduce overlaps the backward."""
+    """What the step calls: compile(DDP(model)), the order PyTorch documents, so that the compiled graph is
+    split at DDP's gradient buckets and their all-reduce overlaps the backward."""
     forward = model
     if world > 1:
         device_ids = [device.index] if device.type == "cuda" else None

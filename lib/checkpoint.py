@@ -1,17 +1,14 @@
-"""Checkpoints and run folders: the floor that train.py and every tool (tools/probes.py, tools/analyze.py,
-tools/export.py, bench.py, sample.py) read checkpoints through, without importing the trainer.
+"""Checkpoints and run folders, read by train.py and every tool without importing the trainer.
 
-A checkpoint of this project is a dict of tensors and plain values, loaded with weights_only=True:
-arch, model_config and model (the weights) rebuild a model (`load_model`); train_config, optimizer,
-scheduler, step, rng and metrics continue a run (train.py --resume). A linear probe saves only its
-head, with arch "linear-probe". Writes are atomic (`atomic_save`); reading errors are one line.
+A checkpoint is a dict of tensors and plain values, loaded with weights_only=True: arch, model_config
+and model rebuild a model (`load_model`); train_config, optimizer, scheduler, step, rng and metrics
+continue a run (train.py --resume). A linear probe saves only its head (arch "linear-probe").
 """
 
 from __future__ import annotations
 
-import difflib
+import cmath
 import json
-import os
 import random
 import re
 import shlex
@@ -31,9 +28,8 @@ import torch
 import torch.nn as nn
 
 import revit
-from lib.boundary import (diverged, fail, fit_problem, is_vision, non_finite, output_problem, path_problem,
-                          plain_values, preset_module, stored_problem, too_deep)
-from lib.cli import atomic_write_text, broadcast, git_commit, non_finite_place
+from lib.boundary import fail, output_problem, path_problem, preset_module, too_deep
+from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
 
 # --- reading and writing checkpoints: atomic save, one loader with one error path ---
@@ -43,41 +39,37 @@ RESUME_KEYS = MODEL_KEYS + ("train_config", "optimizer", "step", "rng")  # what 
 
 
 def atomic_save(obj: dict, path: Path) -> None:
-    """Write to a temp file in the same folder, then os.replace: a crash never leaves a torn file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def unreadable(error: Exception) -> str:
     """Why torch.load refused a file, in one line, never with its advice to load with weights_only=False
-    (that would run code stored in the file). torch's refusals of a stored object share "GLOBAL x.y"."""
+    (that would run code stored in the file)."""
     text = " ".join(str(error).split())
     stored = re.search(r"\bGLOBAL ([\w.]+)", text)
     if stored:  # a pickled Python object (a class, os.system, ...): never loaded, never run
         return (f"it stores the Python object {stored.group(1)}, which a safe load refuses "
                 "(files of this project hold only tensors and plain values)")
-    if "WeightsUnpickler error:" in text:
-        return f"not a PyTorch file ({text.split('WeightsUnpickler error:', 1)[1].split(' Check the')[0].strip()})"
     if "weights_only" in text or "Weights only load failed" in text:  # any other refusal: never the advice
         return "not a PyTorch file of plain tensors and values (a safe load refuses it)"
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
-    """A checkpoint of this project (weights_only=True) with every part named in `keys` checked by the
-    boundary's rules: its type, plain finite tensors, a model config that builds its arch and fits the
-    weights. ValueError with one line naming the flag, the file and what is wrong."""
-    problem = path_problem(path, "file")
+    """A checkpoint (weights_only=True) whose parts named in `keys` pass the boundary's rules: their types,
+    plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
+    one line naming the flag, the file and what is wrong."""
+    ckpt, problem = read_checkpoint(path, keys)
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
+    return ckpt
+
+
+def read_checkpoint(path, keys) -> tuple[dict | None, str | None]:
+    """load_checkpoint's reading and rules -> (checkpoint, what is wrong with it in a few words, or None)."""
+    problem = path_problem(path, "file")
+    if problem:
+        return None, problem
     try:
         if Path(path).suffix == ".safetensors":  # weights/ ships these: lib/weights.py
             from lib.weights import read_weights
@@ -85,66 +77,151 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
         else:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except ValueError as e:  # read_weights: what is wrong with the file, in words
-        raise ValueError(f"{flag} {path}: {e}") from None
+        return None, str(e)
     except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
-        raise ValueError(f"{flag} {path}: {unreadable(e)}") from None
+        return None, unreadable(e)
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise ValueError(f"{flag} {path}: not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
-                         f"project (missing {', '.join(missing)})")
+        return None, (f"not a {'training ' if 'optimizer' in keys else ''}checkpoint of this project "
+                      f"(missing {', '.join(missing)})")
     values = list(plain_values(ckpt))  # each container once: shared references are not expanded
-    problem = (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
-               or non_finite(values))
-    if problem:
-        raise ValueError(f"{flag} {path}: {problem}")
-    return ckpt
+    return ckpt, (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
+                  or non_finite(values))
 
 
-# What each part of a checkpoint must be: (check, what it must be). A file edited or written by other
-# code fails here, by name, instead of deep inside a model or an optimizer.
+# --- a loaded checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
+
+
+def plain_values(obj):
+    """(place, value) of every value in a checkpoint that is not a dict, list or tuple ("model.cls_token"),
+    each container visited once: a file of shared references is read in the time of its size."""
+    stack, seen = [("", obj)], set()
+    while stack:
+        place, value = stack.pop()
+        if not isinstance(value, (dict, list, tuple)):
+            yield place, value
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((f"{place}.{str(k)[:40]}" if place else str(k)[:40], v) for k, v in items)
+
+
+def stored_problem(values) -> str | None:
+    """The first tensor that is not plain data: sparse, meta, quantized, or one whose storage holds fewer
+    bytes than its shape claims or repeats (stride 0): a small file that expands to gigabytes."""
+    for place, t in values:
+        if not torch.is_tensor(t):
+            continue
+        what = ("a sparse tensor" if t.layout != torch.strided else "a meta tensor (no data)" if t.is_meta
+                else "a quantized tensor" if t.is_quantized else None)
+        if not what and t.numel():
+            extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+            have = t.untyped_storage().nbytes()
+            repeats = any(s <= 0 for n, s in zip(t.shape, t.stride()) if n > 1)
+            if repeats or have < max(t.numel(), extent) * t.element_size():
+                what = f"of shape {list(t.shape)} over {have} bytes of storage (its shape claims more)"
+        if what:
+            return (f"its tensor {shown(place)} is {what}; checkpoints of this project hold plain dense "
+                    f"tensors")
+    return None
+
+
+def shown(place: str) -> str:
+    """A value's place as messages name it: a weight by its name, optimizer state by its entry."""
+    if place.startswith("optimizer.state."):
+        return "optimizer state " + place.removeprefix("optimizer.state.")
+    return place.removeprefix("model.")
+
+
+def weights_problem(tensors: dict) -> str | None:
+    """The loader's tensor checks for weights read from safetensors: plain and finite."""
+    values = list(plain_values({"model": tensors}))
+    return stored_problem(values) or non_finite(values)
+
+
+def non_finite(values) -> str | None:
+    """The first NaN / inf of the file, in a tensor of a float or complex dtype or in a number, in words."""
+    for place, value in values:
+        if torch.is_tensor(value):
+            bad = (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all()
+        else:
+            bad = isinstance(value, (float, complex)) and not cmath.isfinite(value)
+        if bad:
+            weights = place.startswith(("model.", "optimizer."))
+            what = "weights are" if weights else f"{place.split('.')[0]} is"
+            return (f"its {what} not finite ({shown(place)} holds NaN or inf): a diverged run; use an "
+                    f"earlier checkpoint")
+    return None
+
+
+def fit_problem(expected: dict, weights: dict, arch: str) -> str | None:
+    """How `weights` differ from a model's state dict `expected` in names, shapes or dtypes, or None. A float
+    weight takes only floats: int8 would be rounded, bool become 1.0, complex lose its imaginary part."""
+    both = [(k, weights[k], v) for k, v in expected.items() if k in weights]
+    problems = {"missing": [k for k in expected if k not in weights],
+                "unexpected": [k for k in weights if k not in expected],
+                "differently shaped": [f"{k} {list(w.shape)} vs {list(v.shape)}" for k, w, v in both
+                                       if w.shape != v.shape],
+                "wrongly typed": [f"{k} {str(w.dtype)[6:]} for {str(v.dtype)[6:]}" for k, w, v in both
+                                  if not holds(v.dtype, w.dtype)]}
+    for problem, names in problems.items():
+        if names:
+            return (f"its weights do not fit {arch}: {len(names)} {problem} tensors "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return None
+
+
+def holds(expected: torch.dtype, given: torch.dtype) -> bool:
+    return given.is_floating_point if expected.is_floating_point else given == expected
+
+
+@torch.no_grad()
+def diverged(model: torch.nn.Module) -> str | None:
+    """Finite weights whose output on one seeded input is not (near float32's limit the first matmul
+    overflows): every reader refuses it, as a NaN weight."""
+    device, c = next(model.parameters()).device, model.config
+    if hasattr(c, "image_size"):  # a vision model of revit.py
+        seeded = torch.Generator().manual_seed(0)
+        out = model(torch.randn(1, c.in_channels, c.image_size, c.image_size, generator=seeded).to(device))
+    else:  # AlterNet: the logits of a few tokens
+        out = model(torch.zeros(1, min(8, c.seq_len), dtype=torch.long, device=device))["logits"]
+    if torch.isfinite(out).all():
+        return None
+    return "its weights are finite but its output is not (NaN or inf on an example input): a diverged run"
+
+
+# What each part of a checkpoint must be: a file edited or written by other code fails here, by name.
 PARTS = {
     "arch": (lambda v: isinstance(v, str), "a preset name (a string)"),
     "model_config": (lambda v: isinstance(v, dict), "a dict of config fields"),
-    "model": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t) for k, t in v.items()),
-              "a dict of named tensors"),
+    "model": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t)
+                                                    for k, t in v.items()), "a dict of named tensors"),
     "train_config": (lambda v: isinstance(v, dict), "a dict of train.py's settings"),
     "optimizer": (lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
                   and isinstance(v.get("param_groups"), list) and all(isinstance(g, dict) and isinstance(
                       g.get("params"), list) for g in v["param_groups"]),
                   "an optimizer state dict (state, param_groups)"),
     "step": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
-    "rng": (lambda v: isinstance(v, list) and len(v) > 0 and all(map(rng_ok, v)),
+    "rng": (lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(r, dict) for r in v),
             "a list of RNG states, one per rank (torch, python, ...)"),
     "metrics": (lambda v: isinstance(v, dict), "a dict"),
 }
 
 
-def rng_ok(state) -> bool:
-    """One rank's RNG states as rng_state() writes them (what set_rng_state can restore)."""
-    def python_ok(s):
-        return isinstance(s, tuple) and len(s) == 3 and isinstance(s[1], tuple) and len(s[1]) == 625
-
-    def generator_ok(t):
-        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.ndim == 1
-
-    return (isinstance(state, dict) and generator_ok(state.get("torch")) and python_ok(state.get("python"))
-            and ("augment" not in state or generator_ok(state["augment"]))
-            and ("augment_batch" not in state or python_ok(state["augment_batch"])))
-
-
 def structure_problem(ckpt: dict, keys) -> str | None:
-    """Each part the caller needs (`keys`), and train_config and metrics (tools read them) when present."""
+    """Each part the caller needs, and train_config and metrics (tools read them) when present."""
     for key in dict.fromkeys((*keys, "train_config", "metrics")):
         if key in ckpt and key in PARTS and not PARTS[key][0](ckpt[key]):
-            shown = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
-            return f"its {key} must be {PARTS[key][1]}; got {shown[:80]}"
+            got = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
+            return f"its {key} must be {PARTS[key][1]}; got {got[:80]}"
     return None
 
 
 def config_problem(ckpt: dict, keys) -> str | None:
-    """The model config with the rules of a new model (revit.ViTConfig / alternet.AlterNetConfig, and
-    the depth bound of the command line), checked by building the model on the meta device (no
-    memory, no RNG): then the weights must fit it exactly."""
+    """The model config under a new model's rules, by building it on the meta device (no memory, no RNG);
+    then the weights must fit it exactly."""
     if "model_config" not in keys or ckpt["arch"] == "linear-probe":
         return None
     arch, config = ckpt["arch"], ckpt["model_config"]
@@ -161,25 +238,8 @@ def config_problem(ckpt: dict, keys) -> str | None:
     return fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None
 
 
-def family_of(arch: str) -> str:
-    """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
-    module = preset_module(arch)
-    if module is None:
-        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
-        fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
-             + "python train.py --list-archs prints all names")
-    return "vision" if is_vision(module) else "language"
-
-
-def preset_names() -> list[str]:
-    import alternet  # for their names: a list or an unknown --arch
-    from lib import moe  # the comparison mechanisms' presets are names too
-    return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
-
-
 def load_model(path, device="cpu", flag: str = "checkpoint"):
-    """Rebuild a trained model from a checkpoint of this project -> (model in eval mode, ckpt dict).
-    ValueError with one line naming the flag, the file and what is wrong (load_checkpoint's checks)."""
+    """A trained model from a checkpoint -> (model in eval mode, ckpt); ValueError as load_checkpoint."""
     ckpt = load_checkpoint(path, flag)
     arch = ckpt["arch"]
     if arch == "linear-probe":
@@ -195,25 +255,23 @@ def load_model(path, device="cpu", flag: str = "checkpoint"):
 
 
 def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
-    """A checkpoint of this project that holds a vision model of revit.py -> (model in eval mode, ckpt).
-    Every problem with the file is a ValueError of one line naming `flag`, the file and what is wrong."""
+    """load_model of a vision model of revit.py."""
     model, ckpt = load_model(path, device, flag)
     if not isinstance(model, revit.ViTBase):
         raise ValueError(f"{flag} {path}: holds the language model {ckpt['arch']}; "
-                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE baselines)")
+                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE "
+                         "baselines)")
     return model, ckpt
 
 
 def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
-    """load_checkpoint for a command line: its ValueError becomes the one-line exit."""
-    try:
+    try:  # for a command line: the ValueError becomes the one-line exit
         return load_checkpoint(path, flag, keys)
     except ValueError as e:
         fail(str(e))
 
 
 def model_or_fail(path, flag) -> nn.Module:
-    """load_model for a command line: its ValueError becomes the one-line exit."""
     try:
         return load_model(path, flag=flag)[0]
     except ValueError as e:
@@ -244,9 +302,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def rng_state(augment, device: torch.device) -> dict:
-    """Every random stream of this process: torch's CPU generator, Python's, the generator of `device`
-    (this rank's GPU only: a machine that resumes may have another number of GPUs) and the
-    augmentation's (on `device`). Resume repeats them."""
+    """Every random stream of this process: torch's CPU generator, Python's, this rank's device's (a
+    machine that resumes may have another number of GPUs) and the augmentation's. Resume repeats them."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "device_type": device.type}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -259,9 +316,8 @@ def rng_state(augment, device: torch.device) -> dict:
 
 
 def set_rng_state(state: dict | None, augment, device: torch.device, seed: int) -> list[str]:
-    """Restore what `rng_state` saved, on `device`. A stream whose saved state cannot apply here (saved on
-    another device type, or None: by another number of ranks) is reseeded with `seed` instead, so the
-    run continues deterministically but not bit-for-bit. -> the names of the reseeded streams."""
+    """Restore what `rng_state` saved, on `device`; a stream whose state cannot apply here (another device
+    type; None: another number of ranks) is reseeded with `seed`. -> the reseeded streams' names."""
     if state is None:
         torch.manual_seed(seed)  # every device's generator
         random.seed(seed)
@@ -277,7 +333,7 @@ def set_rng_state(state: dict | None, augment, device: torch.device, seed: int) 
         reseeded.append(device.type)
     if augment is not None:
         augment.batch_rng.setstate(state["augment_batch"])
-        same_type = state.get("device_type", device.type) == device.type  # older files: the state's size decides
+        same_type = state.get("device_type", device.type) == device.type  # older files: its size decides
         if not (same_type and applied(lambda: augment.generator.set_state(state["augment"]))):
             augment.generator.manual_seed(seed)  # CPU generator states are 5,056 bytes, CUDA's 16
             reseeded.append("augmentation")
@@ -285,8 +341,7 @@ def set_rng_state(state: dict | None, augment, device: torch.device, seed: int) 
 
 
 def applied(restore) -> bool:
-    """Whether a saved generator state could be restored (False: missing, or of another generator)."""
-    try:
+    try:  # False: a state missing, or of another generator
         restore()
     except (KeyError, IndexError, RuntimeError, TypeError):  # RuntimeError: "RNG state is wrong size"
         return False
@@ -315,17 +370,15 @@ def seed_device(device: torch.device, seed: int) -> None:
 
 
 def provenance(device) -> dict:
-    """What made a run, for its `start` event: the commit ("-dirty" with uncommitted changes; "unknown"
-    outside git), torch's version, the device and the command line as typed."""
+    """What made a run, for its `start` event: the commit, torch's version, the device, the command line."""
     return {"commit": git_commit(str(Path(__file__).resolve().parent.parent)) or "unknown",
             "torch": torch.__version__, "device": str(device),
             "command": shlex.join(["python", *sys.argv])}
 
 
 class RunFolder:
-    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held (`lock`) while a process trains there.
-    `resume`: the checkpoint a resumed run continues; the folder is that run's own when its ckpt.pt is
-    that file, and then its log is continued, else the folder must hold no run (or --overwrite)."""
+    """A run's folder: ckpt.pt, metrics.jsonl and .lock, held while a process trains there. A resume from
+    the folder's own ckpt.pt continues its log; otherwise the folder must hold no run (or --overwrite)."""
 
     def __init__(self, path, resume: str = ""):
         self.path = Path(path)
@@ -335,12 +388,11 @@ class RunFolder:
         self.saved_step = None  # the step of the checkpoint this run last wrote (or resumed from)
 
     def continues_run(self) -> bool:
-        """A resume whose checkpoint is this folder's ckpt.pt: the run carries on here."""
         return bool(self.resume) and self.ckpt.exists() and self.ckpt.resolve() == Path(self.resume).resolve()
 
     def check(self, fresh: bool, overwrite: bool) -> None:
         """Before any work, without writing: can the folder be written, is it free for this run?"""
-        problem = output_problem(self.path, "folder", runs_ok=True)  # its own run: checked below
+        problem = output_problem(self.path, "folder", runs_ok=True)
         if problem:
             fail(f"--out-dir {self.path} {problem}")
         holds_run = self.ckpt.exists() or self.metrics.exists()
@@ -348,9 +400,10 @@ class RunFolder:
             fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "
                  f"another --out-dir, or replace it with --overwrite")
         if not fresh and not overwrite and holds_run and not self.continues_run():
-            fail(f"--out-dir {self.path} holds a run other than --resume {self.resume} (its own checkpoint is "
-                 f"{self.ckpt}); continuing here would overwrite {self.ckpt.name} and cut {self.metrics.name}: give "
-                 f"the run a new --out-dir, or replace the folder's run with --overwrite")
+            fail(f"--out-dir {self.path} holds a run other than --resume {self.resume} (its own checkpoint "
+                 f"is {self.ckpt}); continuing here would overwrite {self.ckpt.name} and cut "
+                 f"{self.metrics.name}: give the run a new --out-dir, or replace the folder's run with "
+                 f"--overwrite")
 
     def open(self, fresh: bool, overwrite: bool, resume_step: int | None) -> None:
         self.check(fresh, overwrite)  # the default --out-dir too: its .lock is opened next
@@ -362,7 +415,7 @@ class RunFolder:
         except OSError as e:
             fail(f"--out-dir {self.path} is not writable: {e.strerror or e}")
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
-        for stale in [*self.path.glob(f".{self.ckpt.name}.tmp*"), *self.path.glob(f".{self.metrics.name}.tmp*")]:
+        for stale in [*self.path.glob(".ckpt.pt.tmp*"), *self.path.glob(".metrics.jsonl.tmp*")]:
             stale.unlink()  # saves and log rewrites interrupted by a kill
         if fresh or not self.continues_run():  # a new run, or a resumed one moved here: nothing to keep
             self.ckpt.unlink(missing_ok=True)
@@ -373,10 +426,8 @@ class RunFolder:
         self.log_file = open(self.metrics, "a")
 
     def save(self, ckpt: dict, augment, device, rank: int, world: int, hint: str) -> None:
-        """train.py's checkpoint with every rank's random streams ("rng", gathered: a collective all ranks
-        join), written by rank 0, atomically and only with finite weights (else the reason, then `hint`).
-        Every rank learns the outcome and all stop with its reason: it is broadcast, a collective that rank 0
-        always joins, so no rank waits at a barrier for one that failed."""
+        """train.py's checkpoint with every rank's random streams, written by rank 0 only with finite weights
+        (else the reason, then `hint`); the outcome is broadcast, so every rank stops with its reason."""
         rngs = [rng_state(augment, device)] if world == 1 else [None] * world
         if world > 1:
             torch.distributed.all_gather_object(rngs, rng_state(augment, device))
@@ -419,8 +470,8 @@ class RunFolder:
 
 
 def lock(handle) -> bool:
-    """Take the open file's exclusive lock without waiting: False if another process holds it. Closing the
-    file releases it. A platform with neither Unix's flock nor Windows' msvcrt runs unlocked."""
+    """Take the open file's exclusive lock without waiting: False if another process holds it. A platform
+    with neither Unix's flock nor Windows' msvcrt runs unlocked."""
     try:
         if fcntl is not None:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -435,8 +486,6 @@ def logged_by(line: str, step: int) -> bool:
     """Whether a metrics.jsonl line was written before the checkpoint of `step` (torn lines are not)."""
     try:
         record = json.loads(line)
-    except json.JSONDecodeError:
+        return record.get("event") != "final" and record.get("step", 0) <= step
+    except (json.JSONDecodeError, AttributeError, TypeError):  # AttributeError: not a dict
         return False
-    if not isinstance(record, dict) or not isinstance(record.get("step", 0), (int, float)):
-        return False
-    return record.get("event") != "final" and record.get("step", 0) <= step

@@ -1,8 +1,6 @@
-"""What train.py, bench.py and the tools (tools/: probes, analyze, export, depths, sweep) share on the command
-line: flags generated from a config dataclass, the device and torchrun's process group (`pick_device`,
-`device_options`, `init_distributed`, `broadcast`), markdown tables, strict JSON written atomically and the
-commit (`markdown`, `write_json`, `git_commit`), and optional matplotlib (`pyplot`). What a user may type
-or load is checked in lib/boundary.py.
+"""What train.py, bench.py and the tools share on the command line: flags from a config dataclass, the
+device and torchrun's process group, markdown tables, strict JSON written atomically, the commit, and
+optional matplotlib. What a user may type or load is checked in lib/boundary.py.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ def run_main(main, what_is_kept: str):
 
 
 def say(line: str) -> None:
-    """Print on rank 0 only (torchrun starts one process per GPU), above a progress bar (tqdm.write): piped
-    output never glues a line to the bar."""
+    """Print on rank 0 only (torchrun starts one process per GPU), above a progress bar (tqdm.write)."""
     if os.environ.get("RANK", "0") == "0":
         tqdm.write(line, file=sys.stdout)
         sys.stdout.flush()
@@ -48,8 +45,8 @@ def cpu_time_note(arch: str, seconds_per_step: float, steps: int) -> str | None:
     if hours < 1:  # nothing to say about a run that fits a coffee break
         return None
     mini = "alternet-tiny" if arch.startswith("alternet") else "revit-mini"
-    return (f"note: on this CPU the run takes about {hours:.1f} h ({steps} steps x {seconds_per_step:.1f} s); "
-            f"{mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
+    return (f"note: on this CPU the run takes about {hours:.1f} h ({steps} steps x {seconds_per_step:.1f} s);"
+            f" {mini} is the CPU-sized preset (python train.py --arch {mini}); a GPU runs this one")
 
 
 # --- flags: generated from a dataclass ---
@@ -63,7 +60,7 @@ def opt(default, help: str):
 def dataclass_parser(config_class, description: str, suppress_defaults: bool = False,
                      prog: str | None = None) -> argparse.ArgumentParser:
     """One flag per dataclass field (--snake_case -> --snake-case), its help from the field's metadata.
-    suppress_defaults: unset flags stay absent from the namespace, so the caller sees what was given."""
+    suppress_defaults: unset flags stay absent from the namespace (the caller sees what was given)."""
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      argument_default=argparse.SUPPRESS if suppress_defaults else None)
     hints = typing.get_type_hints(config_class)
@@ -88,9 +85,8 @@ DEVICES = "auto, cpu, cuda, cuda:N or mps"
 
 
 def pick_device(name: str = "auto") -> torch.device:
-    """--device: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N, or mps (Apple silicon, asked
-    for by name as in nanoGPT: some ops fall back to the CPU there). ValueError naming the flag for a
-    device this machine does not have."""
+    """--device: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N, or mps (asked for by name, as in
+    nanoGPT). ValueError naming the flag for a device this machine does not have."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -103,7 +99,8 @@ def pick_device(name: str = "auto") -> torch.device:
         raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"--device {name}: Apple's MPS is not available on this machine (use --device cpu)")
     return device
@@ -113,11 +110,9 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}  # --
 
 
 def device_options(device_type: str, precision: str = "auto") -> dict:
-    """What differs by device type, as data (a CPU test checks them with device_type="cuda" or "mps").
-    --precision auto: bf16 autocast on a CUDA GPU that computes in bf16 (compute capability 8 on), fp16
-    with a gradient scaler on one that does not (a T4, a V100), float32 elsewhere; a named precision
-    applies on every device (CPU autocast: slower than float32 on most CPUs, a check of the GPU's path).
-    MPS (our choice): fused AdamW and the data set on the device, as on CUDA; gloo for torchrun; no TF32."""
+    """What differs by device type, as data. --precision auto: bf16 autocast on a CUDA GPU that computes in
+    bf16, fp16 with a gradient scaler on one that does not (a T4, a V100), float32 elsewhere; a named
+    precision applies on every device. MPS (our choice): fused AdamW and the data on the device."""
     cuda, mps = device_type == "cuda", device_type == "mps"
     if precision == "auto":  # emulated bf16 (a T4 has none in hardware) is not what auto picks
         precision = ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16") if cuda \
@@ -127,8 +122,7 @@ def device_options(device_type: str, precision: str = "auto") -> dict:
 
 
 def init_distributed(device_name: str):
-    """--device, and the process group torchrun asks for (it sets RANK/WORLD_SIZE/LOCAL_RANK): nccl on CUDA,
-    gloo on CPU. -> (rank, world, device)."""
+    """--device, and the process group torchrun asks for. -> (rank, world, device)."""
     try:
         device = pick_device(device_name)
     except ValueError as e:
@@ -179,27 +173,29 @@ def f(key, fmt="{:.2f}"):
 
 
 def write_json(result: dict, path: str) -> None:
-    """Strict JSON (json_text), written atomically: an interrupted run never leaves a torn file."""
     atomic_write_text(path, json_text(result) + "\n")
 
 
-def atomic_write_text(path, text: str) -> None:
-    """Every rewrite of a file the project owns: a temp file, then os.replace (a kill leaves old or new)."""
+def atomic_write(path, write) -> None:
+    """Every rewrite of a file the project owns: `write(temp_path)` beside it, then os.replace (a kill
+    leaves the old file or the new one, never a torn one)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        with open(tmp, "rb+") as file:
+            os.fsync(file.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
+def atomic_write_text(path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
 def json_text(result: dict) -> str:
-    """One line of strict JSON. JSON has no NaN or infinity, and no non-finite number is reported as a
-    result: each becomes null, and its place is listed under "non_finite" (e.g. "rows.3.loss")."""
+    """One line of strict JSON: a non-finite number becomes null, its place listed under "non_finite"."""
     places = []
     clean = finite_or_null(result, "", places)
     if places:
@@ -226,8 +222,8 @@ def finite_or_null(value, place: str, places: list):
 
 
 def git_commit(folder: str) -> str | None:
-    """The commit checked out in `folder`, with "-dirty" when a tracked file outside results/ differs from it;
-    None outside git. What every measurement records as the version of the code that made it."""
+    """The commit checked out in `folder`, "-dirty" when a tracked file outside results/ differs; None
+    outside git."""
     def git(*words):
         return subprocess.run(["git", *words], cwd=folder, capture_output=True, text=True, timeout=30)
     try:

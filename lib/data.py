@@ -1,13 +1,11 @@
 """Data for train.py: the built-in data sets, image folders, text corpora and the batch augmentation.
-Readers raise ValueError / FileNotFoundError with a message a user can act on (train.py makes it one line).
+A reader refuses a bad file with a ValueError / FileNotFoundError naming it (train.py makes it one line).
 
-- images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python archives, through an allow-list unpickler:
-  nothing in a data folder runs), any ImageFolder tree; small sets are uint8 tensors, batches index
-  gathers in a (seed, epoch) order;
-- text: a UTF-8 file / folder, tinyshakespeare, or the corpus `grammar_corpus()` generated here (no file),
-  tokenized by lib/language.py;
-- augmentation on the device: the DeiT III recipe of the reViT paper's Table 6 (arXiv 2610.12448):
-  random crop + flip, 3-Augment, colour jitter, mixup / cutmix.
+- images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python archives, read by an allow-list unpickler:
+  nothing in a data folder runs), any ImageFolder tree; batches index gathers in a (seed, epoch) order;
+- text: a UTF-8 file / folder, tinyshakespeare, or `grammar_corpus()` generated here, tokenized by
+  lib/language.py;
+- augmentation on the device: the DeiT III recipe of the reViT paper's Table 6 (arXiv 2610.12448).
 
 Nothing here touches the network unless asked (`download=True`).
 """
@@ -29,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lib.boundary import path_problem
 
 # --- where the built-in data sets live ---
 
@@ -74,14 +71,10 @@ def find_builtin(name: str, data_dir: str = "", download: bool = False) -> Path:
     """The folder holding data set `name`: search the roots, else download when asked, else explain."""
     subfolder, marker, how = BUILTIN[name]
     for root in data_roots(data_dir):
-        problem = path_problem(root, "folder")
-        if problem and not problem.startswith("no such"):  # a root that is there but cannot be searched
-            raise ValueError(f"data folder {root}: {problem}")
-        for folder in (root / subfolder, root) if subfolder else (root,):
-            if os.path.lexists(folder / marker):  # a marker that is a FIFO or a loop: its reader says so
+        for folder in (root / subfolder, root):
+            if (folder / marker).exists():
                 return folder
-    target = Path(data_dir or "data")
-    where = ", ".join(map(str, data_roots(data_dir)))
+    target, where = Path(data_dir or "data"), ", ".join(map(str, data_roots(data_dir)))
     if not download:
         raise FileNotFoundError(f"{name} not found in {where}. To get it: {how}, into {target}/ "
                                 f"(or rerun with --download, or point --data-dir at a folder that has it)")
@@ -90,7 +83,7 @@ def find_builtin(name: str, data_dir: str = "", download: bool = False) -> Path:
     except OSError as e:
         raise FileNotFoundError(f"{name} not found in {where} and the download failed ({e}). "
                                 f"To get it: {how}, into {target}/") from None
-    return target / subfolder if subfolder else target
+    return target / subfolder
 
 
 def fetch(url: str, path: Path) -> None:
@@ -116,18 +109,14 @@ def download_builtin(name: str, target: Path) -> None:
             tar.extractall(target, filter="data")
 
 
-# --- image readers ---
+# --- the readers: every data file's bytes come through read_file ---
 
 
 MAX_FILE_BYTES = 1 << 30  # a data file, decompressed: 6x CIFAR-10's whole training set (our bound)
 
 
 def read_file(path: Path) -> bytes:
-    """The bytes of a data file (.gz decompressed). ValueError naming the file for anything that is not
-    a readable, complete file: a FIFO, a symlink loop, a torn or random .gz, a decompression bomb."""
-    problem = path_problem(path, "file")
-    if problem:
-        raise ValueError(f"{path}: {problem}")
+    """The bytes of a data file (.gz decompressed), at most MAX_FILE_BYTES; ValueError naming the file."""
     try:
         with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
             raw = f.read(MAX_FILE_BYTES + 1)
@@ -135,7 +124,7 @@ def read_file(path: Path) -> bytes:
         reason = getattr(e, "strerror", None) or str(e) or "cut short"
         raise ValueError(f"{path}: cannot be read ({reason})") from None
     if len(raw) > MAX_FILE_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB (decompressed); not a data file of this set")
+        raise ValueError(f"{path}: larger than {MAX_FILE_BYTES:,} bytes (our bound for a data file)")
     return raw
 
 
@@ -143,18 +132,12 @@ def read_idx(path: Path) -> torch.Tensor:
     """IDX format (LeCun): 2 zero bytes, dtype code 0x08 (uint8), rank, big-endian dims, data."""
     path = Path(path)
     raw = read_file(path)
-    if raw[:3] != b"\x00\x00\x08" or len(raw) < 4:
-        raise ValueError(f"{path} is not an uint8 IDX file")
-    rank = raw[3]
+    rank = raw[3] if raw[:3] == b"\x00\x00\x08" and len(raw) >= 4 else 0
     header = 4 + 4 * rank
-    if not 1 <= rank <= 4 or len(raw) < header:
-        raise ValueError(f"{path}: its IDX header is cut short or holds {rank} dimensions (1 to 4 expected)")
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
-    if math.prod(dims) == 0:  # torch.frombuffer refuses an empty buffer in words of its own
-        raise ValueError(f"{path}: its IDX header says {'x'.join(map(str, dims))}: no values (an empty file)")
-    if math.prod(dims) != len(raw) - header:
-        raise ValueError(f"{path}: its IDX header says {'x'.join(map(str, dims))} = {math.prod(dims)} values, "
-                         f"the file holds {len(raw) - header}")
+    if not 1 <= rank <= 4 or not 0 < math.prod(dims) == len(raw) - header:  # frombuffer refuses b""
+        raise ValueError(f"{path} is not an uint8 IDX file of 1 to 4 dimensions whose header "
+                         f"({'x'.join(map(str, dims)) or 'none'}) counts the {len(raw) - header} bytes it holds")
     return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).view(*dims)
 
 
@@ -163,19 +146,16 @@ def load_fashion_mnist(folder: Path):
     def split(prefix):
         images = read_idx(Path(folder) / f"{prefix}-images-idx3-ubyte.gz")
         labels = read_idx(Path(folder) / f"{prefix}-labels-idx1-ubyte.gz")
-        if images.shape[1:] != (28, 28) or labels.shape != images.shape[:1] or labels.numel() and labels.max() > 9:
+        if images.shape[1:] != (28, 28) or labels.shape != images.shape[:1] or labels.max() > 9:
             raise ValueError(f"{folder}: the {prefix} files are not Fashion-MNIST (28x28 images, one label "
                              f"0-9 per image); got images {tuple(images.shape)}, labels {tuple(labels.shape)}")
         return images.unsqueeze(1), labels.long()  # (N, 1, 28, 28)
     return split("train"), split("t10k"), 10
 
 
-# --- CIFAR's python archives, read by an allow-list unpickler: nothing in a data folder runs ---
-
-
 class Stored:
-    """What an allowed global of the archive builds (a numpy array or dtype) as plain data: its arguments
-    and its pickled state. numpy is never imported and nothing of the file is called."""
+    """What an allowed global of a CIFAR archive builds (a numpy array or dtype), kept as plain data: its
+    arguments and its pickled state. numpy is never imported and nothing of the file is called."""
 
     def __init__(self, *args):
         self.args, self.state = args, None
@@ -185,23 +165,17 @@ class Stored:
 
 
 def from_buffer(buffer, dtype, shape, order="C"):
-    """A protocol-5 array (numpy's _frombuffer) as protocol 2 stores one: (version, shape, dtype, fortran, bytes)."""
+    """numpy 2's protocol-5 array (_frombuffer), kept as protocol 2 stores one."""
     array = Stored()
     array.state = (1, shape, dtype, order != "C", buffer)
     return array
 
 
-def latin1(text, encoding="latin1"):
-    """How Python 3 pickles bytes at protocol 2 (_codecs.encode(text, 'latin1')), and nothing else."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError("only latin1-encoded bytes are allowed")
-    return text.encode("latin1")
-
-
-ALLOWED = {  # the globals of CIFAR's archives (numpy 1.x's and 2.x's module names) -> what they build here
+ALLOWED = {  # every global a CIFAR archive may name (numpy 1.x's and 2.x's module names); nothing else loads
     ("numpy.core.multiarray", "_reconstruct"): Stored, ("numpy._core.multiarray", "_reconstruct"): Stored,
     ("numpy.core.numeric", "_frombuffer"): from_buffer, ("numpy._core.numeric", "_frombuffer"): from_buffer,
-    ("numpy", "ndarray"): Stored, ("numpy", "dtype"): Stored, ("_codecs", "encode"): latin1,
+    ("numpy", "ndarray"): Stored, ("numpy", "dtype"): Stored,
+    ("_codecs", "encode"): lambda text, encoding: text.encode("latin1"),  # bytes, as Python 3 pickles them
 }
 
 
@@ -213,79 +187,30 @@ class ArchiveUnpickler(pickle.Unpickler):
         return ALLOWED[(module, name)]
 
 
-ARCHIVE_DTYPES = {"u1": torch.uint8, "i1": torch.int8, "i2": torch.int16, "i4": torch.int32, "i8": torch.int64}
-
-
-def array_tensor(array: Stored, what: str) -> torch.Tensor:
-    """A numpy array of the archive, C-ordered little-endian integers -> int64 tensor."""
-    try:
-        _, shape, dtype, fortran, raw = array.state
-        code, order = (str(s, "latin1") if isinstance(s, bytes) else s for s in (dtype.args[0], dtype.state[1]))
-        count = math.prod(shape) if all(isinstance(d, int) and d >= 0 for d in shape) else -1
-    except (TypeError, ValueError, AttributeError, IndexError):
-        raise ValueError(f"{what} is not a plain numpy array") from None
-    if code not in ARCHIVE_DTYPES or order == ">":
-        raise ValueError(f"{what} is an array of {code!r}; integers were expected")
-    if fortran or not isinstance(raw, (bytes, bytearray)) or count * ARCHIVE_DTYPES[code].itemsize != len(raw):
-        raise ValueError(f"{what}: not a C-ordered array of shape {shape} over its bytes")
-    if count == 0:  # torch.frombuffer refuses an empty buffer
-        return torch.zeros(shape, dtype=torch.long)
-    return torch.frombuffer(bytearray(raw), dtype=ARCHIVE_DTYPES[code]).view(shape).long()
-
-
-def expanded_size(value, depth: int = 0, memo: dict | None = None) -> int:
-    """The values a (nested) list holds once expanded, each list counted once (a pickle may hold one many
-    times by reference); lists deeper than rows of values (or holding themselves): ValueError."""
-    if not isinstance(value, list):
-        return 1
-    if depth >= 2:  # a list inside a row
-        raise ValueError("lists nested deeper than rows of values")
-    memo = {} if memo is None else memo
-    if id(value) not in memo:
-        memo[id(value)] = sum(expanded_size(v, depth + 1, memo) for v in value)
-    return memo[id(value)]
-
-
-def archive_tensor(value, what: str, limit: int) -> torch.Tensor:
-    """An array or (nested) list of the archive -> int64 tensor; ValueError naming `what` otherwise. A list
-    that expands to more than `limit` values (the file's size in bytes: a pickled value takes at least one,
-    so only references repeated in a small file reach more) is refused before it is expanded."""
-    if isinstance(value, Stored):
-        return array_tensor(value, what)
-    try:
-        size = expanded_size(value)
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
-    if size > limit:
-        raise ValueError(f"{what} repeats shared lists: it expands to {size:,} values, more than the file holds "
-                         f"bytes ({limit:,})")
-    try:
-        return torch.tensor(value, dtype=torch.long)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        raise ValueError(f"{what} is not a list of integers") from None
+def cifar_pixels(array) -> torch.Tensor:
+    """The archive's data: a C-ordered uint8 array of N > 0 rows of 3 x 32 x 32 -> (N, 3, 32, 32)."""
+    _, (n, width), dtype, fortran, raw = array.state
+    if dtype.args[0] not in ("u1", b"u1") or fortran or width != 3072 or not len(raw) == 3072 * n > 0:
+        raise TypeError
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, 3, 32, 32)
 
 
 def read_cifar_batch(path: Path, label_key: bytes, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One file of the archive -> (images (N, 3, 32, 32) uint8, labels (N,) int64)."""
     raw = read_file(path)
+    reason = (f"a dict of {b'data'!r}, N rows of 3072 bytes (uint8), and {label_key!r}, a list of N labels "
+              f"in 0..{classes - 1}")
     try:
         batch = ArchiveUnpickler(io.BytesIO(raw), encoding="bytes").load()  # the archive is Python 2's
-    except Exception as e:  # noqa: BLE001 -- whatever a torn or crafted pickle raises, the file is unusable
-        raise ValueError(f"{path}: not a CIFAR python archive ({' '.join(str(e).split())[:200] or type(e).__name__})") \
-            from None
-    if isinstance(batch, dict):  # Python 2's str keys load as bytes; a re-pickled archive may have str
-        batch = {k.encode() if isinstance(k, str) else k: v for k, v in batch.items()}
-    if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
-        raise ValueError(f"{path}: not a CIFAR python archive (a dict with {b'data'!r} and {label_key!r} expected)")
-    images, labels = (archive_tensor(batch[b"data"], f"{path} data", len(raw)),
-                      archive_tensor(batch[label_key], f"{path} labels", len(raw)))
-    if images.ndim != 2 or images.shape[1] != 3 * 32 * 32 or labels.shape != images.shape[:1]:
-        raise ValueError(f"{path}: expected N rows of 3072 pixels and N labels; got {tuple(images.shape)} and "
-                         f"{tuple(labels.shape)}")
-    if images.numel() and (images.min() < 0 or images.max() > 255) or labels.numel() and (
-            labels.min() < 0 or labels.max() >= classes):
-        raise ValueError(f"{path}: pixels must be 0..255 and labels 0..{classes - 1}")
-    return images.to(torch.uint8).view(-1, 3, 32, 32), labels  # row-major channel planes, as the archive stores them
+        images, labels = cifar_pixels(batch[b"data"]), batch[label_key]
+        if type(labels) is list and len(labels) == len(images) and all(
+                type(y) is int and 0 <= y < classes for y in labels):  # a flat list: it cannot expand
+            return images, torch.tensor(labels)
+    except pickle.UnpicklingError as e:  # torn, or a global off the allow-list (refused, nothing run)
+        reason = " ".join(str(e).split())[:200]
+    except Exception:  # noqa: BLE001 -- whatever else a crafted pickle raises, the file is unusable
+        pass
+    raise ValueError(f"{path}: not a CIFAR python archive ({reason})")
 
 
 def load_cifar(folder: Path, classes: int):
@@ -359,10 +284,7 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
     if dataset == "imagenet":
         if not data:
             raise ValueError("imagenet needs the folder: --data ROOT (an ImageFolder tree with train/ and val/)")
-        root = Path(data)
-        for split in ("train", "val"):
-            if not (root / split).is_dir():
-                raise FileNotFoundError(f"{root} must contain {split}/ (ImageFolder layout: {split}/<class>/<image>)")
+        root = Path(data)  # a missing train/ or val/: ImageFolder's FileNotFoundError names it
         size = 224  # Table 6 training and evaluation resolution
         train, test = FolderImages(root / "train", size, True, workers), FolderImages(root / "val", size, False, workers)
         mean, std = NORMALISATION["imagenet"]
@@ -374,10 +296,9 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
         (xtr, ytr), (xte, yte), classes = load_fashion_mnist(folder)
     else:
         (xtr, ytr), (xte, yte), classes = load_cifar(folder, 10 if dataset == "cifar10" else 100)
-    xtr, ytr = (xtr[:train_subset], ytr[:train_subset]) if train_subset else (xtr, ytr)
-    xte, yte = (xte[:test_subset], yte[:test_subset]) if test_subset else (xte, yte)
-    mean, std = NORMALISATION[dataset]
-    return ImageData(TensorImages(xtr, ytr), TensorImages(xte, yte), classes, xtr.shape[1], xtr.shape[-1], mean, std)
+    train, test = slice(train_subset or None), slice(test_subset or None)  # 0: all of it
+    return ImageData(TensorImages(xtr[train], ytr[train]), TensorImages(xte[test], yte[test]), classes,
+                     xtr.shape[1], xtr.shape[-1], *NORMALISATION[dataset])
 
 
 # The planted-depth task (lib/planted.PlantedTask): 16x16x3 "images" generated here from a fixed seed (no file,
@@ -487,33 +408,17 @@ def grammar_corpus(num_chars: int = 1_000_000, seed: int = 0) -> str:
 
 def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", download: bool = False) -> str:
     """The training text: a UTF-8 file or folder of .txt files (`path`), else the named corpus."""
-    if path:
-        path = Path(path)
-        try:
-            files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
-        except OSError as e:
-            raise ValueError(f"{path}: cannot be searched ({e.strerror or e})") from None
-        if not files:
-            raise FileNotFoundError(f"{path} holds no .txt files")
-        for f in files:  # a FIFO would make read_text wait forever
-            problem = path_problem(f, "file")
-            if problem:
-                raise ValueError(f"{f}: {problem}")
-        size = sum(f.stat().st_size for f in files)
-        if size > MAX_FILE_BYTES:  # read, decoded and tokenized in memory: a bound, as for image files
-            raise ValueError(f"{path}: {size:,} bytes of text; at most {MAX_FILE_BYTES >> 20} MiB")
-        try:
-            text = "\n".join(f.read_text(encoding="utf-8") for f in files)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not UTF-8 text ({e})") from None
-        except OSError as e:
-            raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
-        if not text.strip():
-            raise ValueError(f"{path} holds no text (empty or only whitespace)")
-        return text
-    if corpus == "grammar":
+    if not path and corpus == "grammar":
         return grammar_corpus()
-    return read_text("", str(find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1]))  # its checks too
+    path = Path(path or find_builtin(corpus, data_dir, download) / BUILTIN[corpus][1])
+    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+    try:
+        text = "\n".join(read_file(f).decode() for f in files)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e})") from None
+    if not text.strip():
+        raise ValueError(f"{path} holds no text (no .txt file, or only whitespace)")
+    return text
 
 
 def text_batches(tokens: torch.Tensor, batch_size: int, block_size: int, seed: int, rank: int, world: int,

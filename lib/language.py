@@ -33,38 +33,36 @@ def no_network(allowed: bool = False):
         yield
 
 
-def text_codec(tokenizer: str) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
-    """(encode: str -> list of ids, decode: list of ids -> str) for train.py's --tokenizer names."""
-    if tokenizer == "byte":
-        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
-    if tokenizer == "gpt2":
-        try:
-            import tiktoken
-            encoding = tiktoken.get_encoding("gpt2")
-        except Exception as e:  # package missing or its encoding files not downloadable
-            raise ValueError(f"the gpt2 tokenizer needs the tiktoken package and its encoding files ({e})") from e
-        return encoding.encode_ordinary, encoding.decode
-    raise ValueError(f"unknown tokenizer {tokenizer!r} (byte or gpt2)")
-
-
-def tokenize(text: str, tokenizer: str = "byte", download: bool = False) -> tuple[torch.Tensor, float, int]:
-    """-> (tokens (N,) int64, tokens per byte, vocabulary size). byte: the UTF-8 bytes (vocab 256);
-    gpt2: GPT-2's BPE through tiktoken (vocab 50257), which fetches its files once: only with download."""
-    raw = text.encode("utf-8")
-    if tokenizer == "byte":
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long(), 1.0, 256
-    if tokenizer != "gpt2":
-        raise ValueError(f"tokenizer must be byte or gpt2; got {tokenizer!r}")
+def gpt2_encoding(download: bool = False):
+    """GPT-2's BPE through tiktoken (vocab 50257), which fetches its files once: only with download."""
     try:
         import tiktoken
     except ImportError:
         raise ValueError("the gpt2 tokenizer needs tiktoken: pip install tiktoken (or use byte)") from None
     with no_network(allowed=download):
         try:
-            encoding = tiktoken.get_encoding("gpt2")
+            return tiktoken.get_encoding("gpt2")
         except Exception as e:  # noqa: BLE001 -- its files are not cached, or could not be fetched
-            raise ValueError(f"tiktoken could not load the gpt2 encoding ({e}); it fetches its files once, "
-                             f"with --download") from None
+            raise ValueError(f"the gpt2 tokenizer needs tiktoken's encoding files ({e}); it fetches its files "
+                             "once, with --download") from None
+
+
+def text_codec(tokenizer: str) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """(encode: str -> list of ids, decode: list of ids -> str) for train.py's --tokenizer names, offline."""
+    if tokenizer == "byte":
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    if tokenizer != "gpt2":
+        raise ValueError(f"tokenizer must be byte or gpt2; got {tokenizer!r}")
+    encoding = gpt2_encoding()
+    return encoding.encode_ordinary, encoding.decode
+
+
+def tokenize(text: str, tokenizer: str = "byte", download: bool = False) -> tuple[torch.Tensor, float, int]:
+    """-> (tokens (N,) int64, tokens per byte, vocabulary size); byte: the UTF-8 bytes (vocab 256)."""
+    raw = text.encode("utf-8")
+    if tokenizer == "byte":
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long(), 1.0, 256
+    encoding = gpt2_encoding(download)  # train.py's --tokenizer is byte or gpt2 (lib/boundary.CHOICES)
     tokens = torch.tensor(encoding.encode_ordinary(text), dtype=torch.long)
     return tokens, len(tokens) / len(raw), encoding.n_vocab
 

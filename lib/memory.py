@@ -1,49 +1,22 @@
-"""Peak memory per device of a training run, before it starts: weights + gradients + AdamW state,
-counted, plus activations and the loss, measured at reduced sizes and extrapolated.
+"""Peak memory per device of a training run, before it starts (train.py plans --grad-accum with it;
+`python bench.py memory --arch PRESET [--gpus N]` prints it), and a model's inference memory on a CPU.
 
-    python bench.py memory --arch alternet-50m                  # Table 2's recipe on one 80 GB GPU
-    python bench.py memory --arch alternet-350m --gpus 8        # per GPU under torchrun (DDP)
-    python bench.py memory --arch revit-b --batch-size 2048 --gpus 8 --gpu-memory 80
-
-train.py prints the same estimate at start and raises --grad-accum until the run fits.
-
-The model of one device's peak (a training step of DDP: every device holds the whole model and
-a 1/devices share of the batch, split again into grad_accum micro-batches):
-- weights, gradients, AdamW state: counted. Parameters and gradients stay fp32 under autocast
-  (autocast casts per op, so there are no separate master weights); AdamW keeps exp_avg and
-  exp_avg_sq (2 x the parameters); DDP adds its gradient buckets (one more copy of the gradients).
-- activations: what a forward + backward of one micro-batch holds at its peak beyond the
-  weights and the gradients (saved tensors, the backward's transients, autocast's bf16 / fp16
-  copies of the weights). Measured with the preset's real width, heads, experts and vocabulary on two small
-  micro-batches of N1 < N2 tokens (language: one sequence of 8 and of 16 tokens, fewer if one chunk
-  of the loss is shorter; vision: 1 and 2 images) at two small depths (2 and 3), then extrapolated:
-  - along the tokens N = B x T, op by op: both runs execute the same ops, and after op t the live
-    bytes are a_t + N b_t (every tensor's size is affine in N), so the peak at any N is the maximum
-    over t of those lines. A single line through the two peaks would not do: at small N the peak
-    sits where a constant (a weight-sized gradient) dominates, and the slope there is too small.
-  - along the depth, linearly (a loop saves the same tensors at every step).
-  No T^2 term: F.scaled_dot_product_attention runs fused kernels that never materialise the T x T
-  scores (flash / memory-efficient on CUDA, flash on CPU), so the live bytes are affine in T too.
-- the loss (language models): AlterNet decodes and scores C = alternet.loss_chunk_tokens(V) tokens
-  at a time (~670 at V = 50,257), each chunk recomputed in backward, so beyond the per-token tensors
-  (in the activations) the loss holds one chunk's logits and their gradients at a time, whatever
-  N and D. Modelled as loss(N) = extra(min(N, C)), where extra(n) is the part of a one-chunk
-  measurement that grows with the vocabulary: the model's peak minus that of the same model with a
-  16-token vocabulary, both measured at n <= C tokens (so in a single chunk: the same ops at both
-  sizes) and extrapolated op by op in n, as above; the most of the measured depths, not
-  extrapolated along D. Added on top of the activations' peak: the last iteration's chunks are
-  the first thing backward recomputes, when nearly every activation is still saved.
-- dtype: measured under the run's autocast (train.py's --precision): bf16 on a CUDA GPU that has it,
-  fp16 on one that does not, fp32 for a CPU run (bench.py memory measures a GPU run, with CPU
-  autocast on a CPU: --precision); the line says which. fp16's gradient scaler unscales in place.
-- the probe (LiveBytes, on any device) counts every tensor storage an op creates while it lives:
-  exact for what the dispatcher sees, not the process's RSS; peak_bytes reads
-  torch.cuda.max_memory_allocated on CUDA.
-Not counted: a distillation teacher, torch.compile's own savings (the estimate is for eager
-mode, an upper bound), the CUDA context and allocator fragmentation (the fit keeps 10% free).
-
-Also here, measured rather than predicted: a model's inference memory on a CPU (`cpu_memory_of`, the
-peak RSS of a fresh process; bench.py latency and tools/depths.py use it).
+One device's peak in a DDP training step (every device holds the whole model and a 1/devices share of
+the batch, split again into grad_accum micro-batches):
+- weights, gradients, AdamW state: counted. Under autocast parameters and gradients stay fp32 (no master
+  copy); AdamW keeps exp_avg and exp_avg_sq; DDP adds its gradient buckets (one more copy of the gradients).
+- activations: measured by LiveBytes at the preset's real width and vocabulary, on two small micro-batches
+  (N1 < N2 tokens) at depths 2 and 3, then extrapolated. Along the tokens op by op: both runs execute the
+  same ops and every tensor is affine in N, so after op t the live bytes are a_t + N b_t and the peak at any
+  N is the maximum of those lines (one line through the two peaks would not do: at small N a weight-sized
+  constant sets the peak). Along the depth linearly: a loop saves the same tensors at every step. No T^2
+  term: scaled_dot_product_attention's fused kernels never hold the T x T scores.
+- the loss (AlterNet): decoded C = alternet.loss_chunk_tokens(V) tokens at a time, each chunk recomputed in
+  backward, so it holds one chunk's logits at a time: loss(N) = extra(min(N, C)), extra measured as the
+  peak minus that of the same model with a 16-token vocabulary.
+- dtype: measured under the run's autocast (bf16, fp16, or fp32 on a CPU); the line says which.
+Not counted: a distillation teacher, torch.compile's savings (an upper bound for eager mode), the CUDA
+context and fragmentation (the plan keeps 10% free).
 """
 
 from __future__ import annotations
@@ -78,13 +51,10 @@ USABLE = 0.9  # of a device's memory a run may plan to use (our choice: context,
 
 
 class LiveBytes(TorchDispatchMode):
-    """Counts every tensor storage an aten op creates, from its creation until it is freed, and records
-    the bytes alive after each op (`timeline`; its maximum is the peak). Outputs that alias an input
-    (views, in-place ops, per the op's schema) and storages already counted are not new memory. Exact
-    for what the dispatcher sees (a kernel's internal scratch buffers are not); the weights and anything
-    older than the mode are not counted. Works on any device. An op whose schema only says it MAY alias
-    (aten.to, which inference mode dispatches undecomposed) is new memory unless its output shares an
-    input's storage: a dtype cast is a copy."""
+    """The bytes of every tensor storage an aten op creates, alive after each op (`timeline`), on any device.
+    An output that shares an input's storage (a view, an in-place op) is not new memory; one whose schema
+    only says it MAY alias (aten.to under inference mode) is, unless it does: a dtype cast is a copy.
+    Exact for what the dispatcher sees (not a kernel's scratch); what is older than the mode not counted."""
 
     def __init__(self):
         super().__init__()
@@ -127,8 +97,7 @@ def live_bytes(fn) -> list:
 
 
 def peak_bytes(fn, device: torch.device) -> int:
-    """Peak bytes allocated while fn() runs, beyond what was allocated before: LiveBytes's exact count
-    on a CPU (not the process's RSS), the caching allocator's max_memory_allocated on CUDA."""
+    """Peak bytes allocated while fn() runs beyond those before: LiveBytes on a CPU, the allocator on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -143,8 +112,7 @@ def peak_bytes(fn, device: torch.device) -> int:
 
 
 def model_bytes(model: nn.Module, devices: int = 1) -> dict:
-    """Bytes per device of the weights (parameters + buffers), the gradients (with DDP's buckets when
-    devices > 1) and AdamW's state (exp_avg, exp_avg_sq). Works on a model built on the meta device."""
+    """Bytes per device of the weights and buffers, the gradients (DDP's buckets too) and AdamW's state."""
     params = list(model.parameters())  # a tied weight once
     trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     weights = sum(t.numel() * t.element_size() for t in [*params, *model.buffers()])
@@ -172,9 +140,8 @@ def depth_of(config) -> int:
 
 
 def reduced_model(config, device: torch.device, depth: int, **changes) -> nn.Module:
-    """The model of `config` at `depth` with `changes`, on `device`, in training mode, with arbitrary
-    weights (memory does not depend on them) and zero gradients allocated, so that backward adds into
-    them as every micro-step after the first does. Built on the meta device first: no init, no RNG."""
+    """The model of `config` at `depth` with `changes`, training, arbitrary weights and zero gradients
+    (backward adds into them, as every micro-step after the first does). Built on meta: no init, no RNG."""
     language = is_language(config)
     config = dataclasses.replace(config, **changes, **({"max_depth": depth} if language else
                                                        {"depth": depth, "depth_drop": 0.0}))
@@ -191,8 +158,7 @@ def reduced_model(config, device: torch.device, depth: int, **changes) -> nn.Mod
 
 
 def step_timeline(model: nn.Module, batch: int, seq_len: int, device: torch.device, dtype) -> list:
-    """Live bytes after each op of one training forward + backward (batch samples; seq_len tokens for a
-    language model) beyond the weights and gradients, under autocast to `dtype` (None: fp32)."""
+    """Live bytes after each op of one forward + backward, under autocast to `dtype` (None: fp32)."""
     config = model.config
     generator = torch.Generator(device).manual_seed(0)
 
@@ -213,11 +179,8 @@ def step_timeline(model: nn.Module, batch: int, seq_len: int, device: torch.devi
 
 @dataclasses.dataclass
 class PeakLine:
-    """Peak bytes of a training step as a function of the tokens N of its micro-batch. Two measured runs
-    at N1 < N2 execute the same ops in the same order, and each op's live bytes are affine in N: the
-    peak at any N is max over the ops t of (a_t + N b_t), exact where the op sequence is the same.
-    (When the two runs differ in their ops, one line through the two peaks: a lower bound, since a
-    maximum of lines is convex.)"""
+    """A step's peak bytes as max over its ops t of (a_t + N b_t), N the micro-batch's tokens, through two
+    runs at N1 < N2 (runs that differ in their ops: one line through their peaks, a lower bound)."""
     offsets: list
     slopes: list
 
@@ -234,8 +197,7 @@ class PeakLine:
 
 @dataclasses.dataclass
 class Profile:
-    """What a model's training step holds beyond its weights and gradients: {depth: PeakLine} at two
-    small depths, for the model and (language) for the same model with a SMALL_VOCAB vocabulary."""
+    """{depth: PeakLine} at two small depths, for the model and (language) with a SMALL_VOCAB vocabulary."""
     model: dict
     small_vocabulary: dict | None
     precision: str  # the dtype the measurement ran in: "bf16 autocast" | "fp16 autocast" | "fp32"
@@ -246,9 +208,8 @@ class Profile:
         return along_depth(self.small_vocabulary or self.model, tokens, depth)
 
     def loss(self, tokens: int, depth: int) -> float:
-        """The part that grows with the vocabulary, of one chunk of min(tokens, C) tokens at most; the
-        most of the measured depths, whatever `depth` (a chunk is freed before the next one is
-        decoded). 0 for a vision model: its class logits are tiny."""
+        """What grows with the vocabulary, for one chunk of min(tokens, C) tokens, the most of the measured
+        depths (a chunk is freed before the next is decoded). 0 for a vision model: its logits are tiny."""
         if self.small_vocabulary is None:
             return 0.0
         n = min(tokens, self.loss_chunk)
@@ -256,8 +217,7 @@ class Profile:
 
 
 def along_depth(lines: dict, tokens: int, depth: int) -> float:
-    """Linear in the depth through the peaks at the measured depths (a loop saves the same tensors
-    at every step)."""
+    """Linear in the depth through the peaks at the measured depths."""
     (d1, line1), (d2, line2) = sorted(lines.items())[0], sorted(lines.items())[-1]
     at1, at2 = line1(tokens), line2(tokens)
     return max(0.0, at1 + (at2 - at1) * (depth - d1) / (d2 - d1 or 1))
@@ -269,10 +229,9 @@ _PROFILES: dict = {}
 
 
 def measure(config, device: torch.device, dtype, seq_len: int | None = None) -> Profile:
-    """Activations and loss of `config`'s training step, measured on `device` under autocast to `dtype`
-    at two micro-batches (language: one sequence of T/2 and of T tokens, T = min(16, seq_len, C) with C
-    the loss's chunk, at least 2; vision: 1 and 2 images) and depths min(L, 2), min(L, 3). Cached per
-    (config, device, dtype, T, C); the global RNG (and CUDA's) is left as it was."""
+    """The Profile of `config` on `device` under `dtype` autocast: language, one sequence of T/2 and of T
+    tokens, T = min(16, seq_len, C) (at least 2); vision, 1 and 2 images; depths min(L, 2), min(L, 3).
+    Cached; the RNGs are left as they were."""
     language = is_language(config)
     chunk = alternet.loss_chunk_tokens(config.vocab_size) if language else None
     length = max(2, min(16, seq_len or config.seq_len, chunk)) if language else config.num_patches + 1
@@ -329,8 +288,7 @@ class Memory:
 
 def estimate(model: nn.Module, profile: Profile, batch: int, seq_len: int | None, devices: int = 1,
              grad_accum: int = 1) -> Memory:
-    """The peak per device of `model` trained at `batch` per optimizer step (split over devices, then
-    into grad_accum micro-batches); `profile` from measure()."""
+    """The peak per device of `model` trained at `batch` per optimizer step; `profile` from measure()."""
     micro = batch // (devices * grad_accum)
     tokens = micro * (seq_len if profile.tokens_per_sample is None else profile.tokens_per_sample)
     depth = depth_of(model.config)
@@ -341,8 +299,7 @@ def estimate(model: nn.Module, profile: Profile, batch: int, seq_len: int | None
 
 
 def device_memory_gb(device: torch.device) -> float | None:
-    """A device's memory in GB: a GPU's total; for a CPU, the machine's RAM shared by its local ranks
-    (None where the OS does not say)."""
+    """A GPU's memory in GB; a CPU's: the RAM shared by its local ranks (None where the OS does not say)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / GB
     try:
@@ -359,8 +316,8 @@ def accumulations(batch: int, devices: int) -> list[int]:
 
 def plan(model: nn.Module, profile: Profile, batch: int, seq_len: int | None, devices: int, budget_gb: float,
          grad_accum: int | None = None) -> Memory:
-    """The estimate at grad_accum, or (None) at the fewest micro-steps whose peak fits USABLE x budget_gb.
-    ValueError when nothing fits, naming what would (more accumulation, more GPUs, a shorter context)."""
+    """The estimate at grad_accum, or (None) at the fewest micro-steps whose peak fits USABLE x budget_gb;
+    ValueError naming what would fit otherwise."""
     for accum in [grad_accum] if grad_accum else accumulations(batch, devices):
         memory = estimate(model, profile, batch, seq_len, devices, accum)
         if memory.total <= USABLE * budget_gb * GB:
@@ -401,18 +358,14 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
 
 # --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, tools/depths.py) ---
 #
-# The CUDA allocator reports what a model holds (bench.cuda_memory); on a CPU only the process's resident
-# set says it, and a process's freed heap stays resident: so each model is measured in a child of a fresh
-# process, and the peak is the growth of VmHWM after the model is built.
+# On a CPU only the process's resident set says what a model holds, and a process's freed heap stays
+# resident: so each model is measured in a child forked from a fresh process (after torch is imported),
+# as the growth of VmHWM after the model is built. Linux only (fork, /proc); elsewhere a row says so.
 
 
 def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int = 2) -> list[dict]:
-    """Peak RSS of each model (spec: its config dict, fold, optional depth), `processes` times each.
-
-    One fresh Python process imports torch once, then forks a child per measurement (memory_rows), so
-    no measurement reuses another's freed heap. Heap fragmentation can only add to a peak, so we report
-    the smallest; all values are kept.
-    """
+    """Peak RSS of each model (spec: its config dict, fold, optional depth), `processes` times each: the
+    smallest is reported (fragmentation only adds), all are kept."""
     if not (hasattr(os, "fork") and os.path.exists("/proc/self/status")):  # what memory_rows measures with
         return [{"memory_error": "peak RSS is measured on Linux only (fork, /proc)"}] * len(specs)
     payload = json.dumps([{**spec, "batch": batch, "calls": calls} for spec in specs for _ in range(processes)])
@@ -434,8 +387,7 @@ def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int 
 
 
 def memory_rows(specs: list[dict]) -> list[dict]:
-    """Each spec measured by _memory_worker in its own child, forked from this (fresh) process:
-    `python -m lib.memory rss PAYLOAD`, started by cpu_memory_of."""
+    """In the fresh process (`python -m lib.memory rss PAYLOAD`): each spec measured in a forked child."""
     rows = []
     for spec in specs:
         read_end, write_end = os.pipe()
@@ -458,10 +410,7 @@ def memory_rows(specs: list[dict]) -> list[dict]:
 
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{field} not in /proc/self/status")
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
@@ -470,11 +419,8 @@ def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
 
 
 def _memory_worker(spec: dict) -> dict:
-    """In a fresh (forked) process: RSS before the model, then peak RSS over the forward calls.
-
-    The input is allocated first (not counted); the peak is reset (clear_refs) after the model is
-    built, so construction temporaries do not count, only what the model holds and its calls use.
-    """
+    """RSS before the model, then the peak over its forward calls; the input is allocated first (not
+    counted), the peak reset once the model is built (construction temporaries do not count)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one heap arena: multi-threaded allocation made peaks vary by 30%
     c = revit.ViTConfig(**spec["config"])
@@ -482,7 +428,8 @@ def _memory_worker(spec: dict) -> dict:
     images = torch.randn(spec["batch"], c.in_channels, c.image_size, c.image_size)
     # Prime the runtime (thread pool, kernel libraries, lazily loaded code) with a narrow, 2-step
     # model of the same family on the same input, so their one-off RSS is not charged to the row.
-    primer = model_of(dataclasses.replace(c, dim=8 * c.heads, ffn_dim=16 * c.heads, depth=2, raptor_blocks=1))
+    primer = revit.build_model(dataclasses.replace(c, dim=8 * c.heads, ffn_dim=16 * c.heads, depth=2,
+                                                   raptor_blocks=1)).eval()
     with torch.inference_mode():
         primer(images)
     del primer
@@ -493,29 +440,15 @@ def _memory_worker(spec: dict) -> dict:
         # reViT here would leave its freed heap in the RSS baseline
         model = revit.VisionTransformer(folded_config(dataclasses.replace(c, depth=depth))).eval()
     else:
-        model = functools.partial(model_of(c), depth=depth) if c.arch != "vit" else model_of(c)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        method = "fresh process: peak VmHWM - RSS before the model (incl. weights)"
-    except OSError:
-        method = "fresh process: ru_maxrss - RSS before the model (peak may include model building)"
+        model = revit.build_model(c).eval()
+        model = functools.partial(model, depth=depth) if c.arch != "vit" else model
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
     with torch.inference_mode():
         for _ in range(spec["calls"]):
             model(images)
-    peak = _rss_kib("VmHWM") if "VmHWM" in method else _ru_maxrss_kib()
-    return {"memory_mib": (peak - before) / 1024, "memory_method": method}
-
-
-def model_of(config: revit.ViTConfig) -> torch.nn.Module:
-    """The module a config describes, in eval mode (what revit.create_model builds from a preset)."""
-    return revit.build_model(config).eval()
-
-
-def _ru_maxrss_kib() -> int:
-    import resource  # Unix only, like /proc and fork: imported where the CPU measurement needs it
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
+    return {"memory_mib": (_rss_kib("VmHWM") - before) / 1024,
+            "memory_method": "fresh process: peak VmHWM - RSS before the model (incl. weights)"}
 
 
 # --- train.py's plan: a run's peak memory per device and the --grad-accum that fits it ---
@@ -524,11 +457,10 @@ GPT2_VOCAB = 50257  # GPT-2's BPE (language.tokenize): known before tiktoken loa
 
 
 def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None, skip_below: int = 0) -> None:
-    """train.py's run config `cfg`: cfg.grad_accum None becomes the fewest micro-steps whose peak per
-    device fits (an `override:` line), a given one is checked; then one `memory:` line. Nothing is planned
-    for an unmeasured small preset (below `skip_below` parameters) or an OS that does not say its RAM (the
-    estimate is only said). model None: the language model of cfg (or ckpt), built on the meta device. A
-    batch that cannot fit is one line saying what would."""
+    """train.py's plan: cfg.grad_accum None becomes the fewest micro-steps whose peak per device fits (an
+    `override:` line), a given one is checked; then one `memory:` line, or one error line saying what would
+    fit. Skipped below `skip_below` parameters; only said where the OS does not tell its RAM. model None: the
+    language model of cfg (or ckpt), built on the meta device."""
     auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
     if model is None:
         if preset_parameters(cfg.arch) < skip_below:

@@ -5,16 +5,13 @@ This file builds its models itself and revit.py never imports it: its `ViTConfig
 mechanisms' fields (`ffn` names the mechanism), its `PRESETS` are revit's plus revit-{size}-{mechanism}[-u{U}]
 and revit-{size}-lora, and its `create_model` builds any of them (`config_of` reads a saved config).
 
-How they plug in. A mechanism's model is a `ComparisonReViT`: reViT's recurrence, whose shared block
-(`MechanismBlock`) gives its FFN what the mechanism needs beyond the tokens, through a small interface
-(`FFN`): begin_forward(depth, batch) once before step 0 (per-forward state: pooled router statistics,
-Lory's per-image memory), the step (`Step`: t, the images' coordinates, which rows run it) to an FFN
-that sets `needs_step`, and aux_losses(depth) once after the last step. Layer-wise LoRA is a block
-variant (`LoRABlock`). Each mechanism also reports its cost, active_flops_per_token(T) -> {"experts",
-"routing"} (the measures section, with the budget U of §4.3 and Table 8's storage). Statistics pooled
-over the steps of one forward live on the module (reset by begin_forward); statistics for a
-non-gradient update after the optimizer step (DeepSeek-V3's bias, ReMoE's L1 controller) live on the
-module too, recorded by training forwards only, and are summed over ranks under torch.distributed.
+A mechanism's model is a `ComparisonReViT`: reViT's recurrence with a `MechanismBlock`, which hands its
+FFN the step (`Step`) if it asks (the interface: `FFN`); layer-wise LoRA is a block variant (`LoRABlock`).
+Each mechanism reports its cost, active_flops_per_token(T) -> {"experts", "routing"} (the measures
+section: the budget U of §4.3 and Table 8's storage). Statistics pooled over the steps of one forward live
+on the module (reset by begin_forward); so do those of a non-gradient update after the optimizer step
+(DeepSeek-V3's bias, ReMoE's L1 controller), recorded by training forwards only and summed over ranks
+under torch.distributed.
 
     python -m lib.moe [names...]   # parameter counts, expert-FFN storage and U of the presets
 """
@@ -33,7 +30,7 @@ from einops import rearrange
 
 import revit
 from revit import (Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, depth_grid,
-                   elastic_plan, full_precision, gate_penalties)
+                   full_precision, gate_penalties)
 
 # --- the interface: what a mechanism's FFN gets from the recurrence ---
 
@@ -52,7 +49,8 @@ class Step(NamedTuple):
 class FFN(nn.Module):
     """What a mechanism's FFN implements. forward(u) -> tokens of u's shape, u (b, T, d) the LayerNorm'd
     tokens of the images that run this step; one that sets `needs_step` gets forward(u, step). begin_forward
-    runs once before step 0, aux_losses(depth) once after the last step (weighted auxiliary losses)."""
+    runs once before step 0 (per-forward state: pooled router statistics, Lory's per-image memory),
+    aux_losses(depth) once after the last step (weighted auxiliary losses)."""
 
     needs_step = False
 
@@ -105,32 +103,18 @@ class ComparisonReViT(ReViT):
         self.block.begin_forward(depth, images.shape[0])
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
-        states = self.run_steps(x, depth) if keep is None else self.run_elastic_steps(x, keep)
+        if keep is None:  # Eq. 3 applied L times, step t at the grid coordinate s_t (Eq. 1)
+            grid, states = depth_grid(depth, x.device), [x]
+            for t in range(depth):
+                x = self.block(x, Step(t, grid[t].expand(x.shape[0])))
+                states.append(x)
+        else:
+            states = self.elastic_steps(x, keep)
         aux = self.block.mlp.aux_losses(depth) if return_states or self.training else {}
         return self.finish(states[-1], states, aux, return_states)
 
-    def run_steps(self, x: torch.Tensor, depth: int) -> list:
-        """Eq. 3 applied L times, step t at the grid coordinate s_t; returns the L + 1 states."""
-        grid = depth_grid(depth, x.device)                                      # s_t (Eq. 1)
-        states = [x]
-        for t in range(depth):
-            x = self.block(x, Step(t, grid[t].expand(x.shape[0])))
-            states.append(x)
-        return states
-
-    @torch.compiler.disable  # data-dependent row sets: runs eagerly under torch.compile (as ReViT's)
-    def run_elastic_steps(self, x: torch.Tensor, keep: torch.Tensor) -> list:
-        """Elastic depth (§3.2): image b runs only its retained steps, at renumbered coordinates."""
-        coords = elastic_plan(keep)                                             # (B, L)
-        states = [x]
-        for t in range(keep.shape[1]):
-            rows = keep[:, t].nonzero().squeeze(1)  # images that run step t; a dropped step is the identity
-            if len(rows) == x.shape[0]:
-                x = self.block(x, Step(t, coords[:, t], rows))
-            elif len(rows):
-                x = x.index_copy(0, rows, self.block(x[rows], Step(t, coords[rows, t], rows)))
-            states.append(x)
-        return states
+    def elastic_ffn(self, t: int, coords: torch.Tensor, rows: torch.Tensor) -> Step:
+        return Step(t, coords, rows)  # reViT's elastic depth (§3.2); MechanismBlock hands it to the FFN
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
         self.check_depth(depth)
@@ -194,10 +178,8 @@ class ExpertPool(ExpertBank):
 
     def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Token dispatch: token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K).
-
-        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous
-        chunk (a loop over experts, never over tokens), and results are scattered back with index_add.
-        """
+        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous chunk
+        (a loop over experts, never over tokens), and results are scattered back with index_add."""
         n, k = expert_index.shape
         flat = expert_index.flatten()                                   # (n K,)
         order = torch.argsort(flat, stable=True)
@@ -316,16 +298,13 @@ class LoryFFN(ContentMergedFFN):
 
 class TokenRoutedFFN(ExpertPool, FFN):
     """Common part of the token-dispatch FFNs: a linear router (no bias) over E experts, top-K per
-    token, grouped dispatch; subclasses choose scores, selection and gate values (`route`)."""
+    token, grouped dispatch. Subclasses choose scores, selection and gate values: route(logits), (n, E)
+    fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int):
         super().__init__(dim, hidden, num_experts)
         self.top_k = top_k
         self.router = nn.Linear(dim, num_experts, bias=False)
-
-    def route(self, logits: torch.Tensor) -> tuple:
-        """(n, E) fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
-        raise NotImplementedError
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         x = rearrange(u, "b t d -> (b t) d")
@@ -590,7 +569,6 @@ class LayerwiseLoRA(nn.Module):
                                                                + getattr(self, f"{n}_up").shape[1])
                    for n in LORA_LAYERS)
 
-
 class LoRAAttention(Attention):
     """The shared attention with step t's low-rank updates on qkv and proj."""
 
@@ -598,14 +576,12 @@ class LoRAAttention(Attention):
         h = self.attend(self.qkv(x) + lora.update("qkv", step, x))                        # (B, T, d)
         return self.proj(h) + lora.update("proj", step, h)
 
-
 class LoRAMlp(Mlp, FFN):
     """The shared dense FFN with step t's low-rank updates on fc1 and fc2."""
 
     def forward(self, u: torch.Tensor, step: int, lora: LayerwiseLoRA) -> torch.Tensor:
         h = F.gelu(self.fc1(u) + lora.update("fc1", step, u))                              # (B, T, d_ff)
         return self.fc2(h) + lora.update("fc2", step, h)
-
 
 class LoRABlock(MechanismBlock):
     """The tied block plus layer-wise LoRA: step t runs W + B_t A_t on qkv, proj, fc1 and fc2.
@@ -640,7 +616,6 @@ class LoRABlock(MechanismBlock):
             for name, layer in LORA_LAYERS.items():
                 state[f"{layer}.weight"] = state[f"{layer}.weight"].float() + self.lora.delta(t, name)
         return states
-
 
 # --- the comparisons' config: revit.py's fields plus the mechanism and its settings ---
 
@@ -712,13 +687,10 @@ def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
     return ffn.active_flops_per_token(num_tokens)
 
 def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
-    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's.
-
-    Measured from the FFN's own FLOP count (`active_flops_per_token`) for images of
-    num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
-    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class
-    token its U is the paper's (slots / patches) times N / (N + 1).
-    """
+    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's, for
+    images of num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
+    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class token its
+    U is the paper's (slots / patches) times N / (N + 1)."""
     c = model.config
     ffn = model.block.mlp if isinstance(model, ReViT) else model.blocks[0].mlp
     flops = active_flops_per_token(ffn, num_tokens or 1 + c.num_patches)
@@ -741,9 +713,7 @@ MOE_TABLE = {
     "remoe": {1: (4, 0, 0, 1), 1.5: (6, 0, 0, 1), 2: (8, 0, 0, 1), 4: (16, 0, 0, 1)},   # all experts run
     "softmoe": {1: (4, 0, 0, 4), 1.5: (6, 0, 0, 4), 2: (8, 0, 0, 4), 4: (16, 0, 0, 4)},  # N/4 slots each
 }
-# the sizes of revit.py's presets (Table 1's S/16, B/16 and B/14; the CPU sizes), without arch and E
-MOE_SIZES = {size: {k: v for k, v in revit.PRESETS[f"revit-{size}"].items()
-                    if k not in ("arch", "num_experts")} for size in ("s", "b", "b14", "mini", "mini32")}
+MOE_SIZES = {size: revit.SIZES[size] for size in ("s", "b", "b14", "mini", "mini32")}  # S/16, B/16, B/14; CPU
 
 def _moe_presets() -> dict:
     """revit-{size}-{mechanism}-u{U} for every cell of MOE_TABLE, revit-{size}-{mechanism} for U = 1,
@@ -777,22 +747,16 @@ def config_of(values: dict) -> revit.ViTConfig:
         return config
     return revit.ViTConfig(**{f.name: getattr(config, f.name) for f in fields(revit.ViTConfig)})
 
-
 if __name__ == "__main__":  # python -m lib.moe [names...]: parameter counts of the presets (meta device)
     import sys
 
-    names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
-    print(f"| {'preset':<22} | {'params (M)':>10} | {'expert FFN (M)':>14} | {'U':>5} | {'L':>3} "
-          f"| {'d':>5} | {'E / k':>5} |")
-    print(f"|{'-' * 24}|{'-' * 12}|{'-' * 16}|{'-' * 7}|{'-' * 5}|{'-' * 7}|{'-' * 7}|")
-    for name in names:
+    print("| preset | params (M) | expert FFN (M) | U |\n|---|---:|---:|---:|")
+    for name in sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]:
         try:
             with torch.device("meta"):
                 model = create_model(name)
         except ValueError as e:
             sys.exit(f"lib.moe: {e}")
-        c = model.config
-        ek = {"revit": c.num_experts, "raptor": c.raptor_blocks}.get(c.arch, "")
-        budget = f"{ffn_budget(model):.3g}" if c.arch == "revit" else ""
-        print(f"| {name:<22} | {model.num_params() / 1e6:>10.2f} | {expert_ffn_params(model) / 1e6:>14.2f} "
-              f"| {budget:>5} | {c.depth:>3} | {c.dim:>5} | {ek!s:>5} |")
+        budget = f"{ffn_budget(model):.3g}" if model.config.arch == "revit" else ""
+        counts = f"{model.num_params() / 1e6:.2f} | {expert_ffn_params(model) / 1e6:.2f}"
+        print(f"| {name} | {counts} | {budget} |")

@@ -1,14 +1,8 @@
 """The planted-depth task (ours): a task that needs a different function at each depth, by construction.
+Each 4x4x3 patch token of an input (lib/data.planted_images) is to be mapped to LN(f_L(... f_1(x))).
 
-reViT's motivation (arXiv 2610.12448, §1 and §3.1) is that tying a ViT's blocks removes depth-specific
-transformations and that the depth-programmed merge of an expert bank restores them. Here each token of an
-input (lib/data.planted_images: 4x4x3 patches of 48 numbers) must be mapped to LN(f_L(... f_1(x))), with
-f_t distinct fixed random residual MLPs: an untied stack can fit it exactly, a block tied over depth only
-by some average of the maps, and reViT only if its router psi gives each step its own merge.
-
-    python train.py --dataset planted --arch revit-mini --depth 4 --patch-size 4 --model-args dim=48,heads=3,ffn_dim=96
-
-train.py builds it through `build` (imported by planted runs only); the evaluation is ClassificationTask's.
+    python train.py --dataset planted --arch revit-mini --depth 4 --patch-size 4 \
+        --model-args dim=48,heads=3,ffn_dim=96
 """
 
 from __future__ import annotations
@@ -80,7 +74,7 @@ class PlantedTask(tasks.ClassificationTask):
 
 
 def planted_task(cfg, images, device, augment, autocast, model) -> PlantedTask:
-    """The planted task for `model`, or the one-line exit when its width or patches do not fit the task."""
+    """The task for `model`, or the one-line exit where its width or patches do not fit."""
     config = model.config
     patch = data.PLANTED["patch_size"]
     width = images.channels * patch ** 2
@@ -94,7 +88,8 @@ def planted_task(cfg, images, device, augment, autocast, model) -> PlantedTask:
 def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     """lib/tasks.build's data and model, with the planted task in place of classification."""
     if cfg.probe or cfg.teacher:
-        fail(f"--dataset planted is a regression task of its own; it takes no --{'probe' if cfg.probe else 'teacher'}")
+        fail(f"--dataset planted is a regression task of its own; it takes no "
+             f"--{'probe' if cfg.probe else 'teacher'}")
     model, task, batches, augment, steps_per_epoch = tasks.build(cfg, rank, world, device, ckpt)
     task = planted_task(cfg, task.data, task.device, task.augment, task.autocast, model)
     return model, task, batches, augment, steps_per_epoch

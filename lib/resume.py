@@ -1,12 +1,7 @@
-"""What train.py does to continue or evaluate a saved run, imported only then (a new run never loads
-it): the saved config and what may not change on resume (`resume_config`, `saved_config`); the values a
-checkpoint never decides (`command_line_only`: the files read, downloads, the teacher); a checkpoint
-rebuilt for evaluation (`evaluation_setup`: --eval-only, tools/depths.py) and evaluated (`evaluate_only`);
-a resumed checkpoint's loop state checked against the rebuilt run (`check_resume`: the optimizer state as
-load_state_dict and the next step would take it, every RNG state as set_rng_state would, fp16's scaler),
-what the flags given now change in its schedule (`continue_schedule`), then loaded (`continue_run`) and
-its random streams restored (`restore_rng`). A failure is one line naming the flag (lib/cli.fail); the
-run folder has not been touched.
+"""What train.py does to continue (--resume) or evaluate (--eval-only) a saved run, imported only then:
+the saved config under the flags given now, what a checkpoint never decides (the files read, downloads,
+the teacher), the loop state checked against the rebuilt run, then loaded. A failure is one line naming
+the flag, before the run folder is touched.
 """
 
 from __future__ import annotations
@@ -21,8 +16,8 @@ import torch.nn as nn
 
 from lib import tasks
 from lib.build import build
-from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, set_rng_state
-from lib.boundary import diverged, fail, fit_problem, wrong_type
+from lib.boundary import fail, wrong_type
+from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, diverged, fit_problem, set_rng_state
 from lib.cli import non_finite_place, pick_device, say
 
 
@@ -33,28 +28,23 @@ FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "d
 
 
 def resume_config(explicit: dict, config_class, resolve_config) -> tuple[dict, object]:
-    """The checkpoint and the saved run's config, resolved (train.py's TrainConfig and resolve_config:
-    `config_class`, `resolve_config`); flags given now may extend it (e.g. more --epochs)."""
+    """The checkpoint and the saved run's config (train.py's TrainConfig: `config_class`), resolved with
+    the flags given now, which may extend it (e.g. more --epochs)."""
     path = explicit["resume"]
     ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
     saved = saved_config(ckpt, path, "--resume", config_class)
-    if "arch" in explicit and explicit["arch"] != saved.get("arch"):
-        fail(f"--resume {path} is a checkpoint of {saved['arch']}, not {explicit['arch']}")
     for name in FIXED_ON_RESUME:
         if name in explicit and explicit[name] != saved.get(name):
             fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
                  f"{saved.get(name)!r}); start a new run instead")
-    known = {f.name for f in fields(config_class)} - {"stop_at_step", "overwrite", "eval_only"}
-    saved = command_line_only(saved, explicit, f"--resume {path}", needed=("data", "teacher"))
-    merged = {**{k: v for k, v in saved.items() if k in known}, **explicit}
-    merged["out_dir"] = explicit.get("out_dir") or str(Path(path).parent)  # the run folder may have moved
-    return ckpt, resolve_saved(resolve_config, merged, explicit, f"--resume {path}")
+    flags = {**explicit, "out_dir": explicit.get("out_dir") or str(Path(path).parent)}  # the folder may move
+    return ckpt, resolve_saved(saved, flags, f"--resume {path}", config_class, resolve_config,
+                               needed=("data", "teacher"), unkept={"stop_at_step", "overwrite", "eval_only"})
 
 
 def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
-    """A checkpoint's train_config, each known value of the type its flag takes (the values' ranges are
-    checked with the flags', by resolve_config). Files saved before --precision hold bf16: True (the
-    default: bf16 autocast on CUDA, fp32 on the CPU) is precision auto, False is fp32."""
+    """A checkpoint's train_config, each known value of the type its flag takes (ranges: resolve_config).
+    Files saved before --precision hold bf16: True is precision auto, False is fp32."""
     saved = ckpt["train_config"]
     if "bf16" in saved and "precision" not in saved:
         saved = {**saved, "precision": {True: "auto", False: "fp32"}.get(saved["bf16"], saved["bf16"])}
@@ -64,10 +54,13 @@ def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
     return saved
 
 
-def resolve_saved(resolve_config, merged: dict, flags: dict, source: str):
-    """train.py's resolve_config of a saved run's values under the flags given now (`merged`). Where it
-    refuses and the saved values alone are refused too, the line names the checkpoint (`source`): the
-    flag it cites was never typed by the user, an edited train_config holds it."""
+def resolve_saved(saved: dict, flags: dict, source: str, config_class, resolve_config, needed, unkept):
+    """resolve_config of a saved run's values (but the `unkept` and COMMAND_LINE_ONLY's) under the flags
+    given now. Where the saved values alone are refused too, the line names the checkpoint (`source`), not a
+    flag the user never typed."""
+    known = {f.name for f in fields(config_class)} - unkept
+    saved = command_line_only(saved, flags, source, needed)
+    merged = {**{k: v for k, v in saved.items() if k in known}, **flags}
     try:
         return resolve_config(merged, announce=False)
     except SystemExit:
@@ -86,19 +79,15 @@ EVAL_ONLY_FLAGS = {"eval_only", "eval_depths", "test_subset", "eval_batch_size",
 
 def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config):
     """A checkpoint rebuilt with its test data as trained -> (cfg, model, task) for train.evaluate; `flags`
-    (config names, e.g. test_subset, device) may change how it is evaluated, never the model. train.py's
-    TrainConfig and resolve_config: `config_class`, `resolve_config`."""
+    (EVAL_ONLY_FLAGS) may change how it is evaluated, never the model."""
     extra = sorted(set(flags) - EVAL_ONLY_FLAGS)
     if extra:
         allowed = ", ".join("--" + f.replace("_", "-") for f in sorted(EVAL_ONLY_FLAGS))
         fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
              f"got --{extra[0].replace('_', '-')}")
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
-    known = {f.name for f in fields(config_class)} - {"out_dir", "resume"}
-    saved = saved_config(ckpt, path, flag, config_class)
-    saved = command_line_only(saved, flags, f"{flag} {path}", needed=("data",))
-    cfg = resolve_saved(resolve_config, {**{k: v for k, v in saved.items() if k in known}, **flags}, flags,
-                        f"{flag} {path}")
+    cfg = resolve_saved(saved_config(ckpt, path, flag, config_class), flags, f"{flag} {path}", config_class,
+                        resolve_config, needed=("data",), unkept={"out_dir", "resume"})
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
@@ -106,19 +95,17 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     trained = model.head if cfg.probe else model
     problem = fit_problem(trained.state_dict(), ckpt["model"], ckpt["arch"])
-    if problem:
-        fail(f"{flag} {path}: {problem}")
-    trained.load_state_dict(ckpt["model"])
-    problem = None if cfg.probe else diverged(model.to(device).eval())  # as every reader (load_model)
+    if not problem:
+        trained.load_state_dict(ckpt["model"])
+        problem = None if cfg.probe else diverged(model.to(device).eval())  # as every reader (load_model)
     if problem:
         fail(f"{flag} {path}: {problem}")
     return cfg, model.to(device).eval(), task
 
 
 def evaluate_only(flags: dict, config_class, resolve_config, evaluate) -> dict:
-    """--eval-only: train.py's evaluation (`evaluate`) of a checkpoint at its --eval-depths, printed; nothing
-    is trained or written. A metric that is not a number (finite but diverged weights can score NaN) is
-    never reported as a result."""
+    """--eval-only: train.py's `evaluate` of a checkpoint at its --eval-depths, printed; nothing is written,
+    and a metric that is not a number is never reported."""
     path = flags["eval_only"]
     cfg, model, task = evaluation_setup(path, flags, "--eval-only", config_class, resolve_config)
     results = evaluate(model, task, tasks.eval_depths(cfg, model))
@@ -137,9 +124,8 @@ COMMAND_LINE_ONLY = {"data": "", "data_dir": "", "download": False, "teacher": "
 
 
 def command_line_only(saved: dict, explicit: dict, flag: str, needed: tuple) -> dict:
-    """A saved train_config whose COMMAND_LINE_ONLY values are the command line's (or the defaults).
-    `needed`: those the run cannot do without (--resume: its data and teacher; --eval-only: its data),
-    which must then be given again; the others fall back to their defaults."""
+    """A saved train_config whose COMMAND_LINE_ONLY values are the command line's (or the defaults); those
+    `needed` by the run must then be given again."""
     taken = dict(saved)
     for name, default in COMMAND_LINE_ONLY.items():
         was, given = saved.get(name, default), explicit.get(name, default)
@@ -156,9 +142,8 @@ def command_line_only(saved: dict, explicit: dict, flag: str, needed: tuple) -> 
 
 def check_resume(cfg, ckpt: dict, trainable: nn.Module, optimizer, augment,
                  total_steps: int) -> None:
-    """What set-up applies from a resumed checkpoint, checked in full against the rebuilt run without
-    changing it (the optimizer state as load_state_dict and the next step would take it, every RNG state
-    as set_rng_state would): a failure here leaves the run folder and its log as they were."""
+    """A resumed checkpoint's loop state checked in full against the rebuilt run, without changing it:
+    the optimizer state as the next step would take it, every RNG state as set_rng_state would."""
     flag = f"--resume {cfg.resume}"
     if ckpt["step"] > total_steps:
         fail(f"{flag} is at step {ckpt['step']}, past this run's {total_steps} steps; give a larger "
@@ -180,9 +165,8 @@ SCHEDULE_FLAGS = {"total_steps": "--max-steps / --epochs", "warmup_steps": "--wa
 
 
 def continue_schedule(path: str, ckpt: dict, sched: dict, lr_at) -> None:
-    """One `override:` line per number of the checkpoint's schedule that the flags given now change, with
-    what the change alone does to the lr where the run continues (train.lr_at); a run already at its last
-    step is complete: said in one line, and the command exits 0 without training."""
+    """An `override:` line per number of the saved schedule that the flags given now change, with what it
+    alone does to the lr (train.lr_at); a run at its last step is complete: it exits 0 without training."""
     step, saved = ckpt["step"], ckpt.get("scheduler")
     if isinstance(saved, dict) and all(isinstance(saved.get(k), (int, float)) for k in SCHEDULE_FLAGS):
         for key, flags in SCHEDULE_FLAGS.items():
@@ -205,71 +189,55 @@ def number_at_least_zero(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
-ADAM_GROUP = {  # the hyperparameters load_state_dict restores with each group: name -> (check, allowed)
-    **dict.fromkeys(("lr", "eps", "weight_decay"), (number_at_least_zero, "a number >= 0")),
-    "betas": (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(
-        number_at_least_zero(b) and b < 1 for b in v), "two numbers in [0, 1)"),
-    **dict.fromkeys(("amsgrad", "maximize"), (lambda v: isinstance(v, bool), "True or False")),
-}
-
-
 # Parameters that no step may reach, by name: a routed expert no sequence of any batch picked yet
 # (AlterNet's experts.N.*), and a distilled student's class head (Eq. 5 reads the final tokens, not the head)
 ROUTED_EXPERT, HEAD = re.compile(r"(^|\.)experts\.\d+\."), re.compile(r"(^|\.)head\.")
 
 
 def may_lack_state(name: str, distilled: bool) -> bool:
-    """Whether parameter `name` may have no AdamW state after a step (AdamW makes it at the first gradient)."""
+    """Whether parameter `name` may have no AdamW state after a step (made at its first gradient)."""
     return bool(ROUTED_EXPERT.search(name)) or distilled and bool(HEAD.search(name))
 
 
 def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) -> str | None:
-    """A saved AdamW state against the run's optimizer: the same groups and hyperparameters (of the same
-    types, betas in [0, 1)), parameter ids as state_dict numbers them, and per parameter the state AdamW
-    keeps, in the parameter's shape and a float dtype. After the first step a parameter without state
-    (`names`: id(parameter) -> name) is refused unless `may_lack(name)` (then an override line)."""
+    """A saved AdamW state against the run's optimizer: parameter ids in groups as state_dict numbers them,
+    per parameter AdamW's state in its shape and a float dtype. After the first step a parameter without
+    state (`names`: id -> name) is refused unless `may_lack(name)`."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = saved["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        return "its optimizer state does not fit the model (parameter groups differ)"
-    if [i for g in groups for i in g["params"]] != list(range(len(params))):
-        return "its optimizer state does not fit the model (parameter ids are not 0.." f"{len(params) - 1})"
-    for g in groups:
-        for key, (ok, allowed) in ADAM_GROUP.items():
-            if not ok(g.get(key)):
-                return f"its optimizer's {key} is {g.get(key, 'missing')!r}; AdamW takes {allowed}"
+    if [g["params"] for g in groups] != [g["params"] for g in optimizer.state_dict()["param_groups"]]:
+        return (f"its optimizer state does not fit the model (parameter ids are not 0..{len(params) - 1} in "
+                f"{len(optimizer.param_groups)} groups)")
     for index, state in saved["state"].items():
-        known = isinstance(index, int) and 0 <= index < len(params) and isinstance(state, dict)
-        if not known or not ADAM_STATE <= set(state) <= ADAM_STATE | {"max_exp_avg_sq"}:
-            return f"its optimizer state does not fit the model (entry {index!r})"
-        shapes = {tuple(v.shape) for k, v in state.items() if torch.is_tensor(v) and k != "step"}
-        floats = all(torch.is_tensor(v) and v.is_floating_point() for k, v in state.items() if k != "step")
-        if shapes - {tuple(params[index].shape)} or not floats or not step_ok(state["step"]):
+        fits = (isinstance(index, int) and 0 <= index < len(params) and isinstance(state, dict)
+                and ADAM_STATE <= set(state) <= ADAM_STATE | {"max_exp_avg_sq"} and step_ok(state["step"])
+                and all(torch.is_tensor(v) and v.is_floating_point() and v.shape == params[index].shape
+                        for k, v in state.items() if k != "step"))
+        if not fits:
             return f"its optimizer state does not fit the model (entry {index!r})"
     stateless = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params) if i not in saved["state"]]
     refused = [name for name in stateless if not may_lack(name)]
     if refused and step > 0:
         return (f"its optimizer state covers {len(saved['state'])} of {len(params)} parameters, none for "
-                f"{refused[0]} (after a step only a routed expert no sequence picked, or a distilled student's "
-                f"class head, has none): an edited or partial file")
+                f"{refused[0]} (after a step only a routed expert no sequence picked, or a distilled "
+                f"student's class head, has none): an edited or partial file")
     if stateless and step > 0:
-        say(f"override: {len(stateless)} of {len(params)} parameters have no optimizer state (a routed expert "
-            f"no sequence picked yet, or a distilled student's unused class head); they start fresh")
+        say(f"override: {len(stateless)} of {len(params)} parameters have no optimizer state (a routed "
+            f"expert no sequence picked yet, or a distilled student's unused class head); they start fresh")
     return None
 
 
-def step_ok(step) -> bool:
-    """AdamW's per-parameter step count: a number or a one-element tensor, >= 0."""
+def step_ok(step) -> bool:  # AdamW's per-parameter step count
     if torch.is_tensor(step):
         return step.numel() == 1 and not step.is_complex() and bool(step >= 0)
-    return isinstance(step, (int, float)) and not isinstance(step, bool) and step >= 0
+    return number_at_least_zero(step)
 
 
 SCALER_STATE = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 
 
 def scaler_problem(state) -> str | None:
-    """fp16's gradient scaler as torch.amp.GradScaler.state_dict() writes it ({} or absent: not fp16)."""
+    """fp16's gradient scaler as GradScaler.state_dict() writes it ({} or absent: not fp16)."""
     if state is None or state == {}:
         return None
     numbers = isinstance(state, dict) and all(map(number_at_least_zero, state.values()))
@@ -286,31 +254,33 @@ def rng_problem(states: list, augment) -> str | None:
             random.Random().setstate(state["python"])
             if "augment_batch" in state:
                 random.Random().setstate(state["augment_batch"])
-        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+        except (KeyError, RuntimeError, ValueError, TypeError, OverflowError) as e:
             return f"its rng state of rank {rank} cannot be restored ({' '.join(str(e).split())[:120]})"
-        if augment is not None and "augment" not in state:
+        if augment is not None and not {"augment", "augment_batch"} <= set(state):
             return "its rng holds no augmentation state (an image run saves one)"
     return None
 
 
 def continue_run(run, ckpt: dict, fused_adamw: bool) -> None:
-    """train.py's Run where the checkpoint left it: checked in full first (check_resume), then the weights,
-    the optimizer, fp16's loss scale, the step, the last evaluation and every rank's random streams."""
+    """train.py's Run where the checkpoint left it: checked in full first (check_resume), then loaded. The
+    optimizer keeps the run's own settings (lr, betas, decay from its config; this device's fused AdamW):
+    load_state_dict would restore the file's, and with them the saving device's implementation."""
     check_resume(run.cfg, ckpt, run.trainable, run.optimizer, run.augment, run.sched["total_steps"])
+    settings = [dict(group, fused=fused_adamw or None) for group in run.optimizer.param_groups]
     run.trainable.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
+    for group, own in zip(run.optimizer.param_groups, settings):
+        group.update(own)
     if run.scaler.is_enabled() and ckpt.get("scaler"):  # fp16's loss scale (none from another precision)
         run.scaler.load_state_dict(ckpt["scaler"])
-    for group in run.optimizer.param_groups:  # load_state_dict restored the saving device's implementation
-        group["fused"] = fused_adamw or None
     run.step = run.folder.saved_step = ckpt["step"]
     run.metrics = ckpt.get("metrics", {})
     restore_rng(run, ckpt["rng"])
 
 
 def restore_rng(run, rngs: list) -> None:
-    """Each rank's saved random streams; where they cannot apply (another number of ranks, a state of
-    another device type), a reseed by (seed, rank, step), said in one `override:` line."""
+    """Each rank's saved random streams; where they cannot apply (another number of ranks or device type),
+    a reseed by (seed, rank, step), said in an `override:` line."""
     rank, world, device = run.rank, run.world, run.device
     seed = run.cfg.seed * 1_000_003 + run.step * world + rank + 1
     reseeded = set_rng_state(rngs[rank] if len(rngs) == world else None, run.augment, device, seed)

@@ -1,13 +1,7 @@
-"""What an image run trains: the evaluation of each task, the losses that differ from train.py's default,
-what a run reports (`summarise`, every task's depth table), and `build`, which makes the data, model and
-task of a config, for train.py's loop, --eval-only and tools/depths.py.
-
-    ClassificationTask   images -> classes (also the linear probe: its model is a ProbeModel); its
-                         training loss is the default one, written in train.py's train_step
-    DistillTask          Eq. 5 of reViT (arXiv 2610.12448, App. A.3): match a frozen teacher's final tokens
-
-The language task (AlterNet) is lib/language.py, the planted-depth task lib/planted.py. `cfg` is train.py's
-TrainConfig; the tasks read only the fields they name.
+"""What an image run trains (`build`: data, model, task of train.py's config) and reports (`summarise`):
+ClassificationTask (also the linear probe, a ProbeModel; its loss is train.py's train_step) and
+DistillTask (Eq. 5 of reViT, arXiv 2610.12448, App. A.3). The language task is lib/language.py, the
+planted-depth task lib/planted.py.
 """
 
 from __future__ import annotations
@@ -41,7 +35,8 @@ class ClassificationTask:
         """Sums over one test batch (divided by the image count at the end)."""
         with self.autocast():
             logits = (model(x) if depth is None else model(x, depth=depth)).float()
-        return {"acc": (logits.argmax(-1) == labels).sum().float(), "loss": F.cross_entropy(logits, labels, reduction="sum")}
+        return {"acc": (logits.argmax(-1) == labels).sum().float(),
+                "loss": F.cross_entropy(logits, labels, reduction="sum")}
 
     @torch.no_grad()
     def evaluate(self, model, depths, rank, world):
@@ -87,15 +82,15 @@ class DistillTask(ClassificationTask):
         with self.autocast():
             tokens = model(x, return_states=True, **({} if depth is None else {"depth": depth}))["tokens"]
             target = self.teacher(x)
-        return {"distill_mse": F.mse_loss(tokens.float(), target.float(), reduction="sum") / tokens[0].numel()}
+        error = F.mse_loss(tokens.float(), target.float(), reduction="sum") / tokens[0].numel()
+        return {"distill_mse": error}
 
 
 def gate_summary(model) -> dict:
-    """reViT's gate matrix at its trained depth L in two numbers a table or a log line can hold: the spread
-    (max - min over steps and experts; 0 = flat) and the dominant expert of each step (Fig. 3). {} for a
-    model without depth-only gates (a ViT, Raptor, content routing, a probe) or E = 1."""
-    config = getattr(model, "config", None)
-    if not isinstance(model, revit.ReViT) or not getattr(config, "depth_programmed", True) or config.num_experts < 2:
+    """reViT's gate matrix at its trained depth L as the spread (max - min over steps and experts; 0 = flat)
+    and the dominant expert of each step (Fig. 3). {} for a model without depth-only gates or E = 1."""
+    if not isinstance(model, revit.ReViT) or not getattr(model.config, "depth_programmed", True) \
+            or model.config.num_experts < 2:
         return {}
     with torch.no_grad():
         gates = model.gate_matrix()
@@ -120,32 +115,33 @@ class TeacherTokens(nn.Module):
         return torch.cat([feats["x_norm_clstoken"][:, None], feats["x_norm_patchtokens"]], dim=1)
 
 
-def load_teacher(spec: str, device) -> nn.Module:
-    """--teacher: a checkpoint of this project or hub:NAME (DINOv2), frozen on `device`."""
-    if spec.startswith("hub:"):
+def teacher_for(cfg, model, images, device) -> nn.Module:
+    """--teacher (a checkpoint of this project, or hub:NAME, DINOv2) frozen on `device`, once it has run
+    on these images and given tokens of the student's shape."""
+    if cfg.teacher.startswith("hub:"):
         try:
-            teacher = TeacherTokens(torch.hub.load("facebookresearch/dinov2", spec[4:]), hub=True)
+            teacher = TeacherTokens(torch.hub.load("facebookresearch/dinov2", cfg.teacher[4:]), hub=True)
         except Exception as e:  # noqa: BLE001
-            fail(f"--teacher {spec}: could not load it from torch.hub (needs internet access): {str(e).splitlines()[0]}")
+            fail(f"--teacher {cfg.teacher}: could not load it from torch.hub (needs internet access): "
+                 f"{str(e).splitlines()[0]}")
     else:
-        teacher = TeacherTokens(model_or_fail(spec, "--teacher"), hub=False)
-    return teacher.to(device).eval().requires_grad_(False)
-
-
-def check_teacher(model, teacher, images, device):
-    """Before training: the teacher runs on these images and its tokens match the student's shape."""
+        teacher = TeacherTokens(model_or_fail(cfg.teacher, "--teacher"), hub=False)
+    teacher = teacher.to(device).eval().requires_grad_(False)
     x = torch.zeros(2, images.channels, images.image_size, images.image_size, device=device)
     try:
         with torch.no_grad():
             target = teacher(x)
     except Exception as e:  # noqa: BLE001
-        fail(f"--teacher cannot run on {images.channels}x{images.image_size}² images: {str(e).splitlines()[0]}")
+        fail(f"--teacher cannot run on {images.channels}x{images.image_size}² images: "
+             f"{str(e).splitlines()[0]}")
     with torch.no_grad():
         tokens = model.to(device).eval()(x, return_states=True)["tokens"]
     model.train()
     if tokens.shape[1:] != target.shape[1:]:
         fail(f"student tokens {tuple(tokens.shape[1:])} and teacher tokens {tuple(target.shape[1:])} differ "
-             f"(tokens x width): distillation needs the same patch grid and width (use --patch-size / --model-args dim=)")
+             f"(tokens x width): distillation needs the same patch grid and width (use --patch-size / "
+             f"--model-args dim=)")
+    return teacher
 
 
 class ProbeModel(nn.Module):
@@ -172,7 +168,6 @@ class ProbeModel(nn.Module):
     def forward(self, images, depth=None, return_states=False):
         logits = self.head(self.features(images, depth))
         return {"logits": logits, "aux_losses": {}} if return_states else logits
-
 
 
 # --- what a run reports: the depth table of its final evaluation (train.py, --eval-only) ---
@@ -225,8 +220,8 @@ def backbone_arch(path: str) -> str:
 
 
 def build(cfg, rank: int, world: int, device, ckpt: dict | None):
-    """Data, model and task -> (model, task, batches(start_step), augment, steps_per_epoch). A resumed
-    or evaluated checkpoint supplies the model config. Reads only; any user error exits here."""
+    """Data, model and task -> (model, task, batches(start_step), augment, steps_per_epoch); a resumed or
+    evaluated checkpoint `ckpt` supplies the model config. Reads only; any user error exits here."""
     options = device_options(device.type, cfg.precision)
     autocast = autocast_of(device, options)
     try:
@@ -234,7 +229,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
                                   cfg.test_subset, cfg.workers)
     except (ValueError, FileNotFoundError) as e:
         fail(f"--dataset {cfg.dataset}: {e}")
-    if options["data_on_device"] and isinstance(images.train, data.TensorImages):  # small sets live on the GPU
+    if options["data_on_device"] and isinstance(images.train, data.TensorImages):  # small sets: on the GPU
         for split in (images.train, images.test):
             split.images, split.labels = split.images.to(device), split.labels.to(device)
     steps_per_epoch = len(images.train) // cfg.batch_size
@@ -250,40 +245,41 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     else:
         overrides = ckpt["model_config"] if ckpt else vision_overrides(cfg, images)
         model = make(preset_module(cfg.arch, overrides).create_model, cfg.arch, overrides)
-    task = ClassificationTask(cfg, images, device, augment, autocast)
     if cfg.teacher:
-        teacher = load_teacher(cfg.teacher, device)
-        check_teacher(model, teacher, images, device)
-        task = DistillTask(cfg, images, device, augment, autocast, teacher)
+        task = DistillTask(cfg, images, device, augment, autocast, teacher_for(cfg, model, images, device))
+    else:
+        task = ClassificationTask(cfg, images, device, augment, autocast)
     check_eval_depths(cfg, (model.backbone if cfg.probe else model).config)
-    batches = lambda start: data.image_batches(images.train, cfg.batch_size, cfg.seed, cfg.repeated_aug,  # noqa: E731
-                                               rank, world, start)
+    batches = lambda start: data.image_batches(  # noqa: E731
+        images.train, cfg.batch_size, cfg.seed, cfg.repeated_aug, rank, world, start)
     return model, task, batches, augment, steps_per_epoch
 
 
-AUGMENT_FIELDS = ("random_crop", "three_augment", "color_jitter", "mixup", "cutmix", "mix_prob", "mix_switch_prob",
-                  "label_smoothing")
+AUGMENT_FIELDS = ("random_crop", "three_augment", "color_jitter", "mixup", "cutmix", "mix_prob",
+                  "mix_switch_prob", "label_smoothing")
 
 
 def vision_overrides(cfg, images: data.ImageData) -> dict:
-    """Model config overrides: data properties, CLI flags, and the patch size for small images."""
-    module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, or lib.moe for a mechanism
-    preset = module.PRESETS[cfg.arch]
-    overrides = dict(image_size=images.image_size, in_channels=images.channels, num_classes=images.num_classes)
+    """Model config overrides: data properties, CLI flags, and the patch size for small images. The
+    --model-args were checked against the config class by check_config (lib/boundary.py)."""
+    model_args = parse_model_args(cfg.model_args)
+    preset = preset_module(cfg.arch, model_args).PRESETS[cfg.arch]  # revit, or lib.moe for a mechanism
+    overrides = dict(image_size=images.image_size, in_channels=images.channels,
+                     num_classes=images.num_classes)
     for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop"):
         if getattr(cfg, name) is not None:
             overrides[name] = getattr(cfg, name)
-    overrides.update(parse_model_args(cfg.model_args, module.ViTConfig))
+    overrides.update(model_args)
     patch = overrides.get("patch_size", preset.get("patch_size", 16))
     if "patch_size" not in overrides and (images.image_size % patch or images.image_size // patch < 4):
         cfg.patch_size = overrides["patch_size"] = 4 if images.image_size % 4 == 0 else 1
-        say(f"override: patch_size={cfg.patch_size} (auto: {cfg.arch} is a {preset.get('image_size', 224)}px preset "
-            f"with patch {patch}; {images.image_size}x{images.image_size} images need a finer grid)")
+        say(f"override: patch_size={cfg.patch_size} (auto: {cfg.arch} is a {preset.get('image_size', 224)}px "
+            f"preset with patch {patch}; {images.image_size}x{images.image_size} images need a finer grid)")
     return overrides
 
 
 def autocast_of(device, options: dict):
-    """The autocast context of a run (bf16 on CUDA), or a no-op one (CPU: float32)."""
+    """The autocast context of a run (bf16 or fp16, as --precision resolved), or a no-op one (float32)."""
     dtype = options["autocast_dtype"]
     return (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
 

@@ -1,7 +1,6 @@
-"""A checkpoint without its training state, as a .safetensors file: the format of the weights shipped in
-weights/ (hubconf.py reads them too). No pickle, no optimizer or random state; the arch, the model config,
-train.py's config and the run's metrics are JSON in the file's metadata, so every command that reads a
-trained model (lib/checkpoint.load_checkpoint) takes one in place of a ckpt.pt, with the same checks.
+"""A checkpoint without its training state as a .safetensors file (the weights shipped in weights/): no
+pickle; the arch, the model config, train.py's config and the metrics are JSON in its metadata, so every
+command that reads a trained model (lib/checkpoint.load_checkpoint) takes one in place of a ckpt.pt.
 """
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import json
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-WEIGHTS_FORMAT = "revit.checkpoint"  # a checkpoint without its training state, as safetensors (weights/)
+WEIGHTS_FORMAT = "revit.checkpoint"
 WEIGHTS_PARTS = ("model_config", "train_config", "metrics")  # JSON in the file's metadata, with "arch"
 
 
@@ -22,14 +21,18 @@ def save_weights(ckpt: dict, path) -> None:
     save_file(tensors, str(path), metadata=metadata)
 
 
-def read_weights(path) -> dict:
-    """save_weights' file as a checkpoint dict (load_checkpoint then checks it as any other); ValueError
-    saying what is wrong with a file that is not one."""
+def read_safetensors(path) -> tuple[dict, dict]:
+    """(tensors, metadata) of any safetensors file; else ValueError."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            metadata, model = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
     except (SafetensorError, OSError) as e:
         raise ValueError(f"not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+
+
+def read_weights(path) -> dict:
+    """save_weights' file as a checkpoint dict (load_checkpoint checks it as any other); else ValueError."""
+    model, metadata = read_safetensors(path)
     if metadata.get("format") != WEIGHTS_FORMAT:
         raise ValueError(f"a safetensors file of format {metadata.get('format')!r}, not a checkpoint's "
                          f"weights ({WEIGHTS_FORMAT!r}); tools.export's files load with its load_safetensors")

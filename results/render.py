@@ -5,14 +5,16 @@
 
 A generated block is the text between `<!-- generated: NAME -->` and `<!-- end -->`. NAME says
 where its data is:
-- `quality-SET-GRID`: one grid of a quality sweep (`python -m tools.sweep`); SET names a sweep in
-  quality.json here (its quality.json, and the provenance for rows that do not record their commit);
+- `quality-SET-GRID`: one grid of a quality sweep (`python -m tools.sweep`, which prints the same tables);
+  SET names a sweep in quality-provenance.json here (its quality.json, and the provenance for rows that
+  do not record their commit);
 - `glance` / `line-KEY`: README's results-at-a-glance table / one of its sentences (results/glance.json),
   each number a reference to a cell of another block;
 - any other NAME: the table results/NAME.json, with its provenance {command, hardware, torch, date,
   commit}, written as measured.
 Every block ends with where its numbers come from; a comparison whose rows were trained at different
-commits says so. Standard library only.
+commits says so. The data is read as data: nothing non-finite, no row longer or shorter than its
+columns, a format string of one field; every document renders before any is written. Standard library only.
 """
 
 from __future__ import annotations
@@ -30,17 +32,24 @@ ROOT = os.path.dirname(HERE)
 DOCUMENTS = ("RESULTS.md", "README.md")
 BLOCK = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- end -->)", re.S)
 
+sys.path.insert(0, ROOT)  # the project's lib/ (run as python results/render.py, its folder is on the path)
+from lib.tables import GRIDS, markdown_table  # noqa: E402  (the sweep's tables, stdlib only)
+
+
+def refuse(what: str):
+    raise SystemExit(f"results/render.py: {what}")
+
 
 def load(name: str):
     path = os.path.join(HERE, name)
     if not os.path.exists(path):
-        raise SystemExit(f"results/render.py: a generated block names {name!r}, but results/{name} does not exist")
+        refuse(f"a generated block names {name!r}, but results/{name} does not exist")
     try:
-        with open(path, encoding="utf-8") as f:  # a file is data: nothing non-finite is rendered ("nan%")
+        with open(path, encoding="utf-8") as f:  # nothing non-finite is rendered ("nan%")
             return json.load(f, parse_constant=finite, parse_float=finite)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # torn, edited, not JSON
-        raise SystemExit(f"results/render.py: results/{name} is not readable JSON ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:160]}); restore it from git or rerun its command") from None
+        refuse(f"results/{name} is not readable JSON ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+               f"restore it from git or rerun its command")
 
 
 def finite(text: str) -> float:
@@ -50,24 +59,18 @@ def finite(text: str) -> float:
     return float(text)
 
 
-def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
 def provenance_lines(p: dict) -> list[str]:
     """'Measured DATE at commit C on HARDWARE, torch T:' and the command(s) that measured the table."""
     commits = p["commit"].split(", ")
-    lines = [f"Measured {p['date']} at commit{'s' * (len(commits) > 1)} {', '.join(f'`{c}`' for c in commits)} "
-             f"on {p['hardware']}, torch {p['torch']}"
-             + (f"; {p['note']}" if p.get("note") else "") + ":"]
+    named = ", ".join(f"`{c}`" for c in commits)
+    lines = [f"Measured {p['date']} at commit{'s' * (len(commits) > 1)} {named} on {p['hardware']}, "
+             f"torch {p['torch']}" + (f"; {p['note']}" if p.get("note") else "") + ":"]
     commands = p["command"] if isinstance(p["command"], list) else [p["command"]]
     return lines + ["", "```bash", *commands, "```"]
 
 
 class Block:
-    """A rendered block: its markdown, its table's cells (rows of strings) for references, and for a
-    quality sweep the commit each row was trained at."""
+    """A rendered block: its markdown, its table's cells (for references), a sweep's commit of each row."""
 
     def __init__(self, text: str, cells: list[list[str]], row_commits: list[str] | None = None):
         self.text, self.cells, self.row_commits = text, cells, row_commits
@@ -75,150 +78,40 @@ class Block:
 
 # --- a table written as measured: results/NAME.json ---
 
+ONE_FIELD = re.compile(r"[^{}]*\{(:[^{}]*)?\}[^{}]*")  # '{}' or '{:SPEC}': no names, attributes or indexes
+
 
 def cell_text(value, fmt: str | None) -> str:
     """Numbers through the column's format ('{:.2f}%'); strings ('–', '1.000 (0.98–1.02)') as they are."""
     if not (fmt and isinstance(value, (int, float))):
         return str(value)
-    try:
-        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(fmt) if name is not None]
-    except ValueError:  # an unmatched brace
-        fields = []
-    if len(fields) != 1 or fields[0][0] != "" or fields[0][2] is not None or "{" in fields[0][1]:
-        raise SystemExit(f"results/render.py: a column format {fmt!r} is not one '{{:SPEC}}' field (a format is "
-                         f"data: no names, attributes or indexes)")
+    if not ONE_FIELD.fullmatch(fmt):
+        refuse(f"a column format {fmt!r} is not one '{{:SPEC}}' field (a format is data)")
     try:
         return fmt.format(value)
     except ValueError as e:
-        raise SystemExit(f"results/render.py: the column format {fmt!r} does not format {value!r}: {e}") from None
+        refuse(f"the column format {fmt!r} does not format {value!r}: {e}")
 
 
 def render_table(name: str) -> Block:
     """A table (columns, formats, rows), or a tool's printed output (output: its lines) in a code block."""
     data = load(f"{name}.json")
     if "output" in data:
-        return Block("\n".join(provenance_lines(data["provenance"]) + ["", "```", *data["output"], "```"]), [])
-    formats = data.get("formats") or [None] * len(data["columns"])
+        output = ["", "```", *data["output"], "```"]
+        return Block("\n".join(provenance_lines(data["provenance"]) + output), [])
+    columns = data["columns"]
+    formats = data.get("formats") or [None] * len(columns)
     for i, row in enumerate([formats, *data["rows"]]):  # a cell more or less is never dropped silently
-        if len(row) != len(data["columns"]):
+        if len(row) != len(columns):
             what = "its formats have" if i == 0 else f"its row {i - 1} has"
-            raise SystemExit(f"results/render.py: results/{name}.json: {what} {len(row)} cells for "
-                             f"{len(data['columns'])} columns")
+            refuse(f"results/{name}.json: {what} {len(row)} cells for {len(columns)} columns")
     cells = [[cell_text(v, f) for v, f in zip(row, formats)] for row in data["rows"]]
-    parts = provenance_lines(data["provenance"]) + ["", markdown_table(data["columns"], cells)]
+    parts = provenance_lines(data["provenance"]) + ["", markdown_table(columns, cells)]
     parts += [line for note in data.get("notes", []) for line in ("", note)]
     return Block("\n".join(parts), cells)
 
 
-# --- one grid of a quality sweep: results/quality/SET/quality.json (tools/sweep.py's format) ---
-
-
-def pm(stats: dict) -> str:
-    """'88.12 ± 0.20 [88.0 88.3 88.1]': mean ± std over seeds, then the per-seed values, in %."""
-    seeds = " ".join(f"{100 * v:.1f}" for v in stats["values"])
-    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f} [{seeds}]"
-
-
-def gap(a: dict, b: dict, scale: float = 100, places: int = 2) -> str:
-    """Difference of two cells' means ± its standard error (independent seeds): in points, or (scale 1,
-    4 places) of an MSE."""
-    se = scale * math.sqrt(sum(s["std"] ** 2 / len(s["values"]) for s in (a, b)))
-    return f"{scale * (a['mean'] - b['mean']):+.{places}f} ± {se:.{places}f}"
-
-
-def gates(row: dict) -> list[str]:
-    """Gate spread (max - min of the gate matrix) and seed 0's dominant expert per step, or '–'."""
-    if not row.get("gate_spread"):
-        return ["–", "–"]
-    spread = row["gate_spread"]
-    return [f"{spread['mean']:.2f} ± {spread['std']:.2f}", "".join(map(str, row["dominant_expert"][0]))]
-
-
-def accuracy_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Table 5 / Table 1 shape: accuracy per cell over seeds, the gap to the tied block, the gates."""
-    seeds = len(rows[0]["acc"]["values"])
-    tied = next((r for r in rows if r.get("num_experts") == 1), None)
-    columns = ["model", "params", f"top-1 % mean ± std [{seeds} seeds]", "vs E = 1 (points ± s.e.)",
-               "gate spread", "dominant expert per step (seed 0)"]
-    cells = [[r["cell"], f"{r['params']:,}", pm(r["acc"]),
-              gap(r["acc"], tied["acc"]) if tied and r is not tied and r["num_experts"] else "–", *gates(r)]
-             for r in rows]
-    return columns, cells
-
-
-def programs(row: dict) -> str:
-    """Every seed's dominant expert per step ('0123 / 3321 / 0000'), or '–'."""
-    return " / ".join("".join(map(str, p)) for p in row["dominant_expert"]) if row.get("dominant_expert") else "–"
-
-
-def growth(row: dict) -> str:
-    """The gate spread at the first evaluation -> at the end, each seed ('0.06→0.42 / ...'), or '–'."""
-    traces = row.get("gate_traces")
-    return " / ".join(f"{t[0][1]:.2f}→{t[-1][1]:.2f}" for t in traces) if traces else "–"
-
-
-def mse(stats: dict) -> str:
-    """'0.1234 ± 0.0012 [0.1230 0.1220 0.1250]': an MSE over seeds, then the per-seed values."""
-    return f"{stats['mean']:.4f} ± {stats['std']:.4f} [" + " ".join(f"{v:.4f}" for v in stats["values"]) + "]"
-
-
-def planted_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The planted-depth task: test MSE per model over seeds (lower is better), against the tied block, and
-    the gate program each seed's router formed."""
-    tied = next((r for r in rows if r.get("num_experts") == 1), None)
-    columns = ["model", "params", f"test MSE mean ± std [{len(rows[0]['mse']['values'])} seeds]",
-               "vs E = 1 (± s.e.)", "gate spread", "spread, epoch 1 → end (each seed)",
-               "dominant expert per step (each seed)"]
-    versus = [gap(r["mse"], tied["mse"], 1, 4) if tied and r is not tied else "–" for r in rows]
-    return columns, [[r["cell"], f"{r['params']:,}", mse(r["mse"]), v, gates(r)[0], growth(r), programs(r)]
-                     for r, v in zip(rows, versus)]
-
-
-def router_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """accuracy_grid's columns, every seed's program instead of seed 0's."""
-    columns, cells = accuracy_grid(rows)
-    return columns[:-1] + ["spread, epoch 1 → end (each seed)", "dominant expert per step (each seed)"], [
-        c[:-1] + [growth(r), programs(r)] for c, r in zip(cells, rows)]
-
-
-def distill_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Teachers (supervised top-1), students (Eq. 5 MSE to their teacher's tokens), then the linear probe of
-    every frozen model against the teacher's own probe."""
-    teacher_probe = next(r for r in rows if r["cell"] == "probe: teacher")
-    columns = ["model", "params (trained)", "measure", "mean ± std [per seed]", "vs the teacher's probe (points ± s.e.)"]
-    cells = []
-    for r in rows:
-        metric = r.get("metric", "acc")
-        measure = ("linear probe top-1 %" if r["cell"].startswith("probe") else "top-1 %") if metric == "acc" \
-            else "distillation MSE (Eq. 5)"
-        versus = gap(r["acc"], teacher_probe["acc"]) if r["cell"].startswith("probe: student") else "–"
-        cells.append([r["cell"], f"{r['params']:,}", measure, pm(r["acc"]) if metric == "acc" else mse(r[metric]),
-                      versus])
-    return columns, cells
-
-
-def depth_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Fig. 2 shape: the score (top-1 %, or the planted task's MSE) of each elastic checkpoint at every
-    inference depth."""
-    depths = sorted({d for r in rows for d in r["depths"]}, key=int)
-    trained = str(rows[0]["reference_depth"])
-    shown = pm if rows[0].get("metric", "acc") == "acc" else mse
-    columns = ["model"] + [f"depth {d}" + (" (trained)" if d == trained else "") for d in depths]
-    return columns, [[r["cell"]] + [shown(r["depths"][d]).split(" [")[0] for d in depths] for r in rows]
-
-
-def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The rows come in pairs 'SETTING: ViT' / 'SETTING: E=1'; the gap is the cost of tying."""
-    by_cell = {r["cell"]: r for r in rows}
-    settings = dict.fromkeys(r["cell"].split(":")[0] for r in rows)
-    columns = ["setting", "ViT, untied", "reViT E = 1 (tied block)", "gap (points ± s.e.)"]
-    return columns, [[s, pm(by_cell[f"{s}: ViT"]["acc"]), pm(by_cell[f"{s}: E=1"]["acc"]),
-                      gap(by_cell[f"{s}: ViT"]["acc"], by_cell[f"{s}: E=1"]["acc"])] for s in settings]
-
-
-GRIDS = {"experts": accuracy_grid, "quickstart": accuracy_grid, "elastic": depth_grid, "tying": tying_grid,
-         "planted": planted_grid, "planted-lr": planted_grid, "planted-table3": planted_grid,
-         "planted-elastic": depth_grid, "router-lr": router_grid, "long": router_grid, "distill": distill_grid}
+# --- one grid of a quality sweep: results/quality/SET/quality.json (lib/tables.py, tools/sweep.py's rows) ---
 
 
 def short_commit(commit: str) -> str:
@@ -248,7 +141,7 @@ def commit_line(rows: list[dict], sweep: dict) -> str:
 
 
 def render_quality(name: str) -> Block:
-    grid = max((g for g in GRIDS if name.endswith("-" + g)), key=len)  # a grid's name may hold a dash: router-lr
+    grid = max((g for g in GRIDS if name.endswith("-" + g)), key=len)  # a grid's name may hold a dash
     set_name = name[len("quality-"):-len(grid) - 1]
     sweep = load("quality-provenance.json")[set_name]
     result = load(sweep["file"])
@@ -282,26 +175,22 @@ class Glance(string.Formatter):
     def get_field(self, field_name, args, kwargs):
         match = CELL.fullmatch(field_name)
         if not match or match.group(1) == "glance" or match.group(1).startswith("line-"):
-            refuse(f"{{{field_name}}} is not a cell t[BLOCK][ROW][COLUMN] of a table block")
+            refuse(f"results/glance.json: {{{field_name}}} is not a cell t[BLOCK][ROW][COLUMN] of a table")
         name, row, column = match.group(1), int(match.group(2)), int(match.group(3))
         cells = render(name).cells
         if row >= len(cells) or column >= len(cells[row]):
-            refuse(f"{{{field_name}}}: block {name} has no row {row}, column {column}")
+            refuse(f"results/glance.json: {{{field_name}}}: block {name} has no row {row}, column {column}")
         return cells[row][column], field_name
 
     def convert_field(self, value, conversion):
         if conversion is not None:
-            refuse(f"a conversion !{conversion} (only named cells are filled)")
+            refuse(f"results/glance.json: a conversion !{conversion} (only named cells are filled)")
         return value
 
     def format_field(self, value, spec: str) -> str:
         if spec not in ("", "short"):
-            refuse(f"the format spec {spec!r} (only :short)")
+            refuse(f"results/glance.json: the format spec {spec!r} (only :short)")
         return re.split(r" [\[(]", value)[0] if spec == "short" else value
-
-
-def refuse(what: str):
-    raise SystemExit(f"results/render.py: results/glance.json: {what}")
 
 
 def render_glance(name: str) -> Block:
@@ -314,8 +203,8 @@ def render_glance(name: str) -> Block:
             if render(source).row_commits:
                 commits.setdefault(source, set()).add(render(source).row_commits[int(index)])
         mixed = any(len(found) > 1 for found in commits.values())
-        cells.append([row["what"], Glance().vformat(row["result"], (), {"t": Cells()}),
-                      f"[{row['section']}](RESULTS.md#{row['anchor']})" + (" (rows from different commits)" * mixed)])
+        where = f"[{row['section']}](RESULTS.md#{row['anchor']})" + " (rows from different commits)" * mixed
+        cells.append([row["what"], Glance().vformat(row["result"], (), {"t": Cells()}), where])
     return Block(markdown_table(data["columns"], cells), cells)
 
 
@@ -342,7 +231,7 @@ def rendered(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is out of date")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
     args = parser.parse_args(argv)
     texts, new = {}, {}
     for document in DOCUMENTS:  # every document rendered before any is written: a failure changes nothing

@@ -4,6 +4,7 @@ Tiny widths throughout so the whole file runs in well under a minute on 2 CPU co
 """
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -748,20 +749,48 @@ def test_ablation_switches():
     assert small_model(z_loss_weight=0.0)(tokens_for(geo))["aux_losses"]["z"] == 0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(halt_head="central"), "halt_head must be one of 'per_expert', 'global'"),
-    (dict(prior="uniform"), "prior must be one of 'gaussian', 'geometric'"),
-    (dict(top_k=5), "top_k must be in 1..num_experts=4"),
-    (dict(heads=3), "divisible by heads"),
-    (dict(logit_clamp=0.0), "logit_clamp"),
-    (dict(max_depth=0), "max_depth"),
-    (dict(geometric_p=1.0), "geometric_p"),
-    (dict(kl_weight=-1.0), "kl_weight"),
-    (dict(nonsense=1), "unknown config field"),
-])
-def test_bad_config_raises_value_error(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+# Every rule of the config's contract, each type and each row of alternet.RANGES: (one field's value, what
+# the refusal says it allows); the sizes' bounds are tried from alternet.SIZES below.
+CONFIG_REFUSALS = [
+    (dict(dim=32.0), "an integer"), (dict(dim="32"), "an integer"), (dict(max_depth=True), "an integer"),
+    (dict(num_experts=2.5), "an integer"), (dict(kl_ramp_steps=10.0), "an integer"),
+    (dict(halting=1), "True or False"), (dict(prior=1), "a string"),
+    (dict(kl_weight=float("nan")), "a finite number"), (dict(halt_bias_init=math.inf), "a finite number"),
+    (dict(logit_clamp="10"), "a finite number or None"),
+    (dict(top_k=5), "in 1..num_experts=4"), (dict(top_k=0), "in 1..num_experts=4"),
+    (dict(dim=33), "divisible by heads=2"),
+    (dict(depth_dim=7), "even (sin/cos pairs)"),
+    (dict(logit_clamp=0.0), "a positive number or None (off)"),
+    (dict(logit_clamp=-1.0), "a positive number or None (off)"), (dict(norm_eps=0.0), "a positive number"),
+    (dict(halt_head="central"), "one of 'per_expert', 'global'"),
+    (dict(prior="uniform"), "one of 'gaussian', 'geometric'"),
+    (dict(geometric_p=1.0), "in (0, 1)"), (dict(geometric_p=0), "in (0, 1)"),
+    *((dict([(name, -0.5)]), "a finite number >= 0")
+      for name in ("kl_weight", "balance_weight", "z_loss_weight", "rir_weight")),
+    *((dict([(name, -1)]), "an integer >= 0")
+      for name in ("kl_ramp_steps", "min_depth_warmup", "min_depth_release_steps")),
+    (dict(random_length_fraction=1.5), "in [0, 1]"), (dict(random_length_fraction=-0.1), "in [0, 1]"),
+    *((dict([(name, value)]), f"an integer in 1..{top}")
+      for name, top in alternet.SIZES.items() for value in (0, top + 1)),
+]
+
+
+@pytest.mark.parametrize("kwargs, allowed", CONFIG_REFUSALS)
+def test_bad_config_raises_one_line_naming_the_field_and_what_it_allows(kwargs, allowed):
+    (name, value), = kwargs.items()
+    line = f"{name}={value!r} is not allowed: {name} must be {allowed}"
+    with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
         small_model(**kwargs)
+
+
+def test_every_config_rule_is_tried_and_good_values_pass():
+    tried = {name for kwargs, _ in CONFIG_REFUSALS for name in kwargs}
+    assert {name for names, _, _ in alternet.RANGES for name in names.split()} <= tried
+    assert {f.name for f in dataclasses.fields(alternet.AlterNetConfig)} - tried == {
+        "budget_signal", "tie_embeddings"}  # bools, as `halting` is tried
+    small_model(logit_clamp=None, kl_weight=1, halt_bias_init=-2, geometric_p=0.5, random_length_fraction=1)
+    with pytest.raises(ValueError, match="unknown config field"):
+        small_model(nonsense=1)
 
 
 def test_bad_inputs_raise_value_error():
@@ -787,29 +816,6 @@ def test_bad_inputs_raise_value_error():
         model.generate(tokens, 1, temperature=-1)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(dim=32.0), "^dim=32.0 is not allowed: dim must be an integer$"),
-    (dict(dim="32"), "^dim='32' is not allowed: dim must be an integer$"),
-    (dict(max_depth=True), "max_depth must be an integer$"),
-    (dict(num_experts=2.5), "num_experts must be an integer$"),
-    (dict(halting=1), "halting must be True or False"),
-    (dict(kl_weight=float("nan")), "kl_weight must be a finite number$"),
-    (dict(kl_ramp_steps=10.0), "kl_ramp_steps must be an integer$"),
-    (dict(min_depth_release_steps=-1), "min_depth_release_steps must be an integer >= 0"),
-    (dict(random_length_fraction=1.5), r"random_length_fraction must be in \[0, 1\]"),
-    (dict(logit_clamp="10"), "logit_clamp must be a finite number or None"),
-    (dict(top_k=0), "top_k must be an integer in 1"),
-    (dict(max_depth=10 ** 9), r"max_depth must be an integer in 1\.\.256"),
-    (dict(vocab_size=10 ** 9), r"vocab_size must be an integer in 1\.\.1048576"),
-    (dict(kl_weight=-0.5), "kl_weight must be a finite number >= 0"),
-    (dict(logit_clamp=-1.0), r"logit_clamp must be a positive number or None \(off\)"),
-])
-def test_config_fields_are_type_and_range_checked(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        small_model(**kwargs)
-    small_model(logit_clamp=None, kl_weight=1, halt_bias_init=-2)  # None and ints where floats are allowed
-
-
 def test_token_ids_are_checked_against_the_vocabulary():
     model = small_model()  # vocab_size 50
     tokens = tokens_for(model)
@@ -822,7 +828,7 @@ def test_token_ids_are_checked_against_the_vocabulary():
     targets = torch.roll(tokens, -1, 1)
     targets[0, 0] = -1  # the ignore value is allowed
     model(tokens, targets=targets)
-    allowed = r"^targets must be None, or a long tensor shaped as tokens of ids in 0\.\.49 or -1 \(ignore\)"
+    allowed = r"^targets must be None or a \(B, T\) long tensor of ids in 0\.\.49 or -1 \(ignore\)"
     for bad in (50, -2):
         wrong = targets.clone()
         wrong[2, 3] = bad

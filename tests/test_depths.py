@@ -55,7 +55,7 @@ def tiny_checkpoint(tmp_path_factory, fashion_mnist_dir):
 
 
 DEPTH_COLUMNS = ("acc", "loss", "gflops", "deployed_ms_b1", "dynamic_ms_b1", "deployed_ms_bn", "dynamic_ms_bn",
-                 "memory_mib", "pareto", "reference")
+                 "pareto", "reference")
 
 
 def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
@@ -66,7 +66,7 @@ def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
     for r in rows:
         assert all(r[key] is not None for key in DEPTH_COLUMNS), r
         assert r["acc"] == tiny_checkpoint["depths"][str(r["depth"])]["acc"]  # train.py's evaluation, exactly
-        assert r["deployed_form"] == "folded" and r["gflops"] > 0 and r["memory_mib"] >= 0
+        assert r["deployed_form"] == "folded" and r["gflops"] > 0
     assert [r["reference"] for r in rows] == [True, False, False]
     assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
     assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
@@ -95,7 +95,7 @@ def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
              ([ckpt, "--batch", "1"], "--batch must be in 2..65,536")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as error:
-            run_cli([*argv, "--device", "cpu", "--no-memory"])
+            run_cli([*argv, "--device", "cpu"])
         text = str(error.value.code)
         assert text.startswith("python -m tools.depths: error: ") and message in text and "\n" not in text, text
 
@@ -213,7 +213,7 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
     saved = {**ckpt["train_config"], "arch": "vit-mini", "model_args": "dim=16,heads=2,ffn_dim=24,depth=3"}
     torch.save({**ckpt, "arch": "vit-mini", "model": vit.state_dict(), "train_config": saved,
                 "model_config": dataclasses.asdict(vit.config)}, path)
-    result, _ = run_cli([str(path), "--device", "cpu", "--no-memory", "--batch", "2", "--warmup", "0",
+    result, _ = run_cli([str(path), "--device", "cpu", "--batch", "2", "--warmup", "0",
                          "--repeats", "1", "--out", str(tmp_path)])
     assert [(r["depth"], r["reference"], r["deployed_form"]) for r in result["rows"]] == [(3, True, "model")]
     assert result["best"].startswith("no smaller depth")
@@ -268,7 +268,7 @@ def test_a_depth_whose_evaluation_is_not_finite_is_refused_before_anything_is_wr
     monkeypatch.setattr(train, "evaluate", nan_at_three)
     with pytest.raises(SystemExit) as error:
         run_cli([tiny_checkpoint["checkpoint"], "--device", "cpu", "--batch", "2", "--warmup", "0", "--repeats", "1",
-                 "--no-memory", "--out", str(tmp_path / "out")])
+                 "--out", str(tmp_path / "out")])
     assert str(error.value.code) == ("python -m tools.depths: error: CKPT: its evaluation at depth 3 gave a non-finite "
                                      "loss (finite weights that diverge there); choose --depths without it; nothing "
                                      "written")

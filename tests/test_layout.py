@@ -19,7 +19,10 @@ MODULES = {path.stem: path for path in ROOT.glob("*.py")} | {
 MODEL_FILES = ("revit", "alternet")
 MAX_COLUMNS = 110
 # held to MAX_COLUMNS; the others join as they are wrapped
-NARROW_FILES = ("revit.py", "alternet.py", "lib/moe.py", "train.py", "lib/build.py", "tools/depths.py", "hubconf.py")
+NARROW_FILES = ("revit.py", "alternet.py", "train.py", "bench.py", "hubconf.py", "lib/moe.py", "lib/build.py",
+                "lib/tasks.py", "lib/planted.py", "lib/tables.py", "lib/weights.py", "tools/analyze.py",
+                "tools/depths.py", "tools/plot.py", "tools/sweep.py", "results/render.py", "sample.py",
+                "lib/budget.py", "lib/cli.py", "lib/resume.py", "lib/boundary.py", "lib/checkpoint.py")
 
 
 def project_imports(path: Path) -> set[str]:

@@ -366,8 +366,8 @@ def bad_files(tmp_path):
     (dict(device="tpu:7"), "--device 'tpu:7': not a device"),
     (dict(data="{tmp}/nowhere"), "--data {tmp}/nowhere: no such folder"),
     (dict(data="{tmp}/garbage_data"), "--data {tmp}/garbage_data/train.pt: not a PyTorch file"),
-    (dict(data="{tmp}/list_data"), "--data {tmp}/list_data/train.pt: needs a dict with the tensors 'images' and"),
-    (dict(data="{tmp}/no_labels"), "needs a dict with the tensors 'images' and 'labels' for --probe seg"),
+    (dict(data="{tmp}/list_data"), "--data {tmp}/list_data/train.pt: needs a dict with the tensors 'images' (uint8"),
+    (dict(data="{tmp}/no_labels"), "and 'labels' (N x H x W) for --probe seg"),
     (dict(probe_cache="{tmp}/file"), "--probe-cache {tmp}/file is a file"),
     (dict(out_dir="{tmp}/file"), "--out-dir {tmp}/file is a file"),
 ])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lib import tables
 from tools import sweep
 import train
 
@@ -111,9 +112,9 @@ def test_a_cell_written_before_commits_were_recorded_is_still_read(tmp_path, fak
 
 
 def test_the_committed_quality_json_renders_its_tables():
-    result = sweep.read_quality(str(ROOT / "results/quality/d48-L12/quality.json"))
-    table = sweep.quality_markdown(result)
-    assert "| reViT E=4 |" in table and "| depth 12 (L) |" in table and "| depth 2 | depth 3 |" in table
+    result = json.loads((ROOT / "results/quality/d48-L12/quality.json").read_text())
+    table = sweep.quality_markdown(result)  # RESULTS.md's tables (lib/tables.py)
+    assert "| reViT E=4 |" in table and "| depth 12 (trained) |" in table and "| depth 2 | depth 3 |" in table
 
 
 def test_shards_split_the_runs_and_the_last_pass_builds_the_table(tmp_path, fake_train):
@@ -123,7 +124,7 @@ def test_shards_split_the_runs_and_the_last_pass_builds_the_table(tmp_path, fake
     second, _ = run_cli(argv + ["--shard", "2/2"])
     assert len(list((tmp_path / "cells").glob("*.json"))) == 18 and len(second["rows"]) == 6
     assert len(fake_train()) == 18
-    gaps = {r["setting"]: r["gap"] for r in sweep.tying_gaps(second["rows"])}
+    gaps = {setting: gap for setting, _, _, gap in tables.tying_grid(second["rows"])[1]}
     assert gaps == {"regime": "+2.00 ± 0.82", "d=32": "+2.00 ± 0.82", "2L": "+2.00 ± 0.82"}  # s.e. sqrt(2/3) %
 
 
@@ -163,10 +164,10 @@ def test_quick_sweep_and_resume(tmp_path, fashion_mnist_dir, monkeypatch):
     assert set(rows) == set(sweep.GRIDS["elastic"])
     for r in rows.values():
         assert len(r["acc"]["values"]) == 1 and r["acc"]["std"] == 0
-        assert sorted(r["depths"]) == [2, 3, 4, 5, 6]  # 2, 3, 4, L, 1.5L, 2L at L = 3
+        assert list(r["depths"]) == ["2", "3", "4", "5", "6"]  # 2, 3, 4, L, 1.5L, 2L at L = 3, as JSON keys them
     assert len(list((tmp_path / "cells").glob("*.json"))) == 2
     table = "\n".join(lines[:-1])
-    assert "| depth-programmed |" in table and "±" in table and "| depth 3 (L) |" in table
+    assert "| depth-programmed |" in table and "±" in table and "| depth 3 (trained) |" in table
     assert json.loads(lines[-1]) == json.loads((tmp_path / "quality.json").read_text())
     # each run in its own process, its output in its own log
     assert "done: revit-mini" in (tmp_path / "runs" / "elastic-feature-only-seed0" / "train.log").read_text()
@@ -205,17 +206,17 @@ def test_a_failing_cell_is_a_one_line_error(tmp_path, fake_train, monkeypatch):
 # --- hostile inputs: one line each, nothing written ---
 
 TORN = '{"key": "x", "argv": ["--seed", "0"], "result": {"test_acc": 0.8'
-WRONG_TYPES = [([1, 2], "a JSON list, not an object"),
-               ({"argv": "--seed 0", "result": {}}, "argv must be a list of strings"),
+WRONG_TYPES = [([1, 2], "a cell record is a JSON object holding a result object; got a JSON list"),
                ({"argv": [], "result": {"test_acc": "high", "params": 1, "reference_depth": 2, "minutes": 1}},
-                "result.test_acc must be a finite number"),
+                "result.test_acc must be a number in 0..1; got 'high'"),
                ({"argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1,
-                                        "depths": {"two": {"acc": 0.5}}}}, "keys must be depths")]
+                                        "depths": {"two": {"acc": 0.5}}}}, "result.depths must map depths (1..256)")]
 GOOD = {"key": "x", "argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1}}
 WRONG_TYPES += [  # the last adversary round: each refused by a rule of the record, not as a case of its own
-    ({**GOOD, "result": {**GOOD["result"], "test_acc": 1e308}}, "result.test_acc must be a finite number in 0..1; got 1e+308"),
-    ({**GOOD, "result": {**GOOD["result"], "depths": {"\u0664": {"acc": 0.5}}}}, "keys must be depths"),
-    ({**GOOD, "result": {**GOOD["result"], "depths": {"9" * 5000: {"acc": 0.5}}}}, "keys must be depths"),
+    ({**GOOD, "argv": "--seed 0"}, "argv must be a list of strings"),
+    ({**GOOD, "result": {**GOOD["result"], "test_acc": 1e308}}, "result.test_acc must be a number in 0..1; got 1e+308"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"\u0664": {"acc": 0.5}}}}, "result.depths must map depths (1..256)"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"9" * 5000: {"acc": 0.5}}}}, "result.depths must map depths (1..256)"),
     ({**GOOD, "result": {**GOOD["result"], "depths": {"2": {"acc": float("nan")}}}}, "result.depths must map"),
     ({**GOOD, "gate_trace": "rising"}, "gate_trace must be a list of [step, gate spread] pairs"),
     ({**GOOD, "key": "../../A"}, "key must be a cell's name (a-z, 0-9 and -), never a path"),
@@ -288,3 +289,8 @@ def test_a_cell_whose_seeds_were_evaluated_at_different_depths_is_refused(tmp_pa
     assert "cell tying / regime: E=1: its seeds were evaluated at different depths ([], [4], [])" in text, text
     assert "\n" not in text and {p.name: p.read_bytes() for p in (tmp_path / "cells").iterdir()} == before
     assert len(fake_train()) == 18  # nothing re-trained
+
+
+def test_every_committed_cell_passes_the_record_rules():
+    cells = sorted(ROOT.glob("results/quality/*/cells/*.json"))
+    assert len(cells) > 100 and all(sweep.read_cell(str(path))["key"] == path.stem for path in cells)

@@ -272,7 +272,7 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail(f"set_device({index})"))
     monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SystemExit, match="local rank 1, but this machine has 1 CUDA device"):
-        train.init_distributed("cuda")
+        cli.init_distributed("cuda")
 
 
 # --- checkpoints and failures ---
@@ -406,7 +406,7 @@ def test_cli_errors(tmp_path, fashion_mnist_dir, capsys):
 def test_resume_of_another_arch_is_refused(tmp_path, fashion_mnist_dir):
     _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "1")
     before = (out / "ckpt.pt").read_bytes()
-    with pytest.raises(SystemExit, match="checkpoint of revit-mini, not vit-mini"):
+    with pytest.raises(SystemExit, match="--arch cannot change on --resume .the checkpoint has 'revit-mini'"):
         train.main(["--resume", str(out / "ckpt.pt"), "--arch", "vit-mini"])
     with pytest.raises(SystemExit, match="--depth cannot change on --resume"):
         train.main(["--resume", str(out / "ckpt.pt"), "--depth", "8"])
@@ -561,7 +561,7 @@ dist.destroy_process_group()
 def test_cuda_choices_run_on_cpu(tmp_path, fashion_mnist_dir, monkeypatch):
     """Fused AdamW, the TF32 flags and bf16 autocast, as CUDA runs them, here on the CPU."""
     cuda = dict(cli.device_options("cuda", "bf16"), data_on_device=False)
-    monkeypatch.setattr(train, "device_options", lambda device_type, precision="auto": cuda)
+    monkeypatch.setattr(build, "device_options", lambda device_type, precision="auto": cuda)
     seen, real_adamw = [], torch.optim.AdamW
     monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: seen.append(k["fused"]) or real_adamw(*a, **k))
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -919,7 +919,7 @@ def test_gradient_accumulation_takes_the_step_and_logs_the_loss_of_the_whole_bat
 # checkpoint resumed on a CPU took CPU fused AdamW instead of the CPU runs' default (other numerics).
 # Reproduced on the CPU: the GPU's choice is CPU fused AdamW (torch has one), through device_options.
 
-REAL_OPTIONS = train.device_options
+REAL_OPTIONS = cli.device_options
 
 
 @pytest.fixture
@@ -934,7 +934,7 @@ def fused_seen():
 
 def fused_device(monkeypatch):
     """This CPU as a device whose choice is fused AdamW (CUDA's, in device_options)."""
-    monkeypatch.setattr(train, "device_options", lambda kind, precision="auto": {
+    monkeypatch.setattr(build, "device_options", lambda kind, precision="auto": {
         **REAL_OPTIONS(kind, precision), "fused_adamw": True})
 
 

@@ -2,16 +2,14 @@
 
     python -m tools.analyze runs/revit-mini/ckpt.pt --teacher runs/vit-mini/ckpt.pt --out analysis/
 
-On a seeded subset of the test images (the checkpoint's data set): the gate matrix G [L, E] at any
-depth and its dominant-expert path (Fig. 3); effective ranks of W1_bank, G, W1_traj = G W1_bank and
-their depth-centred versions (Fig. 5); linear CKA of mean-pooled patch-token residual states, self-CKA
-(Figs. 7-8) and with --teacher cross-CKA, its max-CKA path, Spearman rho and deviation from
-proportional depth (Fig. 9); expert ablations against random gate perturbations of the same merged-
-weight displacement, and gate-column permutations, as Delta CKA to the teacher's final features (Figs.
-4, 10); and (ours) the task's gradients on the gates, experts and psi, trained and at init. The CKA
-parts also take a ViT or Raptor. A modified gate program runs as the folded ViT of those gates
-(`revit.fold`, `MergedExpertFFN.merge`). --out gets analysis.json (every number), gates.csv,
-self_cka.csv, cross_cka.csv and, with matplotlib, the figures; every input is checked first.
+On a seeded subset of the test images: the gate matrix G [L, E] at any depth and its dominant-expert
+path (Fig. 3); effective ranks of W1_bank, G, W1_traj = G W1_bank and their depth-centred versions
+(Fig. 5); linear CKA of the residual states, self-CKA (Figs. 7-8) and with --teacher cross-CKA and
+its alignment with proportional depth (Fig. 9); expert ablations against matched random gate
+perturbations, and gate-column permutations, as Delta CKA (Figs. 4, 10), each run as the folded ViT
+of its gates (`revit.fold`); and (ours) the task's gradients on the gates, experts and psi. The CKA
+parts also take a ViT or Raptor. --out gets analysis.json (every number), gates.csv, self_cka.csv,
+cross_cka.csv and, with matplotlib, the figures.
 """
 
 from __future__ import annotations
@@ -33,14 +31,12 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 import revit
 from lib.checkpoint import load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, path_problem
-from lib.cli import atomic_write_text, finite_or_null, pick_device, pyplot
-from lib.cli import run_main  # Ctrl-C: one line
+from lib.cli import atomic_write_text, finite_or_null, pick_device, pyplot, run_main
 from lib.data import NORMALISATION, FolderImages, load_images
 
 PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
 OUTPUT_FILES = ("analysis.json", "gates.csv", "self_cka.csv", "cross_cka.csv", "gates.png", "self_cka.png",
                 "cross_cka.png")  # all it writes into --out (write_outputs)
-
 
 
 # --- measures: effective rank, linear CKA, Spearman rho ---
@@ -143,7 +139,8 @@ def prior_share(model, gates: torch.Tensor, s: torch.Tensor) -> dict:
         logits = revit.depth_prior(s[:, None].float(), ffn.num_experts, ffn.router_prior)
         prior = torch.softmax(logits / ffn.temperature, dim=-1).double()
     return {"router_prior": ffn.router_prior, "prior_gates": prior.tolist(),
-            "prior_dominant_expert": prior.argmax(1).tolist(), "learned_shift": float((gates - prior).abs().max())}
+            "prior_dominant_expert": prior.argmax(1).tolist(),
+            "learned_shift": float((gates - prior).abs().max())}
 
 
 def effective_ranks(model, gates: torch.Tensor) -> dict:
@@ -152,8 +149,8 @@ def effective_ranks(model, gates: torch.Tensor) -> dict:
     w1_bank = expert_bank(model)[0].detach().cpu().double().flatten(1)  # (E, d_ff * d)
     gates = gates.double()
     w1_traj = gates @ w1_bank  # (L, P): row t is vec(merged W1 of step t)
-    return {"W1_bank": effective_rank(w1_bank), "G": effective_rank(gates), "W1_traj": effective_rank(w1_traj),
-            "G_centred": effective_rank(centre_depth(gates)),
+    return {"W1_bank": effective_rank(w1_bank), "G": effective_rank(gates),
+            "W1_traj": effective_rank(w1_traj), "G_centred": effective_rank(centre_depth(gates)),
             "W1_traj_centred": effective_rank(centre_depth(w1_traj)), "num_experts": gates.shape[1]}
 
 
@@ -197,7 +194,8 @@ def gate_permutations(num_experts: int, limit: int, generator: torch.Generator) 
 
 def bank_gram(model) -> torch.Tensor:
     """K = Theta Theta^T [E, E], Theta [E, P_all] = every bank tensor of each expert, flattened.
-    The merge is linear (Eq. 2), so the merged weights of all L steps move by ||dG Theta||_F = sqrt(tr(dG K dG^T))."""
+    The merge is linear (Eq. 2): the merged weights of all L steps move by
+    ||dG Theta||_F = sqrt(tr(dG K dG^T))."""
     theta = torch.cat([p.detach().cpu().double().flatten(1) for p in expert_bank(model)], dim=1)
     return theta @ theta.T
 
@@ -239,7 +237,8 @@ def matched_perturbation(gates: torch.Tensor, gram: torch.Tensor, target: float,
 
 
 @torch.no_grad()
-def residual_features(model, images: torch.Tensor, depth: int | None = None, batch_size: int = 256) -> torch.Tensor:
+def residual_features(model, images: torch.Tensor, depth: int | None = None,
+                      batch_size: int = 256) -> torch.Tensor:
     """Mean-pooled patch tokens of the L+1 residual states (after the embedding and after every step,
     before the final LayerNorm; class token removed): (L+1, n, d) float32 on the CPU."""
     device = next(model.parameters()).device
@@ -248,8 +247,6 @@ def residual_features(model, images: torch.Tensor, depth: int | None = None, bat
     for x in images.split(batch_size):
         states = model(x.to(device), return_states=True, **kwargs)["states"]  # L+1 x (b, 1+N, d)
         chunks.append(torch.stack([s[:, 1:].mean(1) for s in states]).float().cpu())  # (L+1, b, d)
-        if not torch.isfinite(chunks[-1]).all():  # CKA of NaN states would be scored and written as nan
-            raise ValueError("its residual states are not finite (NaN or inf): finite but diverged weights")
     return torch.cat(chunks, dim=1)
 
 
@@ -272,7 +269,8 @@ def depth_alignment(cross: torch.Tensor) -> dict:
             "weighted_mean_depth": mean.tolist(), "weighted_std_depth": std.tolist()}
 
 
-def intervention_analysis(model, gates, images, reference, num_random, num_permutations, seed, batch_size) -> dict:
+def intervention_analysis(model, gates, images, reference, num_random, num_permutations, seed,
+                          batch_size) -> dict:
     """Figs. 4 and 10: Delta CKA to the reference features for each expert ablation (with matched random
     perturbations) and each gate-column permutation. Delta = CKA(modified) - CKA(intact)."""
     vit = revit.fold(model, gates=gates)
@@ -296,20 +294,20 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
             if perturbed is not None:
                 random_deltas.append(cka_to_reference(perturbed) - intact)
         delta = cka_to_reference(ablated) - intact
-        randoms = torch.tensor(random_deltas, dtype=torch.float64)
+        randoms, nan = torch.tensor(random_deltas, dtype=torch.float64), float("nan")
         ablations.append({
             "expert": expert, "delta_cka": delta, "displacement": displacement,
-            "relative_displacement": displacement / merged_norm if merged_norm else float("nan"),
+            "relative_displacement": displacement / merged_norm if merged_norm else nan,
             "random_delta_cka": random_deltas,
-            "random_mean": randoms.mean().item() if len(randoms) else float("nan"),
-            "random_std": randoms.std().item() if len(randoms) > 1 else float("nan"),
+            "random_mean": randoms.mean().item() if len(randoms) else nan,
+            "random_std": randoms.std().item() if len(randoms) > 1 else nan,
             # share of matched random perturbations that hurt more than this ablation
-            "fraction_random_worse": (randoms < delta).double().mean().item() if len(randoms) else float("nan")})
+            "fraction_random_worse": (randoms < delta).double().mean().item() if len(randoms) else nan})
     permutations = [{"permutation": list(p), "delta_cka": cka_to_reference(permute_gates(gates, p)) - intact}
                     for p in gate_permutations(gates.shape[1], num_permutations, generator)]
     deltas = torch.tensor([p["delta_cka"] for p in permutations], dtype=torch.float64)
-    return {"intact_cka": intact, "num_images": len(images), "ablations": ablations, "permutations": permutations,
-            "permutation_summary": {
+    return {"intact_cka": intact, "num_images": len(images), "ablations": ablations,
+            "permutations": permutations, "permutation_summary": {
                 "count": len(permutations),
                 "mean_delta_cka": deltas.mean().item() if len(deltas) else float("nan"),
                 "max_delta_cka": deltas.max().item() if len(deltas) else float("nan"),
@@ -354,7 +352,8 @@ def gradient_measures(model, images: torch.Tensor, labels: torch.Tensor, depth: 
     aux = sum(ffn.aux_losses(depth).values())
     psi_aux = torch.cat([g.flatten() for g in torch.autograd.grad(aux, list(ffn.router.parameters()))])
     zs = torch.stack(zs)                                                           # (batches, L E)
-    experts = torch.nn.functional.normalize(torch.cat([p.detach().flatten(1) for p in ffn.bank()], 1).float(), dim=1)
+    bank = torch.cat([p.detach().flatten(1) for p in ffn.bank()], 1).float()  # (E, P)
+    experts = torch.nn.functional.normalize(bank, dim=1)
     i, j = torch.triu_indices(len(experts), len(experts), offset=1)
     return {"batches": len(zs), "batch_size": batch_size, "gate_gradient_norm": zs.norm(dim=1).mean().item(),
             "consistency": torch.nn.functional.normalize(zs, dim=1).mean(0).norm().item(),
@@ -399,42 +398,39 @@ def check_args(args) -> None:
         args.intervention_images = min(256, args.num_images)
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
     if args.intervention_images > args.num_images:
-        raise ValueError(f"--intervention-images must be <= {args.num_images} (--num-images: they are the first N "
-                         f"of that subset); got {args.intervention_images}")
-    if args.gradient_batches == 1 or not 0 <= args.gradient_batches <= args.num_images:
-        raise ValueError(f"--gradient-batches must be 0 (skip) or between 2 and --num-images ({args.num_images}); "
-                         f"got {args.gradient_batches}")
+        raise ValueError(f"--intervention-images must be <= {args.num_images} (--num-images: they are the "
+                         f"first N of that subset); got {args.intervention_images}")
+    if args.gradient_batches == 1 or args.gradient_batches > args.num_images:
+        raise ValueError(f"--gradient-batches must be 0 (skip) or between 2 and --num-images "
+                         f"({args.num_images}); got {args.gradient_batches}")
     if args.dataset and args.dataset not in DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {args.dataset!r}")
     if args.data_dir and path_problem(args.data_dir, "folder"):
         raise ValueError(f"--data-dir {args.data_dir}: {path_problem(args.data_dir, 'folder')}")
-    if args.out and outputs_problem("--out", args.out, OUTPUT_FILES):
-        raise ValueError(outputs_problem("--out", args.out, OUTPUT_FILES))
 
 
 def evaluation_images(args, ckpt: dict, config) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32, and its labels."""
-    dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"  # a name, not a path
+    dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"  # a name
     if dataset not in DATASETS:
         raise ValueError(f"checkpoint {args.checkpoint} was trained on {dataset!r}; choose the images with "
                          f"--dataset ({', '.join(DATASETS)})")
-    if dataset == "imagenet":  # only the val split: resize the short side, centre crop (as train.py evaluates)
+    if dataset == "imagenet":  # the val split only, resized and centre-cropped (as train.py evaluates)
         root = Path(args.data)  # paths come from the command line only, never from the checkpoint
         if not args.data or not (root / "val").is_dir():
-            raise ValueError(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); got {str(root)!r}")
+            raise ValueError(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); "
+                             f"got {args.data!r}")
         test = FolderImages(root / "val", config.image_size, train=False, workers=4)
     else:  # load_images raises ValueError / FileNotFoundError with a message naming what is missing
         test = load_images(dataset, data_dir=args.data_dir).test
-    mean, std = NORMALISATION[dataset]
-    generator = torch.Generator().manual_seed(args.seed)
-    index = torch.randperm(len(test), generator=generator)[:args.num_images]
+    index = torch.randperm(len(test), generator=torch.Generator().manual_seed(args.seed))[:args.num_images]
     images, labels = next(iter(test.batches([index])))  # uint8 (n, C, H, W), (n,)
     if (images.shape[1], images.shape[-1]) != (config.in_channels, config.image_size):
         raise ValueError(f"the model expects {config.in_channels}x{config.image_size}² images; {dataset} has "
                          f"{images.shape[1]}x{images.shape[-1]}² (choose the data set it was trained on with "
                          "--dataset)")
-    normalised = (images.float() / 255 - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
-    return normalised, labels.long()
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in NORMALISATION[dataset])
+    return (images.float() / 255 - mean) / std, labels.long()
 
 
 def load_teacher(args, config, device) -> tuple:
@@ -449,21 +445,19 @@ def load_teacher(args, config, device) -> tuple:
 def load_inputs(args) -> Inputs:
     """Every file and flag, checked: a ValueError of one line on the first problem, nothing written."""
     check_args(args)
+    out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent / "analysis"
+    problem = outputs_problem("--out", out, OUTPUT_FILES)
+    if problem:
+        raise ValueError(problem + ("" if args.out else " (the default --out); give --out"))
     device = pick_device(args.device)
     model, ckpt = load_vision_model(args.checkpoint, "checkpoint", device)
     depth = args.depth or model.config.depth
-    if model.config.arch == "vit" and depth != model.config.depth:
-        raise ValueError(f"--depth {depth}: {ckpt['arch']} is a plain ViT and runs only its own depth "
-                         f"({model.config.depth})")
     teacher, teacher_ckpt = load_teacher(args, model.config, device) if args.teacher else (None, None)
     images, labels = evaluation_images(args, ckpt, model.config)
     try:
-        residual_features(model, images[:1], depth if model.config.arch != "vit" else None)
-    except ValueError as e:  # e.g. layer-wise LoRA runs only at its trained depth
+        residual_features(model, images[:1], depth)
+    except ValueError as e:  # e.g. a plain ViT or layer-wise LoRA runs only at its trained depth
         raise ValueError(f"--depth {depth}: {ckpt['arch']} cannot run at this depth ({e})") from None
-    out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent / "analysis"
-    if outputs_problem("--out", out, OUTPUT_FILES):  # the default, beside the checkpoint (given: check_args)
-        raise ValueError(f"{outputs_problem('--out', out, OUTPUT_FILES)} (the default --out); give --out")
     return Inputs(model, ckpt, depth, images, labels, out, teacher, teacher_ckpt, args.teacher)
 
 
@@ -478,10 +472,6 @@ def gate_part(model, depth: int) -> dict:
     return {"gates": gate_program(model, depth), "effective_ranks": effective_ranks(model, gates)}
 
 
-class TeacherError(ValueError):
-    """A problem found in the --teacher checkpoint while analysing (its message names the file)."""
-
-
 def cka_part(inputs: Inputs, batch_size: int) -> tuple[dict, torch.Tensor]:
     """Figs. 7-9: self-CKA and, with a teacher, cross-CKA and the depth alignment. Also returns the
     reference final features for the interventions: the teacher's, else the intact model's own."""
@@ -491,10 +481,7 @@ def cka_part(inputs: Inputs, batch_size: int) -> tuple[dict, torch.Tensor]:
     part = {"num_images": len(inputs.images), "self_cka": cka_matrix(states, states).tolist()}
     if inputs.teacher is None:
         return part, states[-1]
-    try:
-        teacher_states = residual_features(inputs.teacher, inputs.images, None, batch_size)  # (L_T+1, n, d_T)
-    except ValueError as e:  # the teacher's, not the student's: main names the file it came from
-        raise TeacherError(f"--teacher {inputs.teacher_path}: {e}") from None
+    teacher_states = residual_features(inputs.teacher, inputs.images, None, batch_size)  # (L_T+1, n, d_T)
     cross = cka_matrix(states, teacher_states)
     part["teacher"] = {"checkpoint": inputs.teacher_path, "arch": inputs.teacher_ckpt["arch"],
                        "depth": inputs.teacher.config.depth}
@@ -505,21 +492,22 @@ def cka_part(inputs: Inputs, batch_size: int) -> tuple[dict, torch.Tensor]:
 
 def analyse(inputs: Inputs, args) -> dict:
     """Every number of the report, in the order of the paper's §5 / App. D."""
-    model, depth = inputs.model, inputs.depth
-    report = {"checkpoint": str(args.checkpoint), "arch": inputs.ckpt["arch"], "depth": depth, "seed": args.seed}
-    report.update(gate_part(model, depth))
+    model, depth, images = inputs.model, inputs.depth, inputs.images
+    report = {"checkpoint": str(args.checkpoint), "arch": inputs.ckpt["arch"], "depth": depth,
+              "seed": args.seed, **gate_part(model, depth)}
     cka, reference = cka_part(inputs, args.batch_size)
     report.update(cka)
     if is_merged(model) and not args.no_interventions:
-        n = min(args.intervention_images, len(inputs.images))
+        n = min(args.intervention_images, len(images))
         gates = model.gate_matrix(depth).detach().float().cpu()  # (L, E)
-        result = intervention_analysis(model, gates, inputs.images[:n], reference[:n], args.random_perturbations,
+        result = intervention_analysis(model, gates, images[:n], reference[:n], args.random_perturbations,
                                        args.num_permutations, args.seed, args.batch_size)
-        result["reference"] = "teacher final state" if args.teacher else "intact student final state (no --teacher)"
+        result["reference"] = "teacher final state" if args.teacher else \
+            "intact student final state (no --teacher)"
         report["interventions"] = result
     if is_merged(model) and args.gradient_batches:
         device = next(model.parameters()).device
-        report["gate_gradients"] = gradient_part(model, inputs.images.to(device), inputs.labels.to(device), depth,
+        report["gate_gradients"] = gradient_part(model, images.to(device), inputs.labels.to(device), depth,
                                                  args.gradient_batches, args.seed)
     return report
 
@@ -536,13 +524,6 @@ def print_matrix(title: str, matrix, row_name: str, col_name: str, digits: int =
         print(f"{i:>4}" + "".join(f"{v:>{width}.{digits}f}" for v in row))
 
 
-def write_csv(path: Path, header: list, rows: list) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(rows)
-
-
 def print_report(report: dict) -> None:
     """The report as tables on stdout (every number is also in analysis.json)."""
     depth = report["depth"]
@@ -552,18 +533,19 @@ def print_report(report: dict) -> None:
         print(f"dominant expert per step: {g['dominant_expert']} ({g['switches']} switches)")
         if "prior_gates" in g:
             print(f"the depth prior alone (beta = {g['router_prior']:g}, psi = 0): dominant expert per step "
-                  f"{g['prior_dominant_expert']}; the learned router moves any gate by at most {g['learned_shift']:.3f}")
-        print("effective ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in report["effective_ranks"].items()
-                                              if k != "num_experts") + f"  (E = {g['num_experts']})")
-    print_matrix(f"self-CKA of the {depth + 1} residual states ({report['num_images']} images)", report["self_cka"],
-                 "state", "state")
+                  f"{g['prior_dominant_expert']}; the learned router moves any gate by at most "
+                  f"{g['learned_shift']:.3f}")
+        ranks = ", ".join(f"{k} {v:.3f}" for k, v in report["effective_ranks"].items() if k != "num_experts")
+        print(f"effective ranks: {ranks}  (E = {g['num_experts']})")
+    print_matrix(f"self-CKA of the {depth + 1} residual states ({report['num_images']} images)",
+                 report["self_cka"], "state", "state")
     if "cross_cka" in report:
         a, t = report["depth_alignment"], report["teacher"]
         print_matrix(f"cross-CKA student x teacher ({t['arch']}, {t['depth']} layers)", report["cross_cka"],
                      "student state", "teacher state")
         print(f"max-CKA teacher state per student state: {a['max_cka_path']}")
-        print(f"Spearman rho {a['spearman_rho']:.3f} | MAD from proportional depth {a['mad']:.2f} teacher layers "
-              f"(interior {a['interior_mad']:.2f})")
+        print(f"Spearman rho {a['spearman_rho']:.3f} | MAD from proportional depth {a['mad']:.2f} teacher "
+              f"layers (interior {a['interior_mad']:.2f})")
     if "interventions" in report:
         print_interventions(report["interventions"], report["gates"])
     if "gate_gradients" in report:
@@ -572,7 +554,8 @@ def print_report(report: dict) -> None:
 
 def print_gradients(result: dict) -> None:
     t, i = result["trained"], result["init"]
-    print(f"\ngradients of the task loss ({t['batches']} batches of {t['batch_size']} images)  {'init':>8} {'trained':>8}")
+    print(f"\ngradients of the task loss ({t['batches']} batches of {t['batch_size']} images)  "
+          f"{'init':>8} {'trained':>8}")
     rows = [("gate-logit gradient norm", "gate_gradient_norm", ".2e"),
             (f"its consistency over batches (noise ~{t['noise_floor']:.2f})", "consistency", ".3f"),
             ("expert-specific / shared bank gradient", "expert_specific", ".3f"),
@@ -583,32 +566,37 @@ def print_gradients(result: dict) -> None:
 
 
 def print_interventions(result: dict, g: dict) -> None:
-    print(f"\nexpert ablations ({result['num_images']} images; Delta CKA to the {result['reference']}, intact CKA "
-          f"{result['intact_cka']:.4f})")
+    print(f"\nexpert ablations ({result['num_images']} images; Delta CKA to the {result['reference']}, "
+          f"intact CKA {result['intact_cka']:.4f})")
     print(f"{'expert':>6} {'mean gate':>9} {'centroid s':>10} {'rel. disp.':>10} {'dCKA':>8} "
           f"{'random dCKA (mean ± std)':>26} {'random worse':>12}")
     for row in result["ablations"]:
         e = row["expert"]
         print(f"{e:>6} {g['mean_gate'][e]:>9.3f} {g['centroid_coordinate'][e]:>10.3f} "
-              f"{row['relative_displacement']:>10.3f} {row['delta_cka']:>+8.4f} "
-              f"{row['random_mean']:>+17.4f} ± {row['random_std']:<6.4f} {row['fraction_random_worse']:>12.2f}")
+              f"{row['relative_displacement']:>10.3f} {row['delta_cka']:>+8.4f} {row['random_mean']:>+17.4f} "
+              f"± {row['random_std']:<6.4f} {row['fraction_random_worse']:>12.2f}")
     ps = result["permutation_summary"]
-    print(f"gate-column permutations: {ps['count']} non-identity, mean Delta CKA {ps['mean_delta_cka']:+.4f}, "
-          f"best {ps['max_delta_cka']:+.4f}, {ps['num_at_or_above_intact']} at or above the learned assignment")
+    print(f"gate-column permutations: {ps['count']} non-identity, mean Delta CKA "
+          f"{ps['mean_delta_cka']:+.4f}, best {ps['max_delta_cka']:+.4f}, "
+          f"{ps['num_at_or_above_intact']} at or above the learned assignment")
 
 
 def write_tables(report: dict, out: Path) -> None:
     """gates.csv, self_cka.csv and cross_cka.csv: one row per step / state."""
+    tables = {"self_cka.csv": (["state"] + list(range(report["depth"] + 1)),
+                               [[i, *row] for i, row in enumerate(report["self_cka"])])}
     if "gates" in report:
         g = report["gates"]
-        write_csv(out / "gates.csv", ["step", "s"] + [f"expert_{e}" for e in range(g["num_experts"])] + ["dominant"],
-                  [[t, s, *row, d] for t, (s, row, d) in
-                   enumerate(zip(g["coordinates"], g["gates"], g["dominant_expert"]))])
-    write_csv(out / "self_cka.csv", ["state"] + list(range(report["depth"] + 1)),
-              [[i, *row] for i, row in enumerate(report["self_cka"])])
+        experts = [f"expert_{e}" for e in range(g["num_experts"])]
+        tables["gates.csv"] = (["step", "s", *experts, "dominant"],
+                               [[t, s, *row, d] for t, (s, row, d) in
+                                enumerate(zip(g["coordinates"], g["gates"], g["dominant_expert"]))])
     if "cross_cka" in report:
-        write_csv(out / "cross_cka.csv", ["student_state"] + list(range(report["teacher"]["depth"] + 1)),
-                  [[i, *row] for i, row in enumerate(report["cross_cka"])])
+        tables["cross_cka.csv"] = (["student_state"] + list(range(report["teacher"]["depth"] + 1)),
+                                   [[i, *row] for i, row in enumerate(report["cross_cka"])])
+    for name, (header, rows) in tables.items():
+        with open(out / name, "w", newline="") as f:
+            csv.writer(f).writerows([header, *rows])
 
 
 # --- figures (matplotlib is an optional extra) ---
@@ -630,13 +618,15 @@ def gate_figure(plt, g: dict):
     from matplotlib.ticker import MaxNLocator
     gates = torch.tensor(g["gates"])  # (L, E)
     steps, experts = gates.shape
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * steps + 2.5), max(3.2, 0.5 * experts + 2.2)), layout="constrained")
+    size = (max(5.0, 0.55 * steps + 2.5), max(3.2, 0.5 * experts + 2.2))
+    fig, ax = plt.subplots(figsize=size, layout="constrained")
     # one fixed colour scale [0, 1] for every model: flat gates (all near 1/E) look flat
     image = ax.imshow(gates.T.numpy(), origin="lower", aspect="auto", cmap="YlOrBr", interpolation="nearest",
                       vmin=0, vmax=1)
     fig.colorbar(image, ax=ax, label="gate weight $g_{t,e}$")
     ax.plot(range(steps), g["dominant_expert"], "-o", color="teal", linewidth=2, markersize=15,
-            markerfacecolor="none", markeredgewidth=2, label="dominant expert of each step, $\\arg\\max_e\\, g_{t,e}$")
+            markerfacecolor="none", markeredgewidth=2,
+            label="dominant expert of each step, $\\arg\\max_e\\, g_{t,e}$")
     if "prior_dominant_expert" in g:  # what the fixed depth prior alone would pick: how much was learned
         ax.plot(range(steps), g["prior_dominant_expert"], "--", color="gray", linewidth=1.5,
                 label=f"the fixed depth prior alone ($\\beta$ = {g['router_prior']:g}; learned shift "
@@ -650,7 +640,8 @@ def gate_figure(plt, g: dict):
     ax.set_ylabel("expert $e$")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    top = ax.secondary_xaxis("top", functions=(lambda t: t / max(steps - 1, 1), lambda s: s * max(steps - 1, 1)))
+    last = max(steps - 1, 1)
+    top = ax.secondary_xaxis("top", functions=(lambda t: t / last, lambda s: s * last))
     top.set_xlabel("normalised depth $s_t = t/(L-1)$")
     ax.set_title(f"gate program at L={steps}, E={experts}: {g['switches']} switches of the dominant expert",
                  fontsize=9)
@@ -702,7 +693,7 @@ def save_plots(report: dict, out: Path) -> list[str]:
 
 
 def write_outputs(report: dict, out: Path) -> None:
-    """--out: the CSV tables, the figures, and analysis.json (every number)."""
+    """--out: the CSV tables, the figures, and analysis.json (every number, nothing non-finite)."""
     out.mkdir(parents=True, exist_ok=True)
     write_tables(report, out)
     report["plots"] = save_plots(report, out)
@@ -716,9 +707,9 @@ def write_outputs(report: dict, out: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="checkpoint of this project (train.py's ckpt.pt): reViT, ViT or Raptor")
-    parser.add_argument("--teacher", default="", help="checkpoint whose residual states and final features the "
-                        "student is compared with (cross-CKA, Delta CKA); without it, interventions are "
+    parser.add_argument("checkpoint", help="a checkpoint of train.py (ckpt.pt): reViT, ViT or Raptor")
+    parser.add_argument("--teacher", default="", help="checkpoint whose residual states and final features "
+                        "the student is compared with (cross-CKA, Delta CKA); without it, interventions are "
                         "measured against the intact student's own final features")
     parser.add_argument("--depth", type=int, default=None, help="depth L to analyse (reViT/Raptor; "
                         "default: the checkpoint's reference depth)")
@@ -728,18 +719,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default="", help="where the built-in data sets live (default: ./data, "
                         "then $REVIT_DATA_DIR, then /usr/share/datasets); never downloads")
     parser.add_argument("--data", default="", help="imagenet only: ImageFolder root holding val/")
-    parser.add_argument("--num-images", type=int, default=1000, help="seeded test subset for CKA (paper: 1000)")
+    parser.add_argument("--num-images", type=int, default=1000, help="seeded test subset (paper: 1000)")
     parser.add_argument("--intervention-images", type=int, default=None,
-                        help="first N of that subset for ablations and permutations (paper: 256; default: 256, or "
-                             "--num-images when fewer)")
+                        help="first N of that subset for ablations and permutations (paper: 256; "
+                             "default: 256, or --num-images when fewer)")
     parser.add_argument("--random-perturbations", type=int, default=64,
                         help="matched random gate perturbations per expert ablation (paper: 64)")
     parser.add_argument("--num-permutations", type=int, default=64,
-                        help="gate-column permutations sampled when E > 4 (all 23 non-identity ones for E = 4)")
+                        help="gate-column permutations sampled when E > 4 (at E = 4: all 23)")
     parser.add_argument("--no-interventions", action="store_true", help="skip ablations and permutations")
-    parser.add_argument("--gradient-batches", type=int, default=8, help="split the subset into N batches for the "
-                        "gradient measures on the gates and experts, trained and at init (0: skip)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the image subset, permutations and perturbations")
+    parser.add_argument("--gradient-batches", type=int, default=8, help="split the subset into N batches for "
+                        "the gradient measures on the gates and experts, trained and at init (0: skip)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the subset, permutations, perturbations")
     parser.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
     return parser
@@ -752,17 +743,12 @@ def main(argv=None) -> dict:
     except (ValueError, FileNotFoundError) as e:
         fail(str(e), PROG)
     model = inputs.model
-    print(f"{args.checkpoint}: {inputs.ckpt['arch']} ({model.config.arch}), {model.num_params() / 1e6:.3f}M params, "
-          f"analysed at depth L={inputs.depth}")
+    print(f"{args.checkpoint}: {inputs.ckpt['arch']} ({model.config.arch}), {model.num_params() / 1e6:.3f}M "
+          f"params, analysed at depth L={inputs.depth}")
     if isinstance(model, revit.ReViT) and not has_gate_program(model):
         print(f"note: ffn={model.config.ffn!r} has no depth-only gate program over an expert bank: "
               "gates, effective ranks, ablations and permutations are skipped")
-    try:
-        report = analyse(inputs, args)
-    except TeacherError as e:
-        fail(f"{e}; nothing written", PROG)
-    except ValueError as e:  # residual_features: the student's states that are not finite
-        fail(f"checkpoint {args.checkpoint}: {e}; nothing written", PROG)
+    report = analyse(inputs, args)
     print_report(report)
     write_outputs(report, inputs.out)
     return report

@@ -1,22 +1,18 @@
-"""depths.py: choose your depth: one checkpoint's accuracy and cost at every depth it can run at.
-
-The accuracy is train.py's evaluation, the cost GFLOPs, latency and memory, side by side (reViT §3.2,
-§4.4 of arXiv 2610.12448); for AlterNet (arXiv 2611.08741) every iteration cap D' <= D and halting
-threshold, in bits per byte.
+"""Choose your depth: one checkpoint's accuracy and cost at every depth it can run at (reViT §3.2, §4.4 of
+arXiv 2610.12448), or for AlterNet (arXiv 2611.08741) at every iteration cap D' <= D and halting threshold.
 
     python -m tools.depths out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, table, plot
     python -m tools.depths CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images
     python -m tools.depths out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds
 
-Each row is timed in the same rounds as the reference (the trained depth), so a busy machine slows both;
-the table marks the Pareto rows, and the last lines name the smallest depth as good as the reference,
-whether it is faster beyond the timing spread, and the files written (depths.json, depths.png).
+Accuracy (bits per byte) is train.py's evaluation. Each row is timed in the same rounds as the reference
+(the trained depth), so a busy machine slows both; the table marks the Pareto rows, and the last line names
+the smallest depth as good as the reference and whether it is faster beyond the timing spread.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import math
@@ -32,11 +28,11 @@ if not __package__:  # run as a file (python tools/depths.py): the project's mod
 
 import alternet
 import bench
-from lib import memory, moe
+from lib import moe
 import revit
 import train
 from lib.checkpoint import load_model
-from lib.boundary import InputError, check_numbers, closed, fail, outputs_problem, parse_depths
+from lib.boundary import check_numbers, closed, fail, outputs_problem, parse_depths
 from lib.cli import f, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from tools.plot import save_png
@@ -44,70 +40,59 @@ from tools.plot import save_png
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
 
 
-# --- the checkpoint, as train.py evaluates it ---
-
-
-def checkpoint_evaluation(path: str, test_subset: int, device: torch.device, paths: dict | None = None):
-    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task): the model from load_model,
-    the task (its own test data or validation text, as trained) from train.evaluation_setup. Every failure is
-    one line naming CKPT (InputError)."""
+def checkpoint_evaluation(args, device: torch.device):
+    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task: its own test data or text)."""
+    path = args.checkpoint
     try:
         model, ckpt = load_model(path, device, "CKPT")
     except ValueError as e:
-        raise InputError(str(e)) from None
+        fail(str(e), PROG)
     if ckpt["arch"] in moe.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
-        raise InputError("CKPT was trained by distillation (no classifier head): depths reports top-1 "
-                         "accuracy")
-    flags = {"device": str(device), "download": False, "progress": False,
-             "eval_depths": "",  # --depths decides
-             **({"test_subset": test_subset} if test_subset else {}),
-             **{k: v for k, v in (paths or {}).items() if v}}  # --data, --data-dir: never the checkpoint's
-    with train_errors("CKPT"):
-        _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
-    return model, ckpt, task
-
-
-@contextlib.contextmanager
-def train_errors(what: str):
-    """train.py's one-line user errors (cli.fail's SystemExit) as this tool's InputError about `what`."""
+        fail("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy",
+             PROG)
+    # --data, --data-dir: the command line's, never the checkpoint's; --depths decides the depths
+    given = {"test_subset": args.test_subset, "data": args.data, "data_dir": args.data_dir}
+    flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",
+             **{k: v for k, v in given.items() if v}}
     try:
-        yield
-    except SystemExit as e:
-        if not isinstance(e.code, str):
-            raise
-        raise InputError(f"{what}: {e.code.partition(': error: ')[2] or e.code}") from None
+        _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
+    except SystemExit as e:  # train.py's one-line error, under this tool's name
+        fail(str(e.code).partition(": error: ")[2] or str(e.code), PROG)
+    return model, ckpt, task
 
 
 # --- vision: every depth, in the form a user deploys and in the compact form ---
 
 
 def depth_list(given: list[int], model) -> list[int]:
-    """--depths (parsed at the boundary) for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA:
-    L only)."""
+    """--depths for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
     c = model.config
     single = c.arch == "vit" or getattr(c, "ffn", "merge") == "lora"
     if not given:
         return [c.depth] if single else list(range(2, 2 * c.depth + 1))
     if single and given != [c.depth]:
         kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
-        raise InputError(f"--depths {','.join(map(str, given))}: {kind} runs only its own depth {c.depth}")
+        fail(f"--depths {','.join(map(str, given))}: {kind} runs only its own depth {c.depth}", PROG)
     return given
 
 
 def deployed_model(model, depth: int) -> tuple:
-    """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the
-    model folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge
-    cache)."""
+    """What a user deploys at `depth` -> (module, depth argument): revit.fold's plain ViT where the model
+    folds (Raptor, reViT with a depth-only gate; paper §3.1), else the model itself (with its merge cache)."""
     c = model.config
     if c.arch == "raptor" or (c.arch == "revit" and getattr(c, "depth_programmed", True)):
         return revit.fold(model, depth), None
     return model, None if c.arch == "vit" else depth
 
 
-def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
-    """One row per depth: train.py's accuracy, GFLOPs/image (deployed form), latency per image of the deployed
-    and the dynamic form (the compact checkpoint run at that depth; reViT rebuilds its merged FFNs on every
-    call, as the paper's Table 7 measured), runtime memory of the deployed form at batch 1."""
+def runner(module, depth_arg):
+    return functools.partial(module, depth=depth_arg) if depth_arg else module
+
+
+def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
+    """One row per depth: train.py's accuracy, GFLOPs per image and latency per image of the deployed form
+    and of the dynamic one (the compact checkpoint at that depth: reViT merges its experts on every call,
+    as the paper's Table 7 measured)."""
     c = model.config
     dynamic = model
     if c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1:
@@ -118,8 +103,7 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
         module, depth_arg = deployed_model(model, depth)
         if own_copy and module is model and c.arch != "vit":  # its own merge cache: no row's depth evicts it
             module = copy_module(model).eval()
-        run = functools.partial(module, depth=depth_arg) if depth_arg else module
-        return bench.inference_call(run, image, device)
+        return bench.inference_call(runner(module, depth_arg), image, device)
 
     reference, rows = deployed_call(c.depth, own_copy=True), []
     for depth in progress(depths, args, "depths"):
@@ -130,35 +114,26 @@ def vision_depth_rows(model, ckpt, task, depths, args, device) -> list[dict]:
         module, depth_arg = deployed_model(model, depth)
         row["deployed_form"] = "folded" if module is not model else "model"
         row["gflops"] = bench.counted_flops(module, depth_arg)["total"] / 1e9
-        forms = {"deployed": functools.partial(module, depth=depth_arg) if depth_arg else module,
-                 "dynamic": functools.partial(dynamic, depth=depth) if c.arch != "vit" else dynamic}
+        forms = {"deployed": runner(module, depth_arg),
+                 "dynamic": runner(dynamic, None if c.arch == "vit" else depth)}
         fns = {}
         for batch in (1, args.batch):
             images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
             fns.update({(form, batch): bench.inference_call(run, images, device)
                         for form, run in forms.items()})
-        first = bench.first_call(fns["deployed", 1], module, device, "first_call_s")
-        row["memory_mib"] = first.get("memory_mib")
         times = timed_against_reference(fns, reference, ("deployed", 1), row, args, device)
         for form, batch in fns:
             ms = statistics.median(times[form, batch]) * 1e3 / batch
             row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = ms
         rows.append(row)
     resolve_headline(rows, "vision", lambda r: deployed_call(r["depth"]), reference, args, device)
-    if args.memory and device.type == "cpu":
-        specs = [{"config": ckpt["model_config"], "fold": r["deployed_form"] == "folded", "depth": r["depth"]}
-                 for r in rows]
-        for row, measured in zip(rows, memory.cpu_memory_of(specs, batch=1, processes=1)):
-            row["memory_mib"] = measured.get("memory_mib")
     return rows
 
 
 def timed_against_reference(fns: dict, reference, compared, row: dict, args, device, resolve=False) -> dict:
-    """Seconds per call of each fn, timed in interleaved rounds (bench.time_interleaved) beside the reference
-    row's deployed call (with `resolve`, more rounds until their ratio is known to +- --resolve:
-    bench.resolve_ratio); row["relative_latency"]: fns[compared] / reference, the median of the per-round
-    ratios and its 95% bootstrap interval (bench.paired_ratio: both timed in the same round, under the same
-    load)."""
+    """Seconds per call of each fn, timed in interleaved rounds beside the reference (with `resolve`, more
+    rounds until their ratio is known to +- --resolve); row["relative_latency"]: the median of the per-round
+    ratios fns[compared] / reference and its 95% bootstrap interval (both timed under the same load)."""
     fns = {**fns, "reference": reference}
     times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
     if resolve:
@@ -170,17 +145,17 @@ def timed_against_reference(fns: dict, reference, compared, row: dict, args, dev
 
 
 def progress(items, args, what: str):
-    """A progress bar over a long loop, on stderr when it is a terminal (piped output stays clean)."""
+    """A progress bar on stderr when it is a terminal (piped output stays clean)."""
     return tqdm(items, desc=what, disable=not args.progress or not sys.stderr.isatty(), leave=False)
 
 
 def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
-    """A quality that is not a number is never scored (as train.py --eval-only): finite weights that
-    overflow at some depth or cap, found before any latency is timed or anything written."""
+    """As train.py --eval-only: finite weights can overflow at a depth or cap they were not trained at; such
+    a row is never scored, timed or written."""
     place = non_finite_place(row)
     if place:
-        raise InputError(f"CKPT: its evaluation at {where} gave a non-finite {place} (finite weights that "
-                         f"diverge there){hint}; nothing written")
+        fail(f"CKPT: its evaluation at {where} gave a non-finite {place} (finite weights that diverge there)"
+             f"{hint}; nothing written", PROG)
 
 
 def copy_module(model, **changes):
@@ -211,8 +186,8 @@ def smallest_good(rows, size_key: str, quality: str, tolerance: float, higher_is
 
 
 def resolve_headline(rows, family: str, call_of, reference, args, device) -> None:
-    """The headline's row timed again beside the reference, more paired rounds until their latency ratio is
-    known to +- --resolve: the one comparison the last line states, made as sure as the rounds allow."""
+    """The headline's row timed again beside the reference until their latency ratio is known to +-
+    --resolve: the one comparison the last line states."""
     ref, good = smallest_good(rows, *HEADLINE[family][:4])
     if good is not ref and args.resolve:
         timed_against_reference({"row": call_of(good)}, reference, "row", good, args, device, resolve=True)
@@ -226,17 +201,15 @@ SAME_SPEED = 0.05  # a latency ratio this close to 1 is "as fast": smaller gaps 
 
 def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_is_better: bool, unit: str,
                     scale: float = 1.0, name: str = "depth") -> str:
-    """The smallest depth (or cap) whose quality is within `tolerance` of the reference row's, and its
-    speed: "depth 4: −0.3 points, 1.90× faster than the reference (depth 6)", said only where the 95%
-    interval of its paired latency ratio to the reference (row["relative_latency_ci95"]) lies beyond
-    1 ± SAME_SPEED."""
+    """"depth 4: −0.3 points, 1.90× faster than the reference (depth 6)": faster or slower only where the
+    95% interval of the paired latency ratio lies beyond 1 ± SAME_SPEED."""
     ref, good = smallest_good(rows, size_key, quality, tolerance, higher_is_better)
     if good is ref:
         return (f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference "
                 f"({name} {ref[size_key]})")
     delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
     ratio, (low, high) = good["relative_latency"], good["relative_latency_ci95"]
-    than = f"the reference ({name} {ref[size_key]})"  # faster or slower only beyond the timing spread
+    than = f"the reference ({name} {ref[size_key]})"
     timing = (f"{1 / ratio:.2f}× faster than {than}" if high < 1 - SAME_SPEED else
               f"{ratio:.2f}× slower than {than}" if low > 1 + SAME_SPEED else
               f"as fast as {than} within {SAME_SPEED:.0%} and the timing spread (95% interval of the latency "
@@ -255,8 +228,8 @@ def language_windows(task, test_subset: int) -> torch.Tensor:
 
 
 def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
-    """Bits per byte and mean iterations per position at iteration cap `cap` and halting `threshold`, each
-    position routed and halted on its own prefix as in generation (alternet.causal_loss)."""
+    """Bits per byte and mean iterations per position, each position routed and halted on its own prefix
+    as in generation (alternet.causal_loss)."""
     ce = iterations = 0.0
     for chunk in windows.split(task.cfg.eval_batch_size):
         chunk = chunk.to(device)
@@ -269,11 +242,10 @@ def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
 
 
 def language_depth_rows(lm, task, args, device) -> list[dict]:
-    """Rows over iteration caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations
-    per position, latency per generated token (greedy, batch 1). Every setting is timed in the same rounds
-    (no cache to evict: one model runs them all), each against the reference's times of the same round."""
+    """Rows over caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations, latency per
+    generated token (greedy, batch 1), all settings timed in the same rounds (one model runs them all)."""
     windows = language_windows(task, args.test_subset)
-    thresholds = parse_thresholds(args.thresholds) if lm.config.halting else [None]
+    thresholds = args.thresholds if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
     generate = functools.partial(_generate_call, lm, prompt, args.new_tokens, device=device)
     reference = (lm.config.max_depth, thresholds[0])
@@ -309,7 +281,7 @@ def parse_thresholds(text: str) -> list:
     except ValueError:
         values = []
     if not values or any(v is not None and not 0 < v <= 1 for v in values):
-        raise InputError(f"--thresholds must be comma-separated values in (0, 1] or 'none'; got {text!r}")
+        fail(f"--thresholds must be comma-separated values in (0, 1] or 'none'; got {text!r}", PROG)
     return values
 
 
@@ -335,18 +307,16 @@ def depths_markdown(result: dict) -> str:
         note = (f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} "
                 f"tokens, batch 1; {PAIRED}")
     else:
+        form = rows[0]["deployed_form"]
         table = markdown(rows, [
             ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
-            ("GFLOPs/img", f("gflops", "{:.4f}")),
-            (f"ms/img b1 ({rows[0]['deployed_form']})", f("deployed_ms_b1", "{:.3f}")),
+            ("GFLOPs/img", f("gflops", "{:.4f}")), (f"ms/img b1 ({form})", f("deployed_ms_b1", "{:.3f}")),
             ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
             (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
-            (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")),
-            ("memory MiB (b1)", f("memory_mib", "{:.1f}")), relative, ("", mark)])
+            (f"ms/img b{s['batch']} dynamic", f("dynamic_ms_bn", "{:.3f}")), relative, ("", mark)])
         note = (f"test images: {s['test_images']}; latency per image, median of at least {s['repeats']} x "
-                f"{s['iters']} calls; {rows[0]['deployed_form']}: what a user deploys at that depth; "
-                f"dynamic: the compact checkpoint at that depth (reViT merges its experts on every call); "
-                f"{PAIRED}")
+                f"{s['iters']} calls; {form}: what a user deploys at that depth; dynamic: the compact "
+                f"checkpoint at that depth (reViT merges its experts on every call); {PAIRED}")
     title = f"## Choose your depth: {result['checkpoint']} ({result['arch']})"
     return f"{title}\n\n{table}\n\n{note}\n\n{result['best']}"
 
@@ -383,20 +353,17 @@ def plot_depths(result: dict, path: str) -> str | None:
 
 
 def run_depths(args, device) -> dict:
-    model, ckpt, task = checkpoint_evaluation(args.checkpoint, args.test_subset, device,
-                                             {"data": args.data, "data_dir": args.data_dir})
+    model, ckpt, task = checkpoint_evaluation(args, device)
     family = "vision" if ckpt["arch"] in moe.PRESETS else "language"
-    settings = {"batch": args.batch, "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
-                "new_tokens": args.new_tokens, "test_subset": args.test_subset, "resolve": args.resolve,
-                "max_repeats": args.max_repeats}
+    settings = {k: getattr(args, k) for k in ("batch", "warmup", "repeats", "iters", "new_tokens",
+                                              "test_subset", "resolve", "max_repeats")}
     if family == "language":
         rows = language_depth_rows(model, task, args, device)
     else:
         depths = sorted(set(depth_list(args.depths, model)) | {model.config.depth})
-        rows = vision_depth_rows(model, ckpt, task, depths, args, device)
+        rows = vision_depth_rows(model, task, depths, args, device)
         settings["test_images"] = len(task.data.test)
-    _, quality, _, higher_is_better, *_ = HEADLINE[family]
-    mark_tradeoffs(rows, quality, "relative_latency", higher_is_better)
+    mark_tradeoffs(rows, HEADLINE[family][1], "relative_latency", HEADLINE[family][3])
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"], "family": family,
               "settings": settings, "rows": rows, "best": smallest_within(rows, *HEADLINE[family]),
               "env": bench.environment(device)}
@@ -424,61 +391,44 @@ def build_parser() -> argparse.ArgumentParser:
     bench.device_flags(p)
     p.add_argument("--depths", default="", help="comma-separated depths >= 2 (default 2 ... 2L; a ViT: L)")
     p.add_argument("--test-subset", type=int, default=0,
-                   help="evaluate on the first N test images / validation windows (default: the checkpoint's "
-                        "own test set)")
-    p.add_argument("--batch", type=int,
-                   help="the larger latency batch (CPU 16, CUDA 64); batch 1 always runs")
+                   help="the first N test images / validation windows (default: the checkpoint's test set)")
+    p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always")
     bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
-    p.add_argument("--resolve", type=float,
-                   help="more paired rounds of a row and the reference (batch 1) until their latency ratio "
-                        "is known to +- this (default 0.03; 0: --repeats only)")
-    p.add_argument("--max-repeats", type=int,
-                   help="at most this many paired rounds per row (CPU 60, CUDA 200)")
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure runtime memory at batch 1 (CPU: a forked fresh process per depth)")
-    p.add_argument("--thresholds", default="0.5,none",
-                   help="AlterNet: halting thresholds in (0, 1] or none (every iteration up to the cap); "
-                        "the first is the reference")
+    p.add_argument("--resolve", type=float, help="more paired rounds of the headline's row and the "
+                   "reference until their latency ratio is known to +- this (default 0.03; 0: none)")
+    p.add_argument("--max-repeats", type=int, help="at most this many paired rounds (CPU 60, CUDA 200)")
+    p.add_argument("--thresholds", default="0.5,none", help="AlterNet: halting thresholds in (0, 1] or none "
+                   "(every iteration up to the cap); the first is the reference")
     p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
     p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
-    p.add_argument("--data", default="",
-                   help="the run's --data (an ImageFolder root or text), if it had one: paths come from the "
-                        "command line, never from the checkpoint")
-    p.add_argument("--data-dir", default="",
-                   help="where the built-in data sets live (as train.py's --data-dir)")
+    p.add_argument("--data", default="", help="the run's --data, if it had one (paths come from the "
+                   "command line, never from the checkpoint)")
+    p.add_argument("--data-dir", default="", help="where the built-in data sets are (train.py's)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="a progress bar over the depths on stderr, when it is a terminal")
+                   help="a progress bar on stderr, when it is a terminal")
     return p
 
 
-def check_args(args, device) -> None:
-    """Device defaults for unset flags, then every flag checked before the checkpoint is read."""
+def main(argv=None) -> dict:
+    """Every flag checked (lib/boundary.py) before the checkpoint is read, then the table."""
+    args = build_parser().parse_args(argv)
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        fail(str(e), PROG)
     for key, value in DEFAULTS["cuda" if device.type == "cuda" else "cpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     check_numbers(vars(args), PROG, batch=closed(2, 65536))  # batch 1 is always measured
     args.depths = sorted(set(parse_depths(args.depths, "--depths", 2, PROG)))  # a step grid needs two steps
-    parse_thresholds(args.thresholds)
+    args.thresholds = parse_thresholds(args.thresholds)
     out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     problem = outputs_problem("--out", out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
     if problem:
-        raise InputError(problem)
-
-
-def main(argv=None) -> dict:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:  # --device: one line, as below
-        fail(str(e), PROG)
-    try:
-        check_args(args, device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        result = run_depths(args, device)
-    except InputError as e:  # the user's input: one line, as argparse reports its own errors
-        fail(str(e), PROG)
-    return result
+        fail(problem, PROG)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return run_depths(args, device)
 
 
 if __name__ == "__main__":

@@ -29,18 +29,15 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 if not __package__:  # run as a file (python tools/export.py): the project's modules are not on the path
     sys.exit("tools/export.py: error: run it from the repository root as python -m tools.export")
 
 import revit
-from lib import moe
-from lib.checkpoint import load_vision_model
-from lib.boundary import (MAX_DEPTH, check_numbers, closed, diverged, fail, fit_problem, output_problem, path_problem,
-                          too_deep, weights_problem)
-from lib.weights import WEIGHTS_FORMAT
+from lib import moe, weights
+from lib.checkpoint import diverged, fit_problem, load_vision_model, weights_problem
+from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem
 from lib.cli import run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
@@ -60,18 +57,11 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
 
 
 def load_source(path) -> nn.Module:
-    """export.py's input -> model in eval mode, its weights plain, finite and of the model's dtypes: a
-    checkpoint of this project (a ckpt.pt, or weights/'s .safetensors) or a compact / folded export."""
-    problem = path_problem(path, "file")
-    if problem:
-        raise ValueError(f"checkpoint {path}: {problem}")
-    if Path(path).suffix != ".safetensors" or read_safetensors(path)[1].get("format") == WEIGHTS_FORMAT:
-        return load_vision_model(path, "checkpoint")[0]
-    model = load_safetensors(path)
-    problem = diverged(model)  # as load_vision_model: finite weights whose output is not
-    if problem:
-        raise ValueError(f"checkpoint {path}: {problem}")
-    return model
+    """export.py's input -> model in eval mode: a checkpoint of this project (a ckpt.pt, or weights/'s
+    .safetensors) or a compact / folded export."""
+    if Path(path).suffix == ".safetensors" and read_safetensors(path)[1].get("format") != weights.WEIGHTS_FORMAT:
+        return load_safetensors(path)
+    return load_vision_model(path, "checkpoint")[0]
 
 
 def plain_vit(model: nn.Module, depth: int | None) -> revit.VisionTransformer:
@@ -118,17 +108,17 @@ def save_safetensors(model: nn.Module, path, kind: str, **extra) -> None:
 
 
 def read_safetensors(path) -> tuple[dict, dict]:
-    """(tensors, metadata) of any safetensors file."""
+    """(tensors, metadata) of any safetensors file; a ValueError naming it."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-    except SafetensorError as e:
-        raise ValueError(f"{path} is not a readable safetensors file: {e}") from e
+        return weights.read_safetensors(path)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path}: {e}") from None
 
 
 def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
     """The model a revit safetensors file describes (compact -> ReViT, folded -> VisionTransformer), or
-    with `model` given, that model (a preset of your choice) with the file's tensors."""
+    with `model` given, that model (a preset of your choice) with the file's tensors. As every reader, it
+    refuses weights that are not plain and finite, and finite weights whose output is not."""
     tensors, metadata = read_safetensors(path)
     if model is None:
         kind = metadata.get("format")
@@ -137,8 +127,6 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
                              "for a timm-layout file use load_timm_state_dict(model, tensors)")
         try:
             fields = json.loads(metadata["config"])
-            if isinstance(fields, dict) and too_deep(fields):
-                raise ValueError(too_deep(fields))
             config = moe.config_of(fields)  # revit's config, or lib/moe.py's for a comparison mechanism
         except (KeyError, TypeError, ValueError, RecursionError) as e:  # no config, not JSON, fields revit.py lacks
             raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "
@@ -148,10 +136,11 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
         if problem:
             raise ValueError(f"{path}: {problem}")
         model = revit.build_model(config)
-    problem = weights_problem(tensors)
+    model = load_weights(model, tensors, str(path)).eval()
+    problem = weights_problem(tensors) or diverged(model)  # as load_vision_model: not plain, or not finite
     if problem:
-        raise ValueError(f"checkpoint {path}: {problem}")
-    return load_weights(model, tensors, str(path)).eval()
+        raise ValueError(f"{path}: {problem}")
+    return model
 
 
 # --- timm's VisionTransformer layout ---
@@ -228,7 +217,7 @@ def save_timm(vit: revit.VisionTransformer, path) -> dict:
 
 
 def require_onnx() -> None:
-    """Checked before anything is written: torch's own error comes after tracing and is less clear."""
+    """Checked after every argument and before anything is written (torch's own error is less clear)."""
     try:
         import onnx  # noqa: F401 -- torch.onnx.export writes the graph through it
     except ImportError:
@@ -238,7 +227,6 @@ def require_onnx() -> None:
 @torch.no_grad()
 def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | None:
     """Write the folded graph; returns the max |onnxruntime - PyTorch| difference, None without onnxruntime."""
-    require_onnx()
     vit = vit.float().cpu().eval()
     with warnings.catch_warnings():
         # the traced shape checks in ViTBase.embed become constants: the image size is fixed anyway
@@ -271,17 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors: folded ViT; onnx: folded graph; timm: folded ViT in timm's layout; "
                         "compact: the dynamic model (experts + router), depth chosen later")
     p.add_argument("--out", required=True, help="output file (parent folders are created)")
-    p.add_argument("--opset", type=int, default=None, help="ONNX opset version (--format onnx; 14..20) [default: 18]")
+    p.add_argument("--opset", type=int, default=18, help="ONNX opset version (--format onnx; 14..20) [default: 18]")
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The flags that need no file: a ValueError naming the flag and what is allowed. Optional packages
-    are looked for only after every argument and the source checked out (export)."""
-    if args.opset is not None and args.format != "onnx":
-        raise ValueError(f"--opset applies to --format onnx only; got --format {args.format} --opset {args.opset}")
+    """The flags that need no file (lib/boundary.py's ranges): a ValueError naming the flag."""
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
-    args.opset = 18 if args.opset is None else args.opset
     if Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise ValueError(f"--out {args.out} is the checkpoint being exported; give another file")
     problem = output_problem(args.out, "file")  # also a run's files, its lock and any saved model
@@ -291,7 +275,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def write_atomically(out: Path, write):
     """write(temporary path), then rename it to `out`: an interrupted export never leaves a torn file.
-    The temporary name keeps the suffix, which save_timm reads. Returns what `write` returns."""
+    The temporary name keeps the suffix, which save_timm reads."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
     try:
@@ -322,7 +306,7 @@ def export(args: argparse.Namespace) -> dict:
         print(f"load in timm: model = timm.create_model({summary['timm_model']!r}{kwargs}); "
               f"model.load_state_dict({read}({str(out)!r}), strict=True)", file=sys.stderr)
     else:
-        require_onnx()  # after every argument and the source: a bad input is reported as such without onnx
+        require_onnx()
         summary["onnx_max_abs_diff"] = write_atomically(out, lambda path: export_onnx(vit, path, args.opset))
         if summary["onnx_max_abs_diff"] is None:
             print("onnxruntime is not installed: the ONNX graph was written but not checked "

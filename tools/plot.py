@@ -1,6 +1,6 @@
 """Training curves of one or more runs, read from their metrics.jsonl: the training loss (solid) and the
 validation loss (dots) by step, and beside them the validation accuracy (a vision run) or bits per byte
-(a language run). Needs matplotlib (requirements-extra.txt); without it, says so in one line.
+(a language run). Needs matplotlib (requirements-extra.txt).
 
     python -m tools.plot out/revit-mini-<time> [out/vit-mini-<time> ...] [--out curves.png]
 """
@@ -35,10 +35,10 @@ def read_curves(run: str) -> dict:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a torn last line of a killed run
-        if isinstance(record, dict) and record.get("event") == "final":  # the last evaluation, at the last step
-            record = {"step": max(curves["train_loss"], default=0),
-                      "eval": {k.replace("test_", "val_", 1): v for k, v in record.items()
-                               if k.startswith(("test_", "val_"))}}  # vision names its scores test_*
+        if isinstance(record, dict) and record.get("event") == "final":  # the last evaluation, last step
+            scores = {k.replace("test_", "val_", 1): v for k, v in record.items()  # vision's: test_*
+                      if k.startswith(("test_", "val_"))}
+            record = {"step": max(curves["train_loss"], default=0), "eval": scores}
         if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "event" in record:
             continue
         if isinstance(record.get("loss"), (int, float)):
@@ -47,8 +47,7 @@ def read_curves(run: str) -> dict:
             if isinstance(value, (int, float)):
                 curves.setdefault(key, {})[record["step"]] = value
     if not curves["train_loss"]:
-        fail(f"RUN {run}: {path} holds no training-loss line (train.py logs one every --log-interval)",
-             PROG)
+        fail(f"RUN {run}: {path} holds no training-loss line (train.py logs one every --log-interval)", PROG)
     return curves
 
 
@@ -89,10 +88,8 @@ def save_png(fig, path) -> None:
 
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", metavar="RUN",
-                        help="a run folder of train.py (or its metrics.jsonl)")
-    parser.add_argument("--out", default="",
-                        help="the PNG to write [default: curves.png in the first RUN's folder]")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder of train.py (or metrics.jsonl)")
+    parser.add_argument("--out", default="", help="the PNG [default: curves.png beside the first RUN]")
     args = parser.parse_args(argv)
     runs = {}
     for run in args.runs:

@@ -3,30 +3,24 @@
     python -m tools.probes --probe seg --backbone out/revit-mini/ckpt.pt --eval-depths 2,4,8
     python -m tools.probes --probe monodepth --backbone ckpt.pt --data /datasets/nyu_depth_v2 --probe-cache cache/
 
-reViT (arXiv 2610.12448) Table 2 and App. A.3: the encoder stays frozen and is read out by a linear
-segmentation head (ADE20k) and by linear and two-layer MLP depth heads (NYUv2, RMSE in metres), here
-for any vision checkpoint of this project (train.py trains the classification probe, --probe cls).
-Features are the final-LayerNorm patch tokens, computed once per (checkpoint, depth, data) and
-optionally cached. Per patch token, seg maps to class logits (cross-entropy with an ignore index;
-mIoU, pixel accuracy) and monodepth to a depth (squared error on valid pixels; RMSE, delta < 1.25),
-both upsampled bilinearly. The heads train at --depth and are evaluated at every --eval-depths (the
-elastic-depth curve of Fig. 2); a constant predictor is the baseline row. Simplifications (not the
-protocol of Jacobs et al., 2026): inputs resized to the backbone's input size (no sliding window,
-Eigen crop or depth cap), no augmentation, AdamW with a cosine schedule on fixed features.
+reViT (arXiv 2610.12448) Table 2 and App. A.3: the encoder stays frozen and its final-LayerNorm patch
+tokens are read out by a linear segmentation head (ADE20k) and by linear and two-layer MLP depth heads
+(NYUv2, RMSE in metres), upsampled bilinearly to pixels. The heads train at --depth and are evaluated at
+every --eval-depths (the elastic-depth curve of Fig. 2); a constant predictor is the baseline row.
+Simplifications (not the protocol of Jacobs et al., 2026): inputs resized to the backbone's input size (no
+sliding window, Eigen crop or depth cap), no augmentation, AdamW with a cosine schedule on fixed features.
 
-Data (--data ROOT), detected in this order (2-4 need Pillow):
-1. ROOT/train.pt and ROOT/val.pt, each a dict of tensors: "images" uint8 (N, C, H, W) at the
-   backbone's image_size, with "labels" int64 (N, H, W) (seg: class ids 0..K-1, 255 = ignore; plus
-   "num_classes": int) or "depth" float32 (N, H, W) (metres; NaN or 0 = no measurement);
-2. ADE20k (ADEChallengeData2016): images/ and annotations/ {training,validation}; annotation 0
-   ("other") is ignored, 1..150 become classes 0..149 (reduce-zero-label);
+Data (--data ROOT), detected in this order (2 and 3 need Pillow):
+1. ROOT/train.pt and ROOT/val.pt, each a dict of tensors: "images" uint8 (N, C, H, W) at the backbone's
+   image_size, with "labels" int64 (N, H, W) (seg: class ids 0..K-1, 255 = ignore; plus "num_classes":
+   int) or "depth" float32 (N, H, W) (metres; NaN or 0 = no measurement);
+2. ADE20k (ADEChallengeData2016): images/ and annotations/ {training,validation}; annotation 0 ("other")
+   is ignored, 1..150 become classes 0..149 (reduce-zero-label);
 3. NYUv2's official splits (as BTS / AdaBins / DINOv2): official_splits/{train,test}/<scene>/
-   rgb_XXXXX.jpg with sync_depth_XXXXX.png (uint16 millimetres, 0 = invalid);
-4. ROOT/{train,val}/images/<name>.png|jpg with labels/<name>.png (class ids, 255 = ignore) or
-   depth/<name>.png (uint16 millimetres).
-Without --data: the Fashion-MNIST dense proxy (a check of the machinery, NOT a benchmark): real
-images with targets from their pixels -- seg: background (< 26/255) and 4 intensity classes;
-monodepth: 1 + intensity in [1, 2] (arbitrary units).
+   rgb_XXXXX.jpg with sync_depth_XXXXX.png (uint16 millimetres, 0 = invalid).
+Without --data: the Fashion-MNIST dense proxy (a check of the machinery, NOT a benchmark): real images
+with targets from their pixels -- seg: background (< 26/255) and 4 intensity classes; monodepth:
+1 + intensity in [1, 2] (arbitrary units).
 """
 
 from __future__ import annotations
@@ -58,8 +52,6 @@ from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, epoch_order, load_images
 
 PROG = "python -m tools.probes"  # how it runs: from the repository root, as a module
-
-
 IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabelled pixels)
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
 PROXY_LEVELS = 4           # ... and the rest falls into 4 intensity classes
@@ -75,8 +67,8 @@ class ProbeConfig:
     depth: int | None = opt(None, "recurrent steps of the backbone the heads are trained on (auto: its "
                                   "reference depth)")
     eval_depths: str = opt("", "comma-separated further backbone depths to evaluate the trained heads at, e.g. 2,4,8")
-    data: str = opt("", "dense data root (tensor files, ADE20k, NYUv2 or image folders; see the module "
-                        "docstring); auto: the Fashion-MNIST dense proxy")
+    data: str = opt("", "dense data root (tensor files, ADE20k or NYUv2; see the module docstring); auto: "
+                        "the Fashion-MNIST dense proxy")
     data_dir: str = opt("", "where Fashion-MNIST lives for the proxy (auto: ./data, $REVIT_DATA_DIR, "
                             "/usr/share/datasets)")
     download: bool = opt(False, "download Fashion-MNIST when no search location has it (only when asked)")
@@ -135,6 +127,18 @@ def depth_map_metrics(sums: torch.Tensor) -> dict:
     return {"rmse": math.sqrt(squared_error / count), "delta1": within / count}
 
 
+def batch_sums(pred: torch.Tensor, target: torch.Tensor, data) -> torch.Tensor:
+    """What one batch adds to the test metric: sums over batches, ratios once (batch size never changes
+    a metric)."""
+    return confusion_matrix(pred, target, data.num_classes) if data.task == "seg" else depth_map_sums(pred, target)
+
+
+def metrics_of(sums: torch.Tensor, data) -> dict:
+    if data.task == "seg":
+        return {"miou": mean_iou(sums), "pixel_acc": (sums.diagonal().sum() / sums.sum()).item()}
+    return depth_map_metrics(sums)
+
+
 # --- heads: per patch token, then bilinear upsampling to pixel resolution ---
 
 
@@ -169,7 +173,7 @@ def depth_map_loss(pred, target):
 @dataclass
 class DenseSplit:
     images: torch.Tensor    # (N, C, H, W) uint8
-    targets: torch.Tensor   # (N, H, W) int64 class ids (IGNORE_INDEX = unscored) or float32 depth map (NaN/0 = none)
+    targets: torch.Tensor   # (N, H, W) int64 class ids (IGNORE_INDEX = unscored) or float32 depth (NaN/0 = none)
 
 
 @dataclass
@@ -193,24 +197,21 @@ def proxy_targets(images: torch.Tensor, task: str) -> torch.Tensor:
 
 def load_proxy(cfg: ProbeConfig, task: str) -> DenseData:
     """Real Fashion-MNIST images via train.py's loader, dense targets derived from them (a proxy)."""
-    try:
-        images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
-                             train_subset=cfg.train_subset, test_subset=cfg.test_subset)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
+    images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
+                         train_subset=cfg.train_subset, test_subset=cfg.test_subset)
     splits = [DenseSplit(s.images, proxy_targets(s.images, task)) for s in (images.train, images.test)]
     return DenseData("Fashion-MNIST dense proxy", task, *splits,
                      num_classes=1 + PROXY_LEVELS if task == "seg" else 0, unit="a.u.")
 
 
-def read_pairs(pairs: list, task: str, size: int, channels: int, label_map=None) -> DenseSplit:
+def read_pairs(pairs: list, task: str, size: int, channels: int) -> DenseSplit:
     """(image file, target file) pairs -> tensors at size x size (bicubic images, nearest targets)."""
     import numpy as np
     try:
         from PIL import Image
     except ImportError:
-        fail("reading ADE20k / NYUv2 / image-folder data needs Pillow (pip install pillow), or convert it to "
-             "the tensor format (ROOT/train.pt, ROOT/val.pt; see tools/probes.py)")
+        fail("reading ADE20k / NYUv2 needs Pillow (pip install pillow), or convert the data to the tensor "
+             "format (ROOT/train.pt, ROOT/val.pt; see tools/probes.py)")
     images, targets = [], []
     for image_path, target_path in pairs:
         try:
@@ -219,9 +220,9 @@ def read_pairs(pairs: list, task: str, size: int, channels: int, label_map=None)
         except OSError as e:  # a missing target, or a file Pillow cannot read
             fail(f"--data: {e}")
         images.append(torch.from_numpy(np.array(image)).reshape(size, size, channels).permute(2, 0, 1))
-        if task == "seg":
+        if task == "seg":  # ADE20k: annotation 0 ("other") ignored, 1..150 -> classes 0..149
             labels = torch.from_numpy(target.astype(np.int64))
-            targets.append(label_map(labels) if label_map else labels)
+            targets.append(torch.where(labels == 0, IGNORE_INDEX, labels - 1))
         else:  # uint16 millimetres, 0 = no measurement
             depth_map = torch.from_numpy(target.astype(np.float32)) / 1000
             targets.append(torch.where(depth_map > 0, depth_map, torch.nan))
@@ -236,17 +237,16 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
     splits = []
     for name, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
         path = root / f"{name}.pt"
-        if path_problem(path, "file"):  # a FIFO would make torch.load wait forever
-            fail(f"--data {path}: {path_problem(path, 'file')}")
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, the file is unusable
             fail(f"--data {path}: {checkpoint.unreadable(e)}")
-        if not isinstance(blob, dict) or not all(isinstance(blob.get(k), torch.Tensor) for k in ("images", key)):
-            fail(f"--data {path}: needs a dict with the tensors 'images' and '{key}' for --probe {task}")
-        images, targets = blob["images"][:n or None], blob[key][:n or None]
-        if images.dtype != torch.uint8 or images.ndim != 4 or targets.shape != images[:, 0].shape:
-            fail(f"--data {path}: images must be uint8 (N, C, H, W) and {key} (N, H, W)")
+        images, targets = (blob.get(k) if isinstance(blob, dict) else None for k in ("images", key))
+        if not (torch.is_tensor(images) and torch.is_tensor(targets) and images.dtype == torch.uint8
+                and images.ndim == 4 and targets.shape == images[:, 0].shape):
+            fail(f"--data {path}: needs a dict with the tensors 'images' (uint8, N x C x H x W) and '{key}' "
+                 f"(N x H x W) for --probe {task}")
+        images, targets = images[:n or None], targets[:n or None]
         splits.append(DenseSplit(images, targets.long() if task == "seg" else targets.float()))
     num_classes = blob.get("num_classes", 0) if task == "seg" else 0
     if task == "seg" and not (isinstance(num_classes, int) and num_classes > 0):
@@ -255,17 +255,14 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
 
 
 def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseData:
-    """--data ROOT in one of the four documented formats (module docstring), detected in that order."""
+    """--data ROOT in one of the documented formats (module docstring), detected in that order."""
     root = Path(cfg.data)
     if all(os.path.lexists(root / name) for name in ("train.pt", "val.pt")):  # read_tensor_files checks them
         return read_tensor_files(root, task, cfg)
-    folder = "labels" if task == "seg" else "depth"
     ade = root / "ADEChallengeData2016" if (root / "ADEChallengeData2016").is_dir() else root
     nyu = root / "official_splits" if (root / "official_splits").is_dir() else root
-    label_map = None
-    if (ade / "annotations" / "training").is_dir():  # annotation 0 ("other") ignored, 1..150 -> 0..149
+    if (ade / "annotations" / "training").is_dir():
         name, kind, num_classes = "ADE20k", "seg", 150
-        label_map = lambda labels: torch.where(labels == 0, IGNORE_INDEX, labels - 1)  # noqa: E731
         pairs = [[(p, ade / "annotations" / split / f"{p.stem}.png")
                   for p in sorted((ade / "images" / split).glob("*.jpg"))]
                  for split in ("training", "validation")]
@@ -273,22 +270,14 @@ def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseDa
         name, kind, num_classes = "NYUv2", "monodepth", 0
         pairs = [[(p, p.with_name(p.name.replace("rgb_", "sync_depth_")).with_suffix(".png"))
                   for p in sorted((nyu / split).rglob("rgb_*.jpg"))] for split in ("train", "test")]
-    elif (root / "train" / "images").is_dir() and (root / "train" / folder).is_dir():
-        name, kind, num_classes = f"{root.name} (image folders)", task, None  # K = largest id + 1
-        pairs = [[(p, root / split / folder / f"{p.stem}.png")
-                  for p in sorted((root / split / "images").iterdir())
-                  if p.suffix.lower() in (".png", ".jpg", ".jpeg")] for split in ("train", "val")]
     else:
         fail(f"--data {root}: not a dense data set in a known layout (train.pt/val.pt, ADE20k, NYUv2 "
-             f"official_splits, or train/images + train/{folder}); see probes.py")
+             f"official_splits); see tools/probes.py")
     if kind != task:
         fail(f"--data {root} is {name}, a {kind} data set; --probe {task} needs "
              f"{'label maps (e.g. ADE20k)' if task == 'seg' else 'depth maps (e.g. NYUv2)'}")
-    splits = [read_pairs(files[:n or None], task, size, channels, label_map)
+    splits = [read_pairs(files[:n or None], task, size, channels)
               for files, n in zip(pairs, (cfg.train_subset, cfg.test_subset))]
-    if num_classes is None:
-        labels = torch.cat([s.targets[s.targets != IGNORE_INDEX] for s in splits]) if task == "seg" else None
-        num_classes = int(labels.max()) + 1 if task == "seg" and labels.numel() else 0
     return DenseData(name, task, *splits, num_classes=num_classes)
 
 
@@ -315,7 +304,7 @@ def normalisation(ckpt: dict, channels: int):
 @torch.no_grad()
 def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_size: int, device) -> torch.Tensor:
     """Final-LayerNorm patch tokens (N, P, d) of uint8 images, stored as float16 on the CPU (half the
-    memory; a linear probe does not notice), the backbone in eval mode and under no_grad."""
+    memory; a linear probe does not notice), the backbone in eval mode."""
     backbone.eval()
     mean = torch.tensor(mean, device=device).view(1, -1, 1, 1)
     std = torch.tensor(std, device=device).view(1, -1, 1, 1)
@@ -327,21 +316,19 @@ def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_siz
     return torch.cat(out)
 
 
-@dataclass
 class FrozenBackbone:
-    """The frozen model and what its features depend on (each part of the cache key)."""
-    model: nn.Module        # eval mode, requires_grad False
-    ckpt: dict
-    mean: list
-    std: list
-    device: torch.device
-    batch_size: int
-    cache: str = ""         # folder of cached features ("" for none)
-    ckpt_hash: str = ""
+    """The frozen model (eval mode, requires_grad False) and what its features depend on: each part of the
+    cache key."""
+
+    def __init__(self, model: nn.Module, ckpt: dict, device, cfg: ProbeConfig):
+        self.model, self.ckpt, self.device, self.batch_size = model, ckpt, device, cfg.eval_batch_size
+        self.mean, self.std = normalisation(ckpt, model.config.in_channels)
+        self.cache = cfg.probe_cache  # folder of cached features ("" for none)
+        self.ckpt_hash = file_hash(cfg.backbone) if cfg.probe_cache else ""
 
     def features(self, images: torch.Tensor, depth: int | None) -> torch.Tensor:
         """extract_features, through the cache when there is one (key: checkpoint file, depth, images,
-        normalisation)."""
+        normalisation); an unreadable, misshapen or non-finite entry is recomputed and replaced."""
         if not self.cache:
             return extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
         from safetensors import SafetensorError
@@ -350,11 +337,11 @@ class FrozenBackbone:
         data.update(repr((tuple(images.shape), list(self.mean), list(self.std))).encode())
         path = Path(self.cache) / f"{self.ckpt_hash[:16]}-depth{depth}-data{data.hexdigest()[:16]}.safetensors"
         if path.is_file():
-            with contextlib.suppress(SafetensorError, KeyError, OSError):  # an unreadable entry is recomputed
+            with contextlib.suppress(SafetensorError, KeyError, OSError):
                 cached = load_file(path)["features"]
                 config = self.model.config
                 if cached.shape == (len(images), config.num_patches, config.dim) and torch.isfinite(cached).all():
-                    return cached  # else an edited or foreign entry: recomputed, and replaced below
+                    return cached
         feats = extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -363,7 +350,7 @@ class FrozenBackbone:
         return feats
 
 
-# --- training and evaluation of one head on fixed features ---
+# --- training and evaluation of the heads on fixed features ---
 
 
 def fit_head(head: nn.Module, feats: torch.Tensor, targets: torch.Tensor, loss_fn, cfg, device) -> nn.Module:
@@ -388,20 +375,6 @@ def fit_head(head: nn.Module, feats: torch.Tensor, targets: torch.Tensor, loss_f
     return head.eval()
 
 
-def batch_sums(pred: torch.Tensor, target: torch.Tensor, data: DenseData) -> torch.Tensor:
-    """What one batch adds to the test metric: the confusion matrix of class ids (seg) or the sums of
-    depth_map_sums (monodepth). Sums over batches, ratios once: batch size never changes a metric."""
-    if data.task == "seg":
-        return confusion_matrix(pred, target, data.num_classes)
-    return depth_map_sums(pred, target)
-
-
-def metrics_of(sums: torch.Tensor, data: DenseData) -> dict:
-    if data.task == "seg":
-        return {"miou": mean_iou(sums), "pixel_acc": (sums.diagonal().sum() / sums.sum()).item()}
-    return depth_map_metrics(sums)
-
-
 @torch.no_grad()
 def evaluate_head(head, feats, targets, data: DenseData, batch_size: int, device) -> dict:
     size = tuple(targets.shape[-2:])
@@ -423,11 +396,44 @@ def constant_baseline(data: DenseData) -> tuple[dict, float]:
     return metrics_of(batch_sums(prediction, data.test.targets, data), data), constant
 
 
+def train_heads(frozen: FrozenBackbone, data: DenseData, depth: int, constant: float, cfg) -> dict:
+    """seg: one linear head; monodepth: a linear and an MLP head (hidden width = backbone width), the
+    depth heads starting from the constant baseline. Each head starts from the same seed."""
+    config = frozen.model.config
+    grid = config.image_size // config.patch_size
+    feats = frozen.features(data.train.images, depth)
+    if data.task == "seg":
+        heads = {"linear": lambda: DenseHead(config.dim, data.num_classes, grid)}
+        loss_fn = partial(F.cross_entropy, ignore_index=IGNORE_INDEX)
+    else:
+        heads = {"linear": lambda: DenseHead(config.dim, 1, grid, 0, constant),
+                 "mlp": lambda: DenseHead(config.dim, 1, grid, config.dim, constant)}
+        loss_fn = depth_map_loss
+    trained = {}
+    for name, build in heads.items():
+        torch.manual_seed(cfg.seed)
+        trained[name] = fit_head(build(), feats, data.train.targets, loss_fn, cfg, frozen.device)
+    return trained
+
+
+def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths: list[int]) -> dict:
+    """{depth: metrics} of the same trained heads at each backbone depth; with two heads (monodepth) each
+    metric is named after its head (rmse_linear, rmse_mlp, ...)."""
+    results = {}
+    for depth in depths:
+        test_feats = frozen.features(data.test.images, depth)
+        results[depth] = {}
+        for name, head in heads.items():
+            metrics = evaluate_head(head, test_feats, data.test.targets, data, frozen.batch_size, frozen.device)
+            results[depth].update({f"{k}_{name}" if len(heads) > 1 else k: v for k, v in metrics.items()})
+    return results
+
+
 # --- one probe run ---
 
 
 def check_config(cfg: ProbeConfig) -> None:
-    """The flags that need no file: one line naming the flag and what is allowed."""
+    """The flags that need no file (lib/boundary.py's ranges): one line naming the flag."""
     if cfg.probe not in DENSE_PROBES:
         hint = " (monocular depth is monodepth; --depth sets the backbone's steps)" if cfg.probe == "depth" else ""
         fail(f"--probe must be one of {', '.join(DENSE_PROBES)} here (cls is train.py's); got {cfg.probe!r}{hint}")
@@ -447,11 +453,8 @@ def check_config(cfg: ProbeConfig) -> None:
 
 def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
     """--backbone, frozen, and the depths it runs at: the one the heads train on first, then --eval-depths."""
-    try:
-        device = pick_device(cfg.device)
-        model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
-    except ValueError as e:
-        fail(str(e))
+    device = pick_device(cfg.device)
+    model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
     model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
     config = model.config
     trained_depth = cfg.depth or config.depth
@@ -463,9 +466,7 @@ def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
                 model(x, depth=depth)
         except ValueError as e:  # e.g. a plain ViT runs only its own depth
             fail(f"--backbone {cfg.backbone} cannot run at depth {depth}: {e}")
-    frozen = FrozenBackbone(model, ckpt, *normalisation(ckpt, config.in_channels), device, cfg.eval_batch_size,
-                            cfg.probe_cache, file_hash(cfg.backbone) if cfg.probe_cache else "")
-    return frozen, depths
+    return FrozenBackbone(model, ckpt, device, cfg), depths
 
 
 def load_data(cfg: ProbeConfig, config) -> DenseData:
@@ -483,45 +484,15 @@ def load_data(cfg: ProbeConfig, config) -> DenseData:
     return data
 
 
-def train_heads(frozen: FrozenBackbone, data: DenseData, depth: int, constant: float, cfg) -> dict:
-    """seg: one linear head; monodepth: a linear and an MLP head (hidden width = backbone width), the
-    depth heads starting from the constant baseline. Each head starts from the same seed."""
-    config = frozen.model.config
-    grid = config.image_size // config.patch_size
-    feats = frozen.features(data.train.images, depth)
-    if data.task == "seg":
-        heads = {"linear": lambda: DenseHead(config.dim, data.num_classes, grid)}
-        loss_fn = partial(F.cross_entropy, ignore_index=IGNORE_INDEX)
-    else:
-        heads = {"linear": lambda: DenseHead(config.dim, 1, grid, 0, constant),  # from the constant baseline
-                 "mlp": lambda: DenseHead(config.dim, 1, grid, config.dim, constant)}
-        loss_fn = depth_map_loss
-    trained = {}
-    for name, build in heads.items():
-        torch.manual_seed(cfg.seed)
-        trained[name] = fit_head(build(), feats, data.train.targets, loss_fn, cfg, frozen.device)
-    return trained
-
-
-def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths: list[int]) -> dict:
-    """{depth: metrics} of the same trained heads on the backbone's features at each depth; with two
-    heads (monodepth) each metric is named after its head (rmse_linear, rmse_mlp, ...)."""
-    results = {}
-    for depth in depths:
-        test_feats = frozen.features(data.test.images, depth)
-        results[depth] = {}
-        for name, head in heads.items():
-            metrics = evaluate_head(head, test_feats, data.test.targets, data, frozen.batch_size, frozen.device)
-            results[depth].update({f"{k}_{name}" if len(heads) > 1 else k: v for k, v in metrics.items()})
-    return results
-
-
 def run(cfg: ProbeConfig) -> dict:
     """Every input checked; then the heads trained and evaluated at each depth -> the summary."""
     t_start = time.perf_counter()
     check_config(cfg)
-    frozen, depths = load_backbone(cfg)
-    data = load_data(cfg, frozen.model.config)
+    try:
+        frozen, depths = load_backbone(cfg)
+        data = load_data(cfg, frozen.model.config)
+    except (ValueError, FileNotFoundError) as e:  # a reader's one line, naming the flag or the file
+        fail(str(e))
     baseline, constant = constant_baseline(data)
     heads = train_heads(frozen, data, depths[0], constant, cfg)
     results = evaluate_heads(frozen, heads, data, depths)
@@ -549,7 +520,7 @@ def run(cfg: ProbeConfig) -> dict:
 
 COLUMNS = {"seg": [("miou", "mIoU %", 100), ("pixel_acc", "pixel acc %", 100)],
            "monodepth": [("rmse_linear", "RMSE lin", 1), ("rmse_mlp", "RMSE MLP", 1),
-                     ("delta1_linear", "δ<1.25 lin %", 100), ("delta1_mlp", "δ<1.25 MLP %", 100)]}
+                         ("delta1_linear", "δ<1.25 lin %", 100), ("delta1_mlp", "δ<1.25 MLP %", 100)]}
 
 
 def results_table(summary: dict) -> str:
@@ -559,8 +530,7 @@ def results_table(summary: dict) -> str:
               f"{summary['test_images']} test images")
     if summary["probe"] == "monodepth":
         header += f" | RMSE in {summary['unit']}"
-    lines = [header,
-             "| backbone depth | " + " | ".join(title for _, title, _ in columns) + " |",
+    lines = [header, "| backbone depth | " + " | ".join(title for _, title, _ in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]
     rows = sorted(summary["depths"].items(), key=lambda kv: int(kv[0]))
     for depth, metrics in rows + [("constant", summary["constant"])]:
