@@ -414,7 +414,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     plain = {f.name: getattr(model.config, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
     config = replace(ViTConfig(**plain), arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1,
                      ffn_dim=hidden, expert_ffn_fraction=1.0)
-    vit = VisionTransformer(config).to(model.cls_token)  # its device and dtype
+    vit = VisionTransformer(config).to(device=model.cls_token.device, dtype=model.cls_token.dtype)
     vit.load_state_dict(state)
     return vit.train(model.training)
 
