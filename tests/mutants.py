@@ -154,6 +154,9 @@ MUTANTS = [
     mutant("fold: gates of the trained depth", R, "steps = model.block.unrolled_states(depth, gates)",
            'steps = model.block.unrolled_states(depth, model.gate_matrix()[:depth] if gates is None and '
            'isinstance(model.block.mlp, MergedExpertFFN) else gates)', *FOLD),
+    mutant("fold: the plain ViT left on the CPU", R,
+           "VisionTransformer(config).to(device=model.cls_token.device, dtype=model.cls_token.dtype)",
+           "VisionTransformer(config)", "tests/test_train.py::test_fold_and_its_check_with_the_model_on_a_device"),
     # --- Table 1's baselines: Raptor's schedule, DeiT III's LayerScale ---
     mutant("Raptor thresholds", R, "known = {2: [7], 3: [7, 10], 4: [4, 7, 10]}",
            "known = {2: [6], 3: [6, 9], 4: [3, 6, 9]}", "test_raptor_runs_its_blocks_on_raptors_segments"),
