@@ -176,18 +176,21 @@ def write_json(result: dict, path: str) -> None:
     atomic_write_text(path, json_text(result) + "\n")
 
 
-def atomic_write(path, write) -> None:
-    """Every rewrite of a file the project owns: `write(temp_path)` beside it, then os.replace (a kill
-    leaves the old file or the new one, never a torn one)."""
+def atomic_write(path, write):
+    """Every file the project writes (and its missing parents): `write(temp_path)` beside it, then
+    os.replace: a kill leaves the old file or the new one, never a torn one. The temporary name keeps the
+    suffix, which some writers read. Returns what `write` returns."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)  # the boundary checked they can be made
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
     try:
-        write(tmp)
+        result = write(tmp)
         with open(tmp, "rb+") as file:
             os.fsync(file.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return result
 
 
 def atomic_write_text(path, text: str) -> None:

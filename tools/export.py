@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from dataclasses import asdict
@@ -38,7 +37,7 @@ import revit
 from lib import moe, weights
 from lib.checkpoint import diverged, fit_problem, load_vision_model, weights_problem
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem
-from lib.cli import run_main
+from lib.cli import atomic_write, run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
 
@@ -273,41 +272,28 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out} {problem}")
 
 
-def write_atomically(out: Path, write):
-    """write(temporary path), then rename it to `out`: an interrupted export never leaves a torn file.
-    The temporary name keeps the suffix, which save_timm reads."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
-    try:
-        result = write(tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return result
-
-
 def export(args: argparse.Namespace) -> dict:
     """Read and check everything first (the source, its weights, the fold at --depth), then write --out."""
     model = load_source(args.checkpoint)
     out = Path(args.out)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
     if args.format == "compact":
-        write_atomically(out, lambda path: save_safetensors(model, path, "compact"))
+        atomic_write(out, lambda path: save_safetensors(model, path, "compact"))
         return dict(summary, depth=None)
     vit = plain_vit(model, args.depth)
     summary["depth"] = depth = vit.config.depth
     summary["fold_max_abs_diff"] = check_fold(model, vit, depth) if vit is not model else 0.0
     if args.format == "safetensors":
-        write_atomically(out, lambda path: save_safetensors(vit, path, "folded", source_config=asdict(model.config)))
+        atomic_write(out, lambda path: save_safetensors(vit, path, "folded", source_config=asdict(model.config)))
     elif args.format == "timm":
-        summary.update(write_atomically(out, lambda path: save_timm(vit, path)))
+        summary.update(atomic_write(out, lambda path: save_timm(vit, path)))
         kwargs = "".join(f", {k}={v!r}" for k, v in summary["timm_kwargs"].items())
         read = "safetensors.torch.load_file" if out.suffix == ".safetensors" else "torch.load"
         print(f"load in timm: model = timm.create_model({summary['timm_model']!r}{kwargs}); "
               f"model.load_state_dict({read}({str(out)!r}), strict=True)", file=sys.stderr)
     else:
         require_onnx()
-        summary["onnx_max_abs_diff"] = write_atomically(out, lambda path: export_onnx(vit, path, args.opset))
+        summary["onnx_max_abs_diff"] = atomic_write(out, lambda path: export_onnx(vit, path, args.opset))
         if summary["onnx_max_abs_diff"] is None:
             print("onnxruntime is not installed: the ONNX graph was written but not checked "
                   "(pip install -r requirements-extra.txt)", file=sys.stderr)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ if not __package__:  # run as a file (python tools/plot.py): the project's modul
     sys.exit("tools/plot.py: error: run it from the repository root as python -m tools.plot")
 
 from lib.boundary import fail, output_problem, path_problem
-from lib.cli import pyplot, run_main
+from lib.cli import atomic_write, pyplot, run_main
 
 PROG = "python -m tools.plot"
 SECOND_PANEL = ("val_acc", "val_bpb")  # the first of these any run logs: accuracy, or bits per byte for text
@@ -77,13 +76,7 @@ def draw(plt, runs: dict, out: Path) -> None:
 
 def save_png(fig, path) -> None:
     """Every figure the tools write: a temp file, then os.replace (written whole or not at all)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
 
 def main(argv=None) -> Path:

@@ -47,7 +47,7 @@ if not __package__:  # run as a file (python tools/probes.py): the project's mod
 from lib import checkpoint
 import train
 from lib.boundary import DENSE_PROBES, check_numbers, fail, outputs_problem, parse_depths, path_problem
-from lib.cli import dataclass_parser, non_finite_place, opt, pick_device, write_json
+from lib.cli import atomic_write, dataclass_parser, non_finite_place, opt, pick_device, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from lib.data import NORMALISATION, epoch_order, load_images
 
@@ -343,10 +343,7 @@ class FrozenBackbone:
                 if cached.shape == (len(images), config.num_patches, config.dim) and torch.isfinite(cached).all():
                     return cached
         feats = extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        save_file({"features": feats.contiguous()}, tmp)
-        os.replace(tmp, path)  # a crash never leaves a torn cache entry
+        atomic_write(path, lambda tmp: save_file({"features": feats.contiguous()}, tmp))  # never torn
         return feats
 
 
