@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 import alternet
 import revit
-from lib.boundary import fail, parse_model_args, preset_module
+from lib.boundary import fail, parse_model_args
 from lib.cli import broadcast, device_options, say
 from lib.data import TEXT_DATASETS
 
@@ -77,11 +77,10 @@ class LiveBytes(TorchDispatchMode):
 
     def count(self, storage) -> None:
         key = id(storage)  # the storage's Python object lives exactly as long as the storage
-        if key in self.sizes:
-            return
-        self.sizes[key] = storage.nbytes()
-        self.live += self.sizes[key]
-        weakref.finalize(storage, self.free, key)
+        if key not in self.sizes:
+            self.sizes[key] = storage.nbytes()
+            self.live += self.sizes[key]
+            weakref.finalize(storage, self.free, key)
 
     def free(self, key) -> None:
         self.live -= self.sizes.pop(key)
@@ -116,14 +115,6 @@ def model_bytes(model: nn.Module, devices: int = 1) -> dict:
     trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     weights = sum(t.numel() * t.element_size() for t in [*params, *model.buffers()])
     return dict(weights=weights, grads=trained * (2 if devices > 1 else 1), optimizer=2 * trained)
-
-
-@functools.lru_cache(maxsize=None)
-def preset_parameters(name: str) -> int:
-    """Parameters of a preset of alternet.py or revit.py (built once on the meta device, then cached)."""
-    with torch.device("meta"):
-        model = (preset_module(name) or revit).create_model(name)
-    return sum(p.numel() for p in model.parameters())
 
 
 # --- measured: activations and the loss, at reduced sizes ---
@@ -433,8 +424,6 @@ def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None,
     of cfg (or ckpt), built on the meta device."""
     auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
     if model is None:
-        if preset_parameters(cfg.arch) < skip_below:
-            return
         vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
         overrides = ckpt["model_config"] if ckpt else {
             **vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
@@ -443,6 +432,8 @@ def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None,
                 model = alternet.create_model(cfg.arch, **overrides)
         except (ValueError, TypeError):
             return  # build() reports a bad --model-args in one line
+    if sum(p.numel() for p in model.parameters()) < skip_below:
+        return
     budget = cfg.gpu_memory or device_memory_gb(device)
     seq_len = (cfg.block_size or model.config.seq_len) if cfg.dataset in TEXT_DATASETS else None
     dtype = device_options(device.type, cfg.precision)["autocast_dtype"]
