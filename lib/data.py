@@ -471,13 +471,11 @@ class Augment:
         b, _, h, w = x.shape
         pad = max(1, h // 8)  # 4 px at 32x32, 3 px at 28x28
         padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
-        oy = (self.rand(b) * (2 * pad + 1)).long()  # (B,) crop offsets
-        ox = (self.rand(b) * (2 * pad + 1)).long()
+        oy, ox = ((self.rand(b) * (2 * pad + 1)).long() for _ in "yx")  # (B,) crop offsets, y first
         rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]  # (B, 1, H, 1)
         cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :]  # (B, 1, 1, W)
-        batch = torch.arange(b, device=x.device)[:, None, None, None]
-        chans = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-        x = padded[batch, chans, rows, cols]  # (B, C, H, W)
+        batch, chans = torch.arange(b, device=x.device), torch.arange(x.shape[1], device=x.device)
+        x = padded[batch[:, None, None, None], chans[None, :, None, None], rows, cols]  # (B, C, H, W)
         flip = (self.rand(b) < 0.5)[:, None, None, None]
         return torch.where(flip, x.flip(3), x)
 
