@@ -270,13 +270,12 @@ class Memory:
 def estimate(model: nn.Module, profile: Profile, batch: int, seq_len: int | None, devices: int = 1,
              grad_accum: int = 1) -> Memory:
     """The peak per device of `model` trained at `batch` per optimizer step; `profile` from measure()."""
-    micro = batch // (devices * grad_accum)
-    tokens = micro * (seq_len if profile.tokens_per_sample is None else profile.tokens_per_sample)
+    seq_len = seq_len if profile.tokens_per_sample is None else None  # None: images
+    tokens = batch // (devices * grad_accum) * (seq_len or profile.tokens_per_sample)
     depth = depth_of(model.config)
     return Memory(**model_bytes(model, devices), activations=profile.activations(tokens, depth),
-                  loss=profile.loss(tokens, depth), precision=profile.precision, batch=batch,
-                  seq_len=seq_len if profile.tokens_per_sample is None else None, devices=devices,
-                  grad_accum=grad_accum)
+                  loss=profile.loss(tokens, depth), precision=profile.precision, batch=batch, seq_len=seq_len,
+                  devices=devices, grad_accum=grad_accum)
 
 
 def device_memory_gb(device: torch.device) -> float | None:
