@@ -2,18 +2,14 @@
 `python bench.py memory --arch PRESET [--gpus N]` prints it), and a model's inference memory on a CPU.
 
 One device's peak in a DDP training step (each device: the whole model, 1/devices of the batch, split
-again into grad_accum micro-batches):
+again into grad_accum micro-batches), under the run's autocast (bf16, fp16, or fp32 on a CPU):
 - weights, gradients, AdamW state: counted (fp32 under autocast; AdamW's exp_avg and exp_avg_sq; DDP's
-  gradient buckets, one more copy of the gradients).
-- activations: measured by LiveBytes at the preset's real width and vocabulary, on two small micro-batches
-  (N1 < N2 tokens) at depths 2 and 3, then extrapolated. Along the tokens op by op: both runs execute the
-  same ops and every tensor is affine in N, so after op t the live bytes are a_t + N b_t and the peak at any
-  N is the maximum of those lines (at small N a weight-sized constant sets the peak). Along the depth
-  linearly: a loop saves the same tensors at every step. No T^2 term: scaled_dot_product_attention's fused
-  kernels never hold the T x T scores.
-- the loss (AlterNet): decoded C = alternet.loss_chunk_tokens(V) tokens at a time, so it holds one chunk's
-  logits: loss(N) = extra(min(N, C)), extra the peak minus that of the model with a 16-token vocabulary.
-- dtype: the run's autocast (bf16, fp16, or fp32 on a CPU); the line says which.
+  gradient buckets, one more copy of the gradients);
+- activations: measured by LiveBytes at the preset's real width and vocabulary on two small micro-batches
+  at depths 2 and 3, extrapolated op by op along the tokens (peak_line) and linearly along the depth (a
+  loop saves the same tensors at every step). No T^2 term: scaled_dot_product_attention's fused kernels
+  never hold the T x T scores;
+- the loss (AlterNet): one chunk of alternet.loss_chunk_tokens(V) tokens' logits at a time (Profile.loss).
 Not counted: a distillation teacher, torch.compile's savings (an upper bound for eager mode), the CUDA
 context and fragmentation (the plan keeps 10% free).
 """
@@ -169,8 +165,10 @@ def step_timeline(model: nn.Module, batch: int, seq_len: int, device: torch.devi
 
 
 def peak_line(n1: int, live1: list, n2: int, live2: list):
-    """tokens -> a step's peak bytes: the max over its ops t of a_t + N b_t, the lines through two runs at
-    N1 < N2 tokens (runs that differ in their ops: one line through their peaks, a lower bound)."""
+    """tokens -> a step's peak bytes. Two runs at N1 < N2 tokens execute the same ops and every tensor is
+    affine in N, so after op t the live bytes are a_t + N b_t, and the peak at any N is the max of those
+    lines (at small N a weight-sized constant sets it). Runs that differ in their ops: one line through
+    their peaks, a lower bound."""
     if len(live1) != len(live2):
         live1, live2 = [max(live1)], [max(live2)]
     slopes = [(b - a) / (n2 - n1) for a, b in zip(live1, live2)]
