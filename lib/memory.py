@@ -336,7 +336,7 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
     return hints
 
 
-# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, tools/depths.py) ---
+# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency) ---
 #
 # On a CPU only the process's resident set says what a model holds, and a process's freed heap stays
 # resident: so each model is measured in a fresh process (`python -m lib.memory rss SPEC`), as the growth
