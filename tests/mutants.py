@@ -654,7 +654,7 @@ MUTANTS = [
            "tests/test_hostile.py::test_a_flag_given_now_is_named_as_the_flag_and_may_replace_a_refused_saved_value"),
     mutant("data: an empty IDX file to torch", "lib/data.py", "not 0 < math.prod(dims) ==", "not math.prod(dims) ==",
            "tests/test_data.py::test_bad_idx_files_are_one_line"),
-    mutant("data: a file of any size read", "lib/data.py", "if len(raw) > MAX_FILE_BYTES:", "if False:",
+    mutant("data: a file of any size read", "lib/data.py", "if len(raw) <= MAX_FILE_BYTES:", "if True:",
            "tests/test_data.py::test_a_data_file_larger_than_the_bound_is_refused"),
     mutant("export: a safetensors source with NaN outputs exported", "tools/export.py",
            "problem = weights_problem(tensors) or diverged(model)", "problem = weights_problem(tensors)",
