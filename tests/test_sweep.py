@@ -210,20 +210,20 @@ WRONG_TYPES = [([1, 2], "a cell record is a JSON object holding a result object;
                ({"argv": [], "result": {"test_acc": "high", "params": 1, "reference_depth": 2, "minutes": 1}},
                 "result.test_acc must be a number in 0..1; got 'high'"),
                ({"argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1,
-                                        "depths": {"two": {"acc": 0.5}}}}, "result.depths must map depths (1..256)")]
+                                        "depths": {"two": {"acc": 0.5}}}}, "result.depths must be a map of depths (1..256)")]
 GOOD = {"key": "x", "argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1}}
 WRONG_TYPES += [  # the last adversary round: each refused by a rule of the record, not as a case of its own
     ({**GOOD, "argv": "--seed 0"}, "argv must be a list of strings"),
     ({**GOOD, "result": {**GOOD["result"], "test_acc": 1e308}}, "result.test_acc must be a number in 0..1; got 1e+308"),
-    ({**GOOD, "result": {**GOOD["result"], "depths": {"\u0664": {"acc": 0.5}}}}, "result.depths must map depths (1..256)"),
-    ({**GOOD, "result": {**GOOD["result"], "depths": {"9" * 5000: {"acc": 0.5}}}}, "result.depths must map depths (1..256)"),
-    ({**GOOD, "result": {**GOOD["result"], "depths": {"2": {"acc": float("nan")}}}}, "result.depths must map"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"\u0664": {"acc": 0.5}}}}, "result.depths must be a map of depths (1..256)"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"9" * 5000: {"acc": 0.5}}}}, "result.depths must be a map of depths (1..256)"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"2": {"acc": float("nan")}}}}, "result.depths must be a map"),
     ({**GOOD, "gate_trace": "rising"}, "gate_trace must be a list of [step, gate spread] pairs"),
     ({**GOOD, "key": "../../A"}, "key must be a cell's name (a-z, 0-9 and -), never a path"),
     ({**GOOD, "key": None}, "key must be a cell's name"),
     ({**GOOD, "gates": {"gate_spread": 0.5, "dominant_expert": ["0" * 9]}}, "gates must be null, {} or"),
     ({**GOOD, "gates": {"gate_spread": 1e308, "dominant_expert": [0]}}, "gates must be null, {} or"),
-    ({**GOOD, "commit": {"sha": 1}}, "commit and torch must be strings")]
+    ({**GOOD, "commit": {"sha": 1}}, "commit must be a string or null")]
 
 
 @pytest.mark.parametrize("argv, message", [
