@@ -153,9 +153,9 @@ class Glance(string.Formatter):
 
     def get_field(self, field_name, args, kwargs):
         match = CELL.fullmatch(field_name)
-        if not match or match.group(1) == "glance" or match.group(1).startswith("line-"):
+        if not match or match[1] == "glance" or match[1].startswith("line-"):  # never itself: no end
             refuse(f"results/glance.json: {{{field_name}}} is not a cell t[BLOCK][ROW][COLUMN] of a table")
-        name, row, column = match.group(1), int(match.group(2)), int(match.group(3))
+        name, row, column = match[1], int(match[2]), int(match[3])
         cells = render(name).cells
         if row >= len(cells) or column >= len(cells[row]):
             refuse(f"results/glance.json: {{{field_name}}}: block {name} has no row {row}, column {column}")
@@ -177,8 +177,11 @@ def fill(template: str) -> str:
 
 
 def render_glance(name: str) -> Block:
-    """A row whose numbers come from rows of one sweep trained at different commits says so."""
+    """README's glance table, or (`line-KEY`) one of its sentences; a row whose numbers come from rows of one
+    sweep trained at different commits says so."""
     data = load("glance.json")
+    if name.startswith("line-"):
+        return Block(fill(data["lines"][name[len("line-"):]]), [])
     cells = []
     for row in data["rows"]:
         used = {(source, render(source).row_commits[int(i)]) for source, i, _ in CELL.findall(row["result"])
@@ -189,14 +192,9 @@ def render_glance(name: str) -> Block:
     return Block(markdown_table(data["columns"], cells), cells)
 
 
-def render_line(name: str) -> Block:
-    """`line-KEY`: one sentence of README, its numbers referenced like the glance table's."""
-    return Block(fill(load("glance.json")["lines"][name[len("line-"):]]), [])
-
-
 @functools.cache
 def render(name: str) -> Block:
-    kind = (render_glance if name == "glance" else render_line if name.startswith("line-") else
+    kind = (render_glance if name == "glance" or name.startswith("line-") else
             render_quality if name.startswith("quality-") else render_table)
     return kind(name)
 
