@@ -60,9 +60,9 @@ def run_cli(argv):
 
 
 def test_cell_argv_merges_the_regime_and_the_cell():
-    regime = {"arch": "revit-mini", "epochs": 15, "model_args": "dim=64", "progress": False}
+    regime = {"arch": "revit-mini", "epochs": 15, "model_args": "dim=64"}
     argv = sweep.cell_argv(regime, sweep.GRIDS["elastic"]["feature-only"], seed=2)
-    assert argv == ["--arch", "revit-mini", "--epochs", "15", "--model-args", "dim=64,ffn=feature", "--no-progress",
+    assert argv == ["--arch", "revit-mini", "--epochs", "15", "--model-args", "dim=64,ffn=feature",
                     "--depth-drop", "0.3", "--eval-depths", "2,3,4,6,9,12", "--seed", "2"]
     assert sweep.cell_argv(regime, sweep.GRIDS["experts"]["Raptor k=2"], 0)[:2] == ["--arch", "raptor-mini-k2"]
 
@@ -84,9 +84,9 @@ def test_run_cell_reuses_a_finished_cell_of_the_same_command(tmp_path, fake_trai
 
 
 def test_a_cached_cell_is_found_whatever_the_order_of_its_flags(tmp_path, fake_train):
-    sweep.run_cell("a", ["--arch", "vit-mini", "--seed", "0", "--no-progress"], str(tmp_path))
-    again = sweep.run_cell("b", ["--no-progress", "--seed", "0", "--arch", "vit-mini"], str(tmp_path))
-    other = sweep.run_cell("c", ["--no-progress", "--seed", "1", "--arch", "vit-mini"], str(tmp_path))
+    sweep.run_cell("a", ["--arch", "vit-mini", "--seed", "0", "--epochs", "2"], str(tmp_path))
+    again = sweep.run_cell("b", ["--epochs", "2", "--seed", "0", "--arch", "vit-mini"], str(tmp_path))
+    other = sweep.run_cell("c", ["--epochs", "2", "--seed", "1", "--arch", "vit-mini"], str(tmp_path))
     assert again["cached"] and not other["cached"]
 
 

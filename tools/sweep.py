@@ -82,47 +82,55 @@ GRIDS = {
                                       "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
     },
 }
-# The planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress LN(f_4 ∘ ... ∘ f_1(x))
-# per token, distinct fixed random maps f_t): every cell sets its own data, depth and patch, whatever the
-# regime.
-PLANTED_ARGS = "dim=48,heads=3,ffn_dim=96"
-PLANTED = {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, "model_args": PLANTED_ARGS}
-ELASTIC = {**PLANTED, "depth_drop": 0.3, "eval_depths": "2,3,4,5,6,7,8"}  # elastic, scored at L = 2 ... 8
+
+
+def merge_model_args(base: str, extra: str) -> str:
+    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
+    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
+    return ",".join(f"{key}={value}" for key, value in pairs.items())
+
+
+def planted(model_args: str = "", **fields) -> dict:
+    """A cell of the planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress
+    LN(f_4 ∘ ... ∘ f_1(x)) per token, distinct fixed random maps f_t): its own data, depth, patch and width,
+    whatever the regime; `model_args` are added to its width's."""
+    return {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, **fields,
+            "model_args": merge_model_args("dim=48,heads=3,ffn_dim=96", model_args)}
+
+
+ELASTIC = {"depth_drop": 0.3, "eval_depths": "2,3,4,5,6,7,8"}  # elastic training, scored at L = 2 ... 8
 # Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match
 # its final post-norm tokens; then a linear probe (--probe cls) of each frozen model. {runs}: the run folders.
 TEACHER = "{runs}/distill-teacher-vit-untied-seed{seed}/ckpt.pt"
 GRIDS.update({
     "planted": {  # a task that needs a different function at each of its 4 steps, by construction
-        "ViT (untied)": {**PLANTED, "arch": "vit-{size}"},
-        "reViT E=1": {**PLANTED, "num_experts": 1},
-        "reViT E=4": {**PLANTED, "num_experts": 4},
-        "reViT E=4, depth prior 8": {**PLANTED, "num_experts": 4,
-                                     "model_args": PLANTED["model_args"] + ",router_prior=8"},
+        "ViT (untied)": planted(arch="vit-{size}"),
+        "reViT E=1": planted(num_experts=1),
+        "reViT E=4": planted(num_experts=4),
+        "reViT E=4, depth prior 8": planted("router_prior=8", num_experts=4),
     },
     "planted-lr": {  # the planted task with psi at lr x m: does a larger router lr find the program?
-        f"reViT E=4, router lr x{m}": {**PLANTED, "num_experts": 4, "router_lr_scale": m} for m in (10, 30)
+        f"reViT E=4, router lr x{m}": planted(num_experts=4, router_lr_scale=m) for m in (10, 30)
     },
     # Table 3's comparison on the planted task: content routing beside the depth-programmed merge, each
     # router at the paper's lr and at x30 (the planted-lr grid's setting for psi)
     "planted-table3": {
-        "feature-only": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=feature"},
-        "feature-only, router lr x30": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=feature",
-                                        "router_lr_scale": 30},
-        "SMEAR": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=smear"},
-        "SMEAR, router lr x30": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=smear", "router_lr_scale": 30},
+        "feature-only": planted("ffn=feature"),
+        "feature-only, router lr x30": planted("ffn=feature", router_lr_scale=30),
+        "SMEAR": planted("ffn=smear"),
+        "SMEAR, router lr x30": planted("ffn=smear", router_lr_scale=30),
         # at U = 1 DeepSeek-V3 routes K = 1 expert with its gate renormalised to 1: no gradient reaches its
         # router, so a faster router lr changes nothing (lib/moe.py's MOE_TABLE)
-        "DeepSeek-V3 U=1": {**PLANTED, "arch": "revit-{size}-deepseek"},
-        "Raptor k=2": {**PLANTED, "arch": "raptor-{size}-k2"},
-        "Raptor k=4": {**PLANTED, "arch": "raptor-{size}-k4"},  # one stored block per planted map
+        "DeepSeek-V3 U=1": planted(arch="revit-{size}-deepseek"),
+        "Raptor k=2": planted(arch="raptor-{size}-k2"),
+        "Raptor k=4": planted(arch="raptor-{size}-k4"),  # one stored block per planted map
     },
     # Fig. 2's question on the planted task: depth drop 0.3 at L = 4, each checkpoint scored at L = 2 ... 8
     "planted-elastic": {
-        "reViT E=4, router lr x30": {**ELASTIC, "num_experts": 4, "router_lr_scale": 30},
-        "reViT E=4, depth prior 8": {**ELASTIC, "num_experts": 4,
-                                     "model_args": PLANTED_ARGS + ",router_prior=8"},
-        "feature-only": {**ELASTIC, "num_experts": 4, "model_args": PLANTED_ARGS + ",ffn=feature"},
-        "reViT E=1": {**ELASTIC, "num_experts": 1},
+        "reViT E=4, router lr x30": planted(num_experts=4, router_lr_scale=30, **ELASTIC),
+        "reViT E=4, depth prior 8": planted("router_prior=8", num_experts=4, **ELASTIC),
+        "feature-only": planted("ffn=feature", num_experts=4, **ELASTIC),
+        "reViT E=1": planted(num_experts=1, **ELASTIC),
     },
     "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper);
         # the new cells first: E = 4 and E = 1 are also the experts grid's cells (the same flags)
@@ -150,12 +158,6 @@ DEFAULT_GRIDS = "experts,elastic"
 # --- cells: a regime and a grid entry -> train.py's command line ---
 
 
-def merge_model_args(base: str, extra: str) -> str:
-    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
-    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
-    return ",".join(f"{key}={value}" for key, value in pairs.items())
-
-
 def cell_argv(regime: dict, cell: dict, seed: int, runs: str = "runs") -> list[str]:
     """train.py's command line for one cell and seed: the regime, then the cell's fields ({runs}: the
     sweep's run folders, where a cell finds another's checkpoint)."""
@@ -170,20 +172,13 @@ def cell_argv(regime: dict, cell: dict, seed: int, runs: str = "runs") -> list[s
     values["seed"] = seed
     argv = []
     for key, value in values.items():
-        flag = key.replace("_", "-")
-        argv += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool)
-                 else [f"--{flag}", str(value)])
+        argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
 
 
-def flag_groups(argv: list[str]) -> list[tuple]:
-    """['--a', '1', '--b'] -> [('--a', '1'), ('--b',)], sorted: the command whatever its flags' order."""
-    groups = []
-    for word in argv:
-        if word.startswith("--") or not groups:
-            groups.append([])
-        groups[-1].append(word)
-    return sorted(map(tuple, groups))
+def flag_pairs(argv: list[str]) -> list[tuple]:
+    """['--b', '2', '--a', '1'] -> [('--a', '1'), ('--b', '2')]: the command whatever its flags' order."""
+    return sorted(zip(argv[::2], argv[1::2]))
 
 
 # --- cell records: what a finished run left, read back as data ---
@@ -261,7 +256,7 @@ def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
     own = os.path.join(out_dir, "cells", f"{key}.json")
     for path in ([own] if own in paths else []) + paths:
         cached = read_cell(path)
-        if flag_groups(cached["argv"]) == flag_groups(argv):
+        if flag_pairs(cached["argv"]) == flag_pairs(argv):
             return {**cached, "cached": True}
     return None
 
@@ -351,9 +346,8 @@ def quality_rows(args, grids: list[str], regime: dict, out_dir: str, shard: tupl
 
 def score_text(result: dict) -> str:
     metric = metric_of(result)
-    if metric == "acc":
-        return f"top-1 {100 * result['test_acc']:.2f}%"
-    return f"{metric} {result['test_' + metric]:.5f}"
+    score = result["test_" + metric]
+    return f"top-1 {100 * score:.2f}%" if metric == "acc" else f"{metric} {score:.5f}"
 
 
 def quality_row(grid: str, name: str, records: list[dict]) -> dict:
