@@ -99,7 +99,7 @@ def test_a_cell_records_the_commit_and_torch_it_was_trained_at(tmp_path, fake_tr
         commit = saved["commit"].removesuffix("-dirty")
         assert len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)
     monkeypatch.setattr(sweep, "ROOT", str(tmp_path))  # outside any git repository: no commit to name
-    assert sweep.code_version()["commit"] is None
+    assert sweep.run_cell("cell", ["--arch", "vit-mini", "--seed", "1"], str(tmp_path))["commit"] is None
 
 
 def test_a_cell_written_before_commits_were_recorded_is_still_read(tmp_path, fake_train):

@@ -252,9 +252,8 @@ def read_cell(path: str) -> dict:
 
 def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
     """A finished run of this command: cells/KEY.json, else any cell (of another grid) with the same flags."""
-    paths = sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")))
     own = os.path.join(out_dir, "cells", f"{key}.json")
-    for path in ([own] if own in paths else []) + paths:
+    for path in sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")), key=lambda p: (p != own, p)):
         cached = read_cell(path)
         if flag_pairs(cached["argv"]) == flag_pairs(argv):
             return {**cached, "cached": True}
@@ -264,15 +263,10 @@ def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
 # --- running a cell: python train.py in its own process ---
 
 
-def code_version() -> dict:
-    """The commit the cells are trained at (`-dirty` when tracked files outside results/ differ; None outside
-    git) and the torch version."""
-    return {"commit": git_commit(ROOT), "torch": torch.__version__}
-
-
-def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1, version: dict | None = None) -> dict:
+def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1) -> dict:
     """`python train.py ARGV` in its own process, its output in runs/KEY/train.log, unless a finished run of
-    the same command line is cached (cached_cell); -> its record, written to cells/KEY.json."""
+    the same command line is cached (cached_cell); -> its record, written to cells/KEY.json with the commit
+    (`-dirty`: tracked files outside results/ differ; None outside git) and torch it was trained at."""
     cached = cached_cell(key, argv, out_dir)
     if cached:
         return cached
@@ -291,8 +285,8 @@ def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1, version:
     has_gates = os.path.exists(checkpoint) and "--probe" not in argv  # a probe's checkpoint is a head
     gates = tasks.gate_summary(load_model(checkpoint)[0]) if has_gates else None
     trace = {"gate_trace": trace + [[result["step"], gates["gate_spread"]]]} if gates else {}
-    record = {"key": key, "argv": argv, "result": result, "gates": gates, **trace,
-              **(version or code_version()), "threads": threads}
+    record = {"key": key, "argv": argv, "result": result, "gates": gates, **trace, "commit": git_commit(ROOT),
+              "torch": torch.__version__, "threads": threads}
     write_json(record, os.path.join(out_dir, "cells", f"{key}.json"))
     return {**record, "cached": False}
 
@@ -330,13 +324,12 @@ def quality_rows(args, grids: list[str], regime: dict, out_dir: str, shard: tupl
     K-th, so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is
     'pending'. A line per run, and a bar over the runs on stderr when it is a terminal."""
     runs = [(grid, name, seed) for grid in grids for name in GRIDS[grid] for seed in range(args.seeds)]
-    cells, version = {}, code_version()
+    cells = {}
     for index, (grid, name, seed) in enumerate(progress(runs, args, "runs"), 1):
         key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
         argv = cell_argv(regime, GRIDS[grid][name], seed, os.path.join(out_dir, "runs"))
         mine = (index - 1) % shard[1] == shard[0] - 1
-        record = run_cell(key, argv, out_dir, args.threads, version) if mine else \
-            cached_cell(key, argv, out_dir)
+        record = run_cell(key, argv, out_dir, args.threads) if mine else cached_cell(key, argv, out_dir)
         cells.setdefault((grid, name), []).append(record)
         say(f"[{index}/{len(runs)}] {grid} / {name} / seed {seed}: " + (
             "pending (another shard)" if record is None else score_text(record["result"])
@@ -354,18 +347,17 @@ def quality_row(grid: str, name: str, records: list[dict]) -> dict:
     """One cell over its seeds: mean ± std of its score (and at each evaluated depth), the gates' spread, and
     the commits its seeds were trained at (None: a cell recorded before commits were)."""
     results, spec = [r["result"] for r in records], GRIDS[grid][name]
-    depths = sorted({d for r in results for d in r.get("depths") or {}}, key=int)  # JSON's keys: strings
-    if any(sorted(r.get("depths") or {}, key=int) != depths for r in results):  # an edited or mixed cell
-        seen = ", ".join(str(sorted(map(int, r.get("depths") or {}))) for r in results)
-        fail(f"cell {grid} / {name}: its seeds were evaluated at different depths ({seen}); "
-             f"delete its cells/*.json to re-run it", PROG)
+    depths = [sorted(map(int, r.get("depths") or {})) for r in results]  # JSON's keys: strings
+    if any(seen != depths[0] for seen in depths):  # an edited or mixed cell
+        fail(f"cell {grid} / {name}: its seeds were evaluated at different depths "
+             f"({', '.join(map(str, depths))}); delete its cells/*.json to re-run it", PROG)
     gates, traces = [r.get("gates") for r in records], [r.get("gate_trace") for r in records]
     metric = metric_of(results[0])  # acc for classification; the planted task and distillation score an MSE
     return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
             "variant": "model_args" in spec,  # e.g. the depth prior: a point beside the E line, not on it
             "params": results[0]["params"], "reference_depth": results[0]["reference_depth"],
             "metric": metric, metric: mean_std([r["test_" + metric] for r in results]),
-            "depths": {d: mean_std([r["depths"][d][metric] for r in results]) for d in depths},
+            "depths": {str(d): mean_std([r["depths"][str(d)][metric] for r in results]) for d in depths[0]},
             "gate_spread": mean_std([g["gate_spread"] for g in gates]) if all(gates) else None,
             "dominant_expert": [g["dominant_expert"] for g in gates] if all(gates) else None,
             "gate_traces": traces if None not in traces else None,
@@ -429,8 +421,7 @@ def draw_experts(ax, experts: list[dict]) -> None:
 
 
 def draw_gate_traces(ax, rows: list[dict]) -> None:
-    """The gate spread (max - min of the gate matrix) at every evaluation of each seed's run: does a program
-    form, and is it still forming at the end?"""
+    """The gate spread (max - min of the gate matrix) at each evaluation: does a program form, and when?"""
     for i, r in enumerate(rows):
         for seed, trace in enumerate(r["gate_traces"]):
             ax.plot(*zip(*trace), "o-", markersize=3, color=f"C{i % 10}", alpha=0.8,
@@ -446,10 +437,9 @@ def draw_elastic(ax, elastic: list[dict], reference: dict | None = None) -> None
     scale, label = (100, "top-1 accuracy (%)") if metric == "acc" else (1, "test MSE (lower is better)")
     for r in elastic:
         depths = sorted(r["depths"], key=int)
-        mean = [scale * r["depths"][d]["mean"] for d in depths]
-        std = [scale * r["depths"][d]["std"] for d in depths]
-        ax.plot([int(d) for d in depths], mean, "o-", label=r["cell"])
-        ax.fill_between([int(d) for d in depths], [m - s for m, s in zip(mean, std)],
+        mean, std = ([scale * r["depths"][d][stat] for d in depths] for stat in ("mean", "std"))
+        ax.plot(list(map(int, depths)), mean, "o-", label=r["cell"])
+        ax.fill_between(list(map(int, depths)), [m - s for m, s in zip(mean, std)],
                         [m + s for m, s in zip(mean, std)], alpha=0.2)
     if reference:
         ax.errorbar([reference["reference_depth"]], [scale * reference[metric]["mean"]],
