@@ -55,6 +55,26 @@ REGIMES = {
 # --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
 QUICK_REGIME = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128,
                 "batch_size": 64, "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
+
+
+def merge_model_args(base: str, extra: str) -> str:
+    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
+    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
+    return ",".join(f"{key}={value}" for key, value in pairs.items())
+
+
+def planted(model_args: str = "", **fields) -> dict:
+    """A cell of the planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress
+    LN(f_4 ∘ ... ∘ f_1(x)) per token, distinct fixed random maps f_t): its own data, depth, patch and width,
+    whatever the regime; `model_args` are added to its width's."""
+    return {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, **fields,
+            "model_args": merge_model_args("dim=48,heads=3,ffn_dim=96", model_args)}
+
+
+ELASTIC = {"depth_drop": 0.3, "eval_depths": "2,3,4,5,6,7,8"}  # elastic training, scored at L = 2 ... 8
+# Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match
+# its final post-norm tokens; then a linear probe (--probe cls) of each frozen model. {runs}: the run folders.
+TEACHER = "{runs}/distill-teacher-vit-untied-seed{seed}/ckpt.pt"
 # {size}: the regime's preset size (revit-mini -> mini); {eval_depths}: 2, 3, 4, L, 1.5L, 2L of its L.
 GRIDS = {
     "experts": {  # paper Table 5 (E = 1 ... 8) with Table 1's untied ViT and Raptor
@@ -81,28 +101,6 @@ GRIDS = {
         "revit-mini, depth prior 8": {"epochs": 15, "depth": 6,
                                       "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
     },
-}
-
-
-def merge_model_args(base: str, extra: str) -> str:
-    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
-    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
-    return ",".join(f"{key}={value}" for key, value in pairs.items())
-
-
-def planted(model_args: str = "", **fields) -> dict:
-    """A cell of the planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress
-    LN(f_4 ∘ ... ∘ f_1(x)) per token, distinct fixed random maps f_t): its own data, depth, patch and width,
-    whatever the regime; `model_args` are added to its width's."""
-    return {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, **fields,
-            "model_args": merge_model_args("dim=48,heads=3,ffn_dim=96", model_args)}
-
-
-ELASTIC = {"depth_drop": 0.3, "eval_depths": "2,3,4,5,6,7,8"}  # elastic training, scored at L = 2 ... 8
-# Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match
-# its final post-norm tokens; then a linear probe (--probe cls) of each frozen model. {runs}: the run folders.
-TEACHER = "{runs}/distill-teacher-vit-untied-seed{seed}/ckpt.pt"
-GRIDS.update({
     "planted": {  # a task that needs a different function at each of its 4 steps, by construction
         "ViT (untied)": planted(arch="vit-{size}"),
         "reViT E=1": planted(num_experts=1),
@@ -151,7 +149,7 @@ GRIDS.update({
         "reViT E=1, 15 epochs": {"num_experts": 1, "epochs": 15},
         "reViT E=4, 15 epochs": {"num_experts": 4, "epochs": 15},
     },
-})
+}
 DEFAULT_GRIDS = "experts,elastic"
 
 
@@ -188,19 +186,22 @@ def within(low, high):
     return lambda v: type(v) in (int, float) and low <= v <= high  # NaN fails; true and false are no numbers
 
 
+def number(low, high) -> tuple:
+    return within(low, high), f"a number in {low:g}..{high:g}"
+
+
 def list_of(test):
     return lambda v: isinstance(v, list) and all(map(test, v))
 
 
-SCORES = {"acc": (within(0, 1), "a number in 0..1"),  # what a cell scores: top-1 accuracy,
-          "mse": (within(0, 1e9), "a number in 0..1e9"),  # the planted task's MSE,
-          "distill_mse": (within(0, 1e9), "a number in 0..1e9")}  # distillation's
+# what a cell scores: top-1 accuracy, the planted task's MSE or distillation's
+SCORES = {"acc": number(0, 1), "mse": number(0, 1e9), "distill_mse": number(0, 1e9)}
 CELL_KEY = re.compile(r"[a-z0-9-]{1,200}")  # quality_rows' keys: a file name in cells/, never a path
 DEPTH_KEY = re.compile(r"[1-9][0-9]{0,2}")  # ASCII digits only: never "٤" or 5,000 digits
 RECORD = {  # a cell record's fields (result.NAME: its result's) -> (test, what it must be); null = absent
-    "result.params": (within(0, 1e12), "a number in 0..1e12"),
-    "result.reference_depth": (within(1, MAX_DEPTH), f"a number in 1..{MAX_DEPTH}"),
-    "result.minutes": (within(0, 1e7), "a number in 0..1e7"),
+    "result.params": number(0, 1e12),
+    "result.reference_depth": number(1, MAX_DEPTH),
+    "result.minutes": number(0, 1e7),
     "key": (lambda v: isinstance(v, str) and CELL_KEY.fullmatch(v),
             "a cell's name (a-z, 0-9 and -), never a path"),
     "argv": (list_of(lambda word: isinstance(word, str)), "a list of strings"),
@@ -231,7 +232,8 @@ def cell_problem(cell) -> str | None:
         for k, v in d.items()), f"a map of depths (1..{MAX_DEPTH}) to {{{metric}: {what}}}")
     rules = {"result.test_" + metric: (score, what), "result.depths": depths, **RECORD}
     for field, (test, what) in rules.items():
-        value = cell["result"].get(field[7:]) if field.startswith("result.") else cell.get(field)
+        section, _, name = field.rpartition(".")
+        value = (cell[section] if section else cell).get(name)
         if not test(value):
             return f"{field} must be {what}; got {value!r:.40}"
     return None
