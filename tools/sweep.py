@@ -296,9 +296,8 @@ def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1) -> dict:
 def failure_line(log_path: str) -> str:
     """train.py's one-line error (after 'error: '), else the last line of the log and where the log is."""
     with open(log_path, errors="replace") as fh:
-        lines = [line.strip() for line in fh if line.strip()]
-    last = lines[-1] if lines else "no output"
-    return last.partition(": error: ")[2] if ": error: " in last else f"{last} (full output: {log_path})"
+        last = ([line.strip() for line in fh if line.strip()] or ["no output"])[-1]
+    return last.partition(": error: ")[2] or f"{last} (full output: {log_path})"
 
 
 def run_metrics(run_dir: str) -> tuple[dict, list]:
