@@ -214,6 +214,7 @@ WRONG_TYPES = [([1, 2], "a cell record is a JSON object holding a result object;
 GOOD = {"key": "x", "argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1}}
 WRONG_TYPES += [  # the last adversary round: each refused by a rule of the record, not as a case of its own
     ({**GOOD, "argv": "--seed 0"}, "argv must be a list of strings"),
+    ({**GOOD, "argv": ["--seed", "0", "--epochs"]}, "argv must be a list of strings: flags and their values"),
     ({**GOOD, "result": {**GOOD["result"], "test_acc": 1e308}}, "result.test_acc must be a number in 0..1; got 1e+308"),
     ({**GOOD, "result": {**GOOD["result"], "depths": {"\u0664": {"acc": 0.5}}}}, "result.depths must be a map of depths (1..256)"),
     ({**GOOD, "result": {**GOOD["result"], "depths": {"9" * 5000: {"acc": 0.5}}}}, "result.depths must be a map of depths (1..256)"),

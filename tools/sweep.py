@@ -204,7 +204,8 @@ RECORD = {  # a cell record's fields (result.NAME: its result's) -> (test, what 
     "result.minutes": number(0, 1e7),
     "key": (lambda v: isinstance(v, str) and CELL_KEY.fullmatch(v),
             "a cell's name (a-z, 0-9 and -), never a path"),
-    "argv": (list_of(lambda word: isinstance(word, str)), "a list of strings"),
+    "argv": (lambda v: list_of(lambda word: isinstance(word, str))(v) and len(v) % 2 == 0,
+             "a list of strings: flags and their values"),
     **dict.fromkeys(("commit", "torch"), (lambda v: isinstance(v, (str, type(None))),
                                           "a string or null (older cells have none)")),
     "gates": (lambda g: not g or isinstance(g, dict) and within(0, 1)(g.get("gate_spread"))
