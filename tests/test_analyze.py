@@ -270,12 +270,10 @@ def test_identity_permutation_and_empty_ablation_leave_cka_unchanged():
     model = tiny_revit()
     x = randn(12, 1, 28, 28, seed=5).float()
     gates = model.gate_matrix(4).detach()
-    vit = revit.fold(model, gates=gates)
     reference = randn(12, 8, seed=6).float()
 
     def cka(g):
-        analyze.load_merged_ffns(vit, model.block.mlp.merge(g))
-        return analyze.linear_cka(analyze.residual_features(vit, x)[-1], reference)
+        return analyze.linear_cka(analyze.residual_features(revit.fold(model, gates=g), x)[-1], reference)
 
     intact = cka(gates)
     assert cka(analyze.permute_gates(gates, range(3))) == intact
@@ -425,9 +423,11 @@ def bad_files(tmp_path):
     (["--teacher", "{tmp}/garbage.pt"], "--teacher {tmp}/garbage.pt: not a PyTorch file"),
     (["--teacher", "{tmp}/pickled.pt"], "--teacher {tmp}/pickled.pt: it stores the Python object pathlib"),
     (["--teacher", "{tmp}/language.pt"], "--teacher {tmp}/language.pt: holds the language model alternet-tiny"),
-    (["--teacher", "{tmp}/cifar_teacher.pt"], "expects 3x32² images, the checkpoint 1x28²"),
+    (["--teacher", "{tmp}/cifar_teacher.pt"], "--teacher {tmp}/cifar_teacher.pt: expects 3x32² images; "
+     "fashion-mnist has 1x28²"),
     (["--num-images", "1"], "--num-images must be in 2..1,048,576; got 1"),
-    (["--intervention-images", "0"], "--intervention-images must be in 2..1,048,576; got 0"),
+    (["--intervention-images", "0"], "--intervention-images must be <= 16 (--num-images: they are the first N "
+     "of that subset) and >= 2; got 0"),
     (["--random-perturbations", "-1"], "--random-perturbations must be in 0..10,000; got -1"),
     (["--batch-size", "0"], "--batch-size must be in 1..1,048,576; got 0"),
     (["--gradient-batches", "1"], "--gradient-batches must be 0 (skip) or between 2 and --num-images (16); got 1"),
