@@ -159,11 +159,6 @@ def ablate_experts(gates: torch.Tensor, experts) -> torch.Tensor:
     return kept / kept.sum(1, keepdim=True)
 
 
-def permute_gates(gates: torch.Tensor, permutation) -> torch.Tensor:
-    """Expert e receives the gate column permutation[e]: the bank stays, the assignment changes."""
-    return gates[:, list(permutation)]
-
-
 def gate_permutations(num_experts: int, limit: int, generator: torch.Generator) -> list[tuple]:
     """Every non-identity permutation for E <= 4; otherwise `limit` distinct ones drawn with `generator`."""
     identity = tuple(range(num_experts))
@@ -179,9 +174,8 @@ def gate_permutations(num_experts: int, limit: int, generator: torch.Generator) 
 
 
 def bank_gram(model) -> torch.Tensor:
-    """K = Theta Theta^T [E, E], Theta [E, P_all] = every bank tensor of each expert, flattened.
-    The merge is linear (Eq. 2): the merged weights of all L steps move by
-    ||dG Theta||_F = sqrt(tr(dG K dG^T))."""
+    """K = Theta Theta^T [E, E], Theta [E, P_all] = each expert's bank tensors, flattened. The merge is
+    linear (Eq. 2): the merged weights of all L steps move by ||dG Theta||_F = sqrt(tr(dG K dG^T))."""
     theta = torch.cat([p.detach().cpu().double().flatten(1) for p in expert_bank(model)], dim=1)
     return theta @ theta.T
 
@@ -194,12 +188,10 @@ def merged_displacement(delta_gates: torch.Tensor, gram: torch.Tensor) -> float:
 
 def matched_perturbation(gates: torch.Tensor, gram: torch.Tensor, target: float, generator: torch.Generator,
                          tries: int = 8) -> torch.Tensor | None:
-    """A random gate matrix whose merged FFN weights are `target` (Frobenius) away from those of `gates`.
-
-    Ambiguity: the paper does not say how its random perturbations are drawn. Default: Gaussian noise
-    on the log-gates, G' = softmax(log G + a N), with the scale a found by bisection, so that G' is a
-    gate matrix (rows on the simplex) like an ablation. None if no draw reaches the target.
-    """
+    """A random gate matrix whose merged FFN weights are `target` (Frobenius) away from those of `gates`,
+    None if no draw reaches it. Ambiguity: the paper does not say how its random perturbations are drawn.
+    Ours: Gaussian noise on the log-gates, G' = softmax(log G + a N), the scale a found by bisection, so
+    that G' is a gate matrix (rows on the simplex) like an ablation."""
     log_gates = gates.double().log()
     for _ in range(tries):
         noise = torch.randn(gates.shape, generator=generator, dtype=torch.float64)
@@ -285,7 +277,8 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
             "random_std": randoms.std().item() if len(randoms) > 1 else nan,
             # share of matched random perturbations that hurt more than this ablation
             "fraction_random_worse": (randoms < delta).double().mean().item()})
-    permutations = [{"permutation": list(p), "delta_cka": cka_to_reference(permute_gates(gates, p)) - intact}
+    # expert e receives gate column p[e]: the bank stays, the assignment changes
+    permutations = [{"permutation": list(p), "delta_cka": cka_to_reference(gates[:, list(p)]) - intact}
                     for p in gate_permutations(gates.shape[1], num_permutations, generator)]
     deltas = torch.tensor([p["delta_cka"] for p in permutations], dtype=torch.float64)
     return {"intact_cka": intact, "num_images": len(images), "ablations": ablations,
