@@ -432,8 +432,7 @@ def analyse(inputs: Inputs, args) -> dict:
     gates = model.gate_matrix(depth).detach().float().cpu() if has_gate_program(model) else None  # (L, E)
     if gates is not None:  # Figs. 3 and 5
         report.update(gates=gate_program(model, depth), effective_ranks=effective_ranks(model, gates))
-    states = residual_features(model, images, depth if model.config.arch != "vit" else None,
-                               args.batch_size)  # (L+1, n, d): Figs. 7-8
+    states = residual_features(model, images, depth, args.batch_size)  # (L+1, n, d): Figs. 7-8
     report.update(num_images=len(images), self_cka=cka_matrix(states, states).tolist())
     reference = states[-1]  # the interventions' reference: the teacher's final features, else its own
     if inputs.teacher is not None:  # Fig. 9
