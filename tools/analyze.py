@@ -122,8 +122,9 @@ def gate_program(model, depth: int) -> dict:
     s = revit.depth_grid(depth).double()  # (L,) Eq. 1
     dominant = gates.argmax(1)
     usage = gates.sum(0)  # (E,)
-    program = {"depth": depth, "num_experts": gates.shape[1], "coordinates": s.tolist(), "gates": gates.tolist(),
-               "dominant_expert": dominant.tolist(), "switches": int((dominant[1:] != dominant[:-1]).sum()),
+    program = {"depth": depth, "num_experts": gates.shape[1], "coordinates": s.tolist(),
+               "gates": gates.tolist(), "dominant_expert": dominant.tolist(),
+               "switches": int((dominant[1:] != dominant[:-1]).sum()),
                "mean_gate": (usage / depth).tolist(),
                # gate-weighted mean coordinate of each expert: early (0) .. late (1) in the schedule
                "centroid_coordinate": ((gates * s[:, None]).sum(0) / usage.clamp_min(1e-12)).tolist()}
@@ -407,7 +408,8 @@ def load_inputs(args) -> Inputs:
         raise ValueError(problem + ("" if args.out else " (the default --out); give --out"))
     device = pick_device(args.device)
     model, ckpt = load_vision_model(args.checkpoint, "checkpoint", device)
-    teacher, teacher_ckpt = load_vision_model(args.teacher, "--teacher", device) if args.teacher else (None, {})
+    teacher, teacher_ckpt = (None, {}) if not args.teacher else \
+        load_vision_model(args.teacher, "--teacher", device)
     images, labels, dataset = evaluation_images(args, ckpt, model.config.image_size)
     shape = (images.shape[1], images.shape[-1])
     for flag, path, m in (("checkpoint", args.checkpoint, model), ("--teacher", args.teacher, teacher)):
