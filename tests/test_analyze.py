@@ -328,7 +328,7 @@ def save_checkpoint(model, arch, path):
                 "train_config": {"dataset": "fashion-mnist"}, "step": 0}, path)
 
 
-def test_command_end_to_end(tmp_path, fashion_mnist_dir):
+def test_command_end_to_end(tmp_path, fashion_mnist_dir, capsys):
     save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
     teacher = revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4)
     save_checkpoint(teacher, "vit-mini", tmp_path / "teacher.pt")
@@ -352,12 +352,16 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir):
     if analyze.import_pyplot() is not None:
         assert report["plots"] == ["gates.png", "self_cka.png", "cross_cka.png"]
         assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
-    # the same seed gives the same numbers
-    again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(tmp_path / "again"),
+    # the same seed gives the same numbers; a rerun rewrites its own files whole and names only those
+    capsys.readouterr()
+    again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(out),
                           "--data-dir", str(fashion_mnist_dir), "--num-images", "48", "--no-interventions",
                           "--gradient-batches", "0"])
     assert again["self_cka"] == report["self_cka"]
     assert "gate_gradients" not in again and "interventions" not in again
+    wrote = capsys.readouterr().out.splitlines()[-1]
+    assert wrote.startswith(f"wrote {out / 'analysis.json'}, gates.csv, self_cka.csv") and "cross" not in wrote
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file is left
 
 
 def test_a_planted_run_is_analysed_on_its_own_inputs(tmp_path):

@@ -130,9 +130,8 @@ def gate_program(model, depth: int) -> dict:
                "centroid_coordinate": ((gates * s[:, None]).sum(0) / usage.clamp_min(1e-12)).tolist()}
     ffn = model.block.mlp
     if getattr(ffn, "router_prior", 0):
-        with torch.no_grad():
-            logits = revit.depth_prior(s[:, None].float(), ffn.num_experts, ffn.router_prior)
-            prior = torch.softmax(logits / ffn.temperature, dim=-1).double()
+        logits = revit.depth_prior(s[:, None].float(), ffn.num_experts, ffn.router_prior)
+        prior = torch.softmax(logits / ffn.temperature, dim=-1).double()
         program.update(router_prior=ffn.router_prior, prior_gates=prior.tolist(),
                        prior_dominant_expert=prior.argmax(1).tolist(),
                        learned_shift=float((gates - prior).abs().max()))
@@ -462,11 +461,10 @@ def analyse(inputs: Inputs, args) -> dict:
 
 
 def print_matrix(title: str, matrix, row_name: str, col_name: str, digits: int = 2) -> None:
-    matrix = torch.as_tensor(matrix)
     width = digits + 4
     print(f"\n{title}  (rows: {row_name}, columns: {col_name})")
-    print(" " * 4 + "".join(f"{j:>{width}}" for j in range(matrix.shape[1])))
-    for i, row in enumerate(matrix.tolist()):
+    print(" " * 4 + "".join(f"{j:>{width}}" for j in range(len(matrix[0]))))
+    for i, row in enumerate(matrix):
         print(f"{i:>4}" + "".join(f"{v:>{width}.{digits}f}" for v in row))
 
 
