@@ -274,10 +274,12 @@ def test_identity_permutation_and_empty_ablation_leave_cka_unchanged():
     model = tiny_revit()
     x = randn(12, 1, 28, 28, seed=5).float()
     gates = model.gate_matrix(4).detach()
+    vit = revit.fold(model, gates=gates)
     reference = randn(12, 8, seed=6).float()
 
     def cka(g):
-        return analyze.linear_cka(analyze.residual_features(revit.fold(model, gates=g), x)[-1], reference)
+        analyze.load_merged_ffns(vit, model.block.mlp.merge(g))
+        return analyze.linear_cka(analyze.residual_features(vit, x)[-1], reference)
 
     intact = cka(gates)
     assert cka(gates[:, [0, 1, 2]]) == intact

@@ -152,6 +152,15 @@ def effective_ranks(model, gates: torch.Tensor) -> dict:
 # --- modified gate programs: ablation, permutation, matched random perturbation (Figs. 4, 10) ---
 
 
+@torch.no_grad()
+def load_merged_ffns(vit: revit.VisionTransformer, merged: tuple) -> None:
+    """Block t of a plain ViT gets merged FFN t; `merged` is MergedExpertFFN.merge's four stacks (L, ...)."""
+    for block, weights in zip(vit.blocks, zip(*merged)):
+        mlp = block.mlp
+        for param, value in zip((mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias), weights):
+            param.copy_(value)
+
+
 def ablate_experts(gates: torch.Tensor, experts) -> torch.Tensor:
     """Zero the gate columns of `experts` at every depth and renormalise each row to sum to 1."""
     kept = gates.clone()
@@ -250,12 +259,13 @@ def depth_alignment(cross: torch.Tensor) -> dict:
 def intervention_analysis(model, gates, images, reference, num_random, num_permutations, seed,
                           batch_size) -> dict:
     """Figs. 4 and 10: Delta CKA = CKA(modified) - CKA(intact) to the reference features, for each expert
-    ablation (with matched random perturbations) and each gate-column permutation, each modified gate
-    matrix run as its folded ViT."""
+    ablation (with matched random perturbations) and each gate-column permutation."""
+    vit = revit.fold(model, gates=gates)  # folded once; each gate matrix then loads its merged FFNs
     generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device  # the gate matrices are built on the CPU, the bank lives here
 
     def cka_to_reference(modified_gates):
-        vit = revit.fold(model, gates=modified_gates)
+        load_merged_ffns(vit, model.block.mlp.merge(modified_gates.to(device)))
         return linear_cka(residual_features(vit, images, batch_size=batch_size)[-1], reference)
 
     intact = cka_to_reference(gates)
