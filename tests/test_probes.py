@@ -318,9 +318,10 @@ def test_ade20k_and_nyuv2_layouts(tmp_path, task):
 
 
 def test_public_layouts_without_pillow_say_what_to_install(tmp_path, monkeypatch):
-    (tmp_path / "images" / "training").mkdir(parents=True)
-    (tmp_path / "annotations" / "training").mkdir(parents=True)
-    (tmp_path / "images" / "training" / "a.jpg").write_bytes(b"")
+    for split in ("training", "validation"):
+        (tmp_path / "images" / split).mkdir(parents=True)
+        (tmp_path / "annotations" / split).mkdir(parents=True)
+        (tmp_path / "images" / split / "a.jpg").write_bytes(b"")
     path = save_backbone(tmp_path / "backbone.pt")
     monkeypatch.setitem(sys.modules, "PIL", None)  # `from PIL import Image` now raises ImportError
     with pytest.raises(SystemExit, match="needs Pillow"):
