@@ -32,7 +32,7 @@ from lib import moe
 import revit
 import train
 from lib.checkpoint import load_model
-from lib.boundary import check_numbers, closed, fail, outputs_problem, parse_depths
+from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, parse_depths
 from lib.cli import f, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from tools.plot import save_png
@@ -40,40 +40,31 @@ from tools.plot import save_png
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
 
 
-def checkpoint_evaluation(args, device: torch.device):
-    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task: its own test data or text)."""
-    path = args.checkpoint
-    try:
-        model, ckpt = load_model(path, device, "CKPT")
-    except ValueError as e:
-        fail(str(e), PROG)
+def test_task(args, ckpt: dict, device: torch.device):
+    """CKPT's test data (or text) as train.py evaluates it; --data and --data-dir are the command line's,
+    never the checkpoint's, and --depths decides the depths."""
     if ckpt["arch"] in moe.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
-        fail("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy",
-             PROG)
-    # --data, --data-dir: the command line's, never the checkpoint's; --depths decides the depths
+        fail("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy", PROG)
     given = {"test_subset": args.test_subset, "data": args.data, "data_dir": args.data_dir}
     flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",
              **{k: v for k, v in given.items() if v}}
     try:
-        _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
+        return train.evaluation_setup(args.checkpoint, flags, flag="CKPT")[2]
     except SystemExit as e:  # train.py's one-line error, under this tool's name
         fail(str(e.code).partition(": error: ")[2] or str(e.code), PROG)
-    return model, ckpt, task
 
 
 # --- vision: every depth, in the form a user deploys and in the compact form ---
 
 
 def depth_list(given: list[int], model) -> list[int]:
-    """--depths for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
+    """--depths and the reference depth L; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
     c = model.config
     single = c.arch == "vit" or getattr(c, "ffn", "merge") == "lora"
-    if not given:
-        return [c.depth] if single else list(range(2, 2 * c.depth + 1))
-    if single and given != [c.depth]:
+    if single and given not in ([], [c.depth]):
         kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
         fail(f"--depths {','.join(map(str, given))}: {kind} runs only its own depth {c.depth}", PROG)
-    return given
+    return sorted(set(given or ([c.depth] if single else range(2, 2 * c.depth + 1))) | {c.depth})
 
 
 def deployed_model(model, depth: int) -> tuple:
@@ -97,15 +88,13 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
     dynamic = model
     if c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1:
         dynamic = copy_module(model, merge_cache=False).eval()
-    image = torch.randn(1, c.in_channels, c.image_size, c.image_size, device=device)
-
-    def deployed_call(depth: int, own_copy: bool = False):
-        module, depth_arg = deployed_model(model, depth)
-        if own_copy and module is model and c.arch != "vit":  # its own merge cache: no row's depth evicts it
-            module = copy_module(model).eval()
-        return bench.inference_call(runner(module, depth_arg), image, device)
-
-    reference, rows = deployed_call(c.depth, own_copy=True), []
+    shape = (c.in_channels, c.image_size, c.image_size)
+    inputs = {batch: torch.randn(batch, *shape, device=device) for batch in (1, args.batch)}
+    image = inputs[1]
+    module, depth_arg = deployed_model(model, c.depth)
+    if module is model and c.arch != "vit":  # the reference's own merge cache: no row's depth evicts it
+        module = copy_module(model).eval()
+    reference, rows = bench.inference_call(runner(module, depth_arg), image, device), []
     for depth in progress(depths, args, "depths"):
         key = None if depth == c.depth else depth  # None: the reference depth
         row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
@@ -116,17 +105,17 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
         row["gflops"] = bench.counted_flops(module, depth_arg)["total"] / 1e9
         forms = {"deployed": runner(module, depth_arg),
                  "dynamic": runner(dynamic, None if c.arch == "vit" else depth)}
-        fns = {}
-        for batch in (1, args.batch):
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-            fns.update({(form, batch): bench.inference_call(run, images, device)
-                        for form, run in forms.items()})
+        fns = {(form, batch): bench.inference_call(run, x, device)
+               for batch, x in inputs.items() for form, run in forms.items()}
         times = timed_against_reference(fns, reference, ("deployed", 1), row, args, device)
         for form, batch in fns:
             ms = statistics.median(times[form, batch]) * 1e3 / batch
             row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = ms
         rows.append(row)
-    resolve_headline(rows, "vision", lambda r: deployed_call(r["depth"]), reference, args, device)
+
+    def deployed_call(row):
+        return bench.inference_call(runner(*deployed_model(model, row["depth"])), image, device)
+    resolve_headline(rows, "vision", deployed_call, reference, args, device)
     return rows
 
 
@@ -150,8 +139,7 @@ def progress(items, args, what: str):
 
 
 def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
-    """As train.py --eval-only: finite weights can overflow at a depth or cap they were not trained at; such
-    a row is never scored, timed or written."""
+    """As train.py --eval-only: a row that overflowed (finite weights, a depth not trained) is never kept."""
     place = non_finite_place(row)
     if place:
         fail(f"CKPT: its evaluation at {where} gave a non-finite {place} (finite weights that diverge there)"
@@ -159,7 +147,7 @@ def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
 
 
 def copy_module(model, **changes):
-    """A second module with the same weights (and config `changes` that do not change the parameters)."""
+    """A second module with the same weights (config `changes` leave the parameters as they are)."""
     copy = type(model)(dataclasses.replace(model.config, **changes)).to(next(model.parameters()).device)
     copy.load_state_dict(model.state_dict())
     return copy
@@ -352,16 +340,15 @@ def plot_depths(result: dict, path: str) -> str | None:
     return path
 
 
-def run_depths(args, device) -> dict:
-    model, ckpt, task = checkpoint_evaluation(args, device)
+def run_depths(args, model, ckpt: dict, device) -> dict:
+    task = test_task(args, ckpt, device)
     family = "vision" if ckpt["arch"] in moe.PRESETS else "language"
     settings = {k: getattr(args, k) for k in ("batch", "warmup", "repeats", "iters", "new_tokens",
                                               "test_subset", "resolve", "max_repeats")}
     if family == "language":
         rows = language_depth_rows(model, task, args, device)
     else:
-        depths = sorted(set(depth_list(args.depths, model)) | {model.config.depth})
-        rows = vision_depth_rows(model, task, depths, args, device)
+        rows = vision_depth_rows(model, task, depth_list(args.depths, model), args, device)
         settings["test_images"] = len(task.data.test)
     mark_tradeoffs(rows, HEADLINE[family][1], "relative_latency", HEADLINE[family][3])
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"], "family": family,
@@ -389,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
     bench.device_flags(p)
-    p.add_argument("--depths", default="", help="comma-separated depths >= 2 (default 2 ... 2L; a ViT: L)")
+    p.add_argument("--depths", default="", help=f"comma-separated depths, each in 2..{MAX_DEPTH} (default 2 ... 2L; a "
+                   f"ViT: L)")
     p.add_argument("--test-subset", type=int, default=0,
                    help="the first N test images / validation windows (default: the checkpoint's test set)")
     p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always")
@@ -412,23 +400,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> dict:
     """Every flag checked (lib/boundary.py) before the checkpoint is read, then the table."""
     args = build_parser().parse_args(argv)
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        fail(str(e), PROG)
-    for key, value in DEFAULTS["cuda" if device.type == "cuda" else "cpu"].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    check_numbers(vars(args), PROG, batch=closed(2, 65536))  # batch 1 is always measured
-    args.depths = sorted(set(parse_depths(args.depths, "--depths", 2, PROG)))  # a step grid needs two steps
+    check_numbers(vars(args), PROG, batch=closed(2, 65536))  # the flags given (batch 1 is always measured)
+    args.depths = parse_depths(args.depths, "--depths", 2, PROG)  # a step grid needs two steps
     args.thresholds = parse_thresholds(args.thresholds)
     out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     problem = outputs_problem("--out", out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
     if problem:
         fail(problem, PROG)
+    try:
+        device = pick_device(args.device)
+        model, ckpt = load_model(args.checkpoint, device, "CKPT")
+    except ValueError as e:  # the one line of the device or the checkpoint's reader
+        fail(str(e), PROG)
+    defaults = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.threads:
         torch.set_num_threads(args.threads)
-    return run_depths(args, device)
+    return run_depths(args, model, ckpt, device)
 
 
 if __name__ == "__main__":
