@@ -376,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
     bench.device_flags(p)
-    p.add_argument("--depths", default="", help=f"comma-separated depths, each in 2..{MAX_DEPTH} (default 2 ... 2L; a "
-                   f"ViT: L)")
+    p.add_argument("--depths", default="",
+                   help=f"comma-separated depths, each in 2..{MAX_DEPTH} (default 2 ... 2L; a ViT: L)")
     p.add_argument("--test-subset", type=int, default=0,
                    help="the first N test images / validation windows (default: the checkpoint's test set)")
     p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always")
