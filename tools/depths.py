@@ -354,21 +354,19 @@ def run_depths(args, model, ckpt: dict, device) -> dict:
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"], "family": family,
               "settings": settings, "rows": rows, "best": smallest_within(rows, *HEADLINE[family]),
               "env": bench.environment(device)}
-    out_dir = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
-    os.makedirs(out_dir, exist_ok=True)
-    result["plot"] = plot_depths(result, os.path.join(out_dir, "depths.png"))
+    result["plot"] = plot_depths(result, os.path.join(args.out, "depths.png"))  # atomic_write makes --out
     print(depths_markdown(result) + "\n\n" + bench.environment_line(result["env"]))
-    write_json(result, os.path.join(out_dir, "depths.json"))
+    write_json(result, os.path.join(args.out, "depths.json"))
     picture = f"and {result['plot']}" if result["plot"] else \
         "(no depths.png: matplotlib is not installed; pip install -r requirements-extra.txt)"
-    print(f"wrote {os.path.join(out_dir, 'depths.json')} {picture}")
+    print(f"wrote {os.path.join(args.out, 'depths.json')} {picture}")
     return result
 
 
 # --- command line ---
 
-DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1, resolve=0.03, max_repeats=60),
-            "cuda": dict(batch=64, warmup=10, repeats=20, iters=10, resolve=0.03, max_repeats=200)}
+DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1, max_repeats=60),
+            "cuda": dict(batch=64, warmup=10, repeats=20, iters=10, max_repeats=200)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the first N test images / validation windows (default: the checkpoint's test set)")
     p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always")
     bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
-    p.add_argument("--resolve", type=float, help="more paired rounds of the headline's row and the "
-                   "reference until their latency ratio is known to +- this (default 0.03; 0: none)")
+    p.add_argument("--resolve", type=float, default=0.03, help="more paired rounds of the headline's row and "
+                   "the reference until their latency ratio is known to +- this (default 0.03; 0: none)")
     p.add_argument("--max-repeats", type=int, help="at most this many paired rounds (CPU 60, CUDA 200)")
     p.add_argument("--thresholds", default="0.5,none", help="AlterNet: halting thresholds in (0, 1] or none "
                    "(every iteration up to the cap); the first is the reference")
@@ -403,8 +401,8 @@ def main(argv=None) -> dict:
     check_numbers(vars(args), PROG, batch=closed(2, 65536))  # the flags given (batch 1 is always measured)
     args.depths = parse_depths(args.depths, "--depths", 2, PROG)  # a step grid needs two steps
     args.thresholds = parse_thresholds(args.thresholds)
-    out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
-    problem = outputs_problem("--out", out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
+    args.out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
+    problem = outputs_problem("--out", args.out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
     if problem:
         fail(problem, PROG)
     try:

@@ -120,11 +120,6 @@ def depth_map_sums(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                         torch.tensor(float(valid.sum()), dtype=torch.float64)])
 
 
-def depth_map_metrics(sums: torch.Tensor) -> dict:
-    squared_error, within, count = sums.tolist()
-    return {"rmse": math.sqrt(squared_error / count), "delta1": within / count}
-
-
 def batch_sums(pred: torch.Tensor, target: torch.Tensor, data) -> torch.Tensor:
     """What one batch adds to the test metric (batch size never changes a metric)."""
     if data.task == "seg":
@@ -135,7 +130,8 @@ def batch_sums(pred: torch.Tensor, target: torch.Tensor, data) -> torch.Tensor:
 def metrics_of(sums: torch.Tensor, data) -> dict:
     if data.task == "seg":
         return {"miou": mean_iou(sums), "pixel_acc": (sums.diagonal().sum() / sums.sum()).item()}
-    return depth_map_metrics(sums)
+    squared_error, within, count = sums.tolist()
+    return {"rmse": math.sqrt(squared_error / count), "delta1": within / count}
 
 
 # --- heads: per patch token, then bilinear upsampling to pixel resolution ---
