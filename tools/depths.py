@@ -208,13 +208,6 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_
 # --- language: every iteration cap D' <= D and halting threshold ---
 
 
-def language_windows(task, test_subset: int) -> torch.Tensor:
-    """The validation windows (n, T+1) of train.py's LanguageTask (the checkpoint's own text, as trained)."""
-    n = (len(task.val) - 1) // task.block_size
-    windows = task.val[:n * task.block_size + 1].unfold(0, task.block_size + 1, task.block_size)  # (n, T+1)
-    return windows[:test_subset or n]
-
-
 def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
     """Bits per byte and mean iterations per position, each position routed and halted on its own prefix
     as in generation (alternet.causal_loss)."""
@@ -232,10 +225,16 @@ def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
 def language_depth_rows(lm, task, args, device) -> list[dict]:
     """Rows over caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations, latency per
     generated token (greedy, batch 1), all settings timed in the same rounds (one model runs them all)."""
-    windows = language_windows(task, args.test_subset)
+    n, t = (len(task.val) - 1) // task.block_size, task.block_size  # train.py's validation windows (n, T+1)
+    windows = task.val[:n * t + 1].unfold(0, t + 1, t)[:args.test_subset or n]
     thresholds = args.thresholds if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
-    generate = functools.partial(_generate_call, lm, prompt, args.new_tokens, device=device)
+
+    def generate(cap, threshold):
+        with torch.inference_mode(), bench.autocast(device):
+            return lm.generate(prompt, max_new_tokens=args.new_tokens, halt_threshold=threshold,
+                               max_depth=cap, temperature=0)
+
     reference = (lm.config.max_depth, thresholds[0])
     settings = [(cap, threshold) for cap in range(1, lm.config.max_depth + 1) for threshold in thresholds]
     rows = []
@@ -254,12 +253,6 @@ def language_depth_rows(lm, task, args, device) -> list[dict]:
     call_of = lambda r: fns[r["max_depth"], r["halt_threshold"]]  # noqa: E731
     resolve_headline(rows, "language", call_of, fns[reference], args, device)
     return rows
-
-
-def _generate_call(lm, prompt, new_tokens, cap, threshold, device):
-    with torch.inference_mode(), bench.autocast(device):
-        return lm.generate(prompt, max_new_tokens=new_tokens, halt_threshold=threshold, max_depth=cap,
-                           temperature=0)
 
 
 def parse_thresholds(text: str) -> list:
