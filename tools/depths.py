@@ -40,7 +40,7 @@ from tools.plot import save_png
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
 
 
-def test_task(args, ckpt: dict, device: torch.device):
+def evaluation_task(args, ckpt: dict, device: torch.device):
     """CKPT's test data (or text) as train.py evaluates it; --data and --data-dir are the command line's,
     never the checkpoint's, and --depths decides the depths."""
     if ckpt["arch"] in moe.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
@@ -90,11 +90,10 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
         dynamic = copy_module(model, merge_cache=False).eval()
     shape = (c.in_channels, c.image_size, c.image_size)
     inputs = {batch: torch.randn(batch, *shape, device=device) for batch in (1, args.batch)}
-    image = inputs[1]
     module, depth_arg = deployed_model(model, c.depth)
     if module is model and c.arch != "vit":  # the reference's own merge cache: no row's depth evicts it
         module = copy_module(model).eval()
-    reference, rows = bench.inference_call(runner(module, depth_arg), image, device), []
+    reference, rows = bench.inference_call(runner(module, depth_arg), inputs[1], device), []
     for depth in progress(depths, args, "depths"):
         key = None if depth == c.depth else depth  # None: the reference depth
         row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
@@ -114,7 +113,7 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
         rows.append(row)
 
     def deployed_call(row):
-        return bench.inference_call(runner(*deployed_model(model, row["depth"])), image, device)
+        return bench.inference_call(runner(*deployed_model(model, row["depth"])), inputs[1], device)
     resolve_headline(rows, "vision", deployed_call, reference, args, device)
     return rows
 
@@ -334,7 +333,7 @@ def plot_depths(result: dict, path: str) -> str | None:
 
 
 def run_depths(args, model, ckpt: dict, device) -> dict:
-    task = test_task(args, ckpt, device)
+    task = evaluation_task(args, ckpt, device)
     family = "vision" if ckpt["arch"] in moe.PRESETS else "language"
     settings = {k: getattr(args, k) for k in ("batch", "warmup", "repeats", "iters", "new_tokens",
                                               "test_subset", "resolve", "max_repeats")}
