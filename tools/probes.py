@@ -291,16 +291,28 @@ def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_siz
 
 
 class FrozenBackbone:
-    """The frozen model and what its features depend on: each part of the cache key."""
+    """--backbone, frozen, with what its features depend on (each part of the cache key) and the depths
+    it runs at: the one the heads train at first, then --eval-depths."""
 
-    def __init__(self, model: nn.Module, ckpt: dict, device, cfg: ProbeConfig):
-        self.model, self.ckpt, self.device, self.batch_size = model, ckpt, device, cfg.eval_batch_size
+    def __init__(self, cfg: ProbeConfig):
+        self.device, self.batch_size = pick_device(cfg.device), cfg.eval_batch_size
+        model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", self.device)
+        model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
+        self.model, self.ckpt, config = model, ckpt, model.config
+        self.depths = [cfg.depth or config.depth]
+        self.depths += [d for d in parse_depths(cfg.eval_depths) if d != self.depths[0]]
+        x = torch.zeros(1, config.in_channels, config.image_size, config.image_size, device=self.device)
+        for depth in self.depths:
+            try:
+                with torch.no_grad():
+                    model(x, depth=depth)
+            except ValueError as e:  # e.g. a plain ViT runs only its own depth
+                fail(f"--backbone {cfg.backbone} cannot run at depth {depth}: {e}")
         # the mean/std the backbone was trained with (its checkpoint's data set), else ImageNet's
-        channels = model.config.in_channels
         dataset = (ckpt.get("train_config") or {}).get("dataset", "")
         self.mean, self.std = NORMALISATION.get(dataset, NORMALISATION["imagenet"])
-        if len(self.mean) != channels:
-            self.mean, self.std = [0.5] * channels, [0.25] * channels
+        if len(self.mean) != config.in_channels:
+            self.mean, self.std = [0.5] * config.in_channels, [0.25] * config.in_channels
         self.cache = cfg.probe_cache  # folder of cached features ("" for none)
         if self.cache:
             with open(cfg.backbone, "rb") as file:
@@ -428,24 +440,6 @@ def check_config(cfg: ProbeConfig) -> None:
             fail(message)
 
 
-def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
-    """--backbone, frozen, and its depths: the one the heads train on first, then --eval-depths."""
-    device = pick_device(cfg.device)
-    model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
-    model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
-    config = model.config
-    depths = [cfg.depth or config.depth]
-    depths += [d for d in parse_depths(cfg.eval_depths) if d != depths[0]]
-    x = torch.zeros(1, config.in_channels, config.image_size, config.image_size, device=device)
-    for depth in depths:
-        try:
-            with torch.no_grad():
-                model(x, depth=depth)
-        except ValueError as e:  # e.g. a plain ViT runs only its own depth
-            fail(f"--backbone {cfg.backbone} cannot run at depth {depth}: {e}")
-    return FrozenBackbone(model, ckpt, device, cfg), depths
-
-
 def load_data(cfg: ProbeConfig, config) -> DenseData:
     """--data (or the proxy), checked against the backbone's input and the batch size."""
     data = load_dense(cfg, config.image_size, config.in_channels) if cfg.data else load_proxy(cfg)
@@ -467,10 +461,11 @@ def run(cfg: ProbeConfig) -> dict:
     t_start = time.perf_counter()
     check_config(cfg)
     try:
-        frozen, depths = load_backbone(cfg)
+        frozen = FrozenBackbone(cfg)
         data = load_data(cfg, frozen.model.config)
     except (ValueError, FileNotFoundError) as e:  # a reader's one line, naming the flag or the file
         fail(str(e))
+    depths = frozen.depths
     baseline, constant = constant_baseline(data)
     heads = train_heads(frozen, data, depths[0], constant, cfg)
     results = evaluate_heads(frozen, heads, data, depths)
