@@ -1022,9 +1022,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--size", choices=["s", "b", "l", "mini"], help="model size of the presets "
                        "(vit-SIZE, revit-SIZE; default s = ViT-S/16 at 224²)")
         cpu, cuda = DEFAULTS[name, False], DEFAULTS[name, True]
-        for flag, what in (("warmup", "untimed calls first"), ("repeats", "timed regions per row"),
-                           ("iters", "calls per timed region")):
-            p.add_argument(f"--{flag}", type=int, help=f"{what} (CPU {cpu[flag]}, CUDA {cuda[flag]})")
+        timing_flags(p, *(f"CPU {cpu[key]}, CUDA {cuda[key]}" for key in ("warmup", "repeats", "iters")))
     tr.add_argument("--batch", type=int, help="batch size (CPU 8, CUDA 128)")
     tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (CUDA default on, CPU off)")
@@ -1062,6 +1060,12 @@ def build_parser() -> argparse.ArgumentParser:
 def device_flags(p):
     p.add_argument("--device", default="auto", help=f"{DEVICES} (auto: CUDA when available, else CPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+
+def timing_flags(p, warmup: str, repeats: str, iters: str):
+    p.add_argument("--warmup", type=int, help=f"untimed calls first ({warmup})")
+    p.add_argument("--repeats", type=int, help=f"timed regions per row ({repeats})")
+    p.add_argument("--iters", type=int, help=f"calls per timed region ({iters})")
 
 
 def check_flags(args, device) -> dict:
