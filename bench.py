@@ -6,13 +6,9 @@
     python bench.py check       # the first minutes on a GPU within --budget: Table 7, training, tests, a run
     python bench.py memory --arch alternet-50m   # peak memory per GPU of a training recipe, before the run
 
-Each prints markdown tables, then its results as one JSON document on the last stdout line (--out: also
-to a file). CUDA when present (torch.compile, bf16: the paper's setting), else the CPU (fp32, smaller sizes).
-- FLOPs by the paper's counting rule (analytic_macs), cross-checked with torch's flop_counter.
-- Timing: warm-up until torch.compile builds no new graph; rows interleaved round-robin, so background load
-  hits every row alike; "vs DeiT III" is the median per-round ratio with a 95% bootstrap interval.
-- Memory as in the paper's Table 7 on CUDA; on a CPU the peak RSS of a fresh process per row.
-Quality sweeps: tools/sweep.py; one checkpoint's accuracy and cost at every depth: tools/depths.py.
+Each prints markdown tables, then its results as one JSON line (--out: also to a file). CUDA when present
+(torch.compile, bf16: the paper's setting), else the CPU (fp32, smaller sizes). Rows are timed interleaved
+round-robin, so background load hits every row alike; "vs DeiT III" is the median per-round ratio.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -427,33 +424,29 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
     them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast).
     on_row: see time_rows. model_args: config overrides of every model (bench.py check's tiny sizes)."""
     device, weights = torch.device(device), getattr(torch, dtype)
-    rows, rss = [], {}
-    for mode in modes:
-        for batch in batches:
-            models = latency_models(size, **(model_args or {}))  # fresh: each first call builds its caches
-            c = models["DeiT III"].config
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device,
-                                 dtype=weights)
+    rows = []
+    for mode, batch in itertools.product(modes, batches):
+        models = latency_models(size, **(model_args or {}))  # fresh: each first call builds its caches
+        c = models["DeiT III"].config
+        images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
 
-            def build(label):
-                model = models[label].to(device, weights).eval()
-                run = maybe_compile(model, mode != "eager", mode=None if mode == "compiled" else mode,
-                                    backend=backend)
-                fields = {"mode": mode, "image_size": c.image_size, "params_m": model.num_params() / 1e6}
-                return model, inference_call(run, images, device, mixed=weights == torch.float32), fields
-            group, _ = time_rows(models, build, batch, device, warmup, repeats, iters, "first_call_s",
-                                 on_row=on_row)
-            for row in group if memory and device.type == "cpu" and dtype == "float32" else ():
-                if (row["model"], batch) not in rss:  # eagerly, in a fresh process: once for every mode
-                    rss[row["model"], batch] = cpu_memory(size, row["model"], batch)
-                row.update(rss[row["model"], batch])
+        def build(label):
+            model = models[label].to(device, weights).eval()
+            run = maybe_compile(model, mode != "eager", mode=None if mode == "compiled" else mode,
+                                backend=backend)
+            fields = {"mode": mode, "image_size": c.image_size, "params_m": model.num_params() / 1e6}
+            return model, inference_call(run, images, device, mixed=weights == torch.float32), fields
+        group, _ = time_rows(models, build, batch, device, warmup, repeats, iters, "first_call_s",
+                             on_row=on_row)
+        for row in group:  # group[0]: DeiT III at this mode and batch
+            if memory and device.type == "cpu" and dtype == "float32":  # eagerly, in a fresh process
+                row.update(cpu_memory(size, row["model"], batch))
                 row["memory_method"] += "" if mode == "eager" else " (eager)"
-            for row in group:  # group[0]: DeiT III at this mode and batch
-                if "memory_mib" in row and "memory_mib" in group[0]:
-                    row["memory_ratio"] = row["memory_mib"] / group[0]["memory_mib"]
-                if on_row:
-                    on_row(row["model"], row, True)
-            rows += group
+            if "memory_mib" in row and "memory_mib" in group[0]:
+                row["memory_ratio"] = row["memory_mib"] / group[0]["memory_mib"]
+            if on_row:
+                on_row(row["model"], row, True)
+        rows += group
     return {"rows": rows}
 
 
@@ -466,6 +459,7 @@ def inference_call(run, images, device, mixed: bool = True):
     return call
 
 
+@functools.cache  # once for every mode
 def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int = 2) -> dict:
     """Peak RSS of one latency row in a fresh process (lib/memory.cpu_memory_of)."""
     arch, overrides, fold = LATENCY_MODELS[label]
@@ -732,7 +726,7 @@ def environment_line(env: dict) -> str:
 # --- check: the first minutes on a GPU, an ordered list of parts within --budget (python bench.py check) ---
 
 # Sizes. full (CUDA): S/16 at 224², as the paper's Table 7, inductor; latency with bf16 weights and images
-# cast once, training under bf16 autocast with fused AdamW. tiny (the CPU, or --quick): the same parts and
+# cast once, training under bf16 autocast with fused AdamW. tiny (the CPU): the same parts and
 # code paths at tiny sizes, fp32, dynamo's eager backend (graph capture and guards, no code generation).
 TINY_MODELS = dict(dim=32, heads=2, ffn_dim=64, depth=2)  # dynamo traces each of the L steps: few of them
 CHECK_SIZES = {
@@ -757,7 +751,7 @@ DATA_TESTS = ["tests/test_train.py", "tests/test_analyze.py"]  # gpu-marked: tra
 def run_check(args, device) -> dict:
     """The parts in turn (lib/budget.py: each its own process and timeout, the report rewritten after every
     row); --part runs one part in this process (what the parts' processes run)."""
-    sizes_name = "full" if device.type == "cuda" and not args.quick else "tiny"
+    sizes_name = "full" if device.type == "cuda" else "tiny"
     sizes = CHECK_SIZES[sizes_name]
     if args.part:
         return check_part(args.part, device, sizes)
@@ -787,7 +781,7 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
     them). A part that cannot run here (no data; GPU tests on a CPU) has no process, only its reason."""
     cuda = device.type == "cuda"
     here = [sys.executable, os.path.join(HERE, "bench.py"), "check", "--device",  # cuda:N: their only GPU
-            "cuda" if cuda else str(device), *(["--quick"] if args.quick else []), "--part"]
+            device.type, "--part"]
     data_dir = ["--data-dir", os.path.abspath(args.data_dir)] if args.data_dir else []
     run = [sys.executable, os.path.join(HERE, "train.py"), *sizes["run"], *data_dir, "--out-dir", run_dir,
            "--no-progress", "--compile-backend", sizes["backend"]]
@@ -803,20 +797,20 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
         part(f"latency, batch {small}", "latency", 0.30, 0.12, here + ["latency-small"], LATENCY_MODELS),
         part(f"latency, batch {large}", "latency", 0.22, 0.08, here + ["latency-large"], LATENCY_MODELS),
         part("training step", "train", 0.20, 0.10, here + ["train-step"], ["DeiT III", "reViT fixed"]),
-        part("correctness", "tests", 0.10, 0.05, pytest_argv(device, ["tests/test_device.py::TestOnDevice"]),
-             parse=pytest_rows),
+        part("correctness", "tests", 0.10, 0.05, tests_argv(device, ["tests/test_device.py::TestOnDevice"])),
         part("train.py run", "run", 0.07, 0.03, run, ["train.py run"], blocked=no_data,
              finish=train_run_rows(run_dir, sizes, device)),
         part("training step, elastic depth", "train", 0.05, 0.03, here + ["elastic"], ELASTIC_ROWS),
         part("GPU tests that need the data", "tests", 0.06, 0.04,
-             pytest_argv(device, DATA_TESTS, gpu_only=True), parse=pytest_rows, **gpu_tests)]
+             tests_argv(device, DATA_TESTS, gpu_only=True), **gpu_tests)]
 
 
 def part_env(device, data_dir: str) -> dict:
     """Rows as they come (unbuffered), the GPU tests on (conftest.py hides the GPUs otherwise), the data for
-    the tests' fixture, lines wide enough for pytest's skip reasons; not the caller's PYTEST_ADDOPTS."""
+    the tests' fixture, bench.py importable (pytest -p bench); not the caller's PYTEST_ADDOPTS."""
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    env.update(PYTHONUNBUFFERED="1", REVIT_GPU_TESTS="1" if device.type == "cuda" else "0", COLUMNS="400")
+    env.update(PYTHONUNBUFFERED="1", REVIT_GPU_TESTS="1" if device.type == "cuda" else "0",
+               PYTHONPATH=os.pathsep.join([HERE, *filter(None, [env.get("PYTHONPATH")])]))
     if device.type == "cuda" and device.index is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device.index)
     if data_dir:
@@ -887,29 +881,25 @@ def first_informative_line(error: BaseException) -> str:
 
 # --- check: the parts run by pytest and by train.py, read from their output ---
 
-TEST_LINE = re.compile(r"^\S+?::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \((.*)\))?")  # pytest -v
-TEST_FAILURE = re.compile(r"^(?:FAILED|ERROR) \S+?::(\S+) - (.*)$")  # pytest -rfE
-TEST_SECONDS = re.compile(r"^([\d.]+)s call\s+\S+?::(\S+)$")  # pytest --durations
-TEST_STATUS = {"PASSED": "ok", "XFAIL": "ok", "SKIPPED": "skipped"}  # the others: failed
-
-
-def pytest_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
-    """The files' cases for this device (gpu-marked on CUDA), or only the gpu-marked tests."""
+def tests_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
+    """The files' cases for this device (gpu-marked on CUDA), or only the gpu-marked tests; each test's row
+    printed by bench.py's pytest_runtest_logreport (-p bench, bench.py on the part's PYTHONPATH)."""
     marker = "gpu" if gpu_only or device.type == "cuda" else "not gpu"
-    return [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=0", "--durations-min=0", "-p",
-            "no:cacheprovider", "-m", marker, *(os.path.join(HERE, f) for f in files)]
+    return [sys.executable, "-m", "pytest", "-p", "bench", "-p", "no:cacheprovider", "-q", "-m", marker,
+            *(os.path.join(HERE, f) for f in files)]
 
 
-def pytest_rows(line: str) -> list[tuple[str, dict]]:
-    """A test's row from pytest's verbose line, its failure's first line, its seconds (call phase)."""
-    if match := TEST_FAILURE.match(line.rstrip("\n")):
-        return [(match[1], {"detail": match[2][:200]})]
-    if match := TEST_LINE.match(line):
-        reason = {"detail": match[3][:200]} if match[3] else {}
-        return [(match[1], {"status": TEST_STATUS.get(match[2], "failed"), **reason})]
-    if match := TEST_SECONDS.match(line.rstrip("\n")):
-        return [(match[2], {"seconds": float(match[1])})]
-    return []
+def pytest_runtest_logreport(report) -> None:
+    """pytest's hook, in the check's test parts: a test's row when it ends (or is skipped, or fails to set
+    up or tear down), with its seconds and the first line of a failure or the reason of a skip."""
+    if report.when != "call" and report.passed:
+        return
+    status = "ok" if report.passed or hasattr(report, "wasxfail") else report.outcome  # xfail: as planned
+    crash = getattr(report.longrepr, "reprcrash", None)  # a failure's 'Error: message' line
+    why = crash.message if crash else report.longrepr[2] if status == "skipped" else ""
+    print()  # pytest -q's dots have no line end
+    budget.emit(report.nodeid.split("::", 1)[1], status=status, seconds=report.duration,
+                **({"detail": why.splitlines()[0][:200]} if why else {}))
 
 
 def train_run_rows(run_dir: str, sizes: dict, device):
@@ -1038,7 +1028,6 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check (default "
                        "420); parts run most important first, each its share")
     check.add_argument("--data-dir", default="", help="where Fashion-MNIST is (default: train.py's search)")
-    check.add_argument("--quick", action="store_true", help="tiny sizes on any device (always on a CPU)")
     check.add_argument("--part", choices=PARTS, help="run one part in this process (what the check's "
                                                      "processes run)")
     mem = command("memory", "expected peak memory per GPU of a preset x recipe x batch x GPUs, measured at "
@@ -1072,7 +1061,7 @@ def check_flags(args, device) -> dict:
     """Every subcommand's flags, before any work: defaults for the unset ones (returned), then ranges
     (lib/boundary.RANGES), --rows and the output path."""
     defaults = {**DEFAULTS.get((args.command, device.type == "cuda"), {}),
-                **(QUICK if getattr(args, "quick", False) and args.command == "train" else {})}
+                **(QUICK if args.command == "train" and args.quick else {})}
     defaults = {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
     vars(args).update(defaults)
     check_numbers(vars(args), PROG)

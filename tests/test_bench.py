@@ -310,9 +310,9 @@ HOSTILE = [  # (argv, the one line's message); {file}: an existing file, {dir}: 
     (["train", "--peak-tflops", "-3"], "--peak-tflops must be in 0.001..100,000; got -3.0"),
     (["train", "--peak-tflops", "1e308"], "--peak-tflops must be in 0.001..100,000; got 1e+308"),
     (["train", "--peak-tflops", "1e-320"], "--peak-tflops must be in 0.001..100,000; got 1e-320"),
-    (["check", "--quick", "--threads", "0"], "--threads must be in 1..1,024; got 0"),
-    (["check", "--quick", "--out", "{file}"], "--out {file} is a file; give a folder"),
-    (["check", "--quick", "--out", "{file}/report"], "--out {file}/report cannot be created: {file} is a file, not a folder"),
+    (["check", "--threads", "0"], "--threads must be in 1..1,024; got 0"),
+    (["check", "--out", "{file}"], "--out {file} is a file; give a folder"),
+    (["check", "--out", "{file}/report"], "--out {file}/report cannot be created: {file} is a file, not a folder"),
     (["check", "--budget", "5"], "--budget must be in 10..86,400; got 5.0"),
     (["check", "--budget", "nan"], "--budget must be a finite number; got nan"),
 ]
@@ -558,7 +558,7 @@ def test_a_read_only_working_folder_is_one_line_before_anything_runs(tmp_path, m
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(bench.COMMANDS, "check", lambda *a: pytest.fail("the check started"))
     with pytest.raises(SystemExit) as error:
-        bench.main(["check", "--device", "cpu", "--quick"])
+        bench.main(["check", "--device", "cpu"])
     assert re.fullmatch(rf"bench.py: error: --out out/check-\d{{8}}-\d{{6}} cannot be created: {read_only} is not "
                         "a writable folder", str(error.value.code)), error.value.code
     assert list(tmp_path.iterdir()) == []
