@@ -230,9 +230,7 @@ def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str
         return model
     import torch._dynamo.config as dynamo_config
     # one compiled variant per (model, batch size): more than dynamo's default cache allows per code object
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+    dynamo_config.recompile_limit = max(64, dynamo_config.recompile_limit)
     return torch.compile(model, dynamic=dynamic, mode=mode, backend=backend)
 
 
@@ -341,22 +339,21 @@ def token_dispatch_presets(size: str = "s") -> list[str]:
 def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_counter: bool = True) -> dict:
     """Table 1 rows (+ Table 10 at S): params, analytic GFLOPs, counter GFLOPs."""
     rows = []
-    for size in sizes:
-        for arch in archs:
-            name = f"{arch}-{size}"
-            with torch.device("meta"):
-                model = revit.create_model(name)
-            c = model.config
-            ours, paper_rule = analytic_macs(c), analytic_macs(c, extra_tokens=1)
-            paper = PAPER_TABLE1.get(name, (None, None))
-            row = {"table": "1", "name": name, "model": f"{TABLE_NAMES[arch]}-{size.upper()}",
-                   "params_m": model.num_params() / 1e6, "paper_params_m": paper[0],
-                   "gflops": 2 * ours["total"] / 1e9, "gflops_t198": 2 * paper_rule["total"] / 1e9,
-                   "gflops_folded": 2 * analytic_macs(c, online=False)["total"] / 1e9,
-                   "paper_gflops": paper[1], "macs": ours, "tokens": c.num_patches + 1}
-            if with_counter:
-                row.update(counter_columns(count_preset(name)[1], ours))
-            rows.append(row)
+    for size, arch in itertools.product(sizes, archs):
+        name = f"{arch}-{size}"
+        with torch.device("meta"):
+            model = revit.create_model(name)
+        c = model.config
+        ours, paper_rule = analytic_macs(c), analytic_macs(c, extra_tokens=1)
+        paper = PAPER_TABLE1.get(name, (None, None))
+        row = {"table": "1", "name": name, "model": f"{TABLE_NAMES[arch]}-{size.upper()}",
+               "params_m": model.num_params() / 1e6, "paper_params_m": paper[0],
+               "gflops": 2 * ours["total"] / 1e9, "gflops_t198": 2 * paper_rule["total"] / 1e9,
+               "gflops_folded": 2 * analytic_macs(c, online=False)["total"] / 1e9,
+               "paper_gflops": paper[1], "macs": ours, "tokens": c.num_patches + 1}
+        if with_counter:
+            row.update(counter_columns(count_preset(name)[1], ours))
+        rows.append(row)
     return {"rows": rows + (table10_rows(with_counter) if "s" in sizes else [])}
 
 
@@ -510,8 +507,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     def build(label):
         name, overrides, compile_row = specs[label]
         torch.manual_seed(0)
-        step = language_train_step if name in alternet.PRESETS else vision_train_step
-        model, fn, flops = step(name, overrides, batch, device, compile_row, backend)
+        model, fn, flops = train_step(name, overrides, batch, device, compile_row, backend)
         return model, fn, {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
                            "compiled": compile_row, "forward_gflops_per_image": flops / 1e9,
                            "reference": reference}
@@ -530,34 +526,29 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     return {"rows": rows}
 
 
-def vision_train_step(name, overrides, batch, device, compiled, backend) -> tuple:
-    """(model, one optimizer step, forward FLOPs per image) of a revit.py preset on random images."""
-    model = moe.create_model(name, **overrides).to(device).train()
-    c = model.config
+def train_step(name, overrides, batch, device, compiled, backend) -> tuple:
+    """(model, one optimizer step, forward FLOPs per example) of a preset as train.py trains it: reViT and
+    its baselines on random images (task loss + the already-weighted aux losses); AlterNet on `batch` random
+    windows of seq_len tokens, random_length_fraction of them cut to random lengths (fixed here), the
+    model's own loss (lib/language.py)."""
+    language = name in alternet.PRESETS
+    model = (alternet if language else moe).create_model(name, **overrides).to(device).train()
+    run, c = maybe_compile(model, compiled, dynamic=None, backend=backend), model.config
+    if language:
+        g = torch.Generator().manual_seed(0)
+        windows = torch.randint(0, c.vocab_size, (batch, c.seq_len + 1), generator=g).to(device)
+        lengths = alternet.training_lengths(batch, c.seq_len, c.random_length_fraction, g).to(device)
+        loss = lambda: run(windows[:, :-1], targets=windows[:, 1:], lengths=lengths)["loss"]  # noqa: E731
+        with FlopCounterMode(display=False) as counter:
+            model(windows[:1, :-1], targets=windows[:1, 1:])
+        return model, optimizer_step(model, loss, device), counter.get_total_flops()
     images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
     labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
-    run = maybe_compile(model, compiled, dynamic=None, backend=backend)
 
     def loss():
         out = run(images, return_states=True)
         return F.cross_entropy(out["logits"].float(), labels) + sum(out["aux_losses"].values())
     return model, optimizer_step(model, loss, device), forward_flops(name, overrides)
-
-
-def language_train_step(name, overrides, batch, device, compiled, backend) -> tuple:
-    """(model, one optimizer step, forward FLOPs per window) of an alternet.py preset as train.py trains it
-    (lib/language.py): `batch` random windows of seq_len tokens, random_length_fraction of them cut to random
-    lengths (fixed here), the model's own loss."""
-    model = alternet.create_model(name, **overrides).to(device).train()
-    c = model.config
-    g = torch.Generator().manual_seed(0)
-    windows = torch.randint(0, c.vocab_size, (batch, c.seq_len + 1), generator=g).to(device)
-    lengths = alternet.training_lengths(batch, c.seq_len, c.random_length_fraction, g).to(device)
-    run = maybe_compile(model, compiled, dynamic=None, backend=backend)
-    loss = lambda: run(windows[:, :-1], targets=windows[:, 1:], lengths=lengths)["loss"]  # noqa: E731
-    with FlopCounterMode(display=False) as counter:
-        model(windows[:1, :-1], targets=windows[:1, 1:])
-    return model, optimizer_step(model, loss, device), counter.get_total_flops()
 
 
 def optimizer_step(model, loss, device):
