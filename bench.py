@@ -354,7 +354,7 @@ def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_c
         if with_counter:
             row.update(counter_columns(count_preset(name)[1], ours))
         rows.append(row)
-    return {"rows": rows + (table10_rows(with_counter) if "s" in sizes else [])}
+    return {"rows": rows + (table10_rows() if "s" in sizes else [])}
 
 
 def counter_columns(counted: dict, ours: dict) -> dict:
@@ -365,7 +365,7 @@ def counter_columns(counted: dict, ours: dict) -> dict:
             "counter_other_flops": linear - 2 * ours["total"], "counter_by_op": counted["by_op"]}
 
 
-def table10_rows(with_counter: bool) -> list[dict]:
+def table10_rows() -> list[dict]:
     """Table 10 at S: DeiT III, tied block + layer-wise LoRA r=64 (the E = 1 reViT plus L rank-r sets:
     analytic, and the module's own count), reViT."""
     with torch.device("meta"):
@@ -387,10 +387,6 @@ def table10_rows(with_counter: bool) -> list[dict]:
                "paper_gflops_online": paper[1], "paper_gflops_folded": paper[2]}
         if key == "lora-s":
             row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6)
-        if key == "lora-s" and with_counter:  # revit.py's LoRA module: its own count, online and folded
-            folded_module = revit.fold(moe.create_model("revit-s-lora").eval())
-            row.update(counter_online_gflops=count_preset("revit-s-lora")[1]["total"] / 1e9,
-                       counter_folded_gflops=counted_flops(folded_module)["total"] / 1e9)
         rows.append(row)
     return rows
 
@@ -467,6 +463,13 @@ def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int
 # --- training step (img/s, MFU) ---
 
 
+PAIRED = (  # bench_train's other paired ratios: (key, row, against, what it says)
+    ("ratio_vs_fixed", "reViT elastic 0.3", "reViT fixed", "elastic 0.3 vs fixed depth"),
+    ("ratio_vs_fixed_eager", "reViT elastic 0.3", "reViT fixed, eager",
+     "elastic 0.3 vs fixed depth run eagerly (as elastic's loop)"),
+    ("ratio_vs_eager", "AlterNet", "AlterNet eager", "AlterNet compiled vs eager"))
+
+
 def train_models(size: str, compiled: bool = False) -> dict:
     """label -> (preset, overrides, compiled). Elastic depth runs its step loop eagerly (revit.py), so where
     the rows are compiled an eager fixed-depth row is added: against it, elastic depth's cost is the
@@ -516,9 +519,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     by_label = {r["model"]: r for r in rows}
     for r in rows if peak else ():
         r["mfu"] = 3 * r["forward_gflops_per_image"] * 1e9 * batch / (r["median_ms"] / 1e3) / peak
-    for row, versus, key in (("reViT elastic 0.3", "reViT fixed", "ratio_vs_fixed"),
-                             ("reViT elastic 0.3", "reViT fixed, eager", "ratio_vs_fixed_eager"),
-                             ("AlterNet", "AlterNet eager", "ratio_vs_eager")):
+    for key, row, versus, _ in PAIRED:
         if row in by_label and versus in by_label:
             by_label[row][key] = paired_ratio(times[row], times[versus])
     for row in rows if on_row else ():
@@ -670,9 +671,6 @@ NOTES = {
              "img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the table (a CPU's)."}
 
 
-PAIRED = (("ratio_vs_fixed", "elastic 0.3 vs fixed depth"),  # bench_train's second ratios, as printed
-          ("ratio_vs_fixed_eager", "elastic 0.3 vs fixed depth run eagerly (as elastic's loop)"),
-          ("ratio_vs_eager", "AlterNet compiled vs eager"))
 
 
 def result_markdown(result: dict) -> str:
@@ -686,7 +684,7 @@ def result_markdown(result: dict) -> str:
                   if r.get("recompiled_while_timed")]
     text += [f"\ntorch.compile built new graphs inside timed regions of: {', '.join(recompiled)}."
              ] if recompiled else []
-    text += [f"\n{what}: {ratio_text(r[key])}" for key, what in PAIRED for r in rows if key in r]
+    text += [f"\n{what}: {ratio_text(r[key])}" for key, *_, what in PAIRED for r in rows if key in r]
     text += [f"\nreViT fixed / DeiT III: {ratio_text(r)}: median of {r['repeats']} paired rounds, 95% "
              f"bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
              f"{r['repeats_needed']} rounds at this spread." for r in rows
