@@ -42,7 +42,7 @@ import alternet
 import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
-from lib.boundary import RANGES, check_numbers, fail, output_problem
+from lib.boundary import check_numbers, fail, output_problem
 from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -868,7 +868,8 @@ def first_informative_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(useful or lines or [''])[0]}"
 
 
-# --- check: the parts run by pytest and by train.py, read from their output ---
+# --- check: the parts run by pytest and by train.py, their rows from the tests' hook and the run's log ---
+
 
 def tests_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
     """The files' cases for this device (gpu-marked on CUDA), or only the gpu-marked tests; each test's row
