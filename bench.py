@@ -475,16 +475,13 @@ def train_models(size: str, compiled: bool = False) -> dict:
     the rows are compiled an eager fixed-depth row is added: against it, elastic depth's cost is the
     method's, not the missing compilation's."""
     rows = {"DeiT III": ("vit-" + size, {}, compiled), "reViT fixed": ("revit-" + size, {}, compiled),
-            "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3}, compiled)}
-    if compiled:
-        rows["reViT fixed, eager"] = ("revit-" + size, {}, False)
-    for name in token_dispatch_presets(size):
-        rows[name] = (name, {}, compiled)
-    # AlterNet (arXiv 2611.08741): the byte-level preset at every size, `batch` windows of its seq_len
-    rows["AlterNet"] = ("alternet-tiny", {}, compiled)
-    if compiled:
-        rows["AlterNet eager"] = ("alternet-tiny", {}, False)
-    return rows
+            "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3}, compiled),
+            **{name: (name, {}, compiled) for name in token_dispatch_presets(size)},
+            # AlterNet (arXiv 2611.08741): the byte-level preset at every size, `batch` windows of its seq_len
+            "AlterNet": ("alternet-tiny", {}, compiled)}
+    eager = {"reViT fixed, eager": ("revit-" + size, {}, False),
+             "AlterNet eager": ("alternet-tiny", {}, False)}
+    return {**rows, **(eager if compiled else {})}
 
 
 def forward_flops(name: str, overrides: dict) -> float:
