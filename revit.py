@@ -153,16 +153,6 @@ def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
     entropy = -(g * torch.log(g.clamp_min(1e-12))).sum(-1)
     return 1.0 - entropy / math.log(z.shape[-1]), torch.logsumexp(z, dim=-1).pow(2)
 
-class DepthRouter(nn.Sequential):
-    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E), (n, 1) coordinates -> (n, E) logits in fp32
-    whatever the autocast or dtype (App. A.5). A Sequential for its names: router.0, router.2."""
-
-    def forward(self, s: torch.Tensor) -> torch.Tensor:
-        first, last = self[0], self[2]
-        with full_precision(s.device):
-            hidden = F.silu(F.linear(s.float(), first.weight.float(), first.bias.float()))  # (n, 16)
-            return F.linear(hidden, last.weight.float(), last.bias.float())
-
 class MergedFFN(NamedTuple):
     """FFN_t of Eq. 2: W2 GELU(W1 u + b1) + b2 with merged fp32 weights (d_ff, d), (d_ff,), (d, d_ff), (d,),
     cast to the tokens' dtype at use."""
@@ -186,8 +176,8 @@ class MergedExpertFFN(ExpertBank):
         super().__init__(dim, hidden, num_experts)
         self.temperature, self.router_prior = router_temperature, router_prior
         self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
-        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(),
-                                  nn.Linear(router_hidden, num_experts))
+        self.router = nn.Sequential(nn.Linear(1, router_hidden), nn.SiLU(),  # psi (Eq. 1): router.0, router.2
+                                    nn.Linear(router_hidden, num_experts))
 
     def reset_router(self) -> None:
         """App. A.1: the output layer is zero-initialised, so all experts start with equal weight.
@@ -198,9 +188,13 @@ class MergedExpertFFN(ExpertBank):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) (plus our optional `depth_prior`, at the end)."""
+        """(n,) coordinates -> (n, E) logits z = psi(s), in fp32 whatever the autocast or dtype (App. A.5),
+        plus our optional `depth_prior` (at the end of the file)."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
-        z = self.router(s)                                                        # (n, E)
+        first, last = self.router[0], self.router[2]
+        with full_precision(s.device):
+            hidden = F.silu(F.linear(s, first.weight.float(), first.bias.float()))  # (n, 16)
+            z = F.linear(hidden, last.weight.float(), last.bias.float())          # (n, E)
         return z + depth_prior(s, self.num_experts, self.router_prior) if self.router_prior else z
 
     def gates(self, coords: torch.Tensor) -> torch.Tensor:
@@ -720,10 +714,10 @@ def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
     import sys
 
-    print("| preset | params (M) |\n|---|---:|")
-    for name in sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]:
-        try:
-            with torch.device("meta"):
-                print(f"| {name} | {create_model(name).num_params() / 1e6:.2f} |")
-        except ValueError as e:
-            sys.exit(f"revit.py: {e}")
+    names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
+    try:
+        with torch.device("meta"):
+            rows = [f"| {name} | {create_model(name).num_params() / 1e6:.2f} |" for name in names]
+    except ValueError as e:  # every name is checked before the table starts: one line, no header
+        sys.exit(f"revit.py: {e}")
+    print("| preset | params (M) |", "|---|---:|", *rows, sep="\n")
