@@ -241,8 +241,10 @@ class ViTBase(nn.Module):
 
     def __init__(self, config: ViTConfig):
         super().__init__()
-        check_model_class(self, config)
         c = self.config = config
+        if self.arch != c.arch or not isinstance(self, c.model_class):  # no Raptor config as a 12-block ViT
+            raise ValueError(f"arch={c.arch!r} builds {c.model_class.__module__}.{c.model_class.__name__}, "
+                             f"not {type(self).__name__}; build models with revit.build_model(config)")
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv2d(c.in_channels, c.dim, c.patch_size, stride=c.patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.dim))
@@ -256,8 +258,9 @@ class ViTBase(nn.Module):
         self.apply(init_linear)
 
     def no_weight_decay(self) -> set:
-        """Names excluded from weight decay beyond biases and 1-D parameters (norms, gammas)."""
-        return {"pos_embed", "cls_token"}
+        """Names excluded from weight decay beyond biases and 1-D parameters (norms, gammas). reViT's psi
+        output layer starts at zero and sets the depth program: decay would pull the gates to uniform."""
+        return {"pos_embed", "cls_token", "block.mlp.router.2.weight"}
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -382,12 +385,6 @@ class ReViT(ViTBase):
         self.merged_ffns = None  # a mode switch drops the merge cache: where hand-written weight edits end
         return super().train(mode)
 
-    def no_weight_decay(self) -> set:
-        # psi's output layer starts at zero and sets the depth program: decaying it pulls the gates back
-        # towards uniform (its bias is 1-D and excluded anyway)
-        router = {"block.mlp.router.2.weight"} if isinstance(self.block.mlp, MergedExpertFFN) else set()
-        return super().no_weight_decay() | router
-
 # --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
 
 @torch.no_grad()
@@ -395,7 +392,11 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     """A plain untied ViT (VisionTransformer, below) of `depth` blocks with `model`'s outputs at that depth,
     on its device and in its dtype: block t is what the source computes at step t. gates: an [L, E] matrix
     in place of the router's (reViT, E >= 2), for the analysis tools' expert ablation and permutation (§5)."""
-    check_foldable(model, depth, gates)
+    c = model.config
+    if gates is not None and not (isinstance(model, ReViT) and c.num_experts >= 2 and gates.ndim == 2
+                                  and gates.shape[1] == c.num_experts and depth in (None, gates.shape[0])):
+        raise ValueError(f"fold: gates must have shape [depth, num_experts] of a reViT with num_experts >= 2;"
+                         f" got {list(gates.shape)}, depth={depth!r}, arch={c.arch!r}, E={c.num_experts}")
     depth = model.check_depth(gates.shape[0] if gates is not None else depth)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(("block.", "blocks."))}
     if isinstance(model, ReViT):
@@ -405,7 +406,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
     hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
-    plain = {f.name: getattr(model.config, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
+    plain = {f.name: getattr(c, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
     config = replace(ViTConfig(**plain), arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1,
                      ffn_dim=hidden, expert_ffn_fraction=1.0)
     vit = VisionTransformer(config).to(device=model.cls_token.device, dtype=model.cls_token.dtype)
@@ -688,20 +689,6 @@ def check_images(images: torch.Tensor, c: ViTConfig) -> None:
         raise ValueError(f"images must be a floating-point tensor normalised as in training, of shape "
                          f"(B, in_channels={c.in_channels}, image_size={c.image_size}, {c.image_size}); "
                          f"got {images.dtype} {tuple(images.shape)}")
-
-def check_model_class(model: nn.Module, c: ViTConfig) -> None:
-    """A config builds the class it names: a Raptor config never becomes a 12-block ViT."""
-    if model.arch != c.arch or not isinstance(model, c.model_class):
-        raise ValueError(f"arch={c.arch!r} builds {c.model_class.__module__}.{c.model_class.__name__}, "
-                         f"not {type(model).__name__}; build models with revit.build_model(config)")
-
-def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
-    """fold's gates: [L, E] for a reViT's merge (E >= 2), L = depth if given."""
-    c = model.config
-    if gates is not None and not (isinstance(model, ReViT) and c.num_experts >= 2 and gates.ndim == 2
-                                  and gates.shape[1] == c.num_experts and depth in (None, gates.shape[0])):
-        raise ValueError(f"fold: gates must have shape [depth, num_experts] of a reViT with num_experts >= 2;"
-                         f" got {list(gates.shape)}, depth={depth!r}, arch={c.arch!r}, E={c.num_experts}")
 
 # --- not in the paper: a fixed depth prior on the gate logits (ViTConfig.router_prior, 0 by default) ---
 

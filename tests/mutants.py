@@ -406,7 +406,7 @@ MUTANTS = [
            "tests/test_train.py::test_weight_decay_groups"),
     mutant("train: biases decayed", "lib/build.py", 'and not name.endswith("bias") and', "and",
            "tests/test_train.py::test_no_bias_is_decayed_for_any_preset"),
-    mutant("train: psi's output layer decayed", R, 'router = {"block.mlp.router.2.weight"} if', "router = set() if",
+    mutant("train: psi's output layer decayed", R, '"cls_token", "block.mlp.router.2.weight"}', '"cls_token"}',
            "tests/test_train.py::test_weight_decay_groups"),
     mutant("train: DeiT III BCE on soft targets", T, "targets.gt(0.0).to(logits.dtype)",
            "targets.to(logits.dtype)",
