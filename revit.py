@@ -273,8 +273,7 @@ class ViTBase(nn.Module):
         x = x + self.pos_embed  # DeiT III's layout: no position on the class token (our choice)
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
 
-    def check_depth(self, depth: int | None) -> int:
-        """The depth to run: the trained one by default, else an integer >= 2."""
+    def check_depth(self, depth: int | None) -> int:  # the depth to run: the trained one by default
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 2):
             raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
         return self.config.depth if depth is None else depth
@@ -581,8 +580,7 @@ class ViTConfig:
         return round(self.expert_ffn_fraction * self.ffn_dim)
 
     @property
-    def model_class(self) -> type:
-        """The class this config builds (lib/moe.py's config names its mechanisms' class)."""
+    def model_class(self) -> type:  # the class this config builds
         return MODELS[self.arch]
 
 # --- presets: Table 1's models (ImageNet 224², patch 16) and small CPU sizes of our own ---
