@@ -15,15 +15,16 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; the FFN interface) -> `MergedExpertFFN`
-(`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTBase` -> `ReViT` (`forward`: Eq. 3 with FFN_t;
-`elastic_steps`, §3.2) -> `fold`. Then the merge cache, the fp32 regions, Table 1's baselines, the config.
+Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; the FFN interface) -> `ViTBase` ->
+`MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ReViT` (`forward`: Eq. 3 with
+FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache, fp32 regions, Table 1's baselines, the config.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Callable, NamedTuple
@@ -74,16 +75,13 @@ class Mlp(nn.Module):
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
         return [self.state_dict()] * depth  # the weights of each step (fold): its own at every step
 
-# --- the plain ViT block (Eq. 3) ---
-
 class Block(nn.Module):
     """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)), with optional
-    LayerScale (DeiT III, with the baselines below) and per-sample drop-path on both branches.
-    The FFN interface: forward(x, ffn) runs `ffn`, tokens (b, T, d) -> tokens, default `mlp`, which holds
-    the FFN's parameters (timm's names: mlp.fc1.weight, ...). reViT's (MergedExpertFFN; E = 1: Mlp)
-    provides ffn_at(s), FFN_t at one depth coordinate s (1,) (Eqs. 1-2); per_image_ffn(coords), a step's
-    FFN for images at coordinates (b,) (§3.2); aux_losses(depth), a dict (App. A.2); and
-    dense_states(depth, gates), the Mlp weights of each step (fold)."""
+    LayerScale (DeiT III, the baselines) and per-sample drop-path on both branches. forward(x, ffn) runs
+    `ffn`, tokens (b, T, d) -> tokens, default `mlp` (the FFN's parameters, timm's names: mlp.fc1.weight).
+    The FFN interface of reViT's block (MergedExpertFFN; E = 1: Mlp): ffn_at(s), FFN_t at a coordinate
+    s (1,) (Eqs. 1-2); per_image_ffn(coords), for images at coordinates (b,) (§3.2); aux_losses(depth),
+    a dict (App. A.2); dense_states(depth, gates), the Mlp weights of each step (fold)."""
 
     def __init__(self, dim: int, heads: int, mlp: nn.Module, layer_scale_init: float | None = None,
                  drop_path: float = 0.0):
@@ -107,6 +105,58 @@ class Block(nn.Module):
         shared = {k: v for k, v in self.state_dict().items() if not k.startswith("mlp.")}
         return [{**shared, **{f"mlp.{k}": v for k, v in ffn.items()}}
                 for ffn in self.mlp.dense_states(depth, gates)]
+
+class ViTBase(nn.Module):
+    """Patch embedding, class token, positions, final norm and head: common to every model here."""
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        c = self.config = config
+        if self.arch != c.arch or not isinstance(self, c.model_class):  # no Raptor config as a 12-block ViT
+            raise ValueError(f"arch={c.arch!r} builds {c.model_class.__module__}.{c.model_class.__name__}, "
+                             f"not {type(self).__name__}; build models with revit.build_model(config)")
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(c.in_channels, c.dim, c.patch_size, stride=c.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, c.num_patches, c.dim))  # patch tokens only
+        self.norm = nn.LayerNorm(c.dim, eps=1e-6)
+        self.head = nn.Linear(c.dim, c.num_classes) if c.num_classes else nn.Identity()
+
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        self.apply(init_linear)
+
+    def no_weight_decay(self) -> set:
+        """Names excluded from weight decay beyond biases and 1-D parameters (norms, gammas). reViT's psi
+        output layer starts at zero and sets the depth program: decay would pull the gates to uniform."""
+        return {"pos_embed", "cls_token", "block.mlp.router.2.weight"}
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) floating images (cast to the model's dtype) -> (B, 1+N, d) tokens."""
+        check_images(images, self.config)
+        images = images.to(self.patch_embed.proj.weight.dtype)
+        x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
+        x = x + self.pos_embed  # DeiT III's layout: no position on the class token (our choice)
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
+
+    def check_depth(self, depth: int | None) -> int:  # the depth to run: the trained one by default
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 2):
+            raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
+        return self.config.depth if depth is None else depth
+
+    def finish(self, x, states, aux, return_states, extra=None):
+        """The head on x (B, 1+N, d): logits (B, classes), or with return_states logits, pre_logits (B, d),
+        tokens (after the final norm), states (the L + 1 residual states), aux_losses and `extra` (gates)."""
+        tokens = self.norm(x)
+        logits = self.head(tokens[:, 0])
+        if not return_states:
+            return logits
+        return {"logits": logits, "pre_logits": tokens[:, 0], "tokens": tokens, "states": states,
+                "aux_losses": aux, **(extra or {})}
 
 # --- the depth router ψ and the weight-space merge (§3.1, Eqs. 1-2); aux losses (App. A.2) ---
 
@@ -188,8 +238,7 @@ class MergedExpertFFN(ExpertBank):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) logits z = psi(s), in fp32 whatever the autocast or dtype (App. A.5),
-        plus our optional `depth_prior` (at the end of the file)."""
+        """(n,) coordinates -> (n, E) logits z = psi(s), in fp32 (App. A.5), plus our `depth_prior`."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
         first, last = self.router[0], self.router[2]
         with full_precision(s.device):
@@ -202,9 +251,8 @@ class MergedExpertFFN(ExpertBank):
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
 
     def ffn_at(self, s: torch.Tensor) -> MergedFFN:
-        """FFN_t at one depth coordinate s (a (1,) tensor). Gates in fp32 under any autocast; the sum in the
-        bank's dtype (a bf16 bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our
-        choice). Each step builds its own: one merged FFN is alive at a time."""
+        """FFN_t at a coordinate s (1,), one alive at a time. Gates in fp32 under any autocast; the sum in the
+        bank's dtype (a bf16 bank: one bf16 matmul accumulating in fp32, never copied to fp32: our choice)."""
         z = self.gate_logits(s)                                                   # (1, E) z = psi(s)
         g = torch.softmax(z / self.temperature, dim=-1)                           # (1, E) Eq. 1
         merged = self.merge(g, self.fc1_weight.dtype)                             # (1, ...) Eq. 2
@@ -233,60 +281,6 @@ class MergedExpertFFN(ExpertBank):
         gates = self.gates(depth_grid(depth, device)) if gates is None else gates.to(device)  # (L, E)
         names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
         return [dict(zip(names, (w[0] for w in self.merge(g.unsqueeze(0))))) for g in gates]
-
-# --- the stem and head that every model shares ---
-
-class ViTBase(nn.Module):
-    """Patch embedding, class token, positions, final norm and head: common to every model here."""
-
-    def __init__(self, config: ViTConfig):
-        super().__init__()
-        c = self.config = config
-        if self.arch != c.arch or not isinstance(self, c.model_class):  # no Raptor config as a 12-block ViT
-            raise ValueError(f"arch={c.arch!r} builds {c.model_class.__module__}.{c.model_class.__name__}, "
-                             f"not {type(self).__name__}; build models with revit.build_model(config)")
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv2d(c.in_channels, c.dim, c.patch_size, stride=c.patch_size)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, c.num_patches, c.dim))  # patch tokens only
-        self.norm = nn.LayerNorm(c.dim, eps=1e-6)
-        self.head = nn.Linear(c.dim, c.num_classes) if c.num_classes else nn.Identity()
-
-    def init_weights(self) -> None:
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        self.apply(init_linear)
-
-    def no_weight_decay(self) -> set:
-        """Names excluded from weight decay beyond biases and 1-D parameters (norms, gammas). reViT's psi
-        output layer starts at zero and sets the depth program: decay would pull the gates to uniform."""
-        return {"pos_embed", "cls_token", "block.mlp.router.2.weight"}
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) floating images (cast to the model's dtype) -> (B, 1+N, d) tokens."""
-        check_images(images, self.config)
-        images = images.to(self.patch_embed.proj.weight.dtype)
-        x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
-        x = x + self.pos_embed  # DeiT III's layout: no position on the class token (our choice)
-        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
-
-    def check_depth(self, depth: int | None) -> int:  # the depth to run: the trained one by default
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 2):
-            raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
-        return self.config.depth if depth is None else depth
-
-    def finish(self, x, states, aux, return_states, extra=None):
-        """The head on x (B, 1+N, d): logits (B, classes), or with return_states logits, pre_logits (B, d),
-        tokens (after the final norm), states (the L + 1 residual states), aux_losses and `extra` (gates)."""
-        tokens = self.norm(x)
-        logits = self.head(tokens[:, 0])
-        if not return_states:
-            return logits
-        return {"logits": logits, "pre_logits": tokens[:, 0], "tokens": tokens, "states": states,
-                "aux_losses": aux, **(extra or {})}
 
 # --- reViT: one shared block, depth-programmed merged FFN, elastic depth (§3) ---
 
@@ -375,10 +369,9 @@ class ReViT(ViTBase):
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
         """G [L, E]: the fp32 gates of every step at depth L (rows sum to 1). E = 1 gives ones."""
         depth = self.check_depth(depth)
-        ffn = self.block.mlp
-        if not isinstance(ffn, MergedExpertFFN):
+        if not isinstance(self.block.mlp, MergedExpertFFN):
             return torch.ones(depth, 1)
-        return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
+        return self.block.mlp.gates(depth_grid(depth, self.cls_token.device))
 
     def train(self, mode: bool = True):
         self.merged_ffns = None  # a mode switch drops the merge cache: where hand-written weight edits end
@@ -412,13 +405,13 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit.load_state_dict(state)
     return vit.train(model.training)
 
-# --- the merge cache: inference merges the L FFNs of a depth once (§3.1: "computed once and reused") ---
+# --- behind the story: the merge cache (§3.1), the fp32 regions (App. A.5), elastic depth's grouped FFN ---
 
 @torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
 def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
-    """The L merged FFNs of depth L (None for E = 1), merged at once in fp32 and cast once (equal to the
-    per-step merge up to float rounding). Not detected: writes that bypass the version counters (`p.data`,
-    a fused optimizer step) with no train()/eval() after them."""
+    """The L merged FFNs of depth L, "computed once and reused" (§3.1; None for E = 1): merged at once in
+    fp32, cast once (equal to the per-step merge up to float rounding). Not detected: writes that bypass the
+    version counters (`p.data`, a fused optimizer step) with no train()/eval() after them."""
     ffn = model.block.mlp
     if not isinstance(ffn, MergedExpertFFN):
         return None
@@ -432,8 +425,6 @@ def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
         model.merged_ffns = key, [MergedFFN(*(w[t] for w in merged)) for t in range(depth)]
     return model.merged_ffns[1]
 
-# --- fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11) ---
-
 def full_precision(device: torch.device):
     """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
     return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
@@ -442,10 +433,9 @@ def full_precision(device: torch.device):
 def autocast_available(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
 
-# --- elastic depth's FFN for a step whose images sit at several coordinates (§3.2) ---
-
 class GroupedFFN(NamedTuple):
-    """Images at several coordinates: image i runs merged FFN group[i] of the stacks (groups, ...)."""
+    """A step of elastic depth (§3.2) with images at several coordinates: image i runs merged FFN group[i]
+    of the stacks (groups, ...)."""
     merged: tuple
     group: torch.Tensor  # (b,)
 
@@ -487,7 +477,7 @@ class LayerScale(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma
 
-# --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) ---
+# --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) and Raptor ---
 
 class VisionTransformer(ViTBase):
     """Untied ViT: block t serves step t. `fold` returns this class, so a folded reViT runs through
@@ -516,8 +506,6 @@ class VisionTransformer(ViTBase):
             states.append(x)
         return self.finish(x, states, {}, return_states)
 
-# --- ... and Raptor: k distinct blocks shared over the L steps ---
-
 def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
     """Which block serves each step: contiguous segments. Raptor (L=12) lets block i serve 1-based steps
     t <= thresholds[i] (`known`); at another depth they scale with L; other k split evenly."""
@@ -539,7 +527,7 @@ class Raptor(VisionTransformer):
     def schedule(self, depth: int) -> list[int]:
         return raptor_schedule(len(self.blocks), depth)
 
-# --- the config: every model's settings ---
+# --- the config: every model's settings; presets: Table 1's models and small CPU sizes of our own ---
 
 @dataclass
 class ViTConfig:
@@ -582,8 +570,6 @@ class ViTConfig:
     @property
     def model_class(self) -> type:  # the class this config builds
         return MODELS[self.arch]
-
-# --- presets: Table 1's models (ImageNet 224², patch 16) and small CPU sizes of our own ---
 
 # LayerScale: DeiT III's 1e-4 for the untied ViT. Raptor's official block has LayerScale too
 # (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper trains Raptor with DeiT III's recipe, so
@@ -697,8 +683,6 @@ def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
     return -beta * (s.float() - centres).pow(2)
 
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
-    import sys
-
     names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
     try:
         with torch.device("meta"):
