@@ -184,9 +184,8 @@ class ExpertBank(nn.Module):
     def merge(self, gates: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple:
         """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...) in `dtype`,
         fp32 by default whatever the bank's dtype or autocast; callers cast at use (MergedFFN)."""
-        n = gates.shape[0]
         with full_precision(gates.device):
-            return tuple((gates.to(dtype) @ p.to(dtype).flatten(1)).view(n, *p.shape[1:])  # (n, ...)
+            return tuple((gates.to(dtype) @ p.to(dtype).flatten(1)).unflatten(1, p.shape[1:])  # (n, ...)
                          for p in self.bank())
 
     def diversity(self) -> torch.Tensor:
@@ -230,9 +229,8 @@ class MergedExpertFFN(ExpertBank):
                                     nn.Linear(router_hidden, num_experts))
 
     def reset_router(self) -> None:
-        """App. A.1: the output layer is zero-initialised, so all experts start with equal weight.
-        The paper does not say how the hidden layer starts; ours is the model-wide trunc-normal(0.02)
-        with zero bias, which makes psi nearly linear in s at the start (our choice)."""
+        """App. A.1: the output layer starts at zero, all experts equal. The hidden layer (the paper leaves
+        it open): the model-wide trunc-normal(0.02), zero bias; psi starts near-linear in s (our choice)."""
         self.router.apply(init_linear)
         nn.init.zeros_(self.router[2].weight)
         nn.init.zeros_(self.router[2].bias)
@@ -318,8 +316,7 @@ class ReViT(ViTBase):
         """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states. depth: L steps
         (default: the trained one). keep: (B, L) bool, the steps each image runs (elastic depth, §3.2)."""
         depth = self.check_depth(depth)
-        # The merge cache (after fold): at inference, the L merged FFNs of this depth, merged once; looked
-        # up before any tensor work, so that a compiled forward stays one graph.
+        # The merge cache (after fold), looked up before any tensor work: a compiled forward stays one graph.
         inference = self.config.merge_cache and not self.training and not torch.is_grad_enabled()
         cached = merge_cache(self, depth) if inference else None
         x = self.embed(images)                                                  # (B, 1+N, d)
@@ -434,8 +431,7 @@ def autocast_available(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
 
 class GroupedFFN(NamedTuple):
-    """A step of elastic depth (§3.2) with images at several coordinates: image i runs merged FFN group[i]
-    of the stacks (groups, ...)."""
+    """Elastic depth (§3.2), images at several coordinates: image i runs FFN group[i] of (groups, ...)."""
     merged: tuple
     group: torch.Tensor  # (b,)
 
@@ -636,7 +632,6 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
 ]
 
 def preset(name: str, presets: dict, more: str = "") -> dict:
-    """presets[name]; an unknown name gets one line with the closest names (difflib)."""
     if name not in presets:
         close = " or ".join(map(repr, difflib.get_close_matches(name, presets, n=3)))
         hint = f"did you mean {close}?" if close else "`python revit.py` lists the presets"
@@ -644,7 +639,6 @@ def preset(name: str, presets: dict, more: str = "") -> dict:
     return presets[name]
 
 def make_config(cls: type, values: dict) -> ViTConfig:
-    """cls(**values), a name that is not one of its fields refused in one line."""
     allowed = [f.name for f in fields(cls)]
     unknown = sorted(set(values) - set(allowed))
     if unknown:
