@@ -236,7 +236,7 @@ class MergedExpertFFN(ExpertBank):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) logits z = psi(s), in fp32 (App. A.5), plus our `depth_prior`."""
+        """(n,) coordinates -> (n, E) logits z = psi(s), fp32 (App. A.5), plus our `depth_prior` (below)."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
         first, last = self.router[0], self.router[2]
         with full_precision(s.device):
@@ -402,7 +402,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit.load_state_dict(state)
     return vit.train(model.training)
 
-# --- behind the story: the merge cache (§3.1), the fp32 regions (App. A.5), elastic depth's grouped FFN ---
+# --- behind the story: the merge cache (§3.1), fp32 regions (App. A.5), depth prior, GroupedFFN (§3.2) ---
 
 @torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
 def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
@@ -429,6 +429,12 @@ def full_precision(device: torch.device):
 @torch.compiler.assume_constant_result  # a fact of the device type; dynamo (torch 2.11) cannot trace it
 def autocast_available(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
+
+def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
+    """Not in the paper: (n, 1) -> (n, E) -beta (s - c_e)^2, c_e = e / (E - 1), a fixed term on the logits
+    that starts expert e dominant near s = c_e, a symmetry-breaking start (ours; beta = router_prior)."""
+    centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
+    return -beta * (s.float() - centres).pow(2)
 
 class GroupedFFN(NamedTuple):
     """Elastic depth (§3.2), images at several coordinates: image i runs FFN group[i] of (groups, ...)."""
@@ -567,11 +573,6 @@ class ViTConfig:
     def model_class(self) -> type:  # the class this config builds
         return MODELS[self.arch]
 
-# LayerScale: DeiT III's 1e-4 for the untied ViT. Raptor's official block has LayerScale too
-# (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper trains Raptor with DeiT III's recipe, so
-# our Raptor presets use DeiT III's 1e-4 (our choice). reViT's block has none (Eq. 3).
-DEIT3 = dict(layer_scale_init=1e-4)
-
 MINI = dict(num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)  # our CPU width
 SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DINOv2 distillation's B/14)
     "s": dict(dim=384, heads=6, ffn_dim=1536, depth=12),
@@ -582,7 +583,10 @@ SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DIN
 }
 SIZES.update({f"{size}14": dict(SIZES[size], patch_size=14) for size in ("s", "b", "l")})
 # Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts); and at every
-# size Raptor with k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5)
+# size Raptor with k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5). LayerScale: DeiT
+# III's 1e-4. Raptor's official block has 1e-5 (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper
+# trains Raptor with DeiT III's recipe, so our Raptor presets use 1e-4 (our choice). reViT's has none (Eq. 3).
+DEIT3 = dict(layer_scale_init=1e-4)
 ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
 VARIANTS = {"vit": [], "raptor": [(f"-k{k}", dict(raptor_blocks=k)) for k in (2, 3, 4)],
             "revit": [(f"-e{e}", dict(num_experts=e)) for e in (1, 2, 3, 4, 8)]}
@@ -667,14 +671,6 @@ def check_images(images: torch.Tensor, c: ViTConfig) -> None:
         raise ValueError(f"images must be a floating-point tensor normalised as in training, of shape "
                          f"(B, in_channels={c.in_channels}, image_size={c.image_size}, {c.image_size}); "
                          f"got {images.dtype} {tuple(images.shape)}")
-
-# --- not in the paper: a fixed depth prior on the gate logits (ViTConfig.router_prior, 0 by default) ---
-
-def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
-    """(n, 1) -> (n, E): -beta (s - c_e)^2, c_e = e / (E - 1): a fixed term that starts expert e dominant
-    near s = c_e, a symmetry-breaking start (our addition; beta = router_prior)."""
-    centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
-    return -beta * (s.float() - centres).pow(2)
 
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
     names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
