@@ -53,8 +53,7 @@ class Attention(nn.Module):
         return self.proj(self.attend(self.qkv(x)))
 
 class Mlp(nn.Module):
-    """The dense FFN of a ViT block: fc2(GELU(fc1(u))). As reViT's FFN with E = 1 (the plain tied,
-    ALBERT-style block) it has no router: FFN_t is this one Mlp at every step."""
+    """The dense FFN of a ViT block, fc2(GELU(fc1(u))); reViT's with E = 1 (ALBERT-style), at every step."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
