@@ -665,8 +665,7 @@ def refusal(c: ViTConfig, name: str, allowed: str) -> ValueError:
 
 def check_images(images: torch.Tensor, c: ViTConfig) -> None:
     """Integer pixels are refused, not guessed (uint8 images need .float() / 255 and the normalisation)."""
-    shape = (c.in_channels, c.image_size, c.image_size)
-    if images.ndim != 4 or images.shape[1:] != shape or not images.is_floating_point():
+    if images.shape[1:] != (c.in_channels, c.image_size, c.image_size) or not images.is_floating_point():
         raise ValueError(f"images must be a floating-point tensor normalised as in training, of shape "
                          f"(B, in_channels={c.in_channels}, image_size={c.image_size}, {c.image_size}); "
                          f"got {images.dtype} {tuple(images.shape)}")
