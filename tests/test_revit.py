@@ -428,12 +428,17 @@ def test_bad_input_names_the_argument():
     done = subprocess.run([sys.executable, "revit.py", "revit-mni"], cwd=Path(revit.__file__).parent,
                           capture_output=True, text=True)  # the command line: one line, no traceback
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "did you mean 'revit-mini'" in done.stderr
+    assert done.stdout == ""  # no table header before the refusal
     with pytest.raises(ValueError, match="depth must be an integer >= 2"):
         model(images(1, model), depth=1)
     with pytest.raises(ValueError, match="in_channels=1"):
         model(torch.randn(1, 3, 8, 8))
     with pytest.raises(ValueError, match="image_size=8"):
         model(torch.randn(1, 1, 12, 12))
+    expected = rf"keep must have shape \(batch, depth\) \(1, {model.config.depth}\)"
+    for shape in [(2, model.config.depth), (1, model.config.depth + 1)]:  # an image or a step too many
+        with pytest.raises(ValueError, match=expected):
+            model(images(1, model), keep=torch.ones(shape, dtype=torch.bool))
     with pytest.raises(ValueError, match="untied ViT runs only its own depth"):
         tiny("vit-mini")(images(1, model), depth=6)
 
