@@ -42,7 +42,7 @@ import alternet
 import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
-from lib.boundary import check_numbers, fail, output_problem
+from lib.boundary import RANGES, check_numbers, fail, output_problem
 from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1000,6 +1000,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(vit-SIZE, revit-SIZE; default s = ViT-S/16 at 224²)")
         cpu, cuda = DEFAULTS[name, False], DEFAULTS[name, True]
         timing_flags(p, *(f"CPU {cpu[key]}, CUDA {cuda[key]}" for key in ("warmup", "repeats", "iters")))
+    lat.add_argument("--batches", type=int, nargs="+", help="batch sizes (CPU: 1 8; CUDA: 1 64, Table 7)")
+    lat.add_argument("--modes", nargs="+", choices=["eager", "compiled", "reduce-overhead"],
+                     help="eager, compiled, reduce-overhead: compiled with CUDA graphs (CPU: eager compiled)")
     tr.add_argument("--batch", type=int, help="batch size (CPU 8, CUDA 128)")
     tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (CUDA default on, CPU off)")
@@ -1052,6 +1055,8 @@ def check_flags(args, device) -> dict:
     defaults = {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
     vars(args).update(defaults)
     check_numbers(vars(args), PROG)
+    for batch in getattr(args, "batches", None) or ():
+        check_numbers({"batches": batch}, PROG, batches=RANGES["batch"])
     if args.command == "train" and args.rows:
         known, rows = train_models(args.size, args.compile), [t.strip() for t in args.rows.split(",")]
         if not set(rows) <= set(known):

@@ -303,6 +303,7 @@ HOSTILE = [  # (argv, the one line's message); {file}: an existing file, {dir}: 
     (["latency", "--warmup", "-1"], "--warmup must be in 0..1,000; got -1"),
     (["latency", "--threads", "0"], "--threads must be in 1..1,024; got 0"),
     (["latency", "--out", "{dir}"], "--out {dir} is a folder; give a file"),
+    (["latency", "--batches", "1", "0"], "--batches must be in 1..65,536; got 0"),
     (["params", "--out", "{file}/params.json"], "--out {file}/params.json cannot be created: {file} is a file, not a folder"),
     (["train", "--batch", "0"], "--batch must be in 1..65,536; got 0"),
     (["train", "--peak-tflops", "nan"], "--peak-tflops must be a finite number; got nan"),
