@@ -78,7 +78,7 @@ def prepare(args: argparse.Namespace):
     if not isinstance(model, alternet.AlterNet):
         raise ValueError(f"CKPT {args.checkpoint} is a checkpoint of {ckpt.get('arch')!r}, not of an "
                          f"AlterNet language model (one of {', '.join(sorted(alternet.PRESETS))})")
-    encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))  # offline
+    encode, decode, _ = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))  # offline
     prompt = encode_prompt(args.prompt, encode, model, device)
     # --top-k and --halt-threshold against this model: generate's contract refuses them in one line
     if args.halt_threshold is None and model.config.halting:

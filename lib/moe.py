@@ -178,7 +178,7 @@ class SmearFFN(ExpertBank, FFN):
         """u (b, T, d) through the FFN merged with the gates of router_input (b, d)."""
         z = router_logits(self.router_norm(router_input), self.router.weight, self.router.bias)  # (b, E)
         self.record_gates(z)
-        merged = self.merge(torch.softmax(z, dim=-1))   # per image: (b, d_ff, d), (b, d_ff), (b, d, d_ff), (b, d)
+        merged = self.merge(torch.softmax(z, dim=-1))   # one merged FFN per image: (b, ...) stacks
         return apply_ffn_batched(u, *merged)            # (b, T, d)
 
     def record_gates(self, z: torch.Tensor) -> None:
@@ -196,7 +196,7 @@ class FeatureOnlyFFN(SmearFFN):
 
     def __init__(self, c: ViTConfig):
         super().__init__(c)
-        self.lambda_bal, self.lambda_z, self.lambda_div = c.balance_weight, c.z_loss_weight, c.diversity_weight
+        self.lambdas = c.balance_weight, c.z_loss_weight, c.diversity_weight  # λ_bal, λ_z, λ_div, as reViT's
 
     def record_gates(self, z: torch.Tensor) -> None:
         balance, z_loss = gate_penalties(z, 1.0)  # (b,) each: Eqs. 6 and 8 of each image's gate
@@ -206,9 +206,9 @@ class FeatureOnlyFFN(SmearFFN):
         stats = self.take_stats()
         if self.num_experts == 1 or stats is None:
             return {}
-        return {"balance": self.lambda_bal * stats["balance_sum"] / stats["rows"],
-                "z_loss": self.lambda_z * stats["z_sum"] / stats["rows"],
-                "diversity": self.lambda_div * self.diversity()}
+        balance, z_loss, diversity = self.lambdas
+        return {"balance": balance * stats["balance_sum"] / stats["rows"],
+                "z_loss": z_loss * stats["z_sum"] / stats["rows"], "diversity": diversity * self.diversity()}
 
 class LoryFFN(SmearFFN):
     """Lory (Zhong et al., 2024; no public code): a linear softmax router on the pooled representation
@@ -263,7 +263,8 @@ class RoutedFFN(ExpertPool, FFN):
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
         active = self.top_k + (self.shared.num_experts if self.shared is not None else 0)
-        return {"experts": active * ffn_flops(self.dim, self.hidden), "routing": 2 * self.dim * self.num_experts}
+        return {"experts": active * ffn_flops(self.dim, self.hidden),
+                "routing": 2 * self.dim * self.num_experts}
 
 class DeepSeekV3FFN(RoutedFFN):
     """DeepSeek-V3 (Liu et al., 2024; deepseek-ai/DeepSeek-V3 inference/model.py), App. B adaptation.
@@ -439,7 +440,8 @@ class SoftMoEFFN(ExpertPool, FFN):
     def active_flops_per_token(self, num_tokens: int) -> dict:
         slots = self.num_experts * self.slots_per_expert
         # logits, dispatch and combine: three (T x d x S) products per image
-        return {"experts": slots * ffn_flops(self.dim, self.hidden) / num_tokens, "routing": 6 * self.dim * slots}
+        return {"experts": slots * ffn_flops(self.dim, self.hidden) / num_tokens,
+                "routing": 6 * self.dim * slots}
 
 MECHANISM_FFNS = {"lory": LoryFFN, "smear": SmearFFN, "feature": FeatureOnlyFFN, "deepseek": DeepSeekV3FFN,
                   "qwen3": Qwen3FFN, "moeut": MoEUTFFN, "remoe": ReMoEFFN, "softmoe": SoftMoEFFN}

@@ -589,7 +589,7 @@ MUTANTS = [
            "keep = x.new_empty(x.shape)", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
     mutant("drop path in eval", R, "if self.p == 0.0 or not self.training:", "if self.p == 0.0:", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
     mutant("sample: a checkpoint's tokenizer loaded online", "lib/language.py",
-           "    encoding = gpt2_encoding()\n", "    encoding = gpt2_encoding(download=True)\n",
+           "    encoding = gpt2_encoding(download)\n", "    encoding = gpt2_encoding(True)\n",
            "tests/test_sample.py::test_a_checkpoint_naming_gpt2_cannot_make_tiktoken_fetch"),
     # --- Eq. 5: distillation ---
     mutant("distillation against the pre-norm tokens", "lib/tasks.py", 'task = F.mse_loss(out["tokens"].float()',

@@ -263,18 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """The flags that need no file (lib/boundary.py's ranges): a ValueError naming the flag."""
+def export(args: argparse.Namespace) -> dict:
+    """Check the flags, the source and its weights and the fold at --depth first; then write --out."""
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
     source = Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve()
     # output_problem: also a run's files, its lock and any saved model
     problem = "is the checkpoint being exported; give another file" if source else output_problem(args.out)
     if problem:
         raise ValueError(f"--out {args.out} {problem}")
-
-
-def export(args: argparse.Namespace) -> dict:
-    """Read and check everything first (the source, its weights, the fold at --depth), then write --out."""
     model = load_source(args.checkpoint)
     out = Path(args.out)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
@@ -306,7 +302,6 @@ def export(args: argparse.Namespace) -> dict:
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     try:
-        check_args(args)
         summary = export(args)
     except ValueError as e:
         fail(str(e), PROG)
