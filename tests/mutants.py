@@ -656,7 +656,7 @@ MUTANTS = [
     mutant("data: a file of any size read", "lib/data.py", "if len(raw) > MAX_FILE_BYTES:", "if False:",
            "tests/test_data.py::test_a_data_file_larger_than_the_bound_is_refused"),
     mutant("export: a safetensors source with NaN outputs exported", "tools/export.py",
-           "problem = weights_problem(tensors) or diverged(model)", "problem = weights_problem(tensors)",
+           "problem = weights_problem(tensors) or diverged(model.eval())", "problem = weights_problem(tensors)",
            "tests/test_export.py::test_bad_input_gives_one_line_naming_it_and_writes_nothing"),
     mutant("resume: an extended schedule changes silently", "lib/resume.py", "if saved[key] != sched[key]:",
            "if False:", "tests/test_train.py::test_extending_a_run_says_how_its_schedule_changes"),

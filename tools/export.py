@@ -136,11 +136,12 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
         with torch.device("meta"):  # shapes first: a config of 10**6 experts allocates nothing
             problem = fit_problem(revit.build_model(config).state_dict(), tensors, "its own config")
-        if problem:
-            raise ValueError(f"{path}: {problem}")
-        model = revit.build_model(config)
-    model = load_weights(model, tensors, str(path)).eval()
-    problem = weights_problem(tensors) or diverged(model)  # as load_vision_model: not plain, or not finite
+        model = None if problem else revit.build_model(config)
+    else:
+        problem = fit_problem(model.state_dict(), tensors, type(model).__name__)
+    if not problem:
+        model.load_state_dict(tensors)
+        problem = weights_problem(tensors) or diverged(model.eval())  # as load_vision_model: plain, finite
     if problem:
         raise ValueError(f"{path}: {problem}")
     return model
