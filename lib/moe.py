@@ -23,15 +23,15 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import revit
-from revit import (Attention, Block, ExpertBank, GroupedFFN, MergedExpertFFN, Mlp, ReViT, depth_grid,
-                   full_precision, gate_penalties)
+from revit import (Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, full_precision,
+                   gate_penalties)
 
 # --- the interface: what a mechanism's FFN gets from the recurrence ---
 
 class Step(NamedTuple):
-    """One application of the shared block: what an FFN with `needs_step` is given."""
+    """One application of the shared block: what an FFN with `needs_step` is given (no mechanism reads
+    the depth coordinate: content routes them, LoRA's adapter is the step's)."""
     t: int                            # the step index in 0..L-1
-    coords: torch.Tensor              # (b,) each image's depth coordinate s (Eq. 1; renumbered under §3.2)
     rows: torch.Tensor | None = None  # (b,) the images that run this step (elastic depth); None: all
 
 class FFN(nn.Module):
@@ -87,10 +87,10 @@ class ComparisonReViT(ReViT):
         self.block.begin_forward(depth, images.shape[0])
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
-        if keep is None:  # Eq. 3 applied L times, step t at the grid coordinate s_t (Eq. 1)
-            grid, states = depth_grid(depth, x.device), [x]
+        if keep is None:  # Eq. 3 applied L times
+            states = [x]
             for t in range(depth):
-                x = self.block(x, Step(t, grid[t].expand(x.shape[0])))
+                x = self.block(x, Step(t))
                 states.append(x)
         else:
             states = self.elastic_steps(x, keep)
@@ -98,7 +98,7 @@ class ComparisonReViT(ReViT):
         return self.finish(states[-1], states, aux, return_states)
 
     def elastic_ffn(self, t: int, coords: torch.Tensor, rows: torch.Tensor) -> Step:
-        return Step(t, coords, rows)  # reViT's elastic depth (§3.2); MechanismBlock hands it to the FFN
+        return Step(t, rows)  # reViT's elastic depth (§3.2); MechanismBlock hands it to the FFN
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
         self.check_depth(depth)
@@ -145,15 +145,17 @@ class ExpertPool(ExpertBank):
         return (y * weights.T.unsqueeze(-1).to(y.dtype)).sum(0)  # (n, d)
 
     def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K): the n K (token,
-        expert) pairs grouped by expert (revit's GroupedFFN: one run per expert, never a loop over tokens),
-        then added into their tokens in the experts' order."""
+        """Token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K). The n K (token,
+        expert) pairs are sorted by expert (stably: the sums keep one order), each expert runs once on its
+        chunk (never a loop over tokens), and the results are added into their tokens with index_add."""
         n, k = expert_index.shape
-        flat = expert_index.flatten()                                            # (n K,)
-        y = GroupedFFN(self.bank(), flat)(x.repeat_interleave(k, 0))            # (n K, d)
-        y = y * weights.flatten().unsqueeze(1).to(y.dtype)
+        flat = expert_index.flatten()                                   # (n K,)
         order = torch.argsort(flat, stable=True)
-        return y.new_zeros(n, x.shape[1]).index_add_(0, order // k, y[order])
+        token = order // k                                              # token of each sorted pair
+        chunks = x[token].split(torch.bincount(flat, minlength=self.num_experts).tolist())
+        y = torch.cat([MergedFFN(*(p[e] for p in self.bank()))(chunk) for e, chunk in enumerate(chunks)])
+        y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)       # (n K, d)
+        return y.new_zeros(n, x.shape[1]).index_add_(0, token, y)
 
 # --- weight merge with content gates: SMEAR, Lory, the feature-only control of Fig. 2 ---
 
