@@ -124,8 +124,7 @@ def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     h = F.gelu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))  # (n, m, h)
     return torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))       # (n, m, d)
 
-def summed_over_ranks(stats: torch.Tensor) -> torch.Tensor:
-    """stats summed over the ranks of torch.distributed (in place), or as they are on one process."""
+def summed_over_ranks(stats: torch.Tensor) -> torch.Tensor:  # in place, under torch.distributed
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(stats)
     return stats
@@ -133,13 +132,9 @@ def summed_over_ranks(stats: torch.Tensor) -> torch.Tensor:
 class ExpertPool(ExpertBank):
     """An expert bank that runs its experts on activations (rather than merging weights)."""
 
-    def run_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on its own rows: x (E, m, d) -> (E, m, d)."""
-        return apply_ffn_batched(x, *self.bank())
-
     def mixture(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every token, outputs summed with weights (n, E) (None: all weights 1)."""
-        y = self.run_all(x.expand(self.num_experts, *x.shape))  # (E, n, d)
+        y = apply_ffn_batched(x.expand(self.num_experts, *x.shape), *self.bank())  # (E, n, d)
         if weights is None:
             return y.sum(0)
         return (y * weights.T.unsqueeze(-1).to(y.dtype)).sum(0)  # (n, d)
@@ -276,8 +271,7 @@ class DeepSeekV3FFN(RoutedFFN):
     `shared` always-active experts. b is the auxiliary-loss-free balancer: a buffer updated after each
     optimizer step by b += rate * sign(mean(load) - load_e), re-centred to zero mean, from the token
     loads of the training forwards since the last update. The sequence-wise balance loss, node-limited
-    routing and the 671B model's route scale 2.5 are omitted. With K = 1 the renormalised gate is always
-    1: the router learns only through the bias (the original rule).
+    routing and the 671B model's route scale 2.5 are omitted (K = 1: see MOE_TABLE).
     """
 
     def __init__(self, c: ViTConfig):
@@ -312,8 +306,7 @@ class Qwen3FFN(RoutedFFN):
     probability of this forward, f_e the fraction of (token, slot) selections of expert e over the global
     batch: every recurrent step of the forward and, in training, every rank (no gradient). With gradient
     accumulation each micro-batch uses the counts of its own forward: a loss that waited for later
-    micro-batches could not be backpropagated per micro-batch. App. B uses w = 1e-3 at U > 1 and none at
-    U = 1 (the presets do), where K = 1 renormalises every gate to 1 and the router gets no gradient.
+    micro-batches could not be backpropagated per micro-batch. App. B's w: see MOE_TABLE.
     """
 
     def route(self, logits: torch.Tensor) -> tuple:
@@ -436,7 +429,8 @@ class SoftMoEFFN(ExpertPool, FFN):
         dispatch, combine = self.routing_weights(u)
         slots = dispatch.transpose(1, 2).to(u.dtype) @ u                                       # (b, S, d)
         slots = rearrange(slots, "b (e p) d -> e (b p) d", e=self.num_experts)
-        out = rearrange(self.run_all(slots), "e (b p) d -> b (e p) d", b=u.shape[0])          # (b, S, d)
+        out = apply_ffn_batched(slots, *self.bank())                     # expert e on its own slots
+        out = rearrange(out, "e (b p) d -> b (e p) d", b=u.shape[0])                            # (b, S, d)
         return combine.to(out.dtype) @ out                                                      # (b, T, d)
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
@@ -576,9 +570,8 @@ def expert_ffn_params(model: nn.Module) -> int:
     return sum(p.numel() for bank in banks for p in bank)
 
 def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
-    """{"experts", "routing"}: FLOPs per token and step for an image of num_tokens tokens (2 per
-    multiply-add of the matmuls); "experts" is what the budget U counts (§4.3). reViT's own two FFNs
-    are measured here, so that revit.py carries no accounting; every mechanism measures itself."""
+    """{"experts", "routing"}: FLOPs per token and step for an image of num_tokens tokens; "experts" is
+    what the budget U counts (§4.3). reViT's own two FFNs are measured here (revit.py has no accounting)."""
     if isinstance(ffn, Mlp):
         return {"experts": ffn_flops(ffn.fc1.in_features, ffn.fc1.out_features), "routing": 0}
     if isinstance(ffn, MergedExpertFFN):
@@ -589,10 +582,9 @@ def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
     return ffn.active_flops_per_token(num_tokens)
 
 def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
-    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's, for
-    images of num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
-    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class token its
-    U is the paper's (slots / patches) times N / (N + 1)."""
+    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's, at
+    num_tokens = 1 + num_patches (routers, merges, Soft-MoE's dispatch/combine: not in U). Soft-MoE's S
+    slots cost S / T FFNs per token: with the class token, the paper's slots / patches times N / (N + 1)."""
     c = model.config
     ffn = model.block.mlp if isinstance(model, ReViT) else model.blocks[0].mlp
     flops = active_flops_per_token(ffn, num_tokens or 1 + c.num_patches)
@@ -604,7 +596,7 @@ def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
 # ehr = expert hidden width / d. A ViT FFN has ehr 4, so the experts get expert_ffn_fraction = ehr / 4
 # of the preset's ffn_dim at every size. At U = 1, DeepSeek-V3 and Qwen3 route K = 1 expert and
 # renormalise its gate to 1, so their routers get no gradient (true to the rules; DeepSeek-V3 still
-# balances through its bias, Qwen3 then has no balance loss either).
+# balances through its bias). Qwen3's balance loss: w = 1e-3 at U > 1, none at U = 1 (App. B).
 MOE_TABLE = {
     "lory": {1: (4, 0, 0, 4)},
     "smear": {1: (4, 0, 0, 4)},
