@@ -87,8 +87,7 @@ def prepare(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
-    """`python sample.py CKPT --prompt TEXT`: prints each sample, and with --show-iterations a line of
-    per-token iteration marks and their mean. Returns the samples (text, iterations)."""
+    """Print each sample (with --show-iterations, its iteration marks); -> [(text, iterations)]."""
     args = sample_parser().parse_args(argv)
     try:
         model, prompt, decode = prepare(args)
