@@ -411,7 +411,7 @@ def test_flop_count_is_what_the_module_runs(name):
         if isinstance(model, moe.ComparisonReViT):  # what MechanismBlock gives a mechanism at each step
             ffn.begin_forward(depth, 1)
             for t in range(depth):
-                step = moe.Step(t, revit.depth_grid(depth)[t:t + 1])
+                step = moe.Step(t)
                 ffn(u, step) if ffn.needs_step else ffn(u)
         else:  # reViT's own FFN: FFN_t, merged at each step (the model is in training mode: no cache)
             for t in range(depth):
