@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from lib import tasks
 from lib.build import build
-from lib.boundary import fail, wrong_type
+from lib.boundary import fail, or_fail, wrong_type
 from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, diverged, fit_problem, set_rng_state
 from lib.cli import non_finite_place, pick_device, say
 
@@ -88,10 +88,7 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
     ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
     cfg = resolve_saved(saved_config(ckpt, path, flag, config_class), flags, f"{flag} {path}", config_class,
                         resolve_config, needed=("data",), unkept={"out_dir", "resume"})
-    try:
-        device = pick_device(cfg.device)
-    except ValueError as e:
-        fail(str(e))
+    device = or_fail(pick_device, cfg.device)
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     trained = model.head if cfg.probe else model
     problem = fit_problem(trained.state_dict(), ckpt["model"], ckpt["arch"])
@@ -144,19 +141,18 @@ def check_resume(cfg, ckpt: dict, trainable: nn.Module, optimizer, augment,
                  total_steps: int) -> None:
     """A resumed checkpoint's loop state checked in full against the rebuilt run, without changing it:
     the optimizer state as the next step would take it, every RNG state as set_rng_state would."""
-    flag = f"--resume {cfg.resume}"
-    if ckpt["step"] > total_steps:
-        fail(f"{flag} is at step {ckpt['step']}, past this run's {total_steps} steps; give a larger "
-             f"--max-steps or --epochs (the checkpoint is left as it is)")
     names = {id(p): name for name, p in trainable.named_parameters()}
     # fp16: the scaler may have skipped every step so far, and AdamW makes its state at the first one taken
     stepped = 0 if ckpt.get("scaler") and not ckpt["optimizer"]["state"] else ckpt["step"]
-    problem = (fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
+    past = ckpt["step"] > total_steps and (f"it is at step {ckpt['step']}, past this run's {total_steps} "
+                                           f"steps; give a larger --max-steps or --epochs (the checkpoint "
+                                           f"is left as it is)")
+    problem = (past or fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
                or optimizer_problem(ckpt["optimizer"], optimizer, stepped, names,
                                     lambda name: may_lack_state(name, distilled=bool(cfg.teacher)))
-               or rng_problem(ckpt["rng"], augment) or scaler_problem(ckpt.get("scaler")))
+               or rng_problem(ckpt["rng"], augment))
     if problem:
-        fail(f"{flag}: {problem}")
+        fail(f"--resume {cfg.resume}: {problem}")
 
 
 # The schedule's numbers a resumed run may change, and the flags that change them.
@@ -183,10 +179,6 @@ def continue_schedule(path: str, ckpt: dict, sched: dict, lr_at) -> None:
 
 
 ADAM_STATE = {"step", "exp_avg", "exp_avg_sq"}  # what AdamW keeps per parameter (+ max_exp_avg_sq: amsgrad)
-
-
-def number_at_least_zero(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
 # Parameters that no step may reach, by name: a routed expert no sequence of any batch picked yet
@@ -230,20 +222,7 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) 
 def step_ok(step) -> bool:  # AdamW's per-parameter step count
     if torch.is_tensor(step):
         return step.numel() == 1 and not step.is_complex() and bool(step >= 0)
-    return number_at_least_zero(step)
-
-
-SCALER_STATE = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
-
-
-def scaler_problem(state) -> str | None:
-    """fp16's gradient scaler as GradScaler.state_dict() writes it ({} or absent: not fp16)."""
-    if state is None or state == {}:
-        return None
-    numbers = isinstance(state, dict) and all(map(number_at_least_zero, state.values()))
-    if numbers and set(state) == SCALER_STATE and state["scale"] > 0:
-        return None
-    return f"its gradient scaler state must hold {', '.join(sorted(SCALER_STATE))} (numbers >= 0, scale > 0)"
+    return count(step)
 
 
 def rng_problem(states: list, augment) -> str | None:

@@ -672,7 +672,7 @@ MUTANTS = [
     mutant("fp16: the scaler's state not saved", T, '"scaler": run.scaler.state_dict(), ', "", "tests/test_train.py::test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly"),
     mutant("fp16: the scaler's state not restored", "lib/resume.py", 'run.scaler.load_state_dict(ckpt["scaler"])',
            "pass", "tests/test_train.py::test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly"),
-    mutant("fp16: a loss scale of 0 resumed", "lib/resume.py", 'and state["scale"] > 0:', "and True:",
+    mutant("fp16: a loss scale of 0 resumed", "lib/checkpoint.py", 'and v["scale"] > 0,', "and True,",
            "tests/test_hostile.py::test_edited_checkpoints_are_refused_before_anything_is_written"),
 ]
 

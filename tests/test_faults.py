@@ -102,7 +102,7 @@ def test_two_processes_cannot_share_a_folder(tmp_path, fashion_mnist_dir):
     out = tmp_path / "run"
     out.mkdir()
     with open(out / ".lock", "w") as other_process:  # flock: per open file, so this acts as another process
-        assert lock(other_process)
+        lock(other_process)
         message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, "--max-steps", "1")
     assert "is in use by another training process" in message
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
