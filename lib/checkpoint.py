@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from lib.boundary import fail, or_fail, output_problem, path_problem, preset_module, too_deep
+from lib.weights import read_weights  # the .safetensors files weights/ ships
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
 
@@ -55,37 +56,27 @@ def unreadable(error: Exception) -> str:
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
-    """A checkpoint (weights_only=True) whose parts named in `keys` pass the boundary's rules: their types,
+    """A checkpoint (weights_only=True) whose parts named in `keys` pass the rules below: their types,
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
     one line naming the flag, the file and what is wrong."""
-    ckpt, problem = read_checkpoint(path, keys)
+    ckpt, problem = None, path_problem(path, "file")
+    if not problem:
+        try:
+            ckpt = read_weights(path) if Path(path).suffix == ".safetensors" else torch.load(
+                path, map_location="cpu", weights_only=True)
+        except ValueError as e:  # read_weights: what is wrong with the file, in words
+            problem = str(e)
+        except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
+            problem = unreadable(e)
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    values = [] if problem or missing else list(plain_values(ckpt))  # each container once, as stored
+    problem = (problem or missing and (f"not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
+                                       f"project (missing {', '.join(missing)})")
+               or structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
+               or non_finite(values))
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
     return ckpt
-
-
-def read_checkpoint(path, keys) -> tuple[dict | None, str | None]:
-    """load_checkpoint's reading and rules -> (checkpoint, what is wrong with it in a few words, or None)."""
-    problem = path_problem(path, "file")
-    if problem:
-        return None, problem
-    try:
-        if Path(path).suffix == ".safetensors":  # weights/ ships these: lib/weights.py
-            from lib.weights import read_weights
-            ckpt = read_weights(path)
-        else:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except ValueError as e:  # read_weights: what is wrong with the file, in words
-        return None, str(e)
-    except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
-        return None, unreadable(e)
-    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        return None, (f"not a {'training ' if 'optimizer' in keys else ''}checkpoint of this project "
-                      f"(missing {', '.join(missing)})")
-    values = list(plain_values(ckpt))  # each container once: shared references are not expanded
-    return ckpt, (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
-                  or non_finite(values))
 
 
 # --- a loaded checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
