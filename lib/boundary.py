@@ -112,13 +112,12 @@ def check_numbers(values: dict, prog: str | None = None, **ranges) -> None:
     for name, value in values.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"{flag} must be a finite number; got {value}", prog)
         ok, allowed = ranges.get(name) or RANGES.get(name, ANY_NUMBER)
+        finite = not isinstance(value, float) or math.isfinite(value)
         shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:6]}...({len(str(value))} digits)"
-        if not ok(value):  # a 400-digit integer is shown as its first digits and its length
-            fail(f"{flag} must be {allowed}; got {shown}", prog)
+        allowed = allowed if finite else "a finite number"
+        if not (finite and ok(value)):  # a 400-digit integer is shown as its first digits and its length
+            fail(f"--{name.replace('_', '-')} must be {allowed}; got {shown}", prog)
 
 
 # --- train.py's flags: their choices and the flags that need one another ---
@@ -235,16 +234,14 @@ def takes(hint, value) -> bool:
     return isinstance(value, kinds) or float in kinds and type(value) is int
 
 
-def type_names(hint) -> str:
-    return " or ".join(k.__name__ for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
-
-
 def wrong_type(values: dict, config_class) -> str | None:
     """The first known field of a saved config whose value config_class does not take, in words, or None."""
     hints = typing.get_type_hints(config_class)
     for name, value in values.items():
         if name in hints and not takes(hints[name], value):
-            return f"{name}={value!r}: {name} takes {type_names(hints[name])}"
+            kinds = typing.get_args(hints[name]) or (hints[name],)
+            names = " or ".join(k.__name__ for k in kinds if isinstance(k, type))
+            return f"{name}={value!r}: {name} takes {names}"
     return None
 
 

@@ -70,8 +70,8 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
             problem = unreadable(e)
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     values = [] if problem or missing else list(plain_values(ckpt))  # each container once, as stored
-    problem = (problem or missing and (f"not a {'training ' if 'optimizer' in keys else ''}checkpoint of this "
-                                       f"project (missing {', '.join(missing)})")
+    what = "training checkpoint" if "optimizer" in keys else "checkpoint"
+    problem = (problem or missing and f"not a {what} of this project (missing {', '.join(missing)})"
                or structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
                or non_finite(values))
     if problem:
@@ -204,7 +204,8 @@ PARTS = {
     "metrics": (lambda v: isinstance(v, dict), "a dict"),
     "scaler": (lambda v: v == {} or isinstance(v, dict) and set(v) == SCALER_STATE
                and all(map(count, v.values())) and v["scale"] > 0,
-               f"fp16's GradScaler state ({', '.join(sorted(SCALER_STATE))}: numbers >= 0, scale > 0) or {{}}"),
+               f"fp16's GradScaler state ({', '.join(sorted(SCALER_STATE))}: numbers >= 0, scale > 0) "
+               f"or {{}}"),
 }
 
 
@@ -284,13 +285,10 @@ def primitive(value):
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module under DDP and torch.compile wrappers (what checkpoints store)."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
+    ddp = nn.parallel.DistributedDataParallel
+    while isinstance(model, ddp) or hasattr(model, "_orig_mod"):
+        model = model.module if isinstance(model, ddp) else model._orig_mod
+    return model
 
 
 def rng_state(augment, device: torch.device) -> dict:

@@ -27,19 +27,14 @@ FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "d
 def resume_config(explicit: dict, config_class, resolve_config) -> tuple[dict, object]:
     """The checkpoint and its run's TrainConfig (`config_class`) under the flags given now (more --epochs)."""
     path = explicit["resume"]
-    ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
-    saved = saved_config(ckpt, path, "--resume", config_class)
-    for name in FIXED_ON_RESUME:
-        if name in explicit and explicit[name] != saved.get(name):
-            fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
-                 f"{saved.get(name)!r}); start a new run instead")
     flags = {**explicit, "out_dir": explicit.get("out_dir") or str(Path(path).parent)}  # the folder may move
-    return ckpt, resolve_saved(saved, flags, f"--resume {path}", config_class, resolve_config,
-                               needed=("data", "teacher"), unkept={"stop_at_step", "overwrite", "eval_only"})
+    return saved_run(path, "--resume", RESUME_KEYS, flags, config_class, resolve_config,
+                     needed=("data", "teacher"), unkept={"stop_at_step", "overwrite", "eval_only"},
+                     fixed=FIXED_ON_RESUME)
 
 
 def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
-    """A checkpoint's train_config, each known value of its flag's type; an older file's bf16 as --precision."""
+    """A checkpoint's train_config, each known value of its flag's type; an older bf16 as its --precision."""
     saved = ckpt["train_config"]
     if "bf16" in saved and "precision" not in saved:
         saved = {**saved, "precision": {True: "auto", False: "fp32"}.get(saved["bf16"], saved["bf16"])}
@@ -49,14 +44,21 @@ def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
     return saved
 
 
-def resolve_saved(saved: dict, flags: dict, source: str, config_class, resolve_config, needed, unkept):
-    """resolve_config of the saved values (but `unkept`) under the flags given now. Where the saved values
-    alone are refused, the line names the checkpoint (`source`), not a flag the user never typed."""
+def saved_run(path, flag: str, keys, flags: dict, config_class, resolve_config, needed, unkept, fixed=()):
+    """-> (checkpoint, resolve_config of its saved values (but `unkept`) under the flags given now, which
+    may not change the `fixed`). Where the saved values alone are refused, the line names the checkpoint,
+    not a flag the user never typed."""
+    ckpt = checkpoint_or_fail(path, flag, keys)
+    saved, source = saved_config(ckpt, path, flag, config_class), f"{flag} {path}"
+    changed = [name for name in fixed if name in flags and flags[name] != saved.get(name)]
+    if changed:
+        fail(f"--{changed[0].replace('_', '-')} cannot change on --resume (the checkpoint has "
+             f"{saved.get(changed[0])!r}); start a new run instead")
     known = {f.name for f in fields(config_class)} - unkept
     saved = command_line_only(saved, flags, source, needed)
     merged = {**{k: v for k, v in saved.items() if k in known}, **flags}
     try:
-        return resolve_config(merged, announce=False)
+        return ckpt, resolve_config(merged, announce=False)
     except SystemExit:
         saved = {name: value for name, value in merged.items() if name not in flags}
         try:
@@ -78,9 +80,8 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
         allowed = ", ".join("--" + f.replace("_", "-") for f in sorted(EVAL_ONLY_FLAGS))
         fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
              f"got --{extra[0].replace('_', '-')}")
-    ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
-    cfg = resolve_saved(saved_config(ckpt, path, flag, config_class), flags, f"{flag} {path}", config_class,
-                        resolve_config, needed=("data",), unkept={"out_dir", "resume"})
+    ckpt, cfg = saved_run(path, flag, MODEL_KEYS + ("train_config",), flags, config_class, resolve_config,
+                          needed=("data",), unkept={"out_dir", "resume"})
     device = or_fail(pick_device, cfg.device)
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     trained = model.head if cfg.probe else model

@@ -90,7 +90,8 @@ def test_an_output_replaces_only_an_earlier_output_of_the_project(tmp_path):
     from lib.cli import write_json
     write_json({"step": 1}, tmp_path / "report.json")
     (tmp_path / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\n")
-    assert output_problem(tmp_path / "report.json") is None and output_problem(tmp_path / "curves.png") is None
+    for name in ("report.json", "curves.png"):
+        assert output_problem(tmp_path / name) is None, name
     (tmp_path / "notes.md").write_text("# my notes\n")
     torch.save({"model": {}}, tmp_path / "model.json")
     for name in ("notes.md", "model.json"):
