@@ -23,7 +23,7 @@ NARROW_FILES = ("revit.py", "alternet.py", "train.py", "bench.py", "hubconf.py",
                 "lib/tasks.py", "lib/planted.py", "lib/tables.py", "lib/weights.py", "tools/analyze.py",
                 "tools/depths.py", "tools/plot.py", "tools/sweep.py", "results/render.py", "sample.py",
                 "lib/budget.py", "lib/cli.py", "lib/resume.py", "lib/boundary.py", "lib/checkpoint.py",
-                "tests/test_cli.py")
+                "tests/test_cli.py", "tests/test_faults.py")
 
 
 def project_imports(path: Path) -> set[str]:
