@@ -603,6 +603,14 @@ MUTANTS = [
     mutant("cli: the files of an output folder unchecked", "lib/boundary.py",
            "    for name in names:\n        problem = output_problem(", "    for name in ():\n        problem = output_problem(",
            "tests/test_hostile.py::test_no_tool_overwrites_a_run"),
+    mutant("boundary: a file the project did not write overwritten", "lib/boundary.py",
+           "if not f.read(16).startswith(OUTPUT_STARTS):", "if False:",
+           "tests/test_cli.py::test_an_output_replaces_only_an_earlier_output_of_the_project",
+           "tests/test_hostile.py::test_no_tool_overwrites_a_run"),
+    mutant("resume: an rng state that cannot be restored as a traceback", "lib/resume.py",
+           "    except (KeyError, RuntimeError, ValueError, TypeError, OverflowError) as e:\n        fail(f\"--resume",
+           "    except ZeroDivisionError as e:\n        fail(f\"--resume",
+           "tests/test_hostile.py::test_edited_checkpoints_are_refused_before_anything_is_written"),
     mutant("values: finite weights with NaN outputs read", "lib/checkpoint.py", "if torch.isfinite(out).all():\n        return None",
            "if True:\n        return None", "tests/test_hostile.py::test_non_finite_weights_are_refused_by_every_reader",
            "tests/test_sample.py::test_a_diverged_model_is_one_line_whichever_check_finds_it"),
@@ -672,7 +680,7 @@ MUTANTS = [
     mutant("fp16: the scaler's state not saved", T, '"scaler": run.scaler.state_dict(), ', "", "tests/test_train.py::test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly"),
     mutant("fp16: the scaler's state not restored", "lib/resume.py", 'run.scaler.load_state_dict(ckpt["scaler"])',
            "pass", "tests/test_train.py::test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly"),
-    mutant("fp16: a loss scale of 0 resumed", "lib/resume.py", 'and state["scale"] > 0:', "and True:",
+    mutant("fp16: a loss scale of 0 resumed", "lib/checkpoint.py", 'and v["scale"] > 0,', "and True,",
            "tests/test_hostile.py::test_edited_checkpoints_are_refused_before_anything_is_written"),
 ]
 
