@@ -313,8 +313,7 @@ def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
 def evaluate(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
     """The one evaluation (the loop, --eval-only, tools/depths.py): {depth: metrics} on the task's test
     data; depth None is the reference depth (language models: the halted depth, and every fixed depth)."""
-    results = task.evaluate(unwrap(model), list(depths), rank, world)
-    return {None if key == "halted" else key: value for key, value in results.items()}
+    return task.evaluate(unwrap(model), list(depths), rank, world)
 
 
 def evaluate_run(run: Run, depths, what: str) -> dict:
