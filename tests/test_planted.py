@@ -84,8 +84,8 @@ def planted_task(model):
     images = data.planted_images(8, 4)
     augment = data.Augment(images, torch.device("cpu"), 0)
     cfg = train.TrainConfig(dataset="planted", eval_batch_size=4)
-    return planted.planted_task(cfg, images, torch.device("cpu"), augment, lambda: torch.autocast("cpu", enabled=False),
-                              model), images
+    return planted.PlantedTask(cfg, images, torch.device("cpu"), augment, lambda: torch.autocast("cpu", enabled=False),
+                             model), images
 
 
 def test_planted_loss_is_the_mse_against_the_slow_composition():
