@@ -348,14 +348,14 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
     """Set-up (device, data, model, optimizer; every input is checked before the run folder, the first
     write), then the loop; Ctrl-C ends in one line saying where the run continues."""
     rank, world, device, options = setup(cfg)  # torchrun's ranks, the device, the seeds, the precision
-    parts = build(cfg, rank, world, device, resume_ckpt, plan_memory=True)
-    sched = schedule(cfg, parts.model, parts.steps_per_epoch)
-    model = parts.model.to(device)
+    model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt, True)
+    sched = schedule(cfg, model, steps_per_epoch)
+    model = model.to(device)
     optimizer = adamw(model.head if cfg.probe else model, cfg, sched["peak_lr"], options["fused_adamw"])
     # fp16 only: the loss scaled up so that small gradients do not flush to zero in fp16
     scaler = torch.amp.GradScaler(device.type, enabled=options["precision"] == "fp16")
     cfg.out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
-    run = Run(cfg, device, model, model, parts.task, parts.augment, optimizer, scaler, sched,
+    run = Run(cfg, device, model, model, task, augment, optimizer, scaler, sched,
               RunFolder(cfg.out_dir, cfg.resume), rank, world)
     if resume_ckpt is not None:  # checked in full, then loaded, before the run folder is touched
         from lib import resume  # what continues a saved run: imported by resumed runs only
@@ -368,12 +368,12 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
                         resume_step=resume_ckpt["step"] if resume_ckpt else None)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
     say(f"{cfg.arch}: {run.params() / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
-        f"{sched['total_steps']} steps ({parts.steps_per_epoch or '-'} per epoch) | "
+        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
         f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
     run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                     "params": run.params(), "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
     try:
-        return loop(run, parts.batches, cfg.eval_interval or parts.steps_per_epoch or 500)
+        return loop(run, batches, cfg.eval_interval or steps_per_epoch or 500)
     except KeyboardInterrupt:  # Ctrl-C: one line saying where the run continues, not a traceback
         where = "no checkpoint was written yet" if run.folder.saved_step is None else \
             f"resume with --resume {run.folder.ckpt} (its step {run.folder.saved_step})"
