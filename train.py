@@ -30,7 +30,7 @@ from tqdm import tqdm
 from lib import tasks
 from lib.build import adamw, build, setup, wrap
 from lib.checkpoint import RunFolder, primitive, provenance, unwrap
-from lib.boundary import check_config, fail, family_of, preset_names
+from lib.boundary import check_config, fail, family_of, preset_module, preset_names
 from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, non_finite_place, opt,
                      run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
@@ -150,17 +150,13 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
     recipe = explicit.get("recipe") or ("probe" if explicit.get("probe") else RECIPE_OF.get(dataset, ""))
     if recipe and recipe not in RECIPES:
         fail(f"unknown --recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
-    layers = [(f"recipe: {recipe} -- {RECIPES[recipe][0]}", RECIPES[recipe][1])] if recipe else \
-        [("recipe: quick start (the TrainConfig defaults)", {})]
-    if family == "language":
-        import alternet  # the language model: imported by language runs only
-        if arch in alternet.RECIPES:
-            layers.append((f"recipe: {arch} -- alternet.RECIPES, the AlterNet paper's settings",
-                           alternet.RECIPES[arch]))
-    values = {"dataset": dataset}
-    for title, overrides in layers:
-        show(title + "".join(f" {k}={v}" for k, v in overrides.items()))
-        values.update(overrides)
+    source, values = RECIPES[recipe] if recipe else ("the TrainConfig defaults", {})
+    show(f"recipe: {recipe or 'quick start'} -- {source}" + "".join(f" {k}={v}" for k, v in values.items()))
+    paper = getattr(preset_module(arch), "RECIPES", {}).get(arch, {})  # the AlterNet paper's presets
+    if paper:
+        show(f"recipe: {arch} -- alternet.RECIPES, the AlterNet paper's settings"
+             + "".join(f" {k}={v}" for k, v in paper.items()))
+    values = {**values, **paper, "dataset": dataset}
     if not explicit.get("dataset"):
         show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
              f"{family} preset{', --data given' if data else ''})")
