@@ -75,12 +75,11 @@ def distill_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                "vs the teacher's probe (points ± s.e.)"]
     cells = []
     for r in rows:
-        probe, metric = r["cell"].startswith("probe"), r.get("metric", "acc")
-        measure = "linear probe top-1 %" if probe else "top-1 %"
-        score = pm(r["acc"]) if metric == "acc" else mse(r[metric])
-        if metric != "acc":
-            measure = "distillation MSE (Eq. 5)"
+        metric = r.get("metric", "acc")
+        measure = "distillation MSE (Eq. 5)" if metric != "acc" else \
+            "linear probe top-1 %" if r["cell"].startswith("probe") else "top-1 %"
         student_probe = teacher_probe and r["cell"].startswith("probe: student")
+        score = pm(r[metric]) if metric == "acc" else mse(r[metric])
         cells.append([r["cell"], f"{r['params']:,}", measure, score,
                       gap(r["acc"], teacher_probe["acc"]) if student_probe else "–"])
     return columns, cells
