@@ -323,8 +323,7 @@ def evaluate_run(run: Run, depths, what: str) -> dict:
 
 
 def save_checkpoint(run: Run) -> None:
-    """What a run continues from: model, optimizer, fp16's loss scale ({} without fp16), schedule, loop
-    state and every rank's random streams, written by rank 0 with only finite weights (RunFolder.save)."""
+    """What a run continues from, with every rank's random streams (RunFolder.save: finite weights only)."""
     cfg = run.cfg
     ckpt = {"model": dict(run.trainable.state_dict()),  # a plain dict: no _metadata past weights_only
             "arch": "linear-probe" if cfg.probe else cfg.arch,
@@ -341,8 +340,7 @@ def save_checkpoint(run: Run) -> None:
 
 
 def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
-    """Set-up (device, data, model, optimizer; every input is checked before the run folder, the first
-    write), then the loop; Ctrl-C ends in one line saying where the run continues."""
+    """Set-up (every input is checked before the run folder, the first write), then the loop."""
     rank, world, device, options = setup(cfg)  # torchrun's ranks, the device, the seeds, the precision
     model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt, True)
     sched = schedule(cfg, model, steps_per_epoch)
@@ -379,8 +377,8 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
 
 
 def loop(run: Run, batches, eval_every: int) -> dict:
-    """The steps to the schedule's end (batches(start): the order is a function of the step, so a resumed run
-    sees the same batches); a line every --log-interval, an evaluation and a checkpoint every `eval_every`."""
+    """The steps to the schedule's end: a line every --log-interval, an evaluation and a checkpoint every
+    `eval_every`, and at the end the final evaluation."""
     cfg, total = run.cfg, run.sched["total_steps"]
     unit = "tokens" if cfg.dataset in TEXT_DATASETS else "images"
     bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not cfg.progress, dynamic_ncols=True)

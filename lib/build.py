@@ -35,10 +35,10 @@ def setup(cfg) -> tuple[int, int, torch.device, dict]:
 
 def build(cfg, rank: int, world: int, device, ckpt: dict | None, plan_memory: bool = False) -> tuple:
     """-> (model, task, batches, augment, steps_per_epoch) of images (lib/tasks.py, lib/planted.py) or text
-    (lib/language.py, imported by text runs only; no augment, no epochs). batches(start_step) yields (step,
-    inputs, targets) in an order set by the step alone, so a resumed run sees the same batches. A resumed or
-    evaluated checkpoint `ckpt` supplies the model config. plan_memory (training): the memory gate, before
-    the text is read (the config sets a language model's size) or after the images are."""
+    (lib/language.py, imported by text runs only; no augment, no epochs); `ckpt` gives the model config.
+    batches(start_step) yields (step, inputs, targets) in an order set by the step alone (a resumed run sees
+    the same batches). plan_memory: the memory gate, before the text is read (the config sets a language
+    model's size) or after the images are."""
     language = cfg.dataset in TEXT_DATASETS
     if plan_memory and language:
         fit_in_memory(cfg, None, device, world, ckpt)
