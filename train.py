@@ -342,7 +342,8 @@ def save_checkpoint(run: Run) -> None:
 def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
     """Set-up (every input is checked before the run folder, the first write), then the loop."""
     rank, world, device, options = setup(cfg)  # torchrun's ranks, the device, the seeds, the precision
-    model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt, True)
+    model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt,
+                                                           plan_memory=True)
     sched = schedule(cfg, model, steps_per_epoch)
     model = model.to(device)
     optimizer = adamw(model.head if cfg.probe else model, cfg, sched["peak_lr"], options["fused_adamw"])
