@@ -4,11 +4,9 @@
     model = torch.hub.load("path/to/clone", "revit_mini", source="local")    # reViT on Fashion-MNIST
     lm = torch.hub.load("path/to/clone", "alternet_tiny", source="local")   # AlterNet on the built-in corpus
 
-Each returns the model in eval mode, rebuilt from weights/NAME.safetensors: its arch and model config are in
-the file's metadata, and weights/NAME.json beside it gives the training command, commit, date, hardware and
-scores. This file imports the two model files, torch and safetensors only: nothing of lib/ or tools/, and the
-model files import nothing of the project. The same files are checkpoints for every command of the
-repository (`python -m tools.depths weights/revit-mini.safetensors`, `python sample.py ...`).
+Each returns the model in eval mode, rebuilt from weights/NAME.safetensors (its arch and model config are in
+the file's metadata; weights/NAME.json gives the training command, commit, hardware and scores), with the
+two model files, torch and safetensors only. The same files are checkpoints for every command.
 """
 import json
 from pathlib import Path

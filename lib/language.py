@@ -143,8 +143,8 @@ class LanguageTask:
         if world > 1:
             dist.all_reduce(stats)
         results = self.results(stats.tolist(), depth)
-        if rank == 0 and "causal_loss" in results["halted"]:
-            r = results["halted"]
+        if rank == 0 and "causal_loss" in results[None]:
+            r = results[None]
             print(f"causal (each position routed on its own prefix, {r['causal_tokens']} tokens): loss "
                   f"{r['causal_loss']:.4f}, {r['causal_bpb']:.4f} bits/byte, {r['causal_iterations']:.2f} "
                   f"iterations | full window, same tokens: loss {r['causal_full_window_loss']:.4f}")
@@ -154,20 +154,20 @@ class LanguageTask:
         return results
 
     def results(self, stats, depth):
-        """{"halted" | 1..D: {loss, bpb, iterations}} from the summed statistics; "halted" with the causal
-        ones and the full-window loss on the same tokens."""
+        """{None (halted) | 1..D: {loss, bpb, iterations}} from the summed statistics; None also holds the
+        causal metric and the full-window loss on the same tokens."""
         iterations, tokens, sequences, causal_ce, causal_iterations, causal_tokens, full = stats[depth + 1:]
         results = {}
-        for row, key in enumerate(["halted", *range(1, depth + 1)]):
+        for row, key in enumerate([None, *range(1, depth + 1)]):
             loss = stats[row] / tokens
             results[key] = {"loss": loss, "bpb": loss * self.tokens_per_byte / math.log(2),
-                            "iterations": iterations / sequences if key == "halted" else float(key)}
+                            "iterations": iterations / sequences if key is None else float(key)}
         if causal_tokens:  # iterations: mean per position (each is one generated token's forward)
             loss = causal_ce / causal_tokens
-            results["halted"].update(causal_loss=loss, causal_bpb=loss * self.tokens_per_byte / math.log(2),
-                                     causal_iterations=causal_iterations / causal_tokens,
-                                     causal_full_window_loss=full / causal_tokens,
-                                     causal_tokens=int(causal_tokens))
+            results[None].update(causal_loss=loss, causal_bpb=loss * self.tokens_per_byte / math.log(2),
+                                 causal_iterations=causal_iterations / causal_tokens,
+                                 causal_full_window_loss=full / causal_tokens,
+                                 causal_tokens=int(causal_tokens))
         return results
 
     def print_sample(self, lm, threshold):

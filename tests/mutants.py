@@ -437,6 +437,10 @@ MUTANTS = [
            "tests/test_planted.py::test_the_maps_are_fixed_by_their_seed_and_differ_by_depth",
            more=(("self.w1 = torch.randn(depth, hidden, dim, generator=g)",
                   "self.w1 = torch.randn(1, hidden, dim, generator=g).expand(depth, -1, -1)"),)),
+    mutant("tables: the planted task's untied ViT not set against E = 1", "lib/tables.py",
+           'versus = tied and r is not tied and (r["num_experts"] or not acc)',
+           'versus = tied and r is not tied and r["num_experts"]',
+           "tests/test_planted.py::test_the_planted_grid_sets_the_untied_vit_against_the_tied_block_too"),
     # --- the guards against hostile input: boundaries on their edge, rules on inputs where twins differ ---
     mutant("loader: storage bound non-strict", "lib/checkpoint.py",
            "if repeats or have < max(t.numel(), extent) * t.element_size():",
