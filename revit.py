@@ -627,8 +627,8 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
     ("layer_scale_init", lambda c: c.layer_scale_init is None or c.layer_scale_init > 0, "> 0 or None"),
     ("depth_drop", lambda c: 0.0 <= c.depth_drop < 1.0, "in [0, 1)"),
     ("drop_path", lambda c: 0.0 <= c.drop_path < 1.0, "in [0, 1)"),
-    ("router_temperature", lambda c: c.router_temperature > 0, "> 0"),
-    *((name, lambda c, name=name: getattr(c, name) >= 0, ">= 0")
+    ("router_temperature", lambda c: 1e-3 <= c.router_temperature <= 1e3, "in [0.001, 1000]"),
+    *((name, lambda c, name=name: 0 <= getattr(c, name) <= 1e3, "in [0, 1000]")
       for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight")),
     ("expert_ffn_fraction", lambda c: c.expert_ffn_fraction > 0 and c.expert_ffn_dim >= 1,
      "> 0 with at least one hidden unit (ffn_dim={ffn_dim})"),
@@ -636,7 +636,7 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
 
 def preset(name: str, presets: dict, more: str = "") -> dict:
     if name not in presets:
-        close = " or ".join(map(repr, difflib.get_close_matches(name, presets, n=3)))
+        close = " or ".join(map(repr, difflib.get_close_matches(name.lower(), presets, n=3)))
         hint = f"did you mean {close}?" if close else "`python revit.py` lists the presets"
         raise ValueError(f"unknown preset name={name!r}; {hint}{more}")
     return presets[name]
@@ -671,6 +671,9 @@ def check_images(images: torch.Tensor, c: ViTConfig) -> None:
                          f"got {images.dtype} {tuple(images.shape)}")
 
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
+    if {"-h", "--help"} & set(sys.argv):
+        print("usage: python revit.py [PRESET ...]: parameter counts of the presets (default: the main ones)")
+        sys.exit()
     names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
     try:
         with torch.device("meta"):

@@ -181,7 +181,7 @@ def family_of(arch: str) -> str:
     """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
     module = preset_module(arch)
     if module is None:
-        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
+        close = difflib.get_close_matches(arch.lower(), preset_names(), n=3, cutoff=0.6)
         fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
              + "python train.py --list-archs prints all names")
     return "vision" if is_vision(module) else "language"

@@ -644,6 +644,9 @@ def config_of(values: dict) -> revit.ViTConfig:
 if __name__ == "__main__":  # python -m lib.moe [names...]: parameter counts of the presets (meta device)
     import sys
 
+    if {"-h", "--help"} & set(sys.argv):
+        print("usage: python -m lib.moe [PRESET ...]: parameter counts of the mechanisms' presets")
+        sys.exit()
     print("| preset | params (M) | expert FFN (M) | U |\n|---|---:|---:|---:|")
     for name in sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]:
         try:

@@ -29,7 +29,7 @@ def actions(parser: argparse.ArgumentParser):
 
 
 @pytest.mark.parametrize("typo, suggested", [("revit-tiny", "revit-mini"), ("vit-mni", "vit-mini"),
-                                             ("alternet-tny", "alternet-tiny")])
+                                             ("alternet-tny", "alternet-tiny"), ("REVIT-MINI", "revit-mini")])
 def test_an_unknown_arch_suggests_the_closest_presets(typo, suggested):
     with pytest.raises(SystemExit) as stopped:
         train.main(["--arch", typo])

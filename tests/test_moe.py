@@ -524,3 +524,6 @@ def test_one_door_builds_every_vision_preset_and_saved_config():
                           cwd=Path(revit.__file__).parent)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "did you mean 'revit-mini-smear'" in done.stderr
+    helped = subprocess.run([sys.executable, "-m", "lib.moe", "-h"], capture_output=True, text=True,
+                            cwd=Path(revit.__file__).parent)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m lib.moe")
