@@ -262,6 +262,12 @@ def test_a_metric_that_is_not_a_number_stops_the_probe_and_is_never_written(tmp_
                                       batch_size=8, device="cpu", out_dir=str(tmp_path / "run")))
     assert ONE_LINE_ERROR.match(str(info.value)) and "the metric test_miou is not finite" in str(info.value)
     assert not (tmp_path / "run").exists()
+    for split, depth in (("train", torch.rand(16, 28, 28) + 1), ("val", torch.zeros(16, 28, 28))):
+        torch.save({"images": images, "depth": depth}, tmp_path / f"{split}.pt")  # no valid test depth
+    with pytest.raises(SystemExit) as info:
+        probes.run(probes.ProbeConfig(probe="monodepth", backbone=str(path), data=str(tmp_path), max_steps=2,
+                                      batch_size=8, device="cpu", out_dir=str(tmp_path / "run")))
+    assert ONE_LINE_ERROR.match(str(info.value)) and "the metric test_rmse_linear is not finite" in str(info.value)
 
 
 def test_dense_probes_have_one_entry_point(tmp_path, fashion_mnist_dir):

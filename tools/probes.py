@@ -131,6 +131,7 @@ def metrics_of(sums: torch.Tensor, data) -> dict:
     if data.task == "seg":
         return {"miou": mean_iou(sums), "pixel_acc": (sums.diagonal().sum() / sums.sum()).item()}
     squared_error, within, count = sums.tolist()
+    count = count or math.nan  # no valid depth: not a number, refused before anything is reported
     return {"rmse": math.sqrt(squared_error / count), "delta1": within / count}
 
 
