@@ -28,7 +28,10 @@ def _load(name: str, module, pretrained: bool):
             config = {k: v for k, v in config.items() if k in revit.ViTConfig.__dataclass_fields__}
         model = module.create_model(metadata["arch"], **config)
         if pretrained:
-            model.load_state_dict({key: f.get_tensor(key) for key in f.keys()})
+            state = {key: f.get_tensor(key) for key in f.keys()}
+            if not all(t.isfinite().all() for t in state.values()):  # as every reader of weights refuses
+                raise ValueError(f"{name}.safetensors: its weights are not finite")
+            model.load_state_dict(state)
     return model.eval()
 
 

@@ -75,3 +75,15 @@ def test_packing_a_checkpoint_gives_the_same_weights_file(tmp_path):
     assert packed.keys() == shipped.keys() and packed["train_config"] == shipped["train_config"]
     assert all(torch.equal(packed["model"][k], v) for k, v in shipped["model"].items())
     assert (tmp_path / "packed.safetensors").stat().st_mode & 0o044 == 0o044  # others may read it
+
+
+def test_torch_hub_refuses_weights_that_are_not_finite(tmp_path, monkeypatch):
+    """hubconf reads the weights itself (no lib/): it too refuses a NaN, as every reader does."""
+    import hubconf
+    from lib.weights import read_weights, save_weights
+    ckpt = read_weights(ROOT / "weights" / "revit-mini.safetensors")
+    ckpt["model"]["block.attn.proj.bias"][0] = float("nan")
+    save_weights(ckpt, tmp_path / "revit-mini.safetensors")
+    monkeypatch.setattr(hubconf, "WEIGHTS", tmp_path)
+    with pytest.raises(ValueError, match="revit-mini.safetensors: its weights are not finite"):
+        hubconf.revit_mini()
