@@ -10,6 +10,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import json
 import math
 import os
 import stat
@@ -297,11 +298,23 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
         return f"holds a training run ({held[0]}); choose another folder" if held else None
     if path.exists() and path.name in RUN_FILES:
         return f"is a file of a training run ({path.name}); choose another path"
-    if path.is_file():
-        with open(path, "rb") as f:
-            if not f.read(16).startswith(OUTPUT_STARTS):
-                return "already exists and is not an earlier output of this project (never overwritten)"
+    if path.is_file() and not is_own_output(path):
+        return "already exists and is not an earlier output of this project (never overwritten)"
     return None
+
+
+def is_own_output(path: Path) -> bool:
+    """One of OUTPUT_STARTS, or tools.export's safetensors (a checkpoint's packed weights are not)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+        if head.startswith(OUTPUT_STARTS):
+            return True
+        try:  # safetensors: the header's length (8 bytes, little-endian), then the header as JSON
+            f.seek(8)
+            header = json.loads(f.read(min(int.from_bytes(head[:8], "little"), 1 << 20)))
+            return header["__metadata__"]["format"] in ("revit.folded", "revit.compact", "timm")
+        except (ValueError, KeyError, TypeError):
+            return False
 
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:

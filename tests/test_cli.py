@@ -3,6 +3,7 @@ defaults say what happens, every --device defaults to auto, and the extra an ima
 """
 import argparse
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -85,16 +86,19 @@ def test_the_extra_an_image_folder_needs_is_listed_with_its_reason(tmp_path, mon
 def test_an_output_replaces_only_an_earlier_output_of_the_project(tmp_path):
     """A command writes new files or its own: an earlier JSON report or figure is replaced; a user's notes,
     a saved checkpoint or a run's log never are."""
+    import safetensors.torch
     import torch
     from lib.boundary import output_problem
     from lib.cli import write_json
     write_json({"step": 1}, tmp_path / "report.json")
     (tmp_path / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\n")
-    for name in ("report.json", "curves.png"):
+    safetensors.torch.save_file({"w": torch.ones(2)}, tmp_path / "export.st", metadata={"format": "timm"})
+    for name in ("report.json", "curves.png", "export.st"):  # tools.export's files too
         assert output_problem(tmp_path / name) is None, name
     (tmp_path / "notes.md").write_text("# my notes\n")
     torch.save({"model": {}}, tmp_path / "model.json")
-    for name in ("notes.md", "model.json"):
+    shutil.copy(ROOT / "weights" / "revit-mini.safetensors", tmp_path / "weights.st")  # packed, not exported
+    for name in ("notes.md", "model.json", "weights.st"):
         assert output_problem(tmp_path / name).startswith("already exists and is not an earlier output"), name
     write_json({"step": 1}, tmp_path / "metrics.jsonl")
     assert output_problem(tmp_path / "metrics.jsonl").startswith("is a file of a training run")
