@@ -384,8 +384,9 @@ class RunFolder:
         """Before any work, without writing: can the folder be written, is it free for this run?"""
         taken = not overwrite and (self.ckpt.exists() or self.metrics.exists())
         problem = output_problem(self.path, "folder", runs_ok=True) or (
-            f"already holds a run; continue it with --resume {self.ckpt}, choose another --out-dir, or "
-            f"replace it with --overwrite" if taken and fresh else
+            f"already holds a run; " + (f"continue it with --resume {self.ckpt}, " if self.ckpt.exists() else
+                                        "it stopped before its first checkpoint: ")
+            + "choose another --out-dir, or replace it with --overwrite" if taken and fresh else
             f"holds a run other than --resume {self.resume} (its own checkpoint is {self.ckpt}); continuing "
             f"here would overwrite {self.ckpt.name} and cut {self.metrics.name}: give the run a new "
             f"--out-dir, or replace the folder's run with --overwrite" if taken and not self.continues_run()

@@ -96,6 +96,9 @@ def test_a_used_folder_is_refused_unless_overwrite(tmp_path, fashion_mnist_dir):
     message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, "--max-steps", "2")
     assert f"--out-dir {out} already holds a run" in message and "--overwrite" in message
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "ckpt.pt").unlink()  # a run stopped before its first checkpoint: no --resume to suggest
+    message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, "--max-steps", "2")
+    assert "stopped before its first checkpoint" in message and "--resume" not in message
     summary, _ = run(tmp_path, fashion_mnist_dir, "--max-steps", "2", "--overwrite")
     assert summary["step"] == 2 and steps_logged(out) == [1, 2]
 
