@@ -33,7 +33,7 @@ Generation is exact.
 
 Where the paper is silent the code says "our choice" and why, in brackets at the line; docs/choices.md
 lists them. Layout, in call order: blocks -> config and its contract -> the model (forward; training;
-schedules; inference and generate) -> the training loss (Eq. 4-10, in the order train_forward calls it) ->
+schedules; inference and generate) -> the training loss (Eq. 4-10, in the order loop calls it) ->
 helpers -> causal evaluation -> presets. Tokenizers, and sampling a checkpoint: lib/language.py, sample.py.
 """
 
@@ -61,17 +61,6 @@ def depth_encoding(t: float, dim: int) -> torch.Tensor:
     freqs = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # (dim/2,)
     angles = t * freqs
     return rearrange(torch.stack([angles.sin(), angles.cos()]), "two f -> (f two)")  # (dim,)
-
-
-def router_encodings(iteration: int, cfg: AlterNetConfig) -> torch.Tensor:
-    """The router's depth inputs at iteration d (Eq. 1): e_t, t = d / (D - 1) with D the trained max_depth
-    (D = 1: t = 0), and e_{1-t} (the remaining budget) with budget_signal: (m or 2m,)."""
-    max_depth = cfg.max_depth
-    t = iteration / (max_depth - 1) if max_depth > 1 else 0.0
-    encodings = [depth_encoding(t, cfg.depth_dim)]  # e_t
-    if cfg.budget_signal:
-        encodings.append(depth_encoding(1 - t, cfg.depth_dim))  # e_{1-t}: remaining budget
-    return torch.cat(encodings)
 
 
 class CausalSelfAttention(nn.Module):
@@ -277,35 +266,61 @@ class AlterNet(nn.Module):
         first_halt = self.first_halt(num_iterations)
         if targets is not None and lengths is not None:  # the padding, positions >= lengths, is ignored (-1)
             targets = targets.masked_fill(torch.arange(T, device=tokens.device) >= lengths[:, None], -1)
-        if targets is None or halt_threshold is not None or sample_halting:
-            out = self.infer(x, last, targets, num_iterations, first_halt, (halt_threshold, sample_halting),
-                             last_token_only)
-        else:
-            out = self.train_forward(x, last, targets, num_iterations, first_halt)
+        out = self.loop(x, last, targets, num_iterations, first_halt, (halt_threshold, sample_halting),
+                        last_token_only)
         states = out.pop("states")
         return dict(out, states=states) if return_states else out
 
-    # -- training: every iteration on the whole batch (Eq. 1-4), then the loss (Eq. 5-10) --
+    # -- the loop (Eq. 1-4 per iteration), then p (Eq. 5) and the losses (Eq. 6-10) --
 
-    def train_forward(self, x: torch.Tensor, last: torch.Tensor, targets: torch.Tensor, num_iterations: int,
-                      first_halt: int) -> dict:
-        """Per iteration: route, mix the experts' residual updates, the halt heads' log lambda_d, and the
-        chunked CE of x_{d+1}. Then p from the lambdas (Eq. 5) and the loss (Eq. 6-10)."""
-        states, routing, log_lambda, token_losses = [x], [], [], []
+    def loop(self, x: torch.Tensor, last: torch.Tensor, targets: torch.Tensor | None, num_iterations: int,
+             first_halt: int, rule: tuple, last_token_only: bool) -> dict:
+        """Training (targets, no halting rule; also evaluation at a fixed depth) runs every iteration on the
+        whole batch and scores each x_{d+1}. Otherwise after each iteration the rule (halt_threshold,
+        sample_halting) decides who stops; a stopped sequence keeps its state and output and, eagerly, runs
+        no more (the active set). Without targets the logits (at the last valid token with last_token_only:
+        generate); with them the losses, each sequence scored where it stopped (evaluation's halted loss)."""
+        B = x.shape[0]
+        everyone = targets is not None and rule == (None, False)  # training: no active set, no masks
+        running = None if everyone else torch.ones(B, dtype=torch.bool, device=x.device)  # (B,) iterating
+        log_unhalted = torch.zeros(B, device=x.device)  # log prod_{i<d} (1 - lambda_i), for the threshold
+        states, routing, log_lambda, ran, outputs = [x], [], [], [], []
         for iteration in range(num_iterations):
-            x, step_routing, step_log_lambda = self.iterate(x, last, iteration)
+            rows = None if everyone else active_rows(running)  # (n,) indices, or None: the whole batch
+            if rows is not None and rows.numel() == 0:
+                break
+            x_next, step_routing, step_log_lambda = self.iterate(take(x, rows), take(last, rows), iteration)
             # iteration d scored on its output x_{d+1}, never the embedding x_0 (our choice)
-            token_losses.append(self.token_losses(x, targets))  # (B, T)
+            output = self.decode(x_next, take(last, rows) if last_token_only else None) if targets is None \
+                else self.token_losses(x_next, take(targets, rows))
+            if not everyone:
+                unhalted = take(log_unhalted, rows)
+                stop = halt_now(step_log_lambda, iteration, num_iterations, first_halt, unhalted, *rule)
+                if iteration >= first_halt:  # before the minimum depth lambda := 0, so log(1 - lambda) = 0
+                    unhalted = unhalted + step_log_lambda["continue"].detach()
+                    log_unhalted = write_back(log_unhalted, unhalted, rows, running)
+                ran.append(running)
+            x = write_back(x, x_next, rows, running)  # halted sequences keep their state and output
+            outputs.append(write_back(outputs[-1], output, rows, running) if outputs else output)
             states.append(x)
-            routing.append(step_routing)
-            log_lambda.append(step_log_lambda)
+            routing.append(fill_back(step_routing, rows, running))
+            log_lambda.append(fill_back(step_log_lambda, rows, running))
+            if not everyone:
+                running = running & ~write_back(torch.zeros_like(running), stop, rows, running)
         routing, log_lambda = stack_steps(routing, dim=0), stack_steps(log_lambda, dim=1)  # (D', B), (B, D')
-        # Eq. 5 with its two masks on the heads' lambda: := 0 before the curriculum's minimum depth, 1 at D'
-        log_p = halting_log_distribution(log_lambda["halt"], log_lambda["continue"], first_halt)
-        losses = training_losses(self.config, routing, log_lambda, log_p, torch.stack(token_losses), targets,
-                                 self.kl_scale)  # Eq. 6-10
-        iterations = torch.full_like(last, num_iterations)
-        return dict(self.record(routing, log_lambda, log_p, iterations), states=states, **losses)
+        ran = None if everyone else torch.stack(ran, 1)  # (B, D'): the iterations each sequence ran
+        iterations = torch.full_like(last, num_iterations) if everyone else ran.sum(1)  # (B,)
+        # Eq. 5 with its two masks on the heads' lambda: := 0 before the curriculum's minimum depth, 1 at the
+        # iteration each sequence stopped at
+        log_p = halting_log_distribution(log_lambda["halt"], log_lambda["continue"], first_halt,
+                                         stop=iterations - 1)
+        out = dict(self.record(routing, log_lambda, log_p, iterations), states=states)
+        if targets is not None:  # Eq. 6-10
+            return dict(out, **training_losses(self.config, routing, log_lambda, log_p, torch.stack(outputs),
+                                               targets, self.kl_scale, ran))
+        aux = aux_losses(self.config, routing, log_p, self.kl_scale, ran)
+        return dict(out, aux_losses=aux, logits=outputs[-1],
+                    **({} if last_token_only else dict(step_logits=torch.stack(outputs))))
 
     def iterate(self, x: torch.Tensor, last: torch.Tensor, iteration: int) -> tuple[torch.Tensor, dict, dict]:
         """One iteration (Eq. 1-4) of the sequences x: (n, T, H), last: (n,) their last valid index.
@@ -322,9 +337,14 @@ class AlterNet(nn.Module):
         return x_next, routing, self.log_lambda(x_next, last, log_gates, halt_logits)
 
     def route(self, h: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence-level router (Eq. 1-2). h: (n, H) last-valid-token states -> (raw logits, the
-        clamped ones the router acts on), each (n, E) fp32."""
-        encodings = router_encodings(iteration, self.config).to(h.device).expand(len(h), -1)  # (n, m or 2m)
+        """Sequence-level router (Eq. 1-2) on h: (n, H) with e_t, t = d / (D - 1) on the trained D (D = 1:
+        t = 0), and e_{1-t} (the remaining budget) -> (raw logits, the clamped ones it acts on), (n, E) fp32."""
+        max_depth, dim = self.config.max_depth, self.config.depth_dim
+        t = iteration / (max_depth - 1) if max_depth > 1 else 0.0
+        encodings = [depth_encoding(t, dim)]  # e_t
+        if self.config.budget_signal:
+            encodings.append(depth_encoding(1 - t, dim))  # e_{1-t}: remaining budget
+        encodings = torch.cat(encodings).to(h.device).expand(len(h), -1)  # (n, m or 2m)
         with torch.autocast(h.device.type, enabled=False):  # router math in fp32 (Switch)
             logits = F.linear(torch.cat([h.float(), encodings], dim=-1), self.router.weight.float())
         clamp = self.config.logit_clamp
@@ -392,9 +412,21 @@ class AlterNet(nn.Module):
         """Called by the training loop before the forward of optimizer step `step`. Evaluated here, not in
         forward: forward reads a depth that changes at most D times and the a_KL scale as a 0-d tensor, so
         torch.compile has no per-step value to guard on (a step counter read in forward recompiles)."""
-        self.schedule_step = int(step)
-        self.curriculum_depth = curriculum_depth(self.config, self.schedule_step)
-        self.kl_scale.fill_(kl_ramp(self.config, self.schedule_step))
+        cfg, self.schedule_step = self.config, int(step)
+        since_release = self.schedule_step - cfg.min_depth_warmup
+        # The curriculum's minimum depth in iterations, 1-based (§4): for the first min_depth_warmup steps the
+        # model is "forced to stick to its maximum number of iterations" (lambda_d := 0 before D, so L_PN is
+        # the CE at D; L_RIR still trains the halt heads); then 1 at once, or D -> 1 linearly over
+        # min_depth_release_steps (our choice), off by default.
+        self.curriculum_depth = cfg.max_depth if since_release < 0 else 1
+        if 0 <= since_release < cfg.min_depth_release_steps:
+            self.curriculum_depth = math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release
+                                              / cfg.min_depth_release_steps)
+        # a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1 over
+        # kl_ramp_steps. Its start (our choice): in the curriculum the KL has no gradient, so a ramp from
+        # step 0 would jump to its full value at the release.
+        ramp = cfg.kl_ramp_steps
+        self.kl_scale.fill_(min(1.0, max(0.0, since_release / ramp)) if ramp else float(since_release >= 0))
 
     def first_halt(self, num_iterations: int) -> int:
         """The 0-based index of the first iteration that may halt. The curriculum counts iterations from 1
@@ -402,49 +434,7 @@ class AlterNet(nn.Module):
         training the curriculum's m, capped at num_iterations; at evaluation and inference none (m = 1)."""
         return min(self.curriculum_depth, num_iterations) - 1 if self.training else 0
 
-    # -- inference: a halting rule per sequence, halted sequences stop costing compute --
-
-    def infer(self, x: torch.Tensor, last: torch.Tensor, targets: torch.Tensor | None, num_iterations: int,
-              first_halt: int, rule: tuple, last_token_only: bool) -> dict:
-        """After each iteration the rule (halt_threshold, sample_halting) decides who stops; a stopped
-        sequence keeps its state and output and, eagerly, runs no more (the active set). Without targets
-        the logits (at the last valid token with last_token_only: generate); with them the losses, each
-        sequence scored at the iteration it stopped at (the halted loss of evaluation)."""
-        B = x.shape[0]
-        running = torch.ones(B, dtype=torch.bool, device=x.device)  # (B,) still iterating
-        log_unhalted = torch.zeros(B, device=x.device)  # log prod_{i<d} (1 - lambda_i), for the threshold
-        states, routing, log_lambda, ran, outputs = [x], [], [], [], []
-        for iteration in range(num_iterations):
-            rows = active_rows(running)  # (n,) indices, or None: the whole batch
-            if rows is not None and rows.numel() == 0:
-                break
-            x_next, step_routing, step_log_lambda = self.iterate(take(x, rows), take(last, rows), iteration)
-            output = self.decode(x_next, take(last, rows) if last_token_only else None) if targets is None \
-                else self.token_losses(x_next, take(targets, rows))
-            unhalted = take(log_unhalted, rows)
-            stop = halt_now(step_log_lambda, iteration, num_iterations, first_halt, unhalted, *rule)
-            if iteration >= first_halt:  # before the minimum depth lambda := 0, so log(1 - lambda) = 0
-                unhalted = unhalted + step_log_lambda["continue"].detach()
-                log_unhalted = write_back(log_unhalted, unhalted, rows, running)
-            x = write_back(x, x_next, rows, running)  # halted sequences keep their state and output
-            outputs.append(write_back(outputs[-1], output, rows, running) if outputs else output)
-            states.append(x)
-            routing.append(fill_back(step_routing, rows, running))
-            log_lambda.append(fill_back(step_log_lambda, rows, running))
-            ran.append(running)
-            running = running & ~write_back(torch.zeros_like(running), stop, rows, running)
-        routing, log_lambda = stack_steps(routing, dim=0), stack_steps(log_lambda, dim=1)  # (D', B), (B, D')
-        ran = torch.stack(ran, 1)  # (B, D')
-        iterations = ran.sum(1)  # (B,)
-        log_p = halting_log_distribution(log_lambda["halt"], log_lambda["continue"], first_halt,
-                                         stop=iterations - 1)
-        out = dict(self.record(routing, log_lambda, log_p, iterations), states=states)
-        if targets is not None:
-            return dict(out, **training_losses(self.config, routing, log_lambda, log_p, torch.stack(outputs),
-                                               targets, self.kl_scale, ran))
-        aux = aux_losses(self.config, routing, log_p, self.kl_scale, ran)
-        return dict(out, aux_losses=aux, logits=outputs[-1],
-                    **({} if last_token_only else dict(step_logits=torch.stack(outputs))))
+    # -- inference --
 
     def decode(self, x: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
         """Shared final norm + LM head: (n, T, H) -> (n, T, V), or (n, 1, V) at `last` only."""
@@ -480,7 +470,7 @@ class AlterNet(nn.Module):
         return n - self.pos_emb.weight.numel() if non_embedding else n
 
 
-# --- the training loss (Eq. 4-10), in the order train_forward calls it, in log space ----------------
+# --- the training loss (Eq. 4-10), in the order loop calls it, in log space ----------------
 # A confident halt head saturates: lambda rounds to 1 or prod(1 - lambda) underflows, so some p_d are
 # exactly 0. p log p then has a 0/0 gradient; log p computed from logsigmoid stays finite, and the KL
 # treats p_d = 0 exactly (its term and gradient are 0). Axes: lambda and p are (B, D), a sequence per row
@@ -615,18 +605,14 @@ def relative_improvement_loss(log_halt: torch.Tensor, log_continue: torch.Tensor
     ran (all in training): a sequence averages over the iterations d >= 1 it ran."""
     if log_halt.shape[1] < 2:
         return log_halt.sum() * 0
-    target = 1 - improvement_weights(ce)  # (B, D-1): halt when iteration d did not help
+    ce = ce.detach()  # a target; Eq. 10: w_d = sigmoid(50 (max(CE_{d-1} - CE_d, 0) - 0.005)), d = 1..D-1
+    improvement = torch.sigmoid(50 * ((ce[:, :-1] - ce[:, 1:]).clamp(min=0) - 0.005))  # (B, D-1)
+    target = 1 - improvement  # halt when iteration d did not help
     bce = -(target * log_halt[:, 1:] + (1 - target) * log_continue[:, 1:])  # (B, D-1)
     ran = torch.ones_like(bce, dtype=torch.bool) if ran is None else ran[:, 1:]
     per_sequence = (bce * ran).sum(1) / ran.sum(1).clamp(min=1)  # (B,)
     has_pairs = ran.any(1)
     return (per_sequence * has_pairs).sum() / has_pairs.sum().clamp(min=1)
-
-
-def improvement_weights(ce: torch.Tensor) -> torch.Tensor:
-    """Eq. 10: w_d = sigmoid(50 (max(CE_{d-1} - CE_d, 0) - 0.005)), d = 1..D-1: (B, D) -> (B, D-1)."""
-    ce = ce.detach()  # a target
-    return torch.sigmoid(50 * ((ce[:, :-1] - ce[:, 1:]).clamp(min=0) - 0.005))
 
 
 # --- the model's helpers: decoding, initialisation, schedules, the active rows, sampling ---------------
@@ -659,29 +645,6 @@ def init_weights(model: AlterNet, config: AlterNetConfig) -> None:
             nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.max_depth))
         if name.endswith("halt_head.bias"):
             nn.init.constant_(p, config.halt_bias_init)  # sigmoid(-3) ~ 0.05: start by not halting
-
-
-def curriculum_depth(cfg: AlterNetConfig, step: int) -> int:
-    """The curriculum's minimum depth in iterations, 1-based (§4): for the first min_depth_warmup steps the
-    model is "forced to stick to its maximum number of iterations" (lambda_d := 0 before D, so L_PN is the
-    CE at D; the halt heads keep learning from L_RIR). Then released at once, or linearly from D to 1 over
-    min_depth_release_steps (our choice), off by default."""
-    since_release = step - cfg.min_depth_warmup
-    if since_release < 0:
-        return cfg.max_depth
-    if since_release < cfg.min_depth_release_steps:
-        return math.ceil(cfg.max_depth - (cfg.max_depth - 1) * since_release / cfg.min_depth_release_steps)
-    return 1
-
-
-def kl_ramp(cfg: AlterNetConfig, step: int) -> float:
-    """a_KL ramp (Table 2, "a_KL warmup steps"): 0 until the curriculum ends, then linear to 1 over
-    kl_ramp_steps. Its start (our choice): in the curriculum the KL has no gradient, so a ramp from step 0
-    would jump to its full value at the release."""
-    since_release = step - cfg.min_depth_warmup
-    if cfg.kl_ramp_steps == 0:
-        return float(since_release >= 0)
-    return min(1.0, max(0.0, since_release / cfg.kl_ramp_steps))
 
 
 def active_rows(mask: torch.Tensor, none_when_all: bool = True) -> torch.Tensor | None:
@@ -724,7 +687,10 @@ def stack_steps(steps: list[dict], dim: int) -> dict:
 def write_back(full: torch.Tensor, part: torch.Tensor, rows: torch.Tensor | None,
                running: torch.Tensor) -> torch.Tensor:
     """full (B, ...) with the sequences that ran this iteration (running: (B,) bool) taking their new values:
-    part holds those rows (indices `rows`), or, rows None, the whole batch. The others keep theirs."""
+    part holds those rows (indices `rows`), or, rows None, the whole batch. The others keep theirs. running
+    None: every sequence runs (training), part is the whole batch."""
+    if running is None:
+        return part
     if rows is not None:
         part = full.index_copy(0, rows, part)
     return torch.where(running.view(-1, *[1] * (full.dim() - 1)), part, full)
@@ -737,6 +703,8 @@ FILLS = {"expert_indices": -1, "halt": -math.inf}
 
 def fill_back(step: dict, rows: torch.Tensor | None, running: torch.Tensor) -> dict:
     """A step's record of the running sequences -> the whole batch's, FILLS (else 0) for halted ones."""
+    if running is None:
+        return step
     return {key: write_back(value.new_full((len(running), *value.shape[1:]), FILLS.get(key, 0)), value, rows,
                             running) for key, value in step.items()}
 
