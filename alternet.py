@@ -239,7 +239,18 @@ class AlterNet(nn.Module):
         self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
         if config.tie_embeddings:  # tied (our choice): the paper is silent; GPT-2's tying, V x H fewer
             self.lm_head.weight = self.tok_emb.weight
-        init_weights(self, config)
+        for module in self.modules():  # N(0, 0.02) weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for name, p in self.named_parameters():
+            # std 0.02 / sqrt(2D) on the projections into the residual stream (our choice): the paper gives no
+            # init; GPT-2's 0.02 / sqrt(2 layers), the D iterations as layers, as up to D updates are summed
+            if name.endswith(("attn.proj.weight", "ffn.fc2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.max_depth))
+            if name.endswith("halt_head.bias"):
+                nn.init.constant_(p, config.halt_bias_init)  # sigmoid(-3) ~ 0.05: start by not halting
         # the schedules at the optimizer step of set_step(); without a trainer they are finished
         self.schedule_step = None
         self.curriculum_depth = 1  # minimum iterations in training (curriculum, paper §4)
@@ -314,7 +325,9 @@ class AlterNet(nn.Module):
         # iteration each sequence stopped at
         log_p = halting_log_distribution(log_lambda["halt"], log_lambda["continue"], first_halt,
                                          stop=iterations - 1)
-        out = dict(self.record(routing, log_lambda, log_p, iterations), states=states)
+        out = dict(halting_distribution=log_p.exp(), iterations=iterations, states=states,
+                   halt_lambdas=log_lambda["halt"].exp(),
+                   **{key: routing[key] for key in ("router_logits", "expert_indices", "gates")})
         if targets is not None:  # Eq. 6-10
             return dict(out, **training_losses(self.config, routing, log_lambda, log_p, torch.stack(outputs),
                                                targets, self.kl_scale, ran))
@@ -337,8 +350,8 @@ class AlterNet(nn.Module):
         return x_next, routing, self.log_lambda(x_next, last, log_gates, halt_logits)
 
     def route(self, h: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence-level router (Eq. 1-2) on h: (n, H) with e_t, t = d / (D - 1) on the trained D (D = 1:
-        t = 0), and e_{1-t} (the remaining budget) -> (raw logits, the clamped ones it acts on), (n, E) fp32."""
+        """Sequence-level router (Eq. 1-2) on h: (n, H), e_t with t = d / (D - 1) on the trained D (D = 1:
+        t = 0) and e_{1-t} (the remaining budget) -> (raw logits, the clamped ones used), (n, E) fp32."""
         max_depth, dim = self.config.max_depth, self.config.depth_dim
         t = iteration / (max_depth - 1) if max_depth > 1 else 0.0
         encodings = [depth_encoding(t, dim)]  # e_t
@@ -392,19 +405,15 @@ class AlterNet(nn.Module):
         """Per-token cross-entropy of decode(x): x (n, T, H), targets (n, T) -> (n, T) fp32, 0 where -1. Never
         holds the (n, T, V) logits: chunks of LOSS_CHUNK_LOGITS // V tokens, each recomputed in backward
         (activation checkpointing), so the loss's extra memory is one chunk's logits whatever D and T are."""
+        def decoded_cross_entropy(xs: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:  # fp32, also autocast
+            return F.cross_entropy(self.decode(xs).float(), ts, ignore_index=-1, reduction="none")
+
         chunk = loss_chunk_tokens(self.config.vocab_size)
         flat_x, flat_targets = rearrange(x, "n t h -> (n t) h"), targets.flatten()
-        losses = [checkpoint(decoded_cross_entropy, self, xs, ts, use_reentrant=False,
-                             preserve_rng_state=False) if torch.is_grad_enabled()
-                  else decoded_cross_entropy(self, xs, ts)
+        losses = [checkpoint(decoded_cross_entropy, xs, ts, use_reentrant=False, preserve_rng_state=False)
+                  if torch.is_grad_enabled() else decoded_cross_entropy(xs, ts)
                   for xs, ts in zip(flat_x.split(chunk), flat_targets.split(chunk))]
         return torch.cat(losses).view(targets.shape)  # (n, T)
-
-    def record(self, routing: dict, log_lambda: dict, log_p: torch.Tensor, iterations: torch.Tensor) -> dict:
-        """What every call returns besides its logits or losses: p, iterations, the routing record, lambda."""
-        return dict(halting_distribution=log_p.exp(), iterations=iterations,
-                    halt_lambdas=log_lambda["halt"].exp(),
-                    **{key: routing[key] for key in ("router_logits", "expert_indices", "gates")})
 
     # -- the training schedules (paper §4, Table 2): set by the trainer, read by forward --
 
@@ -615,7 +624,7 @@ def relative_improvement_loss(log_halt: torch.Tensor, log_continue: torch.Tensor
     return (per_sequence * has_pairs).sum() / has_pairs.sum().clamp(min=1)
 
 
-# --- the model's helpers: decoding, initialisation, schedules, the active rows, sampling ---------------
+# --- the model's helpers: the loss's chunks, the active rows, halting, sampling ---------------------
 
 # The loss decodes this many logits at a time (our choice): 2^25, 128 MiB in fp32, ~670 tokens at
 # GPT-2's V = 50,257, so its memory grows with neither the iterations D nor the tokens B x T.
@@ -624,27 +633,6 @@ LOSS_CHUNK_LOGITS = 2 ** 25
 
 def loss_chunk_tokens(vocab_size: int) -> int:
     return max(1, LOSS_CHUNK_LOGITS // vocab_size)
-
-
-def decoded_cross_entropy(model: AlterNet, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(N, H), (N,) -> (N,) fp32: CE of one chunk's decoded logits, taken in fp32 also under autocast."""
-    return F.cross_entropy(model.decode(x).float(), targets, ignore_index=-1, reduction="none")
-
-
-def init_weights(model: AlterNet, config: AlterNetConfig) -> None:
-    """N(0, 0.02) linears and embeddings, zero biases; GPT-2's scaled residual projections; halt bias."""
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-    for name, p in model.named_parameters():
-        # std 0.02 / sqrt(2D) on the projections into the residual stream (our choice): the paper gives no
-        # init; GPT-2's 0.02 / sqrt(2 layers), the D iterations as layers, as up to D updates are summed
-        if name.endswith(("attn.proj.weight", "ffn.fc2.weight")):
-            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.max_depth))
-        if name.endswith("halt_head.bias"):
-            nn.init.constant_(p, config.halt_bias_init)  # sigmoid(-3) ~ 0.05: start by not halting
 
 
 def active_rows(mask: torch.Tensor, none_when_all: bool = True) -> torch.Tensor | None:
