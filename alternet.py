@@ -31,10 +31,9 @@ each position as generation does (routing and halting on its own prefix), and tr
 batch to random lengths (`random_length_fraction`) so the router and halt heads see every position.
 Generation is exact.
 
-Where the paper is silent the code says "our choice" and why, in brackets at the line; docs/choices.md
-lists them. Layout, in call order: blocks -> config and its contract -> the model (forward; training;
-schedules; inference and generate) -> the training loss (Eq. 4-10, in the order loop calls it) ->
-helpers -> causal evaluation -> presets. Tokenizers, and sampling a checkpoint: lib/language.py, sample.py.
+Where the paper is silent the code says "our choice" and why; docs/choices.md lists them. Layout, in call
+order: blocks -> config and its contract -> the model (forward and its loop, schedules, generate) -> the
+loss (Eq. 4-10) -> helpers -> causal evaluation -> presets. Tokenizers: lib/language.py; sampling: sample.py.
 """
 
 from __future__ import annotations
@@ -260,14 +259,11 @@ class AlterNet(nn.Module):
                 halt_threshold: float | None = None, lengths: torch.Tensor | None = None, *,
                 sample_halting: bool = False, return_states: bool = False,
                 last_token_only: bool = False) -> dict:
-        """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict of outputs (above).
-
-        max_depth: this call's cap D' on iterations (default: the trained D; more extrapolates).
-        halt_threshold: stop a sequence once its cumulative halting probability reaches it; sample_halting:
-        stop with probability lambda_d (the conditional, not p_d). Either needs halting=True; none stops
-        before the curriculum's minimum depth. targets: (B, T) long, -1 = ignore (as are positions >=
-        lengths): the outputs are the losses. Training (targets, no halting rule; also evaluation at a fixed
-        depth) runs every iteration on the whole batch; the rest is inference: a halting rule, or logits."""
+        """tokens: (B, T) long, right-padded when `lengths` (B,) is given -> the dict above. max_depth: this
+        call's cap D' (default the trained D; more extrapolates). halt_threshold: stop a sequence once its
+        cumulative halting probability reaches it; sample_halting: stop with probability lambda_d (the
+        conditional, not p_d); neither stops before the curriculum's minimum depth. targets: (B, T) long,
+        -1 = ignore (as are positions >= lengths): the outputs are the losses."""
         check_call(self.config, tokens, targets, lengths, max_depth, halt_threshold, sample_halting,
                    last_token_only)
         B, T = tokens.shape
@@ -438,9 +434,8 @@ class AlterNet(nn.Module):
         self.kl_scale.fill_(min(1.0, max(0.0, since_release / ramp)) if ramp else float(since_release >= 0))
 
     def first_halt(self, num_iterations: int) -> int:
-        """The 0-based index of the first iteration that may halt. The curriculum counts iterations from 1
-        (a minimum depth of m iterations), the loop indexes them from 0: the one conversion, m - 1. In
-        training the curriculum's m, capped at num_iterations; at evaluation and inference none (m = 1)."""
+        """The 0-based index of the first iteration that may halt: the one conversion from the curriculum's
+        1-based minimum depth m (capped at num_iterations), m - 1; 0 at evaluation and inference."""
         return min(self.curriculum_depth, num_iterations) - 1 if self.training else 0
 
     # -- inference --
@@ -453,9 +448,8 @@ class AlterNet(nn.Module):
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, halt_threshold: float | None = None,
                  max_depth: int | None = None, temperature: float = 1.0, top_k: int | None = None,
                  sample_halting: bool = False, return_iterations: bool = False) -> torch.Tensor | tuple:
-        """Autoregressive sampling with forward's halting (call .eval() first): tokens (B, T) long ->
-        (B, T + max_new_tokens), the context cropped to seq_len. halt_threshold, sample_halting, max_depth:
-        as in forward (no rule: every iteration up to the cap). temperature 0 = greedy. return_iterations:
+        """Autoregressive sampling with forward's halting and cap (call .eval() first): tokens (B, T) long ->
+        (B, T + max_new_tokens), the context cropped to seq_len; temperature 0 = greedy. return_iterations:
         also the iterations used per new token, (B, max_new_tokens)."""
         V = self.config.vocab_size
         check_call(self.config, tokens[..., -self.config.seq_len:], max_depth=max_depth,
@@ -515,7 +509,6 @@ def training_losses(cfg: AlterNetConfig, routing: dict, log_lambda: dict, log_p:
                     token_losses: torch.Tensor, targets: torch.Tensor, kl_scale: torch.Tensor,
                     ran: torch.Tensor | None = None) -> dict:
     """Eq. 6, assembled here and only here: L = L_PN + a_KL KL + a_LB LB + a_z z + a_RIR L_RIR.
-
     token_losses: (D', B, T), the per-token CE of every iteration; log_lambda: the heads' (B, D') record;
     log_p: (B, D'); ran: (B, D'), the iterations each sequence ran (None = all). A sequence without a
     scored target counts in neither L_PN's nor L_RIR's 1/B (our choice) and trains no halt head."""
@@ -713,9 +706,8 @@ def halt_now(log_lambda: dict, iteration: int, num_iterations: int, first_halt: 
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
-    """(B, V) logits of the last position -> (B, 1) next token ids: greedy at temperature 0, else sampled
-    from softmax(logits / temperature), optionally among the top_k most likely. ValueError for logits that
-    are not finite (a diverged model: neither argmax nor multinomial has an answer)."""
+    """(B, V) logits -> (B, 1) ids: greedy at temperature 0, else sampled from softmax(logits / temperature),
+    among the top_k most likely if set. Non-finite logits (diverged weights) have no answer: ValueError."""
     if not torch.isfinite(logits).all():
         raise ValueError("the model's next-token logits are not finite (NaN or inf): diverged weights")
     if temperature == 0:
@@ -768,11 +760,9 @@ def causal_loss(model: AlterNet, tokens: torch.Tensor, targets: torch.Tensor, ma
 # --- presets (paper Appendix A, Tables 1-2) ------------------------------------------
 
 PRESETS = {
-    # Byte-level CPU model: Run II recipe (Gaussian prior, curriculum, a_RIR 0.2) with schedules
-    # shortened to a few-thousand-step run and a_KL 0.1 (group D).
-    "alternet-tiny": dict(vocab_size=256, seq_len=128, dim=128, heads=4, ffn_dim=512, num_experts=4, top_k=2,
-                          max_depth=6, depth_dim=16, prior="gaussian", kl_weight=0.1, kl_ramp_steps=200,
-                          min_depth_warmup=200, rir_weight=0.2),
+    # Byte-level CPU model, AlterNetConfig's defaults: Run II recipe (Gaussian prior, curriculum, a_RIR 0.2)
+    # with schedules shortened to a few-thousand-step run and a_KL 0.1 (group D).
+    "alternet-tiny": {},
     # 50M ablation model, as in Table 2: geometric prior p=0.12, no curriculum, a_RIR 0; a_KL 0.1, Table 2's
     # (our choice): Table 6's ablation default is 0.01.
     "alternet-50m": dict(vocab_size=50257, seq_len=512, dim=512, heads=8, ffn_dim=2048, num_experts=8,
