@@ -335,7 +335,17 @@ class AlterNet(nn.Module):
         """One iteration (Eq. 1-4) of the sequences x: (n, T, H), last: (n,) their last valid index.
         -> x_{d+1}, its routing record (each (n, ...)) and the heads' log lambda_d record (each (n,))."""
         h = at_last(x, last)  # (n, H): the last valid token's state
-        raw_logits, router_logits = self.route(h, iteration)  # (n, E)
+        # Eq. 1: the router reads h, e_t with t = d / (D - 1) on the trained D (D = 1: t = 0), and e_{1-t}
+        max_depth, dim = self.config.max_depth, self.config.depth_dim
+        t = iteration / (max_depth - 1) if max_depth > 1 else 0.0
+        encodings = [depth_encoding(t, dim)]  # e_t
+        if self.config.budget_signal:
+            encodings.append(depth_encoding(1 - t, dim))  # e_{1-t}: remaining budget
+        encodings = torch.cat(encodings).to(h.device).expand(len(h), -1)  # (n, m or 2m)
+        with torch.autocast(h.device.type, enabled=False):  # router math in fp32 (Switch)
+            raw_logits = F.linear(torch.cat([h.float(), encodings], dim=-1), self.router.weight.float())
+        clamp = self.config.logit_clamp  # the router acts on the clamped logits: (n, E) fp32
+        router_logits = raw_logits if clamp is None else raw_logits.clamp(-clamp, clamp)
         top_logits, expert_indices = router_logits.topk(self.config.top_k, dim=-1)  # (n, k)
         log_gates = top_logits.log_softmax(-1)  # Eq. 2: renormalised over the selected experts only
         gates = log_gates.exp()
@@ -344,20 +354,6 @@ class AlterNet(nn.Module):
         routing = dict(router_logits=router_logits, raw_router_logits=raw_logits,
                        expert_indices=expert_indices, gates=gates)
         return x_next, routing, self.log_lambda(x_next, last, log_gates, halt_logits)
-
-    def route(self, h: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence-level router (Eq. 1-2) on h: (n, H), e_t with t = d / (D - 1) on the trained D (D = 1:
-        t = 0) and e_{1-t} (the remaining budget) -> (raw logits, the clamped ones used), (n, E) fp32."""
-        max_depth, dim = self.config.max_depth, self.config.depth_dim
-        t = iteration / (max_depth - 1) if max_depth > 1 else 0.0
-        encodings = [depth_encoding(t, dim)]  # e_t
-        if self.config.budget_signal:
-            encodings.append(depth_encoding(1 - t, dim))  # e_{1-t}: remaining budget
-        encodings = torch.cat(encodings).to(h.device).expand(len(h), -1)  # (n, m or 2m)
-        with torch.autocast(h.device.type, enabled=False):  # router math in fp32 (Switch)
-            logits = F.linear(torch.cat([h.float(), encodings], dim=-1), self.router.weight.float())
-        clamp = self.config.logit_clamp
-        return logits, logits if clamp is None else logits.clamp(-clamp, clamp)
 
     def mix_experts(self, x: torch.Tensor, last: torch.Tensor, expert_indices: torch.Tensor,
                     gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,8 +433,6 @@ class AlterNet(nn.Module):
         """The 0-based index of the first iteration that may halt: the one conversion from the curriculum's
         1-based minimum depth m (capped at num_iterations), m - 1; 0 at evaluation and inference."""
         return min(self.curriculum_depth, num_iterations) - 1 if self.training else 0
-
-    # -- inference --
 
     def decode(self, x: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
         """Shared final norm + LM head: (n, T, H) -> (n, T, V), or (n, 1, V) at `last` only."""
@@ -535,11 +529,12 @@ def aux_losses(cfg: AlterNetConfig, routing: dict, log_p: torch.Tensor, kl_scale
     flat = {key: value.flatten(0, 1) for key, value in routing.items()}  # (D' B, ...): the decisions
     made = None if ran is None else ran.T.flatten()
     # Pooled over every (sequence, iteration) decision, so experts may specialise by depth (our choice).
-    # ST-MoE's order (our choice): the z-loss on the logits before the clamp (it keeps pulling a logit
-    # past +-c back), the gates and the balance on the clamped ones the router acts on
+    # z-loss (Zoph et al. 2022): the mean of logsumexp(l)^2. ST-MoE's order (our choice): on the logits
+    # before the clamp (it keeps pulling a logit past +-c back), the gates and balance on the clamped ones
+    z_loss = pooled_mean(torch.logsumexp(flat["raw_router_logits"], dim=-1).pow(2), made)
     aux = dict(balance=cfg.balance_weight * load_balance_loss(flat["router_logits"], flat["expert_indices"],
                                                               cfg.num_experts, made),
-               z=cfg.z_loss_weight * router_z_loss(flat["raw_router_logits"], made))
+               z=cfg.z_loss_weight * z_loss)
     if cfg.halting:  # Model I: p is one-hot at D by construction, nothing to regularise
         log_prior = log_depth_prior(log_p.shape[1], cfg.max_depth, cfg.prior, cfg.geometric_p)
         aux["kl"] = cfg.kl_weight * kl_scale * kl_divergence(log_p, log_prior.to(log_p.device))
@@ -556,11 +551,6 @@ def load_balance_loss(router_logits: torch.Tensor, expert_indices: torch.Tensor,
     fraction = pooled_mean(routed, ran)  # (E,)
     mean_probability = pooled_mean(router_logits.softmax(-1), ran)  # (E,)
     return num_experts * (fraction * mean_probability).sum()
-
-
-def router_z_loss(router_logits: torch.Tensor, ran: torch.Tensor | None = None) -> torch.Tensor:
-    """z-loss (Zoph et al. 2022): mean over decisions of logsumexp(l)^2. router_logits: (N, E)."""
-    return pooled_mean(torch.logsumexp(router_logits, dim=-1).pow(2), ran)
 
 
 def pooled_mean(values: torch.Tensor, ran: torch.Tensor | None) -> torch.Tensor:
@@ -733,12 +723,11 @@ def training_lengths(batch_size: int, seq_len: int, fraction: float,
 @torch.no_grad()
 def causal_loss(model: AlterNet, tokens: torch.Tensor, targets: torch.Tensor, max_depth: int | None = None,
                 halt_threshold: float | None = None, rows_per_call: int = 512) -> dict:
-    """Score each position as generation sees it (call model.eval() first): position i predicted by the model
-    run on the prefix tokens[:, :i+1] alone, routing and halting on token i (§3's "last valid token"), where
-    the full-window forward routes every position on the window's last token. Exact and batched: positions
-    fold into the batch as rows tokens[b, :end] with lengths = i + 1 (causal attention hides the tokens
-    after i) and only position i is decoded; rows_per_call bounds memory. tokens, targets: (B, T) long
-    (targets -1 = ignore) -> dict(ce (B, T) fp32, 0 where ignored; iterations (B, T); loss: mean CE)."""
+    """Score each position as generation sees it (call model.eval() first): position i by the model run on
+    tokens[:, :i+1] alone, routing and halting on token i (§3's "last valid token"), where the full-window
+    forward routes every position on the window's last token. Exact and batched: position i is a row
+    tokens[b, :end] with lengths = i + 1, only i decoded; rows_per_call bounds memory. targets -1 = ignore
+    -> dict(ce (B, T) fp32, 0 where ignored; iterations (B, T); loss: mean CE)."""
     B, T = tokens.shape
     ce = torch.zeros(B, T, device=tokens.device)
     iterations = torch.zeros(B, T, dtype=torch.long, device=tokens.device)
