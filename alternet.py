@@ -287,10 +287,9 @@ class AlterNet(nn.Module):
         sample_halting) decides who stops; a stopped sequence keeps its state and output and, eagerly, runs
         no more (the active set). Without targets the logits (at the last valid token with last_token_only:
         generate); with them the losses, each sequence scored where it stopped (evaluation's halted loss)."""
-        B = x.shape[0]
         everyone = targets is not None and rule == (None, False)  # training: no active set, no masks
-        running = None if everyone else torch.ones(B, dtype=torch.bool, device=x.device)  # (B,) iterating
-        log_unhalted = torch.zeros(B, device=x.device)  # log prod_{i<d} (1 - lambda_i), for the threshold
+        running = None if everyone else torch.ones(len(x), dtype=torch.bool, device=x.device)  # (B,) running
+        log_unhalted = torch.zeros(len(x), device=x.device)  # log prod_{i<d} (1 - lambda_i): the threshold's
         states, routing, log_lambda, ran, outputs = [x], [], [], [], []
         for iteration in range(num_iterations):
             rows = None if everyone else active_rows(running)  # (n,) indices, or None: the whole batch
@@ -317,8 +316,7 @@ class AlterNet(nn.Module):
         routing, log_lambda = stack_steps(routing, dim=0), stack_steps(log_lambda, dim=1)  # (D', B), (B, D')
         ran = None if everyone else torch.stack(ran, 1)  # (B, D'): the iterations each sequence ran
         iterations = torch.full_like(last, num_iterations) if everyone else ran.sum(1)  # (B,)
-        # Eq. 5 with its two masks on the heads' lambda: := 0 before the curriculum's minimum depth, 1 at the
-        # iteration each sequence stopped at
+        # Eq. 5, two masks on the heads' lambda: := 0 before the minimum depth, 1 where each sequence stopped
         log_p = halting_log_distribution(log_lambda["halt"], log_lambda["continue"], first_halt,
                                          stop=iterations - 1)
         out = dict(halting_distribution=log_p.exp(), iterations=iterations, states=states,
@@ -374,8 +372,9 @@ class AlterNet(nn.Module):
                 # the head reads the expert's update y_j at the last valid token (our choice): Eq. 4 writes
                 # lhat_j = head_j(expert_j(x)), and our expert returns its update (Expert)
                 lhat = halt_logit(expert.halt_head, at_last(y, take(last, rows)))  # (n_e,) each
-                halt_logits = [torch.where(chosen, put_rows(new, rows, n)[:, None], old)
-                               for new, old in zip(lhat, halt_logits)]
+                if rows is not None:  # back to all n rows
+                    lhat = [new.new_zeros(n).index_copy(0, rows, new) for new in lhat]
+                halt_logits = [torch.where(chosen, new[:, None], old) for new, old in zip(lhat, halt_logits)]
         return update, halt_logits
 
     def log_lambda(self, x_next: torch.Tensor, last: torch.Tensor, log_gates: torch.Tensor,
@@ -639,11 +638,6 @@ def take(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return values if rows is None else values[rows]
 
 
-def put_rows(part: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
-    """part (n_e, ...) written at `rows` of n zero rows (None: part is every row)."""
-    return part if rows is None else part.new_zeros(n, *part.shape[1:]).index_copy(0, rows, part)
-
-
 def halt_logit(head: nn.Linear, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A halt head on h: (n, H) -> its logits (n,) fp32, live and on detached h: L_RIR trains only the halt
     heads (Eq. 9), so its copy reaches nothing before them."""
@@ -656,7 +650,7 @@ def stack_steps(steps: list[dict], dim: int) -> dict:
 
 
 def write_back(full: torch.Tensor, part: torch.Tensor, rows: torch.Tensor | None,
-               running: torch.Tensor) -> torch.Tensor:
+               running: torch.Tensor | None) -> torch.Tensor:
     """full (B, ...) with the sequences that ran this iteration (running: (B,) bool) taking their new values:
     part holds those rows (indices `rows`), or, rows None, the whole batch. The others keep theirs. running
     None: every sequence runs (training), part is the whole batch."""
@@ -672,7 +666,7 @@ def write_back(full: torch.Tensor, part: torch.Tensor, rows: torch.Tensor | None
 FILLS = {"expert_indices": -1, "halt": -math.inf}
 
 
-def fill_back(step: dict, rows: torch.Tensor | None, running: torch.Tensor) -> dict:
+def fill_back(step: dict, rows: torch.Tensor | None, running: torch.Tensor | None) -> dict:
     """A step's record of the running sequences -> the whole batch's, FILLS (else 0) for halted ones."""
     if running is None:
         return step
