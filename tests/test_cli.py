@@ -3,7 +3,6 @@ defaults say what happens, every --device defaults to auto, and the extra an ima
 """
 import argparse
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -97,7 +96,8 @@ def test_an_output_replaces_only_an_earlier_output_of_the_project(tmp_path):
         assert output_problem(tmp_path / name) is None, name
     (tmp_path / "notes.md").write_text("# my notes\n")
     torch.save({"model": {}}, tmp_path / "model.json")
-    shutil.copy(ROOT / "weights" / "revit-mini.safetensors", tmp_path / "weights.st")  # packed, not exported
+    safetensors.torch.save_file({"w": torch.ones(2)}, tmp_path / "weights.st",
+                                metadata={"format": "revit.checkpoint"})  # a checkpoint's packed weights
     for name in ("notes.md", "model.json", "weights.st"):
         assert output_problem(tmp_path / name).startswith("already exists and is not an earlier output"), name
     write_json({"step": 1}, tmp_path / "metrics.jsonl")
