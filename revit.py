@@ -201,6 +201,16 @@ def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
     entropy = -(g * torch.log(g.clamp_min(1e-12))).sum(-1)
     return 1.0 - entropy / math.log(z.shape[-1]), torch.logsumexp(z, dim=-1).pow(2)
 
+class DepthRouter(nn.Sequential):
+    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E), (n, 1) coordinates -> (n, E) logits in fp32
+    whatever the autocast or dtype (App. A.5). A module (router.0, router.2), so hooks and counters see it."""
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        first, last = self[0], self[2]
+        with full_precision(s.device):
+            hidden = F.silu(F.linear(s.float(), first.weight.float(), first.bias.float()))  # (n, 16)
+            return F.linear(hidden, last.weight.float(), last.bias.float())
+
 class MergedFFN(NamedTuple):
     """FFN_t of Eq. 2: W2 GELU(W1 u + b1) + b2 with merged fp32 weights (d_ff, d), (d_ff,), (d, d_ff), (d,),
     cast to the tokens' dtype at use."""
@@ -224,8 +234,7 @@ class MergedExpertFFN(ExpertBank):
         super().__init__(dim, hidden, num_experts)
         self.temperature, self.router_prior = router_temperature, router_prior
         self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
-        self.router = nn.Sequential(nn.Linear(1, router_hidden), nn.SiLU(),  # psi (Eq. 1): router.0, router.2
-                                    nn.Linear(router_hidden, num_experts))
+        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(), nn.Linear(router_hidden, num_experts))
 
     def reset_router(self) -> None:
         """App. A.1: the output layer starts at zero, all experts equal. The hidden layer (the paper leaves
@@ -235,12 +244,9 @@ class MergedExpertFFN(ExpertBank):
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) logits z = psi(s), fp32 (App. A.5), plus our `depth_prior` (below)."""
+        """(n,) coordinates -> (n, E) fp32 logits z = psi(s), plus our optional `depth_prior` (below)."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
-        first, last = self.router[0], self.router[2]
-        with full_precision(s.device):
-            hidden = F.silu(F.linear(s, first.weight.float(), first.bias.float()))  # (n, 16)
-            z = F.linear(hidden, last.weight.float(), last.bias.float())          # (n, E)
+        z = self.router(s)                                                        # (n, E)
         return z + depth_prior(s, self.num_experts, self.router_prior) if self.router_prior else z
 
     def gates(self, coords: torch.Tensor) -> torch.Tensor:

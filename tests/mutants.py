@@ -71,8 +71,8 @@ AT = "tests/test_alternet.py::"
 
 MUTANTS = [
     # --- reViT, Eq. 1: the depth router psi, tau, the depth grid, the prior (App. A.1) ---
-    mutant("psi SiLU -> ReLU", R, "hidden = F.silu(F.linear(s, ", "hidden = F.relu(F.linear(s, ", *GATES),
-    mutant("psi SiLU -> tanh", R, "hidden = F.silu(F.linear(s, ", "hidden = torch.tanh(F.linear(s, ",
+    mutant("psi SiLU -> ReLU", R, "hidden = F.silu(F.linear(s.float()", "hidden = F.relu(F.linear(s.float()", *GATES),
+    mutant("psi SiLU -> tanh", R, "hidden = F.silu(F.linear(s.float()", "hidden = torch.tanh(F.linear(s.float()",
            *GATES),
     mutant("tau ignored by the gates", R, "torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)",
            "torch.softmax(self.gate_logits(coords), dim=-1)", *GATES),
@@ -139,8 +139,7 @@ MUTANTS = [
            "test_aux_loss_weights_default_to_table_6_and_cosines_are_not_trivial"),
     mutant("lambda_div default 1e-2", R, "diversity_weight: float = 1e-3", "diversity_weight: float = 1e-2",
            "test_aux_loss_weights_default_to_table_6_and_cosines_are_not_trivial"),
-    mutant("aux losses get no gradient to psi", R, "z = F.linear(hidden, last.weight.float(), last.bias.float())",
-           "z = F.linear(hidden, last.weight.float(), last.bias.float()).detach()",
+    mutant("aux losses get no gradient to psi", R, "z = self.router(s)  ", "z = self.router(s).detach()  ",
            "test_aux_losses_backpropagate_to_psi_and_the_bank_as_the_formulas_do"),
     # --- §3.2: elastic depth ---
     mutant("elastic: coordinates not renumbered", R, "rank.clamp_min(0).float() / (retained - 1).clamp_min(1).float()",
