@@ -281,6 +281,10 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
         # a missing train/ or val/: ImageFolder's FileNotFoundError names it; 224: Table 6's resolution
         train, test = (FolderImages(Path(data) / split, 224, split == "train", workers)
                        for split in ("train", "val"))
+        if train.dataset.classes != test.dataset.classes:  # a label must name the same class in both
+            differ = sorted(set(train.dataset.classes) ^ set(test.dataset.classes))
+            raise ValueError(f"{data}: val/ must hold the class folders of train/; {len(differ)} are in only "
+                             f"one of them ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})")
         return ImageData(train, test, len(train.dataset.classes), 3, 224, *NORMALISATION["imagenet"])
     if dataset == "planted":
         return planted_images(train_subset or PLANTED["train"], test_subset or PLANTED["test"])

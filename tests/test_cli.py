@@ -82,6 +82,17 @@ def test_the_extra_an_image_folder_needs_is_listed_with_its_reason(tmp_path, mon
         data.FolderImages(tmp_path, 224, True, 0)
 
 
+def test_an_image_folder_whose_val_classes_differ_from_train_is_refused(tmp_path, monkeypatch):
+    """A label is a class folder's index: val/ with other folders would score against other classes."""
+    from types import SimpleNamespace
+    from lib import data
+    classes = {"train": ["cat", "dog", "owl"], "val": ["cat", "owl"]}
+    monkeypatch.setattr(data, "FolderImages", lambda root, *args: SimpleNamespace(
+        dataset=SimpleNamespace(classes=classes[Path(root).name])))
+    with pytest.raises(ValueError, match=r"val/ must hold the class folders of train/; 1 are in only one .*\(dog\)"):
+        data.load_images("imagenet", data=str(tmp_path))
+
+
 def test_an_output_replaces_only_an_earlier_output_of_the_project(tmp_path):
     """A command writes new files or its own: an earlier JSON report or figure is replaced; a user's notes,
     a saved checkpoint or a run's log never are."""
