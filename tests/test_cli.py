@@ -89,7 +89,7 @@ def test_an_image_folder_whose_val_classes_differ_from_train_is_refused(tmp_path
     classes = {"train": ["cat", "dog", "owl"], "val": ["cat", "owl"]}
     monkeypatch.setattr(data, "FolderImages", lambda root, *args: SimpleNamespace(
         dataset=SimpleNamespace(classes=classes[Path(root).name])))
-    with pytest.raises(ValueError, match=r"val/ must hold the class folders of train/; 1 are in only one .*\(dog\)"):
+    with pytest.raises(ValueError, match=r"val/ must hold the class folders of train/; 1 .*\(dog\)"):
         data.load_images("imagenet", data=str(tmp_path))
 
 
