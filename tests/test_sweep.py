@@ -257,6 +257,12 @@ def test_an_output_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, f
             run_cli(["--device", "cpu", "--grids", "tying", "--out", str(out)])
         assert message in str(error.value.code) and "\n" not in str(error.value.code)
     assert blocker.read_text() == "keep" and fake_train() == []
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "quality.json").write_text("my notes")  # a user's file where the sweep writes
+    with pytest.raises(SystemExit) as error:
+        run_cli(["--device", "cpu", "--grids", "tying", "--out", str(tmp_path / "notes")])
+    assert "its quality.json already exists and is not an earlier output" in str(error.value.code)
+    assert (tmp_path / "notes" / "quality.json").read_text() == "my notes" and fake_train() == []
 
 
 @pytest.mark.parametrize("content, message", [(TORN, "not a readable cell record (JSONDecodeError")]

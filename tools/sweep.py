@@ -33,7 +33,7 @@ if not __package__:  # run as a file (python tools/sweep.py): the project's modu
 import revit
 from lib import tables, tasks
 from lib.checkpoint import load_model
-from lib.boundary import MAX_DEPTH, check_numbers, fail, output_problem
+from lib.boundary import MAX_DEPTH, check_numbers, fail, outputs_problem
 from lib.cli import git_commit, json_text, pick_device, pyplot, run_main, say, write_json
 from tools.depths import progress
 from tools.plot import save_png
@@ -463,12 +463,13 @@ def run_sweep(args) -> dict:
     grids = [g.strip() for g in args.grids.split(",") if g.strip()]
     shard = re.fullmatch(r"(\d+)/(\d+)", args.shard.strip())
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
-    out_problem = output_problem(out_dir, "folder")
+    kinds = ("experts", "depths", "planted-depths", "gates")  # plot_quality's figures
+    out_problem = outputs_problem("--out", out_dir, ["quality.json", *(f"quality_{k}.png" for k in kinds)])
     rules = {f"--grids must name some of {', '.join(GRIDS)}; got {args.grids!r}":
              grids and set(grids) <= set(GRIDS),
              f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {args.shard!r}":
              shard and 1 <= int(shard[1]) <= int(shard[2]),
-             f"--out {out_dir} {out_problem}": not out_problem}
+             out_problem: not out_problem}
     problem = next((rule for rule, kept in rules.items() if not kept), None)
     if problem:
         fail(problem, PROG)
