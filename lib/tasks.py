@@ -268,6 +268,10 @@ def vision_overrides(cfg, images: data.ImageData) -> dict:
     for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop"):
         if getattr(cfg, name) is not None:
             overrides[name] = getattr(cfg, name)
+    twice = next((name for name in model_args if name in overrides), None)
+    if twice:  # the data set or a flag sets it already: --model-args would change it silently
+        by = f"--{twice.replace('_', '-')}" if getattr(cfg, twice, None) is not None else cfg.dataset
+        fail(f"--model-args {twice}={model_args[twice]}: {twice} is {overrides[twice]}, set by {by}")
     overrides.update(model_args)
     patch = overrides.get("patch_size", preset.get("patch_size", 16))
     if "patch_size" not in overrides and (images.image_size % patch or images.image_size // patch < 4):

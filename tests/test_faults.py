@@ -333,3 +333,24 @@ def test_every_entry_point_helps_without_fcntl_or_fork():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr.count("HELPED") == len(ENTRY_POINTS) and "usage:" in result.stdout
+
+
+@pytest.mark.parametrize("model_args, expected", [
+    ("num_classes=5", "--model-args num_classes=5: num_classes is 10, set by fashion-mnist"),
+    ("in_channels=3", "--model-args in_channels=3: in_channels is 1, set by fashion-mnist"),
+    ("depth=3", "--model-args depth=3: depth is 2, set by --depth"),
+])
+def test_what_the_data_or_a_flag_sets_is_not_changed_by_model_args(tmp_path, fashion_mnist_dir, model_args,
+                                                                   expected):
+    """A data property given again would fail mid-run; a flag given again would be silently overridden."""
+    tiny = [a if a != "dim=32,heads=2,ffn_dim=64" else f"{a},{model_args}" for a in TINY]
+    assert expected in error("--data-dir", str(fashion_mnist_dir), *tiny, "--out-dir", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_s_is_refused(tmp_path):
+    (tmp_path / "text.txt").write_text("some text to train on\n" * 50)
+    assert "--model-args vocab_size=100: --tokenizer byte needs 256" in error(
+        "--arch", "alternet-tiny", "--data", str(tmp_path / "text.txt"), "--max-steps", "1",
+        "--model-args", "vocab_size=100", "--out-dir", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
