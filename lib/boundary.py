@@ -147,6 +147,8 @@ def check_config(cfg) -> None:
                             f"{', '.join(c for c in CHOICES[choice] if c)}; got {getattr(cfg, choice)!r}"),
         (not vision and not cfg.max_steps, "text data trains by steps: give --max-steps"),
         (cfg.dataset == "text" and not cfg.data, "--dataset text needs --data FILE (the text to train on)"),
+        (cfg.data and cfg.dataset not in ("", "imagenet", "text"),
+         f"--data is read by --dataset imagenet or text; --dataset {cfg.dataset} is found under --data-dir"),
         (not cfg.max_steps and not cfg.epochs, "give --epochs or --max-steps (both are 0)"),
         (cfg.probe and not cfg.backbone, "--probe needs --backbone CHECKPOINT (the frozen model to probe)"),
         (cfg.probe and cfg.teacher, "--probe and --teacher cannot be combined"),
