@@ -200,8 +200,9 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     except (ValueError, FileNotFoundError) as e:
         fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")
     overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
-    if overrides.get("vocab_size", vocab) < vocab:  # the data's token ids would fail mid-run
-        fail(f"--model-args vocab_size={overrides['vocab_size']}: --tokenizer {cfg.tokenizer} needs {vocab}")
+    top = max(int(train_tokens.max()), int(val_tokens.max()))
+    if overrides.get("vocab_size", vocab) <= top:  # the data's token ids would fail mid-run
+        fail(f"--model-args vocab_size={overrides['vocab_size']}: the data's token ids reach {top}")
     if cfg.tokenizer != "byte":
         overrides["vocab_size"] = vocab
     model = make(alternet.create_model, cfg.arch, ckpt["model_config"] if ckpt else overrides)

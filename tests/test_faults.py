@@ -350,9 +350,9 @@ def test_what_the_data_or_a_flag_sets_is_not_changed_by_model_args(tmp_path, fas
     assert not (tmp_path / "x").exists()
 
 
-def test_a_vocabulary_smaller_than_the_tokenizer_s_is_refused(tmp_path):
+def test_a_vocabulary_that_misses_the_data_s_token_ids_is_refused(tmp_path):
     (tmp_path / "text.txt").write_text("some text to train on\n" * 50)
-    assert "--model-args vocab_size=100: --tokenizer byte needs 256" in error(
+    assert "--model-args vocab_size=100: the data's token ids reach 120" in error(
         "--arch", "alternet-tiny", "--data", str(tmp_path / "text.txt"), "--max-steps", "1",
         "--model-args", "vocab_size=100", "--out-dir", str(tmp_path / "x"))
     assert not (tmp_path / "x").exists()
