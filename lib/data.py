@@ -12,7 +12,9 @@ import math
 import os
 import pickle
 import random
+import shutil
 import tarfile
+import tempfile
 import urllib.request
 import zlib
 from dataclasses import dataclass
@@ -75,7 +77,7 @@ def find_builtin(name: str, data_dir: str = "", download: bool = False) -> Path:
         try:
             download_builtin(name, target)
             return target / subfolder
-        except OSError as e:
+        except (OSError, EOFError, tarfile.TarError) as e:  # EOFError, TarError: a cut archive
             failed = f" (the download failed: {e})"
     raise FileNotFoundError(f"{name} not found in {where}. To get it: {how}, into {target}/{failed}")
 
@@ -99,8 +101,13 @@ def download_builtin(name: str, target: Path) -> None:
         fetch(URLS[name], target / "tinyshakespeare.txt")
     else:
         fetch(URLS[name], target / Path(URLS[name]).name)
-        with tarfile.open(target / Path(URLS[name]).name) as tar:
-            tar.extractall(target, filter="data")
+        staging = Path(tempfile.mkdtemp(dir=target, prefix=".extracting-"))  # torn: never looks like data
+        try:
+            with tarfile.open(target / Path(URLS[name]).name) as tar:
+                tar.extractall(staging, filter="data")
+            os.replace(staging / BUILTIN[name][0], target / BUILTIN[name][0])
+        finally:
+            shutil.rmtree(staging)
 
 
 # --- the readers: every data file's bytes come through read_file ---

@@ -480,6 +480,8 @@ MUTANTS = [
            "tests/test_hostile.py::test_a_checkpoint_at_step_0_resumes_without_optimizer_state"),
     mutant("resume: half the optimizer state accepted", "lib/resume.py", "if refused and step > 0:",
            "if False:", "tests/test_hostile.py::test_edited_checkpoints_are_refused_before_anything_is_written"),
+    mutant("data: a downloaded archive extracted in place", "lib/data.py", "tar.extractall(staging, ",
+           "tar.extractall(target, ", "tests/test_data.py::test_a_cut_archive_leaves_no_data_that_looks_whole"),
     mutant("data: CIFAR labels unchecked", "lib/data.py", "type(y) is int and 0 <= y < classes", "True",
            "tests/test_data.py::test_cifar_archives_with_wrong_contents"),
     mutant("language: gpt2 tokenizer online without --download", "lib/language.py",
