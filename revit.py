@@ -234,7 +234,8 @@ class MergedExpertFFN(ExpertBank):
         super().__init__(dim, hidden, num_experts)
         self.temperature, self.router_prior = router_temperature, router_prior
         self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
-        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(), nn.Linear(router_hidden, num_experts))
+        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(),  # psi (Eq. 1): router.0, router.2
+                                  nn.Linear(router_hidden, num_experts))
 
     def reset_router(self) -> None:
         """App. A.1: the output layer starts at zero, all experts equal. The hidden layer (the paper leaves

@@ -279,7 +279,8 @@ RUN_FILES = ("ckpt.pt", "metrics.jsonl", ".lock")  # what train.py keeps in a ru
 # How the files this project writes begin (strict JSON, PNG, PDF, SVG, ONNX's ir_version; analyze's CSV
 # tables): an existing file is replaced only when it is one of them, a command's own earlier output. A
 # user's notes.txt, a saved checkpoint or model (a zip or a pickle) is never overwritten.
-OUTPUT_STARTS = (b'{"', b'{\n "', b"\x89PNG", b"%PDF", b"<?xml", b"\x08", b"state,", b"step,s,", b"student_state,")
+OUTPUT_STARTS = (b'{"', b'{\n "', b"\x89PNG", b"%PDF", b"<?xml", b"\x08",
+                 b"state,", b"step,s,", b"student_state,")
 
 
 def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:

@@ -277,7 +277,8 @@ def test_probe_of_a_language_model_is_refused_without_download(tmp_path, monkeyp
     (["--model-args", "nonsense=1"], "--model-args nonsense: not a field of ViTConfig"),
     (["--loss", "mse"], "--loss must be one of ce, bce; got 'mse'"),
     (["--arch", "alternet-tiny", "--max-steps", "0"], "text data trains by steps: give --max-steps"),
-    (["--arch", "alternet-tiny", "--dataset", "text", "--max-steps", "1"], "--dataset text needs --data FILE"),
+    (["--arch", "alternet-tiny", "--dataset", "text", "--max-steps", "1"],
+     "--dataset text needs --data FILE"),
     (["--dataset", "fashion-mnist", "--data", "."], "--data is read by --dataset imagenet or text; --dataset "
                                                     "fashion-mnist is found under --data-dir"),
 ])
