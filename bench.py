@@ -6,13 +6,9 @@
     python bench.py check       # the first minutes on a GPU within --budget: Table 7, training, tests, a run
     python bench.py memory --arch alternet-50m   # peak memory per GPU of a training recipe, before the run
 
-Each prints markdown tables, then its results as one JSON document on the last stdout line (--out: also
-to a file). CUDA when present (torch.compile, bf16: the paper's setting), else the CPU (fp32, smaller sizes).
-- FLOPs by the paper's counting rule (analytic_macs), cross-checked with torch's flop_counter.
-- Timing: warm-up until torch.compile builds no new graph; rows interleaved round-robin, so background load
-  hits every row alike; "vs DeiT III" is the median per-round ratio with a 95% bootstrap interval.
-- Memory as in the paper's Table 7 on CUDA; on a CPU the peak RSS of a fresh process per row.
-Quality sweeps: tools/sweep.py; one checkpoint's accuracy and cost at every depth: tools/depths.py.
+Each prints markdown tables, then its results as one JSON line (--out: also to a file). CUDA when present
+(torch.compile, bf16: the paper's setting), else the CPU (fp32, smaller sizes). Rows are timed interleaved
+round-robin, so background load hits every row alike; "vs DeiT III" is the median per-round ratio.
 """
 
 from __future__ import annotations
@@ -21,7 +17,9 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -232,9 +230,7 @@ def maybe_compile(model, compiled: bool, dynamic: bool | None = False, mode: str
         return model
     import torch._dynamo.config as dynamo_config
     # one compiled variant per (model, batch size): more than dynamo's default cache allows per code object
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+    dynamo_config.recompile_limit = max(64, dynamo_config.recompile_limit)
     return torch.compile(model, dynamic=dynamic, mode=mode, backend=backend)
 
 
@@ -343,23 +339,22 @@ def token_dispatch_presets(size: str = "s") -> list[str]:
 def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_counter: bool = True) -> dict:
     """Table 1 rows (+ Table 10 at S): params, analytic GFLOPs, counter GFLOPs."""
     rows = []
-    for size in sizes:
-        for arch in archs:
-            name = f"{arch}-{size}"
-            with torch.device("meta"):
-                model = revit.create_model(name)
-            c = model.config
-            ours, paper_rule = analytic_macs(c), analytic_macs(c, extra_tokens=1)
-            paper = PAPER_TABLE1.get(name, (None, None))
-            row = {"table": "1", "name": name, "model": f"{TABLE_NAMES[arch]}-{size.upper()}",
-                   "params_m": model.num_params() / 1e6, "paper_params_m": paper[0],
-                   "gflops": 2 * ours["total"] / 1e9, "gflops_t198": 2 * paper_rule["total"] / 1e9,
-                   "gflops_folded": 2 * analytic_macs(c, online=False)["total"] / 1e9,
-                   "paper_gflops": paper[1], "macs": ours, "tokens": c.num_patches + 1}
-            if with_counter:
-                row.update(counter_columns(count_preset(name)[1], ours))
-            rows.append(row)
-    return {"rows": rows + (table10_rows(with_counter) if "s" in sizes else [])}
+    for size, arch in itertools.product(sizes, archs):
+        name = f"{arch}-{size}"
+        with torch.device("meta"):
+            model = revit.create_model(name)
+        c = model.config
+        ours, paper_rule = analytic_macs(c), analytic_macs(c, extra_tokens=1)
+        paper = PAPER_TABLE1.get(name, (None, None))
+        row = {"table": "1", "name": name, "model": f"{TABLE_NAMES[arch]}-{size.upper()}",
+               "params_m": model.num_params() / 1e6, "paper_params_m": paper[0],
+               "gflops": 2 * ours["total"] / 1e9, "gflops_t198": 2 * paper_rule["total"] / 1e9,
+               "gflops_folded": 2 * analytic_macs(c, online=False)["total"] / 1e9,
+               "paper_gflops": paper[1], "macs": ours, "tokens": c.num_patches + 1}
+        if with_counter:
+            row.update(counter_columns(count_preset(name)[1], ours))
+        rows.append(row)
+    return {"rows": rows + (table10_rows() if "s" in sizes else [])}
 
 
 def counter_columns(counted: dict, ours: dict) -> dict:
@@ -370,7 +365,7 @@ def counter_columns(counted: dict, ours: dict) -> dict:
             "counter_other_flops": linear - 2 * ours["total"], "counter_by_op": counted["by_op"]}
 
 
-def table10_rows(with_counter: bool) -> list[dict]:
+def table10_rows() -> list[dict]:
     """Table 10 at S: DeiT III, tied block + layer-wise LoRA r=64 (the E = 1 reViT plus L rank-r sets:
     analytic, and the module's own count), reViT."""
     with torch.device("meta"):
@@ -392,10 +387,6 @@ def table10_rows(with_counter: bool) -> list[dict]:
                "paper_gflops_online": paper[1], "paper_gflops_folded": paper[2]}
         if key == "lora-s":
             row.update(lora_shared_m=shared / 1e6, lora_adapters_m=adapters / 1e6)
-        if key == "lora-s" and with_counter:  # revit.py's LoRA module: its own count, online and folded
-            folded_module = revit.fold(moe.create_model("revit-s-lora").eval())
-            row.update(counter_online_gflops=count_preset("revit-s-lora")[1]["total"] / 1e9,
-                       counter_folded_gflops=counted_flops(folded_module)["total"] / 1e9)
         rows.append(row)
     return rows
 
@@ -426,33 +417,29 @@ def bench_latency(size="s", batches=(1, 8), modes=("eager",), device="cpu", warm
     them). dtype: the weights and images, cast once (bfloat16 on CUDA: no per-call cast under autocast).
     on_row: see time_rows. model_args: config overrides of every model (bench.py check's tiny sizes)."""
     device, weights = torch.device(device), getattr(torch, dtype)
-    rows, rss = [], {}
-    for mode in modes:
-        for batch in batches:
-            models = latency_models(size, **(model_args or {}))  # fresh: each first call builds its caches
-            c = models["DeiT III"].config
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device,
-                                 dtype=weights)
+    rows = []
+    for mode, batch in itertools.product(modes, batches):
+        models = latency_models(size, **(model_args or {}))  # fresh: each first call builds its caches
+        c = models["DeiT III"].config
+        images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device, dtype=weights)
 
-            def build(label):
-                model = models[label].to(device, weights).eval()
-                run = maybe_compile(model, mode != "eager", mode=None if mode == "compiled" else mode,
-                                    backend=backend)
-                fields = {"mode": mode, "image_size": c.image_size, "params_m": model.num_params() / 1e6}
-                return model, inference_call(run, images, device, mixed=weights == torch.float32), fields
-            group, _ = time_rows(models, build, batch, device, warmup, repeats, iters, "first_call_s",
-                                 on_row=on_row)
-            for row in group if memory and device.type == "cpu" and dtype == "float32" else ():
-                if (row["model"], batch) not in rss:  # eagerly, in a fresh process: once for every mode
-                    rss[row["model"], batch] = cpu_memory(size, row["model"], batch)
-                row.update(rss[row["model"], batch])
+        def build(label):
+            model = models[label].to(device, weights).eval()
+            run = maybe_compile(model, mode != "eager", mode=None if mode == "compiled" else mode,
+                                backend=backend)
+            fields = {"mode": mode, "image_size": c.image_size, "params_m": model.num_params() / 1e6}
+            return model, inference_call(run, images, device, mixed=weights == torch.float32), fields
+        group, _ = time_rows(models, build, batch, device, warmup, repeats, iters, "first_call_s",
+                             on_row=on_row)
+        for row in group:  # group[0]: DeiT III at this mode and batch
+            if memory and device.type == "cpu" and dtype == "float32":  # eagerly, in a fresh process
+                row.update(cpu_memory(size, row["model"], batch))
                 row["memory_method"] += "" if mode == "eager" else " (eager)"
-            for row in group:  # group[0]: DeiT III at this mode and batch
-                if "memory_mib" in row and "memory_mib" in group[0]:
-                    row["memory_ratio"] = row["memory_mib"] / group[0]["memory_mib"]
-                if on_row:
-                    on_row(row["model"], row, True)
-            rows += group
+            if "memory_mib" in row and "memory_mib" in group[0]:
+                row["memory_ratio"] = row["memory_mib"] / group[0]["memory_mib"]
+            if on_row:
+                on_row(row["model"], row, True)
+        rows += group
     return {"rows": rows}
 
 
@@ -465,6 +452,7 @@ def inference_call(run, images, device, mixed: bool = True):
     return call
 
 
+@functools.cache  # once for every mode
 def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int = 2) -> dict:
     """Peak RSS of one latency row in a fresh process (lib/memory.cpu_memory_of)."""
     arch, overrides, fold = LATENCY_MODELS[label]
@@ -475,21 +463,25 @@ def cpu_memory(size: str, label: str, batch: int, calls: int = 2, processes: int
 # --- training step (img/s, MFU) ---
 
 
+PAIRED = (  # bench_train's other paired ratios: (key, row, against, what it says)
+    ("ratio_vs_fixed", "reViT elastic 0.3", "reViT fixed", "elastic 0.3 vs fixed depth"),
+    ("ratio_vs_fixed_eager", "reViT elastic 0.3", "reViT fixed, eager",
+     "elastic 0.3 vs fixed depth run eagerly (as elastic's loop)"),
+    ("ratio_vs_eager", "AlterNet", "AlterNet eager", "AlterNet compiled vs eager"))
+
+
 def train_models(size: str, compiled: bool = False) -> dict:
     """label -> (preset, overrides, compiled). Elastic depth runs its step loop eagerly (revit.py), so where
     the rows are compiled an eager fixed-depth row is added: against it, elastic depth's cost is the
     method's, not the missing compilation's."""
     rows = {"DeiT III": ("vit-" + size, {}, compiled), "reViT fixed": ("revit-" + size, {}, compiled),
-            "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3}, compiled)}
-    if compiled:
-        rows["reViT fixed, eager"] = ("revit-" + size, {}, False)
-    for name in token_dispatch_presets(size):
-        rows[name] = (name, {}, compiled)
-    # AlterNet (arXiv 2611.08741): the byte-level preset at every size, `batch` windows of its seq_len
-    rows["AlterNet"] = ("alternet-tiny", {}, compiled)
-    if compiled:
-        rows["AlterNet eager"] = ("alternet-tiny", {}, False)
-    return rows
+            "reViT elastic 0.3": ("revit-" + size, {"depth_drop": 0.3}, compiled),
+            **{name: (name, {}, compiled) for name in token_dispatch_presets(size)},
+            # AlterNet (arXiv 2611.08741): the byte-level preset at every size, `batch` windows of its seq_len
+            "AlterNet": ("alternet-tiny", {}, compiled)}
+    eager = {"reViT fixed, eager": ("revit-" + size, {}, False),
+             "AlterNet eager": ("alternet-tiny", {}, False)}
+    return {**rows, **(eager if compiled else {})}
 
 
 def forward_flops(name: str, overrides: dict) -> float:
@@ -515,8 +507,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     def build(label):
         name, overrides, compile_row = specs[label]
         torch.manual_seed(0)
-        step = language_train_step if name in alternet.PRESETS else vision_train_step
-        model, fn, flops = step(name, overrides, batch, device, compile_row, backend)
+        model, fn, flops = train_step(name, overrides, batch, device, compile_row, backend)
         return model, fn, {"preset": name, "overrides": overrides, "params_m": model.num_params() / 1e6,
                            "compiled": compile_row, "forward_gflops_per_image": flops / 1e9,
                            "reference": reference}
@@ -525,9 +516,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     by_label = {r["model"]: r for r in rows}
     for r in rows if peak else ():
         r["mfu"] = 3 * r["forward_gflops_per_image"] * 1e9 * batch / (r["median_ms"] / 1e3) / peak
-    for row, versus, key in (("reViT elastic 0.3", "reViT fixed", "ratio_vs_fixed"),
-                             ("reViT elastic 0.3", "reViT fixed, eager", "ratio_vs_fixed_eager"),
-                             ("AlterNet", "AlterNet eager", "ratio_vs_eager")):
+    for key, row, versus, _ in PAIRED:
         if row in by_label and versus in by_label:
             by_label[row][key] = paired_ratio(times[row], times[versus])
     for row in rows if on_row else ():
@@ -535,34 +524,29 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
     return {"rows": rows}
 
 
-def vision_train_step(name, overrides, batch, device, compiled, backend) -> tuple:
-    """(model, one optimizer step, forward FLOPs per image) of a revit.py preset on random images."""
-    model = moe.create_model(name, **overrides).to(device).train()
-    c = model.config
+def train_step(name, overrides, batch, device, compiled, backend) -> tuple:
+    """(model, one optimizer step, forward FLOPs per example) of a preset as train.py trains it: reViT and
+    its baselines on random images (task loss + the already-weighted aux losses); AlterNet on `batch` random
+    windows of seq_len tokens, random_length_fraction of them cut to random lengths (fixed here), the
+    model's own loss (lib/language.py)."""
+    language = name in alternet.PRESETS
+    model = (alternet if language else moe).create_model(name, **overrides).to(device).train()
+    run, c = maybe_compile(model, compiled, dynamic=None, backend=backend), model.config
+    if language:
+        g = torch.Generator().manual_seed(0)
+        windows = torch.randint(0, c.vocab_size, (batch, c.seq_len + 1), generator=g).to(device)
+        lengths = alternet.training_lengths(batch, c.seq_len, c.random_length_fraction, g).to(device)
+        loss = lambda: run(windows[:, :-1], targets=windows[:, 1:], lengths=lengths)["loss"]  # noqa: E731
+        with FlopCounterMode(display=False) as counter:
+            model(windows[:1, :-1], targets=windows[:1, 1:])
+        return model, optimizer_step(model, loss, device), counter.get_total_flops()
     images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
     labels = torch.randint(0, max(c.num_classes, 1), (batch,), device=device)
-    run = maybe_compile(model, compiled, dynamic=None, backend=backend)
 
     def loss():
         out = run(images, return_states=True)
         return F.cross_entropy(out["logits"].float(), labels) + sum(out["aux_losses"].values())
     return model, optimizer_step(model, loss, device), forward_flops(name, overrides)
-
-
-def language_train_step(name, overrides, batch, device, compiled, backend) -> tuple:
-    """(model, one optimizer step, forward FLOPs per window) of an alternet.py preset as train.py trains it
-    (lib/language.py): `batch` random windows of seq_len tokens, random_length_fraction of them cut to random
-    lengths (fixed here), the model's own loss."""
-    model = alternet.create_model(name, **overrides).to(device).train()
-    c = model.config
-    g = torch.Generator().manual_seed(0)
-    windows = torch.randint(0, c.vocab_size, (batch, c.seq_len + 1), generator=g).to(device)
-    lengths = alternet.training_lengths(batch, c.seq_len, c.random_length_fraction, g).to(device)
-    run = maybe_compile(model, compiled, dynamic=None, backend=backend)
-    loss = lambda: run(windows[:, :-1], targets=windows[:, 1:], lengths=lengths)["loss"]  # noqa: E731
-    with FlopCounterMode(display=False) as counter:
-        model(windows[:1, :-1], targets=windows[:1, 1:])
-    return model, optimizer_step(model, loss, device), counter.get_total_flops()
 
 
 def optimizer_step(model, loss, device):
@@ -684,40 +668,32 @@ NOTES = {
              "img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the table (a CPU's)."}
 
 
-def latency_markdown(result: dict) -> str:
-    table = markdown(result["rows"], [("model", f("model", "{}")), ("mode", f("mode", "{}")),
-                                      ("batch", f("batch", "{}"))] + LATENCY_COLUMNS)
-    text = f"## Inference latency and memory ({result['settings']['summary']})\n\n{table}"
-    text += f"\n\n{NOTES['latency']}"
-    return text + recompiled_note(result["rows"]) + targets_markdown(result.get("targets", []))
 
 
-def train_markdown(result: dict) -> str:
-    table = markdown(result["rows"], [("model", f("model", "{}"))] + TRAIN_COLUMNS)
-    text = f"## Training step ({result['settings']['summary']})\n\n{table}" + recompiled_note(result["rows"])
-    for key, what in (("ratio_vs_fixed", "elastic 0.3 vs fixed depth"),
-                      ("ratio_vs_fixed_eager", "elastic 0.3 vs fixed depth run eagerly (as elastic's loop)"),
-                      ("ratio_vs_eager", "AlterNet compiled vs eager")):
-        text += "".join(f"\n\n{what}: {ratio_text(r[key])}" for r in result["rows"] if key in r)
-    for fixed in (r for r in result["rows"] if r["model"] == "reViT fixed"):
-        text += (f"\n\nreViT fixed / DeiT III: {ratio_text(fixed)}: median of {fixed['repeats']} paired "
-                 f"rounds, 95% bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
-                 f"{fixed['repeats_needed']} rounds at this spread.")
-    return f"{text}\n\n{NOTES['train']}" + targets_markdown(result.get("targets", []))
+def result_markdown(result: dict) -> str:
+    """`bench.py latency`'s or `train`'s report: its settings, rows, paired ratios, notes and targets."""
+    kind, rows = result["command"], result["rows"]
+    title, columns = {"latency": ("Inference latency and memory", [("mode", f("mode", "{}")), (
+        "batch", f("batch", "{}"))] + LATENCY_COLUMNS), "train": ("Training step", TRAIN_COLUMNS)}[kind]
+    settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in result["settings"].items() if v is not None)
+    text = [f"## {title} ({settings})\n", markdown(rows, [("model", f("model", "{}"))] + columns)]
+    recompiled = [f"{r['model']} ({r.get('mode', 'train')}, batch {r['batch']})" for r in rows
+                  if r.get("recompiled_while_timed")]
+    text += [f"\ntorch.compile built new graphs inside timed regions of: {', '.join(recompiled)}."
+             ] if recompiled else []
+    text += [f"\n{what}: {ratio_text(r[key])}" for key, *_, what in PAIRED for r in rows if key in r]
+    text += [f"\nreViT fixed / DeiT III: {ratio_text(r)}: median of {r['repeats']} paired rounds, 95% "
+             f"bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
+             f"{r['repeats_needed']} rounds at this spread." for r in rows
+             if kind == "train" and r["model"] == "reViT fixed"]
+    text += [f"\n{NOTES[kind]}", targets_markdown(result.get("targets", []))]
+    return "\n".join(line for line in text if line)
 
 
 def ratio_text(r: dict) -> str:
     """'1.062 ± 0.021 (1.041–1.083)': the median per-round ratio ± half its 95% interval; the interval."""
     low, high = r["ratio_ci95"]
     return f"{r['ratio']:.3f} ± {r['ratio_pm']:.3f} ({low:.3f}–{high:.3f})"
-
-
-def recompiled_note(rows) -> str:
-    flagged = [f"{r['model']} ({r.get('mode', 'train')}, batch {r['batch']})" for r in rows
-               if r.get("recompiled_while_timed")]
-    if not flagged:
-        return ""
-    return f"\ntorch.compile built new graphs inside timed regions of: {', '.join(flagged)}."
 
 
 def targets_markdown(targets: list[dict]) -> str:
@@ -736,7 +712,7 @@ def environment_line(env: dict) -> str:
 # --- check: the first minutes on a GPU, an ordered list of parts within --budget (python bench.py check) ---
 
 # Sizes. full (CUDA): S/16 at 224², as the paper's Table 7, inductor; latency with bf16 weights and images
-# cast once, training under bf16 autocast with fused AdamW. tiny (the CPU, or --quick): the same parts and
+# cast once, training under bf16 autocast with fused AdamW. tiny (the CPU): the same parts and
 # code paths at tiny sizes, fp32, dynamo's eager backend (graph capture and guards, no code generation).
 TINY_MODELS = dict(dim=32, heads=2, ffn_dim=64, depth=2)  # dynamo traces each of the L steps: few of them
 CHECK_SIZES = {
@@ -761,7 +737,7 @@ DATA_TESTS = ["tests/test_train.py", "tests/test_analyze.py"]  # gpu-marked: tra
 def run_check(args, device) -> dict:
     """The parts in turn (lib/budget.py: each its own process and timeout, the report rewritten after every
     row); --part runs one part in this process (what the parts' processes run)."""
-    sizes_name = "full" if device.type == "cuda" and not args.quick else "tiny"
+    sizes_name = "full" if device.type == "cuda" else "tiny"
     sizes = CHECK_SIZES[sizes_name]
     if args.part:
         return check_part(args.part, device, sizes)
@@ -770,7 +746,7 @@ def run_check(args, device) -> dict:
     parts = check_parts(args, device, sizes, run_dir)
     header = {"command": "check", "env": environment(device), "sizes": sizes_name, "budget_s": args.budget,
               "compile_backend": sizes["backend"], "kinds": {p.name: p.kind for p in parts}}
-    report = budget.Report(args.out, header, check_markdown, check_row_line)
+    report = budget.Report(args.out, header, check_markdown, check_row_line(header["kinds"]))
     print(f"bench.py check on {device} ({sizes_name} sizes), budget {args.budget:.0f} s, report in "
           f"{args.out}", flush=True)
     try:
@@ -791,7 +767,7 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
     them). A part that cannot run here (no data; GPU tests on a CPU) has no process, only its reason."""
     cuda = device.type == "cuda"
     here = [sys.executable, os.path.join(HERE, "bench.py"), "check", "--device",  # cuda:N: their only GPU
-            "cuda" if cuda else str(device), *(["--quick"] if args.quick else []), "--part"]
+            device.type, "--part"]
     data_dir = ["--data-dir", os.path.abspath(args.data_dir)] if args.data_dir else []
     run = [sys.executable, os.path.join(HERE, "train.py"), *sizes["run"], *data_dir, "--out-dir", run_dir,
            "--no-progress", "--compile-backend", sizes["backend"]]
@@ -804,23 +780,23 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
         argv = None if fields.get("blocked") else argv
         return budget.Part(name, argv, list(rows), share, floor * args.budget, kind=kind, env=env, **fields)
     return [
-        part(f"latency, batch {small}", "latency", 0.30, 0.12, here + [f"latency:{small}"], LATENCY_MODELS),
-        part(f"latency, batch {large}", "latency", 0.22, 0.08, here + [f"latency:{large}"], LATENCY_MODELS),
+        part(f"latency, batch {small}", "latency", 0.30, 0.12, here + ["latency-small"], LATENCY_MODELS),
+        part(f"latency, batch {large}", "latency", 0.22, 0.08, here + ["latency-large"], LATENCY_MODELS),
         part("training step", "train", 0.20, 0.10, here + ["train-step"], ["DeiT III", "reViT fixed"]),
-        part("correctness", "tests", 0.10, 0.05, pytest_argv(device, ["tests/test_device.py::TestOnDevice"]),
-             parse=pytest_rows),
+        part("correctness", "tests", 0.10, 0.05, tests_argv(device, ["tests/test_device.py::TestOnDevice"])),
         part("train.py run", "run", 0.07, 0.03, run, ["train.py run"], blocked=no_data,
              finish=train_run_rows(run_dir, sizes, device)),
         part("training step, elastic depth", "train", 0.05, 0.03, here + ["elastic"], ELASTIC_ROWS),
         part("GPU tests that need the data", "tests", 0.06, 0.04,
-             pytest_argv(device, DATA_TESTS, gpu_only=True), parse=pytest_rows, **gpu_tests)]
+             tests_argv(device, DATA_TESTS, gpu_only=True), **gpu_tests)]
 
 
 def part_env(device, data_dir: str) -> dict:
     """Rows as they come (unbuffered), the GPU tests on (conftest.py hides the GPUs otherwise), the data for
-    the tests' fixture, lines wide enough for pytest's skip reasons; not the caller's PYTEST_ADDOPTS."""
+    the tests' fixture, bench.py importable (pytest -p bench); not the caller's PYTEST_ADDOPTS."""
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    env.update(PYTHONUNBUFFERED="1", REVIT_GPU_TESTS="1" if device.type == "cuda" else "0", COLUMNS="400")
+    env.update(PYTHONUNBUFFERED="1", REVIT_GPU_TESTS="1" if device.type == "cuda" else "0",
+               PYTHONPATH=os.pathsep.join([HERE, *filter(None, [env.get("PYTHONPATH")])]))
     if device.type == "cuda" and device.index is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device.index)
     if data_dir:
@@ -844,24 +820,31 @@ def step_precision(device) -> str:
 
 
 def check_part(key: str, device, sizes: dict) -> dict:
-    """One part in this process, its rows printed as they come (lib/budget.emit): latency:B (Table 7 at
-    batch B), train-step (DeiT III vs reViT fixed) or elastic (elastic vs fixed depth, both step loops
-    eager). An error ends the process with its first line."""
-    kind, _, batch = key.partition(":")
-    compiled = f"compiled ({sizes['backend']})"
+    """One part (PARTS) in this process: Table 7 at the small or large batch, DeiT III vs reViT fixed, or
+    elastic vs fixed depth (both step loops eager). Each row is printed (lib/budget.emit) after its first
+    call, then with its result; an error ends the process with its first line."""
+    compiled, cuda = f"compiled ({sizes['backend']})", device.type == "cuda"
+    if key.startswith("latency"):  # memory: CUDA's is always measured; a CPU's by bench.py latency, eagerly
+        weights = "bf16" if sizes["latency"]["dtype"] == "bfloat16" else "fp32"
+        precision, run = f"{weights} weights and images{', TF32 on' if cuda else ''}", functools.partial(
+            bench_latency, batches=(sizes["batches"][PARTS.index(key)],), modes=("compiled",),
+            memory=False, **sizes["latency"])
+    else:
+        labels = ["DeiT III", "reViT fixed"] if key == "train-step" else list(ELASTIC_ROWS)
+        precision, run = step_precision(device), functools.partial(
+            bench_train, compiled=True, labels=labels, reference=labels[0],
+            peak=peak_of(torch.cuda.get_device_name(device)) if cuda else None, **sizes["train"])
+    eager = {"reViT fixed, eager": "eager", "reViT elastic 0.3": "stem and head compiled, step loop eager"}
+
+    def on_row(label, row, final):
+        fields = {k: v for k, v in row.items() if k != "overrides"}
+        if not final:
+            first = row.get("first_call_s", row.get("first_step_s", 0))
+            fields["detail"] = f"first call {first:.1f} s (compilation included); timing"
+        how = f"{precision}, {eager.get(label, compiled)}"
+        budget.emit(label, status="ok" if final else "running", precision=how, **fields)
     try:
-        if kind == "latency":  # memory: CUDA's is always measured; a CPU's by bench.py latency, eagerly
-            weights = "bf16" if sizes["latency"]["dtype"] == "bfloat16" else "fp32"
-            tf32 = ", TF32 on" if device.type == "cuda" else ""
-            on_row = row_emitter(f"{weights} weights and images{tf32}", compiled)
-            bench_latency(batches=(int(batch),), modes=("compiled",), memory=False, device=device,
-                          backend=sizes["backend"], on_row=on_row, **sizes["latency"])
-        else:
-            labels = ["DeiT III", "reViT fixed"] if kind == "train-step" else list(ELASTIC_ROWS)
-            peak = peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-            bench_train(compiled=True, labels=labels, reference=labels[0], peak=peak, device=device,
-                        backend=sizes["backend"], on_row=row_emitter(step_precision(device), compiled),
-                        **sizes["train"])
+        run(device=device, backend=sizes["backend"], on_row=on_row)
     except Exception as e:  # noqa: BLE001 - the traceback to the log, its first line to the report
         traceback.print_exc(file=sys.stdout)
         raise SystemExit(f"error: {first_informative_line(e)}") from None
@@ -882,47 +865,28 @@ def first_informative_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(useful or lines or [''])[0]}"
 
 
-def row_emitter(precision: str, compiled: str):
-    """bench_latency's and bench_train's on_row: a row after its first call (running), then its result."""
-    eager = {"reViT fixed, eager": "eager", "reViT elastic 0.3": "stem and head compiled, step loop eager"}
-
-    def on_row(label, row, final):
-        fields = {k: v for k, v in row.items() if k != "overrides"}
-        if not final:
-            first = row.get("first_call_s", row.get("first_step_s", 0))
-            fields["detail"] = f"first call {first:.1f} s (compilation included); timing"
-        how = f"{precision}, {eager.get(label, compiled)}"
-        budget.emit(label, status="ok" if final else "running", precision=how, **fields)
-    return on_row
+# --- check: the parts run by pytest and by train.py, their rows from the tests' hook and the run's log ---
 
 
-# --- check: the parts run by pytest and by train.py, read from their output ---
-
-TEST_LINE = re.compile(r"^\S+?::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \((.*)\))?")  # pytest -v
-TEST_FAILURE = re.compile(r"^(?:FAILED|ERROR) \S+?::(\S+) - (.*)$")  # pytest -rfE
-TEST_SECONDS = re.compile(r"^([\d.]+)s call\s+\S+?::(\S+)$")  # pytest --durations
-TEST_STATUS = {"PASSED": "ok", "XFAIL": "ok", "SKIPPED": "skipped", "FAILED": "failed", "ERROR": "failed",
-               "XPASS": "failed"}
-
-
-def pytest_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
-    """The files' cases for this device (gpu-marked on CUDA), or only the gpu-marked tests."""
+def tests_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
+    """The files' cases for this device (gpu-marked on CUDA), or only the gpu-marked tests; each test's row
+    printed by bench.py's pytest_runtest_logreport (-p bench, bench.py on the part's PYTHONPATH)."""
     marker = "gpu" if gpu_only or device.type == "cuda" else "not gpu"
-    return [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=0", "--durations-min=0", "-p",
-            "no:cacheprovider", "-m", marker, *(os.path.join(HERE, f) for f in files)]
+    return [sys.executable, "-m", "pytest", "-p", "bench", "-p", "no:cacheprovider", "-q", "-m", marker,
+            *(os.path.join(HERE, f) for f in files)]
 
 
-def pytest_rows(line: str) -> list[tuple[str, dict]]:
-    """A test's row from pytest's verbose line, its failure's first line, its seconds (call phase)."""
-    line = line.rstrip("\n")
-    if match := TEST_FAILURE.match(line):
-        return [(match[1], {"detail": match[2][:200]})]
-    if match := TEST_LINE.match(line):
-        reason = {"detail": match[3][:200]} if match[3] else {}
-        return [(match[1], {"status": TEST_STATUS[match[2]], **reason})]
-    if match := TEST_SECONDS.match(line):
-        return [(match[2], {"seconds": float(match[1])})]
-    return []
+def pytest_runtest_logreport(report) -> None:
+    """pytest's hook, in the check's test parts: a test's row when it ends (or is skipped, or fails to set
+    up or tear down), with its seconds and the first line of a failure or the reason of a skip."""
+    if report.when != "call" and report.passed:
+        return
+    status = "ok" if report.passed or hasattr(report, "wasxfail") else report.outcome  # xfail: as planned
+    crash = getattr(report.longrepr, "reprcrash", None)  # a failure's 'Error: message' line
+    why = crash.message if crash else report.longrepr[2] if status == "skipped" else ""
+    print()  # pytest -q's dots have no line end
+    budget.emit(report.nodeid.split("::", 1)[1], status=status, seconds=report.duration,
+                **({"detail": why.splitlines()[0][:200]} if why else {}))
 
 
 def train_run_rows(run_dir: str, sizes: dict, device):
@@ -933,15 +897,15 @@ def train_run_rows(run_dir: str, sizes: dict, device):
         with contextlib.suppress(OSError, ValueError), open(os.path.join(run_dir, "metrics.jsonl")) as fh:
             records = [json.loads(line) for line in fh if line.strip()]  # ValueError: a line cut by a kill
             final = next((r for r in records if r.get("event") == "final"), {})
-            rates = [r["per_s"] for r in records if "per_s" in r]
+            rates = [r["per_s"] for r in records if "per_s" in r] or [None]
             steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
-            row = {"steps": steps, "max_steps": max_steps, "test_acc": final.get("test_acc"),
-                   "images_per_s": statistics.median(rates[1:] or rates) if rates else None,  # 1st: the start
-                   "first_interval_images_per_s": rates[0] if rates else None,
-                   "minutes": final.get("minutes"), "precision": f"{step_precision(device)}, eager"}
             done = status == 0 and steps == max_steps and bool(final)
-            row.update({"status": "ok"} if done else {"detail": f"{steps} of {max_steps} steps"})
-            return [("train.py run", row)]
+            return [("train.py run", {
+                "steps": steps, "max_steps": max_steps, "test_acc": final.get("test_acc"),
+                "images_per_s": statistics.median(rates[1:] or rates),  # the 1st interval holds the start
+                "first_interval_images_per_s": rates[0], "minutes": final.get("minutes"),
+                "precision": f"{step_precision(device)}, eager",
+                **({"status": "ok"} if done else {"detail": f"{steps} of {max_steps} steps"})})]
         return []
     return finish
 
@@ -959,13 +923,12 @@ def check_markdown(doc: dict) -> str:
            environment_line(env), f"\nReport {state}; {verdict}.\n"]
     for part, kind in kinds.items():
         rows = [r for r in doc["rows"] if r["part"] == part]
-        note = [f"\n{NOTES[kind]}"] if kind in NOTES else []
-        out += [f"## {part}\n", markdown(rows, CHECK_COLUMNS[kind]), *note, ""]
+        note = f"\n{NOTES[kind]}" if kind in NOTES else ""
+        out += [f"## {part}\n", markdown(rows, CHECK_COLUMNS[kind]), note, ""]
     if doc["sizes"] == "full":  # ours, against the paper's Table 7, on the rows that finished
-        done = [r for r in doc["rows"] if r["status"] == "ok"]
-        latency = [r for r in done if kinds[r["part"]] == "latency"]
-        judged = (latency_targets(latency) if latency else []) + train_targets(
-            [r for r in done if kinds[r["part"]] == "train"])
+        done = {kind: [r for r in doc["rows"] if r["status"] == "ok" and kinds[r["part"]] == kind]
+                for kind in ("latency", "train")}
+        judged = (latency_targets(done["latency"]) if done["latency"] else []) + train_targets(done["train"])
         out.append(targets_markdown(judged).lstrip("\n") + "\n")
     out += ["## The plan (most important first; each part its own process and timeout)\n",
             markdown(doc["parts"], [("part", f("part", "{}")), ("timeout s", f("timeout_s", "{:.0f}")),
@@ -993,30 +956,26 @@ CHECK_COLUMNS = {
 }
 
 
-def check_row_line(r: dict) -> str:
-    """The line printed as each row gets its result."""
-    numbers = [("median_ms", "{median_ms:.3f} ms"), ("ratio", "{ratio:.3f}x"), ("steps", "{steps} steps"),
-               ("memory_mib", "{memory_mib:.1f} MiB"), ("images_per_s", "{images_per_s:.0f} img/s"),
-               ("test_acc", "acc {test_acc:.3f}")]
-    shown = [text.format(**r) for key, text in numbers if r.get(key) is not None]
-    detail = [r["detail"]] if r.get("detail") and r["status"] != "ok" else []
-    return " | ".join([r["part"], r["row"], r["status"], *shown, *detail])
+def check_row_line(kinds: dict):
+    """The line printed as each row gets its result: its part, then its row of check.md."""
+    return lambda r: f"{r['part']}: {markdown([r], CHECK_COLUMNS[kinds[r['part']]]).splitlines()[-1]}"
 
 
 # --- command line ---
 
 PROG = "bench.py"
 DEFAULTS = {  # (command, on CUDA) -> what unset flags become: Table 7's sizes on CUDA, smaller on a CPU
-    ("latency", False): dict(batches="1,8", modes="eager,compiled", warmup=2, repeats=7, iters=1),
-    ("latency", True): dict(batches="1,64", modes="compiled,reduce-overhead", warmup=10, repeats=30,
-                            iters=20),
-    ("train", False): dict(batch=8, compile=False, warmup=1, repeats=10, iters=1, resolve=0.03,
+    ("latency", False): dict(size="s", batches=(1, 8), modes=("eager", "compiled"), warmup=2, repeats=7,
+                             iters=1),
+    ("latency", True): dict(size="s", batches=(1, 64), modes=("compiled", "reduce-overhead"), warmup=10,
+                            repeats=30, iters=20),  # reduce-overhead: compiled with CUDA graphs
+    ("train", False): dict(size="s", batch=8, compile=False, warmup=1, repeats=10, iters=1, resolve=0.03,
                            max_repeats=60),
-    ("train", True): dict(batch=128, compile=True, warmup=5, repeats=20, iters=5, resolve=0.03,
+    ("train", True): dict(size="s", batch=128, compile=True, warmup=5, repeats=20, iters=5, resolve=0.03,
                           max_repeats=200),
 }
-QUICK = dict(batch=4, compile=False, warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=6)
-MODES = ("eager", "compiled", "reduce-overhead")
+QUICK = dict(size="mini", batch=4, compile=False, warmup=0, repeats=3, iters=1, resolve=0.03, max_repeats=6)
+PARTS = ("latency-small", "latency-large", "train-step", "elastic")  # check --part: what its processes run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1033,16 +992,17 @@ def build_parser() -> argparse.ArgumentParser:
         return p
     params = command("params", "parameters and GFLOPs/image at S/B/L (paper Tables 1 and 10)", device=False)
     params.add_argument("--no-counter", action="store_true", help="skip the flop_counter cross-check")
-    lat = command("latency", "inference latency and memory, DeiT III vs reViT dynamic/cached/folded")
+    lat = command("latency", "inference latency and memory, DeiT III vs reViT dynamic/cached/folded "
+                             "(batches 1,8 eager and compiled on a CPU; 1,64 compiled and with CUDA graphs)")
     tr = command("train", "training-step throughput and MFU")
     for name, p in (("latency", lat), ("train", tr)):
-        p.add_argument("--size", default="s", choices=["s", "b", "l", "mini", "mini32"],
-                       help="model size of the presets (vit-SIZE, revit-SIZE); s = ViT-S/16 at 224²")
+        p.add_argument("--size", choices=["s", "b", "l", "mini"], help="model size of the presets "
+                       "(vit-SIZE, revit-SIZE; default s = ViT-S/16 at 224²)")
         cpu, cuda = DEFAULTS[name, False], DEFAULTS[name, True]
         timing_flags(p, *(f"CPU {cpu[key]}, CUDA {cuda[key]}" for key in ("warmup", "repeats", "iters")))
-    lat.add_argument("--batches", help="comma-separated batch sizes (CPU 1,8; CUDA 1,64 as in Table 7)")
-    lat.add_argument("--modes", help="comma-separated of eager, compiled, reduce-overhead (CUDA graphs) "
-                                     "(CPU eager,compiled; CUDA compiled,reduce-overhead)")
+    lat.add_argument("--batches", type=int, nargs="+", help="batch sizes (CPU: 1 8; CUDA: 1 64, Table 7)")
+    lat.add_argument("--modes", nargs="+", choices=["eager", "compiled", "reduce-overhead"],
+                     help="eager, compiled, reduce-overhead: compiled with CUDA graphs (CPU: eager compiled)")
     tr.add_argument("--batch", type=int, help="batch size (CPU 8, CUDA 128)")
     tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (CUDA default on, CPU off)")
@@ -1058,9 +1018,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check (default "
                        "420); parts run most important first, each its share")
     check.add_argument("--data-dir", default="", help="where Fashion-MNIST is (default: train.py's search)")
-    check.add_argument("--quick", action="store_true", help="tiny sizes on any device (always on a CPU)")
-    check.add_argument("--part", help="run one part in this process (what the check's processes run): "
-                                      "latency:BATCH, train-step or elastic")
+    check.add_argument("--part", choices=PARTS, help="run one part in this process (what the check's "
+                                                     "processes run)")
     mem = command("memory", "expected peak memory per GPU of a preset x recipe x batch x GPUs, measured at "
                             "reduced sizes on this machine (lib/memory.py)", out=None)
     mem.add_argument("--arch", required=True, help="a preset of revit.py or alternet.py")
@@ -1090,26 +1049,19 @@ def timing_flags(p, warmup: str, repeats: str, iters: str):
 
 def check_flags(args, device) -> dict:
     """Every subcommand's flags, before any work: defaults for the unset ones (returned), then ranges
-    (lib/boundary.RANGES), comma-separated lists (parsed in place) and the output path."""
-    defaults = {k: v for k, v in DEFAULTS.get((args.command, device.type == "cuda"), {}).items()
-                if getattr(args, k) is None}
-    if args.command == "train" and args.quick:  # mini size, and QUICK's values for the flags not given
-        defaults.update({k: v for k, v in QUICK.items() if getattr(args, k) is None}, size="mini")
+    (lib/boundary.RANGES), --rows and the output path."""
+    defaults = {**DEFAULTS.get((args.command, device.type == "cuda"), {}),
+                **(QUICK if args.command == "train" and args.quick else {})}
+    defaults = {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
     vars(args).update(defaults)
     check_numbers(vars(args), PROG)
-    (batch_ok, batch_range), number = RANGES["batch"], re.compile(r"\d{1,6}")
-    comma_list(args, "batches", lambda t: int(t) if number.fullmatch(t) and batch_ok(int(t)) else None,
-               f"be comma-separated integers {batch_range}, e.g. 1,8")
-    comma_list(args, "modes", lambda t: t if t in MODES else None,
-               "be comma-separated of " + ", ".join(MODES))
-    if args.command == "train":
-        known = train_models(args.size, args.compile)
-        comma_list(args, "rows", lambda t: t if t in known else None, "name some of " + ", ".join(known))
-    if "reduce-overhead" in (getattr(args, "modes", None) or ()) and device.type != "cuda":
-        fail("--modes reduce-overhead times CUDA graphs: it needs a CUDA device (use eager or compiled)",
-             PROG)
-    if getattr(args, "part", None) and not re.fullmatch(r"latency:\d{1,5}|train-step|elastic", args.part):
-        fail(f"--part must be latency:BATCH, train-step or elastic; got {args.part!r}", PROG)
+    for batch in getattr(args, "batches", None) or ():
+        check_numbers({"batches": batch}, PROG, batches=RANGES["batch"])
+    if args.command == "train" and args.rows:
+        known, rows = train_models(args.size, args.compile), [t.strip() for t in args.rows.split(",")]
+        if not set(rows) <= set(known):
+            fail(f"--rows must name some of {', '.join(known)}; got {args.rows[:80]!r}", PROG)
+        args.rows = rows
     check = args.command == "check"
     if check and not args.part and not args.out:  # the default is checked like a given one
         args.out = f"out/check-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -1123,16 +1075,6 @@ def check_flags(args, device) -> dict:
     return defaults
 
 
-def comma_list(args, name: str, item, allowed: str) -> None:
-    """--NAME 'a,b' -> a tuple of item(each), in place; one line saying what is allowed if any is None."""
-    text = getattr(args, name, None)
-    if isinstance(text, str):
-        items = tuple(item(t.strip()) for t in text.split(","))
-        if None in items:
-            fail(f"--{name} must {allowed}; got {text[:80]!r}", PROG)
-        setattr(args, name, items)
-
-
 def run_params(args, device) -> dict:
     result = {"command": "params", **bench_params(with_counter=not args.no_counter),
               "env": environment(torch.device("cpu"))}
@@ -1142,16 +1084,10 @@ def run_params(args, device) -> dict:
 
 def run_latency(args, device) -> dict:
     dtype = "bfloat16" if device.type == "cuda" else "float32"  # CUDA: cast once, no per-call autocast
-    settings = {"size": args.size, "batches": args.batches, "modes": args.modes, "warmup": args.warmup,
-                "repeats": args.repeats, "iters": args.iters, "precision": f"{dtype} weights",
-                "summary": f"{args.size.upper()}, {dtype} weights, batches {list(args.batches)}, "
-                           f"{'/'.join(args.modes)}, warm-up {args.warmup}, {args.repeats} repeats x "
-                           f"{args.iters} calls"}
-    result = {"command": "latency", "settings": settings,
-              **bench_latency(args.size, args.batches, args.modes, device, args.warmup, args.repeats,
-                              args.iters, dtype=dtype)}
+    settings = {k: getattr(args, k) for k in ("size", "batches", "modes", "warmup", "repeats", "iters")}
+    result = {"command": "latency", "settings": {**settings, "precision": f"{dtype} weights"},
+              **bench_latency(**settings, device=device, dtype=dtype)}
     result["targets"] = latency_targets(result["rows"]) if args.size == "s" else []
-    print(latency_markdown(result))
     return result
 
 
@@ -1159,20 +1095,14 @@ def run_train(args, device) -> dict:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (
         peak_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     labels = ["DeiT III", *(r for r in args.rows if r != "DeiT III")] if args.rows else None
-    precision, threads = ("bf16 autocast" if device.type == "cuda" else "fp32"), torch.get_num_threads()
-    settings = {"size": args.size, "batch": args.batch, "compiled": args.compile, "warmup": args.warmup,
-                "repeats": args.repeats, "iters": args.iters, "precision": precision, "peak_flops": peak,
-                "token_dispatch_presets": token_dispatch_presets(args.size), "resolve": args.resolve,
-                "max_repeats": args.max_repeats, "threads": threads, "rows": labels,
-                "summary": f"{args.size.upper()}, {precision}, batch {args.batch}, "
-                           f"{'compiled' if args.compile else 'eager'}, AdamW, {threads} threads, warm-up "
-                           f"{args.warmup}, {args.repeats} to {max(args.repeats, args.max_repeats)} paired "
-                           f"rounds x {args.iters} steps until +-{args.resolve}"}
-    result = {"command": "train", "settings": settings,
-              **bench_train(args.size, args.batch, device, args.compile, args.warmup, args.repeats,
-                            args.iters, peak, labels, args.resolve, args.max_repeats)}
+    settings = {k: getattr(args, k) for k in ("size", "batch", "warmup", "repeats", "iters", "resolve",
+                                              "max_repeats")}
+    precision = "bf16 autocast" if device.type == "cuda" else "fp32"
+    result = {"command": "train", "settings": {
+        **settings, "compiled": args.compile, "precision": precision, "optimizer": "AdamW",
+        "threads": torch.get_num_threads(), "peak_flops": peak, "rows": labels},
+        **bench_train(**settings, device=device, compiled=args.compile, peak=peak, labels=labels)}
     result["targets"] = train_targets(result["rows"]) if args.size == "s" else []
-    print(train_markdown(result))
     return result
 
 
@@ -1229,6 +1159,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     result = COMMANDS[args.command](args, device)
     if args.command in ("latency", "train"):
+        print(result_markdown(result))
         result["env"], result["settings"]["defaults_used"] = environment(device), defaults
         if device.type == "cpu":
             print(f"\nCPU-sized defaults used: {defaults}; GPU numbers: the same command on a CUDA machine.")

@@ -4,11 +4,9 @@
     model = torch.hub.load("path/to/clone", "revit_mini", source="local")    # reViT on Fashion-MNIST
     lm = torch.hub.load("path/to/clone", "alternet_tiny", source="local")   # AlterNet on the built-in corpus
 
-Each returns the model in eval mode, rebuilt from weights/NAME.safetensors: its arch and model config are in
-the file's metadata, and weights/NAME.json beside it gives the training command, commit, date, hardware and
-scores. This file imports the two model files, torch and safetensors only: nothing of lib/ or tools/, and the
-model files import nothing of the project. The same files are checkpoints for every command of the
-repository (`python -m tools.depths weights/revit-mini.safetensors`, `python sample.py ...`).
+Each returns the model in eval mode, rebuilt from weights/NAME.safetensors (its arch and model config are in
+the file's metadata; weights/NAME.json gives the training command, commit, hardware and scores), with the
+two model files, torch and safetensors only. The same files are checkpoints for every command.
 """
 import json
 from pathlib import Path
@@ -30,7 +28,10 @@ def _load(name: str, module, pretrained: bool):
             config = {k: v for k, v in config.items() if k in revit.ViTConfig.__dataclass_fields__}
         model = module.create_model(metadata["arch"], **config)
         if pretrained:
-            model.load_state_dict({key: f.get_tensor(key) for key in f.keys()})
+            state = {key: f.get_tensor(key) for key in f.keys()}
+            if not all(t.isfinite().all() for t in state.values()):  # as every reader of weights refuses
+                raise ValueError(f"{name}.safetensors: its weights are not finite")
+            model.load_state_dict(state)
     return model.eval()
 
 

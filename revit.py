@@ -15,15 +15,16 @@ How reViT differs from a standard pre-norm ViT (DeiT III):
 - three auxiliary losses keep the gates balanced and the experts distinct (Eqs. 6, 8, 9);
 - no LayerScale in the recurrent block (Eq. 3); the DeiT III and Raptor baselines keep it.
 
-Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; the FFN interface) -> `MergedExpertFFN`
-(`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ViTBase` -> `ReViT` (`forward`: Eq. 3 with FFN_t;
-`elastic_steps`, §3.2) -> `fold`. Then the merge cache, the fp32 regions, Table 1's baselines, the config.
+Reading order, to `fold`: `Attention`, `Mlp` -> `Block` (Eq. 3; the FFN interface) -> `ViTBase` ->
+`MergedExpertFFN` (`ffn_at`: Eqs. 1-2 in one look; App. A.2's losses) -> `ReViT` (`forward`: Eq. 3 with
+FFN_t; `elastic_steps`, §3.2) -> `fold`. Then the merge cache, fp32 regions, Table 1's baselines, the config.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Callable, NamedTuple
@@ -52,8 +53,7 @@ class Attention(nn.Module):
         return self.proj(self.attend(self.qkv(x)))
 
 class Mlp(nn.Module):
-    """The dense FFN of a ViT block: fc2(GELU(fc1(u))). As reViT's FFN with E = 1 (the plain tied,
-    ALBERT-style block) it has no router: FFN_t is this one Mlp at every step."""
+    """The dense FFN of a ViT block, fc2(GELU(fc1(u))); reViT's with E = 1 (ALBERT-style), at every step."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -74,16 +74,13 @@ class Mlp(nn.Module):
     def dense_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
         return [self.state_dict()] * depth  # the weights of each step (fold): its own at every step
 
-# --- the plain ViT block (Eq. 3) ---
-
 class Block(nn.Module):
     """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)), with optional
-    LayerScale (DeiT III, with the baselines below) and per-sample drop-path on both branches.
-    The FFN interface: forward(x, ffn) runs `ffn`, tokens (b, T, d) -> tokens, default `mlp`, which holds
-    the FFN's parameters (timm's names: mlp.fc1.weight, ...). reViT's (MergedExpertFFN; E = 1: Mlp)
-    provides ffn_at(s), FFN_t at one depth coordinate s (1,) (Eqs. 1-2); per_image_ffn(coords), a step's
-    FFN for images at coordinates (b,) (§3.2); aux_losses(depth), a dict (App. A.2); and
-    dense_states(depth, gates), the Mlp weights of each step (fold)."""
+    LayerScale (DeiT III, the baselines) and per-sample drop-path on both branches. forward(x, ffn) runs
+    `ffn`, tokens (b, T, d) -> tokens, default `mlp` (the FFN's parameters, timm's names: mlp.fc1.weight).
+    The FFN interface of reViT's block (MergedExpertFFN; E = 1: Mlp): ffn_at(s), FFN_t at a coordinate
+    s (1,) (Eqs. 1-2); per_image_ffn(coords), for images at coordinates (b,) (§3.2); aux_losses(depth),
+    a dict (App. A.2); dense_states(depth, gates), the Mlp weights of each step (fold)."""
 
     def __init__(self, dim: int, heads: int, mlp: nn.Module, layer_scale_init: float | None = None,
                  drop_path: float = 0.0):
@@ -107,6 +104,58 @@ class Block(nn.Module):
         shared = {k: v for k, v in self.state_dict().items() if not k.startswith("mlp.")}
         return [{**shared, **{f"mlp.{k}": v for k, v in ffn.items()}}
                 for ffn in self.mlp.dense_states(depth, gates)]
+
+class ViTBase(nn.Module):
+    """Patch embedding, class token, positions, final norm and head: common to every model here."""
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        c = self.config = config
+        if self.arch != c.arch or not isinstance(self, c.model_class):  # no Raptor config as a 12-block ViT
+            raise ValueError(f"arch={c.arch!r} builds {c.model_class.__module__}.{c.model_class.__name__}, "
+                             f"not {type(self).__name__}; build models with revit.build_model(config)")
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(c.in_channels, c.dim, c.patch_size, stride=c.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, c.num_patches, c.dim))  # patch tokens only
+        self.norm = nn.LayerNorm(c.dim, eps=1e-6)
+        self.head = nn.Linear(c.dim, c.num_classes) if c.num_classes else nn.Identity()
+
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        self.apply(init_linear)
+
+    def no_weight_decay(self) -> set:
+        """Names excluded from weight decay beyond biases and 1-D parameters (norms, gammas). reViT's psi
+        output layer starts at zero and sets the depth program: decay would pull the gates to uniform."""
+        return {"pos_embed", "cls_token", "block.mlp.router.2.weight"}
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) floating images (cast to the model's dtype) -> (B, 1+N, d) tokens."""
+        check_images(images, self.config)
+        images = images.to(self.patch_embed.proj.weight.dtype)
+        x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
+        x = x + self.pos_embed  # DeiT III's layout: no position on the class token (our choice)
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
+
+    def check_depth(self, depth: int | None) -> int:  # the depth to run: the trained one by default
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 2):
+            raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
+        return self.config.depth if depth is None else depth
+
+    def finish(self, x, states, aux, return_states, extra=None):
+        """The head on x (B, 1+N, d): logits (B, classes), or with return_states logits, pre_logits (B, d),
+        tokens (after the final norm), states (the L + 1 residual states), aux_losses and `extra` (gates)."""
+        tokens = self.norm(x)
+        logits = self.head(tokens[:, 0])
+        if not return_states:
+            return logits
+        return {"logits": logits, "pre_logits": tokens[:, 0], "tokens": tokens, "states": states,
+                "aux_losses": aux, **(extra or {})}
 
 # --- the depth router ψ and the weight-space merge (§3.1, Eqs. 1-2); aux losses (App. A.2) ---
 
@@ -134,9 +183,8 @@ class ExpertBank(nn.Module):
     def merge(self, gates: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple:
         """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...) in `dtype`,
         fp32 by default whatever the bank's dtype or autocast; callers cast at use (MergedFFN)."""
-        n = gates.shape[0]
         with full_precision(gates.device):
-            return tuple((gates.to(dtype) @ p.to(dtype).flatten(1)).view(n, *p.shape[1:])  # (n, ...)
+            return tuple((gates.to(dtype) @ p.to(dtype).flatten(1)).unflatten(1, p.shape[1:])  # (n, ...)
                          for p in self.bank())
 
     def diversity(self) -> torch.Tensor:
@@ -155,7 +203,7 @@ def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
 
 class DepthRouter(nn.Sequential):
     """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E), (n, 1) coordinates -> (n, E) logits in fp32
-    whatever the autocast or dtype (App. A.5). A Sequential for its names: router.0, router.2."""
+    whatever the autocast or dtype (App. A.5). A module (router.0, router.2), so hooks and counters see it."""
 
     def forward(self, s: torch.Tensor) -> torch.Tensor:
         first, last = self[0], self[2]
@@ -186,19 +234,18 @@ class MergedExpertFFN(ExpertBank):
         super().__init__(dim, hidden, num_experts)
         self.temperature, self.router_prior = router_temperature, router_prior
         self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
-        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(),
+        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(),  # psi (Eq. 1): router.0, router.2
                                   nn.Linear(router_hidden, num_experts))
 
     def reset_router(self) -> None:
-        """App. A.1: the output layer is zero-initialised, so all experts start with equal weight.
-        The paper does not say how the hidden layer starts; ours is the model-wide trunc-normal(0.02)
-        with zero bias, which makes psi nearly linear in s at the start (our choice)."""
+        """App. A.1: the output layer starts at zero, all experts equal. The hidden layer (the paper leaves
+        it open): the model-wide trunc-normal(0.02), zero bias; psi starts near-linear in s (our choice)."""
         self.router.apply(init_linear)
         nn.init.zeros_(self.router[2].weight)
         nn.init.zeros_(self.router[2].bias)
 
     def gate_logits(self, coords: torch.Tensor) -> torch.Tensor:
-        """(n,) coordinates -> (n, E) fp32 logits z = psi(s) (plus our optional `depth_prior`, at the end)."""
+        """(n,) coordinates -> (n, E) fp32 logits z = psi(s), plus our optional `depth_prior` (below)."""
         s = coords.float().unsqueeze(-1)                                          # (n, 1)
         z = self.router(s)                                                        # (n, E)
         return z + depth_prior(s, self.num_experts, self.router_prior) if self.router_prior else z
@@ -208,9 +255,8 @@ class MergedExpertFFN(ExpertBank):
         return torch.softmax(self.gate_logits(coords) / self.temperature, dim=-1)
 
     def ffn_at(self, s: torch.Tensor) -> MergedFFN:
-        """FFN_t at one depth coordinate s (a (1,) tensor). Gates in fp32 under any autocast; the sum in the
-        bank's dtype (a bf16 bank merges as one bf16 matmul accumulating in fp32, never copied to fp32: our
-        choice). Each step builds its own: one merged FFN is alive at a time."""
+        """FFN_t at a coordinate s (1,), one alive at a time. Gates in fp32 under any autocast; the sum in the
+        bank's dtype (a bf16 bank: one bf16 matmul accumulating in fp32, never copied to fp32: our choice)."""
         z = self.gate_logits(s)                                                   # (1, E) z = psi(s)
         g = torch.softmax(z / self.temperature, dim=-1)                           # (1, E) Eq. 1
         merged = self.merge(g, self.fc1_weight.dtype)                             # (1, ...) Eq. 2
@@ -239,58 +285,6 @@ class MergedExpertFFN(ExpertBank):
         gates = self.gates(depth_grid(depth, device)) if gates is None else gates.to(device)  # (L, E)
         names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
         return [dict(zip(names, (w[0] for w in self.merge(g.unsqueeze(0))))) for g in gates]
-
-# --- the stem and head that every model shares ---
-
-class ViTBase(nn.Module):
-    """Patch embedding, class token, positions, final norm and head: common to every model here."""
-
-    def __init__(self, config: ViTConfig):
-        super().__init__()
-        check_model_class(self, config)
-        c = self.config = config
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv2d(c.in_channels, c.dim, c.patch_size, stride=c.patch_size)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, c.num_patches, c.dim))  # patch tokens only
-        self.norm = nn.LayerNorm(c.dim, eps=1e-6)
-        self.head = nn.Linear(c.dim, c.num_classes) if c.num_classes else nn.Identity()
-
-    def init_weights(self) -> None:
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        self.apply(init_linear)
-
-    def no_weight_decay(self) -> set:
-        """Names excluded from weight decay beyond biases and 1-D parameters (norms, gammas)."""
-        return {"pos_embed", "cls_token"}
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) floating images (cast to the model's dtype) -> (B, 1+N, d) tokens."""
-        check_images(images, self.config)
-        images = images.to(self.patch_embed.proj.weight.dtype)
-        x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
-        x = x + self.pos_embed  # DeiT III's layout: no position on the class token (our choice)
-        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, d)
-
-    def check_depth(self, depth: int | None) -> int:
-        """The depth to run: the trained one by default, else an integer >= 2."""
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 2):
-            raise ValueError(f"depth must be an integer >= 2; got {depth!r}")
-        return self.config.depth if depth is None else depth
-
-    def finish(self, x, states, aux, return_states, extra=None):
-        """The head on x (B, 1+N, d): logits (B, classes), or with return_states logits, pre_logits (B, d),
-        tokens (after the final norm), states (the L + 1 residual states), aux_losses and `extra` (gates)."""
-        tokens = self.norm(x)
-        logits = self.head(tokens[:, 0])
-        if not return_states:
-            return logits
-        return {"logits": logits, "pre_logits": tokens[:, 0], "tokens": tokens, "states": states,
-                "aux_losses": aux, **(extra or {})}
 
 # --- reViT: one shared block, depth-programmed merged FFN, elastic depth (§3) ---
 
@@ -328,8 +322,7 @@ class ReViT(ViTBase):
         """images (B, C, H, W) -> logits (B, classes), or named outputs with return_states. depth: L steps
         (default: the trained one). keep: (B, L) bool, the steps each image runs (elastic depth, §3.2)."""
         depth = self.check_depth(depth)
-        # The merge cache (after fold): at inference, the L merged FFNs of this depth, merged once; looked
-        # up before any tensor work, so that a compiled forward stays one graph.
+        # The merge cache (after fold), looked up before any tensor work: a compiled forward stays one graph.
         inference = self.config.merge_cache and not self.training and not torch.is_grad_enabled()
         cached = merge_cache(self, depth) if inference else None
         x = self.embed(images)                                                  # (B, 1+N, d)
@@ -379,20 +372,13 @@ class ReViT(ViTBase):
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
         """G [L, E]: the fp32 gates of every step at depth L (rows sum to 1). E = 1 gives ones."""
         depth = self.check_depth(depth)
-        ffn = self.block.mlp
-        if not isinstance(ffn, MergedExpertFFN):
+        if not isinstance(self.block.mlp, MergedExpertFFN):
             return torch.ones(depth, 1)
-        return ffn.gates(depth_grid(depth, ffn.fc1_weight.device))
+        return self.block.mlp.gates(depth_grid(depth, self.cls_token.device))
 
     def train(self, mode: bool = True):
         self.merged_ffns = None  # a mode switch drops the merge cache: where hand-written weight edits end
         return super().train(mode)
-
-    def no_weight_decay(self) -> set:
-        # psi's output layer starts at zero and sets the depth program: decaying it pulls the gates back
-        # towards uniform (its bias is 1-D and excluded anyway)
-        router = {"block.mlp.router.2.weight"} if isinstance(self.block.mlp, MergedExpertFFN) else set()
-        return super().no_weight_decay() | router
 
 # --- fold: a fixed depth becomes a plain ViT (§3.1: "inserted into a conventional fixed-depth graph") ---
 
@@ -401,7 +387,11 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     """A plain untied ViT (VisionTransformer, below) of `depth` blocks with `model`'s outputs at that depth,
     on its device and in its dtype: block t is what the source computes at step t. gates: an [L, E] matrix
     in place of the router's (reViT, E >= 2), for the analysis tools' expert ablation and permutation (§5)."""
-    check_foldable(model, depth, gates)
+    c = model.config
+    if gates is not None and not (isinstance(model, ReViT) and c.num_experts >= 2 and gates.ndim == 2
+                                  and gates.shape[1] == c.num_experts and depth in (None, gates.shape[0])):
+        raise ValueError(f"fold: gates must have shape [depth, num_experts] of a reViT with num_experts >= 2;"
+                         f" got {list(gates.shape)}, depth={depth!r}, arch={c.arch!r}, E={c.num_experts}")
     depth = model.check_depth(gates.shape[0] if gates is not None else depth)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(("block.", "blocks."))}
     if isinstance(model, ReViT):
@@ -411,20 +401,20 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
     hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
-    plain = {f.name: getattr(model.config, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
+    plain = {f.name: getattr(c, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
     config = replace(ViTConfig(**plain), arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1,
                      ffn_dim=hidden, expert_ffn_fraction=1.0)
     vit = VisionTransformer(config).to(device=model.cls_token.device, dtype=model.cls_token.dtype)
     vit.load_state_dict(state)
     return vit.train(model.training)
 
-# --- the merge cache: inference merges the L FFNs of a depth once (§3.1: "computed once and reused") ---
+# --- behind the story: the merge cache (§3.1), fp32 regions (App. A.5), depth prior, GroupedFFN (§3.2) ---
 
 @torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
 def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
-    """The L merged FFNs of depth L (None for E = 1), merged at once in fp32 and cast once (equal to the
-    per-step merge up to float rounding). Not detected: writes that bypass the version counters (`p.data`,
-    a fused optimizer step) with no train()/eval() after them."""
+    """The L merged FFNs of depth L, "computed once and reused" (§3.1; None for E = 1): merged at once in
+    fp32, cast once (equal to the per-step merge up to float rounding). Not detected: writes that bypass the
+    version counters (`p.data`, a fused optimizer step) with no train()/eval() after them."""
     ffn = model.block.mlp
     if not isinstance(ffn, MergedExpertFFN):
         return None
@@ -438,8 +428,6 @@ def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
         model.merged_ffns = key, [MergedFFN(*(w[t] for w in merged)) for t in range(depth)]
     return model.merged_ffns[1]
 
-# --- fp32 regions for the router and the merge (App. A.5), asked without a graph break (dynamo 2.11) ---
-
 def full_precision(device: torch.device):
     """A region with autocast off: router and merge math stay fp32 (App. A.5: "generic FP32 reductions")."""
     return torch.autocast(device.type, enabled=False) if autocast_available(device.type) else nullcontext()
@@ -448,10 +436,14 @@ def full_precision(device: torch.device):
 def autocast_available(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
 
-# --- elastic depth's FFN for a step whose images sit at several coordinates (§3.2) ---
+def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
+    """Not in the paper: (n, 1) -> (n, E) -beta (s - c_e)^2, c_e = e / (E - 1), a fixed term on the logits
+    that starts expert e dominant near s = c_e, a symmetry-breaking start (ours; beta = router_prior)."""
+    centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
+    return -beta * (s.float() - centres).pow(2)
 
 class GroupedFFN(NamedTuple):
-    """Images at several coordinates: image i runs merged FFN group[i] of the stacks (groups, ...)."""
+    """Elastic depth (§3.2), images at several coordinates: image i runs FFN group[i] of (groups, ...)."""
     merged: tuple
     group: torch.Tensor  # (b,)
 
@@ -493,7 +485,7 @@ class LayerScale(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma
 
-# --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) ---
+# --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) and Raptor ---
 
 class VisionTransformer(ViTBase):
     """Untied ViT: block t serves step t. `fold` returns this class, so a folded reViT runs through
@@ -522,8 +514,6 @@ class VisionTransformer(ViTBase):
             states.append(x)
         return self.finish(x, states, {}, return_states)
 
-# --- ... and Raptor: k distinct blocks shared over the L steps ---
-
 def raptor_schedule(num_blocks: int, depth: int) -> list[int]:
     """Which block serves each step: contiguous segments. Raptor (L=12) lets block i serve 1-based steps
     t <= thresholds[i] (`known`); at another depth they scale with L; other k split evenly."""
@@ -545,7 +535,7 @@ class Raptor(VisionTransformer):
     def schedule(self, depth: int) -> list[int]:
         return raptor_schedule(len(self.blocks), depth)
 
-# --- the config: every model's settings ---
+# --- the config: every model's settings; presets: Table 1's models and small CPU sizes of our own ---
 
 @dataclass
 class ViTConfig:
@@ -586,16 +576,8 @@ class ViTConfig:
         return round(self.expert_ffn_fraction * self.ffn_dim)
 
     @property
-    def model_class(self) -> type:
-        """The class this config builds (lib/moe.py's config names its mechanisms' class)."""
+    def model_class(self) -> type:  # the class this config builds
         return MODELS[self.arch]
-
-# --- presets: Table 1's models (ImageNet 224², patch 16) and small CPU sizes of our own ---
-
-# LayerScale: DeiT III's 1e-4 for the untied ViT. Raptor's official block has LayerScale too
-# (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper trains Raptor with DeiT III's recipe, so
-# our Raptor presets use DeiT III's 1e-4 (our choice). reViT's block has none (Eq. 3).
-DEIT3 = dict(layer_scale_init=1e-4)
 
 MINI = dict(num_classes=10, dim=96, heads=3, ffn_dim=192, depth=6)  # our CPU width
 SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DINOv2 distillation's B/14)
@@ -607,7 +589,10 @@ SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DIN
 }
 SIZES.update({f"{size}14": dict(SIZES[size], patch_size=14) for size in ("s", "b", "l")})
 # Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts); and at every
-# size Raptor with k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5)
+# size Raptor with k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5). LayerScale: DeiT
+# III's 1e-4. Raptor's official block has 1e-5 (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper
+# trains Raptor with DeiT III's recipe, so our Raptor presets use 1e-4 (our choice). reViT's has none (Eq. 3).
+DEIT3 = dict(layer_scale_init=1e-4)
 ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
 VARIANTS = {"vit": [], "raptor": [(f"-k{k}", dict(raptor_blocks=k)) for k in (2, 3, 4)],
             "revit": [(f"-e{e}", dict(num_experts=e)) for e in (1, 2, 3, 4, 8)]}
@@ -649,23 +634,21 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
     ("layer_scale_init", lambda c: c.layer_scale_init is None or c.layer_scale_init > 0, "> 0 or None"),
     ("depth_drop", lambda c: 0.0 <= c.depth_drop < 1.0, "in [0, 1)"),
     ("drop_path", lambda c: 0.0 <= c.drop_path < 1.0, "in [0, 1)"),
-    ("router_temperature", lambda c: c.router_temperature > 0, "> 0"),
-    *((name, lambda c, name=name: getattr(c, name) >= 0, ">= 0")
+    ("router_temperature", lambda c: 1e-3 <= c.router_temperature <= 1e3, "in [0.001, 1000]"),
+    *((name, lambda c, name=name: 0 <= getattr(c, name) <= 1e3, "in [0, 1000]")
       for name in ("router_prior", "balance_weight", "z_loss_weight", "diversity_weight")),
     ("expert_ffn_fraction", lambda c: c.expert_ffn_fraction > 0 and c.expert_ffn_dim >= 1,
      "> 0 with at least one hidden unit (ffn_dim={ffn_dim})"),
 ]
 
 def preset(name: str, presets: dict, more: str = "") -> dict:
-    """presets[name]; an unknown name gets one line with the closest names (difflib)."""
     if name not in presets:
-        close = " or ".join(map(repr, difflib.get_close_matches(name, presets, n=3)))
+        close = " or ".join(map(repr, difflib.get_close_matches(name.lower(), presets, n=3)))
         hint = f"did you mean {close}?" if close else "`python revit.py` lists the presets"
         raise ValueError(f"unknown preset name={name!r}; {hint}{more}")
     return presets[name]
 
 def make_config(cls: type, values: dict) -> ViTConfig:
-    """cls(**values), a name that is not one of its fields refused in one line."""
     allowed = [f.name for f in fields(cls)]
     unknown = sorted(set(values) - set(allowed))
     if unknown:
@@ -689,41 +672,19 @@ def refusal(c: ViTConfig, name: str, allowed: str) -> ValueError:
 
 def check_images(images: torch.Tensor, c: ViTConfig) -> None:
     """Integer pixels are refused, not guessed (uint8 images need .float() / 255 and the normalisation)."""
-    shape = (c.in_channels, c.image_size, c.image_size)
-    if images.ndim != 4 or images.shape[1:] != shape or not images.is_floating_point():
+    if images.shape[1:] != (c.in_channels, c.image_size, c.image_size) or not images.is_floating_point():
         raise ValueError(f"images must be a floating-point tensor normalised as in training, of shape "
                          f"(B, in_channels={c.in_channels}, image_size={c.image_size}, {c.image_size}); "
                          f"got {images.dtype} {tuple(images.shape)}")
 
-def check_model_class(model: nn.Module, c: ViTConfig) -> None:
-    """A config builds the class it names: a Raptor config never becomes a 12-block ViT."""
-    if model.arch != c.arch or not isinstance(model, c.model_class):
-        raise ValueError(f"arch={c.arch!r} builds {c.model_class.__module__}.{c.model_class.__name__}, "
-                         f"not {type(model).__name__}; build models with revit.build_model(config)")
-
-def check_foldable(model: nn.Module, depth: int | None, gates: torch.Tensor | None) -> None:
-    """fold's gates: [L, E] for a reViT's merge (E >= 2), L = depth if given."""
-    c = model.config
-    if gates is not None and not (isinstance(model, ReViT) and c.num_experts >= 2 and gates.ndim == 2
-                                  and gates.shape[1] == c.num_experts and depth in (None, gates.shape[0])):
-        raise ValueError(f"fold: gates must have shape [depth, num_experts] of a reViT with num_experts >= 2;"
-                         f" got {list(gates.shape)}, depth={depth!r}, arch={c.arch!r}, E={c.num_experts}")
-
-# --- not in the paper: a fixed depth prior on the gate logits (ViTConfig.router_prior, 0 by default) ---
-
-def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
-    """(n, 1) -> (n, E): -beta (s - c_e)^2, c_e = e / (E - 1): a fixed term that starts expert e dominant
-    near s = c_e, a symmetry-breaking start (our addition; beta = router_prior)."""
-    centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
-    return -beta * (s.float() - centres).pow(2)
-
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
-    import sys
-
-    print("| preset | params (M) |\n|---|---:|")
-    for name in sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]:
-        try:
-            with torch.device("meta"):
-                print(f"| {name} | {create_model(name).num_params() / 1e6:.2f} |")
-        except ValueError as e:
-            sys.exit(f"revit.py: {e}")
+    if {"-h", "--help"} & set(sys.argv):
+        print("usage: python revit.py [PRESET ...]: parameter counts of the presets (default: the main ones)")
+        sys.exit()
+    names = sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]
+    try:
+        with torch.device("meta"):
+            rows = [f"| {name} | {create_model(name).num_params() / 1e6:.2f} |" for name in names]
+    except ValueError as e:  # every name is checked before the table starts: one line, no header
+        sys.exit(f"revit.py: {e}")
+    print("| preset | params (M) |", "|---|---:|", *rows, sep="\n")

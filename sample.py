@@ -78,22 +78,16 @@ def prepare(args: argparse.Namespace):
     if not isinstance(model, alternet.AlterNet):
         raise ValueError(f"CKPT {args.checkpoint} is a checkpoint of {ckpt.get('arch')!r}, not of an "
                          f"AlterNet language model (one of {', '.join(sorted(alternet.PRESETS))})")
-    encode, decode = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))  # offline
+    encode, decode, _ = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))  # offline
     prompt = encode_prompt(args.prompt, encode, model, device)
-    if args.top_k is not None and args.top_k > model.config.vocab_size:
-        raise ValueError(f"--top-k must be <= vocab_size={model.config.vocab_size}, got {args.top_k}")
-    if args.halt_threshold is not None and not model.config.halting:
-        raise ValueError(f"--halt-threshold: {args.checkpoint} is a fixed-depth model (halting=False), "
-                         "which runs every iteration; leave the flag out (cap the iterations with "
-                         "--max-depth)")
+    # --top-k and --halt-threshold against this model: generate's contract refuses them in one line
     if args.halt_threshold is None and model.config.halting:
         args.halt_threshold = DEFAULT_HALT_THRESHOLD
     return model, prompt, decode
 
 
 def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
-    """`python sample.py CKPT --prompt TEXT`: prints each sample, and with --show-iterations a line of
-    per-token iteration marks and their mean. Returns the samples (text, iterations)."""
+    """Print each sample (with --show-iterations, its iteration marks); -> [(text, iterations)]."""
     args = sample_parser().parse_args(argv)
     try:
         model, prompt, decode = prepare(args)
@@ -106,7 +100,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
             ids, used = model.generate(prompt, args.max_new_tokens, halt_threshold=args.halt_threshold,
                                        max_depth=args.max_depth, temperature=args.temperature,
                                        top_k=args.top_k, return_iterations=True)
-        except ValueError as e:  # logits that overflow on this prompt (load_model tried one input only)
+        except ValueError as e:  # logits that overflow on this prompt (load_model tried one input only), or
+            # a flag this model cannot take: --top-k above its vocabulary, --halt-threshold without halting
             fail(f"CKPT {args.checkpoint}: {e}", "sample.py")
         used = used[0].tolist()
         samples.append((decode(ids[0].tolist()), used))

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from lib import tasks
 from lib.build import adamw, build, setup, wrap
 from lib.checkpoint import RunFolder, primitive, provenance, unwrap
-from lib.boundary import check_config, fail, family_of, preset_names
+from lib.boundary import check_config, fail, family_of, preset_module, preset_names
 from lib.cli import (broadcast, cpu_time_note, dataclass_parser, device_options, non_finite_place, opt,
                      run_main, say)
 from lib.data import IMAGE_DATASETS, TEXT_DATASETS
@@ -150,17 +150,13 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
     recipe = explicit.get("recipe") or ("probe" if explicit.get("probe") else RECIPE_OF.get(dataset, ""))
     if recipe and recipe not in RECIPES:
         fail(f"unknown --recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
-    layers = [(f"recipe: {recipe} -- {RECIPES[recipe][0]}", RECIPES[recipe][1])] if recipe else \
-        [("recipe: quick start (the TrainConfig defaults)", {})]
-    if family == "language":
-        import alternet  # the language model: imported by language runs only
-        if arch in alternet.RECIPES:
-            layers.append((f"recipe: {arch} -- alternet.RECIPES, the AlterNet paper's settings",
-                           alternet.RECIPES[arch]))
-    values = {"dataset": dataset}
-    for title, overrides in layers:
-        show(title + "".join(f" {k}={v}" for k, v in overrides.items()))
-        values.update(overrides)
+    source, values = RECIPES[recipe] if recipe else ("the TrainConfig defaults", {})
+    show(f"recipe: {recipe or 'quick start'} -- {source}" + "".join(f" {k}={v}" for k, v in values.items()))
+    paper = getattr(preset_module(arch), "RECIPES", {}).get(arch, {})  # the AlterNet paper's presets
+    if paper:
+        show(f"recipe: {arch} -- alternet.RECIPES, the AlterNet paper's settings"
+             + "".join(f" {k}={v}" for k, v in paper.items()))
+    values = {**values, **paper, "dataset": dataset}
     if not explicit.get("dataset"):
         show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
              f"{family} preset{', --data given' if data else ''})")
@@ -313,8 +309,7 @@ def divergence_message(run: Run, loss: float, grad_norm: float) -> str:
 def evaluate(model: nn.Module, task, depths=(None,), rank: int = 0, world: int = 1) -> dict:
     """The one evaluation (the loop, --eval-only, tools/depths.py): {depth: metrics} on the task's test
     data; depth None is the reference depth (language models: the halted depth, and every fixed depth)."""
-    results = task.evaluate(unwrap(model), list(depths), rank, world)
-    return {None if key == "halted" else key: value for key, value in results.items()}
+    return task.evaluate(unwrap(model), list(depths), rank, world)
 
 
 def evaluate_run(run: Run, depths, what: str) -> dict:
@@ -328,8 +323,7 @@ def evaluate_run(run: Run, depths, what: str) -> dict:
 
 
 def save_checkpoint(run: Run) -> None:
-    """What a run continues from: model, optimizer, fp16's loss scale ({} without fp16), schedule, loop
-    state and every rank's random streams, written by rank 0 with only finite weights (RunFolder.save)."""
+    """What a run continues from, with every rank's random streams (RunFolder.save: finite weights only)."""
     cfg = run.cfg
     ckpt = {"model": dict(run.trainable.state_dict()),  # a plain dict: no _metadata past weights_only
             "arch": "linear-probe" if cfg.probe else cfg.arch,
@@ -346,17 +340,17 @@ def save_checkpoint(run: Run) -> None:
 
 
 def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
-    """Set-up (device, data, model, optimizer; every input is checked before the run folder, the first
-    write), then the loop; Ctrl-C ends in one line saying where the run continues."""
+    """Set-up (every input is checked before the run folder, the first write), then the loop."""
     rank, world, device, options = setup(cfg)  # torchrun's ranks, the device, the seeds, the precision
-    parts = build(cfg, rank, world, device, resume_ckpt, plan_memory=True)
-    sched = schedule(cfg, parts.model, parts.steps_per_epoch)
-    model = parts.model.to(device)
+    model, task, batches, augment, steps_per_epoch = build(cfg, rank, world, device, resume_ckpt,
+                                                           plan_memory=True)
+    sched = schedule(cfg, model, steps_per_epoch)
+    model = model.to(device)
     optimizer = adamw(model.head if cfg.probe else model, cfg, sched["peak_lr"], options["fused_adamw"])
     # fp16 only: the loss scaled up so that small gradients do not flush to zero in fp16
     scaler = torch.amp.GradScaler(device.type, enabled=options["precision"] == "fp16")
     cfg.out_dir = broadcast(cfg.out_dir or f"out/{cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}", world)
-    run = Run(cfg, device, model, model, parts.task, parts.augment, optimizer, scaler, sched,
+    run = Run(cfg, device, model, model, task, augment, optimizer, scaler, sched,
               RunFolder(cfg.out_dir, cfg.resume), rank, world)
     if resume_ckpt is not None:  # checked in full, then loaded, before the run folder is touched
         from lib import resume  # what continues a saved run: imported by resumed runs only
@@ -369,12 +363,12 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
                         resume_step=resume_ckpt["step"] if resume_ckpt else None)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
     say(f"{cfg.arch}: {run.params() / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
-        f"{sched['total_steps']} steps ({parts.steps_per_epoch or '-'} per epoch) | "
+        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
         f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
     run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                     "params": run.params(), "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
     try:
-        return loop(run, parts.batches, cfg.eval_interval or parts.steps_per_epoch or 500)
+        return loop(run, batches, cfg.eval_interval or steps_per_epoch or 500)
     except KeyboardInterrupt:  # Ctrl-C: one line saying where the run continues, not a traceback
         where = "no checkpoint was written yet" if run.folder.saved_step is None else \
             f"resume with --resume {run.folder.ckpt} (its step {run.folder.saved_step})"
@@ -384,8 +378,8 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
 
 
 def loop(run: Run, batches, eval_every: int) -> dict:
-    """The steps to the schedule's end (batches(start): the order is a function of the step, so a resumed run
-    sees the same batches); a line every --log-interval, an evaluation and a checkpoint every `eval_every`."""
+    """The steps to the schedule's end: a line every --log-interval, an evaluation and a checkpoint every
+    `eval_every`, and at the end the final evaluation."""
     cfg, total = run.cfg, run.sched["total_steps"]
     unit = "tokens" if cfg.dataset in TEXT_DATASETS else "images"
     bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not cfg.progress, dynamic_ncols=True)

@@ -1,12 +1,7 @@
 """The boundary: every flag and path a user may type is checked here, once, before any work; a failure is
-one line naming the flag or the file (`fail`). The rules, each written once:
-
-- every number flag of every entry point is finite and in its range (`RANGES`, `check_numbers`);
-- a command writes only new files or its own (`output_problem`), atomically (lib/cli.py), and a resumed
-  run never into another run's folder (lib/checkpoint.RunFolder);
-- a checkpoint is data, checked by its one reader (lib/checkpoint.py): weights_only, plain finite tensors
-  of the model's names and shapes; data files by lib/data.py's allow-list unpickler;
-- nothing reaches the network without --download (lib/data.py, lib/language.py, --teacher hub:).
+one line naming the flag or the file (`fail`). Number flags: `RANGES`. Outputs: only new files or the
+command's own (`output_problem`). Checkpoints are read as data by lib/checkpoint.py, data files by
+lib/data.py; nothing reaches the network without --download.
 """
 
 from __future__ import annotations
@@ -15,6 +10,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import json
 import math
 import os
 import stat
@@ -32,6 +28,14 @@ from revit import MAX_DEPTH
 def fail(message: str, prog: str | None = None):
     """A user error: one line `prog: error: message` on stderr, non-zero exit, no traceback."""
     raise SystemExit(f"{prog or script_name()}: error: {message}")
+
+
+def or_fail(check, *args, **kwargs):
+    """check(*args, **kwargs), its ValueError (a loader's, --device's) as the one-line exit."""
+    try:
+        return check(*args, **kwargs)
+    except ValueError as e:
+        fail(str(e))
 
 
 def script_name() -> str:
@@ -109,13 +113,12 @@ def check_numbers(values: dict, prog: str | None = None, **ranges) -> None:
     for name, value in values.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"{flag} must be a finite number; got {value}", prog)
         ok, allowed = ranges.get(name) or RANGES.get(name, ANY_NUMBER)
+        finite = not isinstance(value, float) or math.isfinite(value)
         shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:6]}...({len(str(value))} digits)"
-        if not ok(value):  # a 400-digit integer is shown as its first digits and its length
-            fail(f"{flag} must be {allowed}; got {shown}", prog)
+        allowed = allowed if finite else "a finite number"
+        if not (finite and ok(value)):  # a 400-digit integer is shown as its first digits and its length
+            fail(f"--{name.replace('_', '-')} must be {allowed}; got {shown}", prog)
 
 
 # --- train.py's flags: their choices and the flags that need one another ---
@@ -128,22 +131,24 @@ DENSE_PROBES = ("seg", "monodepth")  # per-patch heads on cached features: tools
 
 def check_config(cfg) -> None:
     """train.py's config before anything is read or written: numbers, choices, flags that need one another."""
-    if cfg.probe in DENSE_PROBES:
-        fail(f"--probe {cfg.probe} is a dense probe: python -m tools.probes --probe {cfg.probe} "
-             f"--backbone CKPT (train.py trains the linear classification probe, --probe cls)")
     check_numbers(vars(cfg))
-    for name, choices in CHOICES.items():
-        if getattr(cfg, name) not in choices:
-            fail(f"--{name.replace('_', '-')} must be one of {', '.join(c for c in choices if c)}; "
-                 f"got {getattr(cfg, name)!r}")
     module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, lib.moe or alternet
     vision = is_vision(module)
     data_dir = cfg.data_dir and path_problem(cfg.data_dir, "folder")
     what = " does not exist" if data_dir == "no such folder" else f": {data_dir}"
     data = cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file")  # file or folder
     hub = cfg.teacher.startswith("hub:") and not cfg.download  # torch.hub downloads and runs a repo's code
-    for broken, message in [  # the flags that need one another, and the paths read
+    choice = next((name for name, allowed in CHOICES.items() if getattr(cfg, name) not in allowed), None)
+    for broken, message in [  # the choices, the flags that need one another, and the paths read
+        (cfg.probe in DENSE_PROBES, f"--probe {cfg.probe} is a dense probe: python -m tools.probes --probe "
+                                    f"{cfg.probe} --backbone CKPT (train.py trains the linear classification "
+                                    f"probe, --probe cls)"),
+        (choice, choice and f"--{choice.replace('_', '-')} must be one of "
+                            f"{', '.join(c for c in CHOICES[choice] if c)}; got {getattr(cfg, choice)!r}"),
         (not vision and not cfg.max_steps, "text data trains by steps: give --max-steps"),
+        (cfg.dataset == "text" and not cfg.data, "--dataset text needs --data FILE (the text to train on)"),
+        (cfg.data and cfg.dataset not in ("", "imagenet", "text"),
+         f"--data is read by --dataset imagenet or text; --dataset {cfg.dataset} is found under --data-dir"),
         (not cfg.max_steps and not cfg.epochs, "give --epochs or --max-steps (both are 0)"),
         (cfg.probe and not cfg.backbone, "--probe needs --backbone CHECKPOINT (the frozen model to probe)"),
         (cfg.probe and cfg.teacher, "--probe and --teacher cannot be combined"),
@@ -180,7 +185,7 @@ def family_of(arch: str) -> str:
     """'vision' or 'language' for a preset name (or the error naming the closest presets)."""
     module = preset_module(arch)
     if module is None:
-        close = difflib.get_close_matches(arch, preset_names(), n=3, cutoff=0.6)
+        close = difflib.get_close_matches(arch.lower(), preset_names(), n=3, cutoff=0.6)
         fail(f"unknown --arch {arch!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
              + "python train.py --list-archs prints all names")
     return "vision" if is_vision(module) else "language"
@@ -212,15 +217,13 @@ def parse_model_args(text: str, config_class=None) -> dict:
     overrides = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = (s.strip() for s in item.partition("="))
-        if not sep:
-            fail(f"--model-args expects key=value pairs separated by commas; got {item!r}")
-        if key in overrides:  # which one was meant? never the silent last-one-wins
-            fail(f"--model-args names {key} twice; give each field once")
         with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
             value = ast.literal_eval(value)
-        if hints and key not in hints:
-            fail(f"--model-args {key}: not a field of {config_class.__name__}; fields: {', '.join(hints)}")
-        problem = (hints and wrong_type({key: value}, config_class)) or too_deep({key: value})
+        problem = ("expects key=value pairs separated by commas; got " + repr(item) if not sep
+                   else f"names {key} twice; give each field once" if key in overrides  # never last-one-wins
+                   else f"{key}: not a field of {config_class.__name__}; fields: {', '.join(hints)}"
+                   if hints and key not in hints
+                   else (hints and wrong_type({key: value}, config_class)) or too_deep({key: value}))
         if problem:
             fail(f"--model-args {problem}")
         overrides[key] = value
@@ -235,16 +238,14 @@ def takes(hint, value) -> bool:
     return isinstance(value, kinds) or float in kinds and type(value) is int
 
 
-def type_names(hint) -> str:
-    return " or ".join(k.__name__ for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
-
-
 def wrong_type(values: dict, config_class) -> str | None:
     """The first known field of a saved config whose value config_class does not take, in words, or None."""
     hints = typing.get_type_hints(config_class)
     for name, value in values.items():
         if name in hints and not takes(hints[name], value):
-            return f"{name}={value!r}: {name} takes {type_names(hints[name])}"
+            kinds = typing.get_args(hints[name]) or (hints[name],)
+            names = " or ".join(k.__name__ for k in kinds if isinstance(k, type))
+            return f"{name}={value!r}: {name} takes {names}"
     return None
 
 
@@ -275,12 +276,17 @@ def path_problem(path, kind: str = "file") -> str | None:
 
 
 RUN_FILES = ("ckpt.pt", "metrics.jsonl", ".lock")  # what train.py keeps in a run folder
-SAVED_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive, a pickle: a checkpoint or a model
+# How the files this project writes begin (strict JSON, PNG, PDF, SVG, ONNX's ir_version; analyze's CSV
+# tables): an existing file is replaced only when it is one of them, a command's own earlier output. A
+# user's notes.txt, a saved checkpoint or model (a zip or a pickle) is never overwritten.
+OUTPUT_STARTS = (b'{"', b'{\n "', b"\x89PNG", b"%PDF", b"<?xml", b"\x08",
+                 b"state,", b"step,s,", b"student_state,")
 
 
 def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:
     """Why `path` cannot be written as a `kind` ("file" or "folder"), worded to follow the path, or None
-    (parent folders are created). Never over a run's files, a saved model or (unless `runs_ok`) a run."""
+    (parent folders are created). Never over a run's files, a file the project did not write or (unless
+    `runs_ok`) a run."""
     path = Path(path)
     if path.exists() and path.is_dir() != (kind == "folder"):
         return f"is a {'file' if kind == 'folder' else 'folder'}; give a {kind}"
@@ -296,11 +302,23 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
         return f"holds a training run ({held[0]}); choose another folder" if held else None
     if path.exists() and path.name in RUN_FILES:
         return f"is a file of a training run ({path.name}); choose another path"
-    if path.is_file():
-        with open(path, "rb") as f:
-            if f.read(4).startswith(SAVED_FILE_MAGIC):
-                return "already holds a saved checkpoint or model (never overwritten); choose another path"
+    if path.is_file() and not is_own_output(path):
+        return "already exists and is not an earlier output of this project (never overwritten)"
     return None
+
+
+def is_own_output(path: Path) -> bool:
+    """One of OUTPUT_STARTS, or tools.export's safetensors (a checkpoint's packed weights are not)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+        if head.startswith(OUTPUT_STARTS):
+            return True
+        try:  # safetensors: the header's length (8 bytes, little-endian), then the header as JSON
+            f.seek(8)
+            header = json.loads(f.read(min(int.from_bytes(head[:8], "little"), 1 << 20)))
+            return header["__metadata__"]["format"] in ("revit.folded", "revit.compact", "timm")
+        except (ValueError, KeyError, TypeError):
+            return False
 
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:

@@ -152,15 +152,14 @@ def run_part(part: Part, timeout: float, report: Report, entry: dict, log) -> No
     status = None if timed_out else process.returncode
     for label, fields in part.finish(status) if part.finish else []:
         report.update(part.name, label, fields)
-    seconds = time.monotonic() - start
     if timed_out:
-        why = f"timed out after {timeout:.0f} s (its share of the budget)"
+        outcome, why = "timed out", f"timed out after {timeout:.0f} s (its share of the budget)"
     elif status:
-        why = f"the part exited with status {status}: {tail[-1] if tail else 'no output'}"
+        outcome, why = "failed", f"the part exited with status {status}: {tail[-1] if tail else 'no output'}"
     else:
-        why = "the part ended without this row"
-    entry.update(seconds=round(seconds, 1), exit=status, status="timed out" if timed_out else
-                 "ok" if status == 0 else "failed", **({"detail": why} if timed_out or status else {}))
+        outcome, why = "ok", "the part ended without this row"
+    entry.update(seconds=round(time.monotonic() - start, 1), exit=status, status=outcome,
+                 **({} if outcome == "ok" else {"detail": why}))
     close_rows(report, part, "timed out" if timed_out else "error", why)
 
 
@@ -228,7 +227,7 @@ def stop_group(process) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """SIGTERM and SIGINT raise Stopped in the main thread while the plan runs."""
+    """While the plan runs, SIGTERM and SIGINT end it with Stopped (in the main thread)."""
     def stop(signum, frame):
         raise Stopped(f"{signal.Signals(signum).name} after {time.monotonic() - started:.0f} s")
     started = time.monotonic()

@@ -5,7 +5,6 @@ module the step calls (`wrap`)."""
 from __future__ import annotations
 
 import random
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -34,20 +33,12 @@ def setup(cfg) -> tuple[int, int, torch.device, dict]:
     return rank, world, device, options
 
 
-class Parts(NamedTuple):
-    """batches(start_step) -> (step, inputs, targets), an order set by the step alone (a resumed run sees
-    the same batches); augment and steps_per_epoch are None for text."""
-    model: nn.Module
-    task: object
-    batches: object
-    augment: object
-    steps_per_epoch: int | None
-
-
-def build(cfg, rank: int, world: int, device, ckpt: dict | None, plan_memory: bool = False) -> Parts:
-    """Images (lib/tasks.py, lib/planted.py) or text (lib/language.py, imported by text runs only); a
-    resumed or evaluated checkpoint `ckpt` supplies the model config. plan_memory (training): the memory
-    gate, before the text is read (the config sets a language model's size) or after the images are."""
+def build(cfg, rank: int, world: int, device, ckpt: dict | None, plan_memory: bool = False) -> tuple:
+    """-> (model, task, batches, augment, steps_per_epoch) of images (lib/tasks.py, lib/planted.py) or text
+    (lib/language.py, imported by text runs only; no augment, no epochs); `ckpt` gives the model config.
+    batches(start_step) yields (step, inputs, targets) in an order set by the step alone (a resumed run sees
+    the same batches). plan_memory: the memory gate, before the text is read (the config sets a language
+    model's size) or after the images are."""
     language = cfg.dataset in TEXT_DATASETS
     if plan_memory and language:
         fit_in_memory(cfg, None, device, world, ckpt)
@@ -57,9 +48,9 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None, plan_memory: bo
         from lib import planted as kind
     else:
         kind = tasks
-    parts = Parts(*kind.build(cfg, rank, world, device, ckpt))
+    parts = kind.build(cfg, rank, world, device, ckpt)
     if plan_memory and not language:
-        fit_in_memory(cfg, parts.model, device, world)
+        fit_in_memory(cfg, parts[0], device, world)
     return parts
 
 

@@ -27,8 +27,8 @@ except ImportError:
 import torch
 import torch.nn as nn
 
-import revit
-from lib.boundary import fail, output_problem, path_problem, preset_module, too_deep
+from lib.boundary import fail, or_fail, output_problem, path_problem, preset_module, too_deep
+from lib.weights import read_weights  # the .safetensors files weights/ ships
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
 
@@ -56,37 +56,27 @@ def unreadable(error: Exception) -> str:
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
-    """A checkpoint (weights_only=True) whose parts named in `keys` pass the boundary's rules: their types,
+    """A checkpoint (weights_only=True) whose parts named in `keys` pass the rules below: their types,
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
     one line naming the flag, the file and what is wrong."""
-    ckpt, problem = read_checkpoint(path, keys)
+    ckpt, problem = None, path_problem(path, "file")
+    if not problem:
+        try:
+            ckpt = read_weights(path) if Path(path).suffix == ".safetensors" else torch.load(
+                path, map_location="cpu", weights_only=True)
+        except ValueError as e:  # read_weights: what is wrong with the file, in words
+            problem = str(e)
+        except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
+            problem = unreadable(e)
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    values = [] if problem or missing else list(plain_values(ckpt))  # each container once, as stored
+    what = "training checkpoint" if "optimizer" in keys else "checkpoint"
+    problem = (problem or missing and f"not a {what} of this project (missing {', '.join(missing)})"
+               or structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
+               or non_finite(values))
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
     return ckpt
-
-
-def read_checkpoint(path, keys) -> tuple[dict | None, str | None]:
-    """load_checkpoint's reading and rules -> (checkpoint, what is wrong with it in a few words, or None)."""
-    problem = path_problem(path, "file")
-    if problem:
-        return None, problem
-    try:
-        if Path(path).suffix == ".safetensors":  # weights/ ships these: lib/weights.py
-            from lib.weights import read_weights
-            ckpt = read_weights(path)
-        else:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except ValueError as e:  # read_weights: what is wrong with the file, in words
-        return None, str(e)
-    except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
-        return None, unreadable(e)
-    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        return None, (f"not a {'training ' if 'optimizer' in keys else ''}checkpoint of this project "
-                      f"(missing {', '.join(missing)})")
-    values = list(plain_values(ckpt))  # each container once: shared references are not expanded
-    return ckpt, (structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
-                  or non_finite(values))
 
 
 # --- a loaded checkpoint is data: plain dense tensors, finite, of the model's names and shapes ---
@@ -192,6 +182,11 @@ def diverged(model: torch.nn.Module) -> str | None:
     return "its weights are finite but its output is not (NaN or inf on an example input): a diverged run"
 
 
+def count(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+SCALER_STATE = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 # What each part of a checkpoint must be: a file edited or written by other code fails here, by name.
 PARTS = {
     "arch": (lambda v: isinstance(v, str), "a preset name (a string)"),
@@ -203,16 +198,20 @@ PARTS = {
                   and isinstance(v.get("param_groups"), list) and all(isinstance(g, dict) and isinstance(
                       g.get("params"), list) for g in v["param_groups"]),
                   "an optimizer state dict (state, param_groups)"),
-    "step": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "step": (lambda v: isinstance(v, int) and count(v), "an integer >= 0"),
     "rng": (lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(r, dict) for r in v),
             "a list of RNG states, one per rank (torch, python, ...)"),
     "metrics": (lambda v: isinstance(v, dict), "a dict"),
+    "scaler": (lambda v: v == {} or isinstance(v, dict) and set(v) == SCALER_STATE
+               and all(map(count, v.values())) and v["scale"] > 0,
+               f"fp16's GradScaler state ({', '.join(sorted(SCALER_STATE))}: numbers >= 0, scale > 0) "
+               f"or {{}}"),
 }
 
 
 def structure_problem(ckpt: dict, keys) -> str | None:
     """Each part the caller needs, and train_config and metrics (tools read them) when present."""
-    for key in dict.fromkeys((*keys, "train_config", "metrics")):
+    for key in dict.fromkeys((*keys, "train_config", "metrics", "scaler")):
         if key in ckpt and key in PARTS and not PARTS[key][0](ckpt[key]):
             got = repr(ckpt[key]) if not isinstance(ckpt[key], (dict, list)) else type(ckpt[key]).__name__
             return f"its {key} must be {PARTS[key][1]}; got {got[:80]}"
@@ -228,8 +227,9 @@ def config_problem(ckpt: dict, keys) -> str | None:
     module = preset_module(arch, config)
     if module is None:
         return f"checkpoint of unknown arch {arch!r} (not a preset of revit.py or alternet.py)"
-    if too_deep(config):
-        return f"its model_config has {too_deep(config)}"
+    deep = too_deep(config)
+    if deep:
+        return f"its model_config has {deep}"
     try:
         with torch.device("meta"):
             model = module.create_model(arch, **config)
@@ -238,44 +238,37 @@ def config_problem(ckpt: dict, keys) -> str | None:
     return fit_problem(model.state_dict(), ckpt["model"], arch) if "model" in keys else None
 
 
-def load_model(path, device="cpu", flag: str = "checkpoint"):
-    """A trained model from a checkpoint -> (model in eval mode, ckpt); ValueError as load_checkpoint."""
+def load_model(path, device="cpu", flag: str = "checkpoint", vision: bool = False):
+    """A trained model from a checkpoint (with `vision`, one of revit.py's) -> (model in eval mode, ckpt);
+    ValueError as load_checkpoint."""
     ckpt = load_checkpoint(path, flag)
-    arch = ckpt["arch"]
-    if arch == "linear-probe":
-        raise ValueError(f"{flag} {path} is a linear-probe head, not a model; its backbone is "
-                         f"{ckpt['model_config'].get('backbone')}")
-    model = preset_module(arch, ckpt["model_config"]).create_model(arch, **ckpt["model_config"])
-    model.load_state_dict(ckpt["model"])  # names and shapes checked by load_checkpoint
-    model = model.to(device).eval()
-    problem = diverged(model)
+    arch, config = ckpt["arch"], ckpt["model_config"]
+    module = preset_module(arch, config)
+    problem = (f"is a linear-probe head, not a model; its backbone is {config.get('backbone')}"
+               if arch == "linear-probe" else
+               f"holds the language model {arch}; this tool reads the vision models of revit.py (reViT, ViT, "
+               f"Raptor, the MoE baselines)" if vision and module.__name__ == "alternet" else None)
+    if not problem:
+        model = module.create_model(arch, **config)
+        model.load_state_dict(ckpt["model"])  # names and shapes checked by load_checkpoint
+        model = model.to(device).eval()
+        problem = diverged(model)
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
     return model, ckpt
 
 
 def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
-    """load_model of a vision model of revit.py."""
-    model, ckpt = load_model(path, device, flag)
-    if not isinstance(model, revit.ViTBase):
-        raise ValueError(f"{flag} {path}: holds the language model {ckpt['arch']}; "
-                         "this tool reads the vision models of revit.py (reViT, ViT, Raptor, the MoE "
-                         "baselines)")
-    return model, ckpt
+    return load_model(path, device, flag, vision=True)
 
 
 def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
-    try:  # for a command line: the ValueError becomes the one-line exit
-        return load_checkpoint(path, flag, keys)
-    except ValueError as e:
-        fail(str(e))
+    """For a command line: the loaders' ValueError becomes the one-line exit."""
+    return or_fail(load_checkpoint, path, flag, keys)
 
 
 def model_or_fail(path, flag) -> nn.Module:
-    try:
-        return load_model(path, flag=flag)[0]
-    except ValueError as e:
-        fail(str(e))
+    return or_fail(load_model, path, flag=flag)[0]
 
 
 # --- what a checkpoint holds besides weights: plain values, the plain module, RNG states ---
@@ -292,13 +285,10 @@ def primitive(value):
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module under DDP and torch.compile wrappers (what checkpoints store)."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
+    ddp = nn.parallel.DistributedDataParallel
+    while isinstance(model, ddp) or hasattr(model, "_orig_mod"):
+        model = model.module if isinstance(model, ddp) else model._orig_mod
+    return model
 
 
 def rng_state(augment, device: torch.device) -> dict:
@@ -392,28 +382,27 @@ class RunFolder:
 
     def check(self, fresh: bool, overwrite: bool) -> None:
         """Before any work, without writing: can the folder be written, is it free for this run?"""
-        problem = output_problem(self.path, "folder", runs_ok=True)
+        taken = not overwrite and (self.ckpt.exists() or self.metrics.exists())
+        problem = output_problem(self.path, "folder", runs_ok=True) or (
+            f"already holds a run; " + (f"continue it with --resume {self.ckpt}, " if self.ckpt.exists() else
+                                        "it stopped before its first checkpoint: ")
+            + "choose another --out-dir, or replace it with --overwrite" if taken and fresh else
+            f"holds a run other than --resume {self.resume} (its own checkpoint is {self.ckpt}); continuing "
+            f"here would overwrite {self.ckpt.name} and cut {self.metrics.name}: give the run a new "
+            f"--out-dir, or replace the folder's run with --overwrite" if taken and not self.continues_run()
+            else None)
         if problem:
             fail(f"--out-dir {self.path} {problem}")
-        holds_run = self.ckpt.exists() or self.metrics.exists()
-        if fresh and not overwrite and holds_run:
-            fail(f"--out-dir {self.path} already holds a run; continue it with --resume {self.ckpt}, choose "
-                 f"another --out-dir, or replace it with --overwrite")
-        if not fresh and not overwrite and holds_run and not self.continues_run():
-            fail(f"--out-dir {self.path} holds a run other than --resume {self.resume} (its own checkpoint "
-                 f"is {self.ckpt}); continuing here would overwrite {self.ckpt.name} and cut "
-                 f"{self.metrics.name}: give the run a new --out-dir, or replace the folder's run with "
-                 f"--overwrite")
 
     def open(self, fresh: bool, overwrite: bool, resume_step: int | None) -> None:
         self.check(fresh, overwrite)  # the default --out-dir too: its .lock is opened next
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self.lock = open(self.path / ".lock", "a")  # "a": never truncates what is there
-            if not lock(self.lock):
-                fail(f"--out-dir {self.path} is in use by another training process; choose another --out-dir")
-        except OSError as e:
-            fail(f"--out-dir {self.path} is not writable: {e.strerror or e}")
+            lock(self.lock)
+        except OSError as e:  # with the lock file open, another process holds its lock
+            busy = "is in use by another training process; choose another --out-dir"
+            fail(f"--out-dir {self.path} " + (busy if self.lock else f"is not writable: {e.strerror or e}"))
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
         for stale in [*self.path.glob(".ckpt.pt.tmp*"), *self.path.glob(".metrics.jsonl.tmp*")]:
             stale.unlink()  # saves and log rewrites interrupted by a kill
@@ -457,11 +446,10 @@ class RunFolder:
             try:  # strict JSON: a NaN is never written (the loop stops before; this is the last guard)
                 self.log_file.write(json.dumps(primitive(record), allow_nan=False) + "\n")
                 self.log_file.flush()
-            except ValueError:
-                fail(f"{non_finite_place(record)} of step {record.get('step')} is not finite; not written to "
+            except (ValueError, OSError) as e:
+                fail(f"cannot write {self.metrics}: {e.strerror or e}" if isinstance(e, OSError) else
+                     f"{non_finite_place(record)} of step {record.get('step')} is not finite; not written to "
                      f"{self.metrics}")
-            except OSError as e:
-                fail(f"cannot write {self.metrics}: {e.strerror or e}")
 
     def close(self) -> None:
         for handle in (self.log_file, self.lock):  # closing the lock file releases the lock
@@ -469,17 +457,13 @@ class RunFolder:
                 handle.close()
 
 
-def lock(handle) -> bool:
-    """Take the open file's exclusive lock without waiting: False if another process holds it. A platform
+def lock(handle) -> None:
+    """Take the open file's exclusive lock without waiting (OSError if another process holds it). A platform
     with neither Unix's flock nor Windows' msvcrt runs unlocked."""
-    try:
-        if fcntl is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        elif msvcrt is not None:
-            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
-    except (BlockingIOError, PermissionError):  # msvcrt: EACCES where another process holds it
-        return False
-    return True
+    if fcntl is not None:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    elif msvcrt is not None:
+        msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
 
 
 def logged_by(line: str, step: int) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lib.boundary import fail, script_name
+from lib.boundary import fail, or_fail, script_name
 
 
 # --- one-line errors and rank-0 output ---
@@ -92,17 +92,18 @@ def pick_device(name: str = "auto") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device {name!r}: not a device; use {DEVICES}") from None
-    if device.type not in ("cpu", "cuda", "mps") or device.type != "cuda" and device.index not in (None, 0):
-        raise ValueError(f"--device {name!r}: not a device of this project; use {DEVICES}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), "
-                         f"cuda:0 to cuda:{count - 1}")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {name}: Apple's MPS is not available on this machine (use --device cpu)")
+        device = torch.device("meta")  # not a device at all
+    cuda, count = device.type == "cuda", torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for broken, problem in [
+        (device.type not in ("cpu", "cuda", "mps") or not cuda and device.index not in (None, 0),
+         f"{name!r}: not a device of this project; use {DEVICES}"),
+        (cuda and not count, f"{name}: CUDA is not available on this machine (use --device cpu)"),
+        (cuda and (device.index or 0) >= count, f"{name}: this machine has {count} CUDA device(s), cuda:0 to "
+                                                f"cuda:{count - 1}"),
+        (device.type == "mps" and not torch.backends.mps.is_available(),
+         f"{name}: Apple's MPS is not available on this machine (use --device cpu)")]:
+        if broken:
+            raise ValueError(f"--device {problem}")
     return device
 
 
@@ -123,10 +124,7 @@ def device_options(device_type: str, precision: str = "auto") -> dict:
 
 def init_distributed(device_name: str):
     """--device, and the process group torchrun asks for. -> (rank, world, device)."""
-    try:
-        device = pick_device(device_name)
-    except ValueError as e:
-        fail(str(e))
+    device = or_fail(pick_device, device_name)
     if "RANK" not in os.environ:
         return 0, 1, device
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])

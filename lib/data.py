@@ -1,13 +1,7 @@
-"""Data for train.py: the built-in data sets, image folders, text corpora and the batch augmentation.
-A reader refuses a bad file with a ValueError / FileNotFoundError naming it (train.py makes it one line).
-
-- images: Fashion-MNIST (IDX files), CIFAR-10/100 (the python archives, read by an allow-list unpickler:
-  nothing in a data folder runs), any ImageFolder tree; batches index gathers in a (seed, epoch) order;
-- text: a UTF-8 file / folder, tinyshakespeare, or `grammar_corpus()` generated here, tokenized by
-  lib/language.py;
-- augmentation on the device: the DeiT III recipe of the reViT paper's Table 6 (arXiv 2610.12448).
-
-Nothing here touches the network unless asked (`download=True`).
+"""Data for train.py: images (Fashion-MNIST, CIFAR-10/100 through an allow-list unpickler, ImageFolder
+trees), text (UTF-8 files, tinyshakespeare, grammar_corpus()) and the DeiT III batch augmentation of the
+reViT paper's Table 6 (arXiv 2610.12448). A bad file is a ValueError / FileNotFoundError naming it; nothing
+here touches the network unless asked (`download=True`).
 """
 
 from __future__ import annotations
@@ -18,7 +12,9 @@ import math
 import os
 import pickle
 import random
+import shutil
 import tarfile
+import tempfile
 import urllib.request
 import zlib
 from dataclasses import dataclass
@@ -30,25 +26,26 @@ import torch.nn.functional as F
 
 # --- where the built-in data sets live ---
 
-IMAGE_DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet", "planted")  # train.py --dataset: images
-TEXT_DATASETS = ("grammar", "tinyshakespeare", "text")  # ... and text (an AlterNet preset)
+IMAGE_DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet", "planted")  # train.py --dataset
+TEXT_DATASETS = ("grammar", "tinyshakespeare", "text")  # ... text: an AlterNet preset's
 
 URLS = {
     "fashion-mnist": "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
     "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
     "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
-    "tinyshakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+    "tinyshakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/"
+                       "input.txt",
 }
 FMNIST_FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                 "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
-# name: (subfolder, file that marks it, how to get it)
-BUILTIN = {
+BUILTIN = {  # name: (subfolder, the file that marks it, how to get it)
     "fashion-mnist": ("fashion-mnist", "t10k-labels-idx1-ubyte.gz",
                       f"`apt-get install dataset-fashion-mnist`, or download {', '.join(FMNIST_FILES)} "
                       f"from {URLS['fashion-mnist']}"),
     "cifar10": ("cifar-10-batches-py", "test_batch", f"download and unpack {URLS['cifar10']}"),
     "cifar100": ("cifar-100-python", "test", f"download and unpack {URLS['cifar100']}"),
-    "tinyshakespeare": ("", "tinyshakespeare.txt", f"download {URLS['tinyshakespeare']} as tinyshakespeare.txt"),
+    "tinyshakespeare": ("", "tinyshakespeare.txt", f"download {URLS['tinyshakespeare']} as "
+                                                   "tinyshakespeare.txt"),
 }
 NORMALISATION = {  # per-channel mean, std of the training set
     "fashion-mnist": ([0.2860], [0.3530]),
@@ -75,15 +72,14 @@ def find_builtin(name: str, data_dir: str = "", download: bool = False) -> Path:
             if (folder / marker).exists():
                 return folder
     target, where = Path(data_dir or "data"), ", ".join(map(str, data_roots(data_dir)))
-    if not download:
-        raise FileNotFoundError(f"{name} not found in {where}. To get it: {how}, into {target}/ "
-                                f"(or rerun with --download, or point --data-dir at a folder that has it)")
-    try:
-        download_builtin(name, target)
-    except OSError as e:
-        raise FileNotFoundError(f"{name} not found in {where} and the download failed ({e}). "
-                                f"To get it: {how}, into {target}/") from None
-    return target / subfolder
+    failed = " (or rerun with --download, or point --data-dir at a folder that has it)"
+    if download:
+        try:
+            download_builtin(name, target)
+            return target / subfolder
+        except (OSError, EOFError, tarfile.TarError) as e:  # EOFError, TarError: a cut archive
+            failed = f" (the download failed: {e})"
+    raise FileNotFoundError(f"{name} not found in {where}. To get it: {how}, into {target}/{failed}")
 
 
 def fetch(url: str, path: Path) -> None:
@@ -96,17 +92,22 @@ def fetch(url: str, path: Path) -> None:
 
 def download_builtin(name: str, target: Path) -> None:
     print(f"downloading {name} into {target} ...")
-    (target / "fashion-mnist" if name == "fashion-mnist" else target).mkdir(parents=True, exist_ok=True)
+    folder = target / BUILTIN[name][0] if name == "fashion-mnist" else target  # the archives hold theirs
+    folder.mkdir(parents=True, exist_ok=True)
     if name == "fashion-mnist":
         for file in FMNIST_FILES:
-            fetch(URLS[name] + file, target / "fashion-mnist" / file)
+            fetch(URLS[name] + file, folder / file)
     elif name == "tinyshakespeare":
         fetch(URLS[name], target / "tinyshakespeare.txt")
     else:
-        archive = target / Path(URLS[name]).name
-        fetch(URLS[name], archive)
-        with tarfile.open(archive) as tar:
-            tar.extractall(target, filter="data")
+        fetch(URLS[name], target / Path(URLS[name]).name)
+        staging = Path(tempfile.mkdtemp(dir=target, prefix=".extracting-"))  # torn: never looks like data
+        try:
+            with tarfile.open(target / Path(URLS[name]).name) as tar:
+                tar.extractall(staging, filter="data")
+            os.replace(staging / BUILTIN[name][0], target / BUILTIN[name][0])
+        finally:
+            shutil.rmtree(staging)
 
 
 # --- the readers: every data file's bytes come through read_file ---
@@ -120,24 +121,24 @@ def read_file(path: Path) -> bytes:
     try:
         with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
             raw = f.read(MAX_FILE_BYTES + 1)
+        if len(raw) <= MAX_FILE_BYTES:
+            return raw
+        reason = f"larger than {MAX_FILE_BYTES:,} bytes (our bound for a data file)"
     except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut-short .gz an EOFError
-        reason = getattr(e, "strerror", None) or str(e) or "cut short"
-        raise ValueError(f"{path}: cannot be read ({reason})") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_FILE_BYTES:,} bytes (our bound for a data file)")
-    return raw
+        reason = f"cannot be read ({getattr(e, 'strerror', None) or str(e) or 'cut short'})"
+    raise ValueError(f"{path}: {reason}")
 
 
 def read_idx(path: Path) -> torch.Tensor:
     """IDX format (LeCun): 2 zero bytes, dtype code 0x08 (uint8), rank, big-endian dims, data."""
-    path = Path(path)
     raw = read_file(path)
     rank = raw[3] if raw[:3] == b"\x00\x00\x08" and len(raw) >= 4 else 0
     header = 4 + 4 * rank
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
     if not 1 <= rank <= 4 or not 0 < math.prod(dims) == len(raw) - header:  # frombuffer refuses b""
         raise ValueError(f"{path} is not an uint8 IDX file of 1 to 4 dimensions whose header "
-                         f"({'x'.join(map(str, dims)) or 'none'}) counts the {len(raw) - header} bytes it holds")
+                         f"({'x'.join(map(str, dims)) or 'none'}) counts the {len(raw) - header} bytes "
+                         "it holds")
     return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).view(*dims)
 
 
@@ -147,8 +148,9 @@ def load_fashion_mnist(folder: Path):
         images = read_idx(Path(folder) / f"{prefix}-images-idx3-ubyte.gz")
         labels = read_idx(Path(folder) / f"{prefix}-labels-idx1-ubyte.gz")
         if images.shape[1:] != (28, 28) or labels.shape != images.shape[:1] or labels.max() > 9:
-            raise ValueError(f"{folder}: the {prefix} files are not Fashion-MNIST (28x28 images, one label "
-                             f"0-9 per image); got images {tuple(images.shape)}, labels {tuple(labels.shape)}")
+            raise ValueError(f"{folder}: the {prefix} files are not Fashion-MNIST (28x28 images, one "
+                             f"label 0-9 per image); got images {tuple(images.shape)}, labels "
+                             f"{tuple(labels.shape)}")
         return images.unsqueeze(1), labels.long()  # (N, 1, 28, 28)
     return split("train"), split("t10k"), 10
 
@@ -163,17 +165,18 @@ class Stored:
     def __setstate__(self, state):
         self.state = state
 
-
-def from_buffer(buffer, dtype, shape, order="C"):
-    """numpy 2's protocol-5 array (_frombuffer), kept as protocol 2 stores one."""
-    array = Stored()
-    array.state = (1, shape, dtype, order != "C", buffer)
-    return array
+    @classmethod
+    def from_buffer(cls, buffer, dtype, shape, order="C"):
+        """numpy 2's protocol-5 array (_frombuffer), kept as protocol 2 stores one."""
+        array = cls()
+        array.state = (1, shape, dtype, order != "C", buffer)
+        return array
 
 
 ALLOWED = {  # every global a CIFAR archive may name (numpy 1.x's and 2.x's module names); nothing else loads
     ("numpy.core.multiarray", "_reconstruct"): Stored, ("numpy._core.multiarray", "_reconstruct"): Stored,
-    ("numpy.core.numeric", "_frombuffer"): from_buffer, ("numpy._core.numeric", "_frombuffer"): from_buffer,
+    ("numpy.core.numeric", "_frombuffer"): Stored.from_buffer,
+    ("numpy._core.numeric", "_frombuffer"): Stored.from_buffer,
     ("numpy", "ndarray"): Stored, ("numpy", "dtype"): Stored,
     ("_codecs", "encode"): lambda text, encoding: text.encode("latin1"),  # bytes, as Python 3 pickles them
 }
@@ -182,17 +185,9 @@ ALLOWED = {  # every global a CIFAR archive may name (numpy 1.x's and 2.x's modu
 class ArchiveUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) not in ALLOWED:  # a class, os.system, ...: refused before it is looked up
-            raise pickle.UnpicklingError(f"it refers to the Python object {module}.{name}, which a data archive "
-                                         "never holds (refused, nothing run)")
+            raise pickle.UnpicklingError(f"it refers to the Python object {module}.{name}, which a data "
+                                         "archive never holds (refused, nothing run)")
         return ALLOWED[(module, name)]
-
-
-def cifar_pixels(array) -> torch.Tensor:
-    """The archive's data: a C-ordered uint8 array of N > 0 rows of 3 x 32 x 32 -> (N, 3, 32, 32)."""
-    _, (n, width), dtype, fortran, raw = array.state
-    if dtype.args[0] not in ("u1", b"u1") or fortran or width != 3072 or not len(raw) == 3072 * n > 0:
-        raise TypeError
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, 3, 32, 32)
 
 
 def read_cifar_batch(path: Path, label_key: bytes, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,9 +197,12 @@ def read_cifar_batch(path: Path, label_key: bytes, classes: int) -> tuple[torch.
               f"in 0..{classes - 1}")
     try:
         batch = ArchiveUnpickler(io.BytesIO(raw), encoding="bytes").load()  # the archive is Python 2's
-        images, labels = cifar_pixels(batch[b"data"]), batch[label_key]
-        if type(labels) is list and len(labels) == len(images) and all(
-                type(y) is int and 0 <= y < classes for y in labels):  # a flat list: it cannot expand
+        _, (n, width), dtype, fortran, pixels = batch[b"data"].state  # a C-ordered uint8 array (n, 3072)
+        labels = batch[label_key]
+        if (dtype.args[0] in ("u1", b"u1") and not fortran and width == 3072 and len(pixels) == 3072 * n > 0
+                and type(labels) is list and len(labels) == n  # a flat list: it cannot expand
+                and all(type(y) is int and 0 <= y < classes for y in labels)):
+            images = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(n, 3, 32, 32)
             return images, torch.tensor(labels)
     except pickle.UnpicklingError as e:  # torn, or a global off the allow-list (refused, nothing run)
         reason = " ".join(str(e).split())[:200]
@@ -215,10 +213,11 @@ def read_cifar_batch(path: Path, label_key: bytes, classes: int) -> tuple[torch.
 
 def load_cifar(folder: Path, classes: int):
     """The official python archives -> ((train (N, 3, 32, 32) uint8, labels), (test ...), classes)."""
+    label_key = b"labels" if classes == 10 else b"fine_labels"
+
     def read(names):
-        batches = [read_cifar_batch(Path(folder) / name, b"labels" if classes == 10 else b"fine_labels", classes)
-                   for name in names]
-        return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        images, labels = zip(*(read_cifar_batch(Path(folder) / name, label_key, classes) for name in names))
+        return torch.cat(images), torch.cat(labels)
     if classes == 10:
         return read([f"data_batch_{i}" for i in range(1, 6)]), read(["test_batch"]), 10
     return read(["train"]), read(["test"]), 100
@@ -235,7 +234,7 @@ class TensorImages:
 
     def batches(self, index_batches):
         for idx in index_batches:
-            idx = idx.to(self.images.device)  # a set on the GPU is gathered with an index there (no-op on the CPU)
+            idx = idx.to(self.images.device)  # a set on the GPU is gathered there (a no-op on the CPU)
             yield self.images[idx], self.labels[idx]
 
 
@@ -249,10 +248,11 @@ class FolderImages:
         except ImportError:
             raise ValueError("an image folder needs Pillow and the torchvision release of your torch "
                              "(requirements-extra.txt says which)") from None
+        bicubic = T.InterpolationMode.BICUBIC
         if train:  # 3-Augment's RandomResizedCrop (scale 0.08-1, bicubic); flips etc. run on the device
-            resize = [T.RandomResizedCrop(image_size, scale=(0.08, 1.0), interpolation=T.InterpolationMode.BICUBIC)]
+            resize = [T.RandomResizedCrop(image_size, scale=(0.08, 1.0), interpolation=bicubic)]
         else:  # evaluation crop ratio 1.0 (Table 6): resize the short side, centre crop
-            resize = [T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(image_size)]
+            resize = [T.Resize(image_size, interpolation=bicubic), T.CenterCrop(image_size)]
         self.dataset = ImageFolder(str(root), transform=T.Compose([T.PILToTensor(), *resize]))
         self.labels = torch.tensor(self.dataset.targets)
         self.workers = workers
@@ -261,9 +261,9 @@ class FolderImages:
         return len(self.dataset)
 
     def batches(self, index_batches):
-        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=[idx.tolist() for idx in index_batches],
-                                             num_workers=self.workers, pin_memory=torch.cuda.is_available())
-        yield from loader
+        batches = [idx.tolist() for idx in index_batches]
+        yield from torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers,
+                                               pin_memory=torch.cuda.is_available())
 
 
 @dataclass
@@ -283,12 +283,16 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
     with train/ and val/ (dataset "imagenet")."""
     if dataset == "imagenet":
         if not data:
-            raise ValueError("imagenet needs the folder: --data ROOT (an ImageFolder tree with train/ and val/)")
-        root = Path(data)  # a missing train/ or val/: ImageFolder's FileNotFoundError names it
-        size = 224  # Table 6 training and evaluation resolution
-        train, test = FolderImages(root / "train", size, True, workers), FolderImages(root / "val", size, False, workers)
-        mean, std = NORMALISATION["imagenet"]
-        return ImageData(train, test, len(train.dataset.classes), 3, size, mean, std)
+            raise ValueError("imagenet needs the folder: --data ROOT (an ImageFolder tree with train/ and "
+                             "val/)")
+        # a missing train/ or val/: ImageFolder's FileNotFoundError names it; 224: Table 6's resolution
+        train, test = (FolderImages(Path(data) / split, 224, split == "train", workers)
+                       for split in ("train", "val"))
+        if train.dataset.classes != test.dataset.classes:  # a label must name the same class in both
+            differ = sorted(set(train.dataset.classes) ^ set(test.dataset.classes))
+            raise ValueError(f"{data}: val/ must hold the class folders of train/; {len(differ)} are in only "
+                             f"one of them ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})")
+        return ImageData(train, test, len(train.dataset.classes), 3, 224, *NORMALISATION["imagenet"])
     if dataset == "planted":
         return planted_images(train_subset or PLANTED["train"], test_subset or PLANTED["test"])
     folder = find_builtin(dataset, data_dir, download)
@@ -301,10 +305,10 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
                      xtr.shape[1], xtr.shape[-1], *NORMALISATION[dataset])
 
 
-# The planted-depth task (lib/planted.PlantedTask): 16x16x3 "images" generated here from a fixed seed (no file,
-# no download); each 4x4x3 patch is one token vector of 48 numbers, x = A z on a random `rank`-dimensional
-# subspace (z standard normal, A fixed), stored as bytes 128 + 48 x (clipped at 2.7 sigma): a low-dimensional input, so
-# that learning the maps, not the sample count, is what the models compete on.
+# The planted-depth task (lib/planted.PlantedTask): 16x16x3 "images" generated here from a fixed seed (no
+# file, no download); each 4x4x3 patch is one token vector of 48 numbers, x = A z on a random
+# `rank`-dimensional subspace (z standard normal, A fixed), stored as bytes 128 + 48 x (clipped at 2.7 sigma):
+# a low-dimensional input, so that learning the maps, not the sample count, is what the models compete on.
 PLANTED = dict(image_size=16, channels=3, patch_size=4, rank=6, train=8192, test=2048, seed=35)
 
 
@@ -312,16 +316,15 @@ def planted_images(train: int, test: int) -> ImageData:
     """The planted task's inputs: the same bytes on every machine (one generator, train then test).
     Labels are zeros; the target is a function of the input (lib/planted.PlantedTask)."""
     g = torch.Generator().manual_seed(PLANTED["seed"])
-    size, channels, patch, rank = PLANTED["image_size"], PLANTED["channels"], PLANTED["patch_size"], PLANTED["rank"]
-    grid, width, n = size // patch, channels * patch * patch, PLANTED["train"] + PLANTED["test"]
-    basis = torch.randn(width, rank, generator=g) / math.sqrt(rank)  # A: unit-variance token entries
+    size, channels, patch, rank = (PLANTED[k] for k in ("image_size", "channels", "patch_size", "rank"))
+    grid, n_train, n = size // patch, PLANTED["train"], PLANTED["train"] + PLANTED["test"]
+    basis = torch.randn(channels * patch * patch, rank, generator=g) / math.sqrt(rank)  # A: unit-variance
     tokens = torch.randn(n, grid * grid, rank, generator=g) @ basis.T  # (n, patches, C p²), (c, py, px) order
-    x = tokens.view(n, grid, grid, channels, patch, patch).permute(0, 3, 1, 4, 2, 5).reshape(n, channels, size, size)
-    images = (128 + 48 * x).round().clamp(0, 255).to(torch.uint8)
-    xtr, xte = images[:min(train, PLANTED["train"])], images[PLANTED["train"]:PLANTED["train"] + min(test, PLANTED["test"])]
-    mean, std = NORMALISATION["planted"]
-    zeros = lambda x: torch.zeros(len(x), dtype=torch.long)  # noqa: E731
-    return ImageData(TensorImages(xtr, zeros(xtr)), TensorImages(xte, zeros(xte)), 0, channels, size, mean, std)
+    x = tokens.view(n, grid, grid, channels, patch, patch).permute(0, 3, 1, 4, 2, 5)
+    images = (128 + 48 * x.reshape(n, channels, size, size)).round().clamp(0, 255).to(torch.uint8)
+    xtr, xte = images[:min(train, n_train)], images[n_train:n_train + min(test, PLANTED["test"])]
+    train, test = (TensorImages(x, torch.zeros(len(x), dtype=torch.long)) for x in (xtr, xte))
+    return ImageData(train, test, 0, channels, size, *NORMALISATION["planted"])
 
 
 def epoch_order(n: int, seed: int, epoch: int, repeats: int) -> torch.Tensor:
@@ -358,11 +361,13 @@ def image_batches(images, batch_size: int, seed: int, repeats: int, rank: int, w
 # commit (numbers stay comparable across versions), needs no file or network, and has what a
 # looped model should find worth extra iterations: subject-verb agreement across nested relative
 # clauses ("the dogs that the old cat sees run."), a dependency whose distance varies.
-NOUNS = [("cat", "cats"), ("dog", "dogs"), ("child", "children"), ("teacher", "teachers"), ("bird", "birds"),
-         ("farmer", "farmers"), ("king", "kings"), ("sailor", "sailors"), ("mouse", "mice"), ("poet", "poets")]
-TRANSITIVE = [("sees", "see"), ("chases", "chase"), ("likes", "like"), ("helps", "help"), ("follows", "follow"),
-              ("knows", "know"), ("finds", "find"), ("calls", "call")]
-INTRANSITIVE = [("sleeps", "sleep"), ("runs", "run"), ("sings", "sing"), ("waits", "wait"), ("laughs", "laugh")]
+NOUNS = [("cat", "cats"), ("dog", "dogs"), ("child", "children"), ("teacher", "teachers"),
+         ("bird", "birds"), ("farmer", "farmers"), ("king", "kings"), ("sailor", "sailors"),
+         ("mouse", "mice"), ("poet", "poets")]
+TRANSITIVE = [("sees", "see"), ("chases", "chase"), ("likes", "like"), ("helps", "help"),
+              ("follows", "follow"), ("knows", "know"), ("finds", "find"), ("calls", "call")]
+INTRANSITIVE = [("sleeps", "sleep"), ("runs", "run"), ("sings", "sing"), ("waits", "wait"),
+                ("laughs", "laugh")]
 ADJECTIVES = ["small", "old", "happy", "red", "quiet", "brave", "tired", "clever"]
 ADVERBS = ["today", "again", "slowly", "at night", "in the garden", "by the river"]
 DETERMINERS = {0: ["the", "a", "every", "this"], 1: ["the", "some", "two", "these", "many"]}
@@ -391,8 +396,7 @@ def grammar_sentence(rng: random.Random, nesting: int = 2) -> str:
         return [rng.choice(TRANSITIVE)[plural], *noun_phrase(depth)[0]]
 
     subject, plural = noun_phrase(0)
-    words = subject + verb_phrase(plural, 0)
-    sentence = " ".join(words)
+    sentence = " ".join(subject + verb_phrase(plural, 0))
     return sentence[0].upper() + sentence[1:] + "."
 
 
@@ -414,11 +418,12 @@ def read_text(corpus: str = "grammar", path: str = "", data_dir: str = "", downl
     files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
     try:
         text = "\n".join(read_file(f).decode() for f in files)
+        if text.strip():
+            return text
+        reason = "holds no text (no .txt file, or only whitespace)"
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e})") from None
-    if not text.strip():
-        raise ValueError(f"{path} holds no text (no .txt file, or only whitespace)")
-    return text
+        reason = f"is not UTF-8 text ({e})"
+    raise ValueError(f"{path} {reason}")
 
 
 def text_batches(tokens: torch.Tensor, batch_size: int, block_size: int, seed: int, rank: int, world: int,
@@ -443,11 +448,11 @@ class Augment:
     both in checkpoints."""
 
     def __init__(self, data: ImageData, device, seed: int, *, random_crop=False, three_augment=False,
-                 color_jitter=0.0, mixup=0.0, cutmix=0.0, mix_prob=1.0, mix_switch_prob=0.5, label_smoothing=0.0):
-        self.num_classes = data.num_classes
+                 color_jitter=0.0, mixup=0.0, cutmix=0.0, mix_prob=1.0, mix_switch_prob=0.5,
+                 label_smoothing=0.0):
+        self.num_classes, self.label_smoothing = data.num_classes, label_smoothing
         self.random_crop, self.three_augment_on, self.color_jitter = random_crop, three_augment, color_jitter
-        self.mixup, self.cutmix, self.mix_prob, self.mix_switch_prob = mixup, cutmix, mix_prob, mix_switch_prob
-        self.label_smoothing = label_smoothing
+        self.mixup, self.cutmix, self.mix_prob, self.mix_switch = mixup, cutmix, mix_prob, mix_switch_prob
         self.mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(data.std, device=device).view(1, -1, 1, 1)
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -477,13 +482,11 @@ class Augment:
         b, _, h, w = x.shape
         pad = max(1, h // 8)  # 4 px at 32x32, 3 px at 28x28
         padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
-        oy = (self.rand(b) * (2 * pad + 1)).long()  # (B,) crop offsets
-        ox = (self.rand(b) * (2 * pad + 1)).long()
+        oy, ox = ((self.rand(b) * (2 * pad + 1)).long() for _ in "yx")  # (B,) crop offsets, y first
         rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]  # (B, 1, H, 1)
         cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :]  # (B, 1, 1, W)
-        batch = torch.arange(b, device=x.device)[:, None, None, None]
-        chans = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-        x = padded[batch, chans, rows, cols]  # (B, C, H, W)
+        batch, chans = torch.arange(b, device=x.device), torch.arange(x.shape[1], device=x.device)
+        x = padded[batch[:, None, None, None], chans[None, :, None, None], rows, cols]  # (B, C, H, W)
         flip = (self.rand(b) < 0.5)[:, None, None, None]
         return torch.where(flip, x.flip(3), x)
 
@@ -511,7 +514,8 @@ class Augment:
         choice = (self.rand(x.shape[0]) * 3).long()[:, None, None, None]
         sigma = 0.1 + 1.9 * self.rand(x.shape[0])
         solarized = torch.where(x >= 0.5, 1 - x, x)  # PIL solarize threshold 128
-        return torch.where(choice == 0, self.grayscale(x), torch.where(choice == 1, solarized, self.blur(x, sigma)))
+        blurred = self.blur(x, sigma)
+        return torch.where(choice == 0, self.grayscale(x), torch.where(choice == 1, solarized, blurred))
 
     def jitter(self, x, strength):
         """ColorJitter(b, c, s) with factors in [1-strength, 1+strength], in a fixed order."""
@@ -528,8 +532,9 @@ class Augment:
         rng = self.batch_rng
         if not (self.mixup or self.cutmix) or rng.random() >= self.mix_prob:
             return x, targets
-        use_cutmix = self.cutmix > 0 and (self.mixup == 0 or rng.random() < self.mix_switch_prob)
-        lam = rng.betavariate(self.cutmix, self.cutmix) if use_cutmix else rng.betavariate(self.mixup, self.mixup)
+        use_cutmix = self.cutmix > 0 and (self.mixup == 0 or rng.random() < self.mix_switch)
+        alpha = self.cutmix if use_cutmix else self.mixup
+        lam = rng.betavariate(alpha, alpha)
         if use_cutmix:
             h, w = x.shape[-2:]
             cut_h, cut_w = int(h * math.sqrt(1 - lam)), int(w * math.sqrt(1 - lam))

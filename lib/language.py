@@ -37,34 +37,32 @@ def gpt2_encoding(download: bool = False):
     """GPT-2's BPE through tiktoken (vocab 50257), which fetches its files once: only with download."""
     try:
         import tiktoken
-    except ImportError:
-        raise ValueError("the gpt2 tokenizer needs tiktoken: pip install tiktoken (or use byte)") from None
-    with no_network(allowed=download):
-        try:
+        with no_network(allowed=download):
             return tiktoken.get_encoding("gpt2")
-        except Exception as e:  # noqa: BLE001 -- its files are not cached, or could not be fetched
-            raise ValueError(f"the gpt2 tokenizer needs tiktoken's encoding files ({e}); it fetches its files "
-                             "once, with --download") from None
+    except Exception as e:  # noqa: BLE001 -- not installed, or its files not cached or not fetched
+        raise ValueError(f"the gpt2 tokenizer needs tiktoken and its encoding files ({e}): pip install "
+                         "tiktoken, and it fetches its files once, with --download (or use byte)") from None
 
 
-def text_codec(tokenizer: str) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
-    """(encode: str -> list of ids, decode: list of ids -> str) for train.py's --tokenizer names, offline."""
-    if tokenizer == "byte":
-        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
-    if tokenizer != "gpt2":
+def text_codec(tokenizer: str, download: bool = False) -> tuple[Callable, Callable, int]:
+    """(encode: str -> list of ids, decode: list of ids -> str, vocabulary size) of a --tokenizer name."""
+    if tokenizer == "byte":  # the UTF-8 bytes (vocab 256)
+        decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+        return (lambda text: list(text.encode("utf-8"))), decode, 256
+    if tokenizer != "gpt2":  # train.py's flag is checked on entry (lib/boundary.CHOICES); a checkpoint's here
         raise ValueError(f"tokenizer must be byte or gpt2; got {tokenizer!r}")
-    encoding = gpt2_encoding()
-    return encoding.encode_ordinary, encoding.decode
+    encoding = gpt2_encoding(download)
+    return encoding.encode_ordinary, encoding.decode, encoding.n_vocab
 
 
 def tokenize(text: str, tokenizer: str = "byte", download: bool = False) -> tuple[torch.Tensor, float, int]:
-    """-> (tokens (N,) int64, tokens per byte, vocabulary size); byte: the UTF-8 bytes (vocab 256)."""
+    """-> (tokens (N,) int64, tokens per byte, vocabulary size)."""
     raw = text.encode("utf-8")
-    if tokenizer == "byte":
+    if tokenizer == "byte":  # without a Python list of the bytes
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long(), 1.0, 256
-    encoding = gpt2_encoding(download)  # train.py's --tokenizer is byte or gpt2 (lib/boundary.CHOICES)
-    tokens = torch.tensor(encoding.encode_ordinary(text), dtype=torch.long)
-    return tokens, len(tokens) / len(raw), encoding.n_vocab
+    encode, _, vocab = text_codec(tokenizer, download)
+    tokens = torch.tensor(encode(text), dtype=torch.long)
+    return tokens, len(tokens) / len(raw), vocab
 
 
 def load_text(corpus: str = "grammar", path: str = "", tokenizer: str = "byte", data_dir: str = "",
@@ -87,11 +85,11 @@ class LanguageTask:
     validation windows of each rank (T forwards per window, so a subset); then prints a sample.
     """
 
-    def __init__(self, cfg, val_tokens, tokens_per_byte, block_size, device, autocast, causal_windows=4,
-                 sample_tokens=80):
+    causal_windows, sample_tokens = 4, 80
+
+    def __init__(self, cfg, val_tokens, tokens_per_byte, block_size, device, autocast):
         self.cfg, self.val, self.tokens_per_byte = cfg, val_tokens, tokens_per_byte
         self.block_size, self.device, self.autocast = block_size, device, autocast
-        self.causal_windows, self.sample_tokens = causal_windows, sample_tokens
 
     def loss(self, model, tokens, targets):
         tokens, targets = tokens.to(self.device), targets.to(self.device)
@@ -132,20 +130,21 @@ class LanguageTask:
             halted_losses = halted["token_losses"][-1]  # (B, T): each row at the iteration it stopped at
             for row, token_losses in enumerate([halted_losses, *fixed["token_losses"]]):
                 stats[row] += token_losses.sum()
-            stats[depth + 1:depth + 4] += torch.tensor([halted["iterations"].sum().item(), y.numel(), len(x)],
-                                                       dtype=torch.float64, device=self.device)
+            counted = [halted["iterations"].sum().item(), y.numel(), len(x)]
+            stats[depth + 1:depth + 4] += torch.tensor(counted, dtype=torch.float64, device=self.device)
             if causal_left > 0:
                 x, y, full = x[:causal_left], y[:causal_left], halted_losses[:causal_left].sum()
                 causal_left -= len(x)
                 with self.autocast():
                     causal = alternet.causal_loss(lm, x, y, halt_threshold=threshold)
-                stats[depth + 4:] += torch.tensor([causal["ce"].sum().item(), causal["iterations"].sum().item(),
-                                                   y.numel(), full.item()], dtype=torch.float64, device=self.device)
+                counted = [causal["ce"].sum().item(), causal["iterations"].sum().item(), y.numel(),
+                           full.item()]
+                stats[depth + 4:] += torch.tensor(counted, dtype=torch.float64, device=self.device)
         if world > 1:
             dist.all_reduce(stats)
         results = self.results(stats.tolist(), depth)
-        if rank == 0 and "causal_loss" in results["halted"]:
-            r = results["halted"]
+        if rank == 0 and "causal_loss" in results[None]:
+            r = results[None]
             print(f"causal (each position routed on its own prefix, {r['causal_tokens']} tokens): loss "
                   f"{r['causal_loss']:.4f}, {r['causal_bpb']:.4f} bits/byte, {r['causal_iterations']:.2f} "
                   f"iterations | full window, same tokens: loss {r['causal_full_window_loss']:.4f}")
@@ -155,25 +154,25 @@ class LanguageTask:
         return results
 
     def results(self, stats, depth):
-        """{"halted" | 1..D: {loss, bpb, iterations}} from the summed statistics; "halted" also holds
-        the causal metric (causal_loss, causal_bpb, causal_iterations) and the full-window loss on
-        the same tokens (causal_full_window_loss)."""
-        iterations, tokens, sequences, causal_ce, causal_iterations, causal_tokens, full_ce = stats[depth + 1:]
+        """{None (halted) | 1..D: {loss, bpb, iterations}} from the summed statistics; None also holds the
+        causal metric and the full-window loss on the same tokens."""
+        iterations, tokens, sequences, causal_ce, causal_iterations, causal_tokens, full = stats[depth + 1:]
         results = {}
-        for row, key in enumerate(["halted", *range(1, depth + 1)]):
+        for row, key in enumerate([None, *range(1, depth + 1)]):
             loss = stats[row] / tokens
             results[key] = {"loss": loss, "bpb": loss * self.tokens_per_byte / math.log(2),
-                            "iterations": iterations / sequences if key == "halted" else float(key)}
+                            "iterations": iterations / sequences if key is None else float(key)}
         if causal_tokens:  # iterations: mean per position (each is one generated token's forward)
             loss = causal_ce / causal_tokens
-            results["halted"].update(causal_loss=loss, causal_bpb=loss * self.tokens_per_byte / math.log(2),
-                                     causal_iterations=causal_iterations / causal_tokens,
-                                     causal_full_window_loss=full_ce / causal_tokens, causal_tokens=int(causal_tokens))
+            results[None].update(causal_loss=loss, causal_bpb=loss * self.tokens_per_byte / math.log(2),
+                                 causal_iterations=causal_iterations / causal_tokens,
+                                 causal_full_window_loss=full / causal_tokens,
+                                 causal_tokens=int(causal_tokens))
         return results
 
     def print_sample(self, lm, threshold):
         """A short continuation of the first validation tokens (fixed seed; the training RNG is untouched)."""
-        _, decode = text_codec(self.cfg.tokenizer)
+        _, decode, _ = text_codec(self.cfg.tokenizer)
         prompt = self.val[:min(32, self.block_size)][None].to(self.device)  # (1, P)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(0)
@@ -201,6 +200,9 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     except (ValueError, FileNotFoundError) as e:
         fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")
     overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
+    top = max(int(train_tokens.max()), int(val_tokens.max()))
+    if overrides.get("vocab_size", vocab) <= top:  # the data's token ids would fail mid-run
+        fail(f"--model-args vocab_size={overrides['vocab_size']}: the data's token ids reach {top}")
     if cfg.tokenizer != "byte":
         overrides["vocab_size"] = vocab
     model = make(alternet.create_model, cfg.arch, ckpt["model_config"] if ckpt else overrides)
@@ -212,12 +214,13 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
         fail(f"--block-size {block_size} exceeds the model's seq_len {model.config.seq_len} "
              f"(raise it with --model-args seq_len={block_size})")
     if min(len(train_tokens), len(val_tokens)) <= block_size + 1:
-        fail(f"the text has {len(train_tokens) + len(val_tokens)} tokens: too short for --block-size {block_size} "
-             f"(90% train / 10% validation, each needs more than {block_size + 1})")
-    if cfg.batch_size > len(train_tokens) // block_size:  # as for images: a batch larger than the data
-        fail(f"--batch-size {cfg.batch_size} is larger than the training text ({len(train_tokens) // block_size} "
-             f"windows of --block-size {block_size})")
+        fail(f"the text has {len(train_tokens) + len(val_tokens)} tokens: too short for --block-size "
+             f"{block_size} (90% train / 10% validation, each needs more than {block_size + 1})")
+    windows = len(train_tokens) // block_size
+    if cfg.batch_size > windows:  # as for images: a batch larger than the data
+        fail(f"--batch-size {cfg.batch_size} is larger than the training text ({windows} windows of "
+             f"--block-size {block_size})")
     task = LanguageTask(cfg, val_tokens, tokens_per_byte, block_size, device, autocast)
-    batches = lambda start: data.text_batches(train_tokens, cfg.batch_size, block_size, cfg.seed,  # noqa: E731
-                                              rank, world, start)
+    batches = lambda start: data.text_batches(  # noqa: E731
+        train_tokens, cfg.batch_size, block_size, cfg.seed, rank, world, start)
     return model, task, batches, None, None

@@ -1,20 +1,15 @@
 """Peak memory per device of a training run, before it starts (train.py plans --grad-accum with it;
 `python bench.py memory --arch PRESET [--gpus N]` prints it), and a model's inference memory on a CPU.
 
-One device's peak in a DDP training step (every device holds the whole model and a 1/devices share of
-the batch, split again into grad_accum micro-batches):
-- weights, gradients, AdamW state: counted. Under autocast parameters and gradients stay fp32 (no master
-  copy); AdamW keeps exp_avg and exp_avg_sq; DDP adds its gradient buckets (one more copy of the gradients).
-- activations: measured by LiveBytes at the preset's real width and vocabulary, on two small micro-batches
-  (N1 < N2 tokens) at depths 2 and 3, then extrapolated. Along the tokens op by op: both runs execute the
-  same ops and every tensor is affine in N, so after op t the live bytes are a_t + N b_t and the peak at any
-  N is the maximum of those lines (one line through the two peaks would not do: at small N a weight-sized
-  constant sets the peak). Along the depth linearly: a loop saves the same tensors at every step. No T^2
-  term: scaled_dot_product_attention's fused kernels never hold the T x T scores.
-- the loss (AlterNet): decoded C = alternet.loss_chunk_tokens(V) tokens at a time, each chunk recomputed in
-  backward, so it holds one chunk's logits at a time: loss(N) = extra(min(N, C)), extra measured as the
-  peak minus that of the same model with a 16-token vocabulary.
-- dtype: measured under the run's autocast (bf16, fp16, or fp32 on a CPU); the line says which.
+One device's peak in a DDP training step (each device: the whole model, 1/devices of the batch, split
+again into grad_accum micro-batches), under the run's autocast (bf16, fp16, or fp32 on a CPU):
+- weights, gradients, AdamW state: counted (fp32 under autocast; AdamW's exp_avg and exp_avg_sq; DDP's
+  gradient buckets, one more copy of the gradients);
+- activations: measured by LiveBytes at the preset's real width and vocabulary on two small micro-batches
+  at depths 2 and 3, extrapolated op by op along the tokens (peak_line) and linearly along the depth (a
+  loop saves the same tensors at every step). No T^2 term: scaled_dot_product_attention's fused kernels
+  never hold the T x T scores;
+- the loss (AlterNet): one chunk of alternet.loss_chunk_tokens(V) tokens' logits at a time (Profile.loss).
 Not counted: a distillation teacher, torch.compile's savings (an upper bound for eager mode), the CUDA
 context and fragmentation (the plan keeps 10% free).
 """
@@ -39,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 import alternet
 import revit
-from lib.boundary import fail, parse_model_args, preset_module
+from lib.boundary import fail, parse_model_args
 from lib.cli import broadcast, device_options, say
 from lib.data import TEXT_DATASETS
 
@@ -51,10 +46,10 @@ USABLE = 0.9  # of a device's memory a run may plan to use (our choice: context,
 
 
 class LiveBytes(TorchDispatchMode):
-    """The bytes of every tensor storage an aten op creates, alive after each op (`timeline`), on any device.
-    An output that shares an input's storage (a view, an in-place op) is not new memory; one whose schema
-    only says it MAY alias (aten.to under inference mode) is, unless it does: a dtype cast is a copy.
-    Exact for what the dispatcher sees (not a kernel's scratch); what is older than the mode not counted."""
+    """The bytes of every tensor storage an aten op creates, alive after each op (`timeline`). An output
+    that shares an input's storage (a view, an in-place op) is not new memory; one whose schema only says it
+    MAY alias (aten.to under inference mode) is, unless it does: a dtype cast is a copy. Exact for what the
+    dispatcher sees (not a kernel's scratch); what is older than the mode not counted."""
 
     def __init__(self):
         super().__init__()
@@ -78,11 +73,10 @@ class LiveBytes(TorchDispatchMode):
 
     def count(self, storage) -> None:
         key = id(storage)  # the storage's Python object lives exactly as long as the storage
-        if key in self.sizes:
-            return
-        self.sizes[key] = storage.nbytes()
-        self.live += self.sizes[key]
-        weakref.finalize(storage, self.free, key)
+        if key not in self.sizes:
+            self.sizes[key] = storage.nbytes()
+            self.live += self.sizes[key]
+            weakref.finalize(storage, self.free, key)
 
     def free(self, key) -> None:
         self.live -= self.sizes.pop(key)
@@ -117,14 +111,6 @@ def model_bytes(model: nn.Module, devices: int = 1) -> dict:
     trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     weights = sum(t.numel() * t.element_size() for t in [*params, *model.buffers()])
     return dict(weights=weights, grads=trained * (2 if devices > 1 else 1), optimizer=2 * trained)
-
-
-@functools.lru_cache(maxsize=None)
-def preset_parameters(name: str) -> int:
-    """Parameters of a preset of alternet.py or revit.py (built once on the meta device, then cached)."""
-    with torch.device("meta"):
-        model = (preset_module(name) or revit).create_model(name)
-    return sum(p.numel() for p in model.parameters())
 
 
 # --- measured: activations and the loss, at reduced sizes ---
@@ -165,7 +151,8 @@ def step_timeline(model: nn.Module, batch: int, seq_len: int, device: torch.devi
     def step():
         with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
             if is_language(config):
-                tokens = torch.randint(config.vocab_size, (batch, seq_len), generator=generator, device=device)
+                shape = (batch, seq_len)
+                tokens = torch.randint(config.vocab_size, shape, generator=generator, device=device)
                 loss = model(tokens, targets=tokens)["loss"]
             else:
                 shape = (batch, config.in_channels, config.image_size, config.image_size)
@@ -177,27 +164,21 @@ def step_timeline(model: nn.Module, batch: int, seq_len: int, device: torch.devi
     return live_bytes(step)
 
 
-@dataclasses.dataclass
-class PeakLine:
-    """A step's peak bytes as max over its ops t of (a_t + N b_t), N the micro-batch's tokens, through two
-    runs at N1 < N2 (runs that differ in their ops: one line through their peaks, a lower bound)."""
-    offsets: list
-    slopes: list
-
-    def __call__(self, tokens: int) -> float:
-        return max(a + tokens * b for a, b in zip(self.offsets, self.slopes))
-
-    @classmethod
-    def through(cls, n1: int, live1: list, n2: int, live2: list) -> "PeakLine":
-        if len(live1) != len(live2):
-            live1, live2 = [max(live1)], [max(live2)]
-        slopes = [(b - a) / (n2 - n1) for a, b in zip(live1, live2)]
-        return cls([a - n1 * k for a, k in zip(live1, slopes)], slopes)
+def peak_line(n1: int, live1: list, n2: int, live2: list):
+    """tokens -> a step's peak bytes. Two runs at N1 < N2 tokens execute the same ops and every tensor is
+    affine in N, so after op t the live bytes are a_t + N b_t, and the peak at any N is the max of those
+    lines (at small N a weight-sized constant sets it). Runs that differ in their ops: one line through
+    their peaks, a lower bound."""
+    if len(live1) != len(live2):
+        live1, live2 = [max(live1)], [max(live2)]
+    slopes = [(b - a) / (n2 - n1) for a, b in zip(live1, live2)]
+    offsets = [a - n1 * k for a, k in zip(live1, slopes)]
+    return lambda tokens: max(a + tokens * b for a, b in zip(offsets, slopes))
 
 
 @dataclasses.dataclass
 class Profile:
-    """{depth: PeakLine} at two small depths, for the model and (language) with a SMALL_VOCAB vocabulary."""
+    """{depth: peak_line} at two small depths, for the model and (language) with a SMALL_VOCAB vocabulary."""
     model: dict
     small_vocabulary: dict | None
     precision: str  # the dtype the measurement ran in: "bf16 autocast" | "fp16 autocast" | "fp32"
@@ -205,7 +186,11 @@ class Profile:
     loss_chunk: int | None = None  # tokens per chunk of a language model's loss (alternet.loss_chunk_tokens)
 
     def activations(self, tokens: int, depth: int) -> float:
-        return along_depth(self.small_vocabulary or self.model, tokens, depth)
+        """Linear in the depth through the peaks at the measured depths."""
+        lines = sorted((self.small_vocabulary or self.model).items())  # one depth where L <= 2
+        (d1, line1), (d2, line2) = lines[0], lines[-1]
+        at1, at2 = line1(tokens), line2(tokens)
+        return max(0.0, at1 + (at2 - at1) * (depth - d1) / (d2 - d1 or 1))
 
     def loss(self, tokens: int, depth: int) -> float:
         """What grows with the vocabulary, for one chunk of min(tokens, C) tokens, the most of the measured
@@ -214,13 +199,6 @@ class Profile:
             return 0.0
         n = min(tokens, self.loss_chunk)
         return max(0.0, *(self.model[d](n) - self.small_vocabulary[d](n) for d in self.model))
-
-
-def along_depth(lines: dict, tokens: int, depth: int) -> float:
-    """Linear in the depth through the peaks at the measured depths."""
-    (d1, line1), (d2, line2) = sorted(lines.items())[0], sorted(lines.items())[-1]
-    at1, at2 = line1(tokens), line2(tokens)
-    return max(0.0, at1 + (at2 - at1) * (depth - d1) / (d2 - d1 or 1))
 
 
 AUTOCAST_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast"}
@@ -238,14 +216,14 @@ def measure(config, device: torch.device, dtype, seq_len: int | None = None) -> 
     key = (repr(config), str(device), dtype, length, chunk)
     if key not in _PROFILES:
         shapes = [(1, max(1, length // 2)), (1, length)] if language else [(1, length), (2, length)]
-        variants = {"model": {}, "small_vocabulary": {"vocab_size": SMALL_VOCAB}} if language else {"model": {}}
+        variants = {"model": {}, **({"small_vocabulary": {"vocab_size": SMALL_VOCAB}} if language else {})}
         lines = {name: {} for name in variants}
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for depth in sorted({min(2, depth_of(config)), min(3, depth_of(config))}):
                 for name, changes in variants.items():
                     model = reduced_model(config, device, depth, **changes)
                     runs = [(b * t, step_timeline(model, b, t, device, dtype)) for b, t in shapes]
-                    lines[name][depth] = PeakLine.through(*runs[0], *runs[1])
+                    lines[name][depth] = peak_line(*runs[0], *runs[1])
                     del model
         _PROFILES[key] = Profile(lines["model"], lines.get("small_vocabulary"),
                                  AUTOCAST_NAMES.get(dtype, "fp32"), None if language else length, chunk)
@@ -279,23 +257,23 @@ class Memory:
 
     def line(self) -> str:
         """~41.2 GB peak per device (weights 0.2, grads 0.2, AdamW 0.4, activations 38.1, loss 2.3; ...)."""
+        parts = dict(weights=self.weights, grads=self.grads, AdamW=self.optimizer,
+                     activations=self.activations, loss=self.loss)
         shape = f"{self.batch} x {self.seq_len}" if self.seq_len else f"{self.batch}"
-        return (f"~{self.total / GB:.1f} GB peak per device (weights {self.weights / GB:.2f}, grads "
-                f"{self.grads / GB:.2f}, AdamW {self.optimizer / GB:.2f}, activations {self.activations / GB:.2f}, "
-                f"loss {self.loss / GB:.2f}; {self.precision}, batch {shape} over {self.devices} device(s) x accum "
-                f"{self.grad_accum} = micro-batch {self.micro_batch})")
+        sizes = ", ".join(f"{name} {value / GB:.2f}" for name, value in parts.items())
+        return (f"~{self.total / GB:.1f} GB peak per device ({sizes}; {self.precision}, batch {shape} over "
+                f"{self.devices} device(s) x accum {self.grad_accum} = micro-batch {self.micro_batch})")
 
 
 def estimate(model: nn.Module, profile: Profile, batch: int, seq_len: int | None, devices: int = 1,
              grad_accum: int = 1) -> Memory:
     """The peak per device of `model` trained at `batch` per optimizer step; `profile` from measure()."""
-    micro = batch // (devices * grad_accum)
-    tokens = micro * (seq_len if profile.tokens_per_sample is None else profile.tokens_per_sample)
+    seq_len = seq_len if profile.tokens_per_sample is None else None  # None: images
+    tokens = batch // (devices * grad_accum) * (seq_len or profile.tokens_per_sample)
     depth = depth_of(model.config)
     return Memory(**model_bytes(model, devices), activations=profile.activations(tokens, depth),
-                  loss=profile.loss(tokens, depth), precision=profile.precision, batch=batch,
-                  seq_len=seq_len if profile.tokens_per_sample is None else None, devices=devices,
-                  grad_accum=grad_accum)
+                  loss=profile.loss(tokens, depth), precision=profile.precision, batch=batch, seq_len=seq_len,
+                  devices=devices, grad_accum=grad_accum)
 
 
 def device_memory_gb(device: torch.device) -> float | None:
@@ -322,10 +300,10 @@ def plan(model: nn.Module, profile: Profile, batch: int, seq_len: int | None, de
         memory = estimate(model, profile, batch, seq_len, devices, accum)
         if memory.total <= USABLE * budget_gb * GB:
             return memory
-    first = estimate(model, profile, batch, seq_len, devices, grad_accum or 1)
-    hints = how_to_fit(model, profile, batch, seq_len, devices, budget_gb, grad_accum)
-    raise ValueError(f"needs {first.line()}, more than {USABLE:.0%} of {budget_gb:g} GB; "
-                     f"{'to fit: ' + ' or '.join(hints) if hints else 'no accumulation, GPU count or context fits'}")
+    needs = estimate(model, profile, batch, seq_len, devices, grad_accum or 1).line()
+    hints = " or ".join(how_to_fit(model, profile, batch, seq_len, devices, budget_gb, grad_accum))
+    raise ValueError(f"needs {needs}, more than {USABLE:.0%} of {budget_gb:g} GB; "
+                     f"{'to fit: ' + hints if hints else 'no accumulation, GPU count or context fits'}")
 
 
 def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | None, devices: int,
@@ -335,20 +313,22 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
     counted = sum(model_bytes(model, devices).values())
     if counted > usable:
         hints.append(f"a smaller model (weights, gradients and AdamW state alone take {counted / GB:.1f} GB)")
-    fitting = [m for m in (estimate(model, profile, batch, seq_len, devices, a) for a in accumulations(batch, devices)
-                           if a > (grad_accum or 1)) if m.total <= usable]
+    more = [estimate(model, profile, batch, seq_len, devices, a) for a in accumulations(batch, devices)
+            if a > (grad_accum or 1)]
+    fitting = [m for m in more if m.total <= usable]
     if grad_accum and fitting:
         hints.append(f"--grad-accum {fitting[0].grad_accum} ({fitting[0].total / GB:.1f} GB)")
     for gpus in (2, 4, 8, 16, 32, 64):
         if gpus > devices and batch % (gpus * (grad_accum or 1)) == 0:
             memory = estimate(model, profile, batch, seq_len, gpus, grad_accum or 1)
             if memory.total <= usable:
-                hints.append(f"{gpus} GPUs (torchrun --nproc_per_node {gpus}: {memory.total / GB:.1f} GB each)")
+                hints.append(f"{gpus} GPUs (torchrun --nproc_per_node {gpus}: {memory.total / GB:.1f} GB "
+                             "each)")
                 break
     while seq_len and seq_len > 16:
         seq_len //= 2
-        memory = min((estimate(model, profile, batch, seq_len, devices, a) for a in accumulations(batch, devices)),
-                     key=lambda m: (m.total > usable, m.grad_accum))
+        memory = min((estimate(model, profile, batch, seq_len, devices, a)
+                      for a in accumulations(batch, devices)), key=lambda m: (m.total > usable, m.grad_accum))
         if memory.total <= usable:
             hints.append(f"a shorter context: --block-size {seq_len} (accum {memory.grad_accum}, "
                          f"{memory.total / GB:.1f} GB)")
@@ -356,56 +336,34 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
     return hints
 
 
-# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency, tools/depths.py) ---
+# --- inference memory on a CPU: peak RSS in a fresh process (bench.py latency) ---
 #
 # On a CPU only the process's resident set says what a model holds, and a process's freed heap stays
-# resident: so each model is measured in a child forked from a fresh process (after torch is imported),
-# as the growth of VmHWM after the model is built. Linux only (fork, /proc); elsewhere a row says so.
+# resident: so each model is measured in a fresh process (`python -m lib.memory rss SPEC`), as the growth
+# of VmHWM after the model is built. Linux only (/proc); elsewhere a row says so.
 
 
 def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int = 2) -> list[dict]:
-    """Peak RSS of each model (spec: its config dict, fold, optional depth), `processes` times each: the
-    smallest is reported (fragmentation only adds), all are kept."""
-    if not (hasattr(os, "fork") and os.path.exists("/proc/self/status")):  # what memory_rows measures with
-        return [{"memory_error": "peak RSS is measured on Linux only (fork, /proc)"}] * len(specs)
-    payload = json.dumps([{**spec, "batch": batch, "calls": calls} for spec in specs for _ in range(processes)])
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: `-m lib.memory` runs there
-    out = subprocess.run([sys.executable, "-m", "lib.memory", "rss", payload], capture_output=True,
-                         text=True, cwd=root, timeout=900)
-    if out.returncode != 0:
-        return [{"memory_error": out.stderr.strip().splitlines()[-1:]}] * len(specs)
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    """Peak RSS of each model (spec: its config dict, fold, optional depth), in `processes` fresh processes
+    each: the smallest is reported (fragmentation only adds), all are kept."""
+    if not os.path.exists("/proc/self/clear_refs"):  # what _memory_worker measures with
+        return [{"memory_error": "peak RSS is measured on Linux only (/proc)"}] * len(specs)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: `-m lib.memory`
     results = []
-    for i in range(len(specs)):
-        group = measured[i * processes:(i + 1) * processes]
-        failed = [g for g in group if "memory_error" in g]
-        values = [g["memory_mib"] for g in group if "memory_mib" in g]
-        results.append(failed[0] if failed else {
-            "memory_mib": min(values), "memory_mib_all": values,
-            "memory_method": group[0]["memory_method"] + f", min over {processes} processes"})
-    return results
-
-
-def memory_rows(specs: list[dict]) -> list[dict]:
-    """In the fresh process (`python -m lib.memory rss PAYLOAD`): each spec measured in a forked child."""
-    rows = []
     for spec in specs:
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: measure, report through the pipe, exit without cleanup
-            os.close(read_end)
-            try:
-                row = _memory_worker(spec)
-            except BaseException as e:  # noqa: BLE001 - reported as the row's error
-                row = {"memory_error": f"{type(e).__name__}: {e}"}
-            os.write(write_end, json.dumps(row).encode())
-            os._exit(0)
-        os.close(write_end)
-        with os.fdopen(read_end) as fh:
-            text = fh.read()
-        os.waitpid(pid, 0)
-        rows.append(json.loads(text) if text else {"memory_error": "the measuring process died"})
-    return rows
+        payload = json.dumps({**spec, "batch": batch, "calls": calls})
+        runs = [subprocess.run([sys.executable, "-m", "lib.memory", "rss", payload], capture_output=True,
+                               text=True, cwd=root, timeout=900) for _ in range(processes)]
+        failed = [(run.stderr.strip().splitlines() or ["the measuring process died"])[-1]
+                  for run in runs if run.returncode != 0]
+        if failed:
+            results.append({"memory_error": failed[0]})
+            continue
+        values = [json.loads(run.stdout.strip().splitlines()[-1]) for run in runs]
+        results.append({"memory_mib": min(values), "memory_mib_all": values,
+                        "memory_method": f"fresh process: peak VmHWM - RSS before the model (incl. weights), "
+                                         f"min over {processes} processes"})
+    return results
 
 
 def _rss_kib(field: str) -> int:
@@ -418,7 +376,7 @@ def folded_config(config: revit.ViTConfig) -> revit.ViTConfig:
     return dataclasses.replace(config, arch="vit", depth_drop=0.0, raptor_blocks=1)
 
 
-def _memory_worker(spec: dict) -> dict:
+def _memory_worker(spec: dict) -> float:
     """RSS before the model, then the peak over its forward calls; the input is allocated first (not
     counted), the peak reset once the model is built (construction temporaries do not count)."""
     torch.manual_seed(0)
@@ -447,8 +405,7 @@ def _memory_worker(spec: dict) -> dict:
     with torch.inference_mode():
         for _ in range(spec["calls"]):
             model(images)
-    return {"memory_mib": (_rss_kib("VmHWM") - before) / 1024,
-            "memory_method": "fresh process: peak VmHWM - RSS before the model (incl. weights)"}
+    return (_rss_kib("VmHWM") - before) / 1024  # MiB
 
 
 # --- train.py's plan: a run's peak memory per device and the --grad-accum that fits it ---
@@ -456,15 +413,14 @@ def _memory_worker(spec: dict) -> dict:
 GPT2_VOCAB = 50257  # GPT-2's BPE (language.tokenize): known before tiktoken loads
 
 
-def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None, skip_below: int = 0) -> None:
-    """train.py's plan: cfg.grad_accum None becomes the fewest micro-steps whose peak per device fits (an
-    `override:` line), a given one is checked; then one `memory:` line, or one error line saying what would
-    fit. Skipped below `skip_below` parameters; only said where the OS does not tell its RAM. model None: the
-    language model of cfg (or ckpt), built on the meta device."""
+def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None,
+            skip_below: int = 0) -> None:
+    """cfg.grad_accum None becomes the fewest micro-steps whose peak per device fits (an `override:` line), a
+    given one is checked; then one `memory:` line, or one error line saying what would fit. Skipped below
+    `skip_below` parameters; only said where the OS does not tell its RAM. model None: the language model
+    of cfg (or ckpt), built on the meta device."""
     auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
     if model is None:
-        if preset_parameters(cfg.arch) < skip_below:
-            return
         vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
         overrides = ckpt["model_config"] if ckpt else {
             **vocab, **parse_model_args(cfg.model_args, alternet.AlterNetConfig)}
@@ -473,6 +429,8 @@ def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None,
                 model = alternet.create_model(cfg.arch, **overrides)
         except (ValueError, TypeError):
             return  # build() reports a bad --model-args in one line
+    if sum(p.numel() for p in model.parameters()) < skip_below:
+        return
     budget = cfg.gpu_memory or device_memory_gb(device)
     seq_len = (cfg.block_size or model.config.seq_len) if cfg.dataset in TEXT_DATASETS else None
     dtype = device_options(device.type, cfg.precision)["autocast_dtype"]
@@ -498,4 +456,4 @@ if __name__ == "__main__":  # internal: the fresh process cpu_memory_of starts
     if sys.argv[1:2] != ["rss"] or len(sys.argv) != 3:
         sys.exit("python -m lib.memory: error: internal use only (bench.py measures with it): "
                  "python -m lib.memory rss PAYLOAD")
-    print(json.dumps(memory_rows(json.loads(sys.argv[2]))))
+    print(json.dumps(_memory_worker(json.loads(sys.argv[2]))))

@@ -1,17 +1,11 @@
 """The paper's comparison mechanisms (reViT, arXiv 2610.12448, §4.3 and App. B; Tables 3, 4, 8, 10; Fig. 2):
-each replaces the merged FFN of reViT's shared block, under the same recurrence.
+each replaces the merged FFN of reViT's shared block, under the same recurrence (`ComparisonReViT`).
 
-This file builds its models itself and revit.py never imports it: its `ViTConfig` is revit's plus the
-mechanisms' fields (`ffn` names the mechanism), its `PRESETS` are revit's plus revit-{size}-{mechanism}[-u{U}]
-and revit-{size}-lora, and its `create_model` builds any of them (`config_of` reads a saved config).
-
-A mechanism's model is a `ComparisonReViT`: reViT's recurrence with a `MechanismBlock`, which hands its
-FFN the step (`Step`) if it asks (the interface: `FFN`); layer-wise LoRA is a block variant (`LoRABlock`).
-Each mechanism reports its cost, active_flops_per_token(T) -> {"experts", "routing"} (the measures
-section: the budget U of §4.3 and Table 8's storage). Statistics pooled over the steps of one forward live
-on the module (reset by begin_forward); so do those of a non-gradient update after the optimizer step
-(DeepSeek-V3's bias, ReMoE's L1 controller), recorded by training forwards only and summed over ranks
-under torch.distributed.
+revit.py never imports this file. Its `ViTConfig` is revit's plus the mechanisms' fields (`ffn` names the
+mechanism), its `PRESETS` are revit's plus revit-{size}-{mechanism}[-u{U}] and revit-{size}-lora, and its
+`create_model` builds any of them. Statistics pooled over the steps of one forward live on the FFN (reset
+by begin_forward); so do those of a non-gradient update after the optimizer step (DeepSeek-V3's bias,
+ReMoE's L1 controller), recorded by training forwards only and summed over ranks.
 
     python -m lib.moe [names...]   # parameter counts, expert-FFN storage and U of the presets
 """
@@ -29,33 +23,37 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import revit
-from revit import (Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, depth_grid,
-                   full_precision, gate_penalties)
+from revit import (Attention, Block, ExpertBank, MergedExpertFFN, MergedFFN, Mlp, ReViT, full_precision,
+                   gate_penalties)
 
 # --- the interface: what a mechanism's FFN gets from the recurrence ---
 
 class Step(NamedTuple):
-    """Where one application of the shared block runs: what an FFN with `needs_step` is given.
-
-      t       int          the step index in 0..L-1
-      coords  (b,)         each image's normalised depth coordinate s (Eq. 1; renumbered under §3.2)
-      rows    (b,) | None  which images of the batch run this step, under elastic depth; None: the
-                           whole batch, every image at the grid coordinate s_t = t / (L - 1)
-    """
-    t: int
-    coords: torch.Tensor
-    rows: torch.Tensor | None = None
+    """One application of the shared block: what an FFN with `needs_step` is given (no mechanism reads
+    the depth coordinate: content routes them, LoRA's adapter is the step's)."""
+    t: int                            # the step index in 0..L-1
+    rows: torch.Tensor | None = None  # (b,) the images that run this step (elastic depth); None: all
 
 class FFN(nn.Module):
-    """What a mechanism's FFN implements. forward(u) -> tokens of u's shape, u (b, T, d) the LayerNorm'd
-    tokens of the images that run this step; one that sets `needs_step` gets forward(u, step). begin_forward
-    runs once before step 0 (per-forward state: pooled router statistics, Lory's per-image memory),
-    aux_losses(depth) once after the last step (weighted auxiliary losses)."""
+    """A mechanism's FFN: forward(u), or forward(u, step) if it sets `needs_step`, u (b, T, d) the
+    LayerNorm'd tokens of the images that run this step -> u's shape. begin_forward runs before step 0,
+    aux_losses(depth) after the last; `pool` sums router statistics over the steps of one forward (one
+    shared block: its balance is measured over all of them), and aux_losses takes them."""
 
     needs_step = False
+    router_stats: dict | None = None
 
     def begin_forward(self, depth: int, batch: int) -> None:
-        pass
+        self.router_stats = {}
+
+    def pool(self, **stats) -> None:
+        pooled = self.router_stats = self.router_stats if self.router_stats is not None else {}
+        for name, value in stats.items():
+            pooled[name] = pooled[name] + value if name in pooled else value
+
+    def take_stats(self) -> dict | None:
+        stats, self.router_stats = self.router_stats or None, {}
+        return stats
 
     def aux_losses(self, depth: int) -> dict:
         return {}
@@ -78,23 +76,9 @@ class ComparisonReViT(ReViT):
     """reViT's recurrence (§3.1) and elastic depth (§3.2) with a comparison mechanism in the shared block."""
 
     def build_block(self, c: ViTConfig) -> Block:
-        """The shared block with mechanism c.ffn as its FFN (hidden width of each expert: expert_ffn_dim)."""
         if c.ffn == "lora":
-            return LoRABlock(c.dim, c.heads, c.ffn_dim, c.depth, c.lora_rank, c.layer_scale_init, c.drop_path)
-        hidden, lambdas = c.expert_ffn_dim, (c.balance_weight, c.z_loss_weight, c.diversity_weight)
-        slots = c.slots_per_expert or max(1, round(c.num_patches / 4))
-        ffn = {
-            "smear": lambda: SmearFFN(c.dim, hidden, c.num_experts),
-            "lory": lambda: LoryFFN(c.dim, hidden, c.num_experts),
-            "feature": lambda: FeatureOnlyFFN(c.dim, hidden, c.num_experts, *lambdas),
-            "deepseek": lambda: DeepSeekV3FFN(c.dim, hidden, c.num_experts, c.top_k, c.shared_experts,
-                                              c.bias_update_rate),
-            "qwen3": lambda: Qwen3FFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
-            "moeut": lambda: MoEUTFFN(c.dim, hidden, c.num_experts, c.top_k, c.balance_weight),
-            "remoe": lambda: ReMoEFFN(c.dim, hidden, c.num_experts, c.remoe_target_sparsity),
-            "softmoe": lambda: SoftMoEFFN(c.dim, hidden, c.num_experts, slots),
-        }[c.ffn]()
-        return MechanismBlock(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
+            return LoRABlock(c)
+        return MechanismBlock(c.dim, c.heads, MECHANISM_FFNS[c.ffn](c), c.layer_scale_init, c.drop_path)
 
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
                 keep: torch.Tensor | None = None):
@@ -103,10 +87,10 @@ class ComparisonReViT(ReViT):
         self.block.begin_forward(depth, images.shape[0])
         x = self.embed(images)                                                  # (B, 1+N, d)
         keep = self.elastic_mask(keep, x.shape[0], depth, x.device)
-        if keep is None:  # Eq. 3 applied L times, step t at the grid coordinate s_t (Eq. 1)
-            grid, states = depth_grid(depth, x.device), [x]
+        if keep is None:  # Eq. 3 applied L times
+            states = [x]
             for t in range(depth):
-                x = self.block(x, Step(t, grid[t].expand(x.shape[0])))
+                x = self.block(x, Step(t))
                 states.append(x)
         else:
             states = self.elastic_steps(x, keep)
@@ -114,7 +98,7 @@ class ComparisonReViT(ReViT):
         return self.finish(states[-1], states, aux, return_states)
 
     def elastic_ffn(self, t: int, coords: torch.Tensor, rows: torch.Tensor) -> Step:
-        return Step(t, coords, rows)  # reViT's elastic depth (§3.2); MechanismBlock hands it to the FFN
+        return Step(t, rows)  # reViT's elastic depth (§3.2); MechanismBlock hands it to the FFN
 
     def gate_matrix(self, depth: int | None = None) -> torch.Tensor:
         self.check_depth(depth)
@@ -129,12 +113,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 def ffn_flops(dim: int, hidden: int) -> int:
-    """FLOPs of one FFN on one token: two matmuls d x h, 2 FLOPs per multiply-add."""
-    return 4 * dim * hidden
+    return 4 * dim * hidden  # one FFN on one token: two d x h matmuls, 2 FLOPs per multiply-add
 
 def params_per_expert(bank: ExpertBank) -> int:
-    """P(d, r) = 2 r d^2 + (r + 1) d for hidden width r d (App. B)."""
-    return 2 * bank.dim * bank.hidden + bank.hidden + bank.dim
+    return 2 * bank.dim * bank.hidden + bank.hidden + bank.dim  # P(d, r) = 2 r d^2 + (r + 1) d (App. B)
 
 def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     """n FFNs on n row sets at once: x (n, m, d), weights stacked (n, ...) -> (n, m, d)."""
@@ -142,70 +124,49 @@ def apply_ffn_batched(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     h = F.gelu(torch.baddbmm(b1.unsqueeze(1), x, w1.transpose(1, 2)))  # (n, m, h)
     return torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))       # (n, m, d)
 
-class PooledRouterStats:
-    """Mixin: router statistics summed over every recurrent step of one forward. The experts are the
-    same at every step (one shared block), so balance is measured over all of them."""
-
-    router_stats: dict | None = None
-
-    def begin_forward(self, depth: int, batch: int) -> None:
-        self.router_stats = {}
-
-    def pool(self, **stats) -> None:
-        pooled = self.router_stats = self.router_stats if self.router_stats is not None else {}
-        for name, value in stats.items():
-            pooled[name] = pooled[name] + value if name in pooled else value
-
-    def take_stats(self) -> dict | None:
-        """This forward's pooled statistics (None if nothing was routed), consumed."""
-        stats, self.router_stats = self.router_stats or None, {}
-        return stats
+def summed_over_ranks(stats: torch.Tensor) -> torch.Tensor:  # in place, under torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats)
+    return stats
 
 class ExpertPool(ExpertBank):
-    """An expert bank that also runs its experts on activations (rather than merging weights):
-    on their own rows, as a weighted mixture over all experts, or by token dispatch."""
-
-    def run_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on its own rows: x (E, m, d) -> (E, m, d)."""
-        return apply_ffn_batched(x, *self.bank())
+    """An expert bank that runs its experts on activations (rather than merging weights)."""
 
     def mixture(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every token, outputs summed with weights (n, E) (None: all weights 1)."""
-        y = self.run_all(x.expand(self.num_experts, *x.shape))  # (E, n, d)
+        y = apply_ffn_batched(x.expand(self.num_experts, *x.shape), *self.bank())  # (E, n, d)
         if weights is None:
             return y.sum(0)
         return (y * weights.T.unsqueeze(-1).to(y.dtype)).sum(0)  # (n, d)
 
     def dispatch(self, x: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Token dispatch: token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K).
-        The n*K (token, expert) pairs are sorted by expert, each expert runs once on its contiguous chunk
-        (a loop over experts, never over tokens), and results are scattered back with index_add."""
+        """Token i runs experts expert_index[i] (n, K), outputs summed with weights (n, K). The n K (token,
+        expert) pairs are sorted by expert (stably: the sums keep one order), each expert runs once on its
+        chunk (never a loop over tokens), and the results are added into their tokens with index_add."""
         n, k = expert_index.shape
         flat = expert_index.flatten()                                   # (n K,)
         order = torch.argsort(flat, stable=True)
         token = order // k                                              # token of each sorted pair
-        sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
-        chunks = x[token].split(sizes)
+        chunks = x[token].split(torch.bincount(flat, minlength=self.num_experts).tolist())
         y = torch.cat([MergedFFN(*(p[e] for p in self.bank()))(chunk) for e, chunk in enumerate(chunks)])
         y = y * weights.flatten()[order].unsqueeze(1).to(y.dtype)       # (n K, d)
         return y.new_zeros(n, x.shape[1]).index_add_(0, token, y)
 
 # --- weight merge with content gates: SMEAR, Lory, the feature-only control of Fig. 2 ---
 
-class ContentMergedFFN(ExpertBank, FFN):
-    """Eq. 2 merge with per-image gates from a pooled token state instead of the depth coordinate.
-
-    Shared by SMEAR, Lory and the feature-only control: gates g = softmax(W_r pool + b_r) (b, E),
-    one merged FFN per image (b weight copies, run with batched matmuls). The router input is what
-    the subclasses change. Elastic depth needs nothing extra: an image's gate comes from its own state.
-    """
+class SmearFFN(ExpertBank, FFN):
+    """SMEAR (Muqeeth et al., 2024; r-three/smear): Eq. 2's merge with per-image gates from the content,
+    g = softmax(W_r LN(pool) + b_r) (b, E), pool the mean of this step's FFN input over the tokens (the
+    reference's routing: plain softmax, no temperature, merged per example, no auxiliary losses, App. B).
+    One merged FFN per image (batched matmuls); under elastic depth an image's gate comes from its own
+    state. Lory and the feature-only control change the router input and the losses."""
 
     normalise_router_input = True
 
-    def __init__(self, dim: int, hidden: int, num_experts: int):
-        super().__init__(dim, hidden, num_experts)
-        self.router_norm = nn.LayerNorm(dim, eps=1e-6) if self.normalise_router_input else nn.Identity()
-        self.router = nn.Linear(dim, num_experts)
+    def __init__(self, c: ViTConfig):
+        super().__init__(c.dim, c.expert_ffn_dim, c.num_experts)
+        self.router_norm = nn.LayerNorm(c.dim, eps=1e-6) if self.normalise_router_input else nn.Identity()
+        self.router = nn.Linear(c.dim, c.num_experts)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.merged_forward(u, u.mean(1))  # routed on the pooled current state (b, d)
@@ -214,8 +175,7 @@ class ContentMergedFFN(ExpertBank, FFN):
         """u (b, T, d) through the FFN merged with the gates of router_input (b, d)."""
         z = router_logits(self.router_norm(router_input), self.router.weight, self.router.bias)  # (b, E)
         self.record_gates(z)
-        # per image: (b, d_ff, d), (b, d_ff), (b, d, d_ff), (b, d)
-        merged = self.merge(torch.softmax(z, dim=-1))
+        merged = self.merge(torch.softmax(z, dim=-1))   # one merged FFN per image: (b, ...) stacks
         return apply_ffn_batched(u, *merged)            # (b, T, d)
 
     def record_gates(self, z: torch.Tensor) -> None:
@@ -225,58 +185,41 @@ class ContentMergedFFN(ExpertBank, FFN):
         routing = 2 * self.dim * self.num_experts + 2 * self.num_experts * params_per_expert(self)
         return {"experts": ffn_flops(self.dim, self.hidden), "routing": routing / num_tokens}
 
-class SmearFFN(ContentMergedFFN):
-    """SMEAR (Muqeeth et al., 2024; r-three/smear): soft merging of experts with a content router.
+class FeatureOnlyFFN(SmearFFN):
+    """The feature-only control of Fig. 2: SMEAR's gate (pooled current state, no depth signal) with all
+    else of reViT, the Eqs. 6, 8, 9 regularisers included (over every per-image gate of every step), so
+    the comparison isolates the conditioning signal. Its gate is recomputed at every step: it runs under
+    per-image depth dropout (App. A.2) and at any inference depth."""
 
-    The reference routes on the mean over tokens, LayerNorm'd, with a plain softmax (no temperature),
-    merges per example and uses no balance loss (App. B: "no auxiliary losses"). Here the experts are
-    full FFNs of the shared block and the pooled state is this step's FFN input.
-    """
-
-class FeatureOnlyFFN(PooledRouterStats, ContentMergedFFN):
-    """The feature-only control of Fig. 2: SMEAR's gate (pooled current state, no depth signal).
-
-    It replaces reViT's depth coordinate by content and keeps everything else of reViT, including
-    the Eqs. 6, 8, 9 regularisers (balance and z-loss over every per-image gate of every step), so
-    the comparison isolates the conditioning signal. The gate is recomputed at every step, which is
-    what lets it run under per-image depth dropout (App. A.2) and at any inference depth.
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, lambda_bal: float = 1e-2,
-                 lambda_z: float = 1e-3, lambda_div: float = 1e-3):
-        super().__init__(dim, hidden, num_experts)
-        self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div  # as reViT's
+    def __init__(self, c: ViTConfig):
+        super().__init__(c)
+        self.lambdas = c.balance_weight, c.z_loss_weight, c.diversity_weight  # λ_bal, λ_z, λ_div, as reViT's
 
     def record_gates(self, z: torch.Tensor) -> None:
         balance, z_loss = gate_penalties(z, 1.0)  # (b,) each: Eqs. 6 and 8 of each image's gate
         self.pool(balance_sum=balance.sum(), z_sum=z_loss.sum(), rows=z.shape[0])
 
     def aux_losses(self, depth: int) -> dict:
-        """Eqs. 6 and 8 as means over every gate of every step of this forward, and Eq. 9."""
         stats = self.take_stats()
         if self.num_experts == 1 or stats is None:
             return {}
-        return {"balance": self.lambda_bal * stats["balance_sum"] / stats["rows"],
-                "z_loss": self.lambda_z * stats["z_sum"] / stats["rows"],
-                "diversity": self.lambda_div * self.diversity()}
+        balance, z_loss, diversity = self.lambdas
+        return {"balance": balance * stats["balance_sum"] / stats["rows"],
+                "z_loss": z_loss * stats["z_sum"] / stats["rows"], "diversity": diversity * self.diversity()}
 
-class LoryFFN(ContentMergedFFN):
+class LoryFFN(SmearFFN):
     """Lory (Zhong et al., 2024; no public code): a linear softmax router on the pooled representation
-    of the previous segment picks the merged FFN of the next one (causal routing).
-
-    App. B reinterprets segments as recurrent steps: the pooled FFN input of an image's previous
-    (retained) step routes step t. At an image's first step there is no previous one; it routes on
-    its own pooled input (our choice). No LayerNorm on the router input (the pooled tokens are
-    already LayerNorm'd) and no auxiliary loss; similarity-based batching has no image analogue.
-    Per-image memory of one forward: `previous` (B, d) pooled inputs, `seen` (B,) whether set.
-    """
+    of the previous segment picks the merged FFN of the next one (causal routing). App. B reads segments
+    as recurrent steps: the pooled FFN input of an image's previous retained step routes step t; at its
+    first step it routes on its own (our choice). No LayerNorm on the router input (the pooled tokens are
+    already LayerNorm'd), no auxiliary loss; similarity-based batching has no image analogue."""
 
     normalise_router_input = False
     needs_step = True  # step.rows: which images' memories this step reads and writes
+    previous = seen = batch = None  # this forward's memory: pooled inputs (B, d), whether set (B,)
 
     def begin_forward(self, depth: int, batch: int) -> None:
-        self.previous, self.seen = None, None
-        self.batch = batch
+        self.previous, self.seen, self.batch = None, None, batch
 
     def forward(self, u: torch.Tensor, step: Step) -> torch.Tensor:
         return self.merged_forward(u, self.router_input(u, step.rows))
@@ -285,62 +228,56 @@ class LoryFFN(ContentMergedFFN):
         """The pooled FFN input of each image's previous retained step (its own at its first): (b, d)."""
         pooled = u.mean(1)  # (b, d)
         rows = torch.arange(u.shape[0], device=u.device) if rows is None else rows
-        if getattr(self, "previous", None) is None:  # first step of this forward
-            batch = getattr(self, "batch", u.shape[0])
-            self.previous = pooled.new_zeros(batch, u.shape[-1])
-            self.seen = torch.zeros(batch, dtype=torch.bool, device=u.device)
+        if self.previous is None:  # first step of this forward
+            self.previous = pooled.new_zeros(self.batch or u.shape[0], u.shape[-1])
+            self.seen = torch.zeros(len(self.previous), dtype=torch.bool, device=u.device)
         source = torch.where(self.seen[rows].unsqueeze(1), self.previous[rows], pooled)
         self.previous = self.previous.index_copy(0, rows, pooled)
         self.seen = self.seen.index_fill(0, rows, True)
         return source
 
-# --- token dispatch: DeepSeek-V3, Qwen3, MoEUT (each token runs its top-K experts) ---
+# --- routing per token: DeepSeek-V3, Qwen3, MoEUT (top-K dispatch), ReMoE (every expert, ReLU gates) ---
 
-class TokenRoutedFFN(ExpertPool, FFN):
-    """Common part of the token-dispatch FFNs: a linear router (no bias) over E experts, top-K per
-    token, grouped dispatch. Subclasses choose scores, selection and gate values: route(logits), (n, E)
-    fp32 router logits -> expert_index (n, K), gate weights (n, K)."""
+class RoutedFFN(ExpertPool, FFN):
+    """A linear router without bias scores E experts per token; `combine` runs them: the top-K experts of
+    `route` by grouped dispatch, route(logits (n, E) fp32) -> expert_index (n, K), weights (n, K), plus
+    the always-active shared experts (DeepSeek-V3's). Qwen3's and MoEUT's losses weigh balance_weight."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int):
-        super().__init__(dim, hidden, num_experts)
-        self.top_k = top_k
-        self.router = nn.Linear(dim, num_experts, bias=False)
+    def __init__(self, c: ViTConfig):
+        super().__init__(c.dim, c.expert_ffn_dim, c.num_experts)
+        self.top_k, self.balance_weight = c.top_k, c.balance_weight
+        self.router = nn.Linear(c.dim, c.num_experts, bias=False)
+        self.shared = ExpertPool(c.dim, c.expert_ffn_dim, c.shared_experts) if c.shared_experts else None
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         x = rearrange(u, "b t d -> (b t) d")
-        expert_index, weights = self.route(router_logits(x, self.router.weight))
-        y = self.dispatch(x, expert_index, weights) + self.shared_output(x)
+        y = self.combine(x, router_logits(x, self.router.weight))
         return rearrange(y, "(b t) d -> b t d", b=u.shape[0])
 
-    def shared_output(self, x: torch.Tensor):
-        return 0.0
-
-    def active_experts(self) -> int:
-        return self.top_k
+    def combine(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        y = self.dispatch(x, *self.route(logits))
+        return y if self.shared is None else y + self.shared.mixture(x)
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
-        return {"experts": self.active_experts() * ffn_flops(self.dim, self.hidden),
+        active = self.top_k + (self.shared.num_experts if self.shared is not None else 0)
+        return {"experts": active * ffn_flops(self.dim, self.hidden),
                 "routing": 2 * self.dim * self.num_experts}
 
-class DeepSeekV3FFN(TokenRoutedFFN):
+class DeepSeekV3FFN(RoutedFFN):
     """DeepSeek-V3 (Liu et al., 2024; deepseek-ai/DeepSeek-V3 inference/model.py), App. B adaptation.
 
     Sigmoid affinities s = sigmoid(x W_r); top-K selection on s + b with a per-expert bias b that is
     never added to the gate value; gates = s of the selected experts renormalised over them; plus
-    `shared` always-active experts whose outputs are added. b is the auxiliary-loss-free balancer:
-    a buffer (no gradient, not trained) updated after each optimizer step by
-    b += rate * sign(mean(load) - load_e), re-centred to zero mean, from the token loads of the
-    training forwards since the last update. The sequence-wise balance loss, node-limited group
-    routing and the 2.5 route scale of the 671B model are omitted. With K = 1 the renormalised gate
-    is always 1, so the router gets no gradient and learns only through the bias (the original rule).
+    `shared` always-active experts. b is the auxiliary-loss-free balancer: a buffer updated after each
+    optimizer step by b += rate * sign(mean(load) - load_e), re-centred to zero mean, from the token
+    loads of the training forwards since the last update. The sequence-wise balance loss, node-limited
+    routing and the 671B model's route scale 2.5 are omitted (K = 1: see MOE_TABLE).
     """
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int,
-                 bias_update_rate: float = 1e-3):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.shared = ExpertPool(dim, hidden, shared_experts) if shared_experts else None
-        self.bias_update_rate = bias_update_rate
-        self.register_buffer("expert_bias", torch.zeros(num_experts))
+    def __init__(self, c: ViTConfig):
+        super().__init__(c)
+        self.bias_update_rate = c.bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(c.num_experts))
         self._load = None  # (E,) tokens routed to each expert since the last optimizer step
 
     def route(self, logits: torch.Tensor) -> tuple:
@@ -353,39 +290,24 @@ class DeepSeekV3FFN(TokenRoutedFFN):
             self._load = load if self._load is None else self._load + load
         return expert_index, gates / gates.sum(-1, keepdim=True)
 
-    def shared_output(self, x: torch.Tensor):
-        return 0.0 if self.shared is None else self.shared.mixture(x)
-
-    def active_experts(self) -> int:
-        return self.top_k + (self.shared.num_experts if self.shared is not None else 0)
-
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
         if self._load is None:
             return
-        load, self._load = self._load, None
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(load)  # every rank applies the same update from the global load
+        load, self._load = summed_over_ranks(self._load), None  # every rank: the same update
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.expert_bias -= self.expert_bias.mean()
 
-class Qwen3FFN(PooledRouterStats, TokenRoutedFFN):
+class Qwen3FFN(RoutedFFN):
     """Qwen3 (Yang et al., 2025; HF transformers qwen3_moe), App. B adaptation.
 
     Softmax over all experts in fp32, top-K, renormalised by the top-K sum; no shared expert.
     Global-batch load balancing (Qiu et al., 2025): L = w * E * sum_e f_e P_e, P_e the mean router
-    probability of this forward, f_e the fraction of (token, slot) selections of expert e counted over
-    the global batch: all recurrent steps of the forward (the block is shared) and, under
-    torch.distributed, all ranks (all_reduce of the counts, no gradient). With gradient accumulation
-    each micro-batch's loss uses the counts of its own forward (over all ranks), not of the whole
-    accumulated batch: a loss that waited for later micro-batches could not be backpropagated per
-    micro-batch. App. B uses w = 1e-3 at U > 1 and no balance loss at U = 1 (the presets do), where
-    K = 1 renormalises every gate to 1: the router then gets no gradient at all (true to the rules).
+    probability of this forward, f_e the fraction of (token, slot) selections of expert e over the global
+    batch: every recurrent step of the forward and, in training, every rank (no gradient). With gradient
+    accumulation each micro-batch uses the counts of its own forward: a loss that waited for later
+    micro-batches could not be backpropagated per micro-batch. App. B's w: see MOE_TABLE.
     """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-3):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.balance_weight = balance_weight
 
     def route(self, logits: torch.Tensor) -> tuple:
         probs = torch.softmax(logits, dim=-1)                                   # (n, E) fp32
@@ -400,25 +322,17 @@ class Qwen3FFN(PooledRouterStats, TokenRoutedFFN):
             return {}
         counts = stats["counts"].detach().clone()
         tokens = torch.tensor(float(stats["tokens"]), device=counts.device)
-        if self.training and dist.is_available() and dist.is_initialized():  # evaluation may run on one rank
-            dist.all_reduce(counts)
-            dist.all_reduce(tokens)
+        if self.training:  # evaluation may run on one rank
+            counts, tokens = summed_over_ranks(counts), summed_over_ranks(tokens)
         f = counts / tokens                                  # global: sums to K
         P = stats["prob_sum"] / stats["tokens"]              # local, differentiable
         return {"balance": self.balance_weight * self.num_experts * (f * P).sum()}
 
-class MoEUTFFN(PooledRouterStats, TokenRoutedFFN):
-    """MoEUT (Csordás et al., 2024; RobertCsordas/moeut), App. B adaptation.
-
-    sigma-MoE routing: sigmoid scores, top-K, expert outputs summed with the sigmoid scores (no
-    renormalisation). Balance regulariser: minus the entropy of the mean softmax selection
-    distribution, pooled over tokens and all recurrent applications, weight 0.01. SwitchHead,
-    peri-LayerNorm and expert dropout are omitted (dense attention is kept).
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, balance_weight: float = 1e-2):
-        super().__init__(dim, hidden, num_experts, top_k)
-        self.balance_weight = balance_weight
+class MoEUTFFN(RoutedFFN):
+    """MoEUT (Csordás et al., 2024; RobertCsordas/moeut), App. B adaptation: sigma-MoE routing (sigmoid
+    scores, top-K, outputs summed with the scores, not renormalised). Balance: minus the entropy of the
+    mean softmax selection, pooled over tokens and every recurrent step, weight 0.01. SwitchHead,
+    peri-LayerNorm and expert dropout are omitted (dense attention is kept)."""
 
     def route(self, logits: torch.Tensor) -> tuple:
         self.pool(prob_sum=torch.softmax(logits, dim=-1).sum(0), tokens=logits.shape[0])
@@ -433,39 +347,34 @@ class MoEUTFFN(PooledRouterStats, TokenRoutedFFN):
         neg_entropy = (mean_selection * torch.log(mean_selection.clamp_min(1e-12))).sum()
         return {"balance": self.balance_weight * neg_entropy}
 
-# --- output mixtures: ReMoE (every expert, ReLU gates), Soft-MoE (slots) ---
-
-class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
+class ReMoEFFN(RoutedFFN):
     """ReMoE (Wang et al., 2025; thu-ml/ReMoE), App. B adaptation: a dense output mixture.
 
-    Gates g = relu(x W_r) (no softmax, no top-K); every expert runs on every token and the outputs
-    are summed with g, so a token whose gates are all zero keeps only its residual. Sparsity comes
-    from the load-balanced L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e
-    (count_e: tokens with g_e > 0; K = E (1 - target)), with lambda set by the controller after each
-    optimizer step: lambda *= 1.2 while the measured sparsity is below the target 0.75, lambda /= 1.2
-    while it is above, unchanged on it; lambda starts at 1e-8 and is an fp32 buffer. Our choice for the
-    recurrence: the n tokens are pooled over all L steps into one normalisation, which is 1/L of the sum
-    of per-step (per-layer) penalties.
+    Gates g = relu(x W_r) (no softmax, no top-K): every expert runs on every token, outputs summed with
+    g, so a token whose gates are all zero keeps only its residual. Sparsity comes from the load-balanced
+    L1 penalty lambda * E / (n^2 K) * sum_e (sum_tokens g_e) * count_e (count_e: tokens with g_e > 0;
+    K = E (1 - target)), lambda set after each optimizer step: * 1.2 while the measured sparsity is below
+    the target 0.75, / 1.2 while above, kept on it; it starts at 1e-8 (an fp32 buffer). Our choice for
+    the recurrence: the n tokens are pooled over all L steps into one normalisation, 1/L of the sum of
+    per-step (per-layer) penalties.
     """
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, target_sparsity: float = 0.75,
-                 l1_init: float = 1e-8, l1_step: float = 1.2):
-        super().__init__(dim, hidden, num_experts)
-        self.router = nn.Linear(dim, num_experts, bias=False)
-        self.target_sparsity, self.l1_step = target_sparsity, l1_step
-        self.register_buffer("l1_weight", torch.tensor(l1_init, dtype=torch.float32))
+    def __init__(self, c: ViTConfig):
+        super().__init__(c)
+        self.top_k = c.num_experts  # every expert runs (the budget U counts them all)
+        self.target_sparsity, self.l1_step = c.remoe_target_sparsity, 1.2
+        self.register_buffer("l1_weight", torch.tensor(1e-8, dtype=torch.float32))
         self._active, self._total = None, 0  # nonzero gates and gates seen since the last update
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        x = rearrange(u, "b t d -> (b t) d")
-        gates = F.relu(router_logits(x, self.router.weight))                     # (n, E) fp32
+    def combine(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        gates = F.relu(logits)                                                   # (n, E) fp32
         active = (gates > 0).float()
         self.pool(gate_sum=gates.sum(0), counts=active.sum(0), tokens=gates.shape[0])
         if self.training:
             nonzero = active.sum().detach()
             self._active = nonzero if self._active is None else self._active + nonzero
             self._total += active.numel()
-        return rearrange(self.mixture(x, gates), "(b t) d -> b t d", b=u.shape[0])
+        return self.mixture(x, gates)
 
     def aux_losses(self, depth: int) -> dict:
         stats = self.take_stats()
@@ -483,34 +392,29 @@ class ReMoEFFN(PooledRouterStats, ExpertPool, FFN):
         if self._active is None:
             return
         total = torch.tensor(float(self._total), device=self._active.device)
-        active = torch.stack([self._active.float(), total])
+        active = summed_over_ranks(torch.stack([self._active.float(), total]))
         self._active, self._total = None, 0
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(active)
         sparsity = 1.0 - (active[0] / active[1]).item()
         # lambda <- lambda * alpha^sign(target - sparsity): up while too dense, down while too sparse, kept on
         # the target (which a few experts reach exactly: one of E = 4 gates open is sparsity 0.75)
         direction = (sparsity < self.target_sparsity) - (sparsity > self.target_sparsity)
         self.l1_weight.mul_(self.l1_step ** direction)
 
-    def active_flops_per_token(self, num_tokens: int) -> dict:
-        return {"experts": self.num_experts * ffn_flops(self.dim, self.hidden),
-                "routing": 2 * self.dim * self.num_experts}
+# --- Soft-MoE: experts on slots, each a softmax mixture of an image's tokens ---
 
 class SoftMoEFFN(ExpertPool, FFN):
     """Soft-MoE (Puigcerver et al., 2024; google-research/vmoe), App. B adaptation.
 
-    S = E * p slots with parameters Phi (d, S). Logits = l2norm(x) . (scale * l2norm(Phi)) over d
-    (the normalisation is for the logits only; experts see the un-normalised tokens), with a
-    learnable scalar scale (init 1). Dispatch weights: softmax over the tokens of an image, per slot;
-    combine weights: softmax over all slots, per token. Expert e runs on its p slots. No aux loss.
-    Per token the experts cost S / T dense FFNs, so U = S / T (the paper sizes S from the patch count).
+    S = E * p slots with parameters Phi (d, S). Logits = l2norm(x) . (scale * l2norm(Phi)) over d (the
+    experts see the un-normalised tokens), scale a learnable scalar (init 1). Dispatch: softmax over an
+    image's tokens, per slot; combine: softmax over the slots, per token. Expert e runs on its p slots;
+    no aux loss. Per token the experts cost S / T dense FFNs: U = S / T (p: by default N / 4 patches).
     """
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, slots_per_expert: int):
-        super().__init__(dim, hidden, num_experts)
-        self.slots_per_expert = slots_per_expert
-        self.slot_embed = nn.Parameter(torch.empty(dim, num_experts * slots_per_expert))  # Phi (d, S)
+    def __init__(self, c: ViTConfig):
+        super().__init__(c.dim, c.expert_ffn_dim, c.num_experts)
+        self.slots_per_expert = p = c.slots_per_expert or max(1, round(c.num_patches / 4))
+        self.slot_embed = nn.Parameter(torch.empty(c.dim, c.num_experts * p))  # Phi (d, S)
         self.scale = nn.Parameter(torch.ones(()))
         nn.init.trunc_normal_(self.slot_embed, std=0.02)
 
@@ -525,7 +429,8 @@ class SoftMoEFFN(ExpertPool, FFN):
         dispatch, combine = self.routing_weights(u)
         slots = dispatch.transpose(1, 2).to(u.dtype) @ u                                       # (b, S, d)
         slots = rearrange(slots, "b (e p) d -> e (b p) d", e=self.num_experts)
-        out = rearrange(self.run_all(slots), "e (b p) d -> b (e p) d", b=u.shape[0])          # (b, S, d)
+        out = apply_ffn_batched(slots, *self.bank())                     # expert e on its own slots
+        out = rearrange(out, "e (b p) d -> b (e p) d", b=u.shape[0])                            # (b, S, d)
         return combine.to(out.dtype) @ out                                                      # (b, T, d)
 
     def active_flops_per_token(self, num_tokens: int) -> dict:
@@ -533,6 +438,9 @@ class SoftMoEFFN(ExpertPool, FFN):
         # logits, dispatch and combine: three (T x d x S) products per image
         return {"experts": slots * ffn_flops(self.dim, self.hidden) / num_tokens,
                 "routing": 6 * self.dim * slots}
+
+MECHANISM_FFNS = {"lory": LoryFFN, "smear": SmearFFN, "feature": FeatureOnlyFFN, "deepseek": DeepSeekV3FFN,
+                  "qwen3": Qwen3FFN, "moeut": MoEUTFFN, "remoe": ReMoEFFN, "softmoe": SoftMoEFFN}
 
 # --- layer-wise LoRA (Relaxed Recursive Transformers): a Block variant with per-step updates ---
 
@@ -564,11 +472,6 @@ class LayerwiseLoRA(nn.Module):
         """B_t A_t (out, in) in fp32: what fold adds to the shared weight."""
         return getattr(self, f"{name}_up")[t].float() @ getattr(self, f"{name}_down")[t].float()
 
-    def flops_per_token(self) -> int:
-        return sum(2 * getattr(self, f"{n}_down").shape[1] * (getattr(self, f"{n}_down").shape[2]
-                                                               + getattr(self, f"{n}_up").shape[1])
-                   for n in LORA_LAYERS)
-
 class LoRAAttention(Attention):
     """The shared attention with step t's low-rank updates on qkv and proj."""
 
@@ -587,25 +490,22 @@ class LoRABlock(MechanismBlock):
     """The tied block plus layer-wise LoRA: step t runs W + B_t A_t on qkv, proj, fc1 and fc2.
     One adapter per trained step, so the model runs only at its own depth."""
 
-    def __init__(self, dim: int, heads: int, ffn_dim: int, depth: int, rank: int,
-                 layer_scale_init: float | None = None, drop_path: float = 0.0):
-        super().__init__(dim, heads, LoRAMlp(dim, ffn_dim), layer_scale_init, drop_path)
-        self.attn = LoRAAttention(dim, heads)  # same parameter names as the plain block's
-        self.lora = LayerwiseLoRA(dim, ffn_dim, depth, rank)
-        self.trained_depth = depth
+    def __init__(self, c: ViTConfig):
+        super().__init__(c.dim, c.heads, LoRAMlp(c.dim, c.ffn_dim), c.layer_scale_init, c.drop_path)
+        self.attn = LoRAAttention(c.dim, c.heads)  # same parameter names as the plain block's
+        self.lora = LayerwiseLoRA(c.dim, c.ffn_dim, c.depth, c.lora_rank)
+        self.trained_depth = c.depth
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), step.t, self.lora)))
         return x + self.drop_path(self.ls2(self.mlp(self.norm2(x), step.t, self.lora)))
 
-    def check_depth(self, depth: int) -> None:
+    def check_depth(self, depth: int, batch: int = 0) -> None:
         if depth != self.trained_depth:
             raise ValueError(f"depth={depth}: layer-wise LoRA has one adapter per trained step, so it runs "
                              f"only at its own depth ({self.trained_depth})")
 
-    def begin_forward(self, depth: int, batch: int) -> None:
-        self.check_depth(depth)
-        super().begin_forward(depth, batch)
+    begin_forward = check_depth  # the adapters keep no state between the steps of a forward
 
     def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
         """Step t: the shared weights plus B_t A_t on qkv, proj, fc1 and fc2 (fp32 sums, cast on loading)."""
@@ -619,13 +519,13 @@ class LoRABlock(MechanismBlock):
 
 # --- the comparisons' config: revit.py's fields plus the mechanism and its settings ---
 
-FFNS = ("merge", "lora", "lory", "smear", "feature", "deepseek", "qwen3", "moeut", "remoe", "softmoe")
+FFNS = ("merge", "lora", *MECHANISM_FFNS)
 
 @dataclass
 class ViTConfig(revit.ViTConfig):
     """revit.ViTConfig plus `ffn` and the settings the mechanisms read (§4.3, App. B, Table 8; Qwen3's and
-    MoEUT's balance losses take revit's balance_weight). The same name as revit's, so that a caller uses
-    either module's create_model / ViTConfig / PRESETS alike."""
+    MoEUT's balance losses take revit's balance_weight). revit's name, so that a caller uses either
+    module's create_model / ViTConfig / PRESETS alike."""
     ffn: str = "merge"            # the shared block's FFN: reViT's "merge" or a mechanism (FFNS)
     top_k: int = 1                # K experts per token (deepseek, qwen3, moeut)
     shared_experts: int = 0       # DeepSeek-V3's always-active experts
@@ -662,21 +562,16 @@ FIELD_RULES = [  # revit.FIELD_RULES' form, for this config's own fields
 # --- the paper's measures of a mechanism: stored expert parameters (Table 8) and budget U (§4.3) ---
 
 def expert_ffn_params(model: nn.Module) -> int:
-    """Table 8's count: parameters of every stored expert FFN, routed and shared, P(d, r) each
-    (App. B); routers, Soft-MoE slot parameters, LoRA factors and the backbone are not counted.
-    A dense FFN (the tied block, a ViT's blocks) counts as one expert."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, ExpertBank):
-            total += sum(p.numel() for p in module.bank())
-        elif isinstance(module, Mlp):
-            total += sum(p.numel() for p in module.parameters())
-    return total
+    """Table 8's count: parameters of every stored expert FFN, routed and shared, P(d, r) each (App. B);
+    routers, Soft-MoE's slots, LoRA factors and the backbone are not counted. A dense FFN (the tied
+    block, a ViT's blocks) counts as one expert."""
+    banks = [m.bank() if isinstance(m, ExpertBank) else m.parameters()
+             for m in model.modules() if isinstance(m, (ExpertBank, Mlp))]
+    return sum(p.numel() for bank in banks for p in bank)
 
 def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
-    """{"experts", "routing"}: FLOPs per token and step for an image of num_tokens tokens (2 per
-    multiply-add of the matmuls); "experts" is what the budget U counts (§4.3). reViT's own two FFNs
-    are measured here, so that revit.py carries no accounting; every mechanism measures itself."""
+    """{"experts", "routing"}: FLOPs per token and step for an image of num_tokens tokens; "experts" is
+    what the budget U counts (§4.3). reViT's own two FFNs are measured here (revit.py has no accounting)."""
     if isinstance(ffn, Mlp):
         return {"experts": ffn_flops(ffn.fc1.in_features, ffn.fc1.out_features), "routing": 0}
     if isinstance(ffn, MergedExpertFFN):
@@ -687,10 +582,9 @@ def active_flops_per_token(ffn: FFN, num_tokens: int) -> dict:
     return ffn.active_flops_per_token(num_tokens)
 
 def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
-    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's, for
-    images of num_tokens = 1 + num_patches tokens. Router matmuls, merges and Soft-MoE's dispatch/combine
-    are not in U (see "routing"). Soft-MoE's S slots cost S / T FFNs per token, so with the class token its
-    U is the paper's (slots / patches) times N / (N + 1)."""
+    """Nominal FFN budget U (§4.3): active expert-FFN FLOPs per token and step / one dense FFN's, at
+    num_tokens = 1 + num_patches (routers, merges, Soft-MoE's dispatch/combine: not in U). Soft-MoE's S
+    slots cost S / T FFNs per token: with the class token, the paper's slots / patches times N / (N + 1)."""
     c = model.config
     ffn = model.block.mlp if isinstance(model, ReViT) else model.blocks[0].mlp
     flops = active_flops_per_token(ffn, num_tokens or 1 + c.num_patches)
@@ -702,7 +596,7 @@ def ffn_budget(model: nn.Module, num_tokens: int | None = None) -> float:
 # ehr = expert hidden width / d. A ViT FFN has ehr 4, so the experts get expert_ffn_fraction = ehr / 4
 # of the preset's ffn_dim at every size. At U = 1, DeepSeek-V3 and Qwen3 route K = 1 expert and
 # renormalise its gate to 1, so their routers get no gradient (true to the rules; DeepSeek-V3 still
-# balances through its bias, Qwen3 then has no balance loss either).
+# balances through its bias). Qwen3's balance loss: w = 1e-3 at U > 1, none at U = 1 (App. B).
 MOE_TABLE = {
     "lory": {1: (4, 0, 0, 4)},
     "smear": {1: (4, 0, 0, 4)},
@@ -750,6 +644,9 @@ def config_of(values: dict) -> revit.ViTConfig:
 if __name__ == "__main__":  # python -m lib.moe [names...]: parameter counts of the presets (meta device)
     import sys
 
+    if {"-h", "--help"} & set(sys.argv):
+        print("usage: python -m lib.moe [PRESET ...]: parameter counts of the mechanisms' presets")
+        sys.exit()
     print("| preset | params (M) | expert FFN (M) | U |\n|---|---:|---:|---:|")
     for name in sys.argv[1:] or [n for n in PRESETS if n.count("-") == 1 or n.endswith(("-e1", "-e8"))]:
         try:

@@ -51,9 +51,15 @@ class PlantedTask(tasks.ClassificationTask):
     tokens (B, patches, d) and LN(f_L ∘ ... ∘ f_1(patch)); the class token is not scored. Needs d equal to
     the patch vector's length (3 * 4² = 48). No augmentation: the input is the target's argument."""
 
-    def __init__(self, cfg, images, device, augment, autocast, maps: PlantedMaps, patch: int):
+    def __init__(self, cfg, images, device, augment, autocast, model):
         super().__init__(cfg, images, device, augment, autocast)
-        self.maps, self.patch = maps, patch
+        self.patch = data.PLANTED["patch_size"]
+        width, config = images.channels * self.patch ** 2, model.config
+        if (config.patch_size, config.dim) != (self.patch, width):
+            fail(f"--dataset planted regresses {images.channels}x{self.patch}² patch vectors: it needs "
+                 f"--patch-size {self.patch} and dim={width} (--model-args); got patch {config.patch_size}, "
+                 f"dim {config.dim}")
+        self.maps = PlantedMaps(width, **PLANTED_MAPS)
 
     def target(self, x: torch.Tensor) -> torch.Tensor:
         return self.maps(patch_tokens(x, self.patch))
@@ -73,23 +79,11 @@ class PlantedTask(tasks.ClassificationTask):
         return {"mse": error / tokens[0, 1:].numel()}  # summed per-image MSE: evaluate divides by images
 
 
-def planted_task(cfg, images, device, augment, autocast, model) -> PlantedTask:
-    """The task for `model`, or the one-line exit where its width or patches do not fit."""
-    config = model.config
-    patch = data.PLANTED["patch_size"]
-    width = images.channels * patch ** 2
-    if (config.patch_size, config.dim) != (patch, width):
-        fail(f"--dataset planted regresses {images.channels}x{patch}² patch vectors: it needs --patch-size "
-             f"{patch} and dim={width} (--model-args); got patch {config.patch_size}, dim {config.dim}")
-    maps = PlantedMaps(config.dim, **PLANTED_MAPS)
-    return PlantedTask(cfg, images, device, augment, autocast, maps, config.patch_size)
-
-
 def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     """lib/tasks.build's data and model, with the planted task in place of classification."""
     if cfg.probe or cfg.teacher:
         fail(f"--dataset planted is a regression task of its own; it takes no "
              f"--{'probe' if cfg.probe else 'teacher'}")
     model, task, batches, augment, steps_per_epoch = tasks.build(cfg, rank, world, device, ckpt)
-    task = planted_task(cfg, task.data, task.device, task.augment, task.autocast, model)
+    task = PlantedTask(cfg, task.data, task.device, task.augment, task.autocast, model)
     return model, task, batches, augment, steps_per_epoch

@@ -1,23 +1,20 @@
-"""What train.py does to continue (--resume) or evaluate (--eval-only) a saved run, imported only then:
-the saved config under the flags given now, what a checkpoint never decides (the files read, downloads,
-the teacher), the loop state checked against the rebuilt run, then loaded. A failure is one line naming
-the flag, before the run folder is touched.
+"""train.py's --resume and --eval-only: the saved config under the flags given now, the loop state checked
+against the rebuilt run, then loaded. A failure is one line naming the flag, before the run folder is touched.
 """
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import fields
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from lib import tasks
 from lib.build import build
-from lib.boundary import fail, wrong_type
-from lib.checkpoint import MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, diverged, fit_problem, set_rng_state
+from lib.boundary import fail, or_fail, wrong_type
+from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, count, diverged, fit_problem,
+                            set_rng_state)
 from lib.cli import non_finite_place, pick_device, say
 
 
@@ -28,23 +25,16 @@ FIXED_ON_RESUME = ("arch", "patch_size", "depth", "num_experts", "drop_path", "d
 
 
 def resume_config(explicit: dict, config_class, resolve_config) -> tuple[dict, object]:
-    """The checkpoint and the saved run's config (train.py's TrainConfig: `config_class`), resolved with
-    the flags given now, which may extend it (e.g. more --epochs)."""
+    """The checkpoint and its run's TrainConfig (`config_class`) under the flags given now (more --epochs)."""
     path = explicit["resume"]
-    ckpt = checkpoint_or_fail(path, "--resume", RESUME_KEYS)
-    saved = saved_config(ckpt, path, "--resume", config_class)
-    for name in FIXED_ON_RESUME:
-        if name in explicit and explicit[name] != saved.get(name):
-            fail(f"--{name.replace('_', '-')} cannot change on --resume (the checkpoint has "
-                 f"{saved.get(name)!r}); start a new run instead")
     flags = {**explicit, "out_dir": explicit.get("out_dir") or str(Path(path).parent)}  # the folder may move
-    return ckpt, resolve_saved(saved, flags, f"--resume {path}", config_class, resolve_config,
-                               needed=("data", "teacher"), unkept={"stop_at_step", "overwrite", "eval_only"})
+    return saved_run(path, "--resume", RESUME_KEYS, flags, config_class, resolve_config,
+                     needed=("data", "teacher"), unkept={"stop_at_step", "overwrite", "eval_only"},
+                     fixed=FIXED_ON_RESUME)
 
 
 def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
-    """A checkpoint's train_config, each known value of the type its flag takes (ranges: resolve_config).
-    Files saved before --precision hold bf16: True is precision auto, False is fp32."""
+    """A checkpoint's train_config, each known value of its flag's type; an older bf16 as its --precision."""
     saved = ckpt["train_config"]
     if "bf16" in saved and "precision" not in saved:
         saved = {**saved, "precision": {True: "auto", False: "fp32"}.get(saved["bf16"], saved["bf16"])}
@@ -54,15 +44,21 @@ def saved_config(ckpt: dict, path, flag: str, config_class) -> dict:
     return saved
 
 
-def resolve_saved(saved: dict, flags: dict, source: str, config_class, resolve_config, needed, unkept):
-    """resolve_config of a saved run's values (but the `unkept` and COMMAND_LINE_ONLY's) under the flags
-    given now. Where the saved values alone are refused too, the line names the checkpoint (`source`), not a
-    flag the user never typed."""
+def saved_run(path, flag: str, keys, flags: dict, config_class, resolve_config, needed, unkept, fixed=()):
+    """-> (checkpoint, resolve_config of its saved values (but `unkept`) under the flags given now, which
+    may not change the `fixed`). Where the saved values alone are refused, the line names the checkpoint,
+    not a flag the user never typed."""
+    ckpt = checkpoint_or_fail(path, flag, keys)
+    saved, source = saved_config(ckpt, path, flag, config_class), f"{flag} {path}"
+    changed = [name for name in fixed if name in flags and flags[name] != saved.get(name)]
+    if changed:
+        fail(f"--{changed[0].replace('_', '-')} cannot change on --resume (the checkpoint has "
+             f"{saved.get(changed[0])!r}); start a new run instead")
     known = {f.name for f in fields(config_class)} - unkept
     saved = command_line_only(saved, flags, source, needed)
     merged = {**{k: v for k, v in saved.items() if k in known}, **flags}
     try:
-        return resolve_config(merged, announce=False)
+        return ckpt, resolve_config(merged, announce=False)
     except SystemExit:
         saved = {name: value for name, value in merged.items() if name not in flags}
         try:
@@ -78,20 +74,15 @@ EVAL_ONLY_FLAGS = {"eval_only", "eval_depths", "test_subset", "eval_batch_size",
 
 
 def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config):
-    """A checkpoint rebuilt with its test data as trained -> (cfg, model, task) for train.evaluate; `flags`
-    (EVAL_ONLY_FLAGS) may change how it is evaluated, never the model."""
+    """A checkpoint rebuilt with its test data -> (cfg, model, task); `flags` change how, never the model."""
     extra = sorted(set(flags) - EVAL_ONLY_FLAGS)
     if extra:
         allowed = ", ".join("--" + f.replace("_", "-") for f in sorted(EVAL_ONLY_FLAGS))
         fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
              f"got --{extra[0].replace('_', '-')}")
-    ckpt = checkpoint_or_fail(path, flag, MODEL_KEYS + ("train_config",))
-    cfg = resolve_saved(saved_config(ckpt, path, flag, config_class), flags, f"{flag} {path}", config_class,
-                        resolve_config, needed=("data",), unkept={"out_dir", "resume"})
-    try:
-        device = pick_device(cfg.device)
-    except ValueError as e:
-        fail(str(e))
+    ckpt, cfg = saved_run(path, flag, MODEL_KEYS + ("train_config",), flags, config_class, resolve_config,
+                          needed=("data",), unkept={"out_dir", "resume"})
+    device = or_fail(pick_device, cfg.device)
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     trained = model.head if cfg.probe else model
     problem = fit_problem(trained.state_dict(), ckpt["model"], ckpt["arch"])
@@ -104,8 +95,7 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
 
 
 def evaluate_only(flags: dict, config_class, resolve_config, evaluate) -> dict:
-    """--eval-only: train.py's `evaluate` of a checkpoint at its --eval-depths, printed; nothing is written,
-    and a metric that is not a number is never reported."""
+    """--eval-only: `evaluate` at its --eval-depths, printed, never a non-finite metric; nothing written."""
     path = flags["eval_only"]
     cfg, model, task = evaluation_setup(path, flags, "--eval-only", config_class, resolve_config)
     results = evaluate(model, task, tasks.eval_depths(cfg, model))
@@ -124,8 +114,7 @@ COMMAND_LINE_ONLY = {"data": "", "data_dir": "", "download": False, "teacher": "
 
 
 def command_line_only(saved: dict, explicit: dict, flag: str, needed: tuple) -> dict:
-    """A saved train_config whose COMMAND_LINE_ONLY values are the command line's (or the defaults); those
-    `needed` by the run must then be given again."""
+    """The saved config with COMMAND_LINE_ONLY's values from the command line; those `needed`: given again."""
     taken = dict(saved)
     for name, default in COMMAND_LINE_ONLY.items():
         was, given = saved.get(name, default), explicit.get(name, default)
@@ -138,25 +127,6 @@ def command_line_only(saved: dict, explicit: dict, flag: str, needed: tuple) -> 
                 f"teachers come from the command line)")
         taken[name] = given
     return taken
-
-
-def check_resume(cfg, ckpt: dict, trainable: nn.Module, optimizer, augment,
-                 total_steps: int) -> None:
-    """A resumed checkpoint's loop state checked in full against the rebuilt run, without changing it:
-    the optimizer state as the next step would take it, every RNG state as set_rng_state would."""
-    flag = f"--resume {cfg.resume}"
-    if ckpt["step"] > total_steps:
-        fail(f"{flag} is at step {ckpt['step']}, past this run's {total_steps} steps; give a larger "
-             f"--max-steps or --epochs (the checkpoint is left as it is)")
-    names = {id(p): name for name, p in trainable.named_parameters()}
-    # fp16: the scaler may have skipped every step so far, and AdamW makes its state at the first one taken
-    stepped = 0 if ckpt.get("scaler") and not ckpt["optimizer"]["state"] else ckpt["step"]
-    problem = (fit_problem(trainable.state_dict(), ckpt["model"], cfg.arch)
-               or optimizer_problem(ckpt["optimizer"], optimizer, stepped, names,
-                                    lambda name: may_lack_state(name, distilled=bool(cfg.teacher)))
-               or rng_problem(ckpt["rng"], augment) or scaler_problem(ckpt.get("scaler")))
-    if problem:
-        fail(f"{flag}: {problem}")
 
 
 # The schedule's numbers a resumed run may change, and the flags that change them.
@@ -183,10 +153,6 @@ def continue_schedule(path: str, ckpt: dict, sched: dict, lr_at) -> None:
 
 
 ADAM_STATE = {"step", "exp_avg", "exp_avg_sq"}  # what AdamW keeps per parameter (+ max_exp_avg_sq: amsgrad)
-
-
-def number_at_least_zero(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
 # Parameters that no step may reach, by name: a routed expert no sequence of any batch picked yet
@@ -230,42 +196,25 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) 
 def step_ok(step) -> bool:  # AdamW's per-parameter step count
     if torch.is_tensor(step):
         return step.numel() == 1 and not step.is_complex() and bool(step >= 0)
-    return number_at_least_zero(step)
-
-
-SCALER_STATE = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
-
-
-def scaler_problem(state) -> str | None:
-    """fp16's gradient scaler as GradScaler.state_dict() writes it ({} or absent: not fp16)."""
-    if state is None or state == {}:
-        return None
-    numbers = isinstance(state, dict) and all(map(number_at_least_zero, state.values()))
-    if numbers and set(state) == SCALER_STATE and state["scale"] > 0:
-        return None
-    return f"its gradient scaler state must hold {', '.join(sorted(SCALER_STATE))} (numbers >= 0, scale > 0)"
-
-
-def rng_problem(states: list, augment) -> str | None:
-    """Whether each saved RNG state can be restored, tried on throwaway generators (not the run's)."""
-    for rank, state in enumerate(states):
-        try:
-            torch.Generator().set_state(state["torch"])
-            random.Random().setstate(state["python"])
-            if "augment_batch" in state:
-                random.Random().setstate(state["augment_batch"])
-        except (KeyError, RuntimeError, ValueError, TypeError, OverflowError) as e:
-            return f"its rng state of rank {rank} cannot be restored ({' '.join(str(e).split())[:120]})"
-        if augment is not None and not {"augment", "augment_batch"} <= set(state):
-            return "its rng holds no augmentation state (an image run saves one)"
-    return None
+    return count(step)
 
 
 def continue_run(run, ckpt: dict, fused_adamw: bool) -> None:
-    """train.py's Run where the checkpoint left it: checked in full first (check_resume), then loaded. The
+    """train.py's Run where the checkpoint left it: its loop state checked against the rebuilt run (the
+    optimizer state as the next step would take it), then loaded, all before the run folder is opened. The
     optimizer keeps the run's own settings (lr, betas, decay from its config; this device's fused AdamW):
     load_state_dict would restore the file's, and with them the saving device's implementation."""
-    check_resume(run.cfg, ckpt, run.trainable, run.optimizer, run.augment, run.sched["total_steps"])
+    cfg, step, total = run.cfg, ckpt["step"], run.sched["total_steps"]
+    names = {id(p): name for name, p in run.trainable.named_parameters()}
+    # fp16: the scaler may have skipped every step so far, and AdamW makes its state at the first one taken
+    stepped = 0 if ckpt.get("scaler") and not ckpt["optimizer"]["state"] else step
+    past = step > total and (f"it is at step {step}, past this run's {total} steps; give a larger "
+                             f"--max-steps or --epochs (the checkpoint is left as it is)")
+    problem = (past or fit_problem(run.trainable.state_dict(), ckpt["model"], cfg.arch)
+               or optimizer_problem(ckpt["optimizer"], run.optimizer, stepped, names,
+                                    lambda name: may_lack_state(name, distilled=bool(cfg.teacher))))
+    if problem:
+        fail(f"--resume {cfg.resume}: {problem}")
     settings = [dict(group, fused=fused_adamw or None) for group in run.optimizer.param_groups]
     run.trainable.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
@@ -273,9 +222,13 @@ def continue_run(run, ckpt: dict, fused_adamw: bool) -> None:
         group.update(own)
     if run.scaler.is_enabled() and ckpt.get("scaler"):  # fp16's loss scale (none from another precision)
         run.scaler.load_state_dict(ckpt["scaler"])
-    run.step = run.folder.saved_step = ckpt["step"]
+    run.step = run.folder.saved_step = step
     run.metrics = ckpt.get("metrics", {})
-    restore_rng(run, ckpt["rng"])
+    try:
+        restore_rng(run, ckpt["rng"])
+    except (KeyError, RuntimeError, ValueError, TypeError, OverflowError) as e:
+        fail(f"--resume {cfg.resume}: its rng state of rank {run.rank} cannot be restored "
+             f"({' '.join(str(e).split())[:120]})")
 
 
 def restore_rng(run, rngs: list) -> None:

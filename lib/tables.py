@@ -5,6 +5,7 @@ library only (results/render.py runs without torch).
 
 from __future__ import annotations
 
+import functools
 import math
 
 
@@ -31,14 +32,6 @@ def gap(a: dict, b: dict, scale: float = 100, places: int = 2) -> str:
     return f"{scale * (a['mean'] - b['mean']):+.{places}f} ± {se:.{places}f}"
 
 
-def gates(row: dict) -> list[str]:
-    """Gate spread (max - min of the gate matrix) and seed 0's dominant expert per step, or '–'."""
-    if not row.get("gate_spread"):
-        return ["–", "–"]
-    spread = row["gate_spread"]
-    return [f"{spread['mean']:.2f} ± {spread['std']:.2f}", "".join(map(str, row["dominant_expert"][0]))]
-
-
 def programs(row: dict) -> str:
     """Every seed's dominant expert per step ('0123 / 3321 / 0000'), or '–'."""
     found = row.get("dominant_expert")
@@ -51,34 +44,27 @@ def growth(row: dict) -> str:
     return " / ".join(f"{t[0][1]:.2f}→{t[-1][1]:.2f}" for t in traces) if traces else "–"
 
 
-def accuracy_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Table 5 / Table 1 shape: accuracy per cell over seeds, the gap to the tied block, the gates."""
-    tied = next((r for r in rows if r.get("num_experts") == 1), None)
-    columns = ["model", "params", f"top-1 % mean ± std [{len(rows[0]['acc']['values'])} seeds]",
-               "vs E = 1 (points ± s.e.)", "gate spread", "dominant expert per step (seed 0)"]
-    versus = [gap(r["acc"], tied["acc"]) if tied and r is not tied and r["num_experts"] else "–"
-              for r in rows]
-    return columns, [[r["cell"], f"{r['params']:,}", pm(r["acc"]), v, *gates(r)]
-                     for r, v in zip(rows, versus)]
-
-
-def planted_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The planted-depth task: test MSE per model over seeds (lower is better), against the tied block, and
-    the gate program each seed's router formed."""
-    tied = next((r for r in rows if r.get("num_experts") == 1), None)
-    columns = ["model", "params", f"test MSE mean ± std [{len(rows[0]['mse']['values'])} seeds]",
-               "vs E = 1 (± s.e.)", "gate spread", "spread, epoch 1 → end (each seed)",
-               "dominant expert per step (each seed)"]
-    versus = [gap(r["mse"], tied["mse"], 1, 4) if tied and r is not tied else "–" for r in rows]
-    return columns, [[r["cell"], f"{r['params']:,}", mse(r["mse"]), v, gates(r)[0], growth(r), programs(r)]
-                     for r, v in zip(rows, versus)]
-
-
-def router_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """accuracy_grid's columns, every seed's program instead of seed 0's."""
-    columns, cells = accuracy_grid(rows)
-    return columns[:-1] + ["spread, epoch 1 → end (each seed)", "dominant expert per step (each seed)"], [
-        c[:-1] + [growth(r), programs(r)] for c, r in zip(cells, rows)]
+def experts_grid(rows: list[dict], metric: str = "acc", each_seed: bool = False):
+    """Table 5 / Table 1 shape: the score per cell over seeds (top-1 %, or the planted task's test MSE,
+    lower is better), the gap to the tied block (E = 1; the planted task compares the untied ViT too), the
+    gate spread and the router's program: seed 0's, or every seed's with the spread's growth (each_seed)."""
+    acc, tied = metric == "acc", next((r for r in rows if r.get("num_experts") == 1), None)
+    score, scale = (pm, (100, 2)) if acc else (mse, (1, 4))
+    seeds = len(rows[0][metric]["values"])
+    columns = ["model", "params", f"{'top-1 %' if acc else 'test MSE'} mean ± std [{seeds} seeds]",
+               f"vs E = 1 ({'points ' if acc else ''}± s.e.)", "gate spread"]
+    columns += ["spread, epoch 1 → end (each seed)", "dominant expert per step (each seed)"] if each_seed \
+        else ["dominant expert per step (seed 0)"]
+    cells = []
+    for r in rows:
+        versus = tied and r is not tied and (r["num_experts"] or not acc)
+        spread = r.get("gate_spread")
+        cells.append([r["cell"], f"{r['params']:,}", score(r[metric]),
+                      gap(r[metric], tied[metric], *scale) if versus else "–",
+                      f"{spread['mean']:.2f} ± {spread['std']:.2f}" if spread else "–",
+                      *([growth(r), programs(r)] if each_seed else
+                        ["".join(map(str, r["dominant_expert"][0])) if spread else "–"])])
+    return columns, cells
 
 
 def distill_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -89,12 +75,11 @@ def distill_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                "vs the teacher's probe (points ± s.e.)"]
     cells = []
     for r in rows:
-        probe, metric = r["cell"].startswith("probe"), r.get("metric", "acc")
-        measure = "linear probe top-1 %" if probe else "top-1 %"
-        score = pm(r["acc"]) if metric == "acc" else mse(r[metric])
-        if metric != "acc":
-            measure = "distillation MSE (Eq. 5)"
+        metric = r.get("metric", "acc")
+        measure = "distillation MSE (Eq. 5)" if metric != "acc" else \
+            "linear probe top-1 %" if r["cell"].startswith("probe") else "top-1 %"
         student_probe = teacher_probe and r["cell"].startswith("probe: student")
+        score = pm(r[metric]) if metric == "acc" else mse(r[metric])
         cells.append([r["cell"], f"{r['params']:,}", measure, score,
                       gap(r["acc"], teacher_probe["acc"]) if student_probe else "–"])
     return columns, cells
@@ -120,7 +105,9 @@ def tying_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                       gap(by_cell[f"{s}: ViT"]["acc"], by_cell[f"{s}: E=1"]["acc"])] for s in settings]
 
 
-GRIDS = {"experts": accuracy_grid, "quickstart": accuracy_grid, "elastic": depth_grid, "tying": tying_grid,
+planted_grid = functools.partial(experts_grid, metric="mse", each_seed=True)
+router_grid = functools.partial(experts_grid, each_seed=True)
+GRIDS = {"experts": experts_grid, "quickstart": experts_grid, "elastic": depth_grid, "tying": tying_grid,
          "planted": planted_grid, "planted-lr": planted_grid, "planted-table3": planted_grid,
          "planted-elastic": depth_grid, "router-lr": router_grid, "long": router_grid,
          "distill": distill_grid}

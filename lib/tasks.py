@@ -34,7 +34,7 @@ class ClassificationTask:
     def score(self, model, x, labels, depth) -> dict:
         """Sums over one test batch (divided by the image count at the end)."""
         with self.autocast():
-            logits = (model(x) if depth is None else model(x, depth=depth)).float()
+            logits = model(x, depth=depth).float()  # depth None: the trained one
         return {"acc": (logits.argmax(-1) == labels).sum().float(),
                 "loss": F.cross_entropy(logits, labels, reduction="sum")}
 
@@ -80,7 +80,7 @@ class DistillTask(ClassificationTask):
 
     def score(self, model, x, labels, depth):
         with self.autocast():
-            tokens = model(x, return_states=True, **({} if depth is None else {"depth": depth}))["tokens"]
+            tokens = model(x, depth=depth, return_states=True)["tokens"]
             target = self.teacher(x)
         error = F.mse_loss(tokens.float(), target.float(), reduction="sum") / tokens[0].numel()
         return {"distill_mse": error}
@@ -128,13 +128,12 @@ def teacher_for(cfg, model, images, device) -> nn.Module:
         teacher = TeacherTokens(model_or_fail(cfg.teacher, "--teacher"), hub=False)
     teacher = teacher.to(device).eval().requires_grad_(False)
     x = torch.zeros(2, images.channels, images.image_size, images.image_size, device=device)
-    try:
-        with torch.no_grad():
-            target = teacher(x)
-    except Exception as e:  # noqa: BLE001
-        fail(f"--teacher cannot run on {images.channels}x{images.image_size}² images: "
-             f"{str(e).splitlines()[0]}")
     with torch.no_grad():
+        try:
+            target = teacher(x)
+        except Exception as e:  # noqa: BLE001
+            fail(f"--teacher cannot run on {images.channels}x{images.image_size}² images: "
+                 f"{str(e).splitlines()[0]}")
         tokens = model.to(device).eval()(x, return_states=True)["tokens"]
     model.train()
     if tokens.shape[1:] != target.shape[1:]:
@@ -162,7 +161,7 @@ class ProbeModel(nn.Module):
 
     def features(self, images, depth=None):
         with torch.no_grad():
-            out = self.backbone(images, return_states=True, **({} if depth is None else {"depth": depth}))
+            out = self.backbone(images, depth=depth, return_states=True)
         return out["pre_logits"] if self.pool == "cls" else out["tokens"][:, 1:].mean(1)  # (B, d)
 
     def forward(self, images, depth=None, return_states=False):
@@ -269,6 +268,10 @@ def vision_overrides(cfg, images: data.ImageData) -> dict:
     for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop"):
         if getattr(cfg, name) is not None:
             overrides[name] = getattr(cfg, name)
+    twice = next((name for name in model_args if name in overrides), None)
+    if twice:  # the data set or a flag sets it already: --model-args would change it silently
+        by = f"--{twice.replace('_', '-')}" if getattr(cfg, twice, None) is not None else cfg.dataset
+        fail(f"--model-args {twice}={model_args[twice]}: {twice} is {overrides[twice]}, set by {by}")
     overrides.update(model_args)
     patch = overrides.get("patch_size", preset.get("patch_size", 16))
     if "patch_size" not in overrides and (images.image_size % patch or images.image_size // patch < 4):

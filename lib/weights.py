@@ -5,9 +5,10 @@ command that reads a trained model (lib/checkpoint.load_checkpoint) takes one in
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 WEIGHTS_FORMAT = "revit.checkpoint"
 WEIGHTS_PARTS = ("model_config", "train_config", "metrics")  # JSON in the file's metadata, with "arch"
@@ -18,7 +19,7 @@ def save_weights(ckpt: dict, path) -> None:
     metadata = {"format": WEIGHTS_FORMAT, "arch": ckpt["arch"],
                 **{k: json.dumps(ckpt.get(k, {}), allow_nan=False) for k in WEIGHTS_PARTS}}
     tensors = {k: v.clone().contiguous() for k, v in ckpt["model"].items()}  # tied weights: one copy each
-    save_file(tensors, str(path), metadata=metadata)
+    Path(path).write_bytes(save(tensors, metadata=metadata))  # the umask's mode (save_file's is 0600)
 
 
 def read_safetensors(path) -> tuple[dict, dict]:

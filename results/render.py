@@ -3,29 +3,26 @@
     python results/render.py           # rewrite every generated block in place
     python results/render.py --check   # exit 1 when a block differs from its data (tests/test_results.py)
 
-A generated block is the text between `<!-- generated: NAME -->` and `<!-- end -->`. NAME says
-where its data is:
-- `quality-SET-GRID`: one grid of a quality sweep (`python -m tools.sweep`, which prints the same tables);
-  SET names a sweep in quality-provenance.json here (its quality.json, and the provenance for rows that
-  do not record their commit);
-- `glance` / `line-KEY`: README's results-at-a-glance table / one of its sentences (results/glance.json),
-  each number a reference to a cell of another block;
-- any other NAME: the table results/NAME.json, with its provenance {command, hardware, torch, date,
-  commit}, written as measured.
-Every block ends with where its numbers come from; a comparison whose rows were trained at different
-commits says so. The data is read as data: nothing non-finite, no row longer or shorter than its
-columns, a format string of one field; every document renders before any is written. Standard library only.
+A generated block is the text between `<!-- generated: NAME -->` and `<!-- end -->`; NAME is its data:
+`quality-SET-GRID`, a grid of the sweep SET in quality-provenance.json (tools/sweep.py prints the same
+tables); `glance` / `line-KEY`, README's glance table / one of its sentences (glance.json), each number a
+cell of another block; else the table NAME.json with its provenance. Every block says where its numbers come
+from and which commits trained its rows. The data is read as data: nothing non-finite, every row as long as
+its columns, a format of one field; every document renders before any is written. Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
 import math
 import os
 import re
 import string
 import sys
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -35,28 +32,30 @@ BLOCK = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- end -->)", re.S
 sys.path.insert(0, ROOT)  # the project's lib/ (run as python results/render.py, its folder is on the path)
 from lib.tables import GRIDS, markdown_table  # noqa: E402  (the sweep's tables, stdlib only)
 
+# A rendered block: its markdown, its table's cells (for references), the commit each row was trained at.
+Block = collections.namedtuple("Block", "text cells row_commits", defaults=[None])
+
 
 def refuse(what: str):
     raise SystemExit(f"results/render.py: {what}")
 
 
-def load(name: str):
-    path = os.path.join(HERE, name)
-    if not os.path.exists(path):
-        refuse(f"a generated block names {name!r}, but results/{name} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:  # nothing non-finite is rendered ("nan%")
-            return json.load(f, parse_constant=finite, parse_float=finite)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # torn, edited, not JSON
-        refuse(f"results/{name} is not readable JSON ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
-               f"restore it from git or rerun its command")
-
-
 def finite(text: str) -> float:
-    """A JSON number as render takes it: finite (NaN, Infinity and 1e400 are refused where they are read)."""
+    """A JSON number as render takes it: NaN, Infinity and 1e400 are refused where they are read ("nan%")."""
     if not math.isfinite(float(text)):
         raise ValueError(f"{text} is not a finite number")
     return float(text)
+
+
+def load(name: str):
+    try:
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            return json.load(f, parse_constant=finite, parse_float=finite)
+    except FileNotFoundError:
+        refuse(f"a generated block names {name!r}, but results/{name} does not exist")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # torn, edited, not JSON
+        refuse(f"results/{name} is not readable JSON ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+               f"restore it from git or rerun its command")
 
 
 def provenance_lines(p: dict) -> list[str]:
@@ -67,13 +66,6 @@ def provenance_lines(p: dict) -> list[str]:
              f"torch {p['torch']}" + (f"; {p['note']}" if p.get("note") else "") + ":"]
     commands = p["command"] if isinstance(p["command"], list) else [p["command"]]
     return lines + ["", "```bash", *commands, "```"]
-
-
-class Block:
-    """A rendered block: its markdown, its table's cells (for references), a sweep's commit of each row."""
-
-    def __init__(self, text: str, cells: list[list[str]], row_commits: list[str] | None = None):
-        self.text, self.cells, self.row_commits = text, cells, row_commits
 
 
 # --- a table written as measured: results/NAME.json ---
@@ -96,37 +88,26 @@ def cell_text(value, fmt: str | None) -> str:
 def render_table(name: str) -> Block:
     """A table (columns, formats, rows), or a tool's printed output (output: its lines) in a code block."""
     data = load(f"{name}.json")
-    if "output" in data:
-        output = ["", "```", *data["output"], "```"]
-        return Block("\n".join(provenance_lines(data["provenance"]) + output), [])
-    columns = data["columns"]
+    columns, rows = data.get("columns", []), data.get("rows", [])
     formats = data.get("formats") or [None] * len(columns)
-    for i, row in enumerate([formats, *data["rows"]]):  # a cell more or less is never dropped silently
+    for i, row in enumerate([formats, *rows]):  # a cell more or less is never dropped silently
         if len(row) != len(columns):
             what = "its formats have" if i == 0 else f"its row {i - 1} has"
             refuse(f"results/{name}.json: {what} {len(row)} cells for {len(columns)} columns")
-    cells = [[cell_text(v, f) for v, f in zip(row, formats)] for row in data["rows"]]
-    parts = provenance_lines(data["provenance"]) + ["", markdown_table(columns, cells)]
-    parts += [line for note in data.get("notes", []) for line in ("", note)]
-    return Block("\n".join(parts), cells)
+    cells = [[cell_text(v, f) for v, f in zip(row, formats)] for row in rows]
+    body = ["```", *data["output"], "```"] if "output" in data else [markdown_table(columns, cells)]
+    body += [line for note in data.get("notes", []) for line in ("", note)]
+    return Block("\n".join([*provenance_lines(data["provenance"]), "", *body]), cells)
 
 
 # --- one grid of a quality sweep: results/quality/SET/quality.json (lib/tables.py, tools/sweep.py's rows) ---
 
 
-def short_commit(commit: str) -> str:
-    """git's short form of a full hash sweep.py records ('-dirty' kept): 'b3a91df699ae...' -> 'b3a91df'."""
-    match = re.fullmatch(r"([0-9a-f]{40})(-dirty)?", commit or "")
-    return match[1][:7] + (match[2] or "") if match else commit
-
-
 def row_commit(row: dict, sweep: dict) -> str:
-    """The commit a row was trained at: its own record (sweep.py writes it), else the sweep's provenance."""
-    if row.get("commit"):
-        return short_commit(row["commit"])
-    if row.get("commits"):
-        return "/".join(sorted({short_commit(c) for c in row["commits"]}))
-    return sweep.get("commit_of_cell", {}).get(f"{row['grid']}/{row['cell']}", sweep["commit"])
+    """The commits a row's seeds were trained at, short ('-dirty' kept; tools/sweep.py records them), else
+    the sweep's provenance."""
+    commits = {c[:7] + "-dirty" * c.endswith("-dirty") for c in row.get("commits") or [] if c}
+    return "/".join(sorted(commits)) or sweep["commit"]
 
 
 def commit_line(rows: list[dict], sweep: dict) -> str:
@@ -142,16 +123,15 @@ def commit_line(rows: list[dict], sweep: dict) -> str:
 
 def render_quality(name: str) -> Block:
     grid = max((g for g in GRIDS if name.endswith("-" + g)), key=len)  # a grid's name may hold a dash
-    set_name = name[len("quality-"):-len(grid) - 1]
-    sweep = load("quality-provenance.json")[set_name]
-    result = load(sweep["file"])
-    rows = [r for r in result["rows"] if r["grid"] == grid]
+    sweep = load("quality-provenance.json")[name[len("quality-"):-len(grid) - 1]]
+    rows = [r for r in load(sweep["file"])["rows"] if r["grid"] == grid]
     columns, cells = GRIDS[grid](rows)
+    commits = [row_commit(r, sweep) for r in rows]
     minutes = sum(r["minutes"] for r in rows)
-    p = dict(sweep, commit=", ".join(dict.fromkeys(row_commit(r, sweep) for r in rows)))
-    parts = provenance_lines(p) + ["", markdown_table(columns, cells), "", commit_line(rows, sweep) + (
-        f" {minutes:.0f} training minutes for these rows; cells in `{sweep['cells']}`.")]
-    return Block("\n".join(parts), cells, row_commits=[row_commit(r, sweep) for r in rows])
+    parts = provenance_lines(dict(sweep, commit=", ".join(dict.fromkeys(commits))))
+    parts += ["", markdown_table(columns, cells), "", commit_line(rows, sweep) +
+              f" {minutes:.0f} training minutes for these rows; cells in `{sweep['cells']}`."]
+    return Block("\n".join(parts), cells, commits)
 
 
 # --- README's glance table: references into the other blocks ---
@@ -168,15 +148,14 @@ CELL = re.compile(r"t\[([\w.-]+)\]\[(\d+)\]\[(\d+)\]")  # the one field a glance
 
 
 class Glance(string.Formatter):
-    """Fills only named cells, `{t[NAME][row][column]}` (a template is data: no attribute or other index
-    lookups, no conversions, no format specs but `short`). `{...:short}` drops what follows the first ' ['
-    or ' (': '83.90 ± 0.36 [84.1 84.1 83.5]' -> '83.90 ± 0.36'."""
+    """Fills only named cells (a template is data: no attributes, conversions or other format specs);
+    `{...:short}` drops what follows the first ' [' or ' (': '83.90 ± 0.36 [84.1 83.5]' -> '83.90 ± 0.36'."""
 
     def get_field(self, field_name, args, kwargs):
         match = CELL.fullmatch(field_name)
-        if not match or match.group(1) == "glance" or match.group(1).startswith("line-"):
+        if not match or match[1] == "glance" or match[1].startswith("line-"):  # never itself: no end
             refuse(f"results/glance.json: {{{field_name}}} is not a cell t[BLOCK][ROW][COLUMN] of a table")
-        name, row, column = match.group(1), int(match.group(2)), int(match.group(3))
+        name, row, column = match[1], int(match[2]), int(match[3])
         cells = render(name).cells
         if row >= len(cells) or column >= len(cells[row]):
             refuse(f"results/glance.json: {{{field_name}}}: block {name} has no row {row}, column {column}")
@@ -193,35 +172,31 @@ class Glance(string.Formatter):
         return re.split(r" [\[(]", value)[0] if spec == "short" else value
 
 
+def fill(template: str) -> str:
+    return Glance().vformat(template, (), {"t": Cells()})
+
+
 def render_glance(name: str) -> Block:
-    """A row whose numbers come from rows of one sweep trained at different commits says so."""
+    """README's glance table, or (`line-KEY`) one of its sentences; a row whose numbers come from rows of one
+    sweep trained at different commits says so."""
     data = load("glance.json")
+    if name.startswith("line-"):
+        return Block(fill(data["lines"][name[len("line-"):]]), [])
     cells = []
     for row in data["rows"]:
-        commits: dict[str, set] = {}
-        for source, index in re.findall(r"\{t\[([\w.-]+)\]\[(\d+)\]", row["result"]):
-            if render(source).row_commits:
-                commits.setdefault(source, set()).add(render(source).row_commits[int(index)])
-        mixed = any(len(found) > 1 for found in commits.values())
+        used = {(source, render(source).row_commits[int(i)]) for source, i, _ in CELL.findall(row["result"])
+                if render(source).row_commits}
+        mixed = len(used) > len({source for source, _ in used})
         where = f"[{row['section']}](RESULTS.md#{row['anchor']})" + " (rows from different commits)" * mixed
-        cells.append([row["what"], Glance().vformat(row["result"], (), {"t": Cells()}), where])
+        cells.append([row["what"], fill(row["result"]), where])
     return Block(markdown_table(data["columns"], cells), cells)
 
 
-def render_line(name: str) -> Block:
-    """`line-KEY`: one sentence of README, its numbers referenced like the glance table's."""
-    return Block(Glance().vformat(load("glance.json")["lines"][name[len("line-"):]], (), {"t": Cells()}), [])
-
-
-_cache: dict[str, Block] = {}
-
-
+@functools.cache
 def render(name: str) -> Block:
-    if name not in _cache:
-        kind = (render_glance if name == "glance" else render_line if name.startswith("line-") else
-                render_quality if name.startswith("quality-") else render_table)
-        _cache[name] = kind(name)
-    return _cache[name]
+    kind = (render_glance if name == "glance" or name.startswith("line-") else
+            render_quality if name.startswith("quality-") else render_table)
+    return kind(name)
 
 
 def rendered(text: str) -> str:
@@ -233,21 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
     args = parser.parse_args(argv)
-    texts, new = {}, {}
-    for document in DOCUMENTS:  # every document rendered before any is written: a failure changes nothing
-        with open(os.path.join(ROOT, document), encoding="utf-8") as f:
-            texts[document] = f.read()
-        new[document] = rendered(texts[document])
-    stale = [document for document in DOCUMENTS if new[document] != texts[document]]
-    for document in stale if not args.check else ():
-        path = os.path.join(ROOT, document)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:  # atomic: a kill leaves the old document
-            f.write(new[document])
-        os.replace(tmp, path)
+    texts = {document: Path(ROOT, document).read_text(encoding="utf-8") for document in DOCUMENTS}
+    # every document rendered before any is written: a failure changes nothing
+    stale = {document: rendered(text) for document, text in texts.items() if rendered(text) != text}
     if args.check and stale:
         print(f"out of date with results/*.json: {', '.join(stale)} (run: python results/render.py)")
         return 1
+    for document, text in stale.items():
+        tmp = Path(ROOT, f"{document}.tmp{os.getpid()}")
+        tmp.write_text(text, encoding="utf-8")  # then renamed: a kill leaves the old document
+        os.replace(tmp, Path(ROOT, document))
     print(("up to date: " if args.check else "rendered: ") + ", ".join(DOCUMENTS))
     return 0
 

@@ -21,7 +21,8 @@ from tools import analyze
 import revit
 
 ROOT = Path(__file__).resolve().parent.parent
-ONE_LINE_ERROR = re.compile(r"^(\S+\.py|python -m [\w.]+): error: [^\n]+$")  # `prog: error: message`, nothing more
+# `prog: error: message`, nothing more
+ONE_LINE_ERROR = re.compile(r"^(\S+\.py|python -m [\w.]+): error: [^\n]+$")
 
 FAST = settings(max_examples=15, deadline=None)
 
@@ -36,8 +37,8 @@ def orthogonal(n, seed):
 
 
 def tiny_revit(seed=0, **overrides):
-    cfg = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=16, heads=2, ffn_dim=24, depth=4,
-               num_experts=3)
+    cfg = dict(image_size=28, patch_size=7, in_channels=1, num_classes=10, dim=16, heads=2, ffn_dim=24,
+               depth=4, num_experts=3)
     model = revit.create_model("revit-mini", **{**cfg, **overrides}).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # random weights everywhere, so the router's gates are far from uniform
@@ -121,7 +122,8 @@ def test_effective_rank_of_k_equal_singular_values_is_k(m, n, seed, value):
 @FAST
 @given(st.integers(1, 10), st.integers(1, 10), st.integers(0, 2**16))
 def test_effective_rank_of_a_rank_one_matrix_is_one(m, n, seed):
-    assert analyze.effective_rank(torch.outer(randn(m, seed=seed), randn(n, seed=seed + 1))) == pytest.approx(1.0)
+    rank_one = torch.outer(randn(m, seed=seed), randn(n, seed=seed + 1))
+    assert analyze.effective_rank(rank_one) == pytest.approx(1.0)
 
 
 def test_effective_rank_weights_squared_singular_values():
@@ -143,7 +145,7 @@ def test_effective_rank_of_zero_matrix_is_zero():
 
 def gates_and_bank(depth, experts, bank_rank, seed):
     gates = torch.softmax(3 * randn(depth, experts, seed=seed), -1)  # rows on the simplex, like G
-    bank = randn(experts, bank_rank, seed=seed + 1) @ randn(bank_rank, 40, seed=seed + 2)  # (E, P) of rank <= r
+    bank = randn(experts, bank_rank, seed=seed + 1) @ randn(bank_rank, 40, seed=seed + 2)  # (E, P), rank <= r
     return gates, bank
 
 
@@ -178,13 +180,15 @@ def test_effective_ranks_of_a_model():
 def test_prior_share_measures_what_the_router_learned_on_top_of_the_depth_prior():
     model = revit.create_model("revit-mini", dim=16, heads=2, ffn_dim=24, depth=6, router_prior=8.0).eval()
     untrained = analyze.gate_program(model, 6)  # psi's output layer starts at zero: the gates are the prior's
-    assert untrained["learned_shift"] < 1e-6 and untrained["prior_dominant_expert"] == untrained["dominant_expert"]
+    assert untrained["learned_shift"] < 1e-6
+    assert untrained["prior_dominant_expert"] == untrained["dominant_expert"]
     assert untrained["prior_dominant_expert"][0] == 0 and untrained["prior_dominant_expert"][-1] == 3
     with torch.no_grad():  # a router that learned something: the shift is the largest change of any gate
         model.block.mlp.router[2].bias.copy_(torch.tensor([0.0, 0.0, 0.0, 3.0]))
     trained = analyze.gate_program(model, 6)
     gates, prior = torch.tensor(trained["gates"]), torch.tensor(trained["prior_gates"])
-    assert trained["learned_shift"] == pytest.approx(float((gates - prior).abs().max())) and trained["learned_shift"] > 0.1
+    assert trained["learned_shift"] == pytest.approx(float((gates - prior).abs().max()))
+    assert trained["learned_shift"] > 0.1
     assert "prior_gates" not in analyze.gate_program(tiny_revit(), 4)  # the paper's router has no prior
 
 
@@ -203,7 +207,8 @@ def test_spearman():
     a = torch.arange(6.0)
     assert analyze.spearman(a, a ** 3) == pytest.approx(1.0)
     assert analyze.spearman(a, -a) == pytest.approx(-1.0)
-    ties = analyze.spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([1.0, 1, 2, 2]))  # ranks 0.5, 0.5, 2.5, 2.5
+    # ranks 0.5, 0.5, 2.5, 2.5
+    ties = analyze.spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([1.0, 1, 2, 2]))
     assert ties == pytest.approx(2 / math.sqrt(5))
     assert math.isnan(analyze.spearman(a, torch.ones(6)))
 
@@ -223,13 +228,12 @@ def test_depth_alignment_of_a_proportional_trajectory():
 # --- gate interventions ---
 
 
-def test_ablation_and_permutation_keep_rows_on_the_simplex():
+def test_ablation_keeps_rows_on_the_simplex():
     gates = torch.softmax(randn(5, 4, seed=3), -1)
     ablated = analyze.ablate_experts(gates, [1])
     assert (ablated[:, 1] == 0).all()
     torch.testing.assert_close(ablated.sum(1), torch.ones(5, dtype=torch.float64))
     torch.testing.assert_close(analyze.ablate_experts(gates, []), gates)
-    torch.testing.assert_close(analyze.permute_gates(gates, [2, 0, 1, 3])[:, 0], gates[:, 2])
 
 
 def test_gate_permutations():
@@ -278,9 +282,9 @@ def test_identity_permutation_and_empty_ablation_leave_cka_unchanged():
         return analyze.linear_cka(analyze.residual_features(vit, x)[-1], reference)
 
     intact = cka(gates)
-    assert cka(analyze.permute_gates(gates, range(3))) == intact
+    assert cka(gates[:, [0, 1, 2]]) == intact
     assert cka(analyze.ablate_experts(gates, [])) == pytest.approx(intact, abs=1e-6)
-    assert cka(analyze.permute_gates(gates, [1, 2, 0])) != pytest.approx(intact, abs=1e-6)
+    assert cka(gates[:, [1, 2, 0]]) != pytest.approx(intact, abs=1e-6)
 
 
 # --- gradients on the gates and the experts ---
@@ -313,7 +317,7 @@ def test_gradient_measures_at_init_and_on_repeated_batches():
     assert twice["expert_specific"] == pytest.approx(0.0, abs=1e-6)
     part = analyze.gradient_part(tiny_revit(), x, y, 4, batches=2, seed=0)
     assert part["init"]["expert_specific"] == pytest.approx(0.0, abs=1e-6)
-    assert part["trained"]["expert_specific"] > 0.01  # random (non-uniform) gates: the experts' updates differ
+    assert part["trained"]["expert_specific"] > 0.01  # random (non-uniform) gates: the updates differ
     assert -1 <= part["trained"]["expert_cosine"] <= 1 and part["trained"]["batches"] == 2
 
 
@@ -326,7 +330,7 @@ def save_checkpoint(model, arch, path):
                 "train_config": {"dataset": "fashion-mnist"}, "step": 0}, path)
 
 
-def test_command_end_to_end(tmp_path, fashion_mnist_dir):
+def test_command_end_to_end(tmp_path, fashion_mnist_dir, capsys):
     save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
     teacher = revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4)
     save_checkpoint(teacher, "vit-mini", tmp_path / "teacher.pt")
@@ -350,12 +354,17 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir):
     if analyze.import_pyplot() is not None:
         assert report["plots"] == ["gates.png", "self_cka.png", "cross_cka.png"]
         assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
-    # the same seed gives the same numbers
-    again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(tmp_path / "again"),
+    # the same seed gives the same numbers; a rerun rewrites its own files whole and names only those
+    capsys.readouterr()
+    again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(out),
                           "--data-dir", str(fashion_mnist_dir), "--num-images", "48", "--no-interventions",
                           "--gradient-batches", "0"])
     assert again["self_cka"] == report["self_cka"]
     assert "gate_gradients" not in again and "interventions" not in again
+    wrote = capsys.readouterr().out.splitlines()[-1]
+    assert wrote.startswith(f"wrote {out / 'analysis.json'}, gates.csv, self_cka.csv")
+    assert "cross" not in wrote
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file is left
 
 
 def test_a_planted_run_is_analysed_on_its_own_inputs(tmp_path):
@@ -365,7 +374,8 @@ def test_a_planted_run_is_analysed_on_its_own_inputs(tmp_path):
     torch.save({"model": model.state_dict(), "arch": "revit-mini", "model_config": asdict(model.config),
                 "train_config": {"dataset": "planted"}, "step": 0}, tmp_path / "planted.pt")
     report = analyze.main([str(tmp_path / "planted.pt"), "--depth", "6", "--out", str(tmp_path / "out"),
-                           "--num-images", "32", "--no-interventions", "--gradient-batches", "0", "--device", "cpu"])
+                           "--num-images", "32", "--no-interventions", "--gradient-batches", "0",
+                           "--device", "cpu"])
     assert len(report["gates"]["gates"]) == 6 and len(report["self_cka"]) == 7
 
 
@@ -378,8 +388,8 @@ def test_full_analysis_with_the_model_on_a_device(tmp_path, fashion_mnist_dir, m
     teacher = revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4)
     save_checkpoint(teacher, "vit-mini", tmp_path / "teacher.pt")
     args = [str(tmp_path / "student.pt"), "--teacher", str(tmp_path / "teacher.pt"), "--data-dir",
-            str(fashion_mnist_dir), "--num-images", "24", "--intervention-images", "16", "--random-perturbations",
-            "2", "--gradient-batches", "2"]
+            str(fashion_mnist_dir), "--num-images", "24", "--intervention-images", "16",
+            "--random-perturbations", "2", "--gradient-batches", "2"]
     on_cpu = analyze.main([*args, "--out", str(tmp_path / "cpu"), "--device", "cpu"])
     monkeypatch.setattr(analyze, "pick_device", lambda name: FAKE)
     with OnFakeDevice():
@@ -403,8 +413,8 @@ def test_full_analysis_on_the_gpu(tmp_path, fashion_mnist_dir):
 
 
 def analysis_args(tmp_path, fashion_mnist_dir, *extra):
-    return [str(tmp_path / "student.pt"), "--out", str(tmp_path / "analysis"), "--data-dir", str(fashion_mnist_dir),
-            "--num-images", "16", "--device", "cpu", *extra]
+    return [str(tmp_path / "student.pt"), "--out", str(tmp_path / "analysis"), "--data-dir",
+            str(fashion_mnist_dir), "--num-images", "16", "--device", "cpu", *extra]
 
 
 def bad_files(tmp_path):
@@ -412,8 +422,8 @@ def bad_files(tmp_path):
     save_checkpoint(tiny_revit(), "revit-mini", tmp_path / "student.pt")
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     torch.save({"model": {}, "note": Path("notes.txt")}, tmp_path / "pickled.pt")  # a pickled Python object
-    cifar_teacher = revit.create_model("vit-mini", image_size=32, in_channels=3, patch_size=8, dim=16, heads=2,
-                                       ffn_dim=24, depth=2)
+    cifar_teacher = revit.create_model("vit-mini", image_size=32, in_channels=3, patch_size=8, dim=16,
+                                       heads=2, ffn_dim=24, depth=2)
     save_checkpoint(cifar_teacher, "vit-mini", tmp_path / "cifar_teacher.pt")
     lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
     torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": asdict(lm.config)},
@@ -424,15 +434,21 @@ def bad_files(tmp_path):
     (["--teacher", "{tmp}/missing.pt"], "--teacher {tmp}/missing.pt: no such file"),
     (["--teacher", "{tmp}/garbage.pt"], "--teacher {tmp}/garbage.pt: not a PyTorch file"),
     (["--teacher", "{tmp}/pickled.pt"], "--teacher {tmp}/pickled.pt: it stores the Python object pathlib"),
-    (["--teacher", "{tmp}/language.pt"], "--teacher {tmp}/language.pt: holds the language model alternet-tiny"),
-    (["--teacher", "{tmp}/cifar_teacher.pt"], "expects 3x32² images, the checkpoint 1x28²"),
+    (["--teacher", "{tmp}/language.pt"],
+     "--teacher {tmp}/language.pt: holds the language model alternet-tiny"),
+    (["--teacher", "{tmp}/cifar_teacher.pt"], "--teacher {tmp}/cifar_teacher.pt: expects 3x32² images; "
+     "fashion-mnist has 1x28²"),
     (["--num-images", "1"], "--num-images must be in 2..1,048,576; got 1"),
-    (["--intervention-images", "0"], "--intervention-images must be in 2..1,048,576; got 0"),
+    (["--intervention-images", "0"],
+     "--intervention-images must be <= 16 (--num-images: they are the first N of that subset) and >= 2; "
+     "got 0"),
     (["--random-perturbations", "-1"], "--random-perturbations must be in 0..10,000; got -1"),
     (["--batch-size", "0"], "--batch-size must be in 1..1,048,576; got 0"),
-    (["--gradient-batches", "1"], "--gradient-batches must be 0 (skip) or between 2 and --num-images (16); got 1"),
+    (["--gradient-batches", "1"],
+     "--gradient-batches must be 0 (skip) or between 2 and --num-images (16); got 1"),
     (["--depth", "1"], "--depth must be in 2..256; got 1"),
-    (["--dataset", "mnist"], "--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet, planted; got 'mnist'"),
+    (["--dataset", "mnist"],
+     "--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet, planted; got 'mnist'"),
     (["--data-dir", "{tmp}/nowhere"], "--data-dir {tmp}/nowhere: no such folder"),
     (["--device", "tpu:7"], "--device 'tpu:7': not a device"),
 ])
@@ -449,9 +465,10 @@ def test_bad_input_gives_one_line_and_writes_nothing(tmp_path, fashion_mnist_dir
 def test_bad_checkpoint_and_depth(tmp_path):
     with pytest.raises(SystemExit, match=r"checkpoint \S*missing.pt: no such file"):
         analyze.main([str(tmp_path / "missing.pt")])
-    save_checkpoint(revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4), "vit-mini",
-                    tmp_path / "vit.pt")
-    with pytest.raises(SystemExit, match="--depth 6: vit-mini cannot run at this depth .depth=6: an untied ViT runs only its own depth"):
+    vit = revit.create_model("vit-mini", patch_size=7, dim=16, heads=2, ffn_dim=24, depth=4)
+    save_checkpoint(vit, "vit-mini", tmp_path / "vit.pt")
+    with pytest.raises(SystemExit, match="--depth 6: vit-mini cannot run at this depth "
+                                         ".depth=6: an untied ViT runs only its own depth"):
         analyze.main([str(tmp_path / "vit.pt"), "--depth", "6"])
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="--out .*file is a file"):
@@ -460,9 +477,9 @@ def test_bad_checkpoint_and_depth(tmp_path):
 
 def test_command_line_prints_no_traceback(tmp_path, fashion_mnist_dir):
     bad_files(tmp_path)  # torch's own text for this file is many lines and advises weights_only=False
-    result = subprocess.run([sys.executable, "-m", "tools.analyze",
-                             *analysis_args(tmp_path, fashion_mnist_dir, "--teacher", str(tmp_path / "pickled.pt"))],
-                            capture_output=True, text=True, cwd=ROOT)  # as README runs it: from the repository
+    argv = analysis_args(tmp_path, fashion_mnist_dir, "--teacher", str(tmp_path / "pickled.pt"))
+    result = subprocess.run([sys.executable, "-m", "tools.analyze", *argv], capture_output=True, text=True,
+                            cwd=ROOT)  # as README runs it: from the repository
     assert result.returncode == 1 and "Traceback" not in result.stderr and "weights_only" not in result.stderr
     assert ONE_LINE_ERROR.match(result.stderr.strip()), result.stderr
     assert not (tmp_path / "analysis").exists()
@@ -483,10 +500,10 @@ def test_gate_figure_shows_the_dominant_expert_path(tmp_path):
     assert len(path) == 1 and list(path[0].get_ydata()) == program["dominant_expert"]
     assert list(path[0].get_xdata()) == list(range(7))
     assert ax.get_xlabel() == "recurrent step $t$" and ax.get_ylabel() == "expert $e$"
-    assert any("g_{t,e}" in other.get_ylabel() for other in fig.axes[1:])  # the colour bar says what colour means
+    assert any("g_{t,e}" in other.get_ylabel() for other in fig.axes[1:])  # the colour bar says what it means
     heat = ax.get_images()[0].get_array()
-    assert heat.shape == (3, 7) and torch.allclose(torch.tensor(heat.data).T.double(),
-                                                   torch.tensor(program["gates"], dtype=torch.float64), atol=1e-6)
+    expected = torch.tensor(program["gates"], dtype=torch.float64)
+    assert heat.shape == (3, 7) and torch.allclose(torch.tensor(heat.data).T.double(), expected, atol=1e-6)
     fig.savefig(tmp_path / "gates.png")
     plt.close(fig)
     assert (tmp_path / "gates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

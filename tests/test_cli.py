@@ -29,7 +29,7 @@ def actions(parser: argparse.ArgumentParser):
 
 
 @pytest.mark.parametrize("typo, suggested", [("revit-tiny", "revit-mini"), ("vit-mni", "vit-mini"),
-                                             ("alternet-tny", "alternet-tiny")])
+                                             ("alternet-tny", "alternet-tiny"), ("REVIT-MINI", "revit-mini")])
 def test_an_unknown_arch_suggests_the_closest_presets(typo, suggested):
     with pytest.raises(SystemExit) as stopped:
         train.main(["--arch", typo])
@@ -80,3 +80,36 @@ def test_the_extra_an_image_folder_needs_is_listed_with_its_reason(tmp_path, mon
     from lib import data
     with pytest.raises(ValueError, match="requirements-extra.txt"):
         data.FolderImages(tmp_path, 224, True, 0)
+
+
+def test_an_image_folder_whose_val_classes_differ_from_train_is_refused(tmp_path, monkeypatch):
+    """A label is a class folder's index: val/ with other folders would score against other classes."""
+    from types import SimpleNamespace
+    from lib import data
+    classes = {"train": ["cat", "dog", "owl"], "val": ["cat", "owl"]}
+    monkeypatch.setattr(data, "FolderImages", lambda root, *args: SimpleNamespace(
+        dataset=SimpleNamespace(classes=classes[Path(root).name])))
+    with pytest.raises(ValueError, match=r"val/ must hold the class folders of train/; 1 .*\(dog\)"):
+        data.load_images("imagenet", data=str(tmp_path))
+
+
+def test_an_output_replaces_only_an_earlier_output_of_the_project(tmp_path):
+    """A command writes new files or its own: an earlier JSON report or figure is replaced; a user's notes,
+    a saved checkpoint or a run's log never are."""
+    import safetensors.torch
+    import torch
+    from lib.boundary import output_problem
+    from lib.cli import write_json
+    write_json({"step": 1}, tmp_path / "report.json")
+    (tmp_path / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    safetensors.torch.save_file({"w": torch.ones(2)}, tmp_path / "export.st", metadata={"format": "timm"})
+    for name in ("report.json", "curves.png", "export.st"):  # tools.export's files too
+        assert output_problem(tmp_path / name) is None, name
+    (tmp_path / "notes.md").write_text("# my notes\n")
+    torch.save({"model": {}}, tmp_path / "model.json")
+    safetensors.torch.save_file({"w": torch.ones(2)}, tmp_path / "weights.st",
+                                metadata={"format": "revit.checkpoint"})  # a checkpoint's packed weights
+    for name in ("notes.md", "model.json", "weights.st"):
+        assert output_problem(tmp_path / name).startswith("already exists and is not an earlier output"), name
+    write_json({"step": 1}, tmp_path / "metrics.jsonl")
+    assert output_problem(tmp_path / "metrics.jsonl").startswith("is a file of a training run")

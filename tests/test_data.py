@@ -86,6 +86,26 @@ def test_missing_data_explains_how_to_get_it(tmp_path, monkeypatch):
         data.find_builtin("fashion-mnist", str(tmp_path), download=False)
 
 
+def test_a_cut_archive_leaves_no_data_that_looks_whole(tmp_path, monkeypatch):
+    """--download of a CIFAR archive cut short: one error, and no half-extracted folder a later run would
+    take for the data set (the archive's members land in a staging folder first)."""
+    import io
+    import random
+    import tarfile
+    whole = io.BytesIO()
+    with tarfile.open(fileobj=whole, mode="w:gz") as tar:
+        for name in ("test_batch", "data_batch_1"):
+            member = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            member.size = 200_000
+            tar.addfile(member, io.BytesIO(random.randbytes(member.size)))
+    monkeypatch.setattr(data, "data_roots", lambda data_dir="": [tmp_path])
+    monkeypatch.setattr(data, "fetch", lambda url, path: path.write_bytes(whole.getvalue()[:300_000]))
+    with pytest.raises(FileNotFoundError, match="cifar10 not found.*the download failed"):
+        data.find_builtin("cifar10", str(tmp_path), download=True)
+    assert not (tmp_path / "cifar-10-batches-py").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["cifar-10-python.tar.gz"]  # no staging folder left
+
+
 def test_text_windows_reach_the_last_start():
     """Every valid window start 0 .. len - T - 1 is drawn, the last one included."""
     block, tokens = 4, torch.arange(7)  # starts 0, 1, 2 give a window and its next-token targets

@@ -372,7 +372,7 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}/diverged.pt", "--format", "compact", "--out", "{tmp}/x"], "weights are not finite (block.attn.qkv"),
     (["{tmp}/garbage.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "not a readable safetensors file"),
     (["{tmp}/timm.safetensors", "--format", "onnx", "--out", "{tmp}/x"], "not a revit safetensors export"),
-    (["{tmp}/vit.pt", "--depth", "3", "--format", "safetensors", "--out", "{tmp}/x"], "untied ViT of depth 4"),
+    (["{tmp}/vit.pt", "--depth", "3", "--format", "safetensors", "--out", "{tmp}/x"], "untied ViT runs only its own depth (4)"),
 ])
 def test_bad_input_gives_one_line_naming_it_and_writes_nothing(checkpoint, tmp_path, argv, needle):
     bad_inputs(tmp_path, checkpoint)
@@ -445,6 +445,9 @@ def test_cli_end_to_end(checkpoint, tmp_path, capsys):
         out = tmp_path / "exports" / name
         summary = run([path, "--depth", 4, "--format", fmt, "--out", out], capsys)
         assert out.is_file() and summary["format"] == fmt and summary["source_arch"] == "revit"
+        umask = os.umask(0)
+        os.umask(umask)
+        assert out.stat().st_mode & 0o777 == 0o666 & ~umask, fmt  # as every output (safetensors' own: 0600)
 
 
 def test_an_interrupted_export_leaves_no_file(checkpoint, tmp_path, monkeypatch):

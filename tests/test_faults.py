@@ -14,8 +14,9 @@ from lib.checkpoint import lock
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--no-progress", "--train-subset", "256", "--test-subset", "64", "--batch-size", "32", "--patch-size", "7",
-        "--depth", "2", "--model-args", "dim=32,heads=2,ffn_dim=64", "--log-interval", "1"]
+TINY = ["--no-progress", "--train-subset", "256", "--test-subset", "64", "--batch-size", "32",
+        "--patch-size", "7", "--depth", "2", "--model-args", "dim=32,heads=2,ffn_dim=64",
+        "--log-interval", "1"]
 
 
 def run(tmp_path, fashion_mnist_dir, *args, name="run"):
@@ -33,7 +34,8 @@ def error(*argv) -> str:
 
 
 def steps_logged(out):
-    return [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return [r["step"] for r in records if "loss" in r]
 
 
 # --- divergence: checked before optimizer.step(), nothing non-finite written ---
@@ -79,8 +81,8 @@ def test_non_finite_weights_are_never_saved(tmp_path, fashion_mnist_dir, monkeyp
         return record
 
     monkeypatch.setattr(train, "train_step", step_then_break)
-    with pytest.raises(SystemExit, match=r"weights became non-finite at step 3 .*not saved. Last good checkpoint: "
-                                         r".*ckpt\.pt \(step 2\)"):
+    with pytest.raises(SystemExit, match=r"weights became non-finite at step 3 .*not saved. Last good "
+                                         r"checkpoint: .*ckpt\.pt \(step 2\)"):
         run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "1")
     assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 2
 
@@ -94,6 +96,9 @@ def test_a_used_folder_is_refused_unless_overwrite(tmp_path, fashion_mnist_dir):
     message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, "--max-steps", "2")
     assert f"--out-dir {out} already holds a run" in message and "--overwrite" in message
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "ckpt.pt").unlink()  # a run stopped before its first checkpoint: no --resume to suggest
+    message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, "--max-steps", "2")
+    assert "stopped before its first checkpoint" in message and "--resume" not in message
     summary, _ = run(tmp_path, fashion_mnist_dir, "--max-steps", "2", "--overwrite")
     assert summary["step"] == 2 and steps_logged(out) == [1, 2]
 
@@ -102,8 +107,9 @@ def test_two_processes_cannot_share_a_folder(tmp_path, fashion_mnist_dir):
     out = tmp_path / "run"
     out.mkdir()
     with open(out / ".lock", "w") as other_process:  # flock: per open file, so this acts as another process
-        assert lock(other_process)
-        message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY, "--max-steps", "1")
+        lock(other_process)
+        message = error("--data-dir", str(fashion_mnist_dir), "--out-dir", str(out), *TINY,
+                        "--max-steps", "1")
     assert "is in use by another training process" in message
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
 
@@ -121,7 +127,8 @@ def test_resume_cuts_the_log_back_and_removes_stale_temp_files(tmp_path, fashion
         run(tmp_path, fashion_mnist_dir, "--max-steps", "6", "--save-interval", "3")
     monkeypatch.setattr(train, "train_step", real_step)
     out = tmp_path / "run"
-    assert str(e.value) == f"train.py: stopped by Ctrl-C at step 4; resume with --resume {out / 'ckpt.pt'} (its step 3)"
+    assert str(e.value) == (f"train.py: stopped by Ctrl-C at step 4; resume with --resume {out / 'ckpt.pt'} "
+                            f"(its step 3)")
     assert steps_logged(out) == [1, 2, 3, 4]  # the checkpoint holds step 3
     (out / ".ckpt.pt.tmp12345").write_bytes(b"half a checkpoint")
     train.main(["--resume", str(out / "ckpt.pt"), "--no-progress"])
@@ -129,7 +136,8 @@ def test_resume_cuts_the_log_back_and_removes_stale_temp_files(tmp_path, fashion
     assert not list(out.glob(".ckpt.pt.tmp*"))
 
 
-def test_disk_full_at_save_names_the_file_and_the_last_good_checkpoint(tmp_path, fashion_mnist_dir, monkeypatch):
+def test_disk_full_at_save_names_the_file_and_the_last_good_checkpoint(tmp_path, fashion_mnist_dir,
+                                                                        monkeypatch):
     real_save, calls = torch.save, []
 
     def full_disk(obj, f, *args, **kwargs):
@@ -146,15 +154,16 @@ def test_disk_full_at_save_names_the_file_and_the_last_good_checkpoint(tmp_path,
                             f"Last good checkpoint: {ckpt} (step 2)")
 
 
-def test_disk_full_as_torch_reports_it_keeps_the_previous_checkpoint(tmp_path, fashion_mnist_dir, monkeypatch):
+def test_disk_full_as_torch_reports_it_keeps_the_previous_checkpoint(tmp_path, fashion_mnist_dir,
+                                                                      monkeypatch):
     """torch's zip writer reports a full disk as a RuntimeError, not an OSError."""
     real_save, calls = torch.save, []
 
     def full_disk(obj, f, *args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
-            raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
-                               "data/3: file write failed")
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed "
+                               "writing file data/3: file write failed")
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", full_disk)
@@ -174,15 +183,16 @@ def test_a_non_finite_evaluation_stops_the_run_and_is_never_written(tmp_path, fa
         d: {k: float("nan") for k in v} for d, v in real(model, task, depths, *a).items()})
     with pytest.raises(SystemExit) as e:
         run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--eval-interval", "2")
-    assert str(e.value).startswith("train.py: error: the evaluation at step 2 gave a non-finite acc; not logged, "
-                                   "not saved. Last good checkpoint: none written yet")
+    assert str(e.value).startswith("train.py: error: the evaluation at step 2 gave a non-finite acc; not "
+                                   "logged, not saved. Last good checkpoint: none written yet")
     log = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert "NaN" not in log and '"eval"' not in log and not (tmp_path / "run" / "ckpt.pt").exists()
 
 
 def test_a_kill_while_resume_cuts_the_log_leaves_the_log_whole(tmp_path, fashion_mnist_dir, monkeypatch):
     """The log is cut by a rewrite to a temp file and a rename: a kill before the rename keeps the old log."""
-    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--stop-at-step", "2", "--log-interval", "1")
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", "--stop-at-step", "2",
+                 "--log-interval", "1")
     with open(out / "metrics.jsonl", "a") as log:  # steps after the checkpoint: the resume cuts them
         log.write('{"step": 3, "loss": 1.0}\n')
     before = (out / "metrics.jsonl").read_bytes()
@@ -217,8 +227,7 @@ class Payload:
 
 @pytest.fixture
 def bad_files(tmp_path):
-    files = {"garbage": tmp_path / "garbage.pt", "pickle": tmp_path / "pickle.pt", "keys": tmp_path / "keys.pt",
-             "missing": tmp_path / "missing.pt"}
+    files = {name: tmp_path / f"{name}.pt" for name in ("garbage", "pickle", "keys", "missing")}
     files["garbage"].write_bytes(b"\x00not a checkpoint" * 10)
     torch.save({"arch": "revit-mini", "model": Payload()}, files["pickle"])
     torch.save({"arch": "revit-mini", "model_config": {}, "model": {}}, files["keys"])
@@ -238,7 +247,8 @@ def test_bad_resume_teacher_backbone_files_give_one_line(tmp_path, bad_files, fa
                 assert expected[kind] in message, message
     assert "not a training checkpoint of this project (missing train_config, optimizer, step, rng)" in \
         error("--resume", str(bad_files["keys"]))
-    assert "its weights do not fit revit-mini: 24 missing tensors (cls_token, pos_embed" in error("--teacher", str(bad_files["keys"]), *common)
+    assert "its weights do not fit revit-mini: 24 missing tensors (cls_token, pos_embed" in error(
+        "--teacher", str(bad_files["keys"]), *common)
     assert not (tmp_path / "x").exists()
 
 
@@ -267,6 +277,10 @@ def test_probe_of_a_language_model_is_refused_without_download(tmp_path, monkeyp
     (["--model-args", "nonsense=1"], "--model-args nonsense: not a field of ViTConfig"),
     (["--loss", "mse"], "--loss must be one of ce, bce; got 'mse'"),
     (["--arch", "alternet-tiny", "--max-steps", "0"], "text data trains by steps: give --max-steps"),
+    (["--arch", "alternet-tiny", "--dataset", "text", "--max-steps", "1"],
+     "--dataset text needs --data FILE"),
+    (["--dataset", "fashion-mnist", "--data", "."], "--data is read by --dataset imagenet or text; --dataset "
+                                                    "fashion-mnist is found under --data-dir"),
 ])
 def test_bad_values_are_refused_up_front(tmp_path, argv, expected):
     assert expected in error(*argv, "--out-dir", str(tmp_path / "x"))
@@ -285,14 +299,15 @@ def test_command_line_prints_one_line_and_no_traceback(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "--resume GARBAGE: not a PyTorch file (" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["GARBAGE"]
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["GARBAGE"]
 
 
 def test_tests_collect_from_any_working_directory(tmp_path):
     """pytest finds the repository's configuration (the root on sys.path) from wherever it starts."""
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
-                             str(ROOT / "tests" / "test_data.py")], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=240)
+                             str(ROOT / "tests" / "test_data.py")], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:]
     assert "error" not in result.stdout.lower().splitlines()[-1]
 
@@ -321,3 +336,24 @@ def test_every_entry_point_helps_without_fcntl_or_fork():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr.count("HELPED") == len(ENTRY_POINTS) and "usage:" in result.stdout
+
+
+@pytest.mark.parametrize("model_args, expected", [
+    ("num_classes=5", "--model-args num_classes=5: num_classes is 10, set by fashion-mnist"),
+    ("in_channels=3", "--model-args in_channels=3: in_channels is 1, set by fashion-mnist"),
+    ("depth=3", "--model-args depth=3: depth is 2, set by --depth"),
+])
+def test_what_the_data_or_a_flag_sets_is_not_changed_by_model_args(tmp_path, fashion_mnist_dir, model_args,
+                                                                   expected):
+    """A data property given again would fail mid-run; a flag given again would be silently overridden."""
+    tiny = [a if a != "dim=32,heads=2,ffn_dim=64" else f"{a},{model_args}" for a in TINY]
+    assert expected in error("--data-dir", str(fashion_mnist_dir), *tiny, "--out-dir", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_vocabulary_that_misses_the_data_s_token_ids_is_refused(tmp_path):
+    (tmp_path / "text.txt").write_text("some text to train on\n" * 50)
+    assert "--model-args vocab_size=100: the data's token ids reach 120" in error(
+        "--arch", "alternet-tiny", "--data", str(tmp_path / "text.txt"), "--max-steps", "1",
+        "--model-args", "vocab_size=100", "--out-dir", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()

@@ -130,7 +130,7 @@ EDITS = {  # name: (edit of run A's checkpoint, the line --resume / --eval-only 
                           "its rng state of rank 0 cannot be restored"),
     "scaler_zero": (lambda c: c.update(scaler=dict(scale=0.0, growth_factor=2.0, backoff_factor=0.5,
                                                    growth_interval=2000, _growth_tracker=0)),
-                    "its gradient scaler state must hold _growth_tracker, backoff_factor, growth_factor"),
+                    "its scaler must be fp16's GradScaler state (_growth_tracker, backoff_factor, growth_factor"),
 }
 LOOP_STATE = ("step_negative", "step_text", "rng_empty", "optimizer_empty", "optimizer_misfit", "nan_optimizer",
               "optimizer_half", "optimizer_no_sq", "optimizer_int_state",
@@ -251,7 +251,7 @@ def test_a_snapshot_continues_in_a_new_folder(runs, tmp_path):
 def test_resume_past_the_last_step_is_refused(runs):
     before = contents(runs / "A")
     message = one_line(train.main, ["--resume", runs / "A" / "ckpt.pt", "--max-steps", "2"], "train.py")
-    assert "is at step 4, past this run's 2 steps; give a larger --max-steps" in message
+    assert "it is at step 4, past this run's 2 steps; give a larger --max-steps" in message
     assert contents(runs / "A") == before
 
 
@@ -409,26 +409,29 @@ def test_an_edited_feature_cache_entry_is_recomputed(runs, tmp_path, fashion_mni
 
 @pytest.mark.parametrize("tool, argv, needle", [
     ("export", ["{A}/ckpt.pt", "--format", "compact", "--out", "{A}/.lock"], "--out {A}/.lock is a file of a training run (.lock)"),
-    ("export", ["{A}/ckpt.pt", "--format", "compact", "--out", "{A}/snapshot.pt"], "already holds a saved checkpoint or model"),
+    ("export", ["{A}/ckpt.pt", "--format", "compact", "--out", "{A}/snapshot.pt"], "--out {A}/snapshot.pt already exists and is not an earlier output of this project"),
+    ("export", ["{A}/ckpt.pt", "--format", "onnx", "--out", "{tmp}/notes.txt"], "--out {tmp}/notes.txt already exists and is not an earlier output of this project"),
     ("export", ["{A}/ckpt.pt", "--format", "compact", "--out", "{B}/metrics.jsonl"], "is a file of a training run (metrics.jsonl)"),
     ("bench", ["check", "--device", "cpu", "--out", "{B}"], "--out {B} holds a training run (ckpt.pt)"),
     ("bench", ["check", "--device", "cpu"], "cannot be created: {tmp}/out is a file, not a folder"),
     ("probes", ["--backbone", "{A}/ckpt.pt", "--out-dir", "{B}"], "--out-dir {B} holds a training run"),
     ("analyze", ["{A}/ckpt.pt", "--out", "{B}"], "--out {B} holds a training run"),
     ("depths", ["{A}/ckpt.pt", "--out", "{B}/.lock"], "--out {B}/.lock is a file; give a folder"),
-    ("depths", ["{A}/snapshot.pt", "--out", "{tmp}/d"], "depths.json already holds a saved checkpoint"),
+    ("depths", ["{A}/snapshot.pt", "--out", "{tmp}/d"], "depths.json already exists and is not an earlier output of this project"),
     ("probes", ["--backbone", "{A}/ckpt.pt", "--out-dir", "{tmp}/d"], "--out-dir {tmp}/d: its probe_heads.pt already "
-     "holds a saved checkpoint or model (never overwritten)"),  # the heads of an earlier probe
+     "exists and is not an earlier output of this project"),  # the heads of an earlier probe
 ])
 def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needle):
     """The one output check of train.py, in every tool: a run's files, lock and folder are refused, and so is
-    a saved checkpoint; the default output path is checked as a given one (here: ./out is a file)."""
+    any file the project did not write (a saved checkpoint, a user's notes); the default output path is
+    checked as a given one (here: ./out is a file)."""
     from tools import depths, export
     import bench
     mains = {"export": (export.main, "python -m tools.export"), "bench": (bench.main, "bench.py"),
              "probes": (probes.main, "train.py"), "analyze": (analyze.main, "python -m tools.analyze"),
              "depths": (depths.main, "python -m tools.depths")}
     (tmp_path / "out").write_text("a file where the default output folder would go")
+    (tmp_path / "notes.txt").write_text("a user's notes")
     (tmp_path / "d").mkdir()
     shutil.copy(runs / "A" / "snapshot.pt", tmp_path / "d" / "depths.json")  # a checkpoint under that name
     shutil.copy(runs / "A" / "snapshot.pt", tmp_path / "d" / "probe_heads.pt")
@@ -439,6 +442,7 @@ def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needl
     message = one_line(main, [a.format(**fill) for a in argv], prog)
     assert needle.format(**fill) in message, message
     assert {name: contents(runs / name) for name in ("A", "B")} == before
+    assert (tmp_path / "notes.txt").read_text() == "a user's notes"
 
 
 def test_a_path_at_the_file_system_root_is_one_line():

@@ -22,7 +22,10 @@ MAX_COLUMNS = 110
 NARROW_FILES = ("revit.py", "alternet.py", "train.py", "bench.py", "hubconf.py", "lib/moe.py", "lib/build.py",
                 "lib/tasks.py", "lib/planted.py", "lib/tables.py", "lib/weights.py", "tools/analyze.py",
                 "tools/depths.py", "tools/plot.py", "tools/sweep.py", "results/render.py", "sample.py",
-                "lib/budget.py", "lib/cli.py", "lib/resume.py", "lib/boundary.py", "lib/checkpoint.py")
+                "lib/budget.py", "lib/cli.py", "lib/resume.py", "lib/boundary.py", "lib/checkpoint.py",
+                "lib/data.py", "lib/memory.py", "tests/test_analyze.py", "tests/test_plot.py",
+                "tools/probes.py", "lib/language.py", "tools/export.py", "tests/test_cli.py",
+                "tests/test_faults.py")
 
 
 def project_imports(path: Path) -> set[str]:

@@ -256,3 +256,5 @@ def test_rss_of_a_folded_and_a_compact_model_in_fresh_processes():
     compact, folded = memory.cpu_memory_of([{"config": config, "fold": False}, {"config": config, "fold": True}],
                                            batch=1, calls=1, processes=1)
     assert 0 < compact["memory_mib"] < folded["memory_mib"] and "fresh process" in folded["memory_method"]
+    failed = memory.cpu_memory_of([{"config": {**config, "colour": 1}, "fold": False}], 1, 1, 1)[0]
+    assert "unexpected keyword argument 'colour'" in failed["memory_error"]  # the process's last line

@@ -411,7 +411,7 @@ def test_flop_count_is_what_the_module_runs(name):
         if isinstance(model, moe.ComparisonReViT):  # what MechanismBlock gives a mechanism at each step
             ffn.begin_forward(depth, 1)
             for t in range(depth):
-                step = moe.Step(t, revit.depth_grid(depth)[t:t + 1])
+                step = moe.Step(t)
                 ffn(u, step) if ffn.needs_step else ffn(u)
         else:  # reViT's own FFN: FFN_t, merged at each step (the model is in training mode: no cache)
             for t in range(depth):
@@ -524,3 +524,6 @@ def test_one_door_builds_every_vision_preset_and_saved_config():
                           cwd=Path(revit.__file__).parent)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "did you mean 'revit-mini-smear'" in done.stderr
+    helped = subprocess.run([sys.executable, "-m", "lib.moe", "-h"], capture_output=True, text=True,
+                            cwd=Path(revit.__file__).parent)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m lib.moe")

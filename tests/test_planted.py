@@ -3,7 +3,7 @@ training, and --router-lr-scale (psi of reViT's Eq. 1, arXiv 2610.12448, in its 
 
 The task's target is checked against a slow reference written from its definition: each 4x4x3 patch read
 pixel by pixel into a vector, f_t(v) = v + W2_t gelu(W1_t LN(v)) applied one step at a time with the layer
-norm and GELU written out, then the layer norm of the result."""
+norm and GELU written out, then the layer norm of the result. Its table in RESULTS.md: lib/tables.py."""
 import json
 import math
 
@@ -12,7 +12,7 @@ import torch
 
 import revit
 import train
-from lib import build, data, planted, tasks
+from lib import build, data, planted, tables, tasks
 from lib.checkpoint import load_model
 
 PLANTED_ARGS = ["--dataset", "planted", "--patch-size", "4", "--depth", "3", "--model-args",
@@ -84,8 +84,8 @@ def planted_task(model):
     images = data.planted_images(8, 4)
     augment = data.Augment(images, torch.device("cpu"), 0)
     cfg = train.TrainConfig(dataset="planted", eval_batch_size=4)
-    return planted.planted_task(cfg, images, torch.device("cpu"), augment, lambda: torch.autocast("cpu", enabled=False),
-                              model), images
+    return planted.PlantedTask(cfg, images, torch.device("cpu"), augment, lambda: torch.autocast("cpu", enabled=False),
+                             model), images
 
 
 def test_planted_loss_is_the_mse_against_the_slow_composition():
@@ -198,3 +198,17 @@ def test_router_lr_scale_one_is_todays_run_and_a_model_without_psi_is_refused(tm
     with pytest.raises(SystemExit, match="--dataset planted is a regression task of its own"):
         train.main(["--arch", "revit-mini", *PLANTED_ARGS, "--max-steps", "1", "--teacher", str(tmp_path / "a" / "ckpt.pt"),
                     "--out-dir", str(tmp_path / "e")])
+
+
+def test_the_planted_grid_sets_the_untied_vit_against_the_tied_block_too():
+    """The planted table (MSE, lower is better) compares every model with E = 1, the untied ViT included; the
+    accuracy table leaves the ViT's row without a gap."""
+    def stats(mean):
+        return {"mean": mean, "std": 0.0, "values": [mean, mean]}
+    vit = {"cell": "ViT (untied)", "params": 10, "num_experts": None}
+    tied = {"cell": "reViT E=1", "params": 10, "num_experts": 1}
+    columns, cells = tables.planted_grid([{**vit, "mse": stats(0.1)}, {**tied, "mse": stats(0.3)}])
+    assert len(columns) == len(cells[0]) == 7
+    assert [row[3] for row in cells] == ["-0.2000 ± 0.0000", "–"]
+    _, cells = tables.GRIDS["experts"]([{**vit, "acc": stats(0.9)}, {**tied, "acc": stats(0.8)}])
+    assert [row[3] for row in cells] == ["–", "–"]

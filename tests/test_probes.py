@@ -117,7 +117,7 @@ def test_dense_metrics_count_every_pixel_once():
     assert scores["rmse"] == pytest.approx(rmse, rel=1e-9)
     assert scores["delta1"] == pytest.approx(delta1, rel=1e-12)
     one_sided = sum(p / t < 1.25 for p, t in valid) / len(valid)
-    per_image_rmse = sum(probes.depth_map_metrics(probes.depth_map_sums(p, t))["rmse"]
+    per_image_rmse = sum(probes.metrics_of(probes.depth_map_sums(p, t), data)["rmse"]
                          for p, t in zip(guess, depth)) / 5
     assert abs(one_sided - delta1) > 0.05 and abs(per_image_rmse - rmse) > 1e-3
 
@@ -125,7 +125,8 @@ def test_dense_metrics_count_every_pixel_once():
 def test_rmse_and_delta_skip_invalid_pixels():
     target = torch.tensor([[1.0, 2.0], [0.0, float("nan")]])  # 0 and NaN: no measurement
     pred = torch.tensor([[1.5, 2.0], [9.0, 9.0]])
-    metrics = probes.depth_map_metrics(probes.depth_map_sums(pred, target))
+    data = probes.DenseData("test", "monodepth", None, None)
+    metrics = probes.metrics_of(probes.depth_map_sums(pred, target), data)
     assert metrics["rmse"] == pytest.approx(math.sqrt(0.25 / 2))
     assert metrics["delta1"] == pytest.approx(0.5)  # 1.5/1 >= 1.25; 2/2 < 1.25
 
@@ -261,6 +262,12 @@ def test_a_metric_that_is_not_a_number_stops_the_probe_and_is_never_written(tmp_
                                       batch_size=8, device="cpu", out_dir=str(tmp_path / "run")))
     assert ONE_LINE_ERROR.match(str(info.value)) and "the metric test_miou is not finite" in str(info.value)
     assert not (tmp_path / "run").exists()
+    for split, depth in (("train", torch.rand(16, 28, 28) + 1), ("val", torch.zeros(16, 28, 28))):
+        torch.save({"images": images, "depth": depth}, tmp_path / f"{split}.pt")  # no valid test depth
+    with pytest.raises(SystemExit) as info:
+        probes.run(probes.ProbeConfig(probe="monodepth", backbone=str(path), data=str(tmp_path), max_steps=2,
+                                      batch_size=8, device="cpu", out_dir=str(tmp_path / "run")))
+    assert ONE_LINE_ERROR.match(str(info.value)) and "the metric test_rmse_linear is not finite" in str(info.value)
 
 
 def test_dense_probes_have_one_entry_point(tmp_path, fashion_mnist_dir):
@@ -318,9 +325,10 @@ def test_ade20k_and_nyuv2_layouts(tmp_path, task):
 
 
 def test_public_layouts_without_pillow_say_what_to_install(tmp_path, monkeypatch):
-    (tmp_path / "images" / "training").mkdir(parents=True)
-    (tmp_path / "annotations" / "training").mkdir(parents=True)
-    (tmp_path / "images" / "training" / "a.jpg").write_bytes(b"")
+    for split in ("training", "validation"):
+        (tmp_path / "images" / split).mkdir(parents=True)
+        (tmp_path / "annotations" / split).mkdir(parents=True)
+        (tmp_path / "images" / split / "a.jpg").write_bytes(b"")
     path = save_backbone(tmp_path / "backbone.pt")
     monkeypatch.setitem(sys.modules, "PIL", None)  # `from PIL import Image` now raises ImportError
     with pytest.raises(SystemExit, match="needs Pillow"):

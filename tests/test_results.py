@@ -30,9 +30,10 @@ def blocks(text: str) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def fresh_cache():
-    render._cache.clear()
+    cached = render.render  # the cached function itself, even where a test patches render.render
+    cached.cache_clear()
     yield
-    render._cache.clear()
+    cached.cache_clear()
 
 
 @pytest.mark.parametrize("document", render.DOCUMENTS)
@@ -55,12 +56,12 @@ def test_check_exits_nonzero_when_a_table_drifts_from_its_data(tmp_path, monkeyp
         return data
 
     monkeypatch.setattr(render, "load", edited)
-    render._cache.clear()
+    render.render.cache_clear()
     assert render.rendered(read("RESULTS.md")) != read("RESULTS.md")
     monkeypatch.setattr(render, "ROOT", str(tmp_path))
     for document in render.DOCUMENTS:
         (tmp_path / document).write_text(read(document), encoding="utf-8")
-    render._cache.clear()
+    render.render.cache_clear()
     assert render.main(["--check"]) == 1
     assert render.main([]) == 0 and render.main(["--check"]) == 0  # re-rendering repairs it
     assert "| 90.00% |" in (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
@@ -113,12 +114,13 @@ def test_mean_std_and_gap_match_a_hand_computation():
 
 
 def test_a_comparison_across_commits_says_so():
-    sweep = {"commit": "aaaaaaa", "commit_of_cell": {"experts/ViT": "bbbbbbb"}}
-    rows = [{"grid": "experts", "cell": "ViT"}, {"grid": "experts", "cell": "E=1"}]
-    assert "different commits" in render.commit_line(rows, sweep)
+    sweep = {"commit": "aaaaaaa"}  # the provenance: for rows recorded before cells named their commit
+    rows = [{"grid": "experts", "cell": "ViT", "commits": ["b" * 40 + "-dirty"]}, {"grid": "experts", "cell": "E=1"}]
+    assert render.commit_line(rows, sweep) == ("**Rows trained at different commits** (compare across groups "
+                                               "with care): `bbbbbbb-dirty`: ViT; `aaaaaaa`: E=1.")
     assert render.commit_line(rows[1:], sweep) == "Every row trained at commit `aaaaaaa`."
-    own = [dict(r, commit="ccccccc") for r in rows]  # rows that record their commit win over the fallback
-    assert render.commit_line(own, sweep) == "Every row trained at commit `ccccccc`."
+    own = [dict(r, commits=["c" * 40, "d" * 40]) for r in rows]  # rows that record their commits win
+    assert render.commit_line(own, sweep) == "Every row trained at commit `ccccccc/ddddddd`."
 
 
 def test_readme_links_into_results_land_on_anchors_and_readme_stays_short():
@@ -130,7 +132,8 @@ def test_readme_links_into_results_land_on_anchors_and_readme_stays_short():
 
 
 def test_glance_flags_numbers_taken_from_rows_of_different_commits(monkeypatch):
-    render._cache["sweep"] = render.Block("", [["83.54"], ["83.90"], ["84.29"]], row_commits=["old", "new", "new"])
+    sweep = render.Block("", [["83.54"], ["83.90"], ["84.29"]], row_commits=["old", "new", "new"])
+    monkeypatch.setattr(render, "render", lambda name: sweep)
     glance = {"columns": ["what", "result", "details"], "rows": [
         {"what": "mixed", "result": "{t[sweep][0][0]} / {t[sweep][1][0]}", "section": "s", "anchor": "a"},
         {"what": "one commit", "result": "{t[sweep][1][0]} / {t[sweep][2][0]}", "section": "s", "anchor": "a"}]}

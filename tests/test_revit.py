@@ -428,12 +428,22 @@ def test_bad_input_names_the_argument():
     done = subprocess.run([sys.executable, "revit.py", "revit-mni"], cwd=Path(revit.__file__).parent,
                           capture_output=True, text=True)  # the command line: one line, no traceback
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "did you mean 'revit-mini'" in done.stderr
+    assert done.stdout == ""  # no table header before the refusal
+    helped = subprocess.run([sys.executable, "revit.py", "--help"], cwd=Path(revit.__file__).parent,
+                            capture_output=True, text=True)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python revit.py") and not helped.stderr
+    with pytest.raises(ValueError, match="did you mean 'revit-mini'"):  # the case of a name is forgiven
+        revit.create_model("REVIT-MINI")
     with pytest.raises(ValueError, match="depth must be an integer >= 2"):
         model(images(1, model), depth=1)
     with pytest.raises(ValueError, match="in_channels=1"):
         model(torch.randn(1, 3, 8, 8))
     with pytest.raises(ValueError, match="image_size=8"):
         model(torch.randn(1, 1, 12, 12))
+    expected = rf"keep must have shape \(batch, depth\) \(1, {model.config.depth}\)"
+    for shape in [(2, model.config.depth), (1, model.config.depth + 1)]:  # an image or a step too many
+        with pytest.raises(ValueError, match=expected):
+            model(images(1, model), keep=torch.ones(shape, dtype=torch.bool))
     with pytest.raises(ValueError, match="untied ViT runs only its own depth"):
         tiny("vit-mini")(images(1, model), depth=6)
 
@@ -607,12 +617,14 @@ def test_raptor_presets_keep_layer_scale_like_deit3():
     (dict(arch=3), "arch must be a string"),
     (dict(layer_scale_init=float("inf")), "layer_scale_init must be a finite number or None"),
     (dict(layer_scale_init=0.0), "layer_scale_init must be > 0 or None"),
-    (dict(router_prior=-1.0), "router_prior must be >= 0"),
+    (dict(router_prior=-1.0), r"router_prior must be in \[0, 1000\]"),
+    (dict(router_prior=1e308), r"router_prior must be in \[0, 1000\]"),  # a NaN loss at step 0, not a hint
+    (dict(router_temperature=1e-320), r"router_temperature must be in \[0.001, 1000\]"),
     (dict(router_hidden=0), r"router_hidden must be an integer in 1\.\.4096"),
     (dict(num_experts=10 ** 8), r"num_experts must be an integer in 1\.\.1024"),
     (dict(dim=10 ** 9, heads=1), r"dim must be an integer in 1\.\.32768"),
     (dict(depth=10 ** 9), r"depth must be in 2\.\.256"),
-    (dict(balance_weight=-1e-3), "balance_weight must be >= 0"),
+    (dict(balance_weight=-1e-3), r"balance_weight must be in \[0, 1000\]"),
 ])
 def test_config_types_and_ranges_are_checked_up_front(overrides, match):
     with pytest.raises(ValueError, match=match):

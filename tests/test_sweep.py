@@ -60,9 +60,9 @@ def run_cli(argv):
 
 
 def test_cell_argv_merges_the_regime_and_the_cell():
-    regime = {"arch": "revit-mini", "epochs": 15, "model_args": "dim=64", "progress": False}
+    regime = {"arch": "revit-mini", "epochs": 15, "model_args": "dim=64"}
     argv = sweep.cell_argv(regime, sweep.GRIDS["elastic"]["feature-only"], seed=2)
-    assert argv == ["--arch", "revit-mini", "--epochs", "15", "--model-args", "dim=64,ffn=feature", "--no-progress",
+    assert argv == ["--arch", "revit-mini", "--epochs", "15", "--model-args", "dim=64,ffn=feature",
                     "--depth-drop", "0.3", "--eval-depths", "2,3,4,6,9,12", "--seed", "2"]
     assert sweep.cell_argv(regime, sweep.GRIDS["experts"]["Raptor k=2"], 0)[:2] == ["--arch", "raptor-mini-k2"]
 
@@ -84,9 +84,9 @@ def test_run_cell_reuses_a_finished_cell_of_the_same_command(tmp_path, fake_trai
 
 
 def test_a_cached_cell_is_found_whatever_the_order_of_its_flags(tmp_path, fake_train):
-    sweep.run_cell("a", ["--arch", "vit-mini", "--seed", "0", "--no-progress"], str(tmp_path))
-    again = sweep.run_cell("b", ["--no-progress", "--seed", "0", "--arch", "vit-mini"], str(tmp_path))
-    other = sweep.run_cell("c", ["--no-progress", "--seed", "1", "--arch", "vit-mini"], str(tmp_path))
+    sweep.run_cell("a", ["--arch", "vit-mini", "--seed", "0", "--epochs", "2"], str(tmp_path))
+    again = sweep.run_cell("b", ["--epochs", "2", "--seed", "0", "--arch", "vit-mini"], str(tmp_path))
+    other = sweep.run_cell("c", ["--epochs", "2", "--seed", "1", "--arch", "vit-mini"], str(tmp_path))
     assert again["cached"] and not other["cached"]
 
 
@@ -99,7 +99,7 @@ def test_a_cell_records_the_commit_and_torch_it_was_trained_at(tmp_path, fake_tr
         commit = saved["commit"].removesuffix("-dirty")
         assert len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)
     monkeypatch.setattr(sweep, "ROOT", str(tmp_path))  # outside any git repository: no commit to name
-    assert sweep.code_version()["commit"] is None
+    assert sweep.run_cell("cell", ["--arch", "vit-mini", "--seed", "1"], str(tmp_path))["commit"] is None
 
 
 def test_a_cell_written_before_commits_were_recorded_is_still_read(tmp_path, fake_train):
@@ -210,20 +210,21 @@ WRONG_TYPES = [([1, 2], "a cell record is a JSON object holding a result object;
                ({"argv": [], "result": {"test_acc": "high", "params": 1, "reference_depth": 2, "minutes": 1}},
                 "result.test_acc must be a number in 0..1; got 'high'"),
                ({"argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1,
-                                        "depths": {"two": {"acc": 0.5}}}}, "result.depths must map depths (1..256)")]
+                                        "depths": {"two": {"acc": 0.5}}}}, "result.depths must be a map of depths (1..256)")]
 GOOD = {"key": "x", "argv": [], "result": {"test_acc": 0.5, "params": 1, "reference_depth": 2, "minutes": 1}}
 WRONG_TYPES += [  # the last adversary round: each refused by a rule of the record, not as a case of its own
     ({**GOOD, "argv": "--seed 0"}, "argv must be a list of strings"),
+    ({**GOOD, "argv": ["--seed", "0", "--epochs"]}, "argv must be a list of strings: flags and their values"),
     ({**GOOD, "result": {**GOOD["result"], "test_acc": 1e308}}, "result.test_acc must be a number in 0..1; got 1e+308"),
-    ({**GOOD, "result": {**GOOD["result"], "depths": {"\u0664": {"acc": 0.5}}}}, "result.depths must map depths (1..256)"),
-    ({**GOOD, "result": {**GOOD["result"], "depths": {"9" * 5000: {"acc": 0.5}}}}, "result.depths must map depths (1..256)"),
-    ({**GOOD, "result": {**GOOD["result"], "depths": {"2": {"acc": float("nan")}}}}, "result.depths must map"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"\u0664": {"acc": 0.5}}}}, "result.depths must be a map of depths (1..256)"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"9" * 5000: {"acc": 0.5}}}}, "result.depths must be a map of depths (1..256)"),
+    ({**GOOD, "result": {**GOOD["result"], "depths": {"2": {"acc": float("nan")}}}}, "result.depths must be a map"),
     ({**GOOD, "gate_trace": "rising"}, "gate_trace must be a list of [step, gate spread] pairs"),
     ({**GOOD, "key": "../../A"}, "key must be a cell's name (a-z, 0-9 and -), never a path"),
     ({**GOOD, "key": None}, "key must be a cell's name"),
     ({**GOOD, "gates": {"gate_spread": 0.5, "dominant_expert": ["0" * 9]}}, "gates must be null, {} or"),
     ({**GOOD, "gates": {"gate_spread": 1e308, "dominant_expert": [0]}}, "gates must be null, {} or"),
-    ({**GOOD, "commit": {"sha": 1}}, "commit and torch must be strings")]
+    ({**GOOD, "commit": {"sha": 1}}, "commit must be a string or null")]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -256,6 +257,12 @@ def test_an_output_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, f
             run_cli(["--device", "cpu", "--grids", "tying", "--out", str(out)])
         assert message in str(error.value.code) and "\n" not in str(error.value.code)
     assert blocker.read_text() == "keep" and fake_train() == []
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "quality.json").write_text("my notes")  # a user's file where the sweep writes
+    with pytest.raises(SystemExit) as error:
+        run_cli(["--device", "cpu", "--grids", "tying", "--out", str(tmp_path / "notes")])
+    assert "its quality.json already exists and is not an earlier output" in str(error.value.code)
+    assert (tmp_path / "notes" / "quality.json").read_text() == "my notes" and fake_train() == []
 
 
 @pytest.mark.parametrize("content, message", [(TORN, "not a readable cell record (JSONDecodeError")]

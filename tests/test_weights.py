@@ -64,3 +64,26 @@ def test_a_weights_file_cannot_be_resumed_and_another_safetensors_file_is_named(
     export.main([weights, "--format", "safetensors", "--out", str(tmp_path / "folded.safetensors")])
     with pytest.raises(SystemExit, match="format 'revit.folded', not a checkpoint's weights"):
         train.main(["--eval-only", str(tmp_path / "folded.safetensors")])
+
+
+def test_packing_a_checkpoint_gives_the_same_weights_file(tmp_path):
+    """The cards' packed_by command: save_weights of a checkpoint read back equal, readable by all."""
+    from lib.weights import read_weights, save_weights
+    shipped = read_weights(ROOT / "weights" / "revit-mini.safetensors")
+    save_weights(shipped, tmp_path / "packed.safetensors")
+    packed = read_weights(tmp_path / "packed.safetensors")
+    assert packed.keys() == shipped.keys() and packed["train_config"] == shipped["train_config"]
+    assert all(torch.equal(packed["model"][k], v) for k, v in shipped["model"].items())
+    assert (tmp_path / "packed.safetensors").stat().st_mode & 0o044 == 0o044  # others may read it
+
+
+def test_torch_hub_refuses_weights_that_are_not_finite(tmp_path, monkeypatch):
+    """hubconf reads the weights itself (no lib/): it too refuses a NaN, as every reader does."""
+    import hubconf
+    from lib.weights import read_weights, save_weights
+    ckpt = read_weights(ROOT / "weights" / "revit-mini.safetensors")
+    ckpt["model"]["block.attn.proj.bias"][0] = float("nan")
+    save_weights(ckpt, tmp_path / "revit-mini.safetensors")
+    monkeypatch.setattr(hubconf, "WEIGHTS", tmp_path)
+    with pytest.raises(ValueError, match="revit-mini.safetensors: its weights are not finite"):
+        hubconf.revit_mini()

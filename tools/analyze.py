@@ -31,8 +31,9 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 import revit
 from lib.checkpoint import load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, path_problem
-from lib.cli import atomic_write_text, finite_or_null, pick_device, pyplot, run_main
+from lib.cli import atomic_write, atomic_write_text, finite_or_null, pick_device, pyplot, run_main
 from lib.data import NORMALISATION, FolderImages, load_images
+from tools.plot import save_png
 
 PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
 OUTPUT_FILES = ("analysis.json", "gates.csv", "self_cka.csv", "cross_cka.csv", "gates.png", "self_cka.png",
@@ -43,8 +44,7 @@ OUTPUT_FILES = ("analysis.json", "gates.csv", "self_cka.csv", "cross_cka.csv", "
 
 
 def effective_rank(matrix: torch.Tensor) -> float:
-    """App. D (effective-rank protocol): r_eff = exp(-sum_i p_i log p_i), p_i = sigma_i^2 / sum_j sigma_j^2
-    (0 for a zero matrix)."""
+    """App. D: r_eff = exp(-sum_i p_i log p_i), p_i = sigma_i^2 / sum_j sigma_j^2 (0 for a zero matrix)."""
     energy = torch.linalg.svdvals(matrix.double()).square()
     if energy.sum() == 0:
         return 0.0
@@ -59,16 +59,16 @@ def centre_depth(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Linear CKA of features x (n, p) and y (n, q) of the same n inputs:
-    ||Yc^T Xc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F), columns centred (Kornblith et al., 2019)."""
+    """Linear CKA of features x (n, p) and y (n, q) of the same n inputs."""
     return cka_matrix(x[None], y[None])[0, 0].item()
 
 
 def cka_matrix(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """Linear CKA of every pair: xs (A, n, p), ys (B, n, q) -> (A, B)."""
-    xs = xs.double() - xs.double().mean(1, keepdim=True)  # centre each feature over the n inputs
+    """Linear CKA of every pair, xs (A, n, p), ys (B, n, q) -> (A, B): ||Yc^T Xc||_F^2 / (||Xc^T Xc||_F
+    ||Yc^T Yc||_F), the features centred over the n inputs (Kornblith et al., 2019)."""
+    xs = xs.double() - xs.double().mean(1, keepdim=True)
     ys = ys.double() - ys.double().mean(1, keepdim=True)
-    x_norm = torch.stack([(x.T @ x).norm() for x in xs])  # (A,) ||Xc^T Xc||_F
+    x_norm = torch.stack([(x.T @ x).norm() for x in xs])  # (A,)
     y_norm = torch.stack([(y.T @ y).norm() for y in ys])  # (B,)
     hsic = torch.stack([torch.stack([(y.T @ x).square().sum() for y in ys]) for x in xs])  # (A, B)
     return hsic / (x_norm[:, None] * y_norm[None, :])
@@ -102,7 +102,7 @@ def has_gate_program(model) -> bool:
 
 
 def is_merged(model) -> bool:
-    """A gate program with E >= 2 experts: the ablations and permutations apply."""
+    """A gate program of E >= 2 experts: the ablations, permutations and gradient measures apply."""
     return has_gate_program(model) and isinstance(model.block.mlp, revit.MergedExpertFFN)
 
 
@@ -115,32 +115,27 @@ def expert_bank(model) -> tuple:
 
 
 def gate_program(model, depth: int) -> dict:
-    """G [L, E], its dominant-expert path (Fig. 3), and where in depth each expert is used."""
+    """G [L, E], its dominant-expert path (Fig. 3) and where in depth each expert is used; with a fixed
+    depth prior (ViTConfig.router_prior > 0, ours) also the prior's gates alone (psi = 0) and how far the
+    learned router psi moved them, i.e. how much of the program was learned."""
     gates = model.gate_matrix(depth).detach().cpu().double()  # (L, E); float64 on the CPU (MPS has none)
     s = revit.depth_grid(depth).double()  # (L,) Eq. 1
     dominant = gates.argmax(1)
     usage = gates.sum(0)  # (E,)
-    return {"depth": depth, "num_experts": gates.shape[1], "coordinates": s.tolist(), "gates": gates.tolist(),
-            "dominant_expert": dominant.tolist(),
-            "switches": int((dominant[1:] != dominant[:-1]).sum()),
-            "mean_gate": (usage / depth).tolist(),
-            # gate-weighted mean coordinate of each expert: early (0) .. late (1) in the schedule
-            "centroid_coordinate": ((gates * s[:, None]).sum(0) / usage.clamp_min(1e-12)).tolist(),
-            **prior_share(model, gates, s)}
-
-
-def prior_share(model, gates: torch.Tensor, s: torch.Tensor) -> dict:
-    """With a fixed depth prior (ViTConfig.router_prior > 0): the gates of the prior alone (psi = 0) and
-    how far the learned router psi moved them, i.e. how much of the program was learned."""
+    program = {"depth": depth, "num_experts": gates.shape[1], "coordinates": s.tolist(),
+               "gates": gates.tolist(), "dominant_expert": dominant.tolist(),
+               "switches": int((dominant[1:] != dominant[:-1]).sum()),
+               "mean_gate": (usage / depth).tolist(),
+               # gate-weighted mean coordinate of each expert: early (0) .. late (1) in the schedule
+               "centroid_coordinate": ((gates * s[:, None]).sum(0) / usage.clamp_min(1e-12)).tolist()}
     ffn = model.block.mlp
-    if not getattr(ffn, "router_prior", 0):
-        return {}
-    with torch.no_grad():
+    if getattr(ffn, "router_prior", 0):
         logits = revit.depth_prior(s[:, None].float(), ffn.num_experts, ffn.router_prior)
         prior = torch.softmax(logits / ffn.temperature, dim=-1).double()
-    return {"router_prior": ffn.router_prior, "prior_gates": prior.tolist(),
-            "prior_dominant_expert": prior.argmax(1).tolist(),
-            "learned_shift": float((gates - prior).abs().max())}
+        program.update(router_prior=ffn.router_prior, prior_gates=prior.tolist(),
+                       prior_dominant_expert=prior.argmax(1).tolist(),
+                       learned_shift=float((gates - prior).abs().max()))
+    return program
 
 
 def effective_ranks(model, gates: torch.Tensor) -> dict:
@@ -173,11 +168,6 @@ def ablate_experts(gates: torch.Tensor, experts) -> torch.Tensor:
     return kept / kept.sum(1, keepdim=True)
 
 
-def permute_gates(gates: torch.Tensor, permutation) -> torch.Tensor:
-    """Expert e receives the gate column permutation[e]: the bank stays, the assignment changes."""
-    return gates[:, list(permutation)]
-
-
 def gate_permutations(num_experts: int, limit: int, generator: torch.Generator) -> list[tuple]:
     """Every non-identity permutation for E <= 4; otherwise `limit` distinct ones drawn with `generator`."""
     identity = tuple(range(num_experts))
@@ -193,9 +183,8 @@ def gate_permutations(num_experts: int, limit: int, generator: torch.Generator) 
 
 
 def bank_gram(model) -> torch.Tensor:
-    """K = Theta Theta^T [E, E], Theta [E, P_all] = every bank tensor of each expert, flattened.
-    The merge is linear (Eq. 2): the merged weights of all L steps move by
-    ||dG Theta||_F = sqrt(tr(dG K dG^T))."""
+    """K = Theta Theta^T [E, E], Theta [E, P_all] = each expert's bank tensors, flattened. The merge is
+    linear (Eq. 2): the merged weights of all L steps move by ||dG Theta||_F = sqrt(tr(dG K dG^T))."""
     theta = torch.cat([p.detach().cpu().double().flatten(1) for p in expert_bank(model)], dim=1)
     return theta @ theta.T
 
@@ -208,12 +197,10 @@ def merged_displacement(delta_gates: torch.Tensor, gram: torch.Tensor) -> float:
 
 def matched_perturbation(gates: torch.Tensor, gram: torch.Tensor, target: float, generator: torch.Generator,
                          tries: int = 8) -> torch.Tensor | None:
-    """A random gate matrix whose merged FFN weights are `target` (Frobenius) away from those of `gates`.
-
-    Ambiguity: the paper does not say how its random perturbations are drawn. Default: Gaussian noise
-    on the log-gates, G' = softmax(log G + a N), with the scale a found by bisection, so that G' is a
-    gate matrix (rows on the simplex) like an ablation. None if no draw reaches the target.
-    """
+    """A random gate matrix whose merged FFN weights are `target` (Frobenius) away from those of `gates`,
+    None if no draw reaches it. Ambiguity: the paper does not say how its random perturbations are drawn.
+    Ours: Gaussian noise on the log-gates, G' = softmax(log G + a N), the scale a found by bisection, so
+    that G' is a gate matrix (rows on the simplex) like an ablation."""
     log_gates = gates.double().log()
     for _ in range(tries):
         noise = torch.randn(gates.shape, generator=generator, dtype=torch.float64)
@@ -271,9 +258,9 @@ def depth_alignment(cross: torch.Tensor) -> dict:
 
 def intervention_analysis(model, gates, images, reference, num_random, num_permutations, seed,
                           batch_size) -> dict:
-    """Figs. 4 and 10: Delta CKA to the reference features for each expert ablation (with matched random
-    perturbations) and each gate-column permutation. Delta = CKA(modified) - CKA(intact)."""
-    vit = revit.fold(model, gates=gates)
+    """Figs. 4 and 10: Delta CKA = CKA(modified) - CKA(intact) to the reference features, for each expert
+    ablation (with matched random perturbations) and each gate-column permutation."""
+    vit = revit.fold(model, gates=gates)  # folded once; each gate matrix then loads its merged FFNs
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device  # the gate matrices are built on the CPU, the bank lives here
 
@@ -284,33 +271,30 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
     intact = cka_to_reference(gates)
     gram = bank_gram(model)
     merged_norm = merged_displacement(gates, gram)  # ||G Theta||_F: the size of the merged weights themselves
+    nan = float("nan")
     ablations = []
     for expert in range(gates.shape[1]):
         ablated = ablate_experts(gates, [expert])
         displacement = merged_displacement(ablated - gates, gram)
-        random_deltas = []
-        for _ in range(num_random):
-            perturbed = matched_perturbation(gates, gram, displacement, generator)
-            if perturbed is not None:
-                random_deltas.append(cka_to_reference(perturbed) - intact)
+        perturbed = (matched_perturbation(gates, gram, displacement, generator) for _ in range(num_random))
+        random_deltas = [cka_to_reference(p) - intact for p in perturbed if p is not None]
+        randoms = torch.tensor(random_deltas, dtype=torch.float64)  # the mean of none is nan
         delta = cka_to_reference(ablated) - intact
-        randoms, nan = torch.tensor(random_deltas, dtype=torch.float64), float("nan")
         ablations.append({
             "expert": expert, "delta_cka": delta, "displacement": displacement,
             "relative_displacement": displacement / merged_norm if merged_norm else nan,
-            "random_delta_cka": random_deltas,
-            "random_mean": randoms.mean().item() if len(randoms) else nan,
+            "random_delta_cka": random_deltas, "random_mean": randoms.mean().item(),
             "random_std": randoms.std().item() if len(randoms) > 1 else nan,
             # share of matched random perturbations that hurt more than this ablation
-            "fraction_random_worse": (randoms < delta).double().mean().item() if len(randoms) else nan})
-    permutations = [{"permutation": list(p), "delta_cka": cka_to_reference(permute_gates(gates, p)) - intact}
+            "fraction_random_worse": (randoms < delta).double().mean().item()})
+    # expert e receives gate column p[e]: the bank stays, the assignment changes
+    permutations = [{"permutation": list(p), "delta_cka": cka_to_reference(gates[:, list(p)]) - intact}
                     for p in gate_permutations(gates.shape[1], num_permutations, generator)]
     deltas = torch.tensor([p["delta_cka"] for p in permutations], dtype=torch.float64)
     return {"intact_cka": intact, "num_images": len(images), "ablations": ablations,
             "permutations": permutations, "permutation_summary": {
-                "count": len(permutations),
-                "mean_delta_cka": deltas.mean().item() if len(deltas) else float("nan"),
-                "max_delta_cka": deltas.max().item() if len(deltas) else float("nan"),
+                "count": len(permutations), "mean_delta_cka": deltas.mean().item(),
+                "max_delta_cka": deltas.max().item() if len(deltas) else nan,
                 "num_at_or_above_intact": int((deltas >= 0).sum())}}
 
 
@@ -381,65 +365,47 @@ DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet", "planted")  # pl
 
 @dataclass
 class Inputs:
-    model: torch.nn.Module      # the checkpoint's model, eval mode, on `device`
-    ckpt: dict
+    model: torch.nn.Module      # the checkpoint's model, eval mode, on --device
+    arch: str
     depth: int                  # L analysed
     images: torch.Tensor        # (n, C, H, W) normalised test images
     labels: torch.Tensor        # (n,) their classes (for the gradient measures)
     out: Path
-    teacher: torch.nn.Module | None = None  # --teacher, when given
-    teacher_ckpt: dict | None = None
-    teacher_path: str = ""
+    teacher: torch.nn.Module | None  # --teacher, when given
+    teacher_arch: str
 
 
 def check_args(args) -> None:
     """The flags that need no file, each one line naming the flag and what is allowed."""
+    n = args.num_images
     if args.intervention_images is None:  # the paper's 256, or all of a smaller subset
-        args.intervention_images = min(256, args.num_images)
-    check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
-    if args.intervention_images > args.num_images:
-        raise ValueError(f"--intervention-images must be <= {args.num_images} (--num-images: they are the "
-                         f"first N of that subset); got {args.intervention_images}")
-    if args.gradient_batches == 1 or args.gradient_batches > args.num_images:
-        raise ValueError(f"--gradient-batches must be 0 (skip) or between 2 and --num-images "
-                         f"({args.num_images}); got {args.gradient_batches}")
-    if args.dataset and args.dataset not in DATASETS:
-        raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {args.dataset!r}")
+        args.intervention_images = min(256, n)
+    subset = (lambda v: 2 <= v <= n, f"<= {n} (--num-images: they are the first N of that subset) and >= 2")
+    batches = (lambda v: v == 0 or 2 <= v <= n, f"0 (skip) or between 2 and --num-images ({n})")
+    check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH),  # s_t = t/(L-1) needs two steps
+                  intervention_images=subset, gradient_batches=batches)
     if args.data_dir and path_problem(args.data_dir, "folder"):
         raise ValueError(f"--data-dir {args.data_dir}: {path_problem(args.data_dir, 'folder')}")
 
 
-def evaluation_images(args, ckpt: dict, config) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32, and its labels."""
-    dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"  # a name
+def evaluation_images(args, ckpt: dict, image_size: int) -> tuple:
+    """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32, its labels, and
+    the data set's name (--dataset, else the checkpoint's)."""
+    dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"
     if dataset not in DATASETS:
-        raise ValueError(f"checkpoint {args.checkpoint} was trained on {dataset!r}; choose the images with "
-                         f"--dataset ({', '.join(DATASETS)})")
+        raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {dataset!r}"
+                         + ("" if args.dataset else f" (checkpoint {args.checkpoint} was trained on it)"))
     if dataset == "imagenet":  # the val split only, resized and centre-cropped (as train.py evaluates)
-        root = Path(args.data)  # paths come from the command line only, never from the checkpoint
-        if not args.data or not (root / "val").is_dir():
+        if not args.data or not (Path(args.data) / "val").is_dir():
             raise ValueError(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); "
                              f"got {args.data!r}")
-        test = FolderImages(root / "val", config.image_size, train=False, workers=4)
+        test = FolderImages(Path(args.data) / "val", image_size, train=False, workers=4)
     else:  # load_images raises ValueError / FileNotFoundError with a message naming what is missing
         test = load_images(dataset, data_dir=args.data_dir).test
     index = torch.randperm(len(test), generator=torch.Generator().manual_seed(args.seed))[:args.num_images]
     images, labels = next(iter(test.batches([index])))  # uint8 (n, C, H, W), (n,)
-    if (images.shape[1], images.shape[-1]) != (config.in_channels, config.image_size):
-        raise ValueError(f"the model expects {config.in_channels}x{config.image_size}² images; {dataset} has "
-                         f"{images.shape[1]}x{images.shape[-1]}² (choose the data set it was trained on with "
-                         "--dataset)")
     mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in NORMALISATION[dataset])
-    return (images.float() / 255 - mean) / std, labels.long()
-
-
-def load_teacher(args, config, device) -> tuple:
-    teacher, teacher_ckpt = load_vision_model(args.teacher, "--teacher", device)
-    tc = teacher.config
-    if (tc.in_channels, tc.image_size) != (config.in_channels, config.image_size):
-        raise ValueError(f"--teacher {args.teacher}: expects {tc.in_channels}x{tc.image_size}² images, the "
-                         f"checkpoint {config.in_channels}x{config.image_size}²")
-    return teacher, teacher_ckpt
+    return (images.float() / 255 - mean) / std, labels.long(), dataset
 
 
 def load_inputs(args) -> Inputs:
@@ -451,60 +417,49 @@ def load_inputs(args) -> Inputs:
         raise ValueError(problem + ("" if args.out else " (the default --out); give --out"))
     device = pick_device(args.device)
     model, ckpt = load_vision_model(args.checkpoint, "checkpoint", device)
+    teacher, teacher_ckpt = (None, {}) if not args.teacher else \
+        load_vision_model(args.teacher, "--teacher", device)
+    images, labels, dataset = evaluation_images(args, ckpt, model.config.image_size)
+    shape = (images.shape[1], images.shape[-1])
+    for flag, path, m in (("checkpoint", args.checkpoint, model), ("--teacher", args.teacher, teacher)):
+        if m is not None and (m.config.in_channels, m.config.image_size) != shape:
+            raise ValueError(f"{flag} {path}: expects {m.config.in_channels}x{m.config.image_size}² images; "
+                             f"{dataset} has {shape[0]}x{shape[1]}² (choose the data set with --dataset)")
     depth = args.depth or model.config.depth
-    teacher, teacher_ckpt = load_teacher(args, model.config, device) if args.teacher else (None, None)
-    images, labels = evaluation_images(args, ckpt, model.config)
     try:
         residual_features(model, images[:1], depth)
     except ValueError as e:  # e.g. a plain ViT or layer-wise LoRA runs only at its trained depth
         raise ValueError(f"--depth {depth}: {ckpt['arch']} cannot run at this depth ({e})") from None
-    return Inputs(model, ckpt, depth, images, labels, out, teacher, teacher_ckpt, args.teacher)
+    return Inputs(model, ckpt["arch"], depth, images, labels, out, teacher, teacher_ckpt.get("arch", ""))
 
 
-# --- the analyses, each a part of the report (numbers only; printing and files come after) ---
-
-
-def gate_part(model, depth: int) -> dict:
-    """Figs. 3 and 5 (a reViT with a gate program only)."""
-    if not has_gate_program(model):
-        return {}
-    gates = model.gate_matrix(depth).detach().float().cpu()  # (L, E)
-    return {"gates": gate_program(model, depth), "effective_ranks": effective_ranks(model, gates)}
-
-
-def cka_part(inputs: Inputs, batch_size: int) -> tuple[dict, torch.Tensor]:
-    """Figs. 7-9: self-CKA and, with a teacher, cross-CKA and the depth alignment. Also returns the
-    reference final features for the interventions: the teacher's, else the intact model's own."""
-    recurrent = inputs.model.config.arch != "vit"
-    states = residual_features(inputs.model, inputs.images, inputs.depth if recurrent else None,
-                               batch_size)  # (L+1, n, d)
-    part = {"num_images": len(inputs.images), "self_cka": cka_matrix(states, states).tolist()}
-    if inputs.teacher is None:
-        return part, states[-1]
-    teacher_states = residual_features(inputs.teacher, inputs.images, None, batch_size)  # (L_T+1, n, d_T)
-    cross = cka_matrix(states, teacher_states)
-    part["teacher"] = {"checkpoint": inputs.teacher_path, "arch": inputs.teacher_ckpt["arch"],
-                       "depth": inputs.teacher.config.depth}
-    part["cross_cka"] = cross.tolist()
-    part["depth_alignment"] = depth_alignment(cross)
-    return part, teacher_states[-1]
+# --- the analyses: every number of the report (printing and files come after) ---
 
 
 def analyse(inputs: Inputs, args) -> dict:
     """Every number of the report, in the order of the paper's §5 / App. D."""
     model, depth, images = inputs.model, inputs.depth, inputs.images
-    report = {"checkpoint": str(args.checkpoint), "arch": inputs.ckpt["arch"], "depth": depth,
-              "seed": args.seed, **gate_part(model, depth)}
-    cka, reference = cka_part(inputs, args.batch_size)
-    report.update(cka)
+    report = {"checkpoint": str(args.checkpoint), "arch": inputs.arch, "depth": depth, "seed": args.seed}
+    gates = model.gate_matrix(depth).detach().float().cpu() if has_gate_program(model) else None  # (L, E)
+    if gates is not None:  # Figs. 3 and 5
+        report.update(gates=gate_program(model, depth), effective_ranks=effective_ranks(model, gates))
+    states = residual_features(model, images, depth, args.batch_size)  # (L+1, n, d): Figs. 7-8
+    report.update(num_images=len(images), self_cka=cka_matrix(states, states).tolist())
+    reference = states[-1]  # the interventions' reference: the teacher's final features, else its own
+    if inputs.teacher is not None:  # Fig. 9
+        teacher_states = residual_features(inputs.teacher, images, None, args.batch_size)  # (L_T+1, n, d_T)
+        cross = cka_matrix(states, teacher_states)
+        report.update(teacher={"checkpoint": args.teacher, "arch": inputs.teacher_arch,
+                               "depth": inputs.teacher.config.depth},
+                      cross_cka=cross.tolist(), depth_alignment=depth_alignment(cross))
+        reference = teacher_states[-1]
     if is_merged(model) and not args.no_interventions:
-        n = min(args.intervention_images, len(images))
-        gates = model.gate_matrix(depth).detach().float().cpu()  # (L, E)
-        result = intervention_analysis(model, gates, images[:n], reference[:n], args.random_perturbations,
-                                       args.num_permutations, args.seed, args.batch_size)
-        result["reference"] = "teacher final state" if args.teacher else \
+        n = args.intervention_images
+        report["interventions"] = intervention_analysis(model, gates, images[:n], reference[:n],
+                                                        args.random_perturbations, args.num_permutations,
+                                                        args.seed, args.batch_size)
+        report["interventions"]["reference"] = "teacher final state" if args.teacher else \
             "intact student final state (no --teacher)"
-        report["interventions"] = result
     if is_merged(model) and args.gradient_batches:
         device = next(model.parameters()).device
         report["gate_gradients"] = gradient_part(model, images.to(device), inputs.labels.to(device), depth,
@@ -516,11 +471,10 @@ def analyse(inputs: Inputs, args) -> dict:
 
 
 def print_matrix(title: str, matrix, row_name: str, col_name: str, digits: int = 2) -> None:
-    matrix = torch.as_tensor(matrix)
     width = digits + 4
     print(f"\n{title}  (rows: {row_name}, columns: {col_name})")
-    print(" " * 4 + "".join(f"{j:>{width}}" for j in range(matrix.shape[1])))
-    for i, row in enumerate(matrix.tolist()):
+    print(" " * 4 + "".join(f"{j:>{width}}" for j in range(len(matrix[0]))))
+    for i, row in enumerate(matrix):
         print(f"{i:>4}" + "".join(f"{v:>{width}.{digits}f}" for v in row))
 
 
@@ -581,22 +535,32 @@ def print_interventions(result: dict, g: dict) -> None:
           f"{ps['num_at_or_above_intact']} at or above the learned assignment")
 
 
-def write_tables(report: dict, out: Path) -> None:
-    """gates.csv, self_cka.csv and cross_cka.csv: one row per step / state."""
-    tables = {"self_cka.csv": (["state"] + list(range(report["depth"] + 1)),
-                               [[i, *row] for i, row in enumerate(report["self_cka"])])}
+def matrix_rows(name: str, matrix) -> list:
+    """A CKA matrix as CSV rows: a header, then one row per state."""
+    return [[name, *range(len(matrix[0]))], *([i, *row] for i, row in enumerate(matrix))]
+
+
+def write_csv(path, rows) -> None:
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    """--out: gates.csv (one row per step), self_cka.csv, cross_cka.csv, the figures and analysis.json
+    (every number, nothing non-finite), each written whole or not at all."""
+    tables = {"self_cka.csv": matrix_rows("state", report["self_cka"])}
     if "gates" in report:
         g = report["gates"]
-        experts = [f"expert_{e}" for e in range(g["num_experts"])]
-        tables["gates.csv"] = (["step", "s", *experts, "dominant"],
-                               [[t, s, *row, d] for t, (s, row, d) in
-                                enumerate(zip(g["coordinates"], g["gates"], g["dominant_expert"]))])
+        steps = zip(g["coordinates"], g["gates"], g["dominant_expert"])
+        tables["gates.csv"] = [["step", "s", *(f"expert_{e}" for e in range(g["num_experts"])), "dominant"],
+                               *([t, s, *row, d] for t, (s, row, d) in enumerate(steps))]
     if "cross_cka" in report:
-        tables["cross_cka.csv"] = (["student_state"] + list(range(report["teacher"]["depth"] + 1)),
-                                   [[i, *row] for i, row in enumerate(report["cross_cka"])])
-    for name, (header, rows) in tables.items():
-        with open(out / name, "w", newline="") as f:
-            csv.writer(f).writerows([header, *rows])
+        tables["cross_cka.csv"] = matrix_rows("student_state", report["cross_cka"])
+    for name, rows in tables.items():
+        atomic_write(out / name, lambda tmp: write_csv(tmp, rows))
+    report["plots"] = save_plots(report, out)
+    atomic_write_text(out / "analysis.json", json.dumps(finite_or_null(report, "", []), indent=1))
+    print(f"\nwrote {out / 'analysis.json'}, " + ", ".join([*sorted(tables), *report["plots"]]))
 
 
 # --- figures (matplotlib is an optional extra) ---
@@ -611,19 +575,26 @@ def import_pyplot():
     return plt
 
 
-def gate_figure(plt, g: dict):
-    """Fig. 3: the gate weights g[t, e] as a heat map over recurrent step t (bottom axis) and normalised
-    depth s_t = t / (L-1) (top axis) for each expert e, with the dominant expert of each step marked
-    and connected -- the depth program, if one formed."""
+def heat_map(plt, matrix, cmap: str, label: str, **figure) -> tuple:
+    """A figure of `matrix` on one fixed colour scale [0, 1] for every model (flat gates look flat)."""
     from matplotlib.ticker import MaxNLocator
+    fig, ax = plt.subplots(**figure)
+    image = ax.imshow(torch.as_tensor(matrix).numpy(), origin="lower", aspect="auto", cmap=cmap,
+                      interpolation="nearest", vmin=0, vmax=1)
+    fig.colorbar(image, ax=ax, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, ax
+
+
+def gate_figure(plt, g: dict):
+    """Fig. 3: the gate weights g[t, e] over recurrent step t (bottom axis) and normalised depth
+    s_t = t / (L-1) (top axis) for each expert e, the dominant expert of each step marked and connected:
+    the depth program, if one formed."""
     gates = torch.tensor(g["gates"])  # (L, E)
     steps, experts = gates.shape
     size = (max(5.0, 0.55 * steps + 2.5), max(3.2, 0.5 * experts + 2.2))
-    fig, ax = plt.subplots(figsize=size, layout="constrained")
-    # one fixed colour scale [0, 1] for every model: flat gates (all near 1/E) look flat
-    image = ax.imshow(gates.T.numpy(), origin="lower", aspect="auto", cmap="YlOrBr", interpolation="nearest",
-                      vmin=0, vmax=1)
-    fig.colorbar(image, ax=ax, label="gate weight $g_{t,e}$")
+    fig, ax = heat_map(plt, gates.T, "YlOrBr", "gate weight $g_{t,e}$", figsize=size, layout="constrained")
     ax.plot(range(steps), g["dominant_expert"], "-o", color="teal", linewidth=2, markersize=15,
             markerfacecolor="none", markeredgewidth=2,
             label="dominant expert of each step, $\\arg\\max_e\\, g_{t,e}$")
@@ -632,14 +603,10 @@ def gate_figure(plt, g: dict):
                 label=f"the fixed depth prior alone ($\\beta$ = {g['router_prior']:g}; learned shift "
                       f"$\\leq$ {g['learned_shift']:.2f})")
     if steps * experts <= 160:  # small enough to print each weight in its cell
-        for t in range(steps):
-            for e in range(experts):
-                ax.text(t, e, f"{gates[t, e]:.2f}", ha="center", va="center", fontsize=6,
-                        color="white" if gates[t, e] > 0.6 else "black")
-    ax.set_xlabel("recurrent step $t$")
-    ax.set_ylabel("expert $e$")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        for t, e in itertools.product(range(steps), range(experts)):
+            ax.text(t, e, f"{gates[t, e]:.2f}", ha="center", va="center", fontsize=6,
+                    color="white" if gates[t, e] > 0.6 else "black")
+    ax.set(xlabel="recurrent step $t$", ylabel="expert $e$")
     last = max(steps - 1, 1)
     top = ax.secondary_xaxis("top", functions=(lambda t: t / last, lambda s: s * last))
     top.set_xlabel("normalised depth $s_t = t/(L-1)$")
@@ -650,14 +617,8 @@ def gate_figure(plt, g: dict):
 
 
 def cka_figure(plt, matrix, xlabel: str, ylabel: str, title: str, lines=()):
-    """Figs. 7-9: a CKA heat map on the fixed scale [0, 1]; `lines` are (xs, ys, style, label) overlays."""
-    from matplotlib.ticker import MaxNLocator
-    fig, ax = plt.subplots(figsize=(5, 4))
-    image = ax.imshow(torch.as_tensor(matrix).numpy(), origin="lower", aspect="auto", cmap="magma_r",
-                      interpolation="nearest", vmin=0, vmax=1)
-    fig.colorbar(image, ax=ax, label="linear CKA")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    """Figs. 7-9: a CKA heat map; `lines` are (xs, ys, style, label) overlays."""
+    fig, ax = heat_map(plt, matrix, "magma_r", "linear CKA", figsize=(5, 4))
     for xs, ys, style, label in lines:
         ax.plot(xs, ys, style, label=label)
     if lines:
@@ -687,19 +648,9 @@ def save_plots(report: dict, out: Path) -> list[str]:
             [(a["max_cka_path"], steps, "o:", "max-CKA teacher depth"),
              (a["proportional_depth"], steps, "--", "proportional depth")])
     for name, fig in figures.items():
-        fig.savefig(out / name, dpi=120)
+        save_png(fig, out / name)
         plt.close(fig)
     return list(figures)
-
-
-def write_outputs(report: dict, out: Path) -> None:
-    """--out: the CSV tables, the figures, and analysis.json (every number, nothing non-finite)."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_tables(report, out)
-    report["plots"] = save_plots(report, out)
-    atomic_write_text(out / "analysis.json", json.dumps(finite_or_null(report, "", []), indent=1))
-    print(f"\nwrote {out / 'analysis.json'}, " + ", ".join(p.name for p in sorted(out.glob("*.csv")))
-          + "".join(f", {p}" for p in report["plots"]))
 
 
 # --- the command ---
@@ -743,7 +694,7 @@ def main(argv=None) -> dict:
     except (ValueError, FileNotFoundError) as e:
         fail(str(e), PROG)
     model = inputs.model
-    print(f"{args.checkpoint}: {inputs.ckpt['arch']} ({model.config.arch}), {model.num_params() / 1e6:.3f}M "
+    print(f"{args.checkpoint}: {inputs.arch} ({model.config.arch}), {model.num_params() / 1e6:.3f}M "
           f"params, analysed at depth L={inputs.depth}")
     if isinstance(model, revit.ReViT) and not has_gate_program(model):
         print(f"note: ffn={model.config.ffn!r} has no depth-only gate program over an expert bank: "

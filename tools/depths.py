@@ -32,7 +32,7 @@ from lib import moe
 import revit
 import train
 from lib.checkpoint import load_model
-from lib.boundary import check_numbers, closed, fail, outputs_problem, parse_depths
+from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, parse_depths
 from lib.cli import f, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from tools.plot import save_png
@@ -40,40 +40,31 @@ from tools.plot import save_png
 PROG = "python -m tools.depths"  # how it runs: from the repository root, as a module
 
 
-def checkpoint_evaluation(args, device: torch.device):
-    """CKPT as train.py evaluates it -> (model in eval mode, ckpt, task: its own test data or text)."""
-    path = args.checkpoint
-    try:
-        model, ckpt = load_model(path, device, "CKPT")
-    except ValueError as e:
-        fail(str(e), PROG)
+def evaluation_task(args, ckpt: dict, device: torch.device):
+    """CKPT's test data (or text) as train.py evaluates it; --data and --data-dir are the command line's,
+    never the checkpoint's, and --depths decides the depths."""
     if ckpt["arch"] in moe.PRESETS and (ckpt.get("train_config") or {}).get("teacher"):
-        fail("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy",
-             PROG)
-    # --data, --data-dir: the command line's, never the checkpoint's; --depths decides the depths
+        fail("CKPT was trained by distillation (no classifier head): depths reports top-1 accuracy", PROG)
     given = {"test_subset": args.test_subset, "data": args.data, "data_dir": args.data_dir}
     flags = {"device": str(device), "download": False, "progress": False, "eval_depths": "",
              **{k: v for k, v in given.items() if v}}
     try:
-        _, _, task = train.evaluation_setup(path, flags, flag="CKPT")
+        return train.evaluation_setup(args.checkpoint, flags, flag="CKPT")[2]
     except SystemExit as e:  # train.py's one-line error, under this tool's name
         fail(str(e.code).partition(": error: ")[2] or str(e.code), PROG)
-    return model, ckpt, task
 
 
 # --- vision: every depth, in the form a user deploys and in the compact form ---
 
 
 def depth_list(given: list[int], model) -> list[int]:
-    """--depths for a vision model; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
+    """--depths and the reference depth L; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
     c = model.config
     single = c.arch == "vit" or getattr(c, "ffn", "merge") == "lora"
-    if not given:
-        return [c.depth] if single else list(range(2, 2 * c.depth + 1))
-    if single and given != [c.depth]:
+    if single and given not in ([], [c.depth]):
         kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
         fail(f"--depths {','.join(map(str, given))}: {kind} runs only its own depth {c.depth}", PROG)
-    return given
+    return sorted(set(given or ([c.depth] if single else range(2, 2 * c.depth + 1))) | {c.depth})
 
 
 def deployed_model(model, depth: int) -> tuple:
@@ -97,15 +88,12 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
     dynamic = model
     if c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1:
         dynamic = copy_module(model, merge_cache=False).eval()
-    image = torch.randn(1, c.in_channels, c.image_size, c.image_size, device=device)
-
-    def deployed_call(depth: int, own_copy: bool = False):
-        module, depth_arg = deployed_model(model, depth)
-        if own_copy and module is model and c.arch != "vit":  # its own merge cache: no row's depth evicts it
-            module = copy_module(model).eval()
-        return bench.inference_call(runner(module, depth_arg), image, device)
-
-    reference, rows = deployed_call(c.depth, own_copy=True), []
+    shape = (c.in_channels, c.image_size, c.image_size)
+    inputs = {batch: torch.randn(batch, *shape, device=device) for batch in (1, args.batch)}
+    module, depth_arg = deployed_model(model, c.depth)
+    if module is model and c.arch != "vit":  # the reference's own merge cache: no row's depth evicts it
+        module = copy_module(model).eval()
+    reference, rows = bench.inference_call(runner(module, depth_arg), inputs[1], device), []
     for depth in progress(depths, args, "depths"):
         key = None if depth == c.depth else depth  # None: the reference depth
         row = {"depth": depth, "reference": depth == c.depth, "batch": args.batch,
@@ -116,17 +104,17 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
         row["gflops"] = bench.counted_flops(module, depth_arg)["total"] / 1e9
         forms = {"deployed": runner(module, depth_arg),
                  "dynamic": runner(dynamic, None if c.arch == "vit" else depth)}
-        fns = {}
-        for batch in (1, args.batch):
-            images = torch.randn(batch, c.in_channels, c.image_size, c.image_size, device=device)
-            fns.update({(form, batch): bench.inference_call(run, images, device)
-                        for form, run in forms.items()})
+        fns = {(form, batch): bench.inference_call(run, x, device)
+               for batch, x in inputs.items() for form, run in forms.items()}
         times = timed_against_reference(fns, reference, ("deployed", 1), row, args, device)
         for form, batch in fns:
             ms = statistics.median(times[form, batch]) * 1e3 / batch
             row[f"{form}_ms_b{'1' if batch == 1 else 'n'}"] = ms
         rows.append(row)
-    resolve_headline(rows, "vision", lambda r: deployed_call(r["depth"]), reference, args, device)
+
+    def deployed_call(row):
+        return bench.inference_call(runner(*deployed_model(model, row["depth"])), inputs[1], device)
+    resolve_headline(rows, "vision", deployed_call, reference, args, device)
     return rows
 
 
@@ -150,8 +138,7 @@ def progress(items, args, what: str):
 
 
 def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
-    """As train.py --eval-only: finite weights can overflow at a depth or cap they were not trained at; such
-    a row is never scored, timed or written."""
+    """As train.py --eval-only: a row that overflowed (finite weights, a depth not trained) is never kept."""
     place = non_finite_place(row)
     if place:
         fail(f"CKPT: its evaluation at {where} gave a non-finite {place} (finite weights that diverge there)"
@@ -159,7 +146,7 @@ def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
 
 
 def copy_module(model, **changes):
-    """A second module with the same weights (and config `changes` that do not change the parameters)."""
+    """A second module with the same weights (config `changes` leave the parameters as they are)."""
     copy = type(model)(dataclasses.replace(model.config, **changes)).to(next(model.parameters()).device)
     copy.load_state_dict(model.state_dict())
     return copy
@@ -220,13 +207,6 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_
 # --- language: every iteration cap D' <= D and halting threshold ---
 
 
-def language_windows(task, test_subset: int) -> torch.Tensor:
-    """The validation windows (n, T+1) of train.py's LanguageTask (the checkpoint's own text, as trained)."""
-    n = (len(task.val) - 1) // task.block_size
-    windows = task.val[:n * task.block_size + 1].unfold(0, task.block_size + 1, task.block_size)  # (n, T+1)
-    return windows[:test_subset or n]
-
-
 def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
     """Bits per byte and mean iterations per position, each position routed and halted on its own prefix
     as in generation (alternet.causal_loss)."""
@@ -244,10 +224,16 @@ def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
 def language_depth_rows(lm, task, args, device) -> list[dict]:
     """Rows over caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations, latency per
     generated token (greedy, batch 1), all settings timed in the same rounds (one model runs them all)."""
-    windows = language_windows(task, args.test_subset)
+    n, t = (len(task.val) - 1) // task.block_size, task.block_size  # train.py's validation windows (n, T+1)
+    windows = task.val[:n * t + 1].unfold(0, t + 1, t)[:args.test_subset or n]
     thresholds = args.thresholds if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
-    generate = functools.partial(_generate_call, lm, prompt, args.new_tokens, device=device)
+
+    def generate(cap, threshold):
+        with torch.inference_mode(), bench.autocast(device):
+            return lm.generate(prompt, max_new_tokens=args.new_tokens, halt_threshold=threshold,
+                               max_depth=cap, temperature=0)
+
     reference = (lm.config.max_depth, thresholds[0])
     settings = [(cap, threshold) for cap in range(1, lm.config.max_depth + 1) for threshold in thresholds]
     rows = []
@@ -266,12 +252,6 @@ def language_depth_rows(lm, task, args, device) -> list[dict]:
     call_of = lambda r: fns[r["max_depth"], r["halt_threshold"]]  # noqa: E731
     resolve_headline(rows, "language", call_of, fns[reference], args, device)
     return rows
-
-
-def _generate_call(lm, prompt, new_tokens, cap, threshold, device):
-    with torch.inference_mode(), bench.autocast(device):
-        return lm.generate(prompt, max_new_tokens=new_tokens, halt_threshold=threshold, max_depth=cap,
-                           temperature=0)
 
 
 def parse_thresholds(text: str) -> list:
@@ -352,36 +332,33 @@ def plot_depths(result: dict, path: str) -> str | None:
     return path
 
 
-def run_depths(args, device) -> dict:
-    model, ckpt, task = checkpoint_evaluation(args, device)
+def run_depths(args, model, ckpt: dict, device) -> dict:
+    task = evaluation_task(args, ckpt, device)
     family = "vision" if ckpt["arch"] in moe.PRESETS else "language"
     settings = {k: getattr(args, k) for k in ("batch", "warmup", "repeats", "iters", "new_tokens",
                                               "test_subset", "resolve", "max_repeats")}
     if family == "language":
         rows = language_depth_rows(model, task, args, device)
     else:
-        depths = sorted(set(depth_list(args.depths, model)) | {model.config.depth})
-        rows = vision_depth_rows(model, task, depths, args, device)
+        rows = vision_depth_rows(model, task, depth_list(args.depths, model), args, device)
         settings["test_images"] = len(task.data.test)
     mark_tradeoffs(rows, HEADLINE[family][1], "relative_latency", HEADLINE[family][3])
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"], "family": family,
               "settings": settings, "rows": rows, "best": smallest_within(rows, *HEADLINE[family]),
               "env": bench.environment(device)}
-    out_dir = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
-    os.makedirs(out_dir, exist_ok=True)
-    result["plot"] = plot_depths(result, os.path.join(out_dir, "depths.png"))
+    result["plot"] = plot_depths(result, os.path.join(args.out, "depths.png"))  # atomic_write makes --out
     print(depths_markdown(result) + "\n\n" + bench.environment_line(result["env"]))
-    write_json(result, os.path.join(out_dir, "depths.json"))
+    write_json(result, os.path.join(args.out, "depths.json"))
     picture = f"and {result['plot']}" if result["plot"] else \
         "(no depths.png: matplotlib is not installed; pip install -r requirements-extra.txt)"
-    print(f"wrote {os.path.join(out_dir, 'depths.json')} {picture}")
+    print(f"wrote {os.path.join(args.out, 'depths.json')} {picture}")
     return result
 
 
 # --- command line ---
 
-DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1, resolve=0.03, max_repeats=60),
-            "cuda": dict(batch=64, warmup=10, repeats=20, iters=10, resolve=0.03, max_repeats=200)}
+DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1, max_repeats=60),
+            "cuda": dict(batch=64, warmup=10, repeats=20, iters=10, max_repeats=200)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -389,13 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
     bench.device_flags(p)
-    p.add_argument("--depths", default="", help="comma-separated depths >= 2 (default 2 ... 2L; a ViT: L)")
+    p.add_argument("--depths", default="",
+                   help=f"comma-separated depths, each in 2..{MAX_DEPTH} (default 2 ... 2L; a ViT: L)")
     p.add_argument("--test-subset", type=int, default=0,
                    help="the first N test images / validation windows (default: the checkpoint's test set)")
     p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always")
     bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
-    p.add_argument("--resolve", type=float, help="more paired rounds of the headline's row and the "
-                   "reference until their latency ratio is known to +- this (default 0.03; 0: none)")
+    p.add_argument("--resolve", type=float, default=0.03, help="more paired rounds of the headline's row and "
+                   "the reference until their latency ratio is known to +- this (default 0.03; 0: none)")
     p.add_argument("--max-repeats", type=int, help="at most this many paired rounds (CPU 60, CUDA 200)")
     p.add_argument("--thresholds", default="0.5,none", help="AlterNet: halting thresholds in (0, 1] or none "
                    "(every iteration up to the cap); the first is the reference")
@@ -412,23 +390,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> dict:
     """Every flag checked (lib/boundary.py) before the checkpoint is read, then the table."""
     args = build_parser().parse_args(argv)
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        fail(str(e), PROG)
-    for key, value in DEFAULTS["cuda" if device.type == "cuda" else "cpu"].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    check_numbers(vars(args), PROG, batch=closed(2, 65536))  # batch 1 is always measured
-    args.depths = sorted(set(parse_depths(args.depths, "--depths", 2, PROG)))  # a step grid needs two steps
+    check_numbers(vars(args), PROG, batch=closed(2, 65536))  # the flags given (batch 1 is always measured)
+    args.depths = parse_depths(args.depths, "--depths", 2, PROG)  # a step grid needs two steps
     args.thresholds = parse_thresholds(args.thresholds)
-    out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
-    problem = outputs_problem("--out", out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
+    args.out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
+    problem = outputs_problem("--out", args.out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
     if problem:
         fail(problem, PROG)
+    try:
+        device = pick_device(args.device)
+        model, ckpt = load_model(args.checkpoint, device, "CKPT")
+    except ValueError as e:  # the one line of the device or the checkpoint's reader
+        fail(str(e), PROG)
+    defaults = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.threads:
         torch.set_num_threads(args.threads)
-    return run_depths(args, device)
+    return run_depths(args, model, ckpt, device)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ arguments (printed by the export); `load_timm_state_dict` loads either layout in
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import warnings
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 if not __package__:  # run as a file (python tools/export.py): the project's modules are not on the path
     sys.exit("tools/export.py: error: run it from the repository root as python -m tools.export")
@@ -58,17 +59,16 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
 def load_source(path) -> nn.Module:
     """export.py's input -> model in eval mode: a checkpoint of this project (a ckpt.pt, or weights/'s
     .safetensors) or a compact / folded export."""
-    if Path(path).suffix == ".safetensors" and read_safetensors(path)[1].get("format") != weights.WEIGHTS_FORMAT:
+    suffix = Path(path).suffix
+    if suffix == ".safetensors" and read_safetensors(path)[1].get("format") != weights.WEIGHTS_FORMAT:
         return load_safetensors(path)
     return load_vision_model(path, "checkpoint")[0]
 
 
 def plain_vit(model: nn.Module, depth: int | None) -> revit.VisionTransformer:
     """The plain ViT that runs `model` at `depth`: fold a reViT / Raptor; an untied ViT already is one."""
-    if isinstance(model, revit.VisionTransformer) and model.config.arch == "vit":
-        if depth is not None and depth != model.config.depth:
-            raise ValueError(f"depth={depth}: this is an untied ViT of depth {model.config.depth}; "
-                             "only reViT and Raptor models can be exported at another depth")
+    if model.config.arch == "vit":
+        model.schedule(depth or model.config.depth)  # its own depth only: revit's one-line refusal otherwise
         return model.eval()
     return revit.fold(model.eval(), depth).eval()
 
@@ -91,7 +91,7 @@ def check_close(expected: torch.Tensor, got: torch.Tensor, what: str) -> float:
 def check_fold(model: nn.Module, vit: revit.VisionTransformer, depth: int | None) -> float:
     """Folding changes no number (§3.1): folded and dynamic outputs agree to float tolerance."""
     images = example_images(vit.config, batch=2).to(next(vit.parameters()).device)
-    return check_close(model(images, depth=depth), vit(images), f"folded model vs dynamic model at depth {depth}")
+    return check_close(model(images, depth=depth), vit(images), f"folded vs dynamic model at depth {depth}")
 
 
 # --- safetensors: folded ViT or compact dynamic model, config in the metadata ---
@@ -103,7 +103,12 @@ def save_safetensors(model: nn.Module, path, kind: str, **extra) -> None:
                 "config": json.dumps(asdict(model.config))}
     metadata.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in extra.items()})
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(path), metadata=metadata)
+    write_safetensors(path, tensors, metadata)
+
+
+def write_safetensors(path, tensors: dict, metadata: dict) -> None:
+    """The file's bytes through open(), so it gets the umask's mode as every output (save_file's is 0600)."""
+    Path(path).write_bytes(save(tensors, metadata=metadata))
 
 
 def read_safetensors(path) -> tuple[dict, dict]:
@@ -124,19 +129,19 @@ def load_safetensors(path, model: nn.Module | None = None) -> nn.Module:
         if kind not in ("revit.folded", "revit.compact"):
             raise ValueError(f"{path} is not a revit safetensors export (format={kind!r}); "
                              "for a timm-layout file use load_timm_state_dict(model, tensors)")
-        try:
-            fields = json.loads(metadata["config"])
-            config = moe.config_of(fields)  # revit's config, or lib/moe.py's for a comparison mechanism
-        except (KeyError, TypeError, ValueError, RecursionError) as e:  # no config, not JSON, fields revit.py lacks
+        try:  # revit's config, or lib/moe.py's for a comparison mechanism
+            config = moe.config_of(json.loads(metadata["config"]))
+        except (KeyError, TypeError, ValueError, RecursionError) as e:  # none, not JSON, unknown fields
             raise ValueError(f"{path}: its config metadata does not build a model of this revit.py "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
-        with torch.device("meta"):  # shapes first, without memory: a config that says 10**6 experts allocates nothing
+        with torch.device("meta"):  # shapes first: a config of 10**6 experts allocates nothing
             problem = fit_problem(revit.build_model(config).state_dict(), tensors, "its own config")
-        if problem:
-            raise ValueError(f"{path}: {problem}")
-        model = revit.build_model(config)
-    model = load_weights(model, tensors, str(path)).eval()
-    problem = weights_problem(tensors) or diverged(model)  # as load_vision_model: not plain, or not finite
+        model = None if problem else revit.build_model(config)
+    else:
+        problem = fit_problem(model.state_dict(), tensors, type(model).__name__)
+    if not problem:
+        model.load_state_dict(tensors)
+        problem = weights_problem(tensors) or diverged(model.eval())  # as load_vision_model: plain, finite
     if problem:
         raise ValueError(f"{path}: {problem}")
     return model
@@ -159,7 +164,7 @@ def timm_model_args(config: revit.ViTConfig) -> tuple[str, dict]:
     dims = {name: dim for dim, (name, _, _) in TIMM_WIDTHS.items()}
     mlp_ratio = config.ffn_dim / config.dim
     if int(config.dim * mlp_ratio) != config.ffn_dim:  # timm builds the hidden width as int(dim * mlp_ratio)
-        raise ValueError(f"ffn_dim={config.ffn_dim} is not int(dim * mlp_ratio) for any float ratio timm can take")
+        raise ValueError(f"ffn_dim={config.ffn_dim} is not int(dim * mlp_ratio) for any ratio timm can take")
     wanted = dict(img_size=config.image_size, patch_size=config.patch_size, in_chans=config.in_channels,
                   num_classes=config.num_classes, embed_dim=config.dim, depth=config.depth,
                   num_heads=config.heads, mlp_ratio=mlp_ratio)
@@ -173,7 +178,8 @@ def to_timm_state_dict(vit: revit.VisionTransformer) -> dict:
     state = {k: v.detach().cpu().clone().contiguous() for k, v in vit.state_dict().items()}
     if vit.config.layer_scale_init is None:
         # timm's vit_* add positions after prepending the class token: a zero row leaves it unchanged
-        state["pos_embed"] = torch.cat([torch.zeros_like(state["pos_embed"][:, :1]), state["pos_embed"]], dim=1)
+        pos = state["pos_embed"]
+        state["pos_embed"] = torch.cat([torch.zeros_like(pos[:, :1]), pos], dim=1)
     return state
 
 
@@ -206,7 +212,8 @@ def save_timm(vit: revit.VisionTransformer, path) -> dict:
     name, kwargs = timm_model_args(vit.config)
     state = to_timm_state_dict(vit)
     if str(path).endswith(".safetensors"):
-        save_file(state, str(path), metadata={"format": "timm", "timm_model": name, "timm_kwargs": json.dumps(kwargs)})
+        metadata = {"format": "timm", "timm_model": name, "timm_kwargs": json.dumps(kwargs)}
+        write_safetensors(path, state, metadata)
     else:
         torch.save(state, path)
     return {"timm_model": name, "timm_kwargs": kwargs}
@@ -215,17 +222,9 @@ def save_timm(vit: revit.VisionTransformer, path) -> dict:
 # --- ONNX ---
 
 
-def require_onnx() -> None:
-    """Checked after every argument and before anything is written (torch's own error is less clear)."""
-    try:
-        import onnx  # noqa: F401 -- torch.onnx.export writes the graph through it
-    except ImportError:
-        raise ValueError("--format onnx needs the onnx package: pip install -r requirements-extra.txt") from None
-
-
 @torch.no_grad()
 def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | None:
-    """Write the folded graph; returns the max |onnxruntime - PyTorch| difference, None without onnxruntime."""
+    """Write the folded graph; -> the max |onnxruntime - PyTorch| difference, None without onnxruntime."""
     vit = vit.float().cpu().eval()
     with warnings.catch_warnings():
         # the traced shape checks in ViTBase.embed become constants: the image size is fixed anyway
@@ -251,29 +250,28 @@ def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a train.py checkpoint, or a compact / folded .safetensors written by export.py")
+    p.add_argument("checkpoint",
+                   help="a train.py checkpoint, or a compact / folded .safetensors written by export.py")
     p.add_argument("--depth", type=int, default=None,
-                   help="L to fold at (>= 2); default: the model's reference depth. Ignored by --format compact")
+                   help="L to fold at (>= 2); default: the model's reference depth. Ignored by --format "
+                        "compact")
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="safetensors: folded ViT; onnx: folded graph; timm: folded ViT in timm's layout; "
                         "compact: the dynamic model (experts + router), depth chosen later")
     p.add_argument("--out", required=True, help="output file (parent folders are created)")
-    p.add_argument("--opset", type=int, default=18, help="ONNX opset version (--format onnx; 14..20) [default: 18]")
+    p.add_argument("--opset", type=int, default=18,
+                   help="ONNX opset version (--format onnx; 14..20) [default: 18]")
     return p
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """The flags that need no file (lib/boundary.py's ranges): a ValueError naming the flag."""
+def export(args: argparse.Namespace) -> dict:
+    """Check the flags, the source and its weights and the fold at --depth first; then write --out."""
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
-    if Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve():
-        raise ValueError(f"--out {args.out} is the checkpoint being exported; give another file")
-    problem = output_problem(args.out, "file")  # also a run's files, its lock and any saved model
+    source = Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve()
+    # output_problem: also a run's files, its lock and any saved model
+    problem = "is the checkpoint being exported; give another file" if source else output_problem(args.out)
     if problem:
         raise ValueError(f"--out {args.out} {problem}")
-
-
-def export(args: argparse.Namespace) -> dict:
-    """Read and check everything first (the source, its weights, the fold at --depth), then write --out."""
     model = load_source(args.checkpoint)
     out = Path(args.out)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
@@ -284,15 +282,17 @@ def export(args: argparse.Namespace) -> dict:
     summary["depth"] = depth = vit.config.depth
     summary["fold_max_abs_diff"] = check_fold(model, vit, depth) if vit is not model else 0.0
     if args.format == "safetensors":
-        atomic_write(out, lambda path: save_safetensors(vit, path, "folded", source_config=asdict(model.config)))
+        source = asdict(model.config)
+        atomic_write(out, lambda path: save_safetensors(vit, path, "folded", source_config=source))
     elif args.format == "timm":
         summary.update(atomic_write(out, lambda path: save_timm(vit, path)))
         kwargs = "".join(f", {k}={v!r}" for k, v in summary["timm_kwargs"].items())
         read = "safetensors.torch.load_file" if out.suffix == ".safetensors" else "torch.load"
         print(f"load in timm: model = timm.create_model({summary['timm_model']!r}{kwargs}); "
               f"model.load_state_dict({read}({str(out)!r}), strict=True)", file=sys.stderr)
-    else:
-        require_onnx()
+    else:  # after every argument and the source, before anything is written (torch's error is less clear)
+        if importlib.util.find_spec("onnx") is None:  # torch.onnx.export writes the graph through it
+            raise ValueError("--format onnx needs the onnx package: pip install -r requirements-extra.txt")
         summary["onnx_max_abs_diff"] = atomic_write(out, lambda path: export_onnx(vit, path, args.opset))
         if summary["onnx_max_abs_diff"] is None:
             print("onnxruntime is not installed: the ONNX graph was written but not checked "
@@ -303,7 +303,6 @@ def export(args: argparse.Namespace) -> dict:
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     try:
-        check_args(args)
         summary = export(args)
     except ValueError as e:
         fail(str(e), PROG)

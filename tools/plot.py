@@ -96,7 +96,6 @@ def main(argv=None) -> Path:
     plt = pyplot()
     if plt is None:
         fail("matplotlib is not installed, so no figure (pip install -r requirements-extra.txt)", PROG)
-    out.parent.mkdir(parents=True, exist_ok=True)
     draw(plt, runs, out)
     print(f"wrote {out} ({len(runs)} run(s))")
     return out

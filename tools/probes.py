@@ -1,7 +1,8 @@
 """Dense frozen-backbone probes: semantic segmentation (mIoU) and monocular depth (RMSE) on patch tokens.
 
     python -m tools.probes --probe seg --backbone out/revit-mini/ckpt.pt --eval-depths 2,4,8
-    python -m tools.probes --probe monodepth --backbone ckpt.pt --data /datasets/nyu_depth_v2 --probe-cache cache/
+    python -m tools.probes --probe monodepth --backbone ckpt.pt --data /datasets/nyu_depth_v2 \\
+        --probe-cache cache/
 
 reViT (arXiv 2610.12448) Table 2 and App. A.3: the encoder stays frozen and its final-LayerNorm patch
 tokens are read out by a linear segmentation head (ADE20k) and by linear and two-layer MLP depth heads
@@ -32,6 +33,7 @@ import math
 import os
 import sys
 import time
+from collections import namedtuple
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -47,8 +49,8 @@ if not __package__:  # run as a file (python tools/probes.py): the project's mod
 from lib import checkpoint
 import train
 from lib.boundary import DENSE_PROBES, check_numbers, fail, outputs_problem, parse_depths, path_problem
-from lib.cli import atomic_write, dataclass_parser, non_finite_place, opt, pick_device, write_json
-from lib.cli import run_main  # Ctrl-C: one line
+from lib.cli import atomic_write, dataclass_parser, f, markdown, non_finite_place, opt, pick_device
+from lib.cli import run_main, write_json  # run_main: Ctrl-C is one line
 from lib.data import NORMALISATION, epoch_order, load_images
 
 PROG = "python -m tools.probes"  # how it runs: from the repository root, as a module
@@ -56,33 +58,29 @@ IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabel
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
 PROXY_LEVELS = 4           # ... and the rest falls into 4 intensity classes
 DELTA_MIN_DEPTH = 1e-3     # predicted depths are clamped to this before the ratio of delta < 1.25
+OUT_FILES = ("probe_results.json", "probe_heads.pt")
 
 
 @dataclass
 class ProbeConfig:
     """The flags of `python -m tools.probes`, with the dense probe's own training settings as defaults."""
-    probe: str = opt("seg", "seg (linear segmentation head, mIoU) | monodepth (linear and MLP monocular "
-                            "depth heads, RMSE)")
+    probe: str = opt("seg", "seg (a linear head, mIoU) | monodepth (linear and MLP depth heads, RMSE)")
     backbone: str = opt("", "checkpoint of the frozen backbone (any vision checkpoint of this project)")
-    depth: int | None = opt(None, "recurrent steps of the backbone the heads are trained on (auto: its "
-                                  "reference depth)")
-    eval_depths: str = opt("", "comma-separated further backbone depths to evaluate the trained heads at, e.g. 2,4,8")
-    data: str = opt("", "dense data root (tensor files, ADE20k or NYUv2; see the module docstring); auto: "
-                        "the Fashion-MNIST dense proxy")
-    data_dir: str = opt("", "where Fashion-MNIST lives for the proxy (auto: ./data, $REVIT_DATA_DIR, "
-                            "/usr/share/datasets)")
+    depth: int | None = opt(None, "backbone steps the heads train at (auto: its reference depth)")
+    eval_depths: str = opt("", "further backbone depths to evaluate the trained heads at, e.g. 2,4,8")
+    data: str = opt("", "dense data: tensor files, ADE20k or NYUv2 (auto: the Fashion-MNIST proxy)")
+    data_dir: str = opt("", "Fashion-MNIST's folder (auto: ./data, $REVIT_DATA_DIR, /usr/share/datasets)")
     download: bool = opt(False, "download Fashion-MNIST when no search location has it (only when asked)")
     train_subset: int = opt(0, "use only the first N training images (0: all)")
     test_subset: int = opt(0, "evaluate on only the first N test images (0: all)")
-    # a linear head on fixed features: few epochs, a large lr (best of a 1e-3..3e-2 sweep on the proxy), no decay
+    # a linear head on fixed features: few epochs, a large lr (best of a 1e-3..3e-2 sweep on the proxy)
     epochs: int = opt(10, "epochs over the training images")
     max_steps: int = opt(0, "optimizer steps; overrides --epochs when > 0")
     batch_size: int = opt(64, "images per optimizer step")
     lr: float = opt(1e-2, "peak AdamW learning rate (cosine decay to 1e-5 x lr; used as given)")
     weight_decay: float = opt(0.0, "AdamW weight decay of the heads")
     eval_batch_size: int = opt(256, "images per batch in feature extraction and evaluation")
-    probe_cache: str = opt("", "folder caching backbone features, keyed by checkpoint hash, depth and data "
-                               "(empty: recompute every run)")
+    probe_cache: str = opt("", "folder caching backbone features by checkpoint, depth and data")
     seed: int = opt(0, "random seed: head init and data order")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     out_dir: str = opt("", "write probe_results.json and probe_heads.pt here (empty: print only)")
@@ -98,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:
     """(K, K) pixel counts, rows = true class, columns = predicted class; ignored pixels dropped."""
     keep = target != IGNORE_INDEX
-    target, pred = target[keep].long(), pred[keep].long()  # labels in range: load_data checks them
-    return torch.bincount(target * num_classes + pred, minlength=num_classes ** 2).view(num_classes, num_classes)
+    flat = target[keep].long() * num_classes + pred[keep].long()  # labels in range: load_data checks them
+    return torch.bincount(flat, minlength=num_classes ** 2).view(num_classes, num_classes)
 
 
 def mean_iou(confusion: torch.Tensor) -> float:
@@ -122,29 +120,27 @@ def depth_map_sums(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                         torch.tensor(float(valid.sum()), dtype=torch.float64)])
 
 
-def depth_map_metrics(sums: torch.Tensor) -> dict:
-    squared_error, within, count = sums.tolist()
-    return {"rmse": math.sqrt(squared_error / count), "delta1": within / count}
-
-
 def batch_sums(pred: torch.Tensor, target: torch.Tensor, data) -> torch.Tensor:
-    """What one batch adds to the test metric: sums over batches, ratios once (batch size never changes
-    a metric)."""
-    return confusion_matrix(pred, target, data.num_classes) if data.task == "seg" else depth_map_sums(pred, target)
+    """What one batch adds to the test metric (batch size never changes a metric)."""
+    if data.task == "seg":
+        return confusion_matrix(pred, target, data.num_classes)
+    return depth_map_sums(pred, target)
 
 
 def metrics_of(sums: torch.Tensor, data) -> dict:
     if data.task == "seg":
         return {"miou": mean_iou(sums), "pixel_acc": (sums.diagonal().sum() / sums.sum()).item()}
-    return depth_map_metrics(sums)
+    squared_error, within, count = sums.tolist()
+    count = count or math.nan  # no valid depth: not a number, refused before anything is reported
+    return {"rmse": math.sqrt(squared_error / count), "delta1": within / count}
 
 
 # --- heads: per patch token, then bilinear upsampling to pixel resolution ---
 
 
 class DenseHead(nn.Module):
-    """Per patch token, Linear (hidden=0) or Linear-GELU-Linear to `out` maps, upsampled bilinearly to pixels:
-    class logits (not probabilities, as in DINOv2's linear head) or one depth map starting at `bias`."""
+    """Per patch token, Linear (hidden=0) or Linear-GELU-Linear to `out` maps, upsampled bilinearly to
+    pixels: class logits (as DINOv2's linear head) or one depth map starting at `bias`."""
 
     def __init__(self, dim: int, out: int, grid: int, hidden: int = 0, bias: float = 0.0):
         super().__init__()
@@ -162,18 +158,15 @@ class DenseHead(nn.Module):
 
 def depth_map_loss(pred, target):
     """Mean squared error over valid pixels (the reported metric is its square root); pred (B, 1, H, W)."""
-    pred = pred[:, 0]
     valid = torch.isfinite(target) & (target > 0)
-    return ((pred - target.nan_to_num()) ** 2 * valid).sum() / valid.sum().clamp(min=1)
+    return ((pred[:, 0] - target.nan_to_num()) ** 2 * valid).sum() / valid.sum().clamp(min=1)
 
 
 # --- data ---
 
 
-@dataclass
-class DenseSplit:
-    images: torch.Tensor    # (N, C, H, W) uint8
-    targets: torch.Tensor   # (N, H, W) int64 class ids (IGNORE_INDEX = unscored) or float32 depth (NaN/0 = none)
+# images (N, C, H, W) uint8; targets (N, H, W): int64 class ids (IGNORE_INDEX: unscored) or float32 depth
+DenseSplit = namedtuple("DenseSplit", "images targets")
 
 
 @dataclass
@@ -195,13 +188,13 @@ def proxy_targets(images: torch.Tensor, task: str) -> torch.Tensor:
     return 1.0 + x.float() / 255  # monodepth: depth in [1, 2], positive so that delta < 1.25 is defined
 
 
-def load_proxy(cfg: ProbeConfig, task: str) -> DenseData:
+def load_proxy(cfg: ProbeConfig) -> DenseData:
     """Real Fashion-MNIST images via train.py's loader, dense targets derived from them (a proxy)."""
     images = load_images("fashion-mnist", data_dir=cfg.data_dir, download=cfg.download,
                          train_subset=cfg.train_subset, test_subset=cfg.test_subset)
-    splits = [DenseSplit(s.images, proxy_targets(s.images, task)) for s in (images.train, images.test)]
-    return DenseData("Fashion-MNIST dense proxy", task, *splits,
-                     num_classes=1 + PROXY_LEVELS if task == "seg" else 0, unit="a.u.")
+    splits = [DenseSplit(s.images, proxy_targets(s.images, cfg.probe)) for s in (images.train, images.test)]
+    return DenseData("Fashion-MNIST dense proxy", cfg.probe, *splits,
+                     num_classes=1 + PROXY_LEVELS if cfg.probe == "seg" else 0, unit="a.u.")
 
 
 def read_pairs(pairs: list, task: str, size: int, channels: int) -> DenseSplit:
@@ -215,25 +208,23 @@ def read_pairs(pairs: list, task: str, size: int, channels: int) -> DenseSplit:
     images, targets = [], []
     for image_path, target_path in pairs:
         try:
-            image = Image.open(image_path).convert("RGB" if channels == 3 else "L").resize((size, size), Image.BICUBIC)
-            target = np.asarray(Image.open(target_path).resize((size, size), Image.NEAREST))
+            image = Image.open(image_path).convert("RGB" if channels == 3 else "L")
+            target = Image.open(target_path).resize((size, size), Image.NEAREST)
         except OSError as e:  # a missing target, or a file Pillow cannot read
             fail(f"--data: {e}")
-        images.append(torch.from_numpy(np.array(image)).reshape(size, size, channels).permute(2, 0, 1))
+        image = np.array(image.resize((size, size), Image.BICUBIC)).reshape(size, size, channels)
+        images.append(torch.from_numpy(image).permute(2, 0, 1))
+        target = torch.from_numpy(np.asarray(target).astype(np.int64))
         if task == "seg":  # ADE20k: annotation 0 ("other") ignored, 1..150 -> classes 0..149
-            labels = torch.from_numpy(target.astype(np.int64))
-            targets.append(torch.where(labels == 0, IGNORE_INDEX, labels - 1))
+            targets.append(torch.where(target == 0, IGNORE_INDEX, target - 1))
         else:  # uint16 millimetres, 0 = no measurement
-            depth_map = torch.from_numpy(target.astype(np.float32)) / 1000
-            targets.append(torch.where(depth_map > 0, depth_map, torch.nan))
-    if not images:
-        fail(f"--data: no {task} image pairs found")
+            targets.append(torch.where(target > 0, target.float() / 1000, torch.nan))
     return DenseSplit(torch.stack(images), torch.stack(targets))
 
 
-def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
+def read_tensor_files(root: Path, cfg: ProbeConfig) -> DenseData:
     """Format 1: ROOT/train.pt and ROOT/val.pt (module docstring)."""
-    key = "labels" if task == "seg" else "depth"
+    seg, key = cfg.probe == "seg", "labels" if cfg.probe == "seg" else "depth"
     splits = []
     for name, n in (("train", cfg.train_subset), ("val", cfg.test_subset)):
         path = root / f"{name}.pt"
@@ -241,41 +232,42 @@ def read_tensor_files(root: Path, task: str, cfg: ProbeConfig) -> DenseData:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, the file is unusable
             fail(f"--data {path}: {checkpoint.unreadable(e)}")
-        images, targets = (blob.get(k) if isinstance(blob, dict) else None for k in ("images", key))
+        blob = blob if isinstance(blob, dict) else {}
+        images, targets, num_classes = blob.get("images"), blob.get(key), blob.get("num_classes", 0)
         if not (torch.is_tensor(images) and torch.is_tensor(targets) and images.dtype == torch.uint8
-                and images.ndim == 4 and targets.shape == images[:, 0].shape):
+                and images.ndim == 4 and targets.shape == images[:, 0].shape
+                and (not seg or isinstance(num_classes, int) and num_classes > 0)):
             fail(f"--data {path}: needs a dict with the tensors 'images' (uint8, N x C x H x W) and '{key}' "
-                 f"(N x H x W) for --probe {task}")
-        images, targets = images[:n or None], targets[:n or None]
-        splits.append(DenseSplit(images, targets.long() if task == "seg" else targets.float()))
-    num_classes = blob.get("num_classes", 0) if task == "seg" else 0
-    if task == "seg" and not (isinstance(num_classes, int) and num_classes > 0):
-        fail(f"--data {root / 'val.pt'}: needs 'num_classes' (an int > 0) for --probe seg")
-    return DenseData(f"{root.name} (tensor files)", task, *splits, num_classes=num_classes)
+                 f"(N x H x W) for --probe {cfg.probe}" + (", and 'num_classes' (an int > 0)" if seg else ""))
+        splits.append(DenseSplit(images[:n or None], targets[:n or None].long() if seg else
+                                 targets[:n or None].float()))
+    return DenseData(f"{root.name} (tensor files)", cfg.probe, *splits, num_classes=num_classes if seg else 0)
 
 
-def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseData:
+def load_dense(cfg: ProbeConfig, size: int, channels: int) -> DenseData:
     """--data ROOT in one of the documented formats (module docstring), detected in that order."""
     root = Path(cfg.data)
     if all(os.path.lexists(root / name) for name in ("train.pt", "val.pt")):  # read_tensor_files checks them
-        return read_tensor_files(root, task, cfg)
+        return read_tensor_files(root, cfg)
     ade = root / "ADEChallengeData2016" if (root / "ADEChallengeData2016").is_dir() else root
     nyu = root / "official_splits" if (root / "official_splits").is_dir() else root
     if (ade / "annotations" / "training").is_dir():
-        name, kind, num_classes = "ADE20k", "seg", 150
+        name, task, num_classes = "ADE20k", "seg", 150
         pairs = [[(p, ade / "annotations" / split / f"{p.stem}.png")
                   for p in sorted((ade / "images" / split).glob("*.jpg"))]
                  for split in ("training", "validation")]
     elif (nyu / "test").is_dir() and next((nyu / "test").rglob("sync_depth_*.png"), None):
-        name, kind, num_classes = "NYUv2", "monodepth", 0
+        name, task, num_classes = "NYUv2", "monodepth", 0
         pairs = [[(p, p.with_name(p.name.replace("rgb_", "sync_depth_")).with_suffix(".png"))
                   for p in sorted((nyu / split).rglob("rgb_*.jpg"))] for split in ("train", "test")]
     else:
+        pairs = [[]]
+    if not all(pairs):
         fail(f"--data {root}: not a dense data set in a known layout (train.pt/val.pt, ADE20k, NYUv2 "
-             f"official_splits); see tools/probes.py")
-    if kind != task:
-        fail(f"--data {root} is {name}, a {kind} data set; --probe {task} needs "
-             f"{'label maps (e.g. ADE20k)' if task == 'seg' else 'depth maps (e.g. NYUv2)'}")
+             f"official_splits, with image pairs in each split); see tools/probes.py")
+    if task != cfg.probe:  # before reading a whole data set of the other kind
+        fail(f"--data {root} is {name}, a {task} data set; --probe {cfg.probe} needs "
+             f"{'label maps (e.g. ADE20k)' if cfg.probe == 'seg' else 'depth maps (e.g. NYUv2)'}")
     splits = [read_pairs(files[:n or None], task, size, channels)
               for files, n in zip(pairs, (cfg.train_subset, cfg.test_subset))]
     return DenseData(name, task, *splits, num_classes=num_classes)
@@ -284,25 +276,8 @@ def load_dense(cfg: ProbeConfig, task: str, size: int, channels: int) -> DenseDa
 # --- frozen features, with an optional disk cache ---
 
 
-def file_hash(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def normalisation(ckpt: dict, channels: int):
-    """The mean/std the backbone was trained with (its checkpoint's data set), else ImageNet's."""
-    dataset = (ckpt.get("train_config") or {}).get("dataset", "")
-    mean, std = NORMALISATION.get(dataset, NORMALISATION["imagenet"])
-    if len(mean) != channels:
-        mean, std = [0.5] * channels, [0.25] * channels
-    return mean, std
-
-
 @torch.no_grad()
-def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_size: int, device) -> torch.Tensor:
+def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_size: int, device):
     """Final-LayerNorm patch tokens (N, P, d) of uint8 images, stored as float16 on the CPU (half the
     memory; a linear probe does not notice), the backbone in eval mode."""
     backbone.eval()
@@ -317,32 +292,52 @@ def extract_features(backbone, images: torch.Tensor, mean, std, depth, batch_siz
 
 
 class FrozenBackbone:
-    """The frozen model (eval mode, requires_grad False) and what its features depend on: each part of the
-    cache key."""
+    """--backbone, frozen, with what its features depend on (each part of the cache key) and the depths
+    it runs at: the one the heads train at first, then --eval-depths."""
 
-    def __init__(self, model: nn.Module, ckpt: dict, device, cfg: ProbeConfig):
-        self.model, self.ckpt, self.device, self.batch_size = model, ckpt, device, cfg.eval_batch_size
-        self.mean, self.std = normalisation(ckpt, model.config.in_channels)
+    def __init__(self, cfg: ProbeConfig):
+        self.device, self.batch_size = pick_device(cfg.device), cfg.eval_batch_size
+        model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", self.device)
+        model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
+        self.model, self.ckpt, config = model, ckpt, model.config
+        self.depths = [cfg.depth or config.depth]
+        self.depths += [d for d in parse_depths(cfg.eval_depths) if d != self.depths[0]]
+        x = torch.zeros(1, config.in_channels, config.image_size, config.image_size, device=self.device)
+        for depth in self.depths:
+            try:
+                with torch.no_grad():
+                    model(x, depth=depth)
+            except ValueError as e:  # e.g. a plain ViT runs only its own depth
+                fail(f"--backbone {cfg.backbone} cannot run at depth {depth}: {e}")
+        # the mean/std the backbone was trained with (its checkpoint's data set), else ImageNet's
+        dataset = (ckpt.get("train_config") or {}).get("dataset", "")
+        self.mean, self.std = NORMALISATION.get(dataset, NORMALISATION["imagenet"])
+        if len(self.mean) != config.in_channels:
+            self.mean, self.std = [0.5] * config.in_channels, [0.25] * config.in_channels
         self.cache = cfg.probe_cache  # folder of cached features ("" for none)
-        self.ckpt_hash = file_hash(cfg.backbone) if cfg.probe_cache else ""
+        if self.cache:
+            with open(cfg.backbone, "rb") as file:
+                self.ckpt_hash = hashlib.file_digest(file, "sha256").hexdigest()
 
     def features(self, images: torch.Tensor, depth: int | None) -> torch.Tensor:
         """extract_features, through the cache when there is one (key: checkpoint file, depth, images,
         normalisation); an unreadable, misshapen or non-finite entry is recomputed and replaced."""
+        extract = partial(extract_features, self.model, images, self.mean, self.std, depth, self.batch_size,
+                          self.device)
         if not self.cache:
-            return extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
+            return extract()
         from safetensors import SafetensorError
         from safetensors.torch import load_file, save_file
         data = hashlib.sha256(images.contiguous().numpy().tobytes())
         data.update(repr((tuple(images.shape), list(self.mean), list(self.std))).encode())
-        path = Path(self.cache) / f"{self.ckpt_hash[:16]}-depth{depth}-data{data.hexdigest()[:16]}.safetensors"
-        if path.is_file():
-            with contextlib.suppress(SafetensorError, KeyError, OSError):
-                cached = load_file(path)["features"]
-                config = self.model.config
-                if cached.shape == (len(images), config.num_patches, config.dim) and torch.isfinite(cached).all():
-                    return cached
-        feats = extract_features(self.model, images, self.mean, self.std, depth, self.batch_size, self.device)
+        name = f"{self.ckpt_hash[:16]}-depth{depth}-data{data.hexdigest()[:16]}.safetensors"
+        path = Path(self.cache) / name
+        shape = (len(images), self.model.config.num_patches, self.model.config.dim)
+        with contextlib.suppress(SafetensorError, KeyError, OSError):
+            cached = load_file(path)["features"]
+            if cached.shape == shape and torch.isfinite(cached).all():
+                return cached
+        feats = extract()
         atomic_write(path, lambda tmp: save_file({"features": feats.contiguous()}, tmp))  # never torn
         return feats
 
@@ -398,19 +393,18 @@ def train_heads(frozen: FrozenBackbone, data: DenseData, depth: int, constant: f
     depth heads starting from the constant baseline. Each head starts from the same seed."""
     config = frozen.model.config
     grid = config.image_size // config.patch_size
-    feats = frozen.features(data.train.images, depth)
     if data.task == "seg":
-        heads = {"linear": lambda: DenseHead(config.dim, data.num_classes, grid)}
+        heads = {"linear": partial(DenseHead, config.dim, data.num_classes, grid)}
         loss_fn = partial(F.cross_entropy, ignore_index=IGNORE_INDEX)
     else:
-        heads = {"linear": lambda: DenseHead(config.dim, 1, grid, 0, constant),
-                 "mlp": lambda: DenseHead(config.dim, 1, grid, config.dim, constant)}
+        heads = {"linear": partial(DenseHead, config.dim, 1, grid, 0, constant),
+                 "mlp": partial(DenseHead, config.dim, 1, grid, config.dim, constant)}
         loss_fn = depth_map_loss
-    trained = {}
+    feats = frozen.features(data.train.images, depth)
     for name, build in heads.items():
         torch.manual_seed(cfg.seed)
-        trained[name] = fit_head(build(), feats, data.train.targets, loss_fn, cfg, frozen.device)
-    return trained
+        heads[name] = fit_head(build(), feats, data.train.targets, loss_fn, cfg, frozen.device)
+    return heads
 
 
 def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths: list[int]) -> dict:
@@ -418,123 +412,106 @@ def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths:
     metric is named after its head (rmse_linear, rmse_mlp, ...)."""
     results = {}
     for depth in depths:
-        test_feats = frozen.features(data.test.images, depth)
+        feats = frozen.features(data.test.images, depth)
         results[depth] = {}
         for name, head in heads.items():
-            metrics = evaluate_head(head, test_feats, data.test.targets, data, frozen.batch_size, frozen.device)
+            metrics = evaluate_head(head, feats, data.test.targets, data, frozen.batch_size, frozen.device)
             results[depth].update({f"{k}_{name}" if len(heads) > 1 else k: v for k, v in metrics.items()})
     return results
 
 
-# --- one probe run ---
+# --- one probe run: every input checked, then the heads trained and evaluated at each depth ---
 
 
 def check_config(cfg: ProbeConfig) -> None:
-    """The flags that need no file (lib/boundary.py's ranges): one line naming the flag."""
-    if cfg.probe not in DENSE_PROBES:
-        hint = " (monocular depth is monodepth; --depth sets the backbone's steps)" if cfg.probe == "depth" else ""
-        fail(f"--probe must be one of {', '.join(DENSE_PROBES)} here (cls is train.py's); got {cfg.probe!r}{hint}")
-    if not cfg.backbone:
-        fail(f"--probe {cfg.probe} needs --backbone CHECKPOINT")
+    """The flags, before any file is read (ranges: lib/boundary.py's table): one line naming the flag."""
     check_numbers(asdict(cfg))
-    if cfg.max_steps == 0 and cfg.epochs <= 0:
-        fail(f"--epochs must be > 0 (or give --max-steps); got {cfg.epochs}")
     parse_depths(cfg.eval_depths)
-    if cfg.data and path_problem(cfg.data, "folder"):
-        fail(f"--data {cfg.data}: {path_problem(cfg.data, 'folder')}")
-    for flag, folder, names in (("--probe-cache", cfg.probe_cache, ()),
-                                ("--out-dir", cfg.out_dir, ("probe_results.json", "probe_heads.pt"))):
-        if folder and outputs_problem(flag, folder, names):
-            fail(outputs_problem(flag, folder, names))
-
-
-def load_backbone(cfg: ProbeConfig) -> tuple[FrozenBackbone, list[int]]:
-    """--backbone, frozen, and the depths it runs at: the one the heads train on first, then --eval-depths."""
-    device = pick_device(cfg.device)
-    model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", device)
-    model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
-    config = model.config
-    trained_depth = cfg.depth or config.depth
-    depths = [trained_depth] + [d for d in parse_depths(cfg.eval_depths) if d != trained_depth]
-    x = torch.zeros(1, config.in_channels, config.image_size, config.image_size, device=device)
-    for depth in depths:
-        try:
-            with torch.no_grad():
-                model(x, depth=depth)
-        except ValueError as e:  # e.g. a plain ViT runs only its own depth
-            fail(f"--backbone {cfg.backbone} cannot run at depth {depth}: {e}")
-    return FrozenBackbone(model, ckpt, device, cfg), depths
+    hint = " (monocular depth is monodepth; --depth sets the backbone's steps)" * (cfg.probe == "depth")
+    data = cfg.data and path_problem(cfg.data, "folder")
+    cache = cfg.probe_cache and outputs_problem("--probe-cache", cfg.probe_cache, ())
+    out = cfg.out_dir and outputs_problem("--out-dir", cfg.out_dir, OUT_FILES)
+    for broken, message in [
+            (cfg.probe not in DENSE_PROBES, f"--probe must be one of {', '.join(DENSE_PROBES)} here (cls is "
+                                            f"train.py's); got {cfg.probe!r}{hint}"),
+            (not cfg.backbone, f"--probe {cfg.probe} needs --backbone CHECKPOINT"),
+            (not cfg.max_steps and not cfg.epochs, "--epochs must be > 0 (or give --max-steps); got 0"),
+            (data, f"--data {cfg.data}: {data}"), (cache, cache), (out, out)]:
+        if broken:
+            fail(message)
 
 
 def load_data(cfg: ProbeConfig, config) -> DenseData:
     """--data (or the proxy), checked against the backbone's input and the batch size."""
-    data = load_dense(cfg, cfg.probe, config.image_size, config.in_channels) if cfg.data else load_proxy(cfg, cfg.probe)
+    data = load_dense(cfg, config.image_size, config.in_channels) if cfg.data else load_proxy(cfg)
     expected = (config.in_channels, config.image_size, config.image_size)
-    for split in (data.train, data.test):
-        if tuple(split.images.shape[1:]) != expected:
-            fail(f"--data {data.name}: images are {tuple(split.images.shape[1:])}; the backbone expects {expected}")
-        t = split.targets
-        if data.task == "seg" and ((t < 0) | ((t >= data.num_classes) & (t != IGNORE_INDEX))).any():
-            fail(f"--data {data.name}: labels must be in 0..{data.num_classes - 1} or {IGNORE_INDEX} (ignore)")
-    if len(data.train.images) < cfg.batch_size:
-        fail(f"--batch-size {cfg.batch_size} is larger than the training set ({len(data.train.images)} images)")
+    shape = next((s.images.shape[1:] for s in (data.train, data.test) if s.images.shape[1:] != expected), ())
+    labels = [t for t in (data.train.targets, data.test.targets) if data.task == "seg"]
+    for broken, message in [
+            (shape, f"--data {data.name}: images are {tuple(shape)}; the backbone expects {expected}"),
+            (any(((t < 0) | (t >= data.num_classes) & (t != IGNORE_INDEX)).any() for t in labels),
+             f"--data {data.name}: labels must be in 0..{data.num_classes - 1} or {IGNORE_INDEX} (ignore)"),
+            (len(data.train.images) < cfg.batch_size, f"--batch-size {cfg.batch_size} is larger than the "
+                                                      f"training set ({len(data.train.images)} images)")]:
+        if broken:
+            fail(message)
     return data
 
 
 def run(cfg: ProbeConfig) -> dict:
-    """Every input checked; then the heads trained and evaluated at each depth -> the summary."""
     t_start = time.perf_counter()
     check_config(cfg)
     try:
-        frozen, depths = load_backbone(cfg)
+        frozen = FrozenBackbone(cfg)
         data = load_data(cfg, frozen.model.config)
     except (ValueError, FileNotFoundError) as e:  # a reader's one line, naming the flag or the file
         fail(str(e))
+    depths = frozen.depths
     baseline, constant = constant_baseline(data)
     heads = train_heads(frozen, data, depths[0], constant, cfg)
     results = evaluate_heads(frozen, heads, data, depths)
     if len(heads) > 1:  # the constant row, under each head's column names
         baseline = {f"{k}_{name}": v for k, v in baseline.items() for name in heads}
     summary = {"probe": data.task, "data": data.name, "unit": data.unit, "backbone": str(cfg.backbone),
-               "arch": frozen.ckpt["arch"], "reference_depth": frozen.model.config.depth, "trained_depth": depths[0],
-               "train_images": len(data.train.images), "test_images": len(data.test.images),
+               "arch": frozen.ckpt["arch"], "reference_depth": frozen.model.config.depth,
+               "trained_depth": depths[0], "train_images": len(data.train.images),
+               "test_images": len(data.test.images),
                **{f"test_{k}": v for k, v in results[depths[0]].items()},
                "depths": {str(d): r for d, r in results.items()}, "constant": baseline,
                "minutes": (time.perf_counter() - t_start) / 60}
     place = non_finite_place(summary)
     if place:  # as a non-finite loss stops train.py: a metric that is not a number is never reported
-        fail(f"--probe {cfg.probe}: the metric {place} is not finite (every test pixel ignored, or a diverged "
-             f"head); nothing written")
+        fail(f"--probe {cfg.probe}: the metric {place} is not finite (every test pixel ignored, or a "
+             f"diverged head); nothing written")
     print(results_table(summary))
     if cfg.out_dir:
-        out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(summary, str(out / "probe_results.json"))
+        write_json(summary, str(Path(cfg.out_dir) / OUT_FILES[0]))
         checkpoint.atomic_save({name: dict(head.state_dict()) for name, head in heads.items()},
-                               out / "probe_heads.pt")  # plain tensors: loads with weights_only=True
+                               Path(cfg.out_dir) / OUT_FILES[1])  # plain tensors: loads with weights_only
     return summary
 
 
-COLUMNS = {"seg": [("miou", "mIoU %", 100), ("pixel_acc", "pixel acc %", 100)],
-           "monodepth": [("rmse_linear", "RMSE lin", 1), ("rmse_mlp", "RMSE MLP", 1),
-                         ("delta1_linear", "δ<1.25 lin %", 100), ("delta1_mlp", "δ<1.25 MLP %", 100)]}
+def percent(key):
+    return lambda r: f"{100 * r[key]:.1f}"
+
+
+COLUMNS = {"seg": [("mIoU %", percent("miou")), ("pixel acc %", percent("pixel_acc"))],
+           "monodepth": [("RMSE lin", f("rmse_linear", "{:.4f}")), ("RMSE MLP", f("rmse_mlp", "{:.4f}")),
+                         ("δ<1.25 lin %", percent("delta1_linear")),
+                         ("δ<1.25 MLP %", percent("delta1_mlp"))]}
 
 
 def results_table(summary: dict) -> str:
     """A markdown table: one row per depth (the trained one marked) and the constant predictor."""
-    columns = COLUMNS[summary["probe"]]
     header = (f"{summary['arch']} | {summary['data']} | {summary['train_images']} train / "
               f"{summary['test_images']} test images")
     if summary["probe"] == "monodepth":
         header += f" | RMSE in {summary['unit']}"
-    lines = [header, "| backbone depth | " + " | ".join(title for _, title, _ in columns) + " |",
-             "|---" * (len(columns) + 1) + "|"]
-    rows = sorted(summary["depths"].items(), key=lambda kv: int(kv[0]))
-    for depth, metrics in rows + [("constant", summary["constant"])]:
-        label = f"{depth} (trained)" if depth == str(summary["trained_depth"]) else depth
-        lines.append(f"| {label} | " + " | ".join(f"{scale * metrics[key]:.{1 if scale == 100 else 4}f}"
-                                                   for key, _, scale in columns) + " |")
-    return "\n".join(lines)
+    trained = str(summary["trained_depth"])
+    rows = [{"depth": f"{d} (trained)" if d == trained else d, **metrics}
+            for d, metrics in sorted(summary["depths"].items(), key=lambda kv: int(kv[0]))]
+    rows.append({"depth": "constant", **summary["constant"]})
+    return header + "\n" + markdown(rows, [("backbone depth", f("depth", "{}")), *COLUMNS[summary["probe"]]])
 
 
 def main(argv=None) -> dict:

@@ -26,7 +26,6 @@ import subprocess
 import sys
 
 import torch
-from tqdm import tqdm
 
 if not __package__:  # run as a file (python tools/sweep.py): the project's modules are not on the path
     sys.exit("tools/sweep.py: error: run it from the repository root as python -m tools.sweep")
@@ -34,8 +33,9 @@ if not __package__:  # run as a file (python tools/sweep.py): the project's modu
 import revit
 from lib import tables, tasks
 from lib.checkpoint import load_model
-from lib.boundary import MAX_DEPTH, check_numbers, fail, output_problem
+from lib.boundary import MAX_DEPTH, check_numbers, fail, outputs_problem
 from lib.cli import git_commit, json_text, pick_device, pyplot, run_main, say, write_json
+from tools.depths import progress
 from tools.plot import save_png
 
 PROG = "python -m tools.sweep"  # how it runs: from the repository root, as a module
@@ -55,6 +55,26 @@ REGIMES = {
 # --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
 QUICK_REGIME = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128,
                 "batch_size": 64, "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
+
+
+def merge_model_args(base: str, extra: str) -> str:
+    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
+    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
+    return ",".join(f"{key}={value}" for key, value in pairs.items())
+
+
+def planted(model_args: str = "", **fields) -> dict:
+    """A cell of the planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress
+    LN(f_4 ∘ ... ∘ f_1(x)) per token, distinct fixed random maps f_t): its own data, depth, patch and width,
+    whatever the regime; `model_args` are added to its width's."""
+    return {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, **fields,
+            "model_args": merge_model_args("dim=48,heads=3,ffn_dim=96", model_args)}
+
+
+ELASTIC = {"depth_drop": 0.3, "eval_depths": "2,3,4,5,6,7,8"}  # elastic training, scored at L = 2 ... 8
+# Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match
+# its final post-norm tokens; then a linear probe (--probe cls) of each frozen model. {runs}: the run folders.
+TEACHER = "{runs}/distill-teacher-vit-untied-seed{seed}/ckpt.pt"
 # {size}: the regime's preset size (revit-mini -> mini); {eval_depths}: 2, 3, 4, L, 1.5L, 2L of its L.
 GRIDS = {
     "experts": {  # paper Table 5 (E = 1 ... 8) with Table 1's untied ViT and Raptor
@@ -81,48 +101,34 @@ GRIDS = {
         "revit-mini, depth prior 8": {"epochs": 15, "depth": 6,
                                       "model_args": "dim=96,heads=3,ffn_dim=192,router_prior=8"},
     },
-}
-# The planted-depth task (train.py --dataset planted, lib/planted.PlantedTask: regress LN(f_4 ∘ ... ∘ f_1(x))
-# per token, distinct fixed random maps f_t): every cell sets its own data, depth and patch, whatever the
-# regime.
-PLANTED_ARGS = "dim=48,heads=3,ffn_dim=96"
-PLANTED = {"dataset": "planted", "depth": 4, "patch_size": 4, "epochs": 8, "model_args": PLANTED_ARGS}
-ELASTIC = {**PLANTED, "depth_drop": 0.3, "eval_depths": "2,3,4,5,6,7,8"}  # elastic, scored at L = 2 ... 8
-# Distillation (§4.2, App. A.3, Eq. 5): the regime's untied ViT is the teacher of each seed; students match
-# its final post-norm tokens; then a linear probe (--probe cls) of each frozen model. {runs}: the run folders.
-TEACHER = "{runs}/distill-teacher-vit-untied-seed{seed}/ckpt.pt"
-GRIDS.update({
     "planted": {  # a task that needs a different function at each of its 4 steps, by construction
-        "ViT (untied)": {**PLANTED, "arch": "vit-{size}"},
-        "reViT E=1": {**PLANTED, "num_experts": 1},
-        "reViT E=4": {**PLANTED, "num_experts": 4},
-        "reViT E=4, depth prior 8": {**PLANTED, "num_experts": 4,
-                                     "model_args": PLANTED["model_args"] + ",router_prior=8"},
+        "ViT (untied)": planted(arch="vit-{size}"),
+        "reViT E=1": planted(num_experts=1),
+        "reViT E=4": planted(num_experts=4),
+        "reViT E=4, depth prior 8": planted("router_prior=8", num_experts=4),
     },
     "planted-lr": {  # the planted task with psi at lr x m: does a larger router lr find the program?
-        f"reViT E=4, router lr x{m}": {**PLANTED, "num_experts": 4, "router_lr_scale": m} for m in (10, 30)
+        f"reViT E=4, router lr x{m}": planted(num_experts=4, router_lr_scale=m) for m in (10, 30)
     },
     # Table 3's comparison on the planted task: content routing beside the depth-programmed merge, each
     # router at the paper's lr and at x30 (the planted-lr grid's setting for psi)
     "planted-table3": {
-        "feature-only": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=feature"},
-        "feature-only, router lr x30": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=feature",
-                                        "router_lr_scale": 30},
-        "SMEAR": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=smear"},
-        "SMEAR, router lr x30": {**PLANTED, "model_args": PLANTED_ARGS + ",ffn=smear", "router_lr_scale": 30},
+        "feature-only": planted("ffn=feature"),
+        "feature-only, router lr x30": planted("ffn=feature", router_lr_scale=30),
+        "SMEAR": planted("ffn=smear"),
+        "SMEAR, router lr x30": planted("ffn=smear", router_lr_scale=30),
         # at U = 1 DeepSeek-V3 routes K = 1 expert with its gate renormalised to 1: no gradient reaches its
         # router, so a faster router lr changes nothing (lib/moe.py's MOE_TABLE)
-        "DeepSeek-V3 U=1": {**PLANTED, "arch": "revit-{size}-deepseek"},
-        "Raptor k=2": {**PLANTED, "arch": "raptor-{size}-k2"},
-        "Raptor k=4": {**PLANTED, "arch": "raptor-{size}-k4"},  # one stored block per planted map
+        "DeepSeek-V3 U=1": planted(arch="revit-{size}-deepseek"),
+        "Raptor k=2": planted(arch="raptor-{size}-k2"),
+        "Raptor k=4": planted(arch="raptor-{size}-k4"),  # one stored block per planted map
     },
     # Fig. 2's question on the planted task: depth drop 0.3 at L = 4, each checkpoint scored at L = 2 ... 8
     "planted-elastic": {
-        "reViT E=4, router lr x30": {**ELASTIC, "num_experts": 4, "router_lr_scale": 30},
-        "reViT E=4, depth prior 8": {**ELASTIC, "num_experts": 4,
-                                     "model_args": PLANTED_ARGS + ",router_prior=8"},
-        "feature-only": {**ELASTIC, "num_experts": 4, "model_args": PLANTED_ARGS + ",ffn=feature"},
-        "reViT E=1": {**ELASTIC, "num_experts": 1},
+        "reViT E=4, router lr x30": planted(num_experts=4, router_lr_scale=30, **ELASTIC),
+        "reViT E=4, depth prior 8": planted("router_prior=8", num_experts=4, **ELASTIC),
+        "feature-only": planted("ffn=feature", num_experts=4, **ELASTIC),
+        "reViT E=1": planted(num_experts=1, **ELASTIC),
     },
     "router-lr": {  # psi in its own AdamW group at lr x m (train.py --router-lr-scale; m = 1: the paper);
         # the new cells first: E = 4 and E = 1 are also the experts grid's cells (the same flags)
@@ -143,21 +149,11 @@ GRIDS.update({
         "reViT E=1, 15 epochs": {"num_experts": 1, "epochs": 15},
         "reViT E=4, 15 epochs": {"num_experts": 4, "epochs": 15},
     },
-})
+}
 DEFAULT_GRIDS = "experts,elastic"
 
 
-class SweepError(ValueError):
-    """Bad input to the sweep, a failed cell or an unreadable cell file: main reports it as one line."""
-
-
 # --- cells: a regime and a grid entry -> train.py's command line ---
-
-
-def merge_model_args(base: str, extra: str) -> str:
-    """'dim=48,heads=3' + 'dim=32,ffn=feature' -> 'dim=32,heads=3,ffn=feature': the cell's value wins."""
-    pairs = dict(item.split("=", 1) for text in (base, extra) for item in text.split(",") if item)
-    return ",".join(f"{key}={value}" for key, value in pairs.items())
 
 
 def cell_argv(regime: dict, cell: dict, seed: int, runs: str = "runs") -> list[str]:
@@ -174,27 +170,78 @@ def cell_argv(regime: dict, cell: dict, seed: int, runs: str = "runs") -> list[s
     values["seed"] = seed
     argv = []
     for key, value in values.items():
-        flag = key.replace("_", "-")
-        argv += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool)
-                 else [f"--{flag}", str(value)])
+        argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
 
 
-def flag_groups(argv: list[str]) -> list[tuple]:
-    """['--a', '1', '--b'] -> [('--a', '1'), ('--b',)], sorted: the command whatever its flags' order."""
-    groups = []
-    for word in argv:
-        if word.startswith("--") or not groups:
-            groups.append([])
-        groups[-1].append(word)
-    return sorted(map(tuple, groups))
+def flag_pairs(argv: list[str]) -> list[tuple]:
+    """['--b', '2', '--a', '1'] -> [('--a', '1'), ('--b', '2')]: the command whatever its flags' order."""
+    return sorted(zip(argv[::2], argv[1::2]))
 
 
-# --- cell files: what a finished run left, read back as data ---
+# --- cell records: what a finished run left, read back as data ---
+
+
+def within(low, high):
+    return lambda v: type(v) in (int, float) and low <= v <= high  # NaN fails; true and false are no numbers
+
+
+def number(low, high) -> tuple:
+    return within(low, high), f"a number in {low:g}..{high:g}"
+
+
+def list_of(test):
+    return lambda v: isinstance(v, list) and all(map(test, v))
+
+
+# what a cell scores: top-1 accuracy, the planted task's MSE or distillation's
+SCORES = {"acc": number(0, 1), "mse": number(0, 1e9), "distill_mse": number(0, 1e9)}
+CELL_KEY = re.compile(r"[a-z0-9-]{1,200}")  # quality_rows' keys: a file name in cells/, never a path
+DEPTH_KEY = re.compile(r"[1-9][0-9]{0,2}")  # ASCII digits only: never "٤" or 5,000 digits
+RECORD = {  # a cell record's fields (result.NAME: its result's) -> (test, what it must be); null = absent
+    "result.params": number(0, 1e12),
+    "result.reference_depth": number(1, MAX_DEPTH),
+    "result.minutes": number(0, 1e7),
+    "key": (lambda v: isinstance(v, str) and CELL_KEY.fullmatch(v),
+            "a cell's name (a-z, 0-9 and -), never a path"),
+    "argv": (lambda v: list_of(lambda word: isinstance(word, str))(v) and len(v) % 2 == 0,
+             "a list of strings: flags and their values"),
+    **dict.fromkeys(("commit", "torch"), (lambda v: isinstance(v, (str, type(None))),
+                                          "a string or null (older cells have none)")),
+    "gates": (lambda g: not g or isinstance(g, dict) and within(0, 1)(g.get("gate_spread"))
+              and list_of(lambda e: type(e) is int)(g.get("dominant_expert")),
+              "null, {} or {gate_spread: 0..1, dominant_expert: a list of expert indices}"),
+    "gate_trace": (lambda t: t is None or list_of(lambda p: isinstance(p, list) and len(p) == 2
+                                                  and within(0, 1e12)(p[0]) and within(0, 1)(p[1]))(t),
+                   "a list of [step, gate spread] pairs"),
+}
+
+
+def metric_of(result: dict) -> str:
+    return next((m for m in SCORES if f"test_{m}" in result), "acc")
+
+
+def cell_problem(cell) -> str | None:
+    """The first rule of RECORD a cell record breaks, in words, or None. A file is data: an edited 1e308 is
+    never printed as "inf%", and its key never names a path."""
+    if not isinstance(cell, dict) or not isinstance(cell.get("result"), dict):
+        return f"a cell record is a JSON object holding a result object; got a JSON {type(cell).__name__}"
+    metric = metric_of(cell["result"])
+    score, what = SCORES[metric]
+    depths = (lambda d: d is None or isinstance(d, dict) and all(
+        DEPTH_KEY.fullmatch(k) and int(k) <= MAX_DEPTH and isinstance(v, dict) and score(v.get(metric))
+        for k, v in d.items()), f"a map of depths (1..{MAX_DEPTH}) to {{{metric}: {what}}}")
+    rules = {"result.test_" + metric: (score, what), "result.depths": depths, **RECORD}
+    for field, (test, what) in rules.items():
+        section, _, name = field.rpartition(".")
+        value = (cell[section] if section else cell).get(name)
+        if not test(value):
+            return f"{field} must be {what}; got {value!r:.40}"
+    return None
 
 
 def read_cell(path: str) -> dict:
-    """A cell record from its JSON file, every field checked; a torn or edited file is a SweepError."""
+    """A cell record from its JSON file, every field checked; a torn or edited file is one line."""
     try:
         with open(path) as fh:
             cell = json.load(fh)
@@ -202,145 +249,68 @@ def read_cell(path: str) -> dict:
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         problem = f"not a readable cell record ({type(e).__name__}: {e})"
     if problem:
-        raise SweepError(f"{path}: {problem}; delete it to re-run the cell")
+        fail(f"{path}: {problem}; delete it to re-run the cell", PROG)
     return cell
-
-
-RESULT_RANGES = {"test_acc": (0, 1), "test_mse": (0, 1e9), "test_distill_mse": (0, 1e9), "params": (0, 1e12),
-                 "reference_depth": (1, MAX_DEPTH), "minutes": (0, 1e7)}
-CELL_KEY = re.compile(r"[a-z0-9-]{1,200}")  # quality_rows' keys: a file name in cells/, never a path
-DEPTH_KEY = re.compile(r"[1-9][0-9]{0,2}")  # ASCII digits only: never "٤" or 5,000 digits
-
-
-def number_in(value, low, high) -> bool:
-    """A JSON number in low..high (NaN fails every comparison; true and false are not numbers)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
-
-
-def cell_problem(cell) -> str | None:
-    """The first rule a cell record breaks, in words, or None. A file is data: an edited 1e308 is never
-    printed as "inf%", and its key never names a path. Older cells lack commit and torch: still valid."""
-    if not isinstance(cell, dict) or not isinstance(cell.get("result"), dict):
-        return f"a cell record is a JSON object holding a result object; got a JSON {type(cell).__name__}"
-    result, gates, trace = cell["result"], cell.get("gates"), cell.get("gate_trace", [])
-    metric = metric_of(result)
-    for key in ("test_" + metric, "params", "reference_depth", "minutes"):
-        low, high = RESULT_RANGES[key]
-        if not number_in(result.get(key), low, high):
-            return f"result.{key} must be a number in {low:g}..{high:g}; got {result.get(key)!r:.40}"
-    low, high = RESULT_RANGES["test_" + metric]
-    depths = result.get("depths", {})
-    rules = {
-        f"result.depths must map depths (1..{MAX_DEPTH}) to {{{metric}: a number in {low:g}..{high:g}}}":
-            isinstance(depths, dict) and all(DEPTH_KEY.fullmatch(d) and int(d) <= MAX_DEPTH
-                                             and isinstance(v, dict) and number_in(v.get(metric), low, high)
-                                             for d, v in depths.items()),
-        "gates must be null, {} or {gate_spread: 0..1, dominant_expert: a list of expert indices}":
-            not gates or isinstance(gates, dict) and number_in(gates.get("gate_spread"), 0, 1)
-            and isinstance(gates.get("dominant_expert"), list)
-            and all(type(e) is int for e in gates["dominant_expert"]),
-        "gate_trace must be a list of [step, gate spread] pairs": isinstance(trace, list) and all(
-            isinstance(p, list) and len(p) == 2 and number_in(p[0], 0, 1e12) and number_in(p[1], 0, 1)
-            for p in trace),
-        "argv must be a list of strings":
-            isinstance(cell.get("argv"), list) and all(isinstance(a, str) for a in cell["argv"]),
-        "commit and torch must be strings":
-            all(isinstance(cell.get(k), (str, type(None))) for k in ("commit", "torch")),
-        "key must be a cell's name (a-z, 0-9 and -), never a path":
-            isinstance(cell.get("key"), str) and CELL_KEY.fullmatch(cell["key"]),
-    }
-    return next((rule for rule, kept in rules.items() if not kept), None)
-
-
-METRICS = ("acc", "mse", "distill_mse")  # what a cell scores: top-1; the planted task's MSE; distillation's
-
-
-def metric_of(result: dict) -> str:
-    return next((m for m in METRICS if f"test_{m}" in result), "acc")
 
 
 def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
     """A finished run of this command: cells/KEY.json, else any cell (of another grid) with the same flags."""
-    paths = sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")))
     own = os.path.join(out_dir, "cells", f"{key}.json")
-    for path in ([own] if own in paths else []) + paths:
+    for path in sorted(glob.glob(os.path.join(out_dir, "cells", "*.json")), key=lambda p: (p != own, p)):
         cached = read_cell(path)
-        if flag_groups(cached["argv"]) == flag_groups(argv):
+        if flag_pairs(cached["argv"]) == flag_pairs(argv):
             return {**cached, "cached": True}
     return None
-
-
-def gate_trace(run_dir: str) -> list:
-    """[step, gate spread] at each evaluation of the run (train.py logs it for reViT with E > 1)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        records = [json.loads(line) for line in fh]
-    return [[r["step"], r["gate_spread"]] for r in records if "eval" in r and "gate_spread" in r]
 
 
 # --- running a cell: python train.py in its own process ---
 
 
-def code_version() -> dict:
-    """The commit the cells are trained at (`-dirty` when tracked files outside results/ differ; None outside
-    git) and the torch version."""
-    return {"commit": git_commit(ROOT), "torch": torch.__version__}
-
-
-def train_cell(key: str, argv: list[str], run_dir: str, threads: int) -> dict:
-    """`python train.py ARGV` in its own process, its output in run_dir/train.log; -> its summary."""
-    checkpoint = os.path.join(run_dir, "ckpt.pt")
-    # a run killed mid-way continues from its last checkpoint; one killed before any checkpoint starts over
-    where = ["--resume", checkpoint] if os.path.exists(checkpoint) else ["--out-dir", run_dir, "--overwrite"]
-    log_path = os.path.join(run_dir, "train.log")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    with open(log_path, "a") as log:
-        done = subprocess.run([*TRAIN_COMMAND, *argv, *where, "--no-progress"], stdout=log,
-                              stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if done.returncode != 0:
-        raise SweepError(f"cell {key} (python train.py {' '.join(argv)}): {failure_line(log_path)}")
-    return run_summary(run_dir)
-
-
-def failure_line(log_path: str) -> str:
-    """train.py's one-line error (after 'error: '), else the last line of the log and where the log is."""
-    with open(log_path, errors="replace") as fh:
-        lines = [line.strip() for line in fh if line.strip()]
-    last = lines[-1] if lines else "no output"
-    return last.partition(": error: ")[2] if ": error: " in last else f"{last} (full output: {log_path})"
-
-
-def run_summary(run_dir: str) -> dict:
-    """What train.main returns for a finished run (its final record, step, checkpoint), from its log."""
-    steps, final = [], None
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        for record in map(json.loads, fh):
-            steps += [record["step"]] if isinstance(record.get("step"), int) else []
-            if record.get("event") == "final":
-                final = {k: v for k, v in record.items() if k != "event"}
-    if final is None:
-        raise SweepError(f"{run_dir}/metrics.jsonl has no final record: the run did not finish")
-    return {**final, "step": max(steps), "checkpoint": os.path.abspath(os.path.join(run_dir, "ckpt.pt")),
-            "out_dir": os.path.abspath(run_dir)}
-
-
-def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1, version: dict | None = None) -> dict:
-    """One train.py run, unless a finished run of the same command line is cached (cached_cell)."""
+def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1) -> dict:
+    """`python train.py ARGV` in its own process, its output in runs/KEY/train.log, unless a finished run of
+    the same command line is cached (cached_cell); -> its record, written to cells/KEY.json with the commit
+    (`-dirty`: tracked files outside results/ differ; None outside git) and torch it was trained at."""
     cached = cached_cell(key, argv, out_dir)
     if cached:
         return cached
     run_dir = os.path.join(out_dir, "runs", key)
     os.makedirs(run_dir, exist_ok=True)
-    version = version or code_version()
-    result = train_cell(key, argv, run_dir, threads)
-    checkpoint = os.path.join(run_dir, "ckpt.pt")
+    checkpoint, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "train.log")
+    # a run killed mid-way continues from its last checkpoint; one killed before any checkpoint starts over
+    where = ["--resume", checkpoint] if os.path.exists(checkpoint) else ["--out-dir", run_dir, "--overwrite"]
+    with open(log_path, "a") as log:
+        done = subprocess.run([*TRAIN_COMMAND, *argv, *where, "--no-progress"], stdout=log,
+                              stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                              cwd=ROOT)
+    if done.returncode != 0:
+        fail(f"cell {key} (python train.py {' '.join(argv)}): {failure_line(log_path)}", PROG)
+    result, trace = run_metrics(run_dir)
     has_gates = os.path.exists(checkpoint) and "--probe" not in argv  # a probe's checkpoint is a head
     gates = tasks.gate_summary(load_model(checkpoint)[0]) if has_gates else None
-    trace = {"gate_trace": gate_trace(run_dir) + [[result["step"], gates["gate_spread"]]]} if gates else {}
-    record = {"key": key, "argv": argv, "result": result, "gates": gates, **trace, **version,
-              "threads": threads}
-    os.makedirs(os.path.join(out_dir, "cells"), exist_ok=True)
+    trace = {"gate_trace": trace + [[result["step"], gates["gate_spread"]]]} if gates else {}
+    record = {"key": key, "argv": argv, "result": result, "gates": gates, **trace, "commit": git_commit(ROOT),
+              "torch": torch.__version__, "threads": threads}
     write_json(record, os.path.join(out_dir, "cells", f"{key}.json"))
     return {**record, "cached": False}
+
+
+def failure_line(log_path: str) -> str:
+    """train.py's one-line error (after 'error: '), else the last line of the log and where the log is."""
+    with open(log_path, errors="replace") as fh:
+        last = ([line.strip() for line in fh if line.strip()] or ["no output"])[-1]
+    return last.partition(": error: ")[2] or f"{last} (full output: {log_path})"
+
+
+def run_metrics(run_dir: str) -> tuple[dict, list]:
+    """A finished run's metrics.jsonl -> what train.main returns (its final record, last step, checkpoint)
+    and [step, gate spread] at each evaluation (train.py logs it for reViT with E > 1)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        records = [json.loads(line) for line in fh]
+    final = [{k: v for k, v in r.items() if k != "event"} for r in records if r.get("event") == "final"][-1]
+    step = max(r["step"] for r in records if isinstance(r.get("step"), int))
+    trace = [[r["step"], r["gate_spread"]] for r in records if "eval" in r and "gate_spread" in r]
+    return {**final, "step": step, "checkpoint": os.path.abspath(os.path.join(run_dir, "ckpt.pt")),
+            "out_dir": os.path.abspath(run_dir)}, trace
 
 
 # --- rows: each cell over its seeds ---
@@ -351,62 +321,48 @@ def mean_std(values: list[float]) -> dict:
             "values": values}
 
 
-def quality_rows(grids: list[str], regime: dict, seeds: int, out_dir: str, shard: tuple = (1, 1),
-                 threads: int = 1, progress: bool = False) -> list[dict]:
-    """Each cell over seeds. With shard (K, N) this process trains only every N-th run, starting at the K-th,
-    so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is 'pending'.
-    A line per run, and with `progress` a bar over the runs on stderr when it is a terminal."""
-    cells = [(grid, name, spec) for grid in grids for name, spec in GRIDS[grid].items()]
-    rows, index, version = [], 0, code_version()
-    bar = tqdm(total=len(cells) * seeds, desc="runs", disable=not progress or not sys.stderr.isatty(),
-               leave=False)
-    for grid, name, spec in cells:
-        records = []
-        for seed in range(seeds):
-            key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
-            argv = cell_argv(regime, spec, seed, os.path.join(out_dir, "runs"))
-            index += 1
-            mine = (index - 1) % shard[1] == shard[0] - 1
-            record = run_cell(key, argv, out_dir, threads, version) if mine else \
-                cached_cell(key, argv, out_dir)
-            records.append(record)
-            bar.update()
-            say(f"[{index}/{len(cells) * seeds}] {grid} / {name} / seed {seed}: " + (
-                "pending (another shard)" if record is None else score_text(record["result"])
-                + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")))
-        if None not in records:
-            rows.append(quality_row(grid, name, spec, records))
-    bar.close()
-    return rows
+def quality_rows(args, grids: list[str], regime: dict, out_dir: str, shard: tuple) -> list[dict]:
+    """Each cell over its seeds. With shard (K, N) this process trains only every N-th run, starting at the
+    K-th, so N processes (or machines sharing out_dir) split a sweep; a cell with a seed still to run is
+    'pending'. A line per run, and a bar over the runs on stderr when it is a terminal."""
+    runs = [(grid, name, seed) for grid in grids for name in GRIDS[grid] for seed in range(args.seeds)]
+    cells = {}
+    for index, (grid, name, seed) in enumerate(progress(runs, args, "runs"), 1):
+        key = re.sub(r"[^a-z0-9]+", "-", f"{grid} {name} seed{seed}".lower()).strip("-")
+        argv = cell_argv(regime, GRIDS[grid][name], seed, os.path.join(out_dir, "runs"))
+        mine = (index - 1) % shard[1] == shard[0] - 1
+        record = run_cell(key, argv, out_dir, args.threads) if mine else cached_cell(key, argv, out_dir)
+        cells.setdefault((grid, name), []).append(record)
+        say(f"[{index}/{len(runs)}] {grid} / {name} / seed {seed}: " + (
+            "pending (another shard)" if record is None else score_text(record["result"])
+            + (" (cached)" if record["cached"] else f" ({record['result']['minutes']:.1f} min)")))
+    return [quality_row(grid, name, seeds) for (grid, name), seeds in cells.items() if None not in seeds]
 
 
 def score_text(result: dict) -> str:
     metric = metric_of(result)
-    if metric == "acc":
-        return f"top-1 {100 * result['test_acc']:.2f}%"
-    return f"{metric} {result['test_' + metric]:.5f}"
+    score = result["test_" + metric]
+    return f"top-1 {100 * score:.2f}%" if metric == "acc" else f"{metric} {score:.5f}"
 
 
-def quality_row(grid: str, name: str, spec: dict, records: list[dict]) -> dict:
+def quality_row(grid: str, name: str, records: list[dict]) -> dict:
     """One cell over its seeds: mean ± std of its score (and at each evaluated depth), the gates' spread, and
     the commits its seeds were trained at (None: a cell recorded before commits were)."""
-    results = [r["result"] for r in records]
-    depths = sorted({d for r in results for d in r.get("depths", {})}, key=int)  # JSON's keys: strings
-    if any(sorted(r.get("depths", {}), key=int) != depths for r in results):  # an edited or mixed cell
-        seen = ", ".join(str(sorted(map(int, r.get("depths", {})))) for r in results)
-        raise SweepError(f"cell {grid} / {name}: its seeds were evaluated at different depths ({seen}); "
-                         f"delete its cells/*.json to re-run it")
-    gates = [r.get("gates") for r in records]
+    results, spec = [r["result"] for r in records], GRIDS[grid][name]
+    depths = [sorted(map(int, r.get("depths") or {})) for r in results]  # JSON's keys: strings
+    if any(seen != depths[0] for seen in depths):  # an edited or mixed cell
+        fail(f"cell {grid} / {name}: its seeds were evaluated at different depths "
+             f"({', '.join(map(str, depths))}); delete its cells/*.json to re-run it", PROG)
+    gates, traces = [r.get("gates") for r in records], [r.get("gate_trace") for r in records]
     metric = metric_of(results[0])  # acc for classification; the planted task and distillation score an MSE
     return {"grid": grid, "cell": name, "num_experts": spec.get("num_experts"),
             "variant": "model_args" in spec,  # e.g. the depth prior: a point beside the E line, not on it
             "params": results[0]["params"], "reference_depth": results[0]["reference_depth"],
             "metric": metric, metric: mean_std([r["test_" + metric] for r in results]),
-            "depths": {d: mean_std([r["depths"][d][metric] for r in results]) for d in depths},
+            "depths": {str(d): mean_std([r["depths"][str(d)][metric] for r in results]) for d in depths[0]},
             "gate_spread": mean_std([g["gate_spread"] for g in gates]) if all(gates) else None,
             "dominant_expert": [g["dominant_expert"] for g in gates] if all(gates) else None,
-            "gate_traces": [r["gate_trace"] for r in records]
-            if all("gate_trace" in r for r in records) else None,
+            "gate_traces": traces if None not in traces else None,
             "minutes": sum(r["minutes"] for r in results),
             "commits": sorted({r.get("commit") for r in records}, key=str)}
 
@@ -426,40 +382,35 @@ def quality_markdown(result: dict) -> str:
 
 
 def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
-    """accuracy vs E with error bars (Table 5 shape), accuracy vs inference depth with bands (Fig. 2) and
-    the gate spread during training, written to each (folder, file-name pattern with {kind})."""
+    """Accuracy vs E with error bars (Table 5's shape), the score vs inference depth with bands after elastic
+    training (Fig. 2's), and the gate spread during training, each written to every (folder, pattern)."""
     plt = pyplot()
     if plt is None:
         return []
-    figures, rows = {}, result["rows"]
-    experts = [r for r in rows if r["grid"] == "experts"]
-    if experts:
-        figures["experts"] = plot_experts(plt, experts)
-    untied = [r for r in rows if r["grid"] == "planted" and r["cell"] == "ViT (untied)"]
-    for grid, kind, reference in (("elastic", "depths", []), ("planted-elastic", "planted-depths", untied)):
-        elastic = [r for r in rows if r["grid"] == grid]
-        if elastic:
-            figures[kind] = plot_elastic(plt, elastic, reference[0] if reference else None)
-    traced = [r for r in rows if r.get("gate_traces")]
-    if traced:
-        figures["gates"] = plot_gate_traces(plt, traced)
-    paths = []
-    for kind, fig in figures.items():
-        fig.tight_layout()
-        for folder, pattern in folders:
-            os.makedirs(folder, exist_ok=True)
-            paths.append(os.path.join(folder, pattern.format(kind=kind)))
-            save_png(fig, paths[-1])
-        plt.close(fig)
+    rows, paths = result["rows"], []
+    grid = lambda name: [r for r in rows if r["grid"] == name]  # noqa: E731
+    untied = next((r for r in grid("planted") if r["cell"] == "ViT (untied)"), None)
+    figures = {"experts": (draw_experts, grid("experts")), "depths": (draw_elastic, grid("elastic")),
+               "planted-depths": (lambda ax, rows: draw_elastic(ax, rows, untied), grid("planted-elastic")),
+               "gates": (draw_gate_traces, [r for r in rows if r["gate_traces"]])}
+    for kind, (draw, chosen) in figures.items():
+        if chosen:
+            fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+            draw(ax, chosen)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            for folder, pattern in folders:
+                paths.append(os.path.join(folder, pattern.format(kind=kind)))
+                save_png(fig, paths[-1])
+            plt.close(fig)
     return paths
 
 
-def plot_experts(plt, experts: list[dict]):
-    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-    bank = [r for r in experts if r["num_experts"] and not r.get("variant")]  # the E line: paper's router
+def draw_experts(ax, experts: list[dict]) -> None:
+    bank = [r for r in experts if r["num_experts"] and not r["variant"]]  # the E line: the paper's router
     ax.errorbar([r["num_experts"] for r in bank], [100 * r["acc"]["mean"] for r in bank],
                 yerr=[100 * r["acc"]["std"] for r in bank], fmt="o-", capsize=3, label="reViT")
-    for r, marker in zip([r for r in experts if r["num_experts"] and r.get("variant")], "*Ds"):
+    for r, marker in zip([r for r in experts if r["num_experts"] and r["variant"]], "*Ds"):
         ax.errorbar([r["num_experts"]], [100 * r["acc"]["mean"]], yerr=[100 * r["acc"]["std"]], fmt=marker,
                     markersize=9, capsize=3, label=r["cell"])
     for r, style in zip([r for r in experts if not r["num_experts"]], ("--", ":", "-.")):
@@ -469,36 +420,28 @@ def plot_experts(plt, experts: list[dict]):
     ax.set_xscale("log", base=2)
     ax.set_xticks([r["num_experts"] for r in bank], labels=[str(r["num_experts"]) for r in bank])
     ax.set(xlabel="experts E", ylabel="top-1 accuracy (%)", title="accuracy vs E (mean ± std over seeds)")
-    ax.legend(fontsize=7)
-    return fig
 
 
-def plot_gate_traces(plt, rows: list[dict]):
-    """The gate spread (max - min of the gate matrix) at every evaluation of each seed's run: does a program
-    form, and is it still forming at the end?"""
-    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-    for r, color in zip(rows, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
-        for i, trace in enumerate(r["gate_traces"]):
-            ax.plot(*zip(*trace), "o-", markersize=3, color=color, alpha=0.8,
-                    label=f"{r['grid']}: {r['cell']}" if i == 0 else None)
+def draw_gate_traces(ax, rows: list[dict]) -> None:
+    """The gate spread (max - min of the gate matrix) at each evaluation: does a program form, and when?"""
+    for i, r in enumerate(rows):
+        for seed, trace in enumerate(r["gate_traces"]):
+            ax.plot(*zip(*trace), "o-", markersize=3, color=f"C{i % 10}", alpha=0.8,
+                    label=f"{r['grid']}: {r['cell']}" if seed == 0 else None)
     ax.set(xlabel="optimizer step", ylabel="gate spread (0 = flat)", ylim=(0, 1),
            title="gate spread during training, each seed")
-    ax.legend(fontsize=7)
-    return fig
 
 
-def plot_elastic(plt, elastic: list[dict], reference: dict | None = None):
-    """The score of each elastic checkpoint at every inference depth, with a band of one std over seeds;
+def draw_elastic(ax, elastic: list[dict], reference: dict | None = None) -> None:
+    """Each elastic checkpoint's score at every inference depth, with a band of one std over seeds;
     `reference` (a fixed-depth model) is one point at its own depth."""
-    metric = elastic[0].get("metric", "acc")
+    metric = elastic[0]["metric"]
     scale, label = (100, "top-1 accuracy (%)") if metric == "acc" else (1, "test MSE (lower is better)")
-    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
     for r in elastic:
         depths = sorted(r["depths"], key=int)
-        mean = [scale * r["depths"][d]["mean"] for d in depths]
-        std = [scale * r["depths"][d]["std"] for d in depths]
-        ax.plot([int(d) for d in depths], mean, "o-", label=r["cell"])
-        ax.fill_between([int(d) for d in depths], [m - s for m, s in zip(mean, std)],
+        mean, std = ([scale * r["depths"][d][stat] for d in depths] for stat in ("mean", "std"))
+        ax.plot(list(map(int, depths)), mean, "o-", label=r["cell"])
+        ax.fill_between(list(map(int, depths)), [m - s for m, s in zip(mean, std)],
                         [m + s for m, s in zip(mean, std)], alpha=0.2)
     if reference:
         ax.errorbar([reference["reference_depth"]], [scale * reference[metric]["mean"]],
@@ -506,51 +449,35 @@ def plot_elastic(plt, elastic: list[dict], reference: dict | None = None):
                     label=f"{reference['cell']}, trained at L = {reference['reference_depth']}")
     ax.axvline(elastic[0]["reference_depth"], ls=":", color="gray")
     ax.set(xlabel="inference depth", ylabel=label, title="after elastic training (mean ± std)")
-    ax.legend(fontsize=7)
-    return fig
 
 
 # --- command line ---
 
 
-def parse_shard(text: str) -> tuple:
-    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not match or not 1 <= int(match[1]) <= int(match[2]):
-        raise SweepError(f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {text!r}")
-    return int(match[1]), int(match[2])
-
-
-def parse_grids(text: str) -> list[str]:
-    grids = [g.strip() for g in text.split(",") if g.strip()]
-    if not grids or set(grids) - set(GRIDS):
-        raise SweepError(f"--grids must name some of {', '.join(GRIDS)}; got {text!r}")
-    return grids
-
-
-def thread_count(threads: int | None) -> int:
-    """--threads, else OMP_NUM_THREADS when the user set it, else one thread per run."""
-    if threads is None:
-        threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else 1
-    check_numbers({"threads": threads}, PROG)
-    return threads
-
-
 def run_sweep(args) -> dict:
-    check_numbers(vars(args), PROG)
+    check_numbers(vars(args), PROG)  # --seeds and --threads (its default: $OMP_NUM_THREADS)
     try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        raise SweepError(str(e)) from None
-    regime = dict(QUICK_REGIME if args.quick else REGIMES[args.regime], device=str(device))
-    grids, shard, threads = parse_grids(args.grids), parse_shard(args.shard), thread_count(args.threads)
-    seeds = args.seeds or (2 if args.quick else 3)
+        device = str(pick_device(args.device))
+    except ValueError as e:  # a device this machine does not have
+        fail(str(e), PROG)
+    grids = [g.strip() for g in args.grids.split(",") if g.strip()]
+    shard = re.fullmatch(r"(\d+)/(\d+)", args.shard.strip())
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
-    problem = output_problem(out_dir, "folder")
+    kinds = ("experts", "depths", "planted-depths", "gates")  # plot_quality's figures
+    out_problem = outputs_problem("--out", out_dir, ["quality.json", *(f"quality_{k}.png" for k in kinds)])
+    rules = {f"--grids must name some of {', '.join(GRIDS)}; got {args.grids!r}":
+             grids and set(grids) <= set(GRIDS),
+             f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {args.shard!r}":
+             shard and 1 <= int(shard[1]) <= int(shard[2]),
+             out_problem: not out_problem}
+    problem = next((rule for rule, kept in rules.items() if not kept), None)
     if problem:
-        raise SweepError(f"--out {out_dir} {problem}")
-    rows = quality_rows(grids, regime, seeds, out_dir, shard, threads, args.progress)
+        fail(problem, PROG)
+    regime = dict(QUICK_REGIME if args.quick else REGIMES[args.regime], device=device)
+    args.seeds = args.seeds or (2 if args.quick else 3)
+    rows = quality_rows(args, grids, regime, out_dir, (int(shard[1]), int(shard[2])))
     result = {"command": "quality", "quick": args.quick, "regime_name": args.regime, "regime": regime,
-              "seeds": seeds, "grids": grids, "regime_argv": cell_argv(regime, {}, 0)[:-2],
+              "seeds": args.seeds, "grids": grids, "regime_argv": cell_argv(regime, {}, 0)[:-2],
               "out_dir": out_dir, "rows": rows}
     name = "quick" if args.quick else args.regime  # a smoke run never overwrites a real sweep's pictures
     folders = [(out_dir, "quality_{kind}.png")]
@@ -562,6 +489,7 @@ def run_sweep(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    omp = os.environ.get("OMP_NUM_THREADS", "")
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grids", default=DEFAULT_GRIDS,
@@ -576,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", default="1/1", help="K/N: train only every N-th run from the K-th (run N "
                    "processes on one --out folder to split a sweep; then once more for the table)")
     p.add_argument("--device", default="auto", help="train.py's --device for every cell")
-    p.add_argument("--threads", type=int,
+    p.add_argument("--threads", type=int, default=int(omp) if omp.isdigit() else 1,
                    help="CPU threads per train.py run (default: $OMP_NUM_THREADS if set, else 1)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a progress bar over the runs on stderr, when it is a terminal")
@@ -584,11 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
-    try:
-        result = run_sweep(args)
-    except SweepError as e:  # bad input, a failed cell, a damaged cell file: one line
-        fail(str(e), PROG)
+    result = run_sweep(build_parser().parse_args(argv))
     print(json_text(result))
     return result
 
