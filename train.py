@@ -327,7 +327,8 @@ def save_checkpoint(run: Run) -> None:
     cfg = run.cfg
     ckpt = {"model": dict(run.trainable.state_dict()),  # a plain dict: no _metadata past weights_only
             "arch": "linear-probe" if cfg.probe else cfg.arch,
-            "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool) if cfg.probe
+            "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool,
+                                           backbone_sha256=run.model.backbone_sha256) if cfg.probe
                                       else asdict(run.model.config)),
             "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
             "scaler": run.scaler.state_dict(), "scheduler": dict(run.sched, step=run.step), "step": run.step,

@@ -7,6 +7,7 @@ planted-depth task lib/planted.py.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -241,6 +242,11 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
             fail(f"--backbone expects {backbone.config.in_channels}x{backbone.config.image_size}² images; "
                  f"{cfg.dataset} has {images.channels}x{images.image_size}²")
         model = ProbeModel(backbone, images.num_classes, cfg.probe_pool)  # --probe cls
+        with open(cfg.backbone, "rb") as f:  # the head fits this file: a resumed or scored probe needs it
+            model.backbone_sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+        saved = ckpt["model_config"].get("backbone_sha256") if ckpt else None  # None: trained before the hash
+        if saved not in (None, model.backbone_sha256):
+            fail(f"--backbone {cfg.backbone} is not the file this probe was trained on (its content changed)")
     else:
         overrides = ckpt["model_config"] if ckpt else vision_overrides(cfg, images)
         model = make(preset_module(cfg.arch, overrides).create_model, cfg.arch, overrides)

@@ -356,6 +356,11 @@ def test_linear_probe_trains_only_the_head(tmp_path, fashion_mnist_dir, pool):
     assert torch.equal(torch.load(backbone / "ckpt.pt", weights_only=True)["model"]["cls_token"], before["cls_token"])
     resumed = train.main(["--resume", str(out / "ckpt.pt"), "--max-steps", "4", "--no-progress"])
     assert resumed["step"] == 4
+    run(tmp_path, fashion_mnist_dir, "--max-steps", "3", "--overwrite", name="backbone")  # trained on
+    probe = str(out / "ckpt.pt")
+    for argv in (["--resume", probe, "--max-steps", "5"], ["--eval-only", probe]):  # its head no longer fits
+        with pytest.raises(SystemExit, match="--backbone .* is not the file this probe was trained on"):
+            train.main(argv)
 
 
 # --- language model ---
