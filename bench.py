@@ -42,7 +42,7 @@ import alternet
 import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
-from lib.boundary import RANGES, check_numbers, fail, output_problem
+from lib.boundary import check_numbers, fail, output_problem
 from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1055,8 +1055,6 @@ def check_flags(args, device) -> dict:
     defaults = {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
     vars(args).update(defaults)
     check_numbers(vars(args), PROG)
-    for batch in getattr(args, "batches", None) or ():
-        check_numbers({"batches": batch}, PROG, batches=RANGES["batch"])
     if args.command == "train" and args.rows:
         known, rows = train_models(args.size, args.compile), [t.strip() for t in args.rows.split(",")]
         if not set(rows) <= set(known):

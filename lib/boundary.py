@@ -10,7 +10,6 @@ import ast
 import contextlib
 import dataclasses
 import difflib
-import json
 import math
 import os
 import stat
@@ -76,7 +75,7 @@ RANGES = {  # a flag's name (train.py, bench.py, sample.py, tools/) -> (test, wh
     **dict.fromkeys(("random_perturbations", "num_permutations", "gradient_batches"), closed(0, REPEATS)),
     "warmup": closed(0, 1000),
     "max_repeats": closed(2, REPEATS),
-    "batch": closed(1, 65536),
+    **dict.fromkeys(("batch", "batches"), closed(1, 65536)),  # bench.py's
     "repeated_aug": closed(1, 64),
     "workers": closed(1, 256),
     "threads": closed(1, 1024),
@@ -109,8 +108,8 @@ ANY_NUMBER = closed(-COUNT, COUNT)  # a number flag without a rule of its own
 
 def check_numbers(values: dict, prog: str | None = None, **ranges) -> None:
     """Every number of `values` (flag name -> value) finite and in its range: RANGES, or `ranges` where a
-    command allows less (depths.py's --batch >= 2)."""
-    for name, value in values.items():
+    command allows less (depths.py's --batch >= 2); a list flag (nargs) has each of its numbers checked."""
+    for name, value in ((n, v) for n, vs in values.items() for v in (vs if isinstance(vs, list) else [vs])):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
         ok, allowed = ranges.get(name) or RANGES.get(name, ANY_NUMBER)
@@ -310,15 +309,14 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
 def is_own_output(path: Path) -> bool:
     """One of OUTPUT_STARTS, or tools.export's safetensors (a checkpoint's packed weights are not)."""
     with open(path, "rb") as f:
-        head = f.read(16)
-        if head.startswith(OUTPUT_STARTS):
+        if f.read(16).startswith(OUTPUT_STARTS):
             return True
-        try:  # safetensors: the header's length (8 bytes, little-endian), then the header as JSON
-            f.seek(8)
-            header = json.loads(f.read(min(int.from_bytes(head[:8], "little"), 1 << 20)))
-            return header["__metadata__"]["format"] in ("revit.folded", "revit.compact", "timm")
-        except (ValueError, KeyError, TypeError):
-            return False
+    from safetensors import SafetensorError, safe_open  # reads the header, no tensor
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return (f.metadata() or {}).get("format") in ("revit.folded", "revit.compact", "timm")
+    except (SafetensorError, OSError):
+        return False
 
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:

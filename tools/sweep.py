@@ -465,12 +465,12 @@ def run_sweep(args) -> dict:
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
     kinds = ("experts", "depths", "planted-depths", "gates")  # plot_quality's figures
     out_problem = outputs_problem("--out", out_dir, ["quality.json", *(f"quality_{k}.png" for k in kinds)])
-    rules = {f"--grids must name some of {', '.join(GRIDS)}; got {args.grids!r}":
-             grids and set(grids) <= set(GRIDS),
-             f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {args.shard!r}":
-             shard and 1 <= int(shard[1]) <= int(shard[2]),
-             out_problem: not out_problem}
-    problem = next((rule for rule, kept in rules.items() if not kept), None)
+    rules = [(f"--grids must name some of {', '.join(GRIDS)}; got {args.grids!r}",
+              grids and set(grids) <= set(GRIDS)),
+             (f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {args.shard!r}",
+              shard and 1 <= int(shard[1]) <= int(shard[2])),
+             (out_problem, not out_problem)]
+    problem = next((rule for rule, kept in rules if not kept), None)
     if problem:
         fail(problem, PROG)
     regime = dict(QUICK_REGIME if args.quick else REGIMES[args.regime], device=device)
