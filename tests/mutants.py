@@ -572,7 +572,7 @@ MUTANTS = [
     mutant("boundary: App. B's balance weight at U = 1", M, "1e-3 if budget > 1 else 0.0", "1e-3 if budget >= 1 else 0.0",
            "tests/test_moe.py::test_preset_names_and_table_encoding"),
     mutant("boundary: a probe's backbone file replaced unnoticed", "lib/tasks.py",
-           "if saved not in (None, model.backbone_sha256):", "if False:",
+           'saved = ckpt["model_config"].get("backbone_sha256") if ckpt else None', "saved = None",
            "tests/test_train.py::test_linear_probe_trains_only_the_head"),
     mutant("boundary: a reViT runs 2 steps or more", "lib/tasks.py", 'if config.arch != "vit" and d < 2:',
            'if config.arch != "vit" and d <= 2:', "tests/test_train.py::test_eval_only_matches_the_training_evaluation_and_leaves_the_file"),
@@ -698,6 +698,11 @@ MUTANTS = [
     mutant("boundary: --top-k may be the whole vocabulary", "sample.py", "args.top_k > model.config.vocab_size:",
            "args.top_k >= model.config.vocab_size:",
            "tests/test_sample.py::test_top_k_may_name_the_whole_vocabulary"),
+    mutant("boundary: a student's teacher file replaced unnoticed", "lib/tasks.py",
+           'saved = ckpt.get("teacher_sha256") if ckpt else None', "saved = None",
+           "tests/test_train.py::test_distillation_loss_decreases"),
+    mutant("train: a student's teacher hash not saved", T, '"teacher_sha256": getattr(run.task, "teacher_sha256", None),',
+           "", "tests/test_train.py::test_distillation_loss_decreases"),
 ]
 
 
