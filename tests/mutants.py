@@ -703,6 +703,18 @@ MUTANTS = [
            "tests/test_train.py::test_distillation_loss_decreases"),
     mutant("train: a student's teacher hash not saved", T, '"teacher_sha256": getattr(run.task, "teacher_sha256", None),',
            "", "tests/test_train.py::test_distillation_loss_decreases"),
+    mutant("checkpoint: --overwrite deletes the old run before the new one saves", "lib/checkpoint.py",
+           "                    path.replace(old)", "                    path.unlink()",
+           "tests/test_faults.py::test_overwrite_replaces_a_run_only_once_the_new_one_has_saved"),
+    mutant("checkpoint: a stopped --overwrite leaves the old run aside", "lib/checkpoint.py",
+           "            self.settle()\n            self.lock.close()", "            self.lock.close()",
+           "tests/test_faults.py::test_overwrite_replaces_a_run_only_once_the_new_one_has_saved"),
+    mutant("checkpoint: a killed --overwrite's old run not put back", "lib/checkpoint.py",
+           "        self.settle()  # what a killed run set aside", "        # what a killed run set aside",
+           "tests/test_faults.py::test_overwrite_replaces_a_run_only_once_the_new_one_has_saved"),
+    mutant("checkpoint: the old run kept past the first checkpoint", "lib/checkpoint.py",
+           "        self.settle()  # the run set aside is replaced now", "",
+           "tests/test_faults.py::test_overwrite_replaces_a_run_only_once_the_new_one_has_saved"),
 ]
 
 
