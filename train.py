@@ -330,6 +330,7 @@ def save_checkpoint(run: Run) -> None:
             "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool,
                                            backbone_sha256=run.model.backbone_sha256) if cfg.probe
                                       else asdict(run.model.config)),
+            "teacher_sha256": getattr(run.task, "teacher_sha256", None),  # lib/tasks.same_file
             "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
             "scaler": run.scaler.state_dict(), "scheduler": dict(run.sched, step=run.step), "step": run.step,
             "metrics": primitive(run.metrics)}

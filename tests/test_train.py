@@ -340,6 +340,11 @@ def test_distillation_loss_decreases(tmp_path, fashion_mnist_dir):
     losses = [r["distill"] for r in metrics(out) if "distill" in r]
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3])
     assert "test_distill_mse" in summary
+    run(tmp_path, fashion_mnist_dir, "--max-steps", "2", "--overwrite", name="teacher", arch="vit-mini")  # retrained
+    student = str(out / "ckpt.pt")
+    for argv in (["--resume", student, "--max-steps", "14"], ["--eval-only", student]):  # other targets
+        with pytest.raises(SystemExit, match="--teacher .* is not the file this run was trained on"):
+            train.main([*argv, "--teacher", str(teacher / "ckpt.pt")])
     with pytest.raises(SystemExit, match="student tokens .* teacher tokens .* differ"):
         run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--teacher", str(teacher / "ckpt.pt"),
             "--patch-size", "4", name="bad")
@@ -359,7 +364,7 @@ def test_linear_probe_trains_only_the_head(tmp_path, fashion_mnist_dir, pool):
     run(tmp_path, fashion_mnist_dir, "--max-steps", "3", "--overwrite", name="backbone")  # trained on
     probe = str(out / "ckpt.pt")
     for argv in (["--resume", probe, "--max-steps", "5"], ["--eval-only", probe]):  # its head no longer fits
-        with pytest.raises(SystemExit, match="--backbone .* is not the file this probe was trained on"):
+        with pytest.raises(SystemExit, match="--backbone .* is not the file this run was trained on"):
             train.main(argv)
 
 
