@@ -57,8 +57,8 @@ class TrainConfig:
     download: bool = opt(False, "download a built-in data set into the data dir if no search location has it")
     tokenizer: str = opt("byte", "text only: byte (vocab 256) | gpt2 (tiktoken BPE, vocab 50257)")
     block_size: int | None = opt(None, "text only: training sequence length (auto: the model's max length)")
-    train_subset: int = opt(0, "use only the first N training examples (0: all)")
-    test_subset: int = opt(0, "evaluate on only the first N test examples (0: all)")
+    train_subset: int = opt(0, "use only the first N training examples (a folder's: spread; 0: all)")
+    test_subset: int = opt(0, "evaluate on only the first N test examples (a folder's: spread; 0: all)")
     workers: int = opt(8, "ImageFolder only: data-loading worker processes per rank")
     # optimisation
     recipe: str = opt("", "imagenet | cifar | text | probe: settings over these defaults (auto: by data)")

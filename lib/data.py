@@ -243,7 +243,7 @@ class TensorImages:
 class FolderImages:
     """An ImageFolder tree read by torchvision (resize/crop on CPU workers; the rest on the device)."""
 
-    def __init__(self, root: Path, image_size: int, train: bool, workers: int, first: slice = slice(None)):
+    def __init__(self, root: Path, image_size: int, train: bool, workers: int, subset: int = 0):
         try:
             import torchvision.transforms.v2 as T
             from torchvision.datasets import ImageFolder
@@ -257,7 +257,7 @@ class FolderImages:
             resize = [T.Resize(image_size, interpolation=bicubic), T.CenterCrop(image_size)]
         self.dataset = ImageFolder(str(root), transform=T.Compose([T.PILToTensor(), *resize]),
                                    loader=read_rgb)  # a bad file: a ValueError naming it
-        self.dataset.samples = self.dataset.samples[first]  # --train-subset / --test-subset (load_images)
+        self.dataset.samples = spread(self.dataset.samples, subset)  # --train-subset / --test-subset
         self.workers = workers
 
     def __len__(self):
@@ -271,6 +271,12 @@ class FolderImages:
             yield from loader
         except ValueError as e:  # read_rgb's, rebuilt here from a worker's traceback: its last line
             fail(f"--data {str(e).splitlines()[-1].removeprefix('ValueError: ')}")
+
+
+def spread(files: list, n: int) -> list:
+    """n of the files, evenly spaced (0: all): a folder's are sorted by class, its first n few classes."""
+    n = min(n, len(files)) or len(files)
+    return [files[i * len(files) // n] for i in range(n)]
 
 
 def read_rgb(path: str):
@@ -304,8 +310,8 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
             raise ValueError("imagenet needs the folder: --data ROOT (an ImageFolder tree with train/ and "
                              "val/)")
         # a missing train/ or val/: ImageFolder's FileNotFoundError names it; 224: Table 6's resolution
-        train, test = (FolderImages(Path(data) / split, 224, split == "train", workers, first)
-                       for split, first in (("train", train), ("val", test)))
+        train, test = (FolderImages(Path(data) / split, 224, split == "train", workers, n)
+                       for split, n in (("train", train_subset), ("val", test_subset)))
         if train.dataset.classes != test.dataset.classes:  # a label must name the same class in both
             differ = sorted(set(train.dataset.classes) ^ set(test.dataset.classes))
             raise ValueError(f"{data}: val/ must hold the class folders of train/; {len(differ)} are in only "

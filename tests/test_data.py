@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lib import data, language
 
@@ -296,24 +298,36 @@ def image_folder(root: Path, classes=("cat", "dog"), per_class=3) -> Path:
     return root
 
 
-def test_an_image_folder_takes_the_first_n_images_of_a_subset_as_the_built_in_sets_do(tmp_path):
+def test_an_image_folder_subset_spreads_over_its_classes(tmp_path):
+    """Folder files are sorted by class: N of them spread evenly (the built-in sets' first N are mixed)."""
     pytest.importorskip("torchvision", reason="an image folder needs torchvision (requirements-extra.txt)")
     root = image_folder(tmp_path)
     whole = data.load_images("imagenet", data=str(root), workers=1)
     images = data.load_images("imagenet", data=str(root), train_subset=4, test_subset=2, workers=1)
     assert (len(whole.train), len(whole.test), len(images.train), len(images.test)) == (6, 6, 4, 2)
-    assert images.train.dataset.samples == whole.train.dataset.samples[:4]
-    assert images.test.dataset.samples == whole.test.dataset.samples[:2]
+    assert images.train.dataset.samples == [whole.train.dataset.samples[i] for i in (0, 1, 3, 4)]
+    assert images.test.dataset.samples == [whole.test.dataset.samples[i] for i in (0, 3)]  # cat/0, dog/0
 
 
 def test_load_images_gives_each_folder_split_its_subset(tmp_path, monkeypatch):
-    """The same as above where torchvision is not installed: the slice each split of the folder is given."""
+    """Where torchvision is not installed: the subset each split of the folder is given, and how
+    FolderImages spreads it over the class-sorted files (its torchvision part replaced)."""
     from types import SimpleNamespace
-    monkeypatch.setattr(data, "FolderImages", lambda root, size, train, workers, first: SimpleNamespace(
-        dataset=SimpleNamespace(classes=["cat"]), first=first))
+    monkeypatch.setattr(data, "FolderImages", lambda root, size, train, workers, subset: SimpleNamespace(
+        dataset=SimpleNamespace(classes=["cat"]), subset=subset))
     images = data.load_images("imagenet", data=str(tmp_path), train_subset=4, test_subset=2)
-    assert (images.train.first, images.test.first) == (slice(4), slice(2))
-    assert data.load_images("imagenet", data=str(tmp_path)).train.first == slice(None)
+    assert (images.train.subset, images.test.subset) == (4, 2)
+    assert data.load_images("imagenet", data=str(tmp_path)).train.subset == 0
+
+
+@given(st.integers(1, 300), st.integers(0, 400))
+@settings(max_examples=60, deadline=None)
+def test_a_folder_subset_is_evenly_spaced_over_the_class_sorted_files(size, n):
+    files = list(range(size))  # stand-ins for (path, class) pairs, sorted by class
+    picked, n = data.spread(files, n), min(n, size) or size  # 0: all of them
+    assert len(picked) == n and picked[0] == 0
+    gaps = {b - a for a, b in zip(picked, picked[1:])}
+    assert gaps <= {size // n, -(-size // n)}  # no stretch of the files skipped
 
 
 def truncate(path: Path) -> Path:
