@@ -740,6 +740,9 @@ MUTANTS = [
     mutant("checkpoint: a renamed safetensors file read by its name", "lib/checkpoint.py",
            'return f.read(9)[8:] == b"{"', "return False",
            "tests/test_export.py::test_an_export_is_read_by_its_content_and_named_for_its_format"),
+    mutant("moe: python -m lib.moe lists every size's mechanisms", M, 'if n.startswith("revit-s-") and',
+           'if n.startswith("revit-") and',
+           "tests/test_moe.py::test_python_m_lib_moe_lists_each_mechanism_at_one_size_by_default"),
 ]
 
 
