@@ -743,6 +743,8 @@ MUTANTS = [
     mutant("moe: python -m lib.moe lists every size's mechanisms", M, 'if n.startswith("revit-s-") and',
            'if n.startswith("revit-") and',
            "tests/test_moe.py::test_python_m_lib_moe_lists_each_mechanism_at_one_size_by_default"),
+    mutant("plot: a missing run's path named twice", "tools/plot.py", 'fail(f"RUN {path}: {problem}", PROG)',
+           'fail(f"RUN {run}: {path} {problem}", PROG)', "tests/test_plot.py::test_plot_names_a_missing_run_once"),
 ]
 
 
