@@ -55,6 +55,17 @@ def unreadable(error: Exception) -> str:
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
 
 
+def is_safetensors(path) -> bool:
+    """Named .safetensors, or begins as one (an 8-byte header length, then its JSON): a renamed file
+    (an export written as m.compact) is read as what it is."""
+    if Path(path).suffix == ".safetensors":
+        return True
+    if path_problem(path):  # missing, a folder, a FIFO: its reader says so
+        return False
+    with open(path, "rb") as f:
+        return f.read(9)[8:] == b"{"
+
+
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     """A checkpoint (weights_only=True) whose parts named in `keys` pass the rules below: their types,
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
@@ -62,7 +73,7 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     ckpt, problem = None, path_problem(path, "file")
     if not problem:
         try:
-            ckpt = read_weights(path) if Path(path).suffix == ".safetensors" else torch.load(
+            ckpt = read_weights(path) if is_safetensors(path) else torch.load(
                 path, map_location="cpu", weights_only=True)
         except ValueError as e:  # read_weights: what is wrong with the file, in words
             problem = str(e)

@@ -731,6 +731,20 @@ MUTANTS = [
     mutant("checkpoint: the old run kept past the first checkpoint", "lib/checkpoint.py",
            "        self.settle()  # the run set aside is replaced now", "",
            "tests/test_faults.py::test_overwrite_replaces_a_run_only_once_the_new_one_has_saved"),
+    mutant("export: --depth dropped from a compact export", "tools/export.py",
+           'if args.format == "compact" and args.depth is not None:', "if False:",
+           "tests/test_export.py::test_bad_input_gives_one_line_naming_it_and_writes_nothing"),
+    mutant("export: an --out named for another format written", "tools/export.py",
+           'if suffix in (".onnx", ".safetensors") and suffix != expected:', "if False:",
+           "tests/test_export.py::test_an_export_is_read_by_its_content_and_named_for_its_format"),
+    mutant("checkpoint: a renamed safetensors file read by its name", "lib/checkpoint.py",
+           'return f.read(9)[8:] == b"{"', "return False",
+           "tests/test_export.py::test_an_export_is_read_by_its_content_and_named_for_its_format"),
+    mutant("moe: python -m lib.moe lists every size's mechanisms", M, 'if n.startswith("revit-s-") and',
+           'if n.startswith("revit-") and',
+           "tests/test_moe.py::test_python_m_lib_moe_lists_each_mechanism_at_one_size_by_default"),
+    mutant("plot: a missing run's path named twice", "tools/plot.py", 'fail(f"RUN {path}: {problem}", PROG)',
+           'fail(f"RUN {run}: {path} {problem}", PROG)', "tests/test_plot.py::test_plot_names_a_missing_run_once"),
 ]
 
 

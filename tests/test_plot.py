@@ -32,6 +32,14 @@ def test_plot_refuses_a_file_without_training_loss(tmp_path):
         plot.main([str(tmp_path)])
 
 
+def test_plot_names_a_missing_run_once(tmp_path):
+    """A missing run file, or a run folder without metrics.jsonl: its path once, then what is wrong."""
+    for run, path in ((tmp_path / "nope", tmp_path / "nope"), (tmp_path, tmp_path / "metrics.jsonl")):
+        with pytest.raises(SystemExit) as stopped:
+            plot.main([str(run)])
+        assert str(stopped.value) == f"python -m tools.plot: error: RUN {path}: no such file"
+
+
 def test_plot_reads_a_language_run_by_its_bits_per_byte(tmp_path):
     out = tmp_path / "lm"
     train.main(["--arch", "alternet-tiny", "--out-dir", str(out), "--no-progress", "--max-steps", "4",
@@ -58,7 +66,7 @@ def test_plot_refuses_a_number_beyond_float32_in_one_line(piped_run, tmp_path, l
     line = with_loss(piped_run[0], tmp_path, loss)
     with pytest.raises(SystemExit) as stopped:
         plot.main([str(tmp_path), "--out", str(tmp_path / "c.png")])
-    assert str(stopped.value) == (f"python -m tools.plot: error: RUN {tmp_path}: {tmp_path}/metrics.jsonl "
+    assert str(stopped.value) == (f"python -m tools.plot: error: RUN {tmp_path}/metrics.jsonl "
                                   f"line {line} holds a number beyond float32's ±3.4e38, which no run logs")
     assert not (tmp_path / "c.png").exists()
 

@@ -28,7 +28,7 @@ def read_curves(run: str) -> dict:
     path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
     problem = path_problem(path)
     if problem:
-        fail(f"RUN {run}: {path} {problem}", PROG)
+        fail(f"RUN {path}: {problem}", PROG)
     curves = {"train_loss": {}}
     for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
@@ -45,11 +45,11 @@ def read_curves(run: str) -> dict:
         for key, value in [("train_loss", record.get("loss")), *(record.get("eval") or {}).items()]:
             if isinstance(value, (int, float)):
                 if abs(step) > FLOAT32_MAX or abs(value) > FLOAT32_MAX:
-                    fail(f"RUN {run}: {path} line {n} holds a number beyond float32's ±3.4e38, which no run "
+                    fail(f"RUN {path} line {n} holds a number beyond float32's ±3.4e38, which no run "
                          "logs", PROG)
                 curves.setdefault(key, {})[step] = value
     if not curves["train_loss"]:
-        fail(f"RUN {run}: {path} holds no training-loss line (train.py logs one every --log-interval)", PROG)
+        fail(f"RUN {path} holds no training-loss line (train.py logs one every --log-interval)", PROG)
     return curves
 
 
