@@ -731,6 +731,16 @@ MUTANTS = [
     mutant("checkpoint: the old run kept past the first checkpoint", "lib/checkpoint.py",
            "        self.settle()  # the run set aside is replaced now", "",
            "tests/test_faults.py::test_overwrite_replaces_a_run_only_once_the_new_one_has_saved"),
+    mutant("boundary: a model flag the model never reads echoed and dropped", "lib/boundary.py",
+           "        if model not in readers:", "        if False:",
+           "tests/test_hostile.py::test_a_model_flag_the_model_never_reads_is_refused",
+           "tests/test_train.py::test_alternet_reads_num_experts_and_depth_as_its_model_args_would"),
+    mutant("boundary: a saved config's unread fields at the preset's values refused", "lib/boundary.py",
+           "if value != preset[name]]", "]",
+           "tests/test_hostile.py::test_model_args_a_model_never_reads_pass_where_they_are_the_presets"),
+    mutant("language: AlterNet's --num-experts / --depth dropped", "lib/language.py",
+           "            overrides[name] = getattr(cfg, flag)", "            pass",
+           "tests/test_train.py::test_alternet_reads_num_experts_and_depth_as_its_model_args_would"),
 ]
 
 
