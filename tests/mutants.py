@@ -741,6 +741,11 @@ MUTANTS = [
     mutant("language: AlterNet's --num-experts / --depth dropped", "lib/language.py",
            "            overrides[name] = getattr(cfg, flag)", "            pass",
            "tests/test_train.py::test_alternet_reads_num_experts_and_depth_as_its_model_args_would"),
+    mutant("train: --help's data sets without planted", T, "' | '.join(IMAGE_DATASETS + TEXT_DATASETS)} (",
+           "' | '.join(IMAGE_DATASETS[:4] + TEXT_DATASETS)} (",
+           "tests/test_cli.py::test_help_lists_every_data_set_train_py_takes"),
+    mutant("train: --no-progress echoed as --progress", T, "(--{'no-' if value is False else ''}{name", "(--{name",
+           "tests/test_cli.py::test_an_override_line_names_the_flag_as_typed"),
 ]
 
 
