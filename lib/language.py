@@ -194,6 +194,11 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     """Text, model and task -> (model, task, batches(start_step), None, None): lib/tasks.build's shape for a
     language preset. A resumed or evaluated checkpoint supplies the model config."""
     autocast = autocast_of(device, device_options(device.type, cfg.precision))
+    try:  # before the text: a missing tokenizer is the tokenizer's (a recipe's) problem, not the data's
+        text_codec(cfg.tokenizer, cfg.download)
+    except ValueError as e:
+        by = alternet.RECIPES.get(cfg.arch, {}).get("tokenizer") == cfg.tokenizer
+        fail(f"--tokenizer {cfg.tokenizer}{f' (--arch {cfg.arch} trains with it)' if by else ''}: {e}")
     try:
         train_tokens, val_tokens, tokens_per_byte, vocab = load_text(
             cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)

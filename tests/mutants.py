@@ -746,6 +746,9 @@ MUTANTS = [
            "tests/test_cli.py::test_help_lists_every_data_set_train_py_takes"),
     mutant("train: --no-progress echoed as --progress", T, "(--{'no-' if value is False else ''}{name", "(--{name",
            "tests/test_cli.py::test_an_override_line_names_the_flag_as_typed"),
+    mutant("language: a missing tokenizer blamed on --dataset", "lib/language.py",
+           "        text_codec(cfg.tokenizer, cfg.download)\n", "        pass\n",
+           "tests/test_train.py::test_a_missing_tokenizer_names_the_arch_that_trains_with_it"),
 ]
 
 

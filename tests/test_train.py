@@ -399,6 +399,13 @@ def test_alternet_reads_num_experts_and_depth_as_its_model_args_would(tmp_path):
         train.main(["--eval-only", str(tmp_path / "ckpt.pt"), "--eval-depths", "2", "--eval-iters", "1"])
 
 
+def test_a_missing_tokenizer_names_the_arch_that_trains_with_it(fetching_tiktoken):
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--arch", "alternet-50m", "--max-steps", "1"])
+    assert str(stopped.value).startswith("train.py: error: --tokenizer gpt2 (--arch alternet-50m trains with it): "
+                                         "the gpt2 tokenizer needs tiktoken"), stopped.value
+
+
 def test_language_model_on_tinyshakespeare(tmp_path, shakespeare_path):
     summary = train.main(["--arch", "alternet-tiny", "--data", str(shakespeare_path), "--out-dir",
                           str(tmp_path / "lm"), "--no-progress", *TINY_LM])
