@@ -749,6 +749,9 @@ MUTANTS = [
     mutant("language: a missing tokenizer blamed on --dataset", "lib/language.py",
            "        text_codec(cfg.tokenizer, cfg.download)\n", "        pass\n",
            "tests/test_train.py::test_a_missing_tokenizer_names_the_arch_that_trains_with_it"),
+    mutant("tasks: a language model taken as --teacher", "lib/tasks.py",
+           'or_fail(load_vision_model, cfg.teacher, "--teacher")[0]', 'model_or_fail(cfg.teacher, "--teacher")',
+           "tests/test_hostile.py::test_a_language_model_given_as_teacher_is_named_as_such"),
 ]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import alternet
 import revit
 from tools import analyze
 from tools import probes
@@ -339,6 +340,16 @@ def test_a_model_flag_the_model_never_reads_is_refused(tmp_path, fashion_mnist_d
     message = one_line(train.main, argv + small, "train.py")
     assert needle in message, message
     assert not (tmp_path / "run").exists()
+
+
+def test_a_language_model_given_as_teacher_is_named_as_such(tmp_path, fashion_mnist_dir):
+    lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
+    torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": dataclasses.asdict(lm.config)},
+               tmp_path / "language.pt")
+    message = one_line(train.main, ["--teacher", tmp_path / "language.pt", "--max-steps", "1", "--train-subset",
+                                    "64", "--test-subset", "32", "--batch-size", "8", "--data-dir",
+                                    fashion_mnist_dir, "--out-dir", tmp_path / "run"], "train.py")
+    assert f"--teacher {tmp_path}/language.pt: holds the language model alternet-tiny" in message, message
 
 
 def test_model_args_a_model_never_reads_pass_where_they_are_the_presets():
