@@ -197,6 +197,18 @@ def unread_problem(cfg, module, vision: bool) -> str | None:
     return None
 
 
+def alternet_overrides(cfg) -> dict:
+    """An AlterNet's config overrides: --model-args, and --num-experts / --depth as the fields they set."""
+    import alternet
+    overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
+    for flag, name in ALTERNET_FLAGS.items():
+        if getattr(cfg, flag) is not None:
+            if name in overrides:  # never last-one-wins
+                fail(f"--model-args {name}={overrides[name]}: {name} is set by --{flag.replace('_', '-')}")
+            overrides[name] = getattr(cfg, flag)
+    return overrides
+
+
 def preset_module(arch: str, config=None):
     """The module (revit, lib.moe or alternet) that builds preset `arch` with `config`, or None."""
     if arch in revit.PRESETS and not set(config if isinstance(config, dict) else ()) - VISION_FIELDS:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import alternet
 from lib import data
 from lib.checkpoint import unwrap
-from lib.boundary import ALTERNET_FLAGS, fail, parse_model_args
+from lib.boundary import alternet_overrides, fail
 from lib.cli import device_options, say
 from lib.tasks import autocast_of, make
 
@@ -204,12 +204,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
             cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)
     except (ValueError, FileNotFoundError) as e:
         fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")
-    overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
-    for flag, name in ALTERNET_FLAGS.items():  # --num-experts: E, --depth: D, as their --model-args would
-        if getattr(cfg, flag) is not None:
-            if name in overrides:  # never last-one-wins
-                fail(f"--model-args {name}={overrides[name]}: {name} is set by --{flag.replace('_', '-')}")
-            overrides[name] = getattr(cfg, flag)
+    overrides = alternet_overrides(cfg)
     top = max(int(train_tokens.max()), int(val_tokens.max()))
     if overrides.get("vocab_size", vocab) <= top:  # the data's token ids would fail mid-run
         fail(f"--model-args vocab_size={overrides['vocab_size']}: the data's token ids reach {top}")
