@@ -738,7 +738,7 @@ MUTANTS = [
     mutant("boundary: a saved config's unread fields at the preset's values refused", "lib/boundary.py",
            "if value != preset[name]]", "]",
            "tests/test_hostile.py::test_model_args_a_model_never_reads_pass_where_they_are_the_presets"),
-    mutant("language: AlterNet's --num-experts / --depth dropped", "lib/boundary.py",
+    mutant("boundary: AlterNet's --num-experts / --depth dropped", "lib/boundary.py",
            "            overrides[name] = getattr(cfg, flag)", "            pass",
            "tests/test_train.py::test_alternet_reads_num_experts_and_depth_as_its_model_args_would"),
     mutant("train: --help's data sets without planted", T, "' | '.join(IMAGE_DATASETS + TEXT_DATASETS)} (",
