@@ -44,14 +44,15 @@ class TrainConfig:
     # model
     arch: str = opt("revit-mini", "preset name from revit.PRESETS or alternet.PRESETS (see --list-archs)")
     patch_size: int | None = opt(None, "override the preset's patch size (auto: adapted to small images)")
-    depth: int | None = opt(None, "override the reference recurrent depth L / number of blocks")
-    num_experts: int | None = opt(None, "override E, the experts of reViT's bank")
+    depth: int | None = opt(None, "override the reference recurrent depth L / number of blocks (AlterNet: D)")
+    num_experts: int | None = opt(None, "override E, the experts of reViT's bank (or of AlterNet's block)")
     drop_path: float | None = opt(None, "override the per-block stochastic depth rate")
-    depth_drop: float | None = opt(None, "elastic depth: drop whole recurrent steps per image (paper: 0.3)")
+    depth_drop: float | None = opt(None, "reViT's elastic depth: drop rate of whole steps (paper: 0.3)")
     model_args: str = opt("", "any other model config fields, e.g. 'dim=128,heads=4' (see revit.ViTConfig)")
     # data
-    dataset: str = opt("", "fashion-mnist | cifar10 | cifar100 | imagenet (ImageFolder at --data) | grammar "
-                           "| tinyshakespeare | text (your --data) (auto: fashion-mnist; text: grammar)")
+    dataset: str = opt("", f"{' | '.join(IMAGE_DATASETS + TEXT_DATASETS)} (imagenet: an ImageFolder at "
+                           "--data; planted: lib/planted.py's depth task; text: your --data) "
+                           "(auto: fashion-mnist; language models: grammar)")
     data: str = opt("", "your data: an ImageFolder root with train/ and val/, or a UTF-8 text file / folder")
     data_dir: str = opt("", "built-in data sets' folder (auto: ./data, $REVIT_DATA_DIR, /usr/share/datasets)")
     download: bool = opt(False, "download a built-in data set into the data dir if no search location has it")
@@ -162,7 +163,7 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
              f"{family} preset{', --data given' if data else ''})")
     for name, value in explicit.items():
         if values[name] != value if name in values else value != getattr(TrainConfig, name):
-            show(f"override: {name}={value} (--{name.replace('_', '-')})")
+            show(f"override: {name}={value} (--{'no-' if value is False else ''}{name.replace('_', '-')})")
     cfg = TrainConfig(**{**values, **explicit})
     check_config(cfg)
     return cfg

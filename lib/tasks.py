@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.boundary import fail, is_vision, parse_depths, parse_model_args, preset_module
-from lib.checkpoint import checkpoint_or_fail, model_or_fail
+from lib.boundary import fail, is_vision, or_fail, parse_depths, parse_model_args, preset_module
+from lib.checkpoint import checkpoint_or_fail, load_vision_model, model_or_fail
 from lib.cli import device_options, say
 
 
@@ -126,7 +126,7 @@ def teacher_for(cfg, model, images, device) -> nn.Module:
             fail(f"--teacher {cfg.teacher}: could not load it from torch.hub (needs internet access): "
                  f"{str(e).splitlines()[0]}")
     else:
-        teacher = TeacherTokens(model_or_fail(cfg.teacher, "--teacher"), hub=False)
+        teacher = TeacherTokens(or_fail(load_vision_model, cfg.teacher, "--teacher")[0], hub=False)
     teacher = teacher.to(device).eval().requires_grad_(False)
     x = torch.zeros(2, images.channels, images.image_size, images.image_size, device=device)
     with torch.no_grad():

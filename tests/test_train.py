@@ -388,6 +388,24 @@ def test_language_model_loop_on_the_built_in_corpus(tmp_path, capsys):
     assert "recipe: text" in printed and "override: lr=0.001 (auto: width <= 256)" in printed
 
 
+def test_alternet_reads_num_experts_and_depth_as_its_model_args_would(tmp_path):
+    """--num-experts is AlterNet's E and --depth its D (max_depth): applied, as their override lines say."""
+    tiny = [a.replace(",max_depth=3", "") for a in TINY_LM]
+    train.main(["--arch", "alternet-tiny", "--out-dir", str(tmp_path), "--no-progress", "--num-experts", "2",
+                "--depth", "3", *tiny])
+    model, _ = checkpoint.load_model(tmp_path / "ckpt.pt")
+    assert (model.config.num_experts, model.config.max_depth) == (2, 3)
+    with pytest.raises(SystemExit, match=r"--eval-depths applies to ViT \(vit-\*\), Raptor .* not to alternet"):
+        train.main(["--eval-only", str(tmp_path / "ckpt.pt"), "--eval-depths", "2", "--eval-iters", "1"])
+
+
+def test_a_missing_tokenizer_names_the_arch_that_trains_with_it(fetching_tiktoken):
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--arch", "alternet-50m", "--max-steps", "1"])
+    assert str(stopped.value).startswith("train.py: error: --tokenizer gpt2 (--arch alternet-50m trains with it): "
+                                         "the gpt2 tokenizer needs tiktoken"), stopped.value
+
+
 def test_language_model_on_tinyshakespeare(tmp_path, shakespeare_path):
     summary = train.main(["--arch", "alternet-tiny", "--data", str(shakespeare_path), "--out-dir",
                           str(tmp_path / "lm"), "--no-progress", *TINY_LM])
