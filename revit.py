@@ -228,14 +228,13 @@ class MergedExpertFFN(ExpertBank):
     Eq. 1: z_t = psi(s_t), g_t = softmax(z_t / tau), psi = Linear(1,16) -> SiLU -> Linear(16,E).
     Eq. 2: W1_t = sum_e g_te W1_e (same for b1, W2, b2); FFN_t(u) = W2_t GELU(W1_t u + b1_t) + b2_t."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, router_hidden: int = 16,
-                 router_temperature: float = 1.0, router_prior: float = 0.0,
-                 lambda_bal: float = 1e-2, lambda_z: float = 1e-3, lambda_div: float = 1e-3):
-        super().__init__(dim, hidden, num_experts)
-        self.temperature, self.router_prior = router_temperature, router_prior
-        self.lambda_bal, self.lambda_z, self.lambda_div = lambda_bal, lambda_z, lambda_div
-        self.router = DepthRouter(nn.Linear(1, router_hidden), nn.SiLU(),  # psi (Eq. 1): router.0, router.2
-                                  nn.Linear(router_hidden, num_experts))
+    def __init__(self, c: ViTConfig):
+        super().__init__(c.dim, c.expert_ffn_dim, c.num_experts)
+        self.temperature, self.router_prior = c.router_temperature, c.router_prior
+        self.lambda_bal, self.lambda_z = c.balance_weight, c.z_loss_weight  # Eqs. 6, 8 (App. A.2, Table 6)
+        self.lambda_div = c.diversity_weight                                 # Eq. 9
+        self.router = DepthRouter(nn.Linear(1, c.router_hidden), nn.SiLU(),  # psi (Eq. 1): router.0, router.2
+                                  nn.Linear(c.router_hidden, c.num_experts))
 
     def reset_router(self) -> None:
         """App. A.1: the output layer starts at zero, all experts equal. The hidden layer (the paper leaves
@@ -269,7 +268,14 @@ class MergedExpertFFN(ExpertBank):
         values, group = torch.unique(coords, return_inverse=True)
         if len(values) == 1:
             return self.ffn_at(values)
-        return GroupedFFN(self.merge(self.gates(values), self.fc1_weight.dtype), group)  # (groups, ...)
+        merged = self.merge(self.gates(values), self.fc1_weight.dtype)  # (groups, ...)
+
+        def grouped_ffn(u: torch.Tensor) -> torch.Tensor:  # image i runs FFN group[i]: one call per group
+            order = torch.argsort(group)
+            chunks = u[order].split(torch.bincount(group, minlength=len(values)).tolist())
+            y = torch.cat([MergedFFN(*(w[i] for w in merged))(chunk) for i, chunk in enumerate(chunks)])
+            return y[torch.argsort(order)]  # back to the batch order
+        return grouped_ffn
 
     def aux_losses(self, depth: int) -> dict:
         """App. A.2 on the gates of the depth's grid: Eqs. 6 and 8 are means over the L steps."""
@@ -309,12 +315,7 @@ class ReViT(ViTBase):
 
     def build_block(self, c: ViTConfig) -> Block:
         """The shared block: Eq. 3 with reViT's merged expert FFN (E = 1: one dense Mlp, the tied block)."""
-        if c.num_experts == 1:
-            ffn = Mlp(c.dim, c.expert_ffn_dim)
-        else:
-            ffn = MergedExpertFFN(c.dim, c.expert_ffn_dim, c.num_experts, c.router_hidden,
-                                  c.router_temperature, c.router_prior,
-                                  c.balance_weight, c.z_loss_weight, c.diversity_weight)  # λ_bal, λ_z, λ_div
+        ffn = Mlp(c.dim, c.expert_ffn_dim) if c.num_experts == 1 else MergedExpertFFN(c)
         return Block(c.dim, c.heads, ffn, c.layer_scale_init, c.drop_path)
 
     def forward(self, images: torch.Tensor, depth: int | None = None, return_states: bool = False,
@@ -408,7 +409,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit.load_state_dict(state)
     return vit.train(model.training)
 
-# --- behind the story: the merge cache (§3.1), fp32 regions (App. A.5), depth prior, GroupedFFN (§3.2) ---
+# --- behind the story: the merge cache (§3.1), fp32 regions (App. A.5), the depth prior ---
 
 @torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
 def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
@@ -441,17 +442,6 @@ def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
     that starts expert e dominant near s = c_e, a symmetry-breaking start (ours; beta = router_prior)."""
     centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
     return -beta * (s.float() - centres).pow(2)
-
-class GroupedFFN(NamedTuple):
-    """Elastic depth (§3.2), images at several coordinates: image i runs FFN group[i] of (groups, ...)."""
-    merged: tuple
-    group: torch.Tensor  # (b,)
-
-    def __call__(self, u: torch.Tensor) -> torch.Tensor:
-        order = torch.argsort(self.group)
-        chunks = u[order].split(torch.bincount(self.group, minlength=self.merged[0].shape[0]).tolist())
-        y = torch.cat([MergedFFN(*(w[i] for w in self.merged))(chunk) for i, chunk in enumerate(chunks)])
-        return y[torch.argsort(order)]  # back to the batch order
 
 # --- DeiT III's recipe pieces: the init, drop-path (any block's option) and LayerScale (the baselines') ---
 
@@ -626,9 +616,8 @@ FIELD_RULES = [  # (field, test on the config c, what the field allows; "{name}"
     ("image_size", lambda c: c.image_size % c.patch_size == 0, "a multiple of patch_size={patch_size}"),
     ("dim", lambda c: c.dim % c.heads == 0, "a multiple of heads={heads}"),
     ("num_classes", lambda c: 0 <= c.num_classes <= 2 ** 20, "in 0..2**20"),
-    ("depth", lambda c: c.arch != "revit" or 2 <= c.depth <= MAX_DEPTH,
-     f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps)"),
-    ("depth", lambda c: 1 <= c.depth <= MAX_DEPTH, f"in 1..{MAX_DEPTH}"),
+    ("depth", lambda c: (2 if c.arch == "revit" else 1) <= c.depth <= MAX_DEPTH,
+     f"in 1..{MAX_DEPTH} (reViT: 2..{MAX_DEPTH}, as s_t = t/(L-1) needs two steps)"),
     ("raptor_blocks", lambda c: c.arch != "raptor" or 1 <= c.raptor_blocks <= c.depth,
      "between 1 and depth={depth}"),
     ("layer_scale_init", lambda c: c.layer_scale_init is None or c.layer_scale_init > 0, "> 0 or None"),
@@ -650,8 +639,7 @@ def preset(name: str, presets: dict, more: str = "") -> dict:
 
 def make_config(cls: type, values: dict) -> ViTConfig:
     allowed = [f.name for f in fields(cls)]
-    unknown = sorted(set(values) - set(allowed))
-    if unknown:
+    if unknown := sorted(set(values) - set(allowed)):
         raise ValueError(f"unknown config field(s) {unknown}; allowed fields: {', '.join(allowed)}")
     return cls(**values)
 

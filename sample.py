@@ -80,7 +80,9 @@ def prepare(args: argparse.Namespace):
                          f"AlterNet language model (one of {', '.join(sorted(alternet.PRESETS))})")
     encode, decode, _ = text_codec(ckpt.get("train_config", {}).get("tokenizer", "byte"))  # offline
     prompt = encode_prompt(args.prompt, encode, model, device)
-    # --top-k and --halt-threshold against this model: generate's contract refuses them in one line
+    if args.top_k is not None and args.top_k > model.config.vocab_size:  # RANGES checked its static part
+        raise ValueError(f"--top-k must be in 1..{model.config.vocab_size:,} (this model's vocabulary); "
+                         f"got {args.top_k}")
     if args.halt_threshold is None and model.config.halting:
         args.halt_threshold = DEFAULT_HALT_THRESHOLD
     return model, prompt, decode
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
                                        max_depth=args.max_depth, temperature=args.temperature,
                                        top_k=args.top_k, return_iterations=True)
         except ValueError as e:  # logits that overflow on this prompt (load_model tried one input only), or
-            # a flag this model cannot take: --top-k above its vocabulary, --halt-threshold without halting
+            # a flag this model cannot take: --halt-threshold without halting
             fail(f"CKPT {args.checkpoint}: {e}", "sample.py")
         used = used[0].tolist()
         samples.append((decode(ids[0].tolist()), used))

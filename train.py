@@ -44,21 +44,22 @@ class TrainConfig:
     # model
     arch: str = opt("revit-mini", "preset name from revit.PRESETS or alternet.PRESETS (see --list-archs)")
     patch_size: int | None = opt(None, "override the preset's patch size (auto: adapted to small images)")
-    depth: int | None = opt(None, "override the reference recurrent depth L / number of blocks")
-    num_experts: int | None = opt(None, "override E, the experts of reViT's bank")
+    depth: int | None = opt(None, "override the reference recurrent depth L / number of blocks (AlterNet: D)")
+    num_experts: int | None = opt(None, "override E, the experts of reViT's bank (or of AlterNet's block)")
     drop_path: float | None = opt(None, "override the per-block stochastic depth rate")
-    depth_drop: float | None = opt(None, "elastic depth: drop whole recurrent steps per image (paper: 0.3)")
+    depth_drop: float | None = opt(None, "reViT's elastic depth: drop rate of whole steps (paper: 0.3)")
     model_args: str = opt("", "any other model config fields, e.g. 'dim=128,heads=4' (see revit.ViTConfig)")
     # data
-    dataset: str = opt("", "fashion-mnist | cifar10 | cifar100 | imagenet (ImageFolder at --data) | grammar "
-                           "| tinyshakespeare | text (your --data) (auto: fashion-mnist; text: grammar)")
+    dataset: str = opt("", f"{' | '.join(IMAGE_DATASETS + TEXT_DATASETS)} (imagenet: an ImageFolder at "
+                           "--data; planted: lib/planted.py's depth task; text: your --data) "
+                           "(auto: fashion-mnist; language models: grammar)")
     data: str = opt("", "your data: an ImageFolder root with train/ and val/, or a UTF-8 text file / folder")
     data_dir: str = opt("", "built-in data sets' folder (auto: ./data, $REVIT_DATA_DIR, /usr/share/datasets)")
     download: bool = opt(False, "download a built-in data set into the data dir if no search location has it")
     tokenizer: str = opt("byte", "text only: byte (vocab 256) | gpt2 (tiktoken BPE, vocab 50257)")
     block_size: int | None = opt(None, "text only: training sequence length (auto: the model's max length)")
-    train_subset: int = opt(0, "use only the first N training examples (0: all)")
-    test_subset: int = opt(0, "evaluate on only the first N test examples (0: all)")
+    train_subset: int = opt(0, "use only the first N training examples (a folder's: spread; 0: all)")
+    test_subset: int = opt(0, "evaluate on only the first N test examples (a folder's: spread; 0: all)")
     workers: int = opt(8, "ImageFolder only: data-loading worker processes per rank")
     # optimisation
     recipe: str = opt("", "imagenet | cifar | text | probe: settings over these defaults (auto: by data)")
@@ -162,7 +163,7 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
              f"{family} preset{', --data given' if data else ''})")
     for name, value in explicit.items():
         if values[name] != value if name in values else value != getattr(TrainConfig, name):
-            show(f"override: {name}={value} (--{name.replace('_', '-')})")
+            show(f"override: {name}={value} (--{'no-' if value is False else ''}{name.replace('_', '-')})")
     cfg = TrainConfig(**{**values, **explicit})
     check_config(cfg)
     return cfg
@@ -330,6 +331,7 @@ def save_checkpoint(run: Run) -> None:
             "model_config": primitive(dict(backbone=cfg.backbone, pool=cfg.probe_pool,
                                            backbone_sha256=run.model.backbone_sha256) if cfg.probe
                                       else asdict(run.model.config)),
+            "teacher_sha256": getattr(run.task, "teacher_sha256", None),  # lib/tasks.same_file
             "train_config": asdict(cfg), "optimizer": run.optimizer.state_dict(),
             "scaler": run.scaler.state_dict(), "scheduler": dict(run.sched, step=run.step), "step": run.step,
             "metrics": primitive(run.metrics)}

@@ -160,6 +160,53 @@ def check_config(cfg) -> None:
             fail(message)
     parse_depths(cfg.eval_depths)
     parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
+    unread = unread_problem(cfg, module, vision)
+    if unread:
+        fail(unread)
+
+
+# Who reads a model flag of train.py or a field of --model-args: a value given to a model that never reads
+# it is refused, not echoed as an override and dropped. A field not listed: every vision model. AlterNet
+# reads --num-experts as its E and --depth as its D, alternet.AlterNetConfig's num_experts and max_depth.
+MODEL_NAMES = {"vit": "ViT (vit-*)", "raptor": "Raptor (raptor-*)", "revit": "reViT (revit-*)",
+               "alternet": "AlterNet (alternet-*)"}
+REVIT_ONLY = ("num_experts", "depth_drop", "router_hidden", "router_temperature", "router_prior",
+              "balance_weight", "z_loss_weight", "diversity_weight", "merge_cache", "expert_ffn_fraction")
+ALTERNET_FLAGS = {"num_experts": "num_experts", "depth": "max_depth"}  # flag -> AlterNetConfig field
+VISION_MODELS = ("vit", "raptor", "revit")
+READ_BY = {**dict.fromkeys(REVIT_ONLY, ("revit",)), "raptor_blocks": ("raptor",)}
+READ_BY.update({name: READ_BY.get(name, VISION_MODELS) + ("alternet",) for name in ALTERNET_FLAGS})
+MODEL_FLAGS = ("patch_size", "depth", "num_experts", "drop_path", "depth_drop", "eval_depths")
+
+
+def unread_problem(cfg, module, vision: bool) -> str | None:
+    """The first model flag given, or --model-args field unlike the preset's (a saved config carries every
+    field), that cfg's model never reads, in words; None when all are read."""
+    preset = {**{f.name: f.default for f in dataclasses.fields(module.ViTConfig)},
+              **module.PRESETS[cfg.arch]} if vision else {}
+    model_args = parse_model_args(cfg.model_args) if vision else {}
+    model = {**preset, **model_args}.get("arch", "alternet")
+    given = [(name, "--" + name.replace("_", "-")) for name in MODEL_FLAGS
+             if getattr(cfg, name) not in (None, "")]
+    given += [(name, f"--model-args {name}={value}") for name, value in model_args.items()
+              if value != preset[name]]
+    for name, flag in given:
+        readers = READ_BY.get(name, VISION_MODELS)
+        if model not in readers:
+            return f"{flag} applies to {', '.join(MODEL_NAMES[m] for m in readers)} only, not to {cfg.arch}"
+    return None
+
+
+def alternet_overrides(cfg) -> dict:
+    """An AlterNet's config overrides: --model-args, and --num-experts / --depth as the fields they set."""
+    import alternet
+    overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
+    for flag, name in ALTERNET_FLAGS.items():
+        if getattr(cfg, flag) is not None:
+            if name in overrides:  # never last-one-wins
+                fail(f"--model-args {name}={overrides[name]}: {name} is set by --{flag.replace('_', '-')}")
+            overrides[name] = getattr(cfg, flag)
+    return overrides
 
 
 def preset_module(arch: str, config=None):

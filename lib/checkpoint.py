@@ -55,6 +55,17 @@ def unreadable(error: Exception) -> str:
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
 
 
+def is_safetensors(path) -> bool:
+    """Named .safetensors, or begins as one (an 8-byte header length, then its JSON): a renamed file
+    (an export written as m.compact) is read as what it is."""
+    if Path(path).suffix == ".safetensors":
+        return True
+    if path_problem(path):  # missing, a folder, a FIFO: its reader says so
+        return False
+    with open(path, "rb") as f:
+        return f.read(9)[8:] == b"{"
+
+
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     """A checkpoint (weights_only=True) whose parts named in `keys` pass the rules below: their types,
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
@@ -62,7 +73,7 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     ckpt, problem = None, path_problem(path, "file")
     if not problem:
         try:
-            ckpt = read_weights(path) if Path(path).suffix == ".safetensors" else torch.load(
+            ckpt = read_weights(path) if is_safetensors(path) else torch.load(
                 path, map_location="cpu", weights_only=True)
         except ValueError as e:  # read_weights: what is wrong with the file, in words
             problem = str(e)
@@ -373,6 +384,7 @@ class RunFolder:
     def __init__(self, path, resume: str = ""):
         self.path = Path(path)
         self.ckpt, self.metrics = self.path / "ckpt.pt", self.path / "metrics.jsonl"
+        self.aside = [(path, path.with_name(f".{path.name}.old")) for path in (self.ckpt, self.metrics)]
         self.resume = resume
         self.lock = self.log_file = None
         self.saved_step = None  # the step of the checkpoint this run last wrote (or resumed from)
@@ -403,12 +415,14 @@ class RunFolder:
         except OSError as e:  # with the lock file open, another process holds its lock
             busy = "is in use by another training process; choose another --out-dir"
             fail(f"--out-dir {self.path} " + (busy if self.lock else f"is not writable: {e.strerror or e}"))
+        self.settle()  # what a killed run set aside: back (or deleted) before the folder is checked again
         self.check(fresh, overwrite)  # again, now that no other process can start a run here
         for stale in [*self.path.glob(".ckpt.pt.tmp*"), *self.path.glob(".metrics.jsonl.tmp*")]:
             stale.unlink()  # saves and log rewrites interrupted by a kill
-        if fresh or not self.continues_run():  # a new run, or a resumed one moved here: nothing to keep
-            self.ckpt.unlink(missing_ok=True)
-            self.metrics.unlink(missing_ok=True)
+        if fresh or not self.continues_run():  # a new run, or a resumed one moved here: the folder's run is
+            for path, old in self.aside:  # set aside until this run's first checkpoint (settle)
+                if path.exists():
+                    path.replace(old)
         elif self.metrics.exists():  # the steps after the checkpoint will be logged again
             kept = [line for line in self.metrics.read_text().splitlines() if logged_by(line, resume_step)]
             atomic_write_text(self.metrics, "".join(line + "\n" for line in kept))  # a kill keeps the old log
@@ -436,6 +450,7 @@ class RunFolder:
         except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
             reason = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
             return f"cannot write {self.ckpt}: {reason}. Last good checkpoint: {self.last_good()}"
+        self.settle()  # the run set aside is replaced now
         return None
 
     def last_good(self) -> str:
@@ -451,10 +466,22 @@ class RunFolder:
                      f"{non_finite_place(record)} of step {record.get('step')} is not finite; not written to "
                      f"{self.metrics}")
 
+    def settle(self) -> None:
+        """The run that open set aside (--overwrite): deleted once this run has saved a checkpoint, else put
+        back, so that a stop before then loses nothing (after a kill, the next open in the folder does it)."""
+        saved = self.ckpt.exists()
+        for path, old in self.aside:
+            if old.exists() and saved:
+                old.unlink()
+            elif old.exists():
+                old.replace(path)
+
     def close(self) -> None:
-        for handle in (self.log_file, self.lock):  # closing the lock file releases the lock
-            if handle is not None:
-                handle.close()
+        if self.log_file is not None:
+            self.log_file.close()
+        if self.lock is not None:  # the process that opened the folder settles it, then releases the lock
+            self.settle()
+            self.lock.close()
 
 
 def lock(handle) -> None:

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lib.boundary import fail
+
 
 # --- where the built-in data sets live ---
 
@@ -241,7 +243,7 @@ class TensorImages:
 class FolderImages:
     """An ImageFolder tree read by torchvision (resize/crop on CPU workers; the rest on the device)."""
 
-    def __init__(self, root: Path, image_size: int, train: bool, workers: int):
+    def __init__(self, root: Path, image_size: int, train: bool, workers: int, subset: int = 0):
         try:
             import torchvision.transforms.v2 as T
             from torchvision.datasets import ImageFolder
@@ -253,8 +255,9 @@ class FolderImages:
             resize = [T.RandomResizedCrop(image_size, scale=(0.08, 1.0), interpolation=bicubic)]
         else:  # evaluation crop ratio 1.0 (Table 6): resize the short side, centre crop
             resize = [T.Resize(image_size, interpolation=bicubic), T.CenterCrop(image_size)]
-        self.dataset = ImageFolder(str(root), transform=T.Compose([T.PILToTensor(), *resize]))
-        self.labels = torch.tensor(self.dataset.targets)
+        self.dataset = ImageFolder(str(root), transform=T.Compose([T.PILToTensor(), *resize]),
+                                   loader=read_rgb)  # a bad file: a ValueError naming it
+        self.dataset.samples = spread(self.dataset.samples, subset)  # --train-subset / --test-subset
         self.workers = workers
 
     def __len__(self):
@@ -262,8 +265,28 @@ class FolderImages:
 
     def batches(self, index_batches):
         batches = [idx.tolist() for idx in index_batches]
-        yield from torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers,
-                                               pin_memory=torch.cuda.is_available())
+        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers,
+                                             pin_memory=torch.cuda.is_available())
+        try:
+            yield from loader
+        except ValueError as e:  # read_rgb's, rebuilt here from a worker's traceback: its last line
+            fail(f"--data {str(e).splitlines()[-1].removeprefix('ValueError: ')}")
+
+
+def spread(files: list, n: int) -> list:
+    """n of the files, evenly spaced (0: all): a folder's are sorted by class, its first n few classes."""
+    n = min(n, len(files)) or len(files)
+    return [files[i * len(files) // n] for i in range(n)]
+
+
+def read_rgb(path: str):
+    """An image folder's file as RGB (as torchvision's loader), or a ValueError naming the file."""
+    from PIL import Image
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except Exception as e:  # noqa: BLE001 -- PIL's OSError (truncated), SyntaxError, DecompressionBomb...
+        raise ValueError(f"{path}: not a readable image ({e})") from None
 
 
 @dataclass
@@ -281,13 +304,14 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
                 train_subset: int = 0, test_subset: int = 0, workers: int = 8) -> ImageData:
     """A built-in data set (found under data_dir and the other roots), or an ImageFolder root `data`
     with train/ and val/ (dataset "imagenet")."""
+    train, test = slice(train_subset or None), slice(test_subset or None)  # the first N; 0: all of it
     if dataset == "imagenet":
         if not data:
             raise ValueError("imagenet needs the folder: --data ROOT (an ImageFolder tree with train/ and "
                              "val/)")
         # a missing train/ or val/: ImageFolder's FileNotFoundError names it; 224: Table 6's resolution
-        train, test = (FolderImages(Path(data) / split, 224, split == "train", workers)
-                       for split in ("train", "val"))
+        train, test = (FolderImages(Path(data) / split, 224, split == "train", workers, n)
+                       for split, n in (("train", train_subset), ("val", test_subset)))
         if train.dataset.classes != test.dataset.classes:  # a label must name the same class in both
             differ = sorted(set(train.dataset.classes) ^ set(test.dataset.classes))
             raise ValueError(f"{data}: val/ must hold the class folders of train/; {len(differ)} are in only "
@@ -300,7 +324,6 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
         (xtr, ytr), (xte, yte), classes = load_fashion_mnist(folder)
     else:
         (xtr, ytr), (xte, yte), classes = load_cifar(folder, 10 if dataset == "cifar10" else 100)
-    train, test = slice(train_subset or None), slice(test_subset or None)  # 0: all of it
     return ImageData(TensorImages(xtr[train], ytr[train]), TensorImages(xte[test], yte[test]), classes,
                      xtr.shape[1], xtr.shape[-1], *NORMALISATION[dataset])
 

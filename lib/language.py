@@ -14,7 +14,7 @@ import torch.distributed as dist
 import alternet
 from lib import data
 from lib.checkpoint import unwrap
-from lib.boundary import fail, parse_model_args
+from lib.boundary import alternet_overrides, fail
 from lib.cli import device_options, say
 from lib.tasks import autocast_of, make
 
@@ -194,12 +194,17 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     """Text, model and task -> (model, task, batches(start_step), None, None): lib/tasks.build's shape for a
     language preset. A resumed or evaluated checkpoint supplies the model config."""
     autocast = autocast_of(device, device_options(device.type, cfg.precision))
+    try:  # before the text: a missing tokenizer is the tokenizer's (a recipe's) problem, not the data's
+        text_codec(cfg.tokenizer, cfg.download)
+    except ValueError as e:
+        by = alternet.RECIPES.get(cfg.arch, {}).get("tokenizer") == cfg.tokenizer
+        fail(f"--tokenizer {cfg.tokenizer}{f' (--arch {cfg.arch} trains with it)' if by else ''}: {e}")
     try:
         train_tokens, val_tokens, tokens_per_byte, vocab = load_text(
             cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)
     except (ValueError, FileNotFoundError) as e:
         fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")
-    overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
+    overrides = alternet_overrides(cfg)
     top = max(int(train_tokens.max()), int(val_tokens.max()))
     if overrides.get("vocab_size", vocab) <= top:  # the data's token ids would fail mid-run
         fail(f"--model-args vocab_size={overrides['vocab_size']}: the data's token ids reach {top}")

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.boundary import fail, is_vision, parse_depths, parse_model_args, preset_module
-from lib.checkpoint import checkpoint_or_fail, model_or_fail
+from lib.boundary import fail, is_vision, or_fail, parse_depths, parse_model_args, preset_module
+from lib.checkpoint import checkpoint_or_fail, load_vision_model, model_or_fail
 from lib.cli import device_options, say
 
 
@@ -126,7 +126,7 @@ def teacher_for(cfg, model, images, device) -> nn.Module:
             fail(f"--teacher {cfg.teacher}: could not load it from torch.hub (needs internet access): "
                  f"{str(e).splitlines()[0]}")
     else:
-        teacher = TeacherTokens(model_or_fail(cfg.teacher, "--teacher"), hub=False)
+        teacher = TeacherTokens(or_fail(load_vision_model, cfg.teacher, "--teacher")[0], hub=False)
     teacher = teacher.to(device).eval().requires_grad_(False)
     x = torch.zeros(2, images.channels, images.image_size, images.image_size, device=device)
     with torch.no_grad():
@@ -216,6 +216,16 @@ def backbone_arch(path: str) -> str:
     return arch
 
 
+def same_file(path: str, flag: str, saved: str | None) -> str:
+    """The sha256 of the file read at `flag`, which must be the `saved` one of a resumed or evaluated run
+    (None: saved before the hash): a probe's head fits its backbone's features, a student its teacher's."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if saved not in (None, digest):
+        fail(f"{flag} {path} is not the file this run was trained on (its content changed)")
+    return digest
+
+
 # --- what a run trains, built from its config: data, model, task ---
 
 
@@ -242,16 +252,16 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
             fail(f"--backbone expects {backbone.config.in_channels}x{backbone.config.image_size}² images; "
                  f"{cfg.dataset} has {images.channels}x{images.image_size}²")
         model = ProbeModel(backbone, images.num_classes, cfg.probe_pool)  # --probe cls
-        with open(cfg.backbone, "rb") as f:  # the head fits this file: a resumed or scored probe needs it
-            model.backbone_sha256 = hashlib.file_digest(f, "sha256").hexdigest()
-        saved = ckpt["model_config"].get("backbone_sha256") if ckpt else None  # None: trained before the hash
-        if saved not in (None, model.backbone_sha256):
-            fail(f"--backbone {cfg.backbone} is not the file this probe was trained on (its content changed)")
+        saved = ckpt["model_config"].get("backbone_sha256") if ckpt else None
+        model.backbone_sha256 = same_file(cfg.backbone, "--backbone", saved)
     else:
         overrides = ckpt["model_config"] if ckpt else vision_overrides(cfg, images)
         model = make(preset_module(cfg.arch, overrides).create_model, cfg.arch, overrides)
     if cfg.teacher:
         task = DistillTask(cfg, images, device, augment, autocast, teacher_for(cfg, model, images, device))
+        if not cfg.teacher.startswith("hub:"):  # a file of ours (hub:NAME is torch.hub's)
+            saved = ckpt.get("teacher_sha256") if ckpt else None
+            task.teacher_sha256 = same_file(cfg.teacher, "--teacher", saved)
     else:
         task = ClassificationTask(cfg, images, device, augment, autocast)
     check_eval_depths(cfg, (model.backbone if cfg.probe else model).config)

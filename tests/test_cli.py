@@ -11,6 +11,7 @@ import pytest
 import bench
 import sample
 import train
+from lib import data
 from tools import analyze, depths, probes, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,19 @@ def test_help_says_none_for_a_flag_that_is_off_and_auto_for_one_chosen_for_you()
     for dest, text in shown.items():
         if text.endswith("[default: auto]") and dest != "device":
             assert "auto:" in text, dest
+
+
+def test_help_lists_every_data_set_train_py_takes():
+    shown = {action.dest: action.help for action in train.build_parser()._actions if action.help}
+    listed = shown["dataset"].split(" (")[0].split(" | ")
+    assert listed == [*data.IMAGE_DATASETS, *data.TEXT_DATASETS]  # planted too, as README runs it
+
+
+def test_an_override_line_names_the_flag_as_typed(capsys):
+    train.resolve_config({"progress": False, "random_crop": True})
+    printed = capsys.readouterr().out
+    assert "override: progress=False (--no-progress)" in printed
+    assert "override: random_crop=True (--random-crop)" in printed
 
 
 @pytest.mark.parametrize("name", PARSERS)

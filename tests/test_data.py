@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lib import data, language
 
@@ -283,3 +285,90 @@ def test_a_data_file_larger_than_the_bound_is_refused(tmp_path, monkeypatch):
         data.read_text(path=str(tmp_path / "big.txt"))
     (tmp_path / "big.txt").write_text("x" * 100)
     assert data.read_text(path=str(tmp_path / "big.txt")) == "x" * 100
+
+
+def image_folder(root: Path, classes=("cat", "dog"), per_class=3) -> Path:
+    """An ImageFolder tree root/{train,val}/CLASS/N.jpg of small JPEGs."""
+    Image = pytest.importorskip("PIL.Image", reason="Pillow not installed (requirements-extra.txt)")
+    for split in ("train", "val"):
+        for name in classes:
+            (root / split / name).mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (12, 10), (40 * i, 90, 0)).save(root / split / name / f"{i}.jpg")
+    return root
+
+
+def test_an_image_folder_subset_spreads_over_its_classes(tmp_path):
+    """Folder files are sorted by class: N of them spread evenly (the built-in sets' first N are mixed)."""
+    pytest.importorskip("torchvision", reason="an image folder needs torchvision (requirements-extra.txt)")
+    root = image_folder(tmp_path)
+    whole = data.load_images("imagenet", data=str(root), workers=1)
+    images = data.load_images("imagenet", data=str(root), train_subset=4, test_subset=2, workers=1)
+    assert (len(whole.train), len(whole.test), len(images.train), len(images.test)) == (6, 6, 4, 2)
+    assert images.train.dataset.samples == [whole.train.dataset.samples[i] for i in (0, 1, 3, 4)]
+    assert images.test.dataset.samples == [whole.test.dataset.samples[i] for i in (0, 3)]  # cat/0, dog/0
+
+
+def test_load_images_gives_each_folder_split_its_subset(tmp_path, monkeypatch):
+    """Where torchvision is not installed: the subset each split of the folder is given, and how
+    FolderImages spreads it over the class-sorted files (its torchvision part replaced)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(data, "FolderImages", lambda root, size, train, workers, subset: SimpleNamespace(
+        dataset=SimpleNamespace(classes=["cat"]), subset=subset))
+    images = data.load_images("imagenet", data=str(tmp_path), train_subset=4, test_subset=2)
+    assert (images.train.subset, images.test.subset) == (4, 2)
+    assert data.load_images("imagenet", data=str(tmp_path)).train.subset == 0
+
+
+@given(st.integers(1, 300), st.integers(0, 400))
+@settings(max_examples=60, deadline=None)
+def test_a_folder_subset_is_evenly_spaced_over_the_class_sorted_files(size, n):
+    files = list(range(size))  # stand-ins for (path, class) pairs, sorted by class
+    picked, n = data.spread(files, n), min(n, size) or size  # 0: all of them
+    assert len(picked) == n and picked[0] == 0
+    gaps = {b - a for a, b in zip(picked, picked[1:])}
+    assert gaps <= {size // n, -(-size // n)}  # no stretch of the files skipped
+
+
+def truncate(path: Path) -> Path:
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    return path
+
+
+def test_an_unreadable_image_is_a_value_error_naming_it(tmp_path):
+    root = image_folder(tmp_path)
+    cut, junk = truncate(root / "train" / "cat" / "1.jpg"), root / "train" / "dog" / "2.jpg"
+    junk.write_bytes(b"not an image")
+    assert data.read_rgb(str(root / "train" / "cat" / "0.jpg")).size == (12, 10)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(cut))}: not a readable image \(.+\)$"):
+        data.read_rgb(str(cut))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(junk))}: not a readable image \(cannot identify"):
+        data.read_rgb(str(junk))
+
+
+class Files(list):
+    """Paths read by data.read_rgb one per item, as torchvision's ImageFolder reads them (it is optional)."""
+
+    def __getitem__(self, i):
+        return torch.tensor(data.read_rgb(super().__getitem__(i)).size)
+
+
+def test_an_unreadable_image_read_by_a_worker_ends_in_one_line_naming_it(tmp_path):
+    """A DataLoader worker's error reaches the main process as its traceback: the one line is its last."""
+    root = image_folder(tmp_path)
+    cut = truncate(root / "train" / "dog" / "1.jpg")
+    folder = data.FolderImages.__new__(data.FolderImages)
+    folder.dataset, folder.workers = Files(sorted(map(str, (root / "train").rglob("*.jpg")))), 1
+    with pytest.raises(SystemExit) as stopped:
+        list(folder.batches([torch.arange(3), torch.arange(3, 6)]))
+    assert re.fullmatch(rf"\S+: error: --data {re.escape(str(cut))}: not a readable image \(.+\)",
+                        str(stopped.value))
+
+
+def test_an_unreadable_image_in_an_image_folder_stops_training_in_one_line(tmp_path):
+    pytest.importorskip("torchvision", reason="an image folder needs torchvision (requirements-extra.txt)")
+    root = image_folder(tmp_path)
+    cut = truncate(root / "train" / "cat" / "2.jpg")
+    images = data.load_images("imagenet", data=str(root), workers=2)
+    with pytest.raises(SystemExit, match=rf"^train.py: error: --data {re.escape(str(cut))}: not a readable"):
+        list(images.train.batches([torch.arange(6)]))

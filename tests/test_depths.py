@@ -86,12 +86,16 @@ def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
     garbage = tmp_path / "garbage.pt"
     garbage.write_text("not a checkpoint")
     ckpt = tiny_checkpoint["checkpoint"]
+    distilled = torch.load(ckpt, weights_only=True)
+    distilled["train_config"]["teacher"] = "teacher.pt"  # as train.py --teacher saves it
+    torch.save(distilled, tmp_path / "distilled.pt")
     cases = [([ckpt, "--depths", "1,2"], "--depths must be in 2..256"),
              ([ckpt, "--depths", "two"], "--depths must be comma-separated integers"),
              ([str(garbage), "--depths", str(10 ** 30)], "--depths must be in 2..256"),  # before the file
              ([str(tmp_path / "missing.pt")], "missing.pt: no such file"),  # checkpoint.load_model's messages
              ([str(probe)], "is a linear-probe head, not a model"),
              ([str(garbage)], "garbage.pt: not a PyTorch file"),
+             ([str(tmp_path / "distilled.pt")], "was trained by distillation (no classifier head)"),
              ([ckpt, "--batch", "1"], "--batch must be in 2..65,536")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as error:

@@ -24,6 +24,7 @@ import alternet
 from tools import export
 import revit
 from helpers import randomise
+from lib.weights import save_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_LINE_ERROR = re.compile(r"^(\S+\.py|python -m [\w.]+): error: [^\n]+$")  # `prog: error: message`, nothing more
@@ -173,6 +174,21 @@ def test_compact_round_trip_then_choose_another_depth(checkpoint, tmp_path):
     run([compact, "--depth", 6, "--format", "safetensors", "--out", folded_path])
     with torch.no_grad():
         torch.testing.assert_close(export.load_safetensors(folded_path)(x), model(x, depth=6), atol=1e-5, rtol=1e-5)
+
+
+def test_an_export_is_read_by_its_content_and_named_for_its_format(checkpoint, tmp_path):
+    """A safetensors file under another name (m.compact, a renamed weights file) reads as what it is; an
+    --out whose suffix names another format is refused before anything is written."""
+    model, path = checkpoint
+    export.save_safetensors(model, tmp_path / "m.compact", "compact")
+    run([tmp_path / "m.compact", "--depth", 3, "--format", "safetensors", "--out", tmp_path / "f.safetensors"])
+    assert export.load_safetensors(tmp_path / "f.safetensors").config.depth == 3
+    save_weights(torch.load(path, weights_only=True), tmp_path / "w.bin")  # as weights/ ships, renamed
+    assert export.load_source(tmp_path / "w.bin").config == model.config
+    for fmt, name in (("onnx", "y.safetensors"), ("compact", "y.onnx"), ("timm", "y.onnx")):
+        with pytest.raises(SystemExit, match=re.escape(f"--out {tmp_path / name}: --format {fmt} writes no {name[1:]}")):
+            export.main([str(path), "--format", fmt, "--out", str(tmp_path / name)])
+        assert not (tmp_path / name).exists()
 
 
 # --- ONNX ---
@@ -358,6 +374,8 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}/huge.safetensors", "--format", "compact", "--out", "{tmp}/x"], "huge.safetensors: its weights are "
                                                                            "finite but its output is not"),
     (["{ckpt}", "--format", "onnx", "--opset", "9", "--out", "{tmp}/x"], "--opset must be in 14..20; got 9"),
+    (["{ckpt}", "--depth", "8", "--format", "compact", "--out", "{tmp}/x"],
+     "--depth is not allowed with --format compact, which keeps every depth"),
     (["{ckpt}", "--format", "safetensors", "--out", "{tmp}"], "is a folder"),
     (["{tmp}/missing.pt", "--depth", "4", "--format", "onnx", "--out", "{tmp}/x"], "missing.pt: no such file"),
     (["{tmp}", "--format", "onnx", "--out", "{tmp}/x"], "a folder, not a file"),
@@ -443,7 +461,8 @@ def test_cli_end_to_end(checkpoint, tmp_path, capsys):
         formats.append(("onnx", "m.onnx"))
     for fmt, name in formats:
         out = tmp_path / "exports" / name
-        summary = run([path, "--depth", 4, "--format", fmt, "--out", out], capsys)
+        depth = [] if fmt == "compact" else ["--depth", 4]  # a compact file keeps every depth
+        summary = run([path, *depth, "--format", fmt, "--out", out], capsys)
         assert out.is_file() and summary["format"] == fmt and summary["source_arch"] == "revit"
         umask = os.umask(0)
         os.umask(umask)

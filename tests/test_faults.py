@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lib import data
-from lib.checkpoint import lock
+from lib.checkpoint import RunFolder, lock
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,6 +101,41 @@ def test_a_used_folder_is_refused_unless_overwrite(tmp_path, fashion_mnist_dir):
     assert "stopped before its first checkpoint" in message and "--resume" not in message
     summary, _ = run(tmp_path, fashion_mnist_dir, "--max-steps", "2", "--overwrite")
     assert summary["step"] == 2 and steps_logged(out) == [1, 2]
+
+
+def test_overwrite_replaces_a_run_only_once_the_new_one_has_saved(tmp_path, fashion_mnist_dir, monkeypatch):
+    """--overwrite sets the old run aside until the new run's first checkpoint: a Ctrl-C or crash before it
+    puts the old run back, and so does the next run in the folder after a kill (no clean-up at all)."""
+    _, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "2")
+    files = lambda: {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"}  # noqa: E731
+    before, real_step = files(), train.train_step
+
+    def interrupted(run_, inputs, targets):
+        raise KeyboardInterrupt
+
+    def stopped_overwrite():
+        with pytest.raises(SystemExit, match="stopped by Ctrl-C at step 0; no checkpoint was written yet"):
+            run(tmp_path, fashion_mnist_dir, "--max-steps", "3", "--overwrite")
+
+    monkeypatch.setattr(train, "train_step", interrupted)
+    stopped_overwrite()
+    assert files() == before
+    with monkeypatch.context() as kill:
+        kill.setattr(RunFolder, "settle", lambda self: None)
+        stopped_overwrite()
+    stopped_overwrite()
+    assert files() == before
+    seen = []  # the folder before each step
+
+    def watched(run_, inputs, targets):
+        seen.append(sorted(files()))
+        return real_step(run_, inputs, targets)
+
+    monkeypatch.setattr(train, "train_step", watched)
+    summary, _ = run(tmp_path, fashion_mnist_dir, "--max-steps", "3", "--save-interval", "1", "--overwrite")
+    assert summary["step"] == 3 and steps_logged(out) == [1, 2, 3]
+    assert seen[0] == [".ckpt.pt.old", ".metrics.jsonl.old", "metrics.jsonl"]  # the old run, set aside
+    assert seen[1] == sorted(files()) == ["ckpt.pt", "metrics.jsonl"]  # deleted at the first checkpoint
 
 
 def test_two_processes_cannot_share_a_folder(tmp_path, fashion_mnist_dir):

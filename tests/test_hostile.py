@@ -1,6 +1,7 @@
 """Hostile inputs, one table per entry point (train.py, analyze.py, probes.py; export.py's is in
 test_export.py, the data readers' in test_data.py): each must end in the one line it names, run no
 code from a file, leave every file of every run as it was, and never score a non-finite model."""
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import alternet
+import revit
 from tools import analyze
 from tools import probes
 import train
@@ -313,6 +316,47 @@ def test_train_flags_and_paths(tmp_path, argv, needle):
     message = one_line(train.main, [a.format(tmp=tmp_path) for a in argv], "train.py")
     assert needle.format(tmp=tmp_path) in message, message
     assert sorted(tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--arch", "alternet-tiny", "--depth-drop", "0.3"], "--depth-drop applies to reViT (revit-*) only, not to "
+                                                         "alternet-tiny"),
+    (["--arch", "alternet-tiny", "--patch-size", "4"], "--patch-size applies to ViT (vit-*), Raptor"),
+    (["--arch", "alternet-tiny", "--drop-path", "0.1"], "--drop-path applies to ViT (vit-*), Raptor"),
+    (["--arch", "alternet-tiny", "--eval-depths", "2,4"], "--eval-depths applies to ViT (vit-*), Raptor"),
+    (["--arch", "vit-mini", "--num-experts", "8"], "--num-experts applies to reViT (revit-*), AlterNet"),
+    (["--arch", "vit-mini", "--depth-drop", "0.3"], "--depth-drop applies to reViT (revit-*) only"),
+    (["--arch", "vit-mini", "--model-args", "router_prior=8"], "--model-args router_prior=8 applies to reViT"),
+    (["--arch", "raptor-mini", "--model-args", "z_loss_weight=0"], "--model-args z_loss_weight=0 applies to"),
+    (["--arch", "revit-mini", "--model-args", "raptor_blocks=2"], "raptor_blocks=2 applies to Raptor (raptor-*)"),
+    (["--arch", "revit-mini", "--model-args", "arch='vit',depth_drop=0.1"], "depth_drop=0.1 applies to reViT"),
+    (["--arch", "alternet-tiny", "--depth", "3", "--model-args", "max_depth=4"],
+     "--model-args max_depth=4: max_depth is set by --depth"),
+])
+def test_a_model_flag_the_model_never_reads_is_refused(tmp_path, fashion_mnist_dir, argv, needle):
+    """Refused in one line naming the flag and the models that read it, not echoed as an override and dropped."""
+    small = ["--max-steps", "1", "--train-subset", "64", "--test-subset", "32", "--batch-size", "8",
+             "--eval-iters", "1", "--data-dir", fashion_mnist_dir, "--out-dir", tmp_path / "run"]
+    message = one_line(train.main, argv + small, "train.py")
+    assert needle in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_language_model_given_as_teacher_is_named_as_such(tmp_path, fashion_mnist_dir):
+    lm = alternet.create_model("alternet-tiny", dim=16, heads=2, ffn_dim=16, num_experts=2, seq_len=8)
+    torch.save({"model": lm.state_dict(), "arch": "alternet-tiny", "model_config": dataclasses.asdict(lm.config)},
+               tmp_path / "language.pt")
+    message = one_line(train.main, ["--teacher", tmp_path / "language.pt", "--max-steps", "1", "--train-subset",
+                                    "64", "--test-subset", "32", "--batch-size", "8", "--data-dir",
+                                    fashion_mnist_dir, "--out-dir", tmp_path / "run"], "train.py")
+    assert f"--teacher {tmp_path}/language.pt: holds the language model alternet-tiny" in message, message
+
+
+def test_model_args_a_model_never_reads_pass_where_they_are_the_presets():
+    """A saved config carries every field: those a ViT never reads, at the preset's values, are no override."""
+    saved = dataclasses.asdict(revit.create_model("vit-mini").config)
+    cfg = train.resolve_config({"arch": "vit-mini", "model_args": ",".join(f"{k}={v!r}" for k, v in saved.items())})
+    assert "router_prior=0.0" in cfg.model_args
 
 
 def hostile_cifar(root: Path, marker: Path) -> Path:

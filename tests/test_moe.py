@@ -527,3 +527,15 @@ def test_one_door_builds_every_vision_preset_and_saved_config():
     helped = subprocess.run([sys.executable, "-m", "lib.moe", "-h"], capture_output=True, text=True,
                             cwd=Path(revit.__file__).parent)
     assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m lib.moe")
+
+
+def test_python_m_lib_moe_lists_each_mechanism_at_one_size_by_default():
+    """With no names, `python -m lib.moe` prints reViT-S and each comparison mechanism at S/16 at every U of
+    MOE_TABLE and LoRA (§4.3), with U, each once; not revit.py's presets (`python revit.py` lists those)."""
+    done = subprocess.run([sys.executable, "-m", "lib.moe"], capture_output=True, text=True, check=True,
+                          cwd=Path(revit.__file__).parent)
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()[2:]]
+    names = [row[0] for row in rows]
+    wanted = {f"revit-s-{m}{'' if u == 1 else f'-u{u:g}'}" for m, budgets in moe.MOE_TABLE.items() for u in budgets}
+    assert set(names) == {"revit-s", "revit-s-lora", *wanted} and len(names) == len(set(names)), names
+    assert all(row[3] for row in rows)  # every one has a U

@@ -1,4 +1,6 @@
 """python -m tools.plot RUN [RUN...]: the loss and accuracy curves of runs, read from their metrics.jsonl."""
+import json
+
 import pytest
 
 import train
@@ -30,6 +32,14 @@ def test_plot_refuses_a_file_without_training_loss(tmp_path):
         plot.main([str(tmp_path)])
 
 
+def test_plot_names_a_missing_run_once(tmp_path):
+    """A missing run file, or a run folder without metrics.jsonl: its path once, then what is wrong."""
+    for run, path in ((tmp_path / "nope", tmp_path / "nope"), (tmp_path, tmp_path / "metrics.jsonl")):
+        with pytest.raises(SystemExit) as stopped:
+            plot.main([str(run)])
+        assert str(stopped.value) == f"python -m tools.plot: error: RUN {path}: no such file"
+
+
 def test_plot_reads_a_language_run_by_its_bits_per_byte(tmp_path):
     out = tmp_path / "lm"
     train.main(["--arch", "alternet-tiny", "--out-dir", str(out), "--no-progress", "--max-steps", "4",
@@ -38,3 +48,37 @@ def test_plot_reads_a_language_run_by_its_bits_per_byte(tmp_path):
     curves = plot.read_curves(str(out))
     assert sorted(curves["train_loss"]) == [1, 2, 3, 4] and sorted(curves["val_bpb"]) == [2, 4]
 
+
+
+def with_loss(run, folder, loss):
+    """A copy of a run's metrics.jsonl, its first training loss replaced by `loss` -> that line's number."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    n = next(i for i, record in enumerate(records) if "loss" in record)
+    records[n]["loss"] = loss
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return n + 1
+
+
+@pytest.mark.parametrize("loss", [1.7e308, -1e308, 10 ** 400], ids=["1.7e308", "-1e308", "10**400"])
+def test_plot_refuses_a_number_beyond_float32_in_one_line(piped_run, tmp_path, loss):
+    """A run logs float32 losses; a larger number (an edited file, another program's) overflowed
+    matplotlib's axis scaling in a traceback."""
+    line = with_loss(piped_run[0], tmp_path, loss)
+    with pytest.raises(SystemExit) as stopped:
+        plot.main([str(tmp_path), "--out", str(tmp_path / "c.png")])
+    assert str(stopped.value) == (f"python -m tools.plot: error: RUN {tmp_path}/metrics.jsonl "
+                                  f"line {line} holds a number beyond float32's ±3.4e38, which no run logs")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_plot_draws_a_loss_at_the_float32_limit(piped_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    with_loss(piped_run[0], tmp_path, 3.4028234663852886e38)
+    assert plot.main([str(tmp_path)]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_skips_a_line_of_a_number_python_will_not_read_as_a_torn_one(piped_run, tmp_path):
+    """An integer of over 4,300 digits is json.loads' ValueError, not a JSONDecodeError."""
+    text = (piped_run[0] / "metrics.jsonl").read_text()
+    (tmp_path / "metrics.jsonl").write_text(text + '{"step": 9, "loss": 1' + "0" * 5000 + "}\n")
+    assert plot.read_curves(str(tmp_path)) == plot.read_curves(str(piped_run[0]))

@@ -623,7 +623,9 @@ def test_raptor_presets_keep_layer_scale_like_deit3():
     (dict(router_hidden=0), r"router_hidden must be an integer in 1\.\.4096"),
     (dict(num_experts=10 ** 8), r"num_experts must be an integer in 1\.\.1024"),
     (dict(dim=10 ** 9, heads=1), r"dim must be an integer in 1\.\.32768"),
-    (dict(depth=10 ** 9), r"depth must be in 2\.\.256"),
+    (dict(depth=10 ** 9), r"depth must be in 1\.\.256 \(reViT: 2\.\.256"),
+    (dict(depth=1), r"depth=1 is not allowed: depth must be in 1\.\.256 \(reViT: 2\.\.256"),
+    (dict(arch="vit", depth=0), r"depth=0 is not allowed: depth must be in 1\.\.256"),
     (dict(balance_weight=-1e-3), r"balance_weight must be in \[0, 1000\]"),
 ])
 def test_config_types_and_ranges_are_checked_up_front(overrides, match):

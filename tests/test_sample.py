@@ -117,6 +117,11 @@ def test_max_depth_is_respected(checkpoint, capsys):
     assert max(full) == 3 and max(capped) == 2 and set(one) == {1}
 
 
+def test_top_k_may_name_the_whole_vocabulary(checkpoint, capsys):
+    (_, used), = sample.main([str(checkpoint), "--top-k", "128", "--max-new-tokens", "2"])  # vocab_size=128
+    assert len(used) == 2
+
+
 def test_a_fixed_depth_model_runs_every_iteration_and_takes_no_threshold(fixed_checkpoint, capsys):
     """As forward and generate: Model I has no halting rule. Without the flag it runs all D iterations; given
     --halt-threshold it says why, in one line (it is never silently dropped): generate's own contract."""
@@ -145,7 +150,8 @@ HOSTILE = [  # (arguments after CKPT, or a whole argument list; the one line sam
     (["{ckpt}", "--temperature", "1e-320"], r"--temperature must be 0 \(greedy\) or in \[0.001, 100\]"),
     (["{ckpt}", "--halt-threshold", "1.5"], r"--halt-threshold must be in \(0, 1\]"),
     (["{ckpt}", "--halt-threshold", "nan"], "--halt-threshold must be a finite number; got nan"),
-    (["{ckpt}", "--top-k", "500"], r"CKPT .*ckpt.pt: top_k must be None or in 1..vocab_size=128, got 500"),
+    (["{ckpt}", "--top-k", "500"], r"^sample.py: error: --top-k must be in 1..128 \(this model's vocabulary\); "
+                                   r"got 500$"),
     (["{ckpt}", "--top-k", "0"], "--top-k must be in 1..1,048,576"),
     (["{ckpt}", "--num-samples", "0"], "--num-samples must be in 1..1,000"),
     (["{ckpt}", "--num-samples", str(10 ** 6)], "--num-samples must be in 1..1,000"),

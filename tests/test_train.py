@@ -340,6 +340,11 @@ def test_distillation_loss_decreases(tmp_path, fashion_mnist_dir):
     losses = [r["distill"] for r in metrics(out) if "distill" in r]
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3])
     assert "test_distill_mse" in summary
+    run(tmp_path, fashion_mnist_dir, "--max-steps", "2", "--overwrite", name="teacher", arch="vit-mini")  # retrained
+    student = str(out / "ckpt.pt")
+    for argv in (["--resume", student, "--max-steps", "14"], ["--eval-only", student]):  # other targets
+        with pytest.raises(SystemExit, match="--teacher .* is not the file this run was trained on"):
+            train.main([*argv, "--teacher", str(teacher / "ckpt.pt")])
     with pytest.raises(SystemExit, match="student tokens .* teacher tokens .* differ"):
         run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--teacher", str(teacher / "ckpt.pt"),
             "--patch-size", "4", name="bad")
@@ -359,7 +364,7 @@ def test_linear_probe_trains_only_the_head(tmp_path, fashion_mnist_dir, pool):
     run(tmp_path, fashion_mnist_dir, "--max-steps", "3", "--overwrite", name="backbone")  # trained on
     probe = str(out / "ckpt.pt")
     for argv in (["--resume", probe, "--max-steps", "5"], ["--eval-only", probe]):  # its head no longer fits
-        with pytest.raises(SystemExit, match="--backbone .* is not the file this probe was trained on"):
+        with pytest.raises(SystemExit, match="--backbone .* is not the file this run was trained on"):
             train.main(argv)
 
 
@@ -381,6 +386,24 @@ def test_language_model_loop_on_the_built_in_corpus(tmp_path, capsys):
     assert ckpt["train_config"]["dataset"] == "grammar"
     printed = capsys.readouterr().out
     assert "recipe: text" in printed and "override: lr=0.001 (auto: width <= 256)" in printed
+
+
+def test_alternet_reads_num_experts_and_depth_as_its_model_args_would(tmp_path):
+    """--num-experts is AlterNet's E and --depth its D (max_depth): applied, as their override lines say."""
+    tiny = [a.replace(",max_depth=3", "") for a in TINY_LM]
+    train.main(["--arch", "alternet-tiny", "--out-dir", str(tmp_path), "--no-progress", "--num-experts", "2",
+                "--depth", "3", *tiny])
+    model, _ = checkpoint.load_model(tmp_path / "ckpt.pt")
+    assert (model.config.num_experts, model.config.max_depth) == (2, 3)
+    with pytest.raises(SystemExit, match=r"--eval-depths applies to ViT \(vit-\*\), Raptor .* not to alternet"):
+        train.main(["--eval-only", str(tmp_path / "ckpt.pt"), "--eval-depths", "2", "--eval-iters", "1"])
+
+
+def test_a_missing_tokenizer_names_the_arch_that_trains_with_it(fetching_tiktoken):
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--arch", "alternet-50m", "--max-steps", "1"])
+    assert str(stopped.value).startswith("train.py: error: --tokenizer gpt2 (--arch alternet-50m trains with it): "
+                                         "the gpt2 tokenizer needs tiktoken"), stopped.value
 
 
 def test_language_model_on_tinyshakespeare(tmp_path, shakespeare_path):

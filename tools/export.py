@@ -36,7 +36,7 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
 
 import revit
 from lib import moe, weights
-from lib.checkpoint import diverged, fit_problem, load_vision_model, weights_problem
+from lib.checkpoint import diverged, fit_problem, is_safetensors, load_vision_model, weights_problem
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem
 from lib.cli import atomic_write, run_main
 
@@ -59,8 +59,7 @@ def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
 def load_source(path) -> nn.Module:
     """export.py's input -> model in eval mode: a checkpoint of this project (a ckpt.pt, or weights/'s
     .safetensors) or a compact / folded export."""
-    suffix = Path(path).suffix
-    if suffix == ".safetensors" and read_safetensors(path)[1].get("format") != weights.WEIGHTS_FORMAT:
+    if is_safetensors(path) and read_safetensors(path)[1].get("format") != weights.WEIGHTS_FORMAT:
         return load_safetensors(path)
     return load_vision_model(path, "checkpoint")[0]
 
@@ -253,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint",
                    help="a train.py checkpoint, or a compact / folded .safetensors written by export.py")
     p.add_argument("--depth", type=int, default=None,
-                   help="L to fold at (>= 2); default: the model's reference depth. Ignored by --format "
+                   help="L to fold at (>= 2); default: the model's reference depth. Not with --format "
                         "compact")
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="safetensors: folded ViT; onnx: folded graph; timm: folded ViT in timm's layout; "
@@ -267,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
 def export(args: argparse.Namespace) -> dict:
     """Check the flags, the source and its weights and the fold at --depth first; then write --out."""
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
+    if args.format == "compact" and args.depth is not None:  # compact: L is chosen when it is folded
+        raise ValueError("--depth is not allowed with --format compact, which keeps every depth "
+                         "(give --depth when exporting the compact file to another format)")
+    suffix, expected = Path(args.out).suffix, ".onnx" if args.format == "onnx" else ".safetensors"
+    if suffix in (".onnx", ".safetensors") and suffix != expected:  # timm: also torch.save's, any other name
+        raise ValueError(f"--out {args.out}: --format {args.format} writes no {suffix} file; "
+                         f"give a name ending {expected}")
     source = Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve()
     # output_problem: also a run's files, its lock and any saved model
     problem = "is the checkpoint being exported; give another file" if source else output_problem(args.out)

@@ -19,6 +19,7 @@ from lib.cli import atomic_write, pyplot, run_main
 
 PROG = "python -m tools.plot"
 SECOND_PANEL = ("val_acc", "val_bpb")  # the first of these any run logs: accuracy, or bits per byte for text
+FLOAT32_MAX = 3.4028234663852886e38  # a run's losses are float32; near 1e308 matplotlib's axes overflow
 
 
 def read_curves(run: str) -> dict:
@@ -27,12 +28,12 @@ def read_curves(run: str) -> dict:
     path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
     problem = path_problem(path)
     if problem:
-        fail(f"RUN {run}: {path} {problem}", PROG)
+        fail(f"RUN {path}: {problem}", PROG)
     curves = {"train_loss": {}}
-    for line in path.read_text(errors="replace").splitlines():
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # JSONDecodeError, or an integer of over 4,300 digits
             continue  # a torn last line of a killed run
         if isinstance(record, dict) and record.get("event") == "final":  # the last evaluation, last step
             scores = {k.replace("test_", "val_", 1): v for k, v in record.items()  # vision's: test_*
@@ -40,13 +41,15 @@ def read_curves(run: str) -> dict:
             record = {"step": max(curves["train_loss"], default=0), "eval": scores}
         if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "event" in record:
             continue
-        if isinstance(record.get("loss"), (int, float)):
-            curves["train_loss"][record["step"]] = record["loss"]
-        for key, value in (record.get("eval") or {}).items():
+        step = record["step"]
+        for key, value in [("train_loss", record.get("loss")), *(record.get("eval") or {}).items()]:
             if isinstance(value, (int, float)):
-                curves.setdefault(key, {})[record["step"]] = value
+                if abs(step) > FLOAT32_MAX or abs(value) > FLOAT32_MAX:
+                    fail(f"RUN {path} line {n} holds a number beyond float32's ±3.4e38, which no run "
+                         "logs", PROG)
+                curves.setdefault(key, {})[step] = value
     if not curves["train_loss"]:
-        fail(f"RUN {run}: {path} holds no training-loss line (train.py logs one every --log-interval)", PROG)
+        fail(f"RUN {path} holds no training-loss line (train.py logs one every --log-interval)", PROG)
     return curves
 
 

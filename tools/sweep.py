@@ -2,7 +2,7 @@
 
     python -m tools.sweep                          # experts + elastic grids at d48-L12, 3 seeds per cell
     python -m tools.sweep --grids tying --regime d48-L6     # what tying the blocks costs at L = 6
-    python -m tools.sweep --quick                  # the same code paths in seconds (a tiny model)
+    python -m tools.sweep --quick                  # the same code paths on a tiny model (a minute or two)
     python -m tools.sweep --shard 1/2 & python -m tools.sweep --shard 2/2; wait; python -m tools.sweep
 
 Each cell of a grid is one `python train.py ...` run per seed, in its own process (one thread unless
@@ -52,7 +52,7 @@ REGIMES = {
     "d48-L12": {"arch": "revit-mini", "epochs": 3, "depth": 12, "model_args": "dim=48,heads=3,ffn_dim=96"},
     "d48-L6": {"arch": "revit-mini", "epochs": 3, "model_args": "dim=48,heads=3,ffn_dim=96"},
 }
-# --quick: the same cells in seconds (a tiny model, two optimizer steps), for the test suite.
+# --quick: the same cells on a tiny model (two optimizer steps each), for the test suite.
 QUICK_REGIME = {"arch": "revit-mini", "max_steps": 2, "train_subset": 256, "test_subset": 128,
                 "batch_size": 64, "depth": 3, "model_args": "dim=16,heads=2,ffn_dim=24"}
 
@@ -499,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, help="seeds per cell (default 3; --quick 2)")
     p.add_argument("--out", help="folder of finished cells (resumes from it), runs, quality.json and plots "
                                  "(default out/quality/REGIME, --quick out/quality-quick)")
-    p.add_argument("--quick", action="store_true", help="a smoke run in seconds: a tiny model")
+    p.add_argument("--quick", action="store_true", help="a smoke run: a tiny model, two steps a cell")
     p.add_argument("--assets", action="store_true", help="also write the plots to assets/")
     p.add_argument("--shard", default="1/1", help="K/N: train only every N-th run from the K-th (run N "
                    "processes on one --out folder to split a sweep; then once more for the table)")
