@@ -159,8 +159,8 @@ def check_config(cfg) -> None:
         if broken:
             fail(message)
     parse_depths(cfg.eval_depths)
-    parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
-    unread = unread_problem(cfg, module, vision)
+    model_args = parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
+    unread = unread_problem(cfg, module, model_args if vision else None)
     if unread:
         fail(unread)
 
@@ -176,15 +176,16 @@ ALTERNET_FLAGS = {"num_experts": "num_experts", "depth": "max_depth"}  # flag ->
 VISION_MODELS = ("vit", "raptor", "revit")
 READ_BY = {**dict.fromkeys(REVIT_ONLY, ("revit",)), "raptor_blocks": ("raptor",)}
 READ_BY.update({name: READ_BY.get(name, VISION_MODELS) + ("alternet",) for name in ALTERNET_FLAGS})
-MODEL_FLAGS = ("patch_size", "depth", "num_experts", "drop_path", "depth_drop", "eval_depths")
+CONFIG_FLAGS = ("patch_size", "depth", "num_experts", "drop_path", "depth_drop")  # set a config field
+MODEL_FLAGS = (*CONFIG_FLAGS, "eval_depths")
 
 
-def unread_problem(cfg, module, vision: bool) -> str | None:
+def unread_problem(cfg, module, model_args: dict | None) -> str | None:
     """The first model flag given, or --model-args field unlike the preset's (a saved config carries every
-    field), that cfg's model never reads, in words; None when all are read."""
+    field), that cfg's model never reads, in words; None when all are read. model_args: None for AlterNet."""
+    vision, model_args = model_args is not None, model_args or {}
     preset = {**{f.name: f.default for f in dataclasses.fields(module.ViTConfig)},
               **module.PRESETS[cfg.arch]} if vision else {}
-    model_args = parse_model_args(cfg.model_args) if vision else {}
     model = {**preset, **model_args}.get("arch", "alternet")
     given = [(name, "--" + name.replace("_", "-")) for name in MODEL_FLAGS
              if getattr(cfg, name) not in (None, "")]

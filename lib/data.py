@@ -304,7 +304,6 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
                 train_subset: int = 0, test_subset: int = 0, workers: int = 8) -> ImageData:
     """A built-in data set (found under data_dir and the other roots), or an ImageFolder root `data`
     with train/ and val/ (dataset "imagenet")."""
-    train, test = slice(train_subset or None), slice(test_subset or None)  # the first N; 0: all of it
     if dataset == "imagenet":
         if not data:
             raise ValueError("imagenet needs the folder: --data ROOT (an ImageFolder tree with train/ and "
@@ -324,6 +323,7 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
         (xtr, ytr), (xte, yte), classes = load_fashion_mnist(folder)
     else:
         (xtr, ytr), (xte, yte), classes = load_cifar(folder, 10 if dataset == "cifar10" else 100)
+    train, test = slice(train_subset or None), slice(test_subset or None)  # the first N; 0: all of it
     return ImageData(TensorImages(xtr[train], ytr[train]), TensorImages(xte[test], yte[test]), classes,
                      xtr.shape[1], xtr.shape[-1], *NORMALISATION[dataset])
 

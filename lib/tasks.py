@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.boundary import fail, is_vision, or_fail, parse_depths, parse_model_args, preset_module
+from lib.boundary import CONFIG_FLAGS, fail, is_vision, or_fail, parse_depths, parse_model_args, preset_module
 from lib.checkpoint import checkpoint_or_fail, load_vision_model, model_or_fail
 from lib.cli import device_options, say
 
@@ -281,7 +281,7 @@ def vision_overrides(cfg, images: data.ImageData) -> dict:
     preset = preset_module(cfg.arch, model_args).PRESETS[cfg.arch]  # revit, or lib.moe for a mechanism
     overrides = dict(image_size=images.image_size, in_channels=images.channels,
                      num_classes=images.num_classes)
-    for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop"):
+    for name in CONFIG_FLAGS:
         if getattr(cfg, name) is not None:
             overrides[name] = getattr(cfg, name)
     twice = next((name for name in model_args if name in overrides), None)
