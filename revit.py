@@ -521,8 +521,7 @@ class Raptor(VisionTransformer):
 
 @dataclass
 class ViTConfig:
-    """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
-    all use these names. lib/moe.py's config adds its mechanisms' fields to these."""
+    """Every model's settings, flat: the names of create_model's overrides, --model-args and checkpoints."""
     arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
     image_size: int = 224
     patch_size: int = 16
@@ -570,10 +569,9 @@ SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DIN
     "mini32": dict(image_size=32, patch_size=4, in_channels=3, **MINI),  # CIFAR-10
 }
 SIZES.update({f"{size}14": dict(SIZES[size], patch_size=14) for size in ("s", "b", "l")})
-# Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts); and at every
-# size Raptor with k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5). LayerScale: DeiT
-# III's 1e-4. Raptor's official block has 1e-5 (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper
-# trains Raptor with DeiT III's recipe, so our Raptor presets use 1e-4 (our choice). reViT's has none (Eq. 3).
+# Table 1: DeiT III (untied), Raptor (k = 4 blocks), reViT (one block, E = 4); at every size also Raptor with
+# k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5). LayerScale 1e-4 (DeiT III). Raptor's
+# official block (KempnerInstitute/raptor) has 1e-5; the paper trains it with DeiT III's recipe (our choice).
 DEIT3 = dict(layer_scale_init=1e-4)
 ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
 VARIANTS = {"vit": [], "raptor": [(f"-k{k}", dict(raptor_blocks=k)) for k in (2, 3, 4)],
