@@ -100,7 +100,7 @@ class Block(nn.Module):
         return x + self.drop_path(self.ls2(ffn(u)))
 
     def drop_path(self, x: torch.Tensor) -> torch.Tensor:
-        """Not elastic depth (reViT's `depth_drop` removes whole recurrent steps and renumbers the rest)."""
+        """DeiT III's stochastic depth, per sample; not elastic depth (depth_drop: whole steps, §3.2)."""
         if self.drop_prob == 0.0 or not self.training:
             return x
         keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.drop_prob)
@@ -571,7 +571,7 @@ SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DIN
 SIZES.update({f"{size}14": dict(SIZES[size], patch_size=14) for size in ("s", "b", "l")})
 # Table 1: DeiT III (untied), Raptor (k = 4 blocks), reViT (one block, E = 4); at every size also Raptor with
 # k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5). LayerScale 1e-4 (DeiT III). Raptor's
-# official block (KempnerInstitute/raptor) has 1e-5; the paper trains it with DeiT III's recipe (our choice).
+# official block (KempnerInstitute/raptor) has 1e-5; ours 1e-4, as the paper trains it with DeiT III's recipe.
 DEIT3 = dict(layer_scale_init=1e-4)
 ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
 VARIANTS = {"vit": [], "raptor": [(f"-k{k}", dict(raptor_blocks=k)) for k in (2, 3, 4)],
