@@ -151,8 +151,8 @@ MUTANTS = [
            "rows = keep[:, t].new_ones(keep.shape[0]).nonzero().squeeze(1)", *ELASTIC),
     # --- §3.1: fold ---
     mutant("fold: gate row 0 for every block", R, "self.merge(g.unsqueeze(0))", "self.merge(gates[:1])", *FOLD),
-    mutant("fold: gates of the trained depth", R, "steps = model.block.unrolled_states(depth, gates)",
-           'steps = model.block.unrolled_states(depth, model.gate_matrix()[:depth] if gates is None and '
+    mutant("fold: gates of the trained depth", R, "steps = (model.block.unrolled_states(depth, gates)",
+           'steps = (model.block.unrolled_states(depth, model.gate_matrix()[:depth] if gates is None and '
            'isinstance(model.block.mlp, MergedExpertFFN) else gates)', *FOLD),
     mutant("fold: the plain ViT left on the CPU", R,
            "VisionTransformer(config).to(device=model.cls_token.device, dtype=model.cls_token.dtype)",
@@ -592,11 +592,11 @@ MUTANTS = [
     mutant("label smoothing over K - 1 classes", "lib/data.py", "self.label_smoothing / self.num_classes",
            "self.label_smoothing / (self.num_classes - 1)", "tests/test_data.py::test_mixup_and_cutmix_weigh_each_target_by_what_its_image_holds"),
     # --- DeiT III's stochastic depth ---
-    mutant("drop path without the 1 / (1 - p) rescale", R, "return x * keep / (1.0 - self.p)", "return x * keep", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
-    mutant("drop path keeps with probability p", R, ".bernoulli_(1.0 - self.p)", ".bernoulli_(self.p)", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
+    mutant("drop path without the 1 / (1 - p) rescale", R, "return x * keep / (1.0 - self.drop_prob)", "return x * keep", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
+    mutant("drop path keeps with probability p", R, ".bernoulli_(1.0 - self.drop_prob)", ".bernoulli_(self.drop_prob)", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
     mutant("drop path per element", R, "keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1)))",
            "keep = x.new_empty(x.shape)", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
-    mutant("drop path in eval", R, "if self.p == 0.0 or not self.training:", "if self.p == 0.0:", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
+    mutant("drop path in eval", R, "if self.drop_prob == 0.0 or not self.training:", "if self.drop_prob == 0.0:", "tests/test_revit.py::test_drop_path_drops_whole_samples_and_rescales_the_kept_ones"),
     mutant("sample: a checkpoint's tokenizer loaded online", "lib/language.py",
            "    encoding = gpt2_encoding(download)\n", "    encoding = gpt2_encoding(True)\n",
            "tests/test_sample.py::test_a_checkpoint_naming_gpt2_cannot_make_tiktoken_fetch"),
