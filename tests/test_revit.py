@@ -384,7 +384,7 @@ def test_no_aux_losses_for_one_expert_or_plain_vit():
 @pytest.mark.parametrize("name,millions", [
     ("vit-s", 22.1), ("vit-b", 86.6), ("vit-l", 304.4),
     ("raptor-s", 7.9), ("raptor-b", 29.9), ("raptor-l", 52.4),
-    ("revit-s", 6.1), ("revit-b", 22.8), ("revit-l", 39.8),  # paper: 23.6 / 40.9 for B / L (see README)
+    ("revit-s", 6.1), ("revit-b", 22.8), ("revit-l", 39.8),  # paper: 23.6 / 40.9 (RESULTS.md explains)
 ])
 def test_parameter_counts_match_the_paper(name, millions):
     with torch.device("meta"):
