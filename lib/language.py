@@ -14,7 +14,7 @@ import torch.distributed as dist
 import alternet
 from lib import data
 from lib.checkpoint import unwrap
-from lib.boundary import alternet_overrides, fail
+from lib.boundary import fail, model_overrides
 from lib.cli import device_options, say
 from lib.tasks import autocast_of, make
 
@@ -204,7 +204,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
             cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)
     except (ValueError, FileNotFoundError) as e:
         fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")
-    overrides = alternet_overrides(cfg)
+    overrides = model_overrides(cfg)
     top = max(int(train_tokens.max()), int(val_tokens.max()))
     if overrides.get("vocab_size", vocab) <= top:  # the data's token ids would fail mid-run
         fail(f"--model-args vocab_size={overrides['vocab_size']}: the data's token ids reach {top}")

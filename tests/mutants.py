@@ -753,7 +753,7 @@ MUTANTS = [
            "if value != preset[name]]", "]",
            "tests/test_hostile.py::test_model_args_a_model_never_reads_pass_where_they_are_the_presets"),
     mutant("boundary: AlterNet's --num-experts / --depth dropped", "lib/boundary.py",
-           "            overrides[name] = getattr(cfg, flag)", "            pass",
+           "overrides[name], set_by[name] = getattr(cfg, flag),", "_, set_by[name] = getattr(cfg, flag),",
            "tests/test_train.py::test_alternet_reads_num_experts_and_depth_as_its_model_args_would"),
     mutant("train: --help's data sets without planted", T, "' | '.join(IMAGE_DATASETS + TEXT_DATASETS)} (",
            "' | '.join(IMAGE_DATASETS[:4] + TEXT_DATASETS)} (",
