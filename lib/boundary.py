@@ -366,12 +366,25 @@ def is_own_output(path: Path) -> bool:
     with open(path, "rb") as f:
         if f.read(16).startswith(OUTPUT_STARTS):
             return True
+    if not is_safetensors(path):
+        return False
     from safetensors import SafetensorError, safe_open  # reads the header, no tensor
     try:
         with safe_open(str(path), framework="numpy") as f:
             return (f.metadata() or {}).get("format") in ("revit.folded", "revit.compact", "timm")
-    except (SafetensorError, OSError):
+    except (SafetensorError, OSError):  # named .safetensors or begins as one, but is not
         return False
+
+
+def is_safetensors(path) -> bool:
+    """Named .safetensors, or begins as one (an 8-byte header length, then its JSON): a renamed file
+    (an export written as m.compact) is read as what it is."""
+    if Path(path).suffix == ".safetensors":
+        return True
+    if path_problem(path):  # missing, a folder, a FIFO: its reader says so
+        return False
+    with open(path, "rb") as f:
+        return f.read(9)[8:] == b"{"
 
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:
