@@ -85,12 +85,12 @@ def average_ranks(values: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman's rho: Pearson correlation of the average ranks (nan when either side is constant)."""
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Spearman's rho: Pearson correlation of the average ranks (None, undefined, when a side is constant)."""
     ra, rb = average_ranks(a), average_ranks(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
     denominator = (ra.norm() * rb.norm()).item()
-    return (ra @ rb).item() / denominator if denominator > 0 else float("nan")
+    return (ra @ rb).item() / denominator if denominator > 0 else None
 
 
 # --- the expert bank and the gate program (Figs. 3, 5) ---
@@ -498,12 +498,21 @@ def print_report(report: dict) -> None:
         print_matrix(f"cross-CKA student x teacher ({t['arch']}, {t['depth']} layers)", report["cross_cka"],
                      "student state", "teacher state")
         print(f"max-CKA teacher state per student state: {a['max_cka_path']}")
-        print(f"Spearman rho {a['spearman_rho']:.3f} | MAD from proportional depth {a['mad']:.2f} teacher "
+        print(f"Spearman rho {rho_text(a)} | MAD from proportional depth {a['mad']:.2f} teacher "
               f"layers (interior {a['interior_mad']:.2f})")
     if "interventions" in report:
         print_interventions(report["interventions"], report["gates"])
     if "gate_gradients" in report:
         print_gradients(report["gate_gradients"])
+
+
+def rho_text(alignment: dict, why: bool = True) -> str:
+    """Spearman's rho of the max-CKA path, or n/a (and why, where asked): a constant path has none."""
+    rho = alignment["spearman_rho"]
+    if rho is not None:
+        return f"{rho:.3f}"
+    state = alignment["max_cka_path"][0]
+    return f"n/a (every student state is closest to teacher state {state})" if why else "n/a"
 
 
 def print_gradients(result: dict) -> None:
@@ -644,7 +653,7 @@ def save_plots(report: dict, out: Path) -> list[str]:
         steps = list(range(len(a["max_cka_path"])))
         figures["cross_cka.png"] = cka_figure(
             plt, report["cross_cka"], "teacher state", "student state",
-            f"cross-CKA, rho={a['spearman_rho']:.3f}, MAD={a['mad']:.2f}",
+            f"cross-CKA, rho={rho_text(a, why=False)}, MAD={a['mad']:.2f}",
             [(a["max_cka_path"], steps, "o:", "max-CKA teacher depth"),
              (a["proportional_depth"], steps, "--", "proportional depth")])
     for name, fig in figures.items():
