@@ -267,10 +267,6 @@ def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
     return or_fail(load_checkpoint, path, flag, keys)
 
 
-def model_or_fail(path, flag) -> nn.Module:
-    return or_fail(load_model, path, flag=flag)[0]
-
-
 # --- what a checkpoint holds besides weights: plain values, the plain module, RNG states ---
 
 

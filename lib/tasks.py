@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import revit
 from lib import data
 from lib.boundary import fail, is_vision, model_overrides, or_fail, parse_depths, preset_module
-from lib.checkpoint import checkpoint_or_fail, load_vision_model, model_or_fail
+from lib.checkpoint import checkpoint_or_fail, load_vision_model
 from lib.cli import device_options, say
 
 
@@ -247,7 +247,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
         fail(f"--batch-size {cfg.batch_size} is larger than the training set ({len(images.train)} images)")
     augment = data.Augment(images, device, cfg.seed + rank, **{k: getattr(cfg, k) for k in AUGMENT_FIELDS})
     if cfg.probe:
-        backbone = model_or_fail(cfg.backbone, "--backbone")
+        backbone = or_fail(load_vision_model, cfg.backbone, "--backbone")[0]
         if (backbone.config.image_size, backbone.config.in_channels) != (images.image_size, images.channels):
             fail(f"--backbone expects {backbone.config.in_channels}x{backbone.config.image_size}² images; "
                  f"{cfg.dataset} has {images.channels}x{images.image_size}²")

@@ -765,8 +765,8 @@ MUTANTS = [
            "        codec = text_codec(cfg.tokenizer, cfg.download)\n", "        codec = None\n",
            "tests/test_train.py::test_a_missing_tokenizer_names_the_arch_that_trains_with_it",
            more=[("            codec, cfg.dataset", "            text_codec(cfg.tokenizer, cfg.download), cfg.dataset")]),
-    mutant("tasks: a language model taken as --teacher", "lib/tasks.py",
-           'or_fail(load_vision_model, cfg.teacher, "--teacher")[0]', 'model_or_fail(cfg.teacher, "--teacher")',
+    mutant("tasks: a language model taken as --teacher", "lib/checkpoint.py",
+           'if vision and module.__name__ == "alternet"', 'if False',
            "tests/test_hostile.py::test_a_language_model_given_as_teacher_is_named_as_such"),
 ]
 
