@@ -32,7 +32,7 @@ import revit
 from lib.checkpoint import load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, path_problem
 from lib.cli import atomic_write, atomic_write_text, finite_or_null, pick_device, pyplot, run_main
-from lib.data import NORMALISATION, FolderImages, load_images
+from lib.data import IMAGE_DATASETS, NORMALISATION, FolderImages, load_images
 from tools.plot import save_png
 
 PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
@@ -360,8 +360,6 @@ def gradient_part(model, images, labels, depth: int, batches: int, seed: int) ->
 
 # --- inputs: everything a user passes, read and checked before anything is written ---
 
-DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet", "planted")  # planted: lib/planted.py
-
 
 @dataclass
 class Inputs:
@@ -392,8 +390,8 @@ def evaluation_images(args, ckpt: dict, image_size: int) -> tuple:
     """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32, its labels, and
     the data set's name (--dataset, else the checkpoint's)."""
     dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"
-    if dataset not in DATASETS:
-        raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {dataset!r}"
+    if dataset not in IMAGE_DATASETS:
+        raise ValueError(f"--dataset must be one of {', '.join(IMAGE_DATASETS)}; got {dataset!r}"
                          + ("" if args.dataset else f" (checkpoint {args.checkpoint} was trained on it)"))
     if dataset == "imagenet":  # the val split only, resized and centre-cropped (as train.py evaluates)
         if not args.data or not (Path(args.data) / "val").is_dir():
