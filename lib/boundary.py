@@ -172,12 +172,13 @@ MODEL_NAMES = {"vit": "ViT (vit-*)", "raptor": "Raptor (raptor-*)", "revit": "re
                "alternet": "AlterNet (alternet-*)"}
 REVIT_ONLY = ("num_experts", "depth_drop", "router_hidden", "router_temperature", "router_prior",
               "balance_weight", "z_loss_weight", "diversity_weight", "merge_cache", "expert_ffn_fraction")
-ALTERNET_FLAGS = {"num_experts": "num_experts", "depth": "max_depth"}  # flag -> AlterNetConfig field
+# The model flags that set a config field, per family: flag -> the field it sets.
+VISION_FLAGS = {name: name for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop")}
+ALTERNET_FLAGS = {"num_experts": "num_experts", "depth": "max_depth"}
 VISION_MODELS = ("vit", "raptor", "revit")
 READ_BY = {**dict.fromkeys(REVIT_ONLY, ("revit",)), "raptor_blocks": ("raptor",)}
 READ_BY.update({name: READ_BY.get(name, VISION_MODELS) + ("alternet",) for name in ALTERNET_FLAGS})
-CONFIG_FLAGS = ("patch_size", "depth", "num_experts", "drop_path", "depth_drop")  # set a config field
-MODEL_FLAGS = (*CONFIG_FLAGS, "eval_depths")
+MODEL_FLAGS = (*VISION_FLAGS, "eval_depths")
 
 
 def unread_problem(cfg, module, model_args: dict | None) -> str | None:
@@ -198,16 +199,22 @@ def unread_problem(cfg, module, model_args: dict | None) -> str | None:
     return None
 
 
-def alternet_overrides(cfg) -> dict:
-    """An AlterNet's config overrides: --model-args, and --num-experts / --depth as the fields they set."""
-    import alternet
-    overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
-    for flag, name in ALTERNET_FLAGS.items():
+def model_overrides(cfg, data: dict | None = None) -> dict:
+    """A model's config overrides: the data's properties (an image model's, set by cfg.dataset), the model
+    flags given, as the fields they set, then --model-args (checked against the config class by
+    check_config), which may set none of them again: a data property would fail mid-run, a flag be
+    overridden silently."""
+    model_args = parse_model_args(cfg.model_args)
+    flags = VISION_FLAGS if is_vision(preset_module(cfg.arch, model_args)) else ALTERNET_FLAGS
+    overrides, set_by = dict(data or {}), dict.fromkeys(data or {}, cfg.dataset)
+    for flag, name in flags.items():
         if getattr(cfg, flag) is not None:
-            if name in overrides:  # never last-one-wins
-                fail(f"--model-args {name}={overrides[name]}: {name} is set by --{flag.replace('_', '-')}")
-            overrides[name] = getattr(cfg, flag)
-    return overrides
+            overrides[name], set_by[name] = getattr(cfg, flag), "--" + flag.replace("_", "-")
+    twice = next((name for name in model_args if name in overrides), None)
+    if twice:  # never last-one-wins
+        fail(f"--model-args {twice}={model_args[twice]}: {twice} is {overrides[twice]}, "
+             f"set by {set_by[twice]}")
+    return {**overrides, **model_args}
 
 
 def preset_module(arch: str, config=None):
@@ -359,12 +366,25 @@ def is_own_output(path: Path) -> bool:
     with open(path, "rb") as f:
         if f.read(16).startswith(OUTPUT_STARTS):
             return True
+    if not is_safetensors(path):
+        return False
     from safetensors import SafetensorError, safe_open  # reads the header, no tensor
     try:
         with safe_open(str(path), framework="numpy") as f:
             return (f.metadata() or {}).get("format") in ("revit.folded", "revit.compact", "timm")
-    except (SafetensorError, OSError):
+    except (SafetensorError, OSError):  # named .safetensors or begins as one, but is not
         return False
+
+
+def is_safetensors(path) -> bool:
+    """Named .safetensors, or begins as one (an 8-byte header length, then its JSON): a renamed file
+    (an export written as m.compact) is read as what it is."""
+    if Path(path).suffix == ".safetensors":
+        return True
+    if path_problem(path):  # missing, a folder, a FIFO: its reader says so
+        return False
+    with open(path, "rb") as f:
+        return f.read(9)[8:] == b"{"
 
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:

@@ -27,7 +27,7 @@ except ImportError:
 import torch
 import torch.nn as nn
 
-from lib.boundary import fail, or_fail, output_problem, path_problem, preset_module, too_deep
+from lib.boundary import fail, is_safetensors, or_fail, output_problem, path_problem, preset_module, too_deep
 from lib.weights import read_weights  # the .safetensors files weights/ ships
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
@@ -53,17 +53,6 @@ def unreadable(error: Exception) -> str:
     if "weights_only" in text or "Weights only load failed" in text:  # any other refusal: never the advice
         return "not a PyTorch file of plain tensors and values (a safe load refuses it)"
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
-
-
-def is_safetensors(path) -> bool:
-    """Named .safetensors, or begins as one (an 8-byte header length, then its JSON): a renamed file
-    (an export written as m.compact) is read as what it is."""
-    if Path(path).suffix == ".safetensors":
-        return True
-    if path_problem(path):  # missing, a folder, a FIFO: its reader says so
-        return False
-    with open(path, "rb") as f:
-        return f.read(9)[8:] == b"{"
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
@@ -276,10 +265,6 @@ def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
 def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
     """For a command line: the loaders' ValueError becomes the one-line exit."""
     return or_fail(load_checkpoint, path, flag, keys)
-
-
-def model_or_fail(path, flag) -> nn.Module:
-    return or_fail(load_model, path, flag=flag)[0]
 
 
 # --- what a checkpoint holds besides weights: plain values, the plain module, RNG states ---

@@ -127,3 +127,18 @@ def test_an_output_replaces_only_an_earlier_output_of_the_project(tmp_path):
         assert output_problem(tmp_path / name).startswith("already exists and is not an earlier output"), name
     write_json({"step": 1}, tmp_path / "metrics.jsonl")
     assert output_problem(tmp_path / "metrics.jsonl").startswith("is a file of a training run")
+
+
+def test_a_text_run_builds_its_tokenizer_once(monkeypatch):
+    """The tokenizer built to check --tokenizer (before the text is read) is the one that encodes the text."""
+    import types
+    import torch
+    from lib import language
+    built = []
+    byte_like = types.SimpleNamespace(encode_ordinary=lambda text: list(text.encode()), n_vocab=256,
+                                      decode=lambda ids: bytes(ids).decode())
+    monkeypatch.setitem(sys.modules, "tiktoken", types.SimpleNamespace(
+        get_encoding=lambda name: built.append(name) or byte_like))
+    cfg = train.TrainConfig(arch="alternet-tiny", dataset="grammar", tokenizer="gpt2", max_steps=1)
+    language.build(cfg, 0, 1, torch.device("cpu"), None)
+    assert built == ["gpt2"]

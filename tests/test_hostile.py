@@ -331,7 +331,7 @@ def test_train_flags_and_paths(tmp_path, argv, needle):
     (["--arch", "revit-mini", "--model-args", "raptor_blocks=2"], "raptor_blocks=2 applies to Raptor (raptor-*)"),
     (["--arch", "revit-mini", "--model-args", "arch='vit',depth_drop=0.1"], "depth_drop=0.1 applies to reViT"),
     (["--arch", "alternet-tiny", "--depth", "3", "--model-args", "max_depth=4"],
-     "--model-args max_depth=4: max_depth is set by --depth"),
+     "--model-args max_depth=4: max_depth is 3, set by --depth"),
 ])
 def test_a_model_flag_the_model_never_reads_is_refused(tmp_path, fashion_mnist_dir, argv, needle):
     """Refused in one line naming the flag and the models that read it, not echoed as an override and dropped."""

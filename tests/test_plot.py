@@ -49,6 +49,17 @@ def test_plot_reads_a_language_run_by_its_bits_per_byte(tmp_path):
     assert sorted(curves["train_loss"]) == [1, 2, 3, 4] and sorted(curves["val_bpb"]) == [2, 4]
 
 
+@pytest.mark.parametrize("scores", ["[0.5, 0.7]", "0.5", "null"])
+def test_plot_refuses_an_eval_that_is_not_metrics_by_name_in_one_line(tmp_path, scores):
+    """train.py logs {"step": N, "eval": {"val_loss": ...}}; another shape was a traceback."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n'
+                                            f'{{"step": 2, "loss": 1.5, "eval": {scores}}}\n')
+    with pytest.raises(SystemExit) as stopped:
+        plot.main([str(tmp_path), "--out", str(tmp_path / "c.png")])
+    assert str(stopped.value) == (f"python -m tools.plot: error: RUN {tmp_path}/metrics.jsonl line 2: its "
+                                  f"eval is {scores}, not the metrics by name that train.py logs")
+    assert not (tmp_path / "c.png").exists()
+
 
 def with_loss(run, folder, loss):
     """A copy of a run's metrics.jsonl, its first training loss replaced by `loss` -> that line's number."""

@@ -32,7 +32,7 @@ import revit
 from lib.checkpoint import load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, path_problem
 from lib.cli import atomic_write, atomic_write_text, finite_or_null, pick_device, pyplot, run_main
-from lib.data import NORMALISATION, FolderImages, load_images
+from lib.data import IMAGE_DATASETS, NORMALISATION, FolderImages, load_images
 from tools.plot import save_png
 
 PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
@@ -85,12 +85,12 @@ def average_ranks(values: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman's rho: Pearson correlation of the average ranks (nan when either side is constant)."""
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Spearman's rho: Pearson correlation of the average ranks (None, undefined, when a side is constant)."""
     ra, rb = average_ranks(a), average_ranks(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
     denominator = (ra.norm() * rb.norm()).item()
-    return (ra @ rb).item() / denominator if denominator > 0 else float("nan")
+    return (ra @ rb).item() / denominator if denominator > 0 else None
 
 
 # --- the expert bank and the gate program (Figs. 3, 5) ---
@@ -360,8 +360,6 @@ def gradient_part(model, images, labels, depth: int, batches: int, seed: int) ->
 
 # --- inputs: everything a user passes, read and checked before anything is written ---
 
-DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet", "planted")  # planted: lib/planted.py
-
 
 @dataclass
 class Inputs:
@@ -392,8 +390,8 @@ def evaluation_images(args, ckpt: dict, image_size: int) -> tuple:
     """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32, its labels, and
     the data set's name (--dataset, else the checkpoint's)."""
     dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"
-    if dataset not in DATASETS:
-        raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {dataset!r}"
+    if dataset not in IMAGE_DATASETS:
+        raise ValueError(f"--dataset must be one of {', '.join(IMAGE_DATASETS)}; got {dataset!r}"
                          + ("" if args.dataset else f" (checkpoint {args.checkpoint} was trained on it)"))
     if dataset == "imagenet":  # the val split only, resized and centre-cropped (as train.py evaluates)
         if not args.data or not (Path(args.data) / "val").is_dir():
@@ -498,12 +496,21 @@ def print_report(report: dict) -> None:
         print_matrix(f"cross-CKA student x teacher ({t['arch']}, {t['depth']} layers)", report["cross_cka"],
                      "student state", "teacher state")
         print(f"max-CKA teacher state per student state: {a['max_cka_path']}")
-        print(f"Spearman rho {a['spearman_rho']:.3f} | MAD from proportional depth {a['mad']:.2f} teacher "
+        print(f"Spearman rho {rho_text(a)} | MAD from proportional depth {a['mad']:.2f} teacher "
               f"layers (interior {a['interior_mad']:.2f})")
     if "interventions" in report:
         print_interventions(report["interventions"], report["gates"])
     if "gate_gradients" in report:
         print_gradients(report["gate_gradients"])
+
+
+def rho_text(alignment: dict, why: bool = True) -> str:
+    """Spearman's rho of the max-CKA path, or n/a (and why, where asked): a constant path has none."""
+    rho = alignment["spearman_rho"]
+    if rho is not None:
+        return f"{rho:.3f}"
+    state = alignment["max_cka_path"][0]
+    return f"n/a (every student state is closest to teacher state {state})" if why else "n/a"
 
 
 def print_gradients(result: dict) -> None:
@@ -644,7 +651,7 @@ def save_plots(report: dict, out: Path) -> list[str]:
         steps = list(range(len(a["max_cka_path"])))
         figures["cross_cka.png"] = cka_figure(
             plt, report["cross_cka"], "teacher state", "student state",
-            f"cross-CKA, rho={a['spearman_rho']:.3f}, MAD={a['mad']:.2f}",
+            f"cross-CKA, rho={rho_text(a, why=False)}, MAD={a['mad']:.2f}",
             [(a["max_cka_path"], steps, "o:", "max-CKA teacher depth"),
              (a["proportional_depth"], steps, "--", "proportional depth")])
     for name, fig in figures.items():

@@ -41,8 +41,11 @@ def read_curves(run: str) -> dict:
             record = {"step": max(curves["train_loss"], default=0), "eval": scores}
         if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "event" in record:
             continue
-        step = record["step"]
-        for key, value in [("train_loss", record.get("loss")), *(record.get("eval") or {}).items()]:
+        step, scores = record["step"], record.get("eval", {})
+        if not isinstance(scores, dict):  # train.py logs its evaluation as {"val_loss": 0.41, ...}
+            fail(f"RUN {path} line {n}: its eval is {json.dumps(scores)[:40]}, not the metrics by name "
+                 "that train.py logs", PROG)
+        for key, value in [("train_loss", record.get("loss")), *scores.items()]:
             if isinstance(value, (int, float)):
                 if abs(step) > FLOAT32_MAX or abs(value) > FLOAT32_MAX:
                     fail(f"RUN {path} line {n} holds a number beyond float32's ±3.4e38, which no run "
