@@ -1110,7 +1110,7 @@ def run_memory(args, device) -> dict:
         fail(f"--batch-size {batch} must be divisible by --gpus x --grad-accum", PROG)
     profile = memory.measure(model.config, device, PRECISIONS[args.precision], seq_len)
     recipe = args.recipe or train.RECIPE_OF.get(cfg.dataset, "")
-    recipe += " + alternet.RECIPES (Table 2)" if args.arch in getattr(alternet, "RECIPES", {}) else ""
+    recipe += " + alternet.RECIPES (Table 2)" if args.arch in alternet.RECIPES else ""
     settings = {"arch": args.arch, "recipe": recipe, "batch_size": batch, "seq_len": seq_len,
                 "gpus": args.gpus, "gpu_memory_gb": args.gpu_memory, "measured_on": str(device)}
     try:
@@ -1135,7 +1135,7 @@ COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "c
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
     try:
         device = pick_device(getattr(args, "device", "cpu"))
     except ValueError as e:  # --device: one line, as argparse reports its own errors
