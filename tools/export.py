@@ -47,15 +47,6 @@ FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
 
 
-def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
-    """state_dict into model, its names, shapes and dtypes checked first (one line naming what differs)."""
-    problem = fit_problem(model.state_dict(), state_dict, type(model).__name__)
-    if problem:
-        raise ValueError(f"{source}: {problem}")
-    model.load_state_dict(state_dict)
-    return model
-
-
 def load_source(path) -> nn.Module:
     """export.py's input -> model in eval mode: a checkpoint of this project (a ckpt.pt, or weights/'s
     .safetensors) or a compact / folded export."""
@@ -204,7 +195,11 @@ def load_timm_state_dict(model: revit.VisionTransformer, state_dict: dict) -> re
                 gamma = state.pop(gamma_name)
                 state[f"{layer}.weight"] = gamma[:, None] * state[f"{layer}.weight"]
                 state[f"{layer}.bias"] = gamma * state[f"{layer}.bias"]
-    return load_weights(model, state, "timm state dict")
+    problem = fit_problem(model.state_dict(), state, type(model).__name__)  # one line naming what differs
+    if problem:
+        raise ValueError(f"timm state dict: {problem}")
+    model.load_state_dict(state)
+    return model
 
 
 def save_timm(vit: revit.VisionTransformer, path) -> dict:
@@ -251,12 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint",
                    help="a train.py checkpoint, or a compact / folded .safetensors written by export.py")
-    p.add_argument("--depth", type=int, default=None,
-                   help="L to fold at (>= 2); default: the model's reference depth. Not with --format "
-                        "compact")
-    p.add_argument("--format", required=True, choices=FORMATS,
-                   help="safetensors: folded ViT; onnx: folded graph; timm: folded ViT in timm's layout; "
-                        "compact: the dynamic model (experts + router), depth chosen later")
+    p.add_argument("--depth", type=int,
+                   help="L to fold at, >= 2 (default: its reference depth); not with --format compact")
+    p.add_argument("--format", required=True, choices=FORMATS, help="what to write (the formats above)")
     p.add_argument("--out", required=True, help="output file (parent folders are created)")
     p.add_argument("--opset", type=int, default=18,
                    help="ONNX opset version (--format onnx; 14..20) [default: 18]")
@@ -269,17 +261,16 @@ def export(args: argparse.Namespace) -> dict:
     if args.format == "compact" and args.depth is not None:  # compact: L is chosen when it is folded
         raise ValueError("--depth is not allowed with --format compact, which keeps every depth "
                          "(give --depth when exporting the compact file to another format)")
-    suffix, expected = Path(args.out).suffix, ".onnx" if args.format == "onnx" else ".safetensors"
-    if suffix in (".onnx", ".safetensors") and suffix != expected:  # timm: also torch.save's, any other name
-        raise ValueError(f"--out {args.out}: --format {args.format} writes no {suffix} file; "
+    out, expected = Path(args.out), ".onnx" if args.format == "onnx" else ".safetensors"
+    if out.suffix in (".onnx", ".safetensors") and out.suffix != expected:  # timm: also any other name
+        raise ValueError(f"--out {args.out}: --format {args.format} writes no {out.suffix} file; "
                          f"give a name ending {expected}")
-    source = Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve()
+    source = Path(args.checkpoint).exists() and out.resolve() == Path(args.checkpoint).resolve()
     # output_problem: also a run's files, its lock and any saved model
     problem = "is the checkpoint being exported; give another file" if source else output_problem(args.out)
     if problem:
         raise ValueError(f"--out {args.out} {problem}")
     model = load_source(args.checkpoint)
-    out = Path(args.out)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
     if args.format == "compact":
         atomic_write(out, lambda path: save_safetensors(model, path, "compact"))
