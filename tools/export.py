@@ -90,15 +90,9 @@ def check_fold(model: nn.Module, vit: revit.VisionTransformer, depth: int | None
 def save_safetensors(model: nn.Module, path, kind: str, **extra) -> None:
     """kind "folded" (a plain ViT) or "compact" (any model of revit.py, e.g. the dynamic reViT)."""
     metadata = {"format": f"revit.{kind}", "format_version": FORMAT_VERSION,
-                "config": json.dumps(asdict(model.config))}
-    metadata.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in extra.items()})
+                "config": json.dumps(asdict(model.config)), **{k: json.dumps(v) for k, v in extra.items()}}
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    write_safetensors(path, tensors, metadata)
-
-
-def write_safetensors(path, tensors: dict, metadata: dict) -> None:
-    """The file's bytes through open(), so it gets the umask's mode as every output (save_file's is 0600)."""
-    Path(path).write_bytes(save(tensors, metadata=metadata))
+    Path(path).write_bytes(save(tensors, metadata=metadata))  # the umask's mode, not save_file's 0600
 
 
 def read_safetensors(path) -> tuple[dict, dict]:
@@ -207,7 +201,7 @@ def save_timm(vit: revit.VisionTransformer, path) -> dict:
     state = to_timm_state_dict(vit)
     if str(path).endswith(".safetensors"):
         metadata = {"format": "timm", "timm_model": name, "timm_kwargs": json.dumps(kwargs)}
-        write_safetensors(path, state, metadata)
+        Path(path).write_bytes(save(state, metadata=metadata))
     else:
         torch.save(state, path)
     return {"timm_model": name, "timm_kwargs": kwargs}
