@@ -141,18 +141,17 @@ def timm_model_args(config: revit.ViTConfig) -> tuple[str, dict]:
     vit_{size}_patch16_224 without LayerScale, deit3_{size}_patch16_224 with it; the kwargs list only
     what differs from that name's defaults (224², patch 16, 3 channels, 1000 classes, MLP ratio 4)."""
     layer_scale = config.layer_scale_init is not None
-    size, depth, heads = TIMM_WIDTHS.get(config.dim, ("small", 12, 6))
-    if layer_scale and size == "tiny":
-        size, depth, heads = "small", 12, 6  # timm has no deit3_tiny
+    tiny = layer_scale and config.dim == 192  # timm has no deit3_tiny
+    width = config.dim if config.dim in TIMM_WIDTHS and not tiny else 384  # else small's name
+    size, depth, heads = TIMM_WIDTHS[width]
     name = f"{'deit3' if layer_scale else 'vit'}_{size}_patch16_224"
-    dims = {name: dim for dim, (name, _, _) in TIMM_WIDTHS.items()}
     mlp_ratio = config.ffn_dim / config.dim
     if int(config.dim * mlp_ratio) != config.ffn_dim:  # timm builds the hidden width as int(dim * mlp_ratio)
         raise ValueError(f"ffn_dim={config.ffn_dim} is not int(dim * mlp_ratio) for any ratio timm can take")
     wanted = dict(img_size=config.image_size, patch_size=config.patch_size, in_chans=config.in_channels,
                   num_classes=config.num_classes, embed_dim=config.dim, depth=config.depth,
                   num_heads=config.heads, mlp_ratio=mlp_ratio)
-    defaults = dict(img_size=224, patch_size=16, in_chans=3, num_classes=1000, embed_dim=dims[size],
+    defaults = dict(img_size=224, patch_size=16, in_chans=3, num_classes=1000, embed_dim=width,
                     depth=depth, num_heads=heads, mlp_ratio=4.0)
     return name, {k: v for k, v in wanted.items() if v != defaults[k]}
 
