@@ -142,7 +142,7 @@ def timm_model_args(config: revit.ViTConfig) -> tuple[str, dict]:
     what differs from that name's defaults (224², patch 16, 3 channels, 1000 classes, MLP ratio 4)."""
     layer_scale = config.layer_scale_init is not None
     tiny = layer_scale and config.dim == 192  # timm has no deit3_tiny
-    width = config.dim if config.dim in TIMM_WIDTHS and not tiny else 384  # else small's name
+    width = config.dim if config.dim in TIMM_WIDTHS and not tiny else 384  # any other: small's name
     size, depth, heads = TIMM_WIDTHS[width]
     name = f"{'deit3' if layer_scale else 'vit'}_{size}_patch16_224"
     mlp_ratio = config.ffn_dim / config.dim
@@ -255,7 +255,7 @@ def export(args: argparse.Namespace) -> dict:
         raise ValueError("--depth is not allowed with --format compact, which keeps every depth "
                          "(give --depth when exporting the compact file to another format)")
     out, expected = Path(args.out), ".onnx" if args.format == "onnx" else ".safetensors"
-    if out.suffix in (".onnx", ".safetensors") and out.suffix != expected:  # timm: also any other name
+    if out.suffix in (".onnx", ".safetensors") and out.suffix != expected:  # timm: torch.save's for others
         raise ValueError(f"--out {args.out}: --format {args.format} writes no {out.suffix} file; "
                          f"give a name ending {expected}")
     source = Path(args.checkpoint).exists() and out.resolve() == Path(args.checkpoint).resolve()
