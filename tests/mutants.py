@@ -735,7 +735,7 @@ MUTANTS = [
            'if args.format == "compact" and args.depth is not None:', "if False:",
            "tests/test_export.py::test_bad_input_gives_one_line_naming_it_and_writes_nothing"),
     mutant("export: an --out named for another format written", "tools/export.py",
-           'if suffix in (".onnx", ".safetensors") and suffix != expected:', "if False:",
+           'if out.suffix in (".onnx", ".safetensors") and out.suffix != expected:', "if False:",
            "tests/test_export.py::test_an_export_is_read_by_its_content_and_named_for_its_format"),
     mutant("checkpoint: a renamed safetensors file read by its name", "lib/boundary.py",
            'return f.read(9)[8:] == b"{"', "return False",

@@ -36,7 +36,6 @@ def tiny(name="revit-mini", **overrides):
     return randomise(revit.create_model(name, **{**TINY, **overrides})).eval()
 
 
-
 def images(config, batch=3, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, config.in_channels, config.image_size, config.image_size, generator=g)

@@ -5,7 +5,6 @@ the real train.py runs only where the test is about it (--quick sizes, a few run
 """
 import io
 import json
-import os
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path

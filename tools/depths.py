@@ -118,15 +118,14 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
     return rows
 
 
-def timed_against_reference(fns: dict, reference, compared, row: dict, args, device, resolve=False) -> dict:
-    """Seconds per call of each fn, timed in interleaved rounds beside the reference (with `resolve`, more
-    rounds until their ratio is known to +- --resolve); row["relative_latency"]: the median of the per-round
+def timed_against_reference(fns: dict, reference, compared, row: dict, args, device, resolve=0.0) -> dict:
+    """Seconds per call of each fn, timed in interleaved rounds beside the reference (resolve > 0: more
+    rounds until their ratio is known to +- resolve); row["relative_latency"]: the median of the per-round
     ratios fns[compared] / reference and its 95% bootstrap interval (both timed under the same load)."""
     fns = {**fns, "reference": reference}
     times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
-    if resolve:
-        times = bench.resolve_ratio(fns, times, device, args.iters, args.resolve, args.max_repeats,
-                                    pair=(compared, "reference"))
+    times = bench.resolve_ratio(fns, times, device, args.iters, resolve, args.max_repeats,
+                                pair=(compared, "reference"))
     paired = bench.paired_ratio(times[compared], times["reference"])
     row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"])
     return times
@@ -177,7 +176,7 @@ def resolve_headline(rows, family: str, call_of, reference, args, device) -> Non
     --resolve: the one comparison the last line states."""
     ref, good = smallest_good(rows, *HEADLINE[family][:4])
     if good is not ref and args.resolve:
-        timed_against_reference({"row": call_of(good)}, reference, "row", good, args, device, resolve=True)
+        timed_against_reference({"row": call_of(good)}, reference, "row", good, args, device, args.resolve)
 
 
 # the headline of each family: (size, quality, tolerance, higher is better, unit, scale, name)

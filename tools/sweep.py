@@ -438,11 +438,11 @@ def draw_elastic(ax, elastic: list[dict], reference: dict | None = None) -> None
     metric = elastic[0]["metric"]
     scale, label = (100, "top-1 accuracy (%)") if metric == "acc" else (1, "test MSE (lower is better)")
     for r in elastic:
-        depths = sorted(r["depths"], key=int)
-        mean, std = ([scale * r["depths"][d][stat] for d in depths] for stat in ("mean", "std"))
-        ax.plot(list(map(int, depths)), mean, "o-", label=r["cell"])
-        ax.fill_between(list(map(int, depths)), [m - s for m, s in zip(mean, std)],
-                        [m + s for m, s in zip(mean, std)], alpha=0.2)
+        depths = sorted(map(int, r["depths"]))  # JSON's keys: strings
+        mean, std = ([scale * r["depths"][str(d)][stat] for d in depths] for stat in ("mean", "std"))
+        ax.plot(depths, mean, "o-", label=r["cell"])
+        ax.fill_between(depths, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        alpha=0.2)
     if reference:
         ax.errorbar([reference["reference_depth"]], [scale * reference[metric]["mean"]],
                     yerr=[scale * reference[metric]["std"]], fmt="k*", markersize=10, capsize=3,
