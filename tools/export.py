@@ -36,8 +36,8 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
 
 import revit
 from lib import moe, weights
-from lib.checkpoint import diverged, fit_problem, is_safetensors, load_vision_model, weights_problem
-from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem
+from lib.checkpoint import diverged, fit_problem, load_vision_model, weights_problem
+from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, is_safetensors, output_problem
 from lib.cli import atomic_write, run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
