@@ -335,6 +335,7 @@ RUN_FILES = ("ckpt.pt", "metrics.jsonl", ".lock")  # what train.py keeps in a ru
 # user's notes.txt, a saved checkpoint or model (a zip or a pickle) is never overwritten.
 OUTPUT_STARTS = (b'{"', b'{\n "', b"\x89PNG", b"%PDF", b"<?xml", b"\x08",
                  b"state,", b"step,s,", b"student_state,")
+OWN_FORMATS = ("revit.folded", "revit.compact", "timm", "revit.probe_heads")  # safetensors: export's, probes'
 
 
 def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:
@@ -362,7 +363,8 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
 
 
 def is_own_output(path: Path) -> bool:
-    """One of OUTPUT_STARTS, or tools.export's safetensors (a checkpoint's packed weights are not)."""
+    """One of OUTPUT_STARTS, or tools.export's or tools.probes' safetensors (a checkpoint's packed weights
+    are not)."""
     with open(path, "rb") as f:
         if f.read(16).startswith(OUTPUT_STARTS):
             return True
@@ -371,7 +373,7 @@ def is_own_output(path: Path) -> bool:
     from safetensors import SafetensorError, safe_open  # reads the header, no tensor
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return (f.metadata() or {}).get("format") in ("revit.folded", "revit.compact", "timm")
+            return (f.metadata() or {}).get("format") in OWN_FORMATS
     except (SafetensorError, OSError):  # named .safetensors or begins as one, but is not
         return False
 

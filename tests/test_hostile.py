@@ -462,7 +462,7 @@ def test_an_edited_feature_cache_entry_is_recomputed(runs, tmp_path, fashion_mni
     ("analyze", ["{A}/ckpt.pt", "--out", "{B}"], "--out {B} holds a training run"),
     ("depths", ["{A}/ckpt.pt", "--out", "{B}/.lock"], "--out {B}/.lock is a file; give a folder"),
     ("depths", ["{A}/snapshot.pt", "--out", "{tmp}/d"], "depths.json already exists and is not an earlier output of this project"),
-    ("probes", ["--backbone", "{A}/ckpt.pt", "--out-dir", "{tmp}/d"], "--out-dir {tmp}/d: its probe_heads.pt already "
+    ("probes", ["--backbone", "{A}/ckpt.pt", "--out-dir", "{tmp}/d"], "--out-dir {tmp}/d: its probe_heads.safetensors already "
      "exists and is not an earlier output of this project"),  # the heads of an earlier probe
 ])
 def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needle):
@@ -478,7 +478,7 @@ def test_no_tool_overwrites_a_run(runs, tmp_path, monkeypatch, tool, argv, needl
     (tmp_path / "notes.txt").write_text("a user's notes")
     (tmp_path / "d").mkdir()
     shutil.copy(runs / "A" / "snapshot.pt", tmp_path / "d" / "depths.json")  # a checkpoint under that name
-    shutil.copy(runs / "A" / "snapshot.pt", tmp_path / "d" / "probe_heads.pt")
+    shutil.copy(runs / "A" / "snapshot.pt", tmp_path / "d" / "probe_heads.safetensors")
     monkeypatch.chdir(tmp_path)
     before = {name: contents(runs / name) for name in ("A", "B")}
     fill = dict(A=runs / "A", B=runs / "B", tmp=tmp_path)
