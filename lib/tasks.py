@@ -239,6 +239,11 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
                                   cfg.test_subset, cfg.workers)
     except (ValueError, FileNotFoundError) as e:
         fail(f"--dataset {cfg.dataset}: {e}")
+    for split, asked in (("train", cfg.train_subset), ("test", cfg.test_subset)):
+        n = len(getattr(images, split))
+        if asked > n:  # the loaders take all there is: said, as train.py's own override lines are
+            say(f"override: {split}_subset={n} ({cfg.dataset} has {n:,} {split} images, fewer than "
+                f"--{split}-subset {asked})")
     if options["data_on_device"] and isinstance(images.train, data.TensorImages):  # small sets: on the GPU
         for split in (images.train, images.test):
             split.images, split.labels = split.images.to(device), split.labels.to(device)
