@@ -43,7 +43,8 @@ import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
 from lib.boundary import check_numbers, fail, output_problem
-from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
+from lib.cli import (DEVICES, PRECISIONS, ArgumentParser, f, git_commit, json_text, markdown, pick_device,
+                     run_main, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -972,8 +973,8 @@ PARTS = ("latency-small", "latency-large", "train-step", "elastic")  # check --p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name, text, out="also write the JSON results to this file", device=True):

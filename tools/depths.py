@@ -36,7 +36,7 @@ import revit
 import train
 from lib.checkpoint import load_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, parse_depths
-from lib.cli import f, markdown, non_finite_place, pick_device, pyplot, write_json
+from lib.cli import ArgumentParser, f, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from tools.plot import save_png
 
@@ -401,8 +401,8 @@ DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1, max_repeats=60),
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
     bench.device_flags(p)
     p.add_argument("--depths", default="", help=f"comma-separated depths, each in 2..{MAX_DEPTH} (default 2 "

@@ -34,7 +34,7 @@ import revit
 from lib import tables, tasks
 from lib.checkpoint import load_model
 from lib.boundary import MAX_DEPTH, check_numbers, fail, outputs_problem
-from lib.cli import git_commit, json_text, pick_device, pyplot, run_main, say, write_json
+from lib.cli import ArgumentParser, git_commit, json_text, pick_device, pyplot, run_main, say, write_json
 from tools.depths import progress
 from tools.plot import save_png
 
@@ -490,8 +490,8 @@ def run_sweep(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     omp = os.environ.get("OMP_NUM_THREADS", "")
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grids", default=DEFAULT_GRIDS,
                    help=f"which grids (of {', '.join(GRIDS)}; default {DEFAULT_GRIDS})")
     p.add_argument("--regime", default="d48-L12", choices=list(REGIMES),
