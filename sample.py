@@ -29,7 +29,8 @@ def iteration_marks(iterations: list[int]) -> str:
 
 def sample_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sample.py", description="Sample text from an AlterNet checkpoint.")
-    p.add_argument("checkpoint", metavar="CKPT", help="ckpt.pt written by train.py for an alternet-* preset")
+    p.add_argument("checkpoint", metavar="CKPT", help="an alternet-* model: a ckpt.pt written by train.py or a "
+                   ".safetensors from weights/")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to generate per sample, 0..100,000 [default: %(default)s]")
