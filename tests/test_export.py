@@ -345,6 +345,8 @@ def bad_inputs(tmp_path, checkpoint):
     """Files a user might pass by mistake, each next to the checkpoint fixture."""
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "hello.txt").write_text("hello\n")  # torch.load: KeyError naming a byte
+    (tmp_path / "card.json").write_text(json.dumps({"name": "revit-mini"}))  # a safe load refuses it
     (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint")
     export.save_timm(revit.fold(checkpoint[0], 2), tmp_path / "timm.safetensors")
     write_checkpoint(tmp_path / "vit.pt", tiny("vit-mini"), arch="vit-mini")
@@ -411,6 +413,9 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}", "--format", "onnx", "--out", "{tmp}/x"], "a folder, not a file"),
     (["{tmp}/garbage.pt", "--format", "onnx", "--out", "{tmp}/x"], "garbage.pt: not a PyTorch file"),
     (["{tmp}/empty.pt", "--format", "onnx", "--out", "{tmp}/x"], "empty.pt: not a PyTorch file"),
+    *((["{tmp}/" + name, "--format", "onnx", "--out", "{tmp}/x"], f"{name}: not a PyTorch file; expected a "
+       "ckpt.pt written by train.py or a .safetensors from weights/ or tools.export") for name in
+      ("hello.txt", "card.json")),
     (["{tmp}/list.pt", "--format", "onnx", "--out", "{tmp}/x"], "list.pt: not a checkpoint of this project"),
     (["{tmp}/no_arch.pt", "--format", "onnx", "--out", "{tmp}/x"], "no_arch.pt: not a checkpoint of this "
                                                                    "project (missing arch)"),
