@@ -714,6 +714,8 @@ MUTANTS = [
            "pass", "tests/test_train.py::test_fp16_on_the_cpu_skips_an_overflow_and_resumes_its_scaler_bit_exactly"),
     mutant("fp16: a loss scale of 0 resumed", "lib/checkpoint.py", 'and v["scale"] > 0,', "and True,",
            "tests/test_hostile.py::test_edited_checkpoints_are_refused_before_anything_is_written"),
+    mutant("sample: the text generated before Ctrl-C lost", "sample.py", "        return ids, used, True",
+           "        return prompt, [], True", "tests/test_sample.py::test_ctrl_c_prints_the_sample_so_far"),
     mutant("sample: --top-k above the vocabulary named top_k", "sample.py", "args.top_k > model.config.vocab_size:",
            "False:", "tests/test_sample.py::test_hostile_inputs_get_one_line"),
     mutant("boundary: --top-k may be the whole vocabulary", "sample.py", "args.top_k > model.config.vocab_size:",
