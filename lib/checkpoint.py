@@ -51,7 +51,7 @@ def unreadable(error: Exception) -> str:
         return (f"it stores the Python object {stored.group(1)}, which a safe load refuses "
                 "(files of this project hold only tensors and plain values)")
     if "weights_only" in text or "Weights only load failed" in text or isinstance(error, KeyError):
-        return "not a PyTorch file"  # JSON, ONNX, text: never the advice; a KeyError names only a byte ("101")
+        return "not a PyTorch file"  # JSON, ONNX, text: never the advice; a KeyError names just a byte
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
 
 

@@ -483,8 +483,8 @@ def test_gradient_batches_default_to_8_or_to_a_smaller_num_images():
         args = parse(["ckpt.pt", *given])
         analyze.check_args(args)
         assert args.gradient_batches == batches
-    with pytest.raises(SystemExit, match=r"--gradient-batches must be 0 \(skip\) or between 2 and --num-images "
-                                         r"\(5\); got 8"):
+    refused = r"--gradient-batches must be 0 \(skip\) or between 2 and --num-images \(5\); got 8"
+    with pytest.raises(SystemExit, match=refused):
         analyze.check_args(parse(["ckpt.pt", "--num-images", "5", "--gradient-batches", "8"]))
 
 

@@ -41,8 +41,9 @@ def test_plot_says_a_file_that_is_no_log_is_not_a_run(tmp_path):
                                   f"training run's log: give a run folder of train.py or its metrics.jsonl")
 
 
-def test_plot_draws_accuracy_in_percent_beside_a_language_runs_bits_per_byte(piped_run, tmp_path, monkeypatch):
-    """A vision run with a language run: the loss, val accuracy (%) and bits/byte, each run where it has one."""
+def test_plot_draws_accuracy_in_percent_beside_a_language_runs_bits_per_byte(piped_run, tmp_path,
+                                                                              monkeypatch):
+    """A vision run with a language run: loss, val accuracy (%) and bits/byte, each run where it has one."""
     pytest.importorskip("matplotlib")
     (tmp_path / "lm").mkdir()
     (tmp_path / "lm" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n'
@@ -53,7 +54,8 @@ def test_plot_draws_accuracy_in_percent_beside_a_language_runs_bits_per_byte(pip
     loss, accuracy, bits = figures[0].axes
     assert [ax.get_title() for ax in figures[0].axes] == ["loss", "val acc (%)", "bits/byte"]
     vision = sorted(plot.read_curves(str(piped_run[0]))["val_acc"].items())
-    assert list(accuracy.lines[0].get_ydata()) == [100 * acc for _, acc in vision] and len(accuracy.lines) == 1
+    assert list(accuracy.lines[0].get_ydata()) == [100 * acc for _, acc in vision]
+    assert len(accuracy.lines) == 1
     assert list(bits.lines[0].get_ydata()) == [2.25] and len(bits.lines) == 1
 
 

@@ -667,8 +667,8 @@ def save_plots(report: dict, out: Path) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a ckpt.pt written by train.py, or a .safetensors from weights/ or "
-                        "tools.export: reViT, ViT or Raptor")
+    parser.add_argument("checkpoint", help="reViT, ViT or Raptor: a ckpt.pt written by train.py, or a "
+                        ".safetensors from weights/ or tools.export")
     parser.add_argument("--teacher", default="", help="checkpoint whose residual states and final features "
                         "the student is compared with (cross-CKA, Delta CKA); without it, interventions are "
                         "measured against the intact student's own final features")
