@@ -50,8 +50,8 @@ def unreadable(error: Exception) -> str:
     if stored:  # a pickled Python object (a class, os.system, ...): never loaded, never run
         return (f"it stores the Python object {stored.group(1)}, which a safe load refuses "
                 "(files of this project hold only tensors and plain values)")
-    if "weights_only" in text or "Weights only load failed" in text:  # any other refusal: never the advice
-        return "not a PyTorch file of plain tensors and values (a safe load refuses it)"
+    if "weights_only" in text or "Weights only load failed" in text or isinstance(error, KeyError):
+        return "not a PyTorch file"  # JSON, ONNX, text: never the advice; a KeyError names just a byte
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
 
 
@@ -60,18 +60,21 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
     one line naming the flag, the file and what is wrong."""
     ckpt, problem = None, path_problem(path, "file")
+    packed = not problem and is_safetensors(path)  # weights/'s files and tools.export's: no training state
     if not problem:
         try:
-            ckpt = read_weights(path) if is_safetensors(path) else torch.load(
-                path, map_location="cpu", weights_only=True)
+            ckpt = read_weights(path) if packed else torch.load(path, map_location="cpu", weights_only=True)
         except ValueError as e:  # read_weights: what is wrong with the file, in words
             problem = str(e)
         except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
-            problem = unreadable(e)
+            problem = (f"{unreadable(e)}; expected a ckpt.pt written by train.py or a .safetensors from "
+                       "weights/ or tools.export")
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     values = [] if problem or missing else list(plain_values(ckpt))  # each container once, as stored
     what = "training checkpoint" if "optimizer" in keys else "checkpoint"
-    problem = (problem or missing and f"not a {what} of this project (missing {', '.join(missing)})"
+    hint = ("; a .safetensors file holds weights only: continue a run from its ckpt.pt"
+            if packed and "optimizer" in keys else "")
+    problem = (problem or missing and f"not a {what} of this project (missing {', '.join(missing)}){hint}"
                or structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
                or non_finite(values))
     if problem:

@@ -476,6 +476,18 @@ def test_bad_input_gives_one_line_and_writes_nothing(tmp_path, fashion_mnist_dir
     assert not (tmp_path / "analysis").exists()  # all inputs are checked before any output is written
 
 
+def test_gradient_batches_default_to_8_or_to_a_smaller_num_images():
+    """A user who gives only --num-images 5 never reads of an 8 they did not give; one who gives 8 does."""
+    parse = analyze.build_parser().parse_args
+    for given, batches in ((["--num-images", "5"], 5), ([], 8)):
+        args = parse(["ckpt.pt", *given])
+        analyze.check_args(args)
+        assert args.gradient_batches == batches
+    refused = r"--gradient-batches must be 0 \(skip\) or between 2 and --num-images \(5\); got 8"
+    with pytest.raises(SystemExit, match=refused):
+        analyze.check_args(parse(["ckpt.pt", "--num-images", "5", "--gradient-batches", "8"]))
+
+
 def test_bad_checkpoint_and_depth(tmp_path):
     with pytest.raises(SystemExit, match=r"checkpoint \S*missing.pt: no such file"):
         analyze.main([str(tmp_path / "missing.pt")])

@@ -378,6 +378,8 @@ def check_args(args) -> None:
     n = args.num_images
     if args.intervention_images is None:  # the paper's 256, or all of a smaller subset
         args.intervention_images = min(256, n)
+    if args.gradient_batches is None:  # 8, or one image a batch in a smaller subset
+        args.gradient_batches = min(8, n)
     subset = (lambda v: 2 <= v <= n, f"<= {n} (--num-images: they are the first N of that subset) and >= 2")
     batches = (lambda v: v == 0 or 2 <= v <= n, f"0 (skip) or between 2 and --num-images ({n})")
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH),  # s_t = t/(L-1) needs two steps
@@ -665,7 +667,8 @@ def save_plots(report: dict, out: Path) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint of train.py (ckpt.pt): reViT, ViT or Raptor")
+    parser.add_argument("checkpoint", help="reViT, ViT or Raptor: a ckpt.pt written by train.py, or a "
+                        ".safetensors from weights/ or tools.export")
     parser.add_argument("--teacher", default="", help="checkpoint whose residual states and final features "
                         "the student is compared with (cross-CKA, Delta CKA); without it, interventions are "
                         "measured against the intact student's own final features")
@@ -686,8 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-permutations", type=int, default=64,
                         help="gate-column permutations sampled when E > 4 (at E = 4: all 23)")
     parser.add_argument("--no-interventions", action="store_true", help="skip ablations and permutations")
-    parser.add_argument("--gradient-batches", type=int, default=8, help="split the subset into N batches for "
-                        "the gradient measures on the gates and experts, trained and at init (0: skip)")
+    parser.add_argument("--gradient-batches", type=int, default=None, help="split the subset into N batches "
+                        "for the gradient measures on the gates and experts, trained and at init (0: skip; "
+                        "default: 8, or --num-images when fewer)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the subset, permutations, perturbations")
     parser.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")

@@ -8,7 +8,7 @@ into a plain ViT of L blocks (`revit.fold`), checked against the dynamic model b
 - onnx: the folded graph (dynamic batch axis), checked with onnxruntime when it is installed.
 - timm: a state dict in timm's VisionTransformer layout (.safetensors or torch.save by the suffix).
 - compact: the dynamic model (experts + router) and its config, to choose L later; `load_safetensors`
-  returns a `revit.ReViT`, and the file stands in for a checkpoint here (`--depth 8 --format onnx`).
+  returns a `revit.ReViT`, and the file stands in for its checkpoint in every command but --resume.
 
 timm layout: our names are timm's; only the positions differ. We add positions to the patch tokens only
 (DeiT III); timm's `vit_*` keep a class-token row, so a model without LayerScale (a folded reViT) gets a
@@ -47,12 +47,14 @@ FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
 
 
-def load_source(path) -> nn.Module:
-    """export.py's input -> model in eval mode: a checkpoint of this project (a ckpt.pt, or weights/'s
-    .safetensors) or a compact / folded export."""
-    if is_safetensors(path) and read_safetensors(path)[1].get("format") != weights.WEIGHTS_FORMAT:
-        return load_safetensors(path)
-    return load_vision_model(path, "checkpoint")[0]
+def load_source(path) -> tuple[nn.Module, dict]:
+    """export.py's input -> (model in eval mode, its checkpoint's arch and train_config): a checkpoint of
+    this project (a ckpt.pt, weights/'s .safetensors, a compact / folded export of one), or an export that
+    names no checkpoint ({}). A compact or folded export carries them on: every command reads it then."""
+    if is_safetensors(path) and "arch" not in read_safetensors(path)[1]:
+        return load_safetensors(path), {}
+    model, ckpt = load_vision_model(path, "checkpoint")
+    return model, {"arch": ckpt["arch"], "train_config": ckpt.get("train_config", {})}
 
 
 def plain_vit(model: nn.Module, depth: int | None) -> revit.VisionTransformer:
@@ -263,17 +265,18 @@ def export(args: argparse.Namespace) -> dict:
     problem = "is the checkpoint being exported; give another file" if source else output_problem(args.out)
     if problem:
         raise ValueError(f"--out {args.out} {problem}")
-    model = load_source(args.checkpoint)
+    model, carried = load_source(args.checkpoint)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
     if args.format == "compact":
-        atomic_write(out, lambda path: save_safetensors(model, path, "compact"))
+        atomic_write(out, lambda path: save_safetensors(model, path, "compact", **carried))
         return dict(summary, depth=None)
     vit = plain_vit(model, args.depth)
     summary["depth"] = depth = vit.config.depth
     summary["fold_max_abs_diff"] = check_fold(model, vit, depth) if vit is not model else 0.0
     if args.format == "safetensors":
         source = asdict(model.config)
-        atomic_write(out, lambda path: save_safetensors(vit, path, "folded", source_config=source))
+        atomic_write(out, lambda path: save_safetensors(vit, path, "folded", source_config=source,
+                                                        **carried))
     elif args.format == "timm":
         summary.update(atomic_write(out, lambda path: save_timm(vit, path)))
         kwargs = "".join(f", {k}={v!r}" for k, v in summary["timm_kwargs"].items())
