@@ -16,7 +16,7 @@ import torch
 import alternet
 from lib.checkpoint import load_model
 from lib.boundary import check_numbers, fail
-from lib.cli import DEVICES, pick_device, run_main
+from lib.cli import DEVICES, ArgumentParser, pick_device, run_main
 from lib.language import text_codec
 
 DEFAULT_HALT_THRESHOLD = 0.5  # for a model with halting (train.py's evaluation uses the same)
@@ -28,7 +28,7 @@ def iteration_marks(iterations: list[int]) -> str:
 
 
 def sample_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sample.py", description="Sample text from an AlterNet checkpoint.")
+    p = ArgumentParser(prog="sample.py", description="Sample text from an AlterNet checkpoint.")
     p.add_argument("checkpoint", metavar="CKPT",
                    help="an alternet-* model: a ckpt.pt written by train.py or a .safetensors from weights/")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")

@@ -31,7 +31,8 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 import revit
 from lib.checkpoint import load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, path_problem
-from lib.cli import atomic_write, atomic_write_text, finite_or_null, pick_device, pyplot, run_main
+from lib.cli import (ArgumentParser, atomic_write, atomic_write_text, finite_or_null, pick_device, pyplot,
+                     run_main)
 from lib.data import IMAGE_DATASETS, NORMALISATION, FolderImages, load_images
 from tools.plot import save_png
 
@@ -666,7 +667,7 @@ def save_plots(report: dict, out: Path) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="reViT, ViT or Raptor: a ckpt.pt written by train.py, or a "
                         ".safetensors from weights/ or tools.export")
     parser.add_argument("--teacher", default="", help="checkpoint whose residual states and final features "

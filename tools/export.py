@@ -38,7 +38,7 @@ import revit
 from lib import moe, weights
 from lib.checkpoint import diverged, fit_problem, load_vision_model, weights_problem
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, is_safetensors, output_problem
-from lib.cli import atomic_write, run_main
+from lib.cli import ArgumentParser, atomic_write, run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
 
@@ -237,8 +237,8 @@ def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint",
                    help="a train.py checkpoint, or a compact / folded .safetensors written by export.py")
     p.add_argument("--depth", type=int,

@@ -6,7 +6,6 @@ per byte (language runs). Needs matplotlib (requirements-extra.txt).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ if not __package__:  # run as a file (python tools/plot.py): the project's modul
     sys.exit("tools/plot.py: error: run it from the repository root as python -m tools.plot")
 
 from lib.boundary import fail, output_problem, path_problem
-from lib.cli import atomic_write, pyplot, run_main
+from lib.cli import ArgumentParser, atomic_write, pyplot, run_main
 
 PROG = "python -m tools.plot"
 PANELS = {"val_acc": ("val acc (%)", 100), "val_bpb": ("bits/byte", 1)}  # beside the loss: (title, scale)
@@ -92,7 +91,7 @@ def save_png(fig, path) -> None:
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder of train.py (or metrics.jsonl)")
     parser.add_argument("--out", default="", help="the PNG [default: curves.png beside the first RUN]")
     args = parser.parse_args(argv)
