@@ -43,7 +43,8 @@ import revit
 import train
 from lib import budget, data, memory, moe  # moe: the comparison mechanisms (§4.3, App. B)
 from lib.boundary import check_numbers, fail, output_problem
-from lib.cli import DEVICES, PRECISIONS, f, git_commit, json_text, markdown, pick_device, run_main, write_json
+from lib.cli import (DEVICES, PRECISIONS, ArgumentParser, f, git_commit, json_text, markdown, pick_device,
+                     run_main, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -126,22 +127,17 @@ def summary(seconds: list[float]) -> dict:
 
 def paired_ratio(times: list[float], reference: list[float], target: float = 0.03) -> dict:
     """The per-round ratios (both rows timed in the same round, under the same load): their median, IQR and
-    a 95% bootstrap interval of the median (ratio_pm: its half-width); repeats_needed: rounds for an
-    interval of +-target, from the 1/sqrt(n) shrinking of its width."""
+    a 95% percentile-bootstrap interval of the median (ratio_pm: its half-width); repeats_needed: rounds
+    for an interval of +-target, from the 1/sqrt(n) shrinking of its width."""
     ratios = [a / b for a, b in zip(times, reference)]
     q1, _, q3 = quartiles(ratios)
-    low, high = bootstrap_interval(ratios)
+    rng, resamples = random.Random(0), 2000  # seeded: the same data give the same interval
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
     half = (high - low) / 2
     needed = math.ceil(len(ratios) * (half / target) ** 2) if half > 0 else len(ratios)
     return {"ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3, "ratio_ci95": [low, high],
             "ratio_pm": half, "repeats": len(ratios), "repeats_needed": max(needed, 2)}
-
-
-def bootstrap_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the median (seeded: the same data give the same interval)."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def compiled_graphs() -> int:
@@ -336,10 +332,10 @@ def token_dispatch_presets(size: str = "s") -> list[str]:
                   and any(k in n for k in ("deepseek", "qwen3", "moeut")))
 
 
-def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_counter: bool = True) -> dict:
-    """Table 1 rows (+ Table 10 at S): params, analytic GFLOPs, counter GFLOPs."""
+def bench_params(with_counter: bool = True) -> dict:
+    """Table 1 rows at S/B/L, then Table 10 at S: params, analytic GFLOPs, counter GFLOPs."""
     rows = []
-    for size, arch in itertools.product(sizes, archs):
+    for size, arch in itertools.product("sbl", TABLE_NAMES):
         name = f"{arch}-{size}"
         with torch.device("meta"):
             model = revit.create_model(name)
@@ -354,7 +350,7 @@ def bench_params(sizes=("s", "b", "l"), archs=("vit", "raptor", "revit"), with_c
         if with_counter:
             row.update(counter_columns(count_preset(name)[1], ours))
         rows.append(row)
-    return {"rows": rows + (table10_rows() if "s" in sizes else [])}
+    return {"rows": rows + table10_rows()}
 
 
 def counter_columns(counted: dict, ours: dict) -> dict:
@@ -479,9 +475,10 @@ def train_models(size: str, compiled: bool = False) -> dict:
             **{name: (name, {}, compiled) for name in token_dispatch_presets(size)},
             # AlterNet (arXiv 2611.08741): the byte-level preset at every size, `batch` windows of its seq_len
             "AlterNet": ("alternet-tiny", {}, compiled)}
-    eager = {"reViT fixed, eager": ("revit-" + size, {}, False),
-             "AlterNet eager": ("alternet-tiny", {}, False)}
-    return {**rows, **(eager if compiled else {})}
+    if compiled:
+        rows.update({"reViT fixed, eager": ("revit-" + size, {}, False),
+                     "AlterNet eager": ("alternet-tiny", {}, False)})
+    return rows
 
 
 def forward_flops(name: str, overrides: dict) -> float:
@@ -527,8 +524,7 @@ def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repea
 def train_step(name, overrides, batch, device, compiled, backend) -> tuple:
     """(model, one optimizer step, forward FLOPs per example) of a preset as train.py trains it: reViT and
     its baselines on random images (task loss + the already-weighted aux losses); AlterNet on `batch` random
-    windows of seq_len tokens, random_length_fraction of them cut to random lengths (fixed here), the
-    model's own loss (lib/language.py)."""
+    windows of seq_len tokens, random_length_fraction of them cut short (fixed here), its own loss."""
     language = name in alternet.PRESETS
     model = (alternet if language else moe).create_model(name, **overrides).to(device).train()
     run, c = maybe_compile(model, compiled, dynamic=None, backend=backend), model.config
@@ -550,7 +546,7 @@ def train_step(name, overrides, batch, device, compiled, backend) -> tuple:
 
 
 def optimizer_step(model, loss, device):
-    """One optimizer step as train.py takes it (AdamW; reViT: task loss + the already-weighted aux losses)."""
+    """One optimizer step as train.py takes it: AdamW, then train.after_optimizer_step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
     step = [0]
 
@@ -668,8 +664,6 @@ NOTES = {
              "img/s / peak bf16 FLOP/s; 'unknown' where the device's peak is not in the table (a CPU's)."}
 
 
-
-
 def result_markdown(result: dict) -> str:
     """`bench.py latency`'s or `train`'s report: its settings, rows, paired ratios, notes and targets."""
     kind, rows = result["command"], result["rows"]
@@ -679,8 +673,8 @@ def result_markdown(result: dict) -> str:
     text = [f"## {title} ({settings})\n", markdown(rows, [("model", f("model", "{}"))] + columns)]
     recompiled = [f"{r['model']} ({r.get('mode', 'train')}, batch {r['batch']})" for r in rows
                   if r.get("recompiled_while_timed")]
-    text += [f"\ntorch.compile built new graphs inside timed regions of: {', '.join(recompiled)}."
-             ] if recompiled else []
+    if recompiled:
+        text.append(f"\ntorch.compile built new graphs inside timed regions of: {', '.join(recompiled)}.")
     text += [f"\n{what}: {ratio_text(r[key])}" for key, *_, what in PAIRED for r in rows if key in r]
     text += [f"\nreViT fixed / DeiT III: {ratio_text(r)}: median of {r['repeats']} paired rounds, 95% "
              f"bootstrap interval; +-{result['settings'].get('resolve') or 0.03} needs about "
@@ -979,8 +973,8 @@ PARTS = ("latency-small", "latency-large", "train-step", "elastic")  # check --p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name, text, out="also write the JSON results to this file", device=True):
@@ -992,8 +986,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
     params = command("params", "parameters and GFLOPs/image at S/B/L (paper Tables 1 and 10)", device=False)
     params.add_argument("--no-counter", action="store_true", help="skip the flop_counter cross-check")
-    lat = command("latency", "inference latency and memory, DeiT III vs reViT dynamic/cached/folded "
-                             "(batches 1,8 eager and compiled on a CPU; 1,64 compiled and with CUDA graphs)")
+    lat = command("latency", "inference latency and memory, DeiT III vs reViT dynamic/cached/folded")
     tr = command("train", "training-step throughput and MFU")
     for name, p in (("latency", lat), ("train", tr)):
         p.add_argument("--size", choices=["s", "b", "l", "mini"], help="model size of the presets "
@@ -1018,16 +1011,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check (default "
                        "420); parts run most important first, each its share")
     check.add_argument("--data-dir", default="", help="where Fashion-MNIST is (default: train.py's search)")
-    check.add_argument("--part", choices=PARTS, help="run one part in this process (what the check's "
-                                                     "processes run)")
+    check.add_argument("--part", choices=PARTS, help="run one part in this process (the check's parts do)")
     mem = command("memory", "expected peak memory per GPU of a preset x recipe x batch x GPUs, measured at "
                             "reduced sizes on this machine (lib/memory.py)", out=None)
     mem.add_argument("--arch", required=True, help="a preset of revit.py or alternet.py")
     mem.add_argument("--recipe", help="train.py's --recipe (default: alternet.RECIPES, Table 2; imagenet, "
                                       "Table 6)")
     mem.add_argument("--batch-size", type=int, help="global batch per optimizer step (default: the recipe's)")
-    mem.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default: the fewest "
-                                                    "that fit)")
+    mem.add_argument("--grad-accum", type=int, help="micro-steps per step (default: the fewest that fit)")
     mem.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP)")
     mem.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
     mem.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's)")
@@ -1120,7 +1111,7 @@ def run_memory(args, device) -> dict:
         fail(f"--batch-size {batch} must be divisible by --gpus x --grad-accum", PROG)
     profile = memory.measure(model.config, device, PRECISIONS[args.precision], seq_len)
     recipe = args.recipe or train.RECIPE_OF.get(cfg.dataset, "")
-    recipe += " + alternet.RECIPES (Table 2)" if args.arch in getattr(alternet, "RECIPES", {}) else ""
+    recipe += " + alternet.RECIPES (Table 2)" if args.arch in alternet.RECIPES else ""
     settings = {"arch": args.arch, "recipe": recipe, "batch_size": batch, "seq_len": seq_len,
                 "gpus": args.gpus, "gpu_memory_gb": args.gpu_memory, "measured_on": str(device)}
     try:
@@ -1145,7 +1136,7 @@ COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "c
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
     try:
         device = pick_device(getattr(args, "device", "cpu"))
     except ValueError as e:  # --device: one line, as argparse reports its own errors

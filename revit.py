@@ -91,13 +91,20 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = mlp
         self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
-        self.drop_path = DropPath(drop_path)
+        self.drop_prob = drop_path
 
     def forward(self, x: torch.Tensor, ffn: Callable | None = None) -> torch.Tensor:
         ffn = self.mlp if ffn is None else ffn
         x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
         u = self.norm2(x)
         return x + self.drop_path(self.ls2(ffn(u)))
+
+    def drop_path(self, x: torch.Tensor) -> torch.Tensor:
+        """DeiT III's stochastic depth, per sample; not elastic depth (depth_drop: whole steps, §3.2)."""
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.drop_prob)
+        return x * keep / (1.0 - self.drop_prob)
 
     def unrolled_states(self, depth: int, gates: torch.Tensor | None = None) -> list[dict]:
         """State dicts of `depth` plain Blocks, block t computing this block's step t (fold); gates [L, E]."""
@@ -395,10 +402,9 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
                          f" got {list(gates.shape)}, depth={depth!r}, arch={c.arch!r}, E={c.num_experts}")
     depth = model.check_depth(gates.shape[0] if gates is not None else depth)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(("block.", "blocks."))}
-    if isinstance(model, ReViT):
-        steps = model.block.unrolled_states(depth, gates)
-    else:  # Raptor (or a plain ViT): the block that serves step t
-        steps = [model.blocks[j].state_dict() for j in model.schedule(depth)]
+    # reViT unrolls its shared block; Raptor (or a plain ViT) lists the block that serves each step
+    steps = (model.block.unrolled_states(depth, gates) if isinstance(model, ReViT)
+             else [model.blocks[j].state_dict() for j in model.schedule(depth)])
     for t, step_state in enumerate(steps):
         state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
     hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
@@ -443,27 +449,13 @@ def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
     centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
     return -beta * (s.float() - centres).pow(2)
 
-# --- DeiT III's recipe pieces: the init, drop-path (any block's option) and LayerScale (the baselines') ---
+# --- DeiT III's recipe pieces: the init and LayerScale (the baselines') ---
 
 def init_linear(module: nn.Module) -> None:  # LayerNorms keep their (1, 0) start
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
-
-class DropPath(nn.Module):
-    """Stochastic depth inside a block: drops a residual branch per sample (DeiT III's recipe). Not
-    elastic depth: reViT's `depth_drop` removes whole recurrent steps and renumbers the rest."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.p == 0.0 or not self.training:
-            return x
-        keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1.0 - self.p)
-        return x * keep / (1.0 - self.p)
 
 class LayerScale(nn.Module):
     """DeiT III's per-channel scale of a residual branch (the baselines; reViT's block has none, Eq. 3)."""
@@ -529,8 +521,7 @@ class Raptor(VisionTransformer):
 
 @dataclass
 class ViTConfig:
-    """Every model's settings, flat: create_model's overrides, train.py's --model-args and saved configs
-    all use these names. lib/moe.py's config adds its mechanisms' fields to these."""
+    """Every model's settings, flat: the names of create_model's overrides, --model-args and checkpoints."""
     arch: str = "revit"           # "vit" (untied, DeiT III) | "raptor" (k blocks) | "revit"
     image_size: int = 224
     patch_size: int = 16
@@ -578,10 +569,9 @@ SIZES = {  # Table 1's (ImageNet 224², patch 16; "s14" etc.: patch 14, e.g. DIN
     "mini32": dict(image_size=32, patch_size=4, in_channels=3, **MINI),  # CIFAR-10
 }
 SIZES.update({f"{size}14": dict(SIZES[size], patch_size=14) for size in ("s", "b", "l")})
-# Table 1: DeiT III (untied blocks), Raptor (k = 4 blocks), reViT (one block, E = 4 experts); and at every
-# size Raptor with k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5). LayerScale: DeiT
-# III's 1e-4. Raptor's official block has 1e-5 (KempnerInstitute/raptor, Block(init_values=1e-5)); the paper
-# trains Raptor with DeiT III's recipe, so our Raptor presets use 1e-4 (our choice). reViT's has none (Eq. 3).
+# Table 1: DeiT III (untied), Raptor (k = 4 blocks), reViT (one block, E = 4); at every size also Raptor with
+# k = 2, 3, 4 ("-k2") and reViT with E = 1, 2, 3, 4, 8 ("-e8", Table 5). LayerScale 1e-4 (DeiT III). Raptor's
+# official block (KempnerInstitute/raptor) has 1e-5; ours 1e-4, as the paper trains it with DeiT III's recipe.
 DEIT3 = dict(layer_scale_init=1e-4)
 ARCHS = {"vit": DEIT3, "raptor": dict(raptor_blocks=4, **DEIT3), "revit": dict(num_experts=4)}
 VARIANTS = {"vit": [], "raptor": [(f"-k{k}", dict(raptor_blocks=k)) for k in (2, 3, 4)],

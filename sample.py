@@ -16,7 +16,7 @@ import torch
 import alternet
 from lib.checkpoint import load_model
 from lib.boundary import check_numbers, fail
-from lib.cli import DEVICES, pick_device, run_main
+from lib.cli import DEVICES, ArgumentParser, pick_device, run_main
 from lib.language import text_codec
 
 DEFAULT_HALT_THRESHOLD = 0.5  # for a model with halting (train.py's evaluation uses the same)
@@ -28,8 +28,9 @@ def iteration_marks(iterations: list[int]) -> str:
 
 
 def sample_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sample.py", description="Sample text from an AlterNet checkpoint.")
-    p.add_argument("checkpoint", metavar="CKPT", help="ckpt.pt written by train.py for an alternet-* preset")
+    p = ArgumentParser(prog="sample.py", description="Sample text from an AlterNet checkpoint.")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="an alternet-* model: a ckpt.pt written by train.py or a .safetensors from weights/")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to generate per sample, 0..100,000 [default: %(default)s]")
@@ -88,6 +89,21 @@ def prepare(args: argparse.Namespace):
     return model, prompt, decode
 
 
+def generate(model: alternet.AlterNet, prompt: torch.Tensor, args) -> tuple[torch.Tensor, list[int], bool]:
+    """model.generate one token a call (the same draws as all at once), so that Ctrl-C keeps the tokens so
+    far -> (ids (1, P + n), the iterations of each new token, whether Ctrl-C stopped it)."""
+    ids, used = prompt, []
+    try:
+        while len(used) < args.max_new_tokens:
+            ids, iterations = model.generate(ids, 1, halt_threshold=args.halt_threshold,
+                                             max_depth=args.max_depth, temperature=args.temperature,
+                                             top_k=args.top_k, return_iterations=True)
+            used.append(iterations.item())
+    except KeyboardInterrupt:
+        return ids, used, True
+    return ids, used, False
+
+
 def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
     """Print each sample (with --show-iterations, its iteration marks); -> [(text, iterations)]."""
     args = sample_parser().parse_args(argv)
@@ -99,18 +115,18 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[int]]]:
     samples = []
     for i in range(args.num_samples):
         try:
-            ids, used = model.generate(prompt, args.max_new_tokens, halt_threshold=args.halt_threshold,
-                                       max_depth=args.max_depth, temperature=args.temperature,
-                                       top_k=args.top_k, return_iterations=True)
+            ids, used, stopped = generate(model, prompt, args)
         except ValueError as e:  # logits that overflow on this prompt (load_model tried one input only), or
             # a flag this model cannot take: --halt-threshold without halting
             fail(f"CKPT {args.checkpoint}: {e}", "sample.py")
-        used = used[0].tolist()
         samples.append((decode(ids[0].tolist()), used))
         print(samples[-1][0])
         if args.show_iterations:
             mean = sum(used) / max(len(used), 1)
             print(f"{iteration_marks(used)}\nmean iterations per generated token: {mean:.2f}")
+        if stopped:
+            raise SystemExit(f"sample.py: stopped by Ctrl-C after {len(used)} of {args.max_new_tokens} new "
+                             "tokens (printed above); nothing is written")
         if i < args.num_samples - 1:
             print("---------------")
     return samples

@@ -128,11 +128,16 @@ CHOICES = {"loss": ("ce", "bce"), "tokenizer": ("byte", "gpt2"), "probe_pool": (
 DENSE_PROBES = ("seg", "monodepth")  # per-patch heads on cached features: tools/probes.py's own loop
 
 
+# --depth of reViT: its step t sits at s_t = t/(L-1) (arXiv 2610.12448, Eq. 1), which needs L >= 2
+REVIT_DEPTH = (closed(2, MAX_DEPTH)[0], f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps)")
+
+
 def check_config(cfg) -> None:
     """train.py's config before anything is read or written: numbers, choices, flags that need one another."""
-    check_numbers(vars(cfg))
-    module = preset_module(cfg.arch, parse_model_args(cfg.model_args))  # revit, lib.moe or alternet
-    vision = is_vision(module)
+    given_args = parse_model_args(cfg.model_args)
+    module = preset_module(cfg.arch, given_args)  # revit, lib.moe or alternet
+    vision, (model, preset) = is_vision(module), model_preset(cfg.arch, module, given_args)
+    check_numbers(vars(cfg), **({"depth": REVIT_DEPTH} if model == "revit" else {}))
     data_dir = cfg.data_dir and path_problem(cfg.data_dir, "folder")
     what = " does not exist" if data_dir == "no such folder" else f": {data_dir}"
     data = cfg.data and path_problem(cfg.data, "folder") and path_problem(cfg.data, "file")  # file or folder
@@ -154,41 +159,57 @@ def check_config(cfg) -> None:
         (data_dir, f"--data-dir {cfg.data_dir}{what} (omit it to search ./data, $REVIT_DATA_DIR and "
                    f"/usr/share/datasets)"),
         (data, f"--data {cfg.data}: {data}"),
+        (vision and cfg.data and os.path.isfile(cfg.data), f"--data {cfg.data} is a file: a text file "
+         f"trains a language --arch (alternet-*); {cfg.arch} reads an image folder (train/, val/)"),
         (hub, f"--teacher {cfg.teacher} is fetched from torch.hub (it downloads and runs "
               f"facebookresearch/dinov2's hubconf.py): give --download to allow it")]:
         if broken:
             fail(message)
     parse_depths(cfg.eval_depths)
     model_args = parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
-    unread = unread_problem(cfg, module, model_args if vision else None)
+    unread = unread_problem(cfg, model, preset, model_args if vision else {})
     if unread:
         fail(unread)
 
 
-# Who reads a model flag of train.py or a field of --model-args: a value given to a model that never reads
-# it is refused, not echoed as an override and dropped. A field not listed: every vision model. AlterNet
-# reads --num-experts as its E and --depth as its D, alternet.AlterNetConfig's num_experts and max_depth.
+# Who reads a flag of train.py or a field of --model-args: a value given to a model that never reads it is
+# refused, not echoed as an override and dropped. A name not listed: every vision model. AlterNet reads
+# --num-experts as its E and --depth as its D, alternet.AlterNetConfig's num_experts and max_depth.
 MODEL_NAMES = {"vit": "ViT (vit-*)", "raptor": "Raptor (raptor-*)", "revit": "reViT (revit-*)",
                "alternet": "AlterNet (alternet-*)"}
 REVIT_ONLY = ("num_experts", "depth_drop", "router_hidden", "router_temperature", "router_prior",
               "balance_weight", "z_loss_weight", "diversity_weight", "merge_cache", "expert_ffn_fraction")
-ALTERNET_FLAGS = {"num_experts": "num_experts", "depth": "max_depth"}  # flag -> AlterNetConfig field
+# The model flags that set a config field, per family: flag -> the field it sets.
+VISION_FLAGS = {name: name for name in ("patch_size", "depth", "num_experts", "drop_path", "depth_drop")}
+ALTERNET_FLAGS = {"num_experts": "num_experts", "depth": "max_depth"}
 VISION_MODELS = ("vit", "raptor", "revit")
-READ_BY = {**dict.fromkeys(REVIT_ONLY, ("revit",)), "raptor_blocks": ("raptor",)}
+# The training flags one family never reads: images' loss, augmentation, subset, loader, teacher and probe;
+# text's tokens. (--test-subset is also tools.depths' count of text windows.)
+IMAGE_ONLY = ("loss", "label_smoothing", "mixup", "cutmix", "mix_prob", "mix_switch_prob", "random_crop",
+              "three_augment", "color_jitter", "repeated_aug", "train_subset", "workers", "teacher", "probe",
+              "probe_pool", "backbone")
+TEXT_ONLY = ("tokenizer", "block_size", "eval_iters")
+READ_BY = {**dict.fromkeys(REVIT_ONLY, ("revit",)), "raptor_blocks": ("raptor",),
+           **dict.fromkeys(TEXT_ONLY, ("alternet",))}
 READ_BY.update({name: READ_BY.get(name, VISION_MODELS) + ("alternet",) for name in ALTERNET_FLAGS})
-CONFIG_FLAGS = ("patch_size", "depth", "num_experts", "drop_path", "depth_drop")  # set a config field
-MODEL_FLAGS = (*CONFIG_FLAGS, "eval_depths")
+READ_FLAGS = (*VISION_FLAGS, "eval_depths", *IMAGE_ONLY, *TEXT_ONLY)  # the flags of train.py READ_BY checks
 
 
-def unread_problem(cfg, module, model_args: dict | None) -> str | None:
-    """The first model flag given, or --model-args field unlike the preset's (a saved config carries every
-    field), that cfg's model never reads, in words; None when all are read. model_args: None for AlterNet."""
-    vision, model_args = model_args is not None, model_args or {}
-    preset = {**{f.name: f.default for f in dataclasses.fields(module.ViTConfig)},
-              **module.PRESETS[cfg.arch]} if vision else {}
-    model = {**preset, **model_args}.get("arch", "alternet")
-    given = [(name, "--" + name.replace("_", "-")) for name in MODEL_FLAGS
-             if getattr(cfg, name) not in (None, "")]
+def model_preset(arch: str, module, model_args: dict) -> tuple[str, dict]:
+    """The model of preset `arch` under `model_args` (vit, raptor, revit: the preset's arch or --model-args
+    arch=; or alternet) and the vision preset's config fields ({} for AlterNet)."""
+    if not is_vision(module):
+        return "alternet", {}
+    preset = {**{f.name: f.default for f in dataclasses.fields(module.ViTConfig)}, **module.PRESETS[arch]}
+    return {**preset, **model_args}.get("arch"), preset
+
+
+def unread_problem(cfg, model: str, preset: dict, model_args: dict) -> str | None:
+    """The first flag given (unlike its default), or --model-args field unlike the preset's (a saved config
+    carries every field), that cfg's `model` never reads, in words; None when all are read."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    given = [(name, "--" + name.replace("_", "-")) for name in READ_FLAGS
+             if getattr(cfg, name) != defaults[name]]
     given += [(name, f"--model-args {name}={value}") for name, value in model_args.items()
               if value != preset[name]]
     for name, flag in given:
@@ -198,16 +219,22 @@ def unread_problem(cfg, module, model_args: dict | None) -> str | None:
     return None
 
 
-def alternet_overrides(cfg) -> dict:
-    """An AlterNet's config overrides: --model-args, and --num-experts / --depth as the fields they set."""
-    import alternet
-    overrides = parse_model_args(cfg.model_args, alternet.AlterNetConfig)
-    for flag, name in ALTERNET_FLAGS.items():
+def model_overrides(cfg, data: dict | None = None) -> dict:
+    """A model's config overrides: the data's properties (an image model's, set by cfg.dataset), the model
+    flags given, as the fields they set, then --model-args (checked against the config class by
+    check_config), which may set none of them again: a data property would fail mid-run, a flag be
+    overridden silently."""
+    model_args = parse_model_args(cfg.model_args)
+    flags = VISION_FLAGS if is_vision(preset_module(cfg.arch, model_args)) else ALTERNET_FLAGS
+    overrides, set_by = dict(data or {}), dict.fromkeys(data or {}, cfg.dataset)
+    for flag, name in flags.items():
         if getattr(cfg, flag) is not None:
-            if name in overrides:  # never last-one-wins
-                fail(f"--model-args {name}={overrides[name]}: {name} is set by --{flag.replace('_', '-')}")
-            overrides[name] = getattr(cfg, flag)
-    return overrides
+            overrides[name], set_by[name] = getattr(cfg, flag), "--" + flag.replace("_", "-")
+    twice = next((name for name in model_args if name in overrides), None)
+    if twice:  # never last-one-wins
+        fail(f"--model-args {twice}={model_args[twice]}: {twice} is {overrides[twice]}, "
+             f"set by {set_by[twice]}")
+    return {**overrides, **model_args}
 
 
 def preset_module(arch: str, config=None):
@@ -249,13 +276,16 @@ def preset_names() -> list[str]:
 
 def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1,
                  prog: str | None = None) -> list[int]:
-    """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH."""
+    """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH, and named once."""
     items = [d.strip() for d in text.split(",")] if text.strip() else []
     if not all(d.lstrip("-").isdigit() for d in items):
         fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}", prog)
     if any(len(d) > 6 or not minimum <= int(d) <= MAX_DEPTH for d in items):  # never a 5,000-digit int
         fail(f"{flag} must be in {minimum}..{MAX_DEPTH}; got {text[:80]!r}", prog)
-    return [int(d) for d in items]
+    depths = [int(d) for d in items]
+    if len(set(depths)) < len(depths):  # evaluated once, shown once: a second one would be dropped silently
+        fail(f"{flag} must name each depth once; got {text[:80]!r}", prog)
+    return depths
 
 
 def parse_model_args(text: str, config_class=None) -> dict:
@@ -328,6 +358,7 @@ RUN_FILES = ("ckpt.pt", "metrics.jsonl", ".lock")  # what train.py keeps in a ru
 # user's notes.txt, a saved checkpoint or model (a zip or a pickle) is never overwritten.
 OUTPUT_STARTS = (b'{"', b'{\n "', b"\x89PNG", b"%PDF", b"<?xml", b"\x08",
                  b"state,", b"step,s,", b"student_state,")
+OWN_FORMATS = ("revit.folded", "revit.compact", "timm", "revit.probe_heads")  # safetensors: export's, probes'
 
 
 def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | None:
@@ -350,21 +381,36 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
     if path.exists() and path.name in RUN_FILES:
         return f"is a file of a training run ({path.name}); choose another path"
     if path.is_file() and not is_own_output(path):
-        return "already exists and is not an earlier output of this project (never overwritten)"
+        return ("already exists and is not a file this project can recognise as its own output (never "
+                "overwritten): remove it or choose another path")
     return None
 
 
 def is_own_output(path: Path) -> bool:
-    """One of OUTPUT_STARTS, or tools.export's safetensors (a checkpoint's packed weights are not)."""
+    """One of OUTPUT_STARTS, or tools.export's or tools.probes' safetensors (a checkpoint's packed weights
+    are not)."""
     with open(path, "rb") as f:
         if f.read(16).startswith(OUTPUT_STARTS):
             return True
+    if not is_safetensors(path):
+        return False
     from safetensors import SafetensorError, safe_open  # reads the header, no tensor
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return (f.metadata() or {}).get("format") in ("revit.folded", "revit.compact", "timm")
-    except (SafetensorError, OSError):
+            return (f.metadata() or {}).get("format") in OWN_FORMATS
+    except (SafetensorError, OSError):  # named .safetensors or begins as one, but is not
         return False
+
+
+def is_safetensors(path) -> bool:
+    """Named .safetensors, or begins as one (an 8-byte header length, then its JSON): a renamed file
+    (an export written as m.compact) is read as what it is."""
+    if Path(path).suffix == ".safetensors":
+        return True
+    if path_problem(path):  # missing, a folder, a FIFO: its reader says so
+        return False
+    with open(path, "rb") as f:
+        return f.read(9)[8:] == b"{"
 
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:

@@ -27,7 +27,7 @@ except ImportError:
 import torch
 import torch.nn as nn
 
-from lib.boundary import fail, or_fail, output_problem, path_problem, preset_module, too_deep
+from lib.boundary import fail, is_safetensors, or_fail, output_problem, path_problem, preset_module, too_deep
 from lib.weights import read_weights  # the .safetensors files weights/ ships
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
@@ -50,20 +50,9 @@ def unreadable(error: Exception) -> str:
     if stored:  # a pickled Python object (a class, os.system, ...): never loaded, never run
         return (f"it stores the Python object {stored.group(1)}, which a safe load refuses "
                 "(files of this project hold only tensors and plain values)")
-    if "weights_only" in text or "Weights only load failed" in text:  # any other refusal: never the advice
-        return "not a PyTorch file of plain tensors and values (a safe load refuses it)"
+    if "weights_only" in text or "Weights only load failed" in text or isinstance(error, KeyError):
+        return "not a PyTorch file"  # JSON, ONNX, text: never the advice; a KeyError names just a byte
     return f"not a PyTorch file ({text.split('. ')[0][:200] or 'empty or cut short'})"
-
-
-def is_safetensors(path) -> bool:
-    """Named .safetensors, or begins as one (an 8-byte header length, then its JSON): a renamed file
-    (an export written as m.compact) is read as what it is."""
-    if Path(path).suffix == ".safetensors":
-        return True
-    if path_problem(path):  # missing, a folder, a FIFO: its reader says so
-        return False
-    with open(path, "rb") as f:
-        return f.read(9)[8:] == b"{"
 
 
 def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
@@ -71,18 +60,21 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
     one line naming the flag, the file and what is wrong."""
     ckpt, problem = None, path_problem(path, "file")
+    packed = not problem and is_safetensors(path)  # weights/'s files and tools.export's: no training state
     if not problem:
         try:
-            ckpt = read_weights(path) if is_safetensors(path) else torch.load(
-                path, map_location="cpu", weights_only=True)
+            ckpt = read_weights(path) if packed else torch.load(path, map_location="cpu", weights_only=True)
         except ValueError as e:  # read_weights: what is wrong with the file, in words
             problem = str(e)
         except Exception as e:  # noqa: BLE001 -- truncated, empty, not a torch file, pickled objects, ...
-            problem = unreadable(e)
+            problem = (f"{unreadable(e)}; expected a ckpt.pt written by train.py or a .safetensors from "
+                       "weights/ or tools.export")
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     values = [] if problem or missing else list(plain_values(ckpt))  # each container once, as stored
     what = "training checkpoint" if "optimizer" in keys else "checkpoint"
-    problem = (problem or missing and f"not a {what} of this project (missing {', '.join(missing)})"
+    hint = ("; a .safetensors file holds weights only: continue a run from its ckpt.pt"
+            if packed and "optimizer" in keys else "")
+    problem = (problem or missing and f"not a {what} of this project (missing {', '.join(missing)}){hint}"
                or structure_problem(ckpt, keys) or stored_problem(values) or config_problem(ckpt, keys)
                or non_finite(values))
     if problem:
@@ -276,10 +268,6 @@ def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
 def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
     """For a command line: the loaders' ValueError becomes the one-line exit."""
     return or_fail(load_checkpoint, path, flag, keys)
-
-
-def model_or_fail(path, flag) -> nn.Module:
-    return or_fail(load_model, path, flag=flag)[0]
 
 
 # --- what a checkpoint holds besides weights: plain values, the plain module, RNG states ---

@@ -6,6 +6,7 @@ optional matplotlib. What a user may type or load is checked in lib/boundary.py.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -57,12 +58,24 @@ def opt(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line, `prog: error: ...` (no usage above it: --help shows
+    it), an unknown flag with the closest known one."""
+
+    def error(self, message: str):
+        words = message.split()[2:] if message.startswith("unrecognized arguments: ") else []
+        flags = [w.split("=")[0] for w in words if w.startswith("--")]
+        close = flags and difflib.get_close_matches(flags[0], self._option_string_actions, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
 def dataclass_parser(config_class, description: str, suppress_defaults: bool = False,
                      prog: str | None = None) -> argparse.ArgumentParser:
     """One flag per dataclass field (--snake_case -> --snake-case), its help from the field's metadata.
     suppress_defaults: unset flags stay absent from the namespace (the caller sees what was given)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     argument_default=argparse.SUPPRESS if suppress_defaults else None)
+    parser = ArgumentParser(prog=prog, description=description,
+                            argument_default=argparse.SUPPRESS if suppress_defaults else None)
     hints = typing.get_type_hints(config_class)
     for f in fields(config_class):
         kind = ([a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]])[0]

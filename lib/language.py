@@ -14,7 +14,7 @@ import torch.distributed as dist
 import alternet
 from lib import data
 from lib.checkpoint import unwrap
-from lib.boundary import alternet_overrides, fail
+from lib.boundary import fail, model_overrides
 from lib.cli import device_options, say
 from lib.tasks import autocast_of, make
 
@@ -44,32 +44,34 @@ def gpt2_encoding(download: bool = False):
                          "tiktoken, and it fetches its files once, with --download (or use byte)") from None
 
 
+BYTES = (lambda text: list(text.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", errors="replace"),
+         256)  # the byte tokenizer: the UTF-8 bytes
+
+
 def text_codec(tokenizer: str, download: bool = False) -> tuple[Callable, Callable, int]:
     """(encode: str -> list of ids, decode: list of ids -> str, vocabulary size) of a --tokenizer name."""
-    if tokenizer == "byte":  # the UTF-8 bytes (vocab 256)
-        decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
-        return (lambda text: list(text.encode("utf-8"))), decode, 256
+    if tokenizer == "byte":
+        return BYTES
     if tokenizer != "gpt2":  # train.py's flag is checked on entry (lib/boundary.CHOICES); a checkpoint's here
         raise ValueError(f"tokenizer must be byte or gpt2; got {tokenizer!r}")
     encoding = gpt2_encoding(download)
     return encoding.encode_ordinary, encoding.decode, encoding.n_vocab
 
 
-def tokenize(text: str, tokenizer: str = "byte", download: bool = False) -> tuple[torch.Tensor, float, int]:
-    """-> (tokens (N,) int64, tokens per byte, vocabulary size)."""
+def tokenize(text: str, codec) -> tuple[torch.Tensor, float, int]:
+    """text under a text_codec -> (tokens (N,) int64, tokens per byte, vocabulary size)."""
     raw = text.encode("utf-8")
-    if tokenizer == "byte":  # without a Python list of the bytes
+    if codec is BYTES:  # without a Python list of the bytes
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long(), 1.0, 256
-    encode, _, vocab = text_codec(tokenizer, download)
+    encode, _, vocab = codec
     tokens = torch.tensor(encode(text), dtype=torch.long)
     return tokens, len(tokens) / len(raw), vocab
 
 
-def load_text(corpus: str = "grammar", path: str = "", tokenizer: str = "byte", data_dir: str = "",
+def load_text(codec=BYTES, corpus: str = "grammar", path: str = "", data_dir: str = "",
               download: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-    """Train/val token tensors (90/10 split), tokens per byte, vocabulary size."""
-    text = data.read_text(corpus, path, data_dir, download)
-    tokens, tokens_per_byte, vocab = tokenize(text, tokenizer, download)
+    """Train/val token tensors (90/10 split) under a text_codec, tokens per byte, vocabulary size."""
+    tokens, tokens_per_byte, vocab = tokenize(data.read_text(corpus, path, data_dir, download), codec)
     split = int(0.9 * len(tokens))
     return tokens[:split], tokens[split:], tokens_per_byte, vocab
 
@@ -195,16 +197,16 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     language preset. A resumed or evaluated checkpoint supplies the model config."""
     autocast = autocast_of(device, device_options(device.type, cfg.precision))
     try:  # before the text: a missing tokenizer is the tokenizer's (a recipe's) problem, not the data's
-        text_codec(cfg.tokenizer, cfg.download)
+        codec = text_codec(cfg.tokenizer, cfg.download)
     except ValueError as e:
         by = alternet.RECIPES.get(cfg.arch, {}).get("tokenizer") == cfg.tokenizer
         fail(f"--tokenizer {cfg.tokenizer}{f' (--arch {cfg.arch} trains with it)' if by else ''}: {e}")
     try:
         train_tokens, val_tokens, tokens_per_byte, vocab = load_text(
-            cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.tokenizer, cfg.data_dir, cfg.download)
+            codec, cfg.dataset if cfg.dataset != "text" else "", cfg.data, cfg.data_dir, cfg.download)
     except (ValueError, FileNotFoundError) as e:
         fail(f"{'--data' if cfg.data else '--dataset ' + cfg.dataset}: {e}")
-    overrides = alternet_overrides(cfg)
+    overrides = model_overrides(cfg)
     top = max(int(train_tokens.max()), int(val_tokens.max()))
     if overrides.get("vocab_size", vocab) <= top:  # the data's token ids would fail mid-run
         fail(f"--model-args vocab_size={overrides['vocab_size']}: the data's token ids reach {top}")

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 import alternet
 import revit
-from lib.boundary import alternet_overrides, fail
+from lib.boundary import fail, model_overrides
 from lib.cli import broadcast, device_options, say
 from lib.data import TEXT_DATASETS
 
@@ -423,7 +423,7 @@ def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None,
     if model is None:
         vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
         overrides = ckpt["model_config"] if ckpt else {
-            **vocab, **alternet_overrides(cfg)}
+            **vocab, **model_overrides(cfg)}
         try:
             with torch.device("meta"):
                 model = alternet.create_model(cfg.arch, **overrides)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import revit
 from lib import data
-from lib.boundary import CONFIG_FLAGS, fail, is_vision, or_fail, parse_depths, parse_model_args, preset_module
-from lib.checkpoint import checkpoint_or_fail, load_vision_model, model_or_fail
+from lib.boundary import fail, is_vision, model_overrides, or_fail, parse_depths, preset_module
+from lib.checkpoint import checkpoint_or_fail, load_vision_model
 from lib.cli import device_options, say
 
 
@@ -239,6 +239,11 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
                                   cfg.test_subset, cfg.workers)
     except (ValueError, FileNotFoundError) as e:
         fail(f"--dataset {cfg.dataset}: {e}")
+    for split, asked in (("train", cfg.train_subset), ("test", cfg.test_subset)):
+        n = len(getattr(images, split))
+        if asked > n:  # the loaders take all there is: said, as train.py's own override lines are
+            say(f"override: {split}_subset={n} ({cfg.dataset} has {n:,} {split} images, fewer than "
+                f"--{split}-subset {asked})")
     if options["data_on_device"] and isinstance(images.train, data.TensorImages):  # small sets: on the GPU
         for split in (images.train, images.test):
             split.images, split.labels = split.images.to(device), split.labels.to(device)
@@ -247,7 +252,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
         fail(f"--batch-size {cfg.batch_size} is larger than the training set ({len(images.train)} images)")
     augment = data.Augment(images, device, cfg.seed + rank, **{k: getattr(cfg, k) for k in AUGMENT_FIELDS})
     if cfg.probe:
-        backbone = model_or_fail(cfg.backbone, "--backbone")
+        backbone = or_fail(load_vision_model, cfg.backbone, "--backbone")[0]
         if (backbone.config.image_size, backbone.config.in_channels) != (images.image_size, images.channels):
             fail(f"--backbone expects {backbone.config.in_channels}x{backbone.config.image_size}² images; "
                  f"{cfg.dataset} has {images.channels}x{images.image_size}²")
@@ -275,20 +280,10 @@ AUGMENT_FIELDS = ("random_crop", "three_augment", "color_jitter", "mixup", "cutm
 
 
 def vision_overrides(cfg, images: data.ImageData) -> dict:
-    """Model config overrides: data properties, CLI flags, and the patch size for small images. The
-    --model-args were checked against the config class by check_config (lib/boundary.py)."""
-    model_args = parse_model_args(cfg.model_args)
-    preset = preset_module(cfg.arch, model_args).PRESETS[cfg.arch]  # revit, or lib.moe for a mechanism
-    overrides = dict(image_size=images.image_size, in_channels=images.channels,
-                     num_classes=images.num_classes)
-    for name in CONFIG_FLAGS:
-        if getattr(cfg, name) is not None:
-            overrides[name] = getattr(cfg, name)
-    twice = next((name for name in model_args if name in overrides), None)
-    if twice:  # the data set or a flag sets it already: --model-args would change it silently
-        by = f"--{twice.replace('_', '-')}" if getattr(cfg, twice, None) is not None else cfg.dataset
-        fail(f"--model-args {twice}={model_args[twice]}: {twice} is {overrides[twice]}, set by {by}")
-    overrides.update(model_args)
+    """model_overrides with the data's properties, and the patch size for small images."""
+    overrides = model_overrides(cfg, dict(image_size=images.image_size, in_channels=images.channels,
+                                          num_classes=images.num_classes))
+    preset = preset_module(cfg.arch, overrides).PRESETS[cfg.arch]  # revit, or lib.moe for a mechanism
     patch = overrides.get("patch_size", preset.get("patch_size", 16))
     if "patch_size" not in overrides and (images.image_size % patch or images.image_size // patch < 4):
         cfg.patch_size = overrides["patch_size"] = 4 if images.image_size % 4 == 0 else 1

@@ -1,6 +1,7 @@
 """A checkpoint without its training state as a .safetensors file (the weights shipped in weights/): no
 pickle; the arch, the model config, train.py's config and the metrics are JSON in its metadata, so every
-command that reads a trained model (lib/checkpoint.load_checkpoint) takes one in place of a ckpt.pt.
+command that reads a trained model (lib/checkpoint.load_checkpoint) takes one in place of a ckpt.pt, as it
+takes a compact or folded export of a checkpoint (tools.export carries its arch and train_config).
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from safetensors.torch import save
 
 WEIGHTS_FORMAT = "revit.checkpoint"
 WEIGHTS_PARTS = ("model_config", "train_config", "metrics")  # JSON in the file's metadata, with "arch"
+# tools.export's files made from a checkpoint: a part's metadata key, all JSON (the model config is "config")
+EXPORT_PARTS = {"arch": "arch", "model_config": "config", "train_config": "train_config"}
+EXPORT_FORMATS = ("revit.compact", "revit.folded")
 
 
 def save_weights(ckpt: dict, path) -> None:
@@ -32,13 +36,17 @@ def read_safetensors(path) -> tuple[dict, dict]:
 
 
 def read_weights(path) -> dict:
-    """save_weights' file as a checkpoint dict (load_checkpoint checks it as any other); else ValueError."""
+    """save_weights' file, or a compact / folded export of a checkpoint (weights, no training state), as a
+    checkpoint dict (load_checkpoint checks it as any other); else ValueError."""
     model, metadata = read_safetensors(path)
-    if metadata.get("format") != WEIGHTS_FORMAT:
-        raise ValueError(f"a safetensors file of format {metadata.get('format')!r}, not a checkpoint's "
-                         f"weights ({WEIGHTS_FORMAT!r}); tools.export's files load with its load_safetensors")
+    kind = metadata.get("format")
+    if kind not in (WEIGHTS_FORMAT, *EXPORT_FORMATS):
+        raise ValueError(f"a safetensors file of format {kind!r}; expected a checkpoint's weights "
+                         f"(weights/) or a compact or folded export of tools.export")
+    parts = {k: k for k in WEIGHTS_PARTS} if kind == WEIGHTS_FORMAT else EXPORT_PARTS
     try:
-        parts = {k: json.loads(metadata[k]) for k in WEIGHTS_PARTS}
+        values = {part: json.loads(metadata[key]) for part, key in parts.items()}
     except (KeyError, ValueError, RecursionError):
-        raise ValueError(f"its metadata needs {', '.join(WEIGHTS_PARTS)} as JSON") from None
-    return {"model": model, "arch": metadata.get("arch"), **parts}
+        made = "" if kind == WEIGHTS_FORMAT else " (tools.export writes them when it reads a checkpoint)"
+        raise ValueError(f"its metadata needs {', '.join(parts.values())} as JSON{made}") from None
+    return {"model": model, "arch": metadata.get("arch"), **values}

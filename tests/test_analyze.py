@@ -210,7 +210,21 @@ def test_spearman():
     # ranks 0.5, 0.5, 2.5, 2.5
     ties = analyze.spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([1.0, 1, 2, 2]))
     assert ties == pytest.approx(2 / math.sqrt(5))
-    assert math.isnan(analyze.spearman(a, torch.ones(6)))
+    assert analyze.spearman(a, torch.ones(6)) is None  # undefined: one side is constant
+
+
+def test_a_constant_max_cka_path_has_no_spearman_rho_and_says_why(capsys):
+    """Every student state closest to one teacher state: rho is undefined, printed as n/a with the reason
+    and written to analysis.json as null, never as nan."""
+    cross = torch.tensor([[1.0, 0.5, 0.2]] * 3)
+    alignment = analyze.depth_alignment(cross)
+    assert alignment["max_cka_path"] == [0, 0, 0] and alignment["spearman_rho"] is None
+    assert json.loads(json.dumps(alignment, allow_nan=False))["spearman_rho"] is None
+    analyze.print_report({"depth": 2, "self_cka": cross[:, :1].tolist(), "num_images": 4,
+                          "cross_cka": cross.tolist(), "depth_alignment": alignment,
+                          "teacher": {"arch": "vit", "depth": 2}})
+    printed = capsys.readouterr().out
+    assert "Spearman rho n/a (every student state is closest to teacher state 0) | MAD" in printed
 
 
 def test_depth_alignment_of_a_proportional_trajectory():
@@ -460,6 +474,18 @@ def test_bad_input_gives_one_line_and_writes_nothing(tmp_path, fashion_mnist_dir
     message = str(info.value)
     assert ONE_LINE_ERROR.match(message) and needle.format(tmp=tmp_path) in message, message
     assert not (tmp_path / "analysis").exists()  # all inputs are checked before any output is written
+
+
+def test_gradient_batches_default_to_8_or_to_a_smaller_num_images():
+    """A user who gives only --num-images 5 never reads of an 8 they did not give; one who gives 8 does."""
+    parse = analyze.build_parser().parse_args
+    for given, batches in ((["--num-images", "5"], 5), ([], 8)):
+        args = parse(["ckpt.pt", *given])
+        analyze.check_args(args)
+        assert args.gradient_batches == batches
+    refused = r"--gradient-batches must be 0 \(skip\) or between 2 and --num-images \(5\); got 8"
+    with pytest.raises(SystemExit, match=refused):
+        analyze.check_args(parse(["ckpt.pt", "--num-images", "5", "--gradient-batches", "8"]))
 
 
 def test_bad_checkpoint_and_depth(tmp_path):

@@ -124,6 +124,94 @@ def test_an_output_replaces_only_an_earlier_output_of_the_project(tmp_path):
     safetensors.torch.save_file({"w": torch.ones(2)}, tmp_path / "weights.st",
                                 metadata={"format": "revit.checkpoint"})  # a checkpoint's packed weights
     for name in ("notes.md", "model.json", "weights.st"):
-        assert output_problem(tmp_path / name).startswith("already exists and is not an earlier output"), name
+        assert output_problem(tmp_path / name).startswith("already exists and is not a file this project "
+                                                          "can recognise as its own output"), name
     write_json({"step": 1}, tmp_path / "metrics.jsonl")
     assert output_problem(tmp_path / "metrics.jsonl").startswith("is a file of a training run")
+
+
+def test_a_text_run_builds_its_tokenizer_once(monkeypatch):
+    """The tokenizer built to check --tokenizer (before the text is read) is the one that encodes the text."""
+    import types
+    import torch
+    from lib import language
+    built = []
+    byte_like = types.SimpleNamespace(encode_ordinary=lambda text: list(text.encode()), n_vocab=256,
+                                      decode=lambda ids: bytes(ids).decode())
+    monkeypatch.setitem(sys.modules, "tiktoken", types.SimpleNamespace(
+        get_encoding=lambda name: built.append(name) or byte_like))
+    cfg = train.TrainConfig(arch="alternet-tiny", dataset="grammar", tokenizer="gpt2", max_steps=1)
+    language.build(cfg, 0, 1, torch.device("cpu"), None)
+    assert built == ["gpt2"]
+
+
+@pytest.mark.parametrize("explicit, refused", [
+    (dict(arch="alternet-tiny", mixup=0.8),
+     "--mixup applies to ViT (vit-*), Raptor (raptor-*), reViT (revit-*) only, not to alternet-tiny"),
+    (dict(arch="alternet-tiny", train_subset=64), "--train-subset applies to ViT (vit-*)"),
+    (dict(arch="alternet-tiny", teacher="teacher.pt"), "--teacher applies to ViT (vit-*)"),
+    (dict(arch="revit-mini", block_size=64), "--block-size applies to AlterNet (alternet-*) only, not to "
+                                             "revit-mini"),
+    (dict(arch="vit-mini", tokenizer="gpt2"), "--tokenizer applies to AlterNet (alternet-*) only"),
+])
+def test_a_training_flag_the_other_family_never_reads_is_refused(explicit, refused):
+    """One table (lib/boundary.READ_BY) for model and training flags: a flag given to a run that never reads
+    it is refused in one line, not echoed as an override and dropped; at its default it is not "given"."""
+    with pytest.raises(SystemExit) as stopped:
+        train.resolve_config({**explicit, "max_steps": 1}, announce=False)
+    assert str(stopped.value).startswith(f"train.py: error: {refused}") and "\n" not in str(stopped.value)
+    default = {name: getattr(train.TrainConfig, name) for name in explicit if name != "arch"}
+    train.resolve_config({"arch": explicit["arch"], **default, "max_steps": 1}, announce=False)
+
+
+def test_a_text_file_given_to_an_image_model_names_the_language_arch(tmp_path):
+    (tmp_path / "book.txt").write_text("to be or not to be\n")
+    language = r"a text file trains a language --arch \(alternet-\*\); revit-mini reads an image folder"
+    with pytest.raises(SystemExit, match=r"^train.py: error: --data \S+book.txt is a file: " + language):
+        train.resolve_config({"data": str(tmp_path / "book.txt"), "max_steps": 1}, announce=False)
+
+
+@pytest.mark.parametrize("build, argv, said", [
+    (train.build_parser, ["--max-stesp", "5"],
+     "unrecognized arguments: --max-stesp 5; did you mean --max-steps?"),
+    (train.build_parser, ["--seed=x"], "argument --seed: invalid int value: 'x'"),
+    (train.build_parser, ["--zzzzzz"], "unrecognized arguments: --zzzzzz"),
+    (probes.build_parser, ["--bakbone=a.pt"],
+     "unrecognized arguments: --bakbone=a.pt; did you mean --backbone?"),
+])
+def test_a_mistyped_flag_is_one_line_with_the_closest_flag(capsys, build, argv, said):
+    """README: a wrong flag is one line, not the usage (--help prints that), in every command whose flags
+    come from lib/cli.dataclass_parser."""
+    parser = build()
+    with pytest.raises(SystemExit) as stopped:
+        parser.parse_args(argv)
+    assert stopped.value.code == 2 and capsys.readouterr().err == f"{parser.prog}: error: {said}\n"
+
+
+@pytest.mark.parametrize("arch, depth, refused", [("revit-mini", 1, "--depth must be in 2..256 for reViT "
+                                                                    "(s_t = t/(L-1) needs two steps); got 1"),
+                                                  ("vit-mini", 0, "--depth must be in 1..256; got 0"),
+                                                  ("alternet-tiny", 0, "--depth must be in 1..256; got 0")])
+def test_depth_is_refused_as_the_chosen_arch_allows(arch, depth, refused):
+    with pytest.raises(SystemExit, match=re.escape(f"train.py: error: {refused}") + "$"):
+        train.resolve_config({"arch": arch, "depth": depth, "max_steps": 1}, announce=False)
+    train.resolve_config({"arch": "vit-mini", "depth": 1, "max_steps": 1}, announce=False)  # one block
+
+
+def test_a_depth_named_twice_in_eval_depths_is_refused():
+    """Each depth is evaluated and shown once: a second 4 would be dropped without a word."""
+    with pytest.raises(SystemExit, match=r"^train.py: error: --eval-depths must name each depth once; "
+                                         r"got '4,2,4'$"):
+        train.resolve_config({"eval_depths": "4,2,4", "max_steps": 1}, announce=False)
+
+
+def test_a_subset_larger_than_the_data_set_says_it_takes_all(fashion_mnist_dir, capsys):
+    import torch
+    from lib import tasks
+    cfg = train.resolve_config({"data_dir": str(fashion_mnist_dir), "test_subset": 20000, "train_subset": 512,
+                                "max_steps": 1}, announce=False)
+    tasks.build(cfg, 0, 1, torch.device("cpu"), None)
+    printed = capsys.readouterr().out
+    said = ("override: test_subset=10000 (fashion-mnist has 10,000 test images, fewer than "
+            "--test-subset 20000)")
+    assert said in printed and "train_subset" not in printed, printed

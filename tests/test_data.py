@@ -51,10 +51,10 @@ def test_gpt2_tokenizer_needs_tiktoken():
         import tiktoken  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="pip install tiktoken"):
-            language.tokenize("hello", "gpt2")
+            language.tokenize("hello", language.text_codec("gpt2"))
     else:  # its files cached: the encoding loads offline; not cached: one line asking for --download
         try:
-            tokens, per_byte, vocab = language.tokenize("hello world", "gpt2")
+            tokens, per_byte, vocab = language.tokenize("hello world", language.text_codec("gpt2"))
         except ValueError as e:
             assert "with --download" in str(e)
         else:
@@ -65,7 +65,7 @@ def test_the_gpt2_tokenizer_reaches_the_network_only_with_download(fetching_tikt
     """tiktoken fetches its encoding files when they are not cached: a tokenizer named by a checkpoint or a
     flag must not make that fetch without --download (a stand-in tiktoken tries to connect)."""
     with pytest.raises(ValueError, match="it fetches its files once, with --download"):
-        language.tokenize("hello", "gpt2")
+        language.tokenize("hello", language.text_codec("gpt2"))
     assert fetching_tiktoken == ["no --download"]  # refused before any lookup or connection
 
 

@@ -68,6 +68,7 @@ def test_depths_rows_equal_the_training_evaluation(tiny_checkpoint, tmp_path):
         assert r["acc"] == tiny_checkpoint["depths"][str(r["depth"])]["acc"]  # train.py's evaluation, exactly
         assert r["deployed_form"] == "folded" and r["gflops"] > 0
     assert [r["reference"] for r in rows] == [True, False, False]
+    assert (rows[0]["relative_latency"], rows[0]["relative_latency_ci95"]) == (1, [1, 1])  # itself, by definition
     assert any(r["pareto"] for r in rows) and "reference (depth 2)" in result["best"]
     assert rows[0]["gflops"] < rows[1]["gflops"] < rows[2]["gflops"]  # one more step each
     assert json.loads((tmp_path / "depths.json").read_text()) == json.loads(cli.json_text(result))
@@ -89,9 +90,10 @@ def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
     distilled = torch.load(ckpt, weights_only=True)
     distilled["train_config"]["teacher"] = "teacher.pt"  # as train.py --teacher saves it
     torch.save(distilled, tmp_path / "distilled.pt")
-    cases = [([ckpt, "--depths", "1,2"], "--depths must be in 2..256"),
+    cases = [([ckpt, "--depths", "1,2"], "--depths 1,2: a vision model runs at depths 2 and up"),
              ([ckpt, "--depths", "two"], "--depths must be comma-separated integers"),
-             ([str(garbage), "--depths", str(10 ** 30)], "--depths must be in 2..256"),  # before the file
+             ([str(garbage), "--depths", str(10 ** 30)], "--depths must be in 1..256"),  # before the file
+             ([ckpt, "--thresholds", "0.5"], "--thresholds: halting thresholds are AlterNet's; CKPT (revit-mini)"),
              ([str(tmp_path / "missing.pt")], "missing.pt: no such file"),  # checkpoint.load_model's messages
              ([str(probe)], "is a linear-probe head, not a model"),
              ([str(garbage)], "garbage.pt: not a PyTorch file"),
@@ -126,6 +128,14 @@ def test_depths_alternet_caps_and_thresholds(tmp_path):
     assert all(r["bpb_metric"] == "alternet.causal_loss" for r in rows)
     with pytest.raises(SystemExit, match="--thresholds must be"):
         run_cli([summary["checkpoint"], "--device", "cpu", "--thresholds", "0,none"])
+    # --depths chooses the caps (the trained D always): here cap 2 halting at 0.9, and the reference
+    result, _ = run_cli([summary["checkpoint"], "--data", str(text), "--device", "cpu", "--test-subset", "4",
+                         "--warmup", "0", "--repeats", "1", "--new-tokens", "2", "--depths", "2", "--thresholds",
+                         "0.9", "--out", str(tmp_path)])
+    assert [(r["max_depth"], r["halt_threshold"], r["reference"]) for r in result["rows"]] == [(2, 0.9, False),
+                                                                                            (3, 0.9, True)]
+    with pytest.raises(SystemExit, match=r"--depths 2,4: AlterNet's caps D' run 1..3 \(CKPT's D\)"):
+        run_cli([summary["checkpoint"], "--data", str(text), "--device", "cpu", "--depths", "2,4"])
 
 
 @FAST
@@ -162,6 +172,60 @@ def test_smallest_depth_within_half_a_point_is_faster_only_beyond_the_timing_spr
     assert best([t - 0.1 for t in reference]).startswith("depth 4: −0.3 points, as fast")  # 3% faster each round
     rows[1]["acc"] = 0.8
     assert best(noisy) == "no smaller depth is within 0.5 points of the reference (depth 6)"
+
+
+def test_a_lower_is_better_headline_says_which_way_the_metric_moved():
+    """The planted task's MSE and AlterNet's bits/byte: the smallest row within the tolerance *above* the
+    reference, and a + that reads as worse, a − as better."""
+    rows = [{"depth": d, "mse": m, "reference": d == 6, "relative_latency": 0.5, "relative_latency_ci95": [0.4, 0.6]}
+            for d, m in [(2, 0.400), (4, 0.303), (6, 0.300)]]
+    assert depths.smallest_within(rows, *depths.HEADLINE["planted"]) == \
+        "depth 4: +0.003 MSE (worse), 2.00× faster than the reference (depth 6)"
+    rows[1]["mse"] = 0.296
+    assert depths.smallest_within(rows, *depths.HEADLINE["planted"]).startswith("depth 4: −0.004 MSE (better), ")
+    caps = [{"max_depth": r["depth"], "bpb": r["mse"] + 2, **{k: r[k] for k in list(r)[2:]}} for r in rows]
+    assert depths.smallest_within(caps, *depths.HEADLINE["language"]).startswith("cap D' 4: −0.004 bits/byte (better)")
+
+
+def test_depths_of_a_planted_checkpoint_is_its_test_mse_by_depth(tmp_path):
+    """The planted-depth task is scored by MSE (train.py's --eval-only), not accuracy: the table, the Pareto
+    marks and the headline read it as lower is better."""
+    with redirect_stdout(io.StringIO()):
+        summary = train.main(["--dataset", "planted", "--arch", "revit-mini", "--depth", "2", "--patch-size", "4",
+                              "--model-args", "dim=48,heads=3,ffn_dim=32", "--max-steps", "2", "--batch-size", "16",
+                              "--train-subset", "32", "--test-subset", "16", "--eval-depths", "3", "--no-progress",
+                              "--device", "cpu", "--out-dir", str(tmp_path / "run")])
+    result, lines = run_cli([summary["checkpoint"], "--device", "cpu", "--depths", "2,3", "--test-subset", "16",
+                             "--batch", "2", "--warmup", "0", "--repeats", "1", "--resolve", "0", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert result["family"] == "planted" and [r["depth"] for r in rows] == [2, 3]
+    assert [r["mse"] for r in rows] == [summary["depths"][str(d)]["mse"] for d in (2, 3)]  # train.py's, exactly
+    assert "| depth | test MSE (lower is better) |" in "\n".join(lines)
+    expected = depths.smallest_within(rows, "depth", "mse", 0.005, False, "MSE")
+    assert result["best"] == expected and "MSE" in expected and "points" not in expected
+
+
+def test_each_row_is_timed_in_rounds_of_its_own_with_the_reference_each_first_in_turn():
+    """Every call timed in one rotation put the reference always after the batch-n call (it ran slower there:
+    0.95-0.99 against itself); the compared call and the reference alternate instead, the rest after."""
+    calls, row = [], {"reference": False}
+    fns = {name: lambda name=name: calls.append(name) for name in ("row", "batch n")}
+    args = argparse.Namespace(warmup=0, repeats=4, iters=1, max_repeats=4)
+    times = depths.timed_against_reference(fns, lambda: calls.append("ref"), "row", row, args, torch.device("cpu"))
+    pairs = [tuple(calls[i:i + 2]) for i in range(0, 10, 2)]  # a warm-up round, then 4 timed rounds
+    assert pairs == [("row", "ref"), ("row", "ref"), ("ref", "row"), ("row", "ref"), ("ref", "row")]
+    assert calls[10:] == ["batch n"] * 5 and len(times["batch n"]) == 4
+    calls.clear()
+
+    def reference():
+        calls.append("ref")
+    depths.timed_against_reference({"row": reference}, reference, "row", row, args, torch.device("cpu"))
+    assert calls == ["ref"] * 5 and (row["relative_latency"], row["relative_latency_ci95"]) == (1, [1, 1])
+
+
+def test_the_help_describes_the_tool_in_a_whole_sentence():
+    description = depths.build_parser().description
+    assert description.endswith(".") and "§" not in description, description
 
 
 def test_only_the_headlines_row_is_timed_again_until_its_ratio_is_resolved():
@@ -220,7 +284,7 @@ def test_depths_of_a_vit_checkpoint_is_its_single_row(tiny_checkpoint, tmp_path)
     result, _ = run_cli([str(path), "--device", "cpu", "--batch", "2", "--warmup", "0",
                          "--repeats", "1", "--out", str(tmp_path)])
     assert [(r["depth"], r["reference"], r["deployed_form"]) for r in result["rows"]] == [(3, True, "model")]
-    assert result["best"].startswith("no smaller depth")
+    assert result["best"] == "an untied ViT runs only its own depth 3"
     with pytest.raises(SystemExit, match="an untied ViT runs only its own depth 3"):
         run_cli([str(path), "--device", "cpu", "--depths", "2,3"])
 

@@ -18,12 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 import alternet
 from tools import export
 import revit
 from helpers import randomise
+from lib.checkpoint import RESUME_KEYS, load_checkpoint, load_model
 from lib.weights import save_weights
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +35,6 @@ TINY = dict(image_size=8, patch_size=4, in_channels=1, num_classes=5, dim=16, he
 
 def tiny(name="revit-mini", **overrides):
     return randomise(revit.create_model(name, **{**TINY, **overrides})).eval()
-
 
 
 def images(config, batch=3, seed=1):
@@ -176,6 +176,36 @@ def test_compact_round_trip_then_choose_another_depth(checkpoint, tmp_path):
         torch.testing.assert_close(export.load_safetensors(folded_path)(x), model(x, depth=6), atol=1e-5, rtol=1e-5)
 
 
+def test_an_export_of_a_checkpoint_is_a_checkpoint_for_every_command(checkpoint, tmp_path):
+    """A compact or folded export carries its checkpoint's arch and train_config: every loader reads it as
+    that model (the folded one as a plain ViT of L blocks), never for --resume; as any checkpoint, weights
+    that are not finite, a config that does not build or a file that names no checkpoint are refused."""
+    model, path = checkpoint
+    compact, folded = tmp_path / "c.safetensors", tmp_path / "f.safetensors"
+    run([path, "--format", "compact", "--out", compact])
+    run([compact, "--depth", 3, "--format", "safetensors", "--out", folded])  # a compact exports on
+    dynamic, ckpt = load_model(compact)
+    assert ckpt["arch"] == "revit-mini" and ckpt["train_config"] == {} and dynamic.config == model.config
+    assert all(torch.equal(dynamic.state_dict()[k], v) for k, v in model.state_dict().items())
+    vit, ckpt = load_model(folded)
+    assert type(vit) is revit.VisionTransformer and ckpt["arch"] == "revit-mini" and vit.config.depth == 3
+    with torch.no_grad():
+        torch.testing.assert_close(vit(images(model.config)), model(images(model.config), depth=3))
+    with pytest.raises(ValueError, match="missing optimizer, step, rng.; a .safetensors file holds weights only"):
+        load_checkpoint(compact, "--resume", RESUME_KEYS)
+    tensors, metadata = export.read_safetensors(compact)
+    deep = json.dumps({**json.loads(metadata["config"]), "depth": 1000})
+    bare = {k: v for k, v in metadata.items() if k != "arch"}  # save_safetensors of a model: no checkpoint
+    nan = {**tensors, "block.attn.proj.bias": torch.full_like(tensors["block.attn.proj.bias"], float("nan"))}
+    for name, (edited, meta), problem in (
+            ("nan", (nan, metadata), "its weights are not finite (block.attn.proj.bias"),
+            ("deep", (tensors, {**metadata, "config": deep}), "its model_config has depth=1000; at most 256"),
+            ("bare", (tensors, bare), "its metadata needs arch, config, train_config as JSON (tools.export")):
+        (tmp_path / name).write_bytes(save(edited, metadata=meta))
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name}: {problem}")):
+            load_model(tmp_path / name)
+
+
 def test_an_export_is_read_by_its_content_and_named_for_its_format(checkpoint, tmp_path):
     """A safetensors file under another name (m.compact, a renamed weights file) reads as what it is; an
     --out whose suffix names another format is refused before anything is written."""
@@ -184,7 +214,7 @@ def test_an_export_is_read_by_its_content_and_named_for_its_format(checkpoint, t
     run([tmp_path / "m.compact", "--depth", 3, "--format", "safetensors", "--out", tmp_path / "f.safetensors"])
     assert export.load_safetensors(tmp_path / "f.safetensors").config.depth == 3
     save_weights(torch.load(path, weights_only=True), tmp_path / "w.bin")  # as weights/ ships, renamed
-    assert export.load_source(tmp_path / "w.bin").config == model.config
+    assert export.load_source(tmp_path / "w.bin")[0].config == model.config
     for fmt, name in (("onnx", "y.safetensors"), ("compact", "y.onnx"), ("timm", "y.onnx")):
         with pytest.raises(SystemExit, match=re.escape(f"--out {tmp_path / name}: --format {fmt} writes no {name[1:]}")):
             export.main([str(path), "--format", fmt, "--out", str(tmp_path / name)])
@@ -315,6 +345,8 @@ def bad_inputs(tmp_path, checkpoint):
     """Files a user might pass by mistake, each next to the checkpoint fixture."""
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "hello.txt").write_text("hello\n")  # torch.load: KeyError naming a byte
+    (tmp_path / "card.json").write_text(json.dumps({"name": "revit-mini"}))  # a safe load refuses it
     (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint")
     export.save_timm(revit.fold(checkpoint[0], 2), tmp_path / "timm.safetensors")
     write_checkpoint(tmp_path / "vit.pt", tiny("vit-mini"), arch="vit-mini")
@@ -381,6 +413,9 @@ def bad_inputs(tmp_path, checkpoint):
     (["{tmp}", "--format", "onnx", "--out", "{tmp}/x"], "a folder, not a file"),
     (["{tmp}/garbage.pt", "--format", "onnx", "--out", "{tmp}/x"], "garbage.pt: not a PyTorch file"),
     (["{tmp}/empty.pt", "--format", "onnx", "--out", "{tmp}/x"], "empty.pt: not a PyTorch file"),
+    *((["{tmp}/" + name, "--format", "onnx", "--out", "{tmp}/x"], f"{name}: not a PyTorch file; expected a "
+       "ckpt.pt written by train.py or a .safetensors from weights/ or tools.export") for name in
+      ("hello.txt", "card.json")),
     (["{tmp}/list.pt", "--format", "onnx", "--out", "{tmp}/x"], "list.pt: not a checkpoint of this project"),
     (["{tmp}/no_arch.pt", "--format", "onnx", "--out", "{tmp}/x"], "no_arch.pt: not a checkpoint of this "
                                                                    "project (missing arch)"),

@@ -32,6 +32,33 @@ def test_plot_refuses_a_file_without_training_loss(tmp_path):
         plot.main([str(tmp_path)])
 
 
+def test_plot_says_a_file_that_is_no_log_is_not_a_run(tmp_path):
+    """A checkpoint or a weights file given as RUN: named as what it is not, not as a log short of a line."""
+    (tmp_path / "m.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + bytes(range(256)))
+    with pytest.raises(SystemExit) as stopped:
+        plot.main([str(tmp_path / "m.safetensors")])
+    assert str(stopped.value) == (f"python -m tools.plot: error: RUN {tmp_path / 'm.safetensors'} is not a "
+                                  f"training run's log: give a run folder of train.py or its metrics.jsonl")
+
+
+def test_plot_draws_accuracy_in_percent_beside_a_language_runs_bits_per_byte(piped_run, tmp_path,
+                                                                              monkeypatch):
+    """A vision run with a language run: loss, val accuracy (%) and bits/byte, each run where it has one."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n'
+                                                   '{"step": 2, "loss": 1.5, "eval": {"val_bpb": 2.25}}\n')
+    figures = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, path: figures.append(fig))
+    plot.main([str(piped_run[0]), str(tmp_path / "lm"), "--out", str(tmp_path / "c.png")])
+    loss, accuracy, bits = figures[0].axes
+    assert [ax.get_title() for ax in figures[0].axes] == ["loss", "val acc (%)", "bits/byte"]
+    vision = sorted(plot.read_curves(str(piped_run[0]))["val_acc"].items())
+    assert list(accuracy.lines[0].get_ydata()) == [100 * acc for _, acc in vision]
+    assert len(accuracy.lines) == 1
+    assert list(bits.lines[0].get_ydata()) == [2.25] and len(bits.lines) == 1
+
+
 def test_plot_names_a_missing_run_once(tmp_path):
     """A missing run file, or a run folder without metrics.jsonl: its path once, then what is wrong."""
     for run, path in ((tmp_path / "nope", tmp_path / "nope"), (tmp_path, tmp_path / "metrics.jsonl")):
@@ -48,6 +75,17 @@ def test_plot_reads_a_language_run_by_its_bits_per_byte(tmp_path):
     curves = plot.read_curves(str(out))
     assert sorted(curves["train_loss"]) == [1, 2, 3, 4] and sorted(curves["val_bpb"]) == [2, 4]
 
+
+@pytest.mark.parametrize("scores", ["[0.5, 0.7]", "0.5", "null"])
+def test_plot_refuses_an_eval_that_is_not_metrics_by_name_in_one_line(tmp_path, scores):
+    """train.py logs {"step": N, "eval": {"val_loss": ...}}; another shape was a traceback."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n'
+                                            f'{{"step": 2, "loss": 1.5, "eval": {scores}}}\n')
+    with pytest.raises(SystemExit) as stopped:
+        plot.main([str(tmp_path), "--out", str(tmp_path / "c.png")])
+    assert str(stopped.value) == (f"python -m tools.plot: error: RUN {tmp_path}/metrics.jsonl line 2: its "
+                                  f"eval is {scores}, not the metrics by name that train.py logs")
+    assert not (tmp_path / "c.png").exists()
 
 
 def with_loss(run, folder, loss):

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import alternet
@@ -221,10 +222,11 @@ def test_cli_writes_results_and_rejects_bad_input(tmp_path, fashion_mnist_dir, c
     path = save_backbone(tmp_path / "vit.pt", arch="vit-mini")
     args = ["--backbone", str(path), "--data-dir", str(fashion_mnist_dir), "--no-download", "--device", "cpu",
             "--train-subset", "64", "--test-subset", "32", "--max-steps", "3", "--batch-size", "16"]
-    probes.main(["--probe", "seg", *args, "--out-dir", str(tmp_path / "run")])
+    for _ in range(2):  # a re-run into the same --out-dir replaces its own earlier output
+        probes.main(["--probe", "seg", *args, "--out-dir", str(tmp_path / "run")])
     assert (tmp_path / "run" / "probe_results.json").is_file()
-    heads = torch.load(tmp_path / "run" / "probe_heads.pt", weights_only=True)
-    assert heads["linear"]["net.weight"].shape == (1 + probes.PROXY_LEVELS, 16)
+    heads = safetensors.torch.load_file(tmp_path / "run" / "probe_heads.safetensors")
+    assert heads["linear.net.weight"].shape == (1 + probes.PROXY_LEVELS, 16)
     with pytest.raises(SystemExit, match="untied ViT"):  # a plain ViT runs only its own depth
         probes.main(["--probe", "seg", *args, "--eval-depths", "2"])
     with pytest.raises(SystemExit, match="--probe"):

@@ -301,14 +301,14 @@ def test_drop_path_drops_whole_samples_and_rescales_the_kept_ones():
     probability 1 - p and scaled by 1 / (1 - p), so its expectation is unchanged; in eval, the identity."""
     torch.manual_seed(0)
     p, n = 0.25, 4000
-    drop = revit.DropPath(p).train()
+    block = revit.Block(6, 1, revit.Mlp(6, 8), drop_path=p).train()
     x = torch.rand(n, 5, 6) + 1
-    ratio = (drop(x) / x).flatten(1)
+    ratio = (block.drop_path(x) / x).flatten(1)
     assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio))  # a whole sample, never single elements
     kept = ratio[:, 0] > 0
     assert torch.allclose(ratio[kept], torch.full_like(ratio[kept], 1 / (1 - p)))
     assert abs(kept.float().mean().item() - (1 - p)) < 0.03  # 4,000 samples: the standard error is 0.007
-    assert torch.equal(drop.eval()(x), x)
+    assert torch.equal(block.eval().drop_path(x), x)
 
 
 def test_deit3_numerics():
@@ -384,7 +384,7 @@ def test_no_aux_losses_for_one_expert_or_plain_vit():
 @pytest.mark.parametrize("name,millions", [
     ("vit-s", 22.1), ("vit-b", 86.6), ("vit-l", 304.4),
     ("raptor-s", 7.9), ("raptor-b", 29.9), ("raptor-l", 52.4),
-    ("revit-s", 6.1), ("revit-b", 22.8), ("revit-l", 39.8),  # paper: 23.6 / 40.9 for B / L (see README)
+    ("revit-s", 6.1), ("revit-b", 22.8), ("revit-l", 39.8),  # paper: 23.6 / 40.9 (RESULTS.md explains)
 ])
 def test_parameter_counts_match_the_paper(name, millions):
     with torch.device("meta"):

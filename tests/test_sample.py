@@ -109,6 +109,27 @@ def test_iteration_marks_equal_generate(checkpoint, capsys):
     assert lines[-1] == f"mean iterations per generated token: {sum(used) / 30:.2f}"
 
 
+def test_ctrl_c_prints_the_sample_so_far(checkpoint, monkeypatch, capsys):
+    """Ctrl-C while sampling: the tokens generated so far (an uninterrupted run's first ones) are printed,
+    then one line saying how many."""
+    import alternet
+    flags = [str(checkpoint), "--prompt", "the", "--max-new-tokens", "10", "--seed", "5"]
+    [(full, _)] = sample.main(flags)
+    capsys.readouterr()
+    generate, calls = alternet.AlterNet.generate, []
+    def interrupted(*args, **kwargs):  # Ctrl-C during the 5th token
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+    monkeypatch.setattr(alternet.AlterNet, "generate", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        sample.main(flags)
+    assert str(stopped.value) == ("sample.py: stopped by Ctrl-C after 4 of 10 new tokens (printed above); "
+                                  "nothing is written")
+    assert capsys.readouterr().out == full[:len("the") + 4] + "\n"
+
+
 def test_max_depth_is_respected(checkpoint, capsys):
     flags = [str(checkpoint), "--prompt", "the", "--max-new-tokens", "20"]
     (_, full), = sample.main(flags)

@@ -5,7 +5,6 @@ the real train.py runs only where the test is about it (--quick sizes, a few run
 """
 import io
 import json
-import os
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -261,7 +260,7 @@ def test_an_output_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, f
     (tmp_path / "notes" / "quality.json").write_text("my notes")  # a user's file where the sweep writes
     with pytest.raises(SystemExit) as error:
         run_cli(["--device", "cpu", "--grids", "tying", "--out", str(tmp_path / "notes")])
-    assert "its quality.json already exists and is not an earlier output" in str(error.value.code)
+    assert "its quality.json already exists and is not a file this project can recognise" in str(error.value.code)
     assert (tmp_path / "notes" / "quality.json").read_text() == "my notes" and fake_train() == []
 
 

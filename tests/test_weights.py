@@ -58,12 +58,29 @@ def test_torch_hub_loads_them_from_the_clone(path, monkeypatch):
 
 def test_a_weights_file_cannot_be_resumed_and_another_safetensors_file_is_named(tmp_path):
     weights = str(ROOT / "weights" / "revit-mini.safetensors")
-    with pytest.raises(SystemExit, match=r"not a training checkpoint of this project \(missing optimizer, step"):
+    resumed = (r"not a training checkpoint of this project \(missing optimizer, step, rng\); "
+               r"a .safetensors file holds weights only: continue a run from its ckpt.pt")
+    with pytest.raises(SystemExit, match=resumed):
         train.main(["--resume", weights])
     from tools import export
-    export.main([weights, "--format", "safetensors", "--out", str(tmp_path / "folded.safetensors")])
-    with pytest.raises(SystemExit, match="format 'revit.folded', not a checkpoint's weights"):
-        train.main(["--eval-only", str(tmp_path / "folded.safetensors")])
+    export.main([weights, "--depth", "4", "--format", "timm", "--out", str(tmp_path / "timm.safetensors")])
+    expected = "format 'timm'; expected a checkpoint's weights .weights/. or a compact or folded export"
+    with pytest.raises(SystemExit, match=expected):
+        train.main(["--eval-only", str(tmp_path / "timm.safetensors")])
+
+
+def test_an_export_of_the_shipped_weights_evaluates_as_they_do(tmp_path, fashion_mnist_dir):
+    """train.py --eval-only of a compact export (every depth) is the weights' evaluation; of a folded one (a
+    plain ViT of L blocks), the weights' at L (tests/test_export.py checks what the files carry)."""
+    from tools import export
+    weights, compact, folded = (str(ROOT / "weights" / "revit-mini.safetensors"),
+                                str(tmp_path / "c.safetensors"), str(tmp_path / "f.safetensors"))
+    export.main([weights, "--format", "compact", "--out", compact])
+    export.main([compact, "--depth", "4", "--format", "safetensors", "--out", folded])  # a compact exports on
+    evaluate = ["--test-subset", "200", "--data-dir", str(fashion_mnist_dir)]
+    at_depth_4 = train.main(["--eval-only", weights, "--eval-depths", "4", *evaluate])["depths"]["4"]
+    assert train.main(["--eval-only", compact, "--eval-depths", "4", *evaluate])["depths"]["4"] == at_depth_4
+    assert math.isclose(train.main(["--eval-only", folded, *evaluate])["test_acc"], at_depth_4["acc"])
 
 
 def test_packing_a_checkpoint_gives_the_same_weights_file(tmp_path):

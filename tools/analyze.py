@@ -31,8 +31,9 @@ if not __package__:  # run as a file (python tools/analyze.py): the project's mo
 import revit
 from lib.checkpoint import load_vision_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, path_problem
-from lib.cli import atomic_write, atomic_write_text, finite_or_null, pick_device, pyplot, run_main
-from lib.data import NORMALISATION, FolderImages, load_images
+from lib.cli import (ArgumentParser, atomic_write, atomic_write_text, finite_or_null, pick_device, pyplot,
+                     run_main)
+from lib.data import IMAGE_DATASETS, NORMALISATION, FolderImages, load_images
 from tools.plot import save_png
 
 PROG = "python -m tools.analyze"  # how it runs: from the repository root, as a module
@@ -85,12 +86,12 @@ def average_ranks(values: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman's rho: Pearson correlation of the average ranks (nan when either side is constant)."""
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Spearman's rho: Pearson correlation of the average ranks (None, undefined, when a side is constant)."""
     ra, rb = average_ranks(a), average_ranks(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
     denominator = (ra.norm() * rb.norm()).item()
-    return (ra @ rb).item() / denominator if denominator > 0 else float("nan")
+    return (ra @ rb).item() / denominator if denominator > 0 else None
 
 
 # --- the expert bank and the gate program (Figs. 3, 5) ---
@@ -360,8 +361,6 @@ def gradient_part(model, images, labels, depth: int, batches: int, seed: int) ->
 
 # --- inputs: everything a user passes, read and checked before anything is written ---
 
-DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagenet", "planted")  # planted: lib/planted.py
-
 
 @dataclass
 class Inputs:
@@ -380,6 +379,8 @@ def check_args(args) -> None:
     n = args.num_images
     if args.intervention_images is None:  # the paper's 256, or all of a smaller subset
         args.intervention_images = min(256, n)
+    if args.gradient_batches is None:  # 8, or one image a batch in a smaller subset
+        args.gradient_batches = min(8, n)
     subset = (lambda v: 2 <= v <= n, f"<= {n} (--num-images: they are the first N of that subset) and >= 2")
     batches = (lambda v: v == 0 or 2 <= v <= n, f"0 (skip) or between 2 and --num-images ({n})")
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH),  # s_t = t/(L-1) needs two steps
@@ -392,8 +393,8 @@ def evaluation_images(args, ckpt: dict, image_size: int) -> tuple:
     """A seeded subset of the test split, normalised as in training: (n, C, H, W) float32, its labels, and
     the data set's name (--dataset, else the checkpoint's)."""
     dataset = args.dataset or ckpt.get("train_config", {}).get("dataset") or "fashion-mnist"
-    if dataset not in DATASETS:
-        raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {dataset!r}"
+    if dataset not in IMAGE_DATASETS:
+        raise ValueError(f"--dataset must be one of {', '.join(IMAGE_DATASETS)}; got {dataset!r}"
                          + ("" if args.dataset else f" (checkpoint {args.checkpoint} was trained on it)"))
     if dataset == "imagenet":  # the val split only, resized and centre-cropped (as train.py evaluates)
         if not args.data or not (Path(args.data) / "val").is_dir():
@@ -498,12 +499,21 @@ def print_report(report: dict) -> None:
         print_matrix(f"cross-CKA student x teacher ({t['arch']}, {t['depth']} layers)", report["cross_cka"],
                      "student state", "teacher state")
         print(f"max-CKA teacher state per student state: {a['max_cka_path']}")
-        print(f"Spearman rho {a['spearman_rho']:.3f} | MAD from proportional depth {a['mad']:.2f} teacher "
+        print(f"Spearman rho {rho_text(a)} | MAD from proportional depth {a['mad']:.2f} teacher "
               f"layers (interior {a['interior_mad']:.2f})")
     if "interventions" in report:
         print_interventions(report["interventions"], report["gates"])
     if "gate_gradients" in report:
         print_gradients(report["gate_gradients"])
+
+
+def rho_text(alignment: dict, why: bool = True) -> str:
+    """Spearman's rho of the max-CKA path, or n/a (and why, where asked): a constant path has none."""
+    rho = alignment["spearman_rho"]
+    if rho is not None:
+        return f"{rho:.3f}"
+    state = alignment["max_cka_path"][0]
+    return f"n/a (every student state is closest to teacher state {state})" if why else "n/a"
 
 
 def print_gradients(result: dict) -> None:
@@ -644,7 +654,7 @@ def save_plots(report: dict, out: Path) -> list[str]:
         steps = list(range(len(a["max_cka_path"])))
         figures["cross_cka.png"] = cka_figure(
             plt, report["cross_cka"], "teacher state", "student state",
-            f"cross-CKA, rho={a['spearman_rho']:.3f}, MAD={a['mad']:.2f}",
+            f"cross-CKA, rho={rho_text(a, why=False)}, MAD={a['mad']:.2f}",
             [(a["max_cka_path"], steps, "o:", "max-CKA teacher depth"),
              (a["proportional_depth"], steps, "--", "proportional depth")])
     for name, fig in figures.items():
@@ -657,8 +667,9 @@ def save_plots(report: dict, out: Path) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint of train.py (ckpt.pt): reViT, ViT or Raptor")
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="reViT, ViT or Raptor: a ckpt.pt written by train.py, or a "
+                        ".safetensors from weights/ or tools.export")
     parser.add_argument("--teacher", default="", help="checkpoint whose residual states and final features "
                         "the student is compared with (cross-CKA, Delta CKA); without it, interventions are "
                         "measured against the intact student's own final features")
@@ -679,8 +690,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-permutations", type=int, default=64,
                         help="gate-column permutations sampled when E > 4 (at E = 4: all 23)")
     parser.add_argument("--no-interventions", action="store_true", help="skip ablations and permutations")
-    parser.add_argument("--gradient-batches", type=int, default=8, help="split the subset into N batches for "
-                        "the gradient measures on the gates and experts, trained and at init (0: skip)")
+    parser.add_argument("--gradient-batches", type=int, default=None, help="split the subset into N batches "
+                        "for the gradient measures on the gates and experts, trained and at init (0: skip; "
+                        "default: 8, or --num-images when fewer)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the subset, permutations, perturbations")
     parser.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")

@@ -1,13 +1,16 @@
-"""Choose your depth: one checkpoint's accuracy and cost at every depth it can run at (reViT §3.2, §4.4 of
-arXiv 2610.12448), or for AlterNet (arXiv 2611.08741) at every iteration cap D' <= D and halting threshold.
+"""Choose your depth: one checkpoint's accuracy and cost at every depth it can run at.
+
+reViT (arXiv 2610.12448, §3.2, §4.4) at depths 2 ... 2L; AlterNet (arXiv 2611.08741) at every iteration cap
+D' <= D and halting threshold; the planted-depth task by its test MSE (lower is better).
 
     python -m tools.depths out/revit-mini-<time>/ckpt.pt                  # depths 2 ... 2L, table, plot
     python -m tools.depths CKPT --depths 2,4,6,8 --test-subset 2000       # some depths, on 2,000 test images
     python -m tools.depths out/alternet-tiny-<time>/ckpt.pt --test-subset 32   # caps x thresholds
+    python -m tools.depths CKPT --depths 2,4 --thresholds 0.5               # AlterNet: caps 2, 4 (and D)
 
-Accuracy (bits per byte) is train.py's evaluation. Each row is timed in the same rounds as the reference
-(the trained depth), so a busy machine slows both; the table marks the Pareto rows, and the last line names
-the smallest depth as good as the reference and whether it is faster beyond the timing spread.
+Accuracy (bits per byte, MSE) is train.py's evaluation. Each row is timed in the same rounds as the
+reference (the trained depth), so a busy machine slows both; the table marks the Pareto rows, and the last
+line names the smallest depth as good as the reference and whether it is faster beyond the timing spread.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import revit
 import train
 from lib.checkpoint import load_model
 from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, outputs_problem, parse_depths
-from lib.cli import f, markdown, non_finite_place, pick_device, pyplot, write_json
+from lib.cli import ArgumentParser, f, markdown, non_finite_place, pick_device, pyplot, write_json
 from lib.cli import run_main  # Ctrl-C: one line
 from tools.plot import save_png
 
@@ -57,14 +60,29 @@ def evaluation_task(args, ckpt: dict, device: torch.device):
 # --- vision: every depth, in the form a user deploys and in the compact form ---
 
 
+def single_depth(config) -> str | None:
+    """What runs only at its trained depth: an untied ViT, layer-wise LoRA (one adapter per trained step)."""
+    if config.arch == "vit":
+        return "an untied ViT"
+    return "layer-wise LoRA (one adapter per trained step)" if getattr(config, "ffn", "") == "lora" else None
+
+
 def depth_list(given: list[int], model) -> list[int]:
     """--depths and the reference depth L; default 2 ... 2L (a ViT or layer-wise LoRA: L only)."""
-    c = model.config
-    single = c.arch == "vit" or getattr(c, "ffn", "merge") == "lora"
-    if single and given not in ([], [c.depth]):
-        kind = "an untied ViT" if c.arch == "vit" else "layer-wise LoRA (one adapter per trained step)"
-        fail(f"--depths {','.join(map(str, given))}: {kind} runs only its own depth {c.depth}", PROG)
-    return sorted(set(given or ([c.depth] if single else range(2, 2 * c.depth + 1))) | {c.depth})
+    c, kind, listed = model.config, single_depth(model.config), ",".join(map(str, given))
+    if kind and given not in ([], [c.depth]):
+        fail(f"--depths {listed}: {kind} runs only its own depth {c.depth}", PROG)
+    if min(given, default=2) < 2:
+        fail(f"--depths {listed}: a vision model runs at depths 2 and up (a step grid needs two steps)", PROG)
+    return sorted(set(given or ([c.depth] if kind else range(2, 2 * c.depth + 1))) | {c.depth})
+
+
+def cap_list(given: list[int], lm) -> list[int]:
+    """--depths as AlterNet's iteration caps D' and the trained D; default 1 ... D."""
+    d = lm.config.max_depth
+    if max(given, default=d) > d:
+        fail(f"--depths {','.join(map(str, given))}: AlterNet's caps D' run 1..{d} (CKPT's D)", PROG)
+    return sorted(set(given or range(1, d + 1)) | {d})
 
 
 def deployed_model(model, depth: int) -> tuple:
@@ -80,7 +98,7 @@ def runner(module, depth_arg):
     return functools.partial(module, depth=depth_arg) if depth_arg else module
 
 
-def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
+def vision_depth_rows(model, task, depths, args, device, family: str) -> list[dict]:
     """One row per depth: train.py's accuracy, GFLOPs per image and latency per image of the deployed form
     and of the dynamic one (the compact checkpoint at that depth: reViT merges its experts on every call,
     as the paper's Table 7 measured)."""
@@ -106,6 +124,8 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
                  "dynamic": runner(dynamic, None if c.arch == "vit" else depth)}
         fns = {(form, batch): bench.inference_call(run, x, device)
                for batch, x in inputs.items() for form, run in forms.items()}
+        if row["reference"]:
+            fns["deployed", 1] = reference
         times = timed_against_reference(fns, reference, ("deployed", 1), row, args, device)
         for form, batch in fns:
             ms = statistics.median(times[form, batch]) * 1e3 / batch
@@ -114,20 +134,25 @@ def vision_depth_rows(model, task, depths, args, device) -> list[dict]:
 
     def deployed_call(row):
         return bench.inference_call(runner(*deployed_model(model, row["depth"])), inputs[1], device)
-    resolve_headline(rows, "vision", deployed_call, reference, args, device)
+    resolve_headline(rows, family, deployed_call, reference, args, device)
     return rows
 
 
-def timed_against_reference(fns: dict, reference, compared, row: dict, args, device, resolve=False) -> dict:
-    """Seconds per call of each fn, timed in interleaved rounds beside the reference (with `resolve`, more
-    rounds until their ratio is known to +- --resolve); row["relative_latency"]: the median of the per-round
-    ratios fns[compared] / reference and its 95% bootstrap interval (both timed under the same load)."""
-    fns = {**fns, "reference": reference}
-    times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
-    if resolve:
-        times = bench.resolve_ratio(fns, times, device, args.iters, args.resolve, args.max_repeats,
-                                    pair=(compared, "reference"))
-    paired = bench.paired_ratio(times[compared], times["reference"])
+def timed_against_reference(fns: dict, reference, compared, row: dict, args, device, resolve=0.0) -> dict:
+    """Seconds per call of each fn; fns[compared] timed in rounds of its own with the reference, each first
+    in every other round (resolve > 0: more rounds until their ratio is known to +- resolve), the other fns
+    in rounds after them. row["relative_latency"]: the median of the per-round ratios fns[compared] /
+    reference and its 95% bootstrap interval (both timed under the same load); the reference's own: 1.
+    Why a pair: in one rotation of every fn, the reference always ran right after the batch-n call, which
+    slows the next call (its caches evicted): the reference measured against itself read 0.95-0.99."""
+    alone = fns[compared] is reference  # the reference row: one call, its ratio to itself 1 by definition
+    pair = {compared: fns[compared], **({} if alone else {"reference": reference})}
+    times = bench.time_interleaved(pair, device, args.warmup, args.repeats, args.iters)
+    times = bench.resolve_ratio(pair, times, device, args.iters, resolve, args.max_repeats,
+                                pair=(compared, "reference"))
+    rest = {label: fn for label, fn in fns.items() if label != compared}
+    times.update(bench.time_interleaved(rest, device, args.warmup, args.repeats, args.iters) if rest else {})
+    paired = bench.paired_ratio(times[compared], times[compared if alone else "reference"])
     row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"])
     return times
 
@@ -177,11 +202,13 @@ def resolve_headline(rows, family: str, call_of, reference, args, device) -> Non
     --resolve: the one comparison the last line states."""
     ref, good = smallest_good(rows, *HEADLINE[family][:4])
     if good is not ref and args.resolve:
-        timed_against_reference({"row": call_of(good)}, reference, "row", good, args, device, resolve=True)
+        timed_against_reference({"row": call_of(good)}, reference, "row", good, args, device, args.resolve)
 
 
 # the headline of each family: (size, quality, tolerance, higher is better, unit, scale, name)
+# planted: its target is layer-normed (unit variance per token), so 0.005 MSE is half a percent of it
 HEADLINE = {"vision": ("depth", "acc", 0.005, True, "points", 100, "depth"),
+            "planted": ("depth", "mse", 0.005, False, "MSE", 1, "depth"),
             "language": ("max_depth", "bpb", 0.01, False, "bits/byte", 1, "cap D'")}
 SAME_SPEED = 0.05  # a latency ratio this close to 1 is "as fast": smaller gaps flip with the load of a CPU
 
@@ -194,14 +221,17 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_
     if good is ref:
         return (f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference "
                 f"({name} {ref[size_key]})")
-    delta = f"{scale * (good[quality] - ref[quality]):+.{1 if scale > 1 else 3}f}".replace("-", "−")
+    change = scale * (good[quality] - ref[quality])
+    delta = f"{change:+.{1 if scale > 1 else 3}f}".replace("-", "−")
+    # lower is better (bits/byte, MSE): a bare + reads as a gain, so say which way it moved
+    moved = "" if higher_is_better or not change else " (worse)" if change > 0 else " (better)"
     ratio, (low, high) = good["relative_latency"], good["relative_latency_ci95"]
     than = f"the reference ({name} {ref[size_key]})"
     timing = (f"{1 / ratio:.2f}× faster than {than}" if high < 1 - SAME_SPEED else
               f"{ratio:.2f}× slower than {than}" if low > 1 + SAME_SPEED else
               f"as fast as {than} within {SAME_SPEED:.0%} and the timing spread (95% interval of the latency "
               f"ratio: {low:.2f}–{high:.2f})")
-    return f"{name} {good[size_key]}: {delta} {unit}, {timing}"
+    return f"{name} {good[size_key]}: {delta} {unit}{moved}, {timing}"
 
 
 # --- language: every iteration cap D' <= D and halting threshold ---
@@ -221,12 +251,12 @@ def causal_scores(lm, task, windows, cap: int, threshold, device) -> dict:
     return {"bpb": ce / tokens * task.tokens_per_byte / math.log(2), "mean_iterations": iterations / tokens}
 
 
-def language_depth_rows(lm, task, args, device) -> list[dict]:
-    """Rows over caps D' = 1 .. D and halting thresholds: causal bits per byte, mean iterations, latency per
-    generated token (greedy, batch 1), all settings timed in the same rounds (one model runs them all)."""
+def language_depth_rows(lm, task, caps, args, device) -> list[dict]:
+    """Rows over caps D' (default 1 .. D) and halting thresholds: causal bits per byte, mean iterations,
+    latency per generated token (greedy, batch 1), each setting timed in the same rounds as the reference."""
     n, t = (len(task.val) - 1) // task.block_size, task.block_size  # train.py's validation windows (n, T+1)
     windows = task.val[:n * t + 1].unfold(0, t + 1, t)[:args.test_subset or n]
-    thresholds = args.thresholds if lm.config.halting else [None]
+    thresholds = (args.thresholds or THRESHOLDS) if lm.config.halting else [None]
     prompt = windows[:1, :min(16, windows.shape[1] - 1)].to(device)
 
     def generate(cap, threshold):
@@ -235,7 +265,7 @@ def language_depth_rows(lm, task, args, device) -> list[dict]:
                                max_depth=cap, temperature=0)
 
     reference = (lm.config.max_depth, thresholds[0])
-    settings = [(cap, threshold) for cap in range(1, lm.config.max_depth + 1) for threshold in thresholds]
+    settings = [(cap, threshold) for cap in caps for threshold in thresholds]
     rows = []
     for cap, threshold in progress(settings, args, "caps"):
         rows.append({"max_depth": cap, "halt_threshold": threshold,
@@ -243,15 +273,16 @@ def language_depth_rows(lm, task, args, device) -> list[dict]:
                      **causal_scores(lm, task, windows, cap, threshold, device)})
         refuse_non_finite(rows[-1], f"cap D'={cap}, threshold {threshold}")
     fns = {setting: functools.partial(generate, *setting) for setting in settings}
-    times = bench.time_interleaved(fns, device, args.warmup, args.repeats, args.iters)
     for setting, row in zip(settings, rows):
-        paired = bench.paired_ratio(times[setting], times[reference])
-        row.update(relative_latency=paired["ratio"], relative_latency_ci95=paired["ratio_ci95"],
-                   ms_per_token=statistics.median(times[setting]) * 1e3 / args.new_tokens,
+        times = timed_against_reference({"row": fns[setting]}, fns[reference], "row", row, args, device)
+        row.update(ms_per_token=statistics.median(times["row"]) * 1e3 / args.new_tokens,
                    bpb_metric="alternet.causal_loss")
     call_of = lambda r: fns[r["max_depth"], r["halt_threshold"]]  # noqa: E731
     resolve_headline(rows, "language", call_of, fns[reference], args, device)
     return rows
+
+
+THRESHOLDS = [0.5, None]  # --thresholds' default: halting at 0.5 (the reference), and every iteration
 
 
 def parse_thresholds(text: str) -> list:
@@ -288,8 +319,10 @@ def depths_markdown(result: dict) -> str:
                 f"tokens, batch 1; {PAIRED}")
     else:
         form = rows[0]["deployed_form"]
+        quality = (("test MSE (lower is better)", f("mse", "{:.5f}")) if result["family"] == "planted" else
+                   ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"))
         table = markdown(rows, [
-            ("depth", f("depth", "{}")), ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"),
+            ("depth", f("depth", "{}")), quality,
             ("GFLOPs/img", f("gflops", "{:.4f}")), (f"ms/img b1 ({form})", f("deployed_ms_b1", "{:.3f}")),
             ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
             (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
@@ -308,13 +341,13 @@ def plot_depths(result: dict, path: str) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
     language = result["family"] == "language"
-    x_key, y_key, size_key = (("ms_per_token", "bpb", "max_depth") if language else
-                              ("deployed_ms_b1", "acc", "depth"))
+    x_key = "ms_per_token" if language else "deployed_ms_b1"
+    size_key, y_key, *_, scale, _ = HEADLINE[result["family"]]
     groups = {}
     for r in result["rows"]:
         groups.setdefault(r.get("halt_threshold", "deployed"), []).append(r)
     for name, rows in groups.items():
-        ys = [r[y_key] * (1 if language else 100) for r in rows]
+        ys = [r[y_key] * scale for r in rows]
         ax.plot([r[x_key] for r in rows], ys, "o-", label=f"threshold {name}" if language else None)
         for r, y in zip(rows, ys):
             ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4),
@@ -322,7 +355,8 @@ def plot_depths(result: dict, path: str) -> str | None:
             if r["reference"]:
                 ax.plot([r[x_key]], [y], "o", ms=11, mfc="none", mec="k")
     ax.set_xlabel("ms per generated token" if language else "ms per image (deployed, batch 1)")
-    ax.set_ylabel("bits per byte" if language else "top-1 accuracy (%)")
+    ax.set_ylabel({"language": "bits per byte", "planted": "test MSE (lower is better)"}.get(
+        result["family"], "top-1 accuracy (%)"))
     ax.set_title(f"{result['arch']}: {'iteration cap' if language else 'depth'} vs cost", fontsize=9)
     if language:
         ax.legend(fontsize=7)
@@ -333,19 +367,24 @@ def plot_depths(result: dict, path: str) -> str | None:
 
 
 def run_depths(args, model, ckpt: dict, device) -> dict:
+    if args.thresholds and not getattr(model.config, "halting", False):
+        fail(f"--thresholds: halting thresholds are AlterNet's; CKPT ({ckpt['arch']}) has no halting", PROG)
     task = evaluation_task(args, ckpt, device)
-    family = "vision" if ckpt["arch"] in moe.PRESETS else "language"
+    family = ("language" if ckpt["arch"] not in moe.PRESETS else
+              "planted" if (ckpt.get("train_config") or {}).get("dataset") == "planted" else "vision")
     settings = {k: getattr(args, k) for k in ("batch", "warmup", "repeats", "iters", "new_tokens",
                                               "test_subset", "resolve", "max_repeats")}
     if family == "language":
-        rows = language_depth_rows(model, task, args, device)
+        rows = language_depth_rows(model, task, cap_list(args.depths, model), args, device)
     else:
-        rows = vision_depth_rows(model, task, depth_list(args.depths, model), args, device)
+        rows = vision_depth_rows(model, task, depth_list(args.depths, model), args, device, family)
         settings["test_images"] = len(task.data.test)
     mark_tradeoffs(rows, HEADLINE[family][1], "relative_latency", HEADLINE[family][3])
+    kind = family != "language" and single_depth(model.config)
+    best = f"{kind} runs only its own depth {model.config.depth}" if kind else \
+        smallest_within(rows, *HEADLINE[family])
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"], "family": family,
-              "settings": settings, "rows": rows, "best": smallest_within(rows, *HEADLINE[family]),
-              "env": bench.environment(device)}
+              "settings": settings, "rows": rows, "best": best, "env": bench.environment(device)}
     result["plot"] = plot_depths(result, os.path.join(args.out, "depths.png"))  # atomic_write makes --out
     print(depths_markdown(result) + "\n\n" + bench.environment_line(result["env"]))
     write_json(result, os.path.join(args.out, "depths.json"))
@@ -362,12 +401,12 @@ DEFAULTS = {"cpu": dict(batch=16, warmup=1, repeats=5, iters=1, max_repeats=60),
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint written by train.py (vision or AlterNet)")
     bench.device_flags(p)
-    p.add_argument("--depths", default="",
-                   help=f"comma-separated depths, each in 2..{MAX_DEPTH} (default 2 ... 2L; a ViT: L)")
+    p.add_argument("--depths", default="", help=f"comma-separated depths, each in 2..{MAX_DEPTH} (default 2 "
+                   "... 2L; a ViT: L); AlterNet: its iteration caps D', each in 1..D (default 1 ... D)")
     p.add_argument("--test-subset", type=int, default=0,
                    help="the first N test images / validation windows (default: the checkpoint's test set)")
     p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always")
@@ -375,8 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolve", type=float, default=0.03, help="more paired rounds of the headline's row and "
                    "the reference until their latency ratio is known to +- this (default 0.03; 0: none)")
     p.add_argument("--max-repeats", type=int, help="at most this many paired rounds (CPU 60, CUDA 200)")
-    p.add_argument("--thresholds", default="0.5,none", help="AlterNet: halting thresholds in (0, 1] or none "
-                   "(every iteration up to the cap); the first is the reference")
+    p.add_argument("--thresholds", help="AlterNet: halting thresholds in (0, 1] or none (every iteration up "
+                   "to the cap); the first is the reference (default 0.5,none)")
     p.add_argument("--new-tokens", type=int, default=16, help="AlterNet: tokens generated per latency call")
     p.add_argument("--out", help="folder for depths.json and depths.png (default: the checkpoint's folder)")
     p.add_argument("--data", default="", help="the run's --data, if it had one (paths come from the "
@@ -391,8 +430,8 @@ def main(argv=None) -> dict:
     """Every flag checked (lib/boundary.py) before the checkpoint is read, then the table."""
     args = build_parser().parse_args(argv)
     check_numbers(vars(args), PROG, batch=closed(2, 65536))  # the flags given (batch 1 is always measured)
-    args.depths = parse_depths(args.depths, "--depths", 2, PROG)  # a step grid needs two steps
-    args.thresholds = parse_thresholds(args.thresholds)
+    args.depths = parse_depths(args.depths, "--depths", 1, PROG)  # caps from 1; vision: depth_list
+    args.thresholds = None if args.thresholds is None else parse_thresholds(args.thresholds)
     args.out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     problem = outputs_problem("--out", args.out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
     if problem:

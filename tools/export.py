@@ -8,7 +8,7 @@ into a plain ViT of L blocks (`revit.fold`), checked against the dynamic model b
 - onnx: the folded graph (dynamic batch axis), checked with onnxruntime when it is installed.
 - timm: a state dict in timm's VisionTransformer layout (.safetensors or torch.save by the suffix).
 - compact: the dynamic model (experts + router) and its config, to choose L later; `load_safetensors`
-  returns a `revit.ReViT`, and the file stands in for a checkpoint here (`--depth 8 --format onnx`).
+  returns a `revit.ReViT`, and the file stands in for its checkpoint in every command but --resume.
 
 timm layout: our names are timm's; only the positions differ. We add positions to the patch tokens only
 (DeiT III); timm's `vit_*` keep a class-token row, so a model without LayerScale (a folded reViT) gets a
@@ -36,9 +36,9 @@ if not __package__:  # run as a file (python tools/export.py): the project's mod
 
 import revit
 from lib import moe, weights
-from lib.checkpoint import diverged, fit_problem, is_safetensors, load_vision_model, weights_problem
-from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, output_problem
-from lib.cli import atomic_write, run_main
+from lib.checkpoint import diverged, fit_problem, load_vision_model, weights_problem
+from lib.boundary import MAX_DEPTH, check_numbers, closed, fail, is_safetensors, output_problem
+from lib.cli import ArgumentParser, atomic_write, run_main
 
 PROG = "python -m tools.export"  # how it runs: from the repository root, as a module
 
@@ -47,21 +47,14 @@ FORMATS = ("safetensors", "onnx", "timm", "compact")
 FORMAT_VERSION = "1"
 
 
-def load_weights(model: nn.Module, state_dict: dict, source: str) -> nn.Module:
-    """state_dict into model, its names, shapes and dtypes checked first (one line naming what differs)."""
-    problem = fit_problem(model.state_dict(), state_dict, type(model).__name__)
-    if problem:
-        raise ValueError(f"{source}: {problem}")
-    model.load_state_dict(state_dict)
-    return model
-
-
-def load_source(path) -> nn.Module:
-    """export.py's input -> model in eval mode: a checkpoint of this project (a ckpt.pt, or weights/'s
-    .safetensors) or a compact / folded export."""
-    if is_safetensors(path) and read_safetensors(path)[1].get("format") != weights.WEIGHTS_FORMAT:
-        return load_safetensors(path)
-    return load_vision_model(path, "checkpoint")[0]
+def load_source(path) -> tuple[nn.Module, dict]:
+    """export.py's input -> (model in eval mode, its checkpoint's arch and train_config): a checkpoint of
+    this project (a ckpt.pt, weights/'s .safetensors, a compact / folded export of one), or an export that
+    names no checkpoint ({}). A compact or folded export carries them on: every command reads it then."""
+    if is_safetensors(path) and "arch" not in read_safetensors(path)[1]:
+        return load_safetensors(path), {}
+    model, ckpt = load_vision_model(path, "checkpoint")
+    return model, {"arch": ckpt["arch"], "train_config": ckpt.get("train_config", {})}
 
 
 def plain_vit(model: nn.Module, depth: int | None) -> revit.VisionTransformer:
@@ -99,15 +92,9 @@ def check_fold(model: nn.Module, vit: revit.VisionTransformer, depth: int | None
 def save_safetensors(model: nn.Module, path, kind: str, **extra) -> None:
     """kind "folded" (a plain ViT) or "compact" (any model of revit.py, e.g. the dynamic reViT)."""
     metadata = {"format": f"revit.{kind}", "format_version": FORMAT_VERSION,
-                "config": json.dumps(asdict(model.config))}
-    metadata.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in extra.items()})
+                "config": json.dumps(asdict(model.config)), **{k: json.dumps(v) for k, v in extra.items()}}
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    write_safetensors(path, tensors, metadata)
-
-
-def write_safetensors(path, tensors: dict, metadata: dict) -> None:
-    """The file's bytes through open(), so it gets the umask's mode as every output (save_file's is 0600)."""
-    Path(path).write_bytes(save(tensors, metadata=metadata))
+    Path(path).write_bytes(save(tensors, metadata=metadata))  # the umask's mode, not save_file's 0600
 
 
 def read_safetensors(path) -> tuple[dict, dict]:
@@ -156,18 +143,17 @@ def timm_model_args(config: revit.ViTConfig) -> tuple[str, dict]:
     vit_{size}_patch16_224 without LayerScale, deit3_{size}_patch16_224 with it; the kwargs list only
     what differs from that name's defaults (224², patch 16, 3 channels, 1000 classes, MLP ratio 4)."""
     layer_scale = config.layer_scale_init is not None
-    size, depth, heads = TIMM_WIDTHS.get(config.dim, ("small", 12, 6))
-    if layer_scale and size == "tiny":
-        size, depth, heads = "small", 12, 6  # timm has no deit3_tiny
+    tiny = layer_scale and config.dim == 192  # timm has no deit3_tiny
+    width = config.dim if config.dim in TIMM_WIDTHS and not tiny else 384  # any other: small's name
+    size, depth, heads = TIMM_WIDTHS[width]
     name = f"{'deit3' if layer_scale else 'vit'}_{size}_patch16_224"
-    dims = {name: dim for dim, (name, _, _) in TIMM_WIDTHS.items()}
     mlp_ratio = config.ffn_dim / config.dim
     if int(config.dim * mlp_ratio) != config.ffn_dim:  # timm builds the hidden width as int(dim * mlp_ratio)
         raise ValueError(f"ffn_dim={config.ffn_dim} is not int(dim * mlp_ratio) for any ratio timm can take")
     wanted = dict(img_size=config.image_size, patch_size=config.patch_size, in_chans=config.in_channels,
                   num_classes=config.num_classes, embed_dim=config.dim, depth=config.depth,
                   num_heads=config.heads, mlp_ratio=mlp_ratio)
-    defaults = dict(img_size=224, patch_size=16, in_chans=3, num_classes=1000, embed_dim=dims[size],
+    defaults = dict(img_size=224, patch_size=16, in_chans=3, num_classes=1000, embed_dim=width,
                     depth=depth, num_heads=heads, mlp_ratio=4.0)
     return name, {k: v for k, v in wanted.items() if v != defaults[k]}
 
@@ -204,7 +190,11 @@ def load_timm_state_dict(model: revit.VisionTransformer, state_dict: dict) -> re
                 gamma = state.pop(gamma_name)
                 state[f"{layer}.weight"] = gamma[:, None] * state[f"{layer}.weight"]
                 state[f"{layer}.bias"] = gamma * state[f"{layer}.bias"]
-    return load_weights(model, state, "timm state dict")
+    problem = fit_problem(model.state_dict(), state, type(model).__name__)  # one line naming what differs
+    if problem:
+        raise ValueError(f"timm state dict: {problem}")
+    model.load_state_dict(state)
+    return model
 
 
 def save_timm(vit: revit.VisionTransformer, path) -> dict:
@@ -212,7 +202,7 @@ def save_timm(vit: revit.VisionTransformer, path) -> dict:
     state = to_timm_state_dict(vit)
     if str(path).endswith(".safetensors"):
         metadata = {"format": "timm", "timm_model": name, "timm_kwargs": json.dumps(kwargs)}
-        write_safetensors(path, state, metadata)
+        Path(path).write_bytes(save(state, metadata=metadata))
     else:
         torch.save(state, path)
     return {"timm_model": name, "timm_kwargs": kwargs}
@@ -247,16 +237,13 @@ def export_onnx(vit: revit.VisionTransformer, path, opset: int = 18) -> float | 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint",
                    help="a train.py checkpoint, or a compact / folded .safetensors written by export.py")
-    p.add_argument("--depth", type=int, default=None,
-                   help="L to fold at (>= 2); default: the model's reference depth. Not with --format "
-                        "compact")
-    p.add_argument("--format", required=True, choices=FORMATS,
-                   help="safetensors: folded ViT; onnx: folded graph; timm: folded ViT in timm's layout; "
-                        "compact: the dynamic model (experts + router), depth chosen later")
+    p.add_argument("--depth", type=int,
+                   help="L to fold at, >= 2 (default: its reference depth); not with --format compact")
+    p.add_argument("--format", required=True, choices=FORMATS, help="what to write (the formats above)")
     p.add_argument("--out", required=True, help="output file (parent folders are created)")
     p.add_argument("--opset", type=int, default=18,
                    help="ONNX opset version (--format onnx; 14..20) [default: 18]")
@@ -269,27 +256,27 @@ def export(args: argparse.Namespace) -> dict:
     if args.format == "compact" and args.depth is not None:  # compact: L is chosen when it is folded
         raise ValueError("--depth is not allowed with --format compact, which keeps every depth "
                          "(give --depth when exporting the compact file to another format)")
-    suffix, expected = Path(args.out).suffix, ".onnx" if args.format == "onnx" else ".safetensors"
-    if suffix in (".onnx", ".safetensors") and suffix != expected:  # timm: also torch.save's, any other name
-        raise ValueError(f"--out {args.out}: --format {args.format} writes no {suffix} file; "
+    out, expected = Path(args.out), ".onnx" if args.format == "onnx" else ".safetensors"
+    if out.suffix in (".onnx", ".safetensors") and out.suffix != expected:  # timm: torch.save's for others
+        raise ValueError(f"--out {args.out}: --format {args.format} writes no {out.suffix} file; "
                          f"give a name ending {expected}")
-    source = Path(args.checkpoint).exists() and Path(args.out).resolve() == Path(args.checkpoint).resolve()
+    source = Path(args.checkpoint).exists() and out.resolve() == Path(args.checkpoint).resolve()
     # output_problem: also a run's files, its lock and any saved model
     problem = "is the checkpoint being exported; give another file" if source else output_problem(args.out)
     if problem:
         raise ValueError(f"--out {args.out} {problem}")
-    model = load_source(args.checkpoint)
-    out = Path(args.out)
+    model, carried = load_source(args.checkpoint)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
     if args.format == "compact":
-        atomic_write(out, lambda path: save_safetensors(model, path, "compact"))
+        atomic_write(out, lambda path: save_safetensors(model, path, "compact", **carried))
         return dict(summary, depth=None)
     vit = plain_vit(model, args.depth)
     summary["depth"] = depth = vit.config.depth
     summary["fold_max_abs_diff"] = check_fold(model, vit, depth) if vit is not model else 0.0
     if args.format == "safetensors":
         source = asdict(model.config)
-        atomic_write(out, lambda path: save_safetensors(vit, path, "folded", source_config=source))
+        atomic_write(out, lambda path: save_safetensors(vit, path, "folded", source_config=source,
+                                                        **carried))
     elif args.format == "timm":
         summary.update(atomic_write(out, lambda path: save_timm(vit, path)))
         kwargs = "".join(f", {k}={v!r}" for k, v in summary["timm_kwargs"].items())

@@ -1,12 +1,11 @@
 """Training curves of one or more runs, read from their metrics.jsonl: the training loss (solid) and the
-validation loss (dots) by step, and beside them the validation accuracy (a vision run) or bits per byte
-(a language run). Needs matplotlib (requirements-extra.txt).
+validation loss (dots) by step, and beside them the validation accuracy in percent (vision runs) and the bits
+per byte (language runs). Needs matplotlib (requirements-extra.txt).
 
     python -m tools.plot out/revit-mini-<time> [out/vit-mini-<time> ...] [--out curves.png]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,10 +14,10 @@ if not __package__:  # run as a file (python tools/plot.py): the project's modul
     sys.exit("tools/plot.py: error: run it from the repository root as python -m tools.plot")
 
 from lib.boundary import fail, output_problem, path_problem
-from lib.cli import atomic_write, pyplot, run_main
+from lib.cli import ArgumentParser, atomic_write, pyplot, run_main
 
 PROG = "python -m tools.plot"
-SECOND_PANEL = ("val_acc", "val_bpb")  # the first of these any run logs: accuracy, or bits per byte for text
+PANELS = {"val_acc": ("val acc (%)", 100), "val_bpb": ("bits/byte", 1)}  # beside the loss: (title, scale)
 FLOAT32_MAX = 3.4028234663852886e38  # a run's losses are float32; near 1e308 matplotlib's axes overflow
 
 
@@ -29,47 +28,56 @@ def read_curves(run: str) -> dict:
     problem = path_problem(path)
     if problem:
         fail(f"RUN {path}: {problem}", PROG)
-    curves = {"train_loss": {}}
+    curves, logged = {"train_loss": {}}, False
     for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
             record = json.loads(line)
         except ValueError:  # JSONDecodeError, or an integer of over 4,300 digits
             continue  # a torn last line of a killed run
+        logged = logged or isinstance(record, dict)
         if isinstance(record, dict) and record.get("event") == "final":  # the last evaluation, last step
             scores = {k.replace("test_", "val_", 1): v for k, v in record.items()  # vision's: test_*
                       if k.startswith(("test_", "val_"))}
             record = {"step": max(curves["train_loss"], default=0), "eval": scores}
         if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "event" in record:
             continue
-        step = record["step"]
-        for key, value in [("train_loss", record.get("loss")), *(record.get("eval") or {}).items()]:
+        step, scores = record["step"], record.get("eval", {})
+        if not isinstance(scores, dict):  # train.py logs its evaluation as {"val_loss": 0.41, ...}
+            fail(f"RUN {path} line {n}: its eval is {json.dumps(scores)[:40]}, not the metrics by name "
+                 "that train.py logs", PROG)
+        for key, value in [("train_loss", record.get("loss")), *scores.items()]:
             if isinstance(value, (int, float)):
                 if abs(step) > FLOAT32_MAX or abs(value) > FLOAT32_MAX:
                     fail(f"RUN {path} line {n} holds a number beyond float32's ±3.4e38, which no run "
                          "logs", PROG)
                 curves.setdefault(key, {})[step] = value
+    if not logged:  # a checkpoint, a weights file, a picture: no line of a log
+        fail(f"RUN {path} is not a training run's log: give a run folder of train.py or its metrics.jsonl",
+             PROG)
     if not curves["train_loss"]:
         fail(f"RUN {path} holds no training-loss line (train.py logs one every --log-interval)", PROG)
     return curves
 
 
 def draw(plt, runs: dict, out: Path) -> None:
-    second = next((key for key in SECOND_PANEL if any(key in c for c in runs.values())), None)
-    fig, axes = plt.subplots(1, 2 if second else 1, figsize=(11 if second else 6, 4), squeeze=False)
-    loss_ax = axes[0][0]
+    panels = [key for key in PANELS if any(key in c for c in runs.values())]  # each that any run logs
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(6 + 5 * len(panels), 4), squeeze=False)
+    loss_ax, beside = axes[0][0], list(zip(axes[0][1:], panels))
     for name, curves in runs.items():
         line, = loss_ax.plot(*zip(*sorted(curves["train_loss"].items())), label=f"{name} train", lw=1)
         if "val_loss" in curves:
             loss_ax.plot(*zip(*sorted(curves["val_loss"].items())), "o--", color=line.get_color(), ms=3,
                          label=f"{name} val")
-        if second and second in curves:
-            axes[0][1].plot(*zip(*sorted(curves[second].items())), "o-", color=line.get_color(), ms=3,
-                            label=name)
+        for ax, key in beside:
+            if key in curves:
+                steps, values = zip(*sorted(curves[key].items()))
+                ax.plot(steps, [PANELS[key][1] * v for v in values], "o-", color=line.get_color(), ms=3,
+                        label=name)
     loss_ax.set(xlabel="step", ylabel="loss", title="loss")
-    loss_ax.legend(fontsize=7)
-    if second:
-        axes[0][1].set(xlabel="step", ylabel=second, title=second.replace("_", " "))
-        axes[0][1].legend(fontsize=7)
+    for ax, key in beside:
+        ax.set(xlabel="step", ylabel=PANELS[key][0], title=PANELS[key][0])
+    for ax in axes[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     try:
         save_png(fig, out)
@@ -83,7 +91,7 @@ def save_png(fig, path) -> None:
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder of train.py (or metrics.jsonl)")
     parser.add_argument("--out", default="", help="the PNG [default: curves.png beside the first RUN]")
     args = parser.parse_args(argv)

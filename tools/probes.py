@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from safetensors.torch import save
 
 if not __package__:  # run as a file (python tools/probes.py): the project's modules are not on the path
     sys.exit("tools/probes.py: error: run it from the repository root as python -m tools.probes")
@@ -58,7 +59,7 @@ IGNORE_INDEX = 255         # label value never scored (ADE20k's "other", unlabel
 PROXY_BACKGROUND = 26      # Fashion-MNIST proxy: pixels below ~0.1 are background
 PROXY_LEVELS = 4           # ... and the rest falls into 4 intensity classes
 DELTA_MIN_DEPTH = 1e-3     # predicted depths are clamped to this before the ratio of delta < 1.25
-OUT_FILES = ("probe_results.json", "probe_heads.pt")
+OUT_FILES = ("probe_results.json", "probe_heads.safetensors")
 
 
 @dataclass
@@ -83,7 +84,7 @@ class ProbeConfig:
     probe_cache: str = opt("", "folder caching backbone features by checkpoint, depth and data")
     seed: int = opt(0, "random seed: head init and data order")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
-    out_dir: str = opt("", "write probe_results.json and probe_heads.pt here (empty: print only)")
+    out_dir: str = opt("", "write probe_results.json and probe_heads.safetensors here (empty: print only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -486,8 +487,10 @@ def run(cfg: ProbeConfig) -> dict:
     print(results_table(summary))
     if cfg.out_dir:
         write_json(summary, str(Path(cfg.out_dir) / OUT_FILES[0]))
-        checkpoint.atomic_save({name: dict(head.state_dict()) for name, head in heads.items()},
-                               Path(cfg.out_dir) / OUT_FILES[1])  # plain tensors: loads with weights_only
+        tensors = {f"{name}.{key}": value.detach().cpu().contiguous() for name, head in heads.items()
+                   for key, value in head.state_dict().items()}
+        atomic_write(Path(cfg.out_dir) / OUT_FILES[1],  # tagged: a re-run into --out-dir may replace it
+                     lambda tmp: tmp.write_bytes(save(tensors, metadata={"format": "revit.probe_heads"})))
     return summary
 
 

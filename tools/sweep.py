@@ -34,7 +34,7 @@ import revit
 from lib import tables, tasks
 from lib.checkpoint import load_model
 from lib.boundary import MAX_DEPTH, check_numbers, fail, outputs_problem
-from lib.cli import git_commit, json_text, pick_device, pyplot, run_main, say, write_json
+from lib.cli import ArgumentParser, git_commit, json_text, pick_device, pyplot, run_main, say, write_json
 from tools.depths import progress
 from tools.plot import save_png
 
@@ -438,11 +438,11 @@ def draw_elastic(ax, elastic: list[dict], reference: dict | None = None) -> None
     metric = elastic[0]["metric"]
     scale, label = (100, "top-1 accuracy (%)") if metric == "acc" else (1, "test MSE (lower is better)")
     for r in elastic:
-        depths = sorted(r["depths"], key=int)
-        mean, std = ([scale * r["depths"][d][stat] for d in depths] for stat in ("mean", "std"))
-        ax.plot(list(map(int, depths)), mean, "o-", label=r["cell"])
-        ax.fill_between(list(map(int, depths)), [m - s for m, s in zip(mean, std)],
-                        [m + s for m, s in zip(mean, std)], alpha=0.2)
+        depths = sorted(map(int, r["depths"]))  # JSON's keys: strings
+        mean, std = ([scale * r["depths"][str(d)][stat] for d in depths] for stat in ("mean", "std"))
+        ax.plot(depths, mean, "o-", label=r["cell"])
+        ax.fill_between(depths, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        alpha=0.2)
     if reference:
         ax.errorbar([reference["reference_depth"]], [scale * reference[metric]["mean"]],
                     yerr=[scale * reference[metric]["std"]], fmt="k*", markersize=10, capsize=3,
@@ -490,8 +490,8 @@ def run_sweep(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     omp = os.environ.get("OMP_NUM_THREADS", "")
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grids", default=DEFAULT_GRIDS,
                    help=f"which grids (of {', '.join(GRIDS)}; default {DEFAULT_GRIDS})")
     p.add_argument("--regime", default="d48-L12", choices=list(REGIMES),
