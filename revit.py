@@ -214,9 +214,10 @@ class DepthRouter(nn.Sequential):
     """psi of Eq. 1, (n, 1) coordinates -> (n, E) logits in fp32 whatever the autocast or dtype (App. A.5)."""
 
     def forward(self, s: torch.Tensor) -> torch.Tensor:
+        first, last = self[0], self[2]
         with full_precision(s.device):
-            hidden = F.silu(F.linear(s.float(), self[0].weight.float(), self[0].bias.float()))  # (n, 16)
-            return F.linear(hidden, self[2].weight.float(), self[2].bias.float())
+            hidden = F.silu(F.linear(s.float(), first.weight.float(), first.bias.float()))  # (n, 16)
+            return F.linear(hidden, last.weight.float(), last.bias.float())
 
 class MergedFFN(NamedTuple):
     """FFN_t of Eq. 2: W2 GELU(W1 u + b1) + b2 with merged fp32 weights (d_ff, d), (d_ff,), (d, d_ff), (d,),
