@@ -367,7 +367,7 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
     say(f"{cfg.arch}: {run.params() / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
         f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
-        f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
+        f"peak lr {sched['peak_lr']:.3g} after {sched['warmup_steps']} warmup steps | out {cfg.out_dir}")
     run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                     "params": run.params(), "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
     try:

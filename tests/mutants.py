@@ -96,7 +96,7 @@ MUTANTS = [
            '"b t (three c h) -> three b h t c"', *FORWARD),
     mutant("block: attention residual dropped", R, "x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))",
            "x = self.drop_path(self.ls1(self.attn(self.norm1(x))))", *FORWARD),
-    mutant("block: FFN on the wrong norm", R, "u = self.norm2(x)", "u = self.norm1(x)", *FORWARD),
+    mutant("block: FFN on the wrong norm", R, "ffn(self.norm2(x))", "ffn(self.norm1(x))", *FORWARD),
     mutant("class token gets no final norm", R, "logits = self.head(tokens[:, 0])", "logits = self.head(x[:, 0])",
            *FORWARD),
     mutant("no position embedding", R, "x = x + self.pos_embed  # DeiT III", "x = x + 0 * self.pos_embed  # DeiT III",

@@ -47,9 +47,10 @@ def step_losses(out_dir):
 
 
 @pytest.mark.parametrize("arch", ["vit-mini", "raptor-mini", "revit-mini"])
-def test_loop_runs_end_to_end(tmp_path, fashion_mnist_dir, arch):
+def test_loop_runs_end_to_end(tmp_path, fashion_mnist_dir, arch, capsys):
     extra = [] if arch == "vit-mini" else ["--eval-depths", "2,6"]
     summary, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", *extra, arch=arch)
+    assert "4 steps (" in (printed := capsys.readouterr().out) and "after 4 warmup steps" in printed  # cut short
     assert 0.0 <= summary["test_acc"] <= 1.0 and summary["params"] > 0 and summary["step"] == 4
     if arch != "vit-mini":
         assert set(summary["depths"]) == {"4", "2", "6"}
