@@ -467,7 +467,6 @@ def test_a_part_out_of_time_is_a_row_that_says_so_and_the_rest_is_intact(tmp_pat
                 hang = part.name == "latency, batch 4"
                 part.argv = stand_in(part.rows[:2] if hang else part.rows or ["stand-in"],
                                      "import time; time.sleep(600)" if hang else "")
-                part.parse = budget.parse_rows
         return parts
 
     def no_data(name, data_dir="", download=False):
@@ -508,7 +507,6 @@ def test_sigterm_stops_the_running_part_and_leaves_a_report_that_says_so(tmp_pat
         for part in (p for p in parts if p.argv):
             stop = part.name == "latency, batch 4"
             part.argv = stand_in(part.rows[:2] if stop else part.rows, wait_then_stop if stop else "")
-            part.parse = budget.parse_rows
         return parts
 
     monkeypatch.setattr(bench, "check_parts", stand_ins)
