@@ -471,12 +471,19 @@ def analyse(inputs: Inputs, args) -> dict:
 # --- output: tables on stdout, JSON / CSV, optional heat maps ---
 
 
+def cell(value: float, spec: str) -> str:
+    """A number of a table, or n/a in its column's width where undefined (nan; null in analysis.json)."""
+    if math.isnan(value):
+        return format("n/a", spec.replace("+", "").split(".")[0])  # the alignment and width of `spec`
+    return format(value, spec)
+
+
 def print_matrix(title: str, matrix, row_name: str, col_name: str, digits: int = 2) -> None:
     width = digits + 4
     print(f"\n{title}  (rows: {row_name}, columns: {col_name})")
     print(" " * 4 + "".join(f"{j:>{width}}" for j in range(len(matrix[0]))))
     for i, row in enumerate(matrix):
-        print(f"{i:>4}" + "".join(f"{v:>{width}.{digits}f}" for v in row))
+        print(f"{i:>4}" + "".join(cell(v, f">{width}.{digits}f") for v in row))
 
 
 def print_report(report: dict) -> None:
@@ -500,7 +507,7 @@ def print_report(report: dict) -> None:
                      "student state", "teacher state")
         print(f"max-CKA teacher state per student state: {a['max_cka_path']}")
         print(f"Spearman rho {rho_text(a)} | MAD from proportional depth {a['mad']:.2f} teacher "
-              f"layers (interior {a['interior_mad']:.2f})")
+              f"layers (interior {cell(a['interior_mad'], '.2f')})")
     if "interventions" in report:
         print_interventions(report["interventions"], report["gates"])
     if "gate_gradients" in report:
@@ -526,7 +533,7 @@ def print_gradients(result: dict) -> None:
             ("mean pairwise cosine of the experts", "expert_cosine", ".3f"),
             ("task / auxiliary gradient norm on psi", "task_vs_aux_on_psi", ".1f")]
     for label, key, spec in rows:
-        print(f"{label:<52} {i[key]:>8{spec}} {t[key]:>8{spec}}")
+        print(f"{label:<52} {cell(i[key], '>8' + spec)} {cell(t[key], '>8' + spec)}")
 
 
 def print_interventions(result: dict, g: dict) -> None:
@@ -537,11 +544,12 @@ def print_interventions(result: dict, g: dict) -> None:
     for row in result["ablations"]:
         e = row["expert"]
         print(f"{e:>6} {g['mean_gate'][e]:>9.3f} {g['centroid_coordinate'][e]:>10.3f} "
-              f"{row['relative_displacement']:>10.3f} {row['delta_cka']:>+8.4f} {row['random_mean']:>+17.4f} "
-              f"± {row['random_std']:<6.4f} {row['fraction_random_worse']:>12.2f}")
+              f"{cell(row['relative_displacement'], '>10.3f')} {cell(row['delta_cka'], '>+8.4f')} "
+              f"{cell(row['random_mean'], '>+17.4f')} ± {cell(row['random_std'], '<6.4f')} "
+              f"{cell(row['fraction_random_worse'], '>12.2f')}")
     ps = result["permutation_summary"]
     print(f"gate-column permutations: {ps['count']} non-identity, mean Delta CKA "
-          f"{ps['mean_delta_cka']:+.4f}, best {ps['max_delta_cka']:+.4f}, "
+          f"{cell(ps['mean_delta_cka'], '+.4f')}, best {cell(ps['max_delta_cka'], '+.4f')}, "
           f"{ps['num_at_or_above_intact']} at or above the learned assignment")
 
 
