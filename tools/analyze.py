@@ -230,10 +230,9 @@ def residual_features(model, images: torch.Tensor, depth: int | None = None,
     """Mean-pooled patch tokens of the L+1 residual states (after the embedding and after every step,
     before the final LayerNorm; class token removed): (L+1, n, d) float32 on the CPU."""
     device = next(model.parameters()).device
-    kwargs = {} if depth is None else {"depth": depth}
     chunks = []
     for x in images.split(batch_size):
-        states = model(x.to(device), return_states=True, **kwargs)["states"]  # L+1 x (b, 1+N, d)
+        states = model(x.to(device), depth=depth, return_states=True)["states"]  # L+1 x (b, 1+N, d)
         chunks.append(torch.stack([s[:, 1:].mean(1) for s in states]).float().cpu())  # (L+1, b, d)
     return torch.cat(chunks, dim=1)
 
@@ -253,7 +252,7 @@ def depth_alignment(cross: torch.Tensor) -> dict:
     std = (weights @ layers.square() - mean.square()).clamp_min(0).sqrt()
     return {"max_cka_path": path.long().tolist(), "proportional_depth": proportional.tolist(),
             "spearman_rho": spearman(steps, path), "mad": deviation.mean().item(),
-            "interior_mad": deviation[1:-1].mean().item() if student_steps > 1 else float("nan"),
+            "interior_mad": deviation[1:-1].mean().item() if student_steps > 1 else math.nan,
             "weighted_mean_depth": mean.tolist(), "weighted_std_depth": std.tolist()}
 
 
@@ -272,7 +271,6 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
     intact = cka_to_reference(gates)
     gram = bank_gram(model)
     merged_norm = merged_displacement(gates, gram)  # ||G Theta||_F: the size of the merged weights themselves
-    nan = float("nan")
     ablations = []
     for expert in range(gates.shape[1]):
         ablated = ablate_experts(gates, [expert])
@@ -283,9 +281,9 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
         delta = cka_to_reference(ablated) - intact
         ablations.append({
             "expert": expert, "delta_cka": delta, "displacement": displacement,
-            "relative_displacement": displacement / merged_norm if merged_norm else nan,
+            "relative_displacement": displacement / merged_norm if merged_norm else math.nan,
             "random_delta_cka": random_deltas, "random_mean": randoms.mean().item(),
-            "random_std": randoms.std().item() if len(randoms) > 1 else nan,
+            "random_std": randoms.std().item() if len(randoms) > 1 else math.nan,
             # share of matched random perturbations that hurt more than this ablation
             "fraction_random_worse": (randoms < delta).double().mean().item()})
     # expert e receives gate column p[e]: the bank stays, the assignment changes
@@ -295,7 +293,7 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
     return {"intact_cka": intact, "num_images": len(images), "ablations": ablations,
             "permutations": permutations, "permutation_summary": {
                 "count": len(permutations), "mean_delta_cka": deltas.mean().item(),
-                "max_delta_cka": deltas.max().item() if len(deltas) else nan,
+                "max_delta_cka": deltas.max().item() if len(deltas) else math.nan,
                 "num_at_or_above_intact": int((deltas >= 0).sum())}}
 
 
@@ -351,9 +349,9 @@ def gradient_part(model, images, labels, depth: int, batches: int, seed: int) ->
     """The measures on the trained checkpoint and on a fresh model of the same config (seed `seed`): the
     zero-initialised router's start (App. A.1) against where training ended."""
     batch_size = len(images) // batches
-    images, labels = images[:batch_size * batches], labels[:batch_size * batches]
-    torch.manual_seed(seed)
     device = next(model.parameters()).device
+    images, labels = images[:batch_size * batches].to(device), labels[:batch_size * batches].to(device)
+    torch.manual_seed(seed)
     fresh = revit.build_model(model.config).to(device).eval()
     return {"trained": gradient_measures(model, images, labels, depth, batch_size),
             "init": gradient_measures(fresh, images, labels, depth, batch_size)}
@@ -462,9 +460,8 @@ def analyse(inputs: Inputs, args) -> dict:
         report["interventions"]["reference"] = "teacher final state" if args.teacher else \
             "intact student final state (no --teacher)"
     if is_merged(model) and args.gradient_batches:
-        device = next(model.parameters()).device
-        report["gate_gradients"] = gradient_part(model, images.to(device), inputs.labels.to(device), depth,
-                                                 args.gradient_batches, args.seed)
+        report["gate_gradients"] = gradient_part(model, images, inputs.labels, depth, args.gradient_batches,
+                                                 args.seed)
     return report
 
 
@@ -564,8 +561,7 @@ def write_csv(path, rows) -> None:
 
 
 def write_outputs(report: dict, out: Path) -> None:
-    """--out: gates.csv (one row per step), self_cka.csv, cross_cka.csv, the figures and analysis.json
-    (every number, nothing non-finite), each written whole or not at all."""
+    """--out's tables, figures and analysis.json (nothing non-finite), each written whole or not at all."""
     tables = {"self_cka.csv": matrix_rows("state", report["self_cka"])}
     if "gates" in report:
         g = report["gates"]
