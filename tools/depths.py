@@ -210,7 +210,8 @@ def resolve_headline(rows, family: str, call_of, reference, args, device) -> Non
 Headline = namedtuple("Headline", "size quality tolerance higher_is_better unit scale name label")
 # planted: its target is layer-normed (unit variance per token), so 0.005 MSE is half a percent of it
 HEADLINE = {"vision": Headline("depth", "acc", 0.005, True, "points", 100, "depth", "top-1 %"),
-            "planted": Headline("depth", "mse", 0.005, False, "MSE", 1, "depth", "test MSE (lower is better)"),
+            "planted": Headline("depth", "mse", 0.005, False, "MSE", 1, "depth",
+                                "test MSE (lower is better)"),
             "language": Headline("max_depth", "bpb", 0.01, False, "bits/byte", 1, "cap D'", "bits/byte")}
 SAME_SPEED = 0.05  # a latency ratio this close to 1 is "as fast": smaller gaps flip with the load of a CPU
 

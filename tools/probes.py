@@ -246,7 +246,8 @@ def read_tensor_files(root: Path, cfg: ProbeConfig) -> DenseData:
                 and (not seg or isinstance(num_classes, int) and num_classes > 0)):
             fail(f"--data {path}: needs a dict with the tensors 'images' (uint8, N x C x H x W) and '{key}' "
                  f"(N x H x W) for --probe {cfg.probe}" + (", and 'num_classes' (an int > 0)" if seg else ""))
-        splits.append(DenseSplit(images[:n or None], targets[:n or None].to(torch.long if seg else torch.float)))
+        n = n or None  # 0: all
+        splits.append(DenseSplit(images[:n], targets[:n].to(torch.long if seg else torch.float)))
     return DenseData(f"{root.name} (tensor files)", cfg.probe, *splits, num_classes=num_classes if seg else 0)
 
 
@@ -428,7 +429,7 @@ def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths:
 
 # --probe values meant for another flag
 PROBE_HINTS = {"depth": " (monocular depth is monodepth; --depth sets the backbone's steps)",
-               "mean": " (mean is train.py's --probe-pool mean, for its --probe cls)"}
+               "mean": " (mean pooling is train.py's --probe cls --probe-pool mean)"}
 
 
 def check_config(cfg: ProbeConfig) -> None:
