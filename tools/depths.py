@@ -104,14 +104,13 @@ def vision_depth_rows(model, task, depths, args, device, family: str) -> list[di
     and of the dynamic one (the compact checkpoint at that depth: reViT merges its experts on every call,
     as the paper's Table 7 measured)."""
     c = model.config
-    dynamic = model
-    if c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1:
-        dynamic = copy_module(model, merge_cache=False).eval()
+    merges = c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1
+    dynamic = copy_module(model, merge_cache=False) if merges else model
     shape = (c.in_channels, c.image_size, c.image_size)
     inputs = {batch: torch.randn(batch, *shape, device=device) for batch in (1, args.batch)}
     module, depth_arg = deployed_model(model, c.depth)
     if module is model and c.arch != "vit":  # the reference's own merge cache: no row's depth evicts it
-        module = copy_module(model).eval()
+        module = copy_module(model)
     reference, rows = bench.inference_call(runner(module, depth_arg), inputs[1], device), []
     for depth in progress(depths, args, "depths"):
         key = None if depth == c.depth else depth  # None: the reference depth
@@ -172,10 +171,10 @@ def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
 
 
 def copy_module(model, **changes):
-    """A second module with the same weights (config `changes` leave the parameters as they are)."""
+    """A second module in eval mode, same weights (config `changes` leave the parameters as they are)."""
     copy = type(model)(dataclasses.replace(model.config, **changes)).to(next(model.parameters()).device)
     copy.load_state_dict(model.state_dict())
-    return copy
+    return copy.eval()
 
 
 # --- the pick: the Pareto rows and the smallest depth that is as good ---
