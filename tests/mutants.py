@@ -710,7 +710,7 @@ MUTANTS = [
            "ratio = torch.maximum(clamped / target, clamped / target)",
            "tests/test_probes.py::test_dense_metrics_count_every_pixel_once"),
     mutant("probes: --probe mean not pointed to train.py's --probe-pool", "tools/probes.py",
-           '               "mean": " (mean pooling', '               "Mean": " (mean pooling',
+           '            "mean": " (mean pooling', '            "Mean": " (mean pooling',
            "tests/test_probes.py::test_bad_input_gives_one_line_and_writes_nothing"),
     mutant("resume: a refused saved value named as a flag", "lib/resume.py",
            'fail(f"{source}: its saved train_config is refused: {reason}")', "raise", "tests/test_hostile.py::test_edited_checkpoints_are_refused_before_anything_is_written"),

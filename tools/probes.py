@@ -427,16 +427,12 @@ def evaluate_heads(frozen: FrozenBackbone, heads: dict, data: DenseData, depths:
 # --- one probe run: every input checked, then the heads trained and evaluated at each depth ---
 
 
-# --probe values meant for another flag
-PROBE_HINTS = {"depth": " (monocular depth is monodepth; --depth sets the backbone's steps)",
-               "mean": " (mean pooling is train.py's --probe cls --probe-pool mean)"}
-
-
 def check_config(cfg: ProbeConfig) -> None:
     """The flags, before any file is read (ranges: lib/boundary.py's table): one line naming the flag."""
     check_numbers(asdict(cfg))
     parse_depths(cfg.eval_depths)
-    hint = PROBE_HINTS.get(cfg.probe, "")
+    hint = {"depth": " (monocular depth is monodepth; --depth sets the backbone's steps)",
+            "mean": " (mean pooling is train.py's --probe cls --probe-pool mean)"}.get(cfg.probe, "")
     data = cfg.data and path_problem(cfg.data, "folder")
     cache = cfg.probe_cache and outputs_problem("--probe-cache", cfg.probe_cache, ())
     out = cfg.out_dir and outputs_problem("--out-dir", cfg.out_dir, OUT_FILES)
