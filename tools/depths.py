@@ -216,9 +216,9 @@ SAME_SPEED = 0.05  # a latency ratio this close to 1 is "as fast": smaller gaps 
 
 
 def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_is_better: bool, unit: str,
-                    scale: float = 1.0, name: str = "depth", label: str = "") -> str:
+                    scale: float = 1.0, name: str = "depth") -> str:
     """"depth 4: −0.3 points, 1.90× faster than the reference (depth 6)": faster or slower only where the
-    95% interval of the paired latency ratio lies beyond 1 ± SAME_SPEED (`label` is the table's)."""
+    95% interval of the paired latency ratio lies beyond 1 ± SAME_SPEED."""
     ref, good = smallest_good(rows, size_key, quality, tolerance, higher_is_better)
 
     def setting(row):  # AlterNet's rows: a cap and a halting threshold
@@ -385,7 +385,7 @@ def run_depths(args, model, ckpt: dict, device) -> dict:
     mark_tradeoffs(rows, HEADLINE[family].quality, "relative_latency", HEADLINE[family].higher_is_better)
     kind = family != "language" and single_depth(model.config)
     best = f"{kind} runs only its own depth {model.config.depth}" if kind else \
-        smallest_within(rows, *HEADLINE[family])
+        smallest_within(rows, *HEADLINE[family][:7])  # all but the label
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"], "family": family,
               "settings": settings, "rows": rows, "best": best, "env": bench.environment(device)}
     result["plot"] = plot_depths(result, os.path.join(args.out, "depths.png"))  # atomic_write makes --out
