@@ -168,10 +168,7 @@ def cell_argv(regime: dict, cell: dict, seed: int, runs: str = "runs") -> list[s
         value = value.format(**fill) if isinstance(value, str) else value
         values[key] = merge_model_args(values.get(key, ""), value) if key == "model_args" else value
     values["seed"] = seed
-    argv = []
-    for key, value in values.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv
+    return [word for key, value in values.items() for word in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def flag_pairs(argv: list[str]) -> list[tuple]:
