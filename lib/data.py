@@ -356,9 +356,7 @@ def epoch_order(n: int, seed: int, epoch: int, repeats: int) -> torch.Tensor:
     are adjacent and the rank split is strided, so they land on different ranks."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(n, generator=g)
-    if repeats > 1:
-        perm = perm[:math.ceil(n / repeats)].repeat_interleave(repeats)[:n]
-    return perm
+    return perm[:math.ceil(n / repeats)].repeat_interleave(repeats)[:n]  # repeats 1: perm itself
 
 
 def image_batches(images, batch_size: int, seed: int, repeats: int, rank: int, world: int, start_step: int):
@@ -466,9 +464,9 @@ def text_batches(tokens: torch.Tensor, batch_size: int, block_size: int, seed: i
 
 
 class Augment:
-    """uint8 images -> normalised float images and soft targets. Per-image randomness from a
-    torch.Generator on the device, per-batch (mixup/cutmix) from a python Random; train.py saves
-    both in checkpoints."""
+    """uint8 images (B, C, H, W), labels (B,) -> normalised float images, soft targets (B, classes).
+    Per-image randomness from a torch.Generator on the device, per-batch (mixup/cutmix) from a python
+    Random; train.py saves both in checkpoints."""
 
     def __init__(self, data: ImageData, device, seed: int, *, random_crop=False, three_augment=False,
                  color_jitter=0.0, mixup=0.0, cutmix=0.0, mix_prob=1.0, mix_switch_prob=0.5,
@@ -488,7 +486,6 @@ class Augment:
         return torch.rand(*shape, generator=self.generator, device=self.generator.device)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor):
-        """uint8 (B, C, H, W), labels (B,) -> normalised float images, soft targets (B, classes)."""
         x = images.float() / 255
         if self.random_crop:
             x = self.crop_and_flip(x)

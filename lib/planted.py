@@ -74,7 +74,7 @@ class PlantedTask(tasks.ClassificationTask):
 
     def score(self, model, x, labels, depth):
         with self.autocast():
-            tokens = model(x, return_states=True, **({} if depth is None else {"depth": depth}))["tokens"]
+            tokens = model(x, depth=depth, return_states=True)["tokens"]
         error = F.mse_loss(tokens[:, 1:].float(), self.target(x), reduction="sum")
         return {"mse": error / tokens[0, 1:].numel()}  # summed per-image MSE: evaluate divides by images
 
