@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from lib.boundary import fail
 
@@ -342,9 +343,9 @@ def planted_images(train: int, test: int) -> ImageData:
     size, channels, patch, rank = (PLANTED[k] for k in ("image_size", "channels", "patch_size", "rank"))
     grid, n_train, n = size // patch, PLANTED["train"], PLANTED["train"] + PLANTED["test"]
     basis = torch.randn(channels * patch * patch, rank, generator=g) / math.sqrt(rank)  # A: unit-variance
-    tokens = torch.randn(n, grid * grid, rank, generator=g) @ basis.T  # (n, patches, C p²), (c, py, px) order
-    x = tokens.view(n, grid, grid, channels, patch, patch).permute(0, 3, 1, 4, 2, 5)
-    images = (128 + 48 * x.reshape(n, channels, size, size)).round().clamp(0, 255).to(torch.uint8)
+    tokens = torch.randn(n, grid * grid, rank, generator=g) @ basis.T  # (n, patches, C p²)
+    x = rearrange(tokens, "n (gy gx) (c py px) -> n c (gy py) (gx px)", gy=grid, c=channels, py=patch)
+    images = (128 + 48 * x).round().clamp(0, 255).to(torch.uint8)
     xtr, xte = images[:min(train, n_train)], images[n_train:n_train + min(test, PLANTED["test"])]
     train, test = (TensorImages(x, torch.zeros(len(x), dtype=torch.long)) for x in (xtr, xte))
     return ImageData(train, test, 0, channels, size, *NORMALISATION["planted"])

@@ -426,7 +426,7 @@ MUTANTS = [
     mutant("planted: the maps in reverse order", "lib/planted.py", "zip(self.w1.to(x.device), self.w2.to(x.device))",
            "zip(self.w1.flip(0).to(x.device), self.w2.flip(0).to(x.device))",
            "tests/test_planted.py::test_planted_loss_is_the_mse_against_the_slow_composition"),
-    mutant("planted: patches read column-major", "lib/planted.py", "x.permute(0, 2, 4, 1, 3, 5)", "x.permute(0, 4, 2, 1, 3, 5)",
+    mutant("planted: patches read column-major", "lib/planted.py", "-> b (gy gx) (c py px)", "-> b (gx gy) (c py px)",
            "tests/test_planted.py::test_patch_tokens_read_each_patch_channel_row_column"),
     mutant("planted: no final layer norm", "lib/planted.py", "        return F.layer_norm(x, x.shape[-1:])\n",
            "        return x\n", "tests/test_planted.py::test_planted_loss_is_the_mse_against_the_slow_composition"),
