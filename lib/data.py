@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import math
 import os
 import pickle
@@ -452,13 +453,11 @@ def text_batches(tokens: torch.Tensor, batch_size: int, block_size: int, seed: i
                  start_step: int):
     """Random windows (B, T) and their next tokens; the windows of step s come from a generator
     seeded by (seed, s). Every start 0 .. len - T - 1 can be drawn (the last one included)."""
-    step = start_step
-    while True:
+    for step in itertools.count(start_step):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=g)[rank::world]
         windows = torch.stack([tokens[s:s + block_size + 1] for s in starts.tolist()])  # (b, T+1)
         yield step, windows[:, :-1], windows[:, 1:]
-        step += 1
 
 
 # --- batch augmentation on the device (DeiT III 3-Augment, mixup / cutmix) ---

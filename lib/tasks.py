@@ -307,7 +307,6 @@ def autocast_of(device, options: dict):
 
 
 def make(create, arch, overrides):
-    """create(arch, **overrides), its ValueError / TypeError as the one-line exit."""
     try:
         return create(arch, **overrides)
     except (ValueError, TypeError) as e:
