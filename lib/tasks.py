@@ -175,7 +175,7 @@ class ProbeModel(nn.Module):
 
 def eval_depths(cfg, model: nn.Module) -> list:
     """The depths of the final evaluation (--eval-depths; None: the reference depth), each one the model can
-    run: a ViT only its own depth, recurrent models >= 2 (build asks first, so a run stops before training)."""
+    run: a ViT only its own depth, recurrent models >= 2 (build asks first: a run stops before training)."""
     if cfg.dataset in data.TEXT_DATASETS:
         return [None]
     config = (model.backbone if cfg.probe else model).config
