@@ -321,10 +321,8 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
     if dataset == "planted":
         return planted_images(train_subset or PLANTED["train"], test_subset or PLANTED["test"])
     folder = find_builtin(dataset, data_dir, download)
-    if dataset == "fashion-mnist":
-        (xtr, ytr), (xte, yte), classes = load_fashion_mnist(folder)
-    else:
-        (xtr, ytr), (xte, yte), classes = load_cifar(folder, 10 if dataset == "cifar10" else 100)
+    (xtr, ytr), (xte, yte), classes = (load_fashion_mnist(folder) if dataset == "fashion-mnist" else
+                                       load_cifar(folder, 10 if dataset == "cifar10" else 100))
     train, test = slice(train_subset or None), slice(test_subset or None)  # the first N; 0: all of it
     return ImageData(TensorImages(xtr[train], ytr[train]), TensorImages(xte[test], yte[test]), classes,
                      xtr.shape[1], xtr.shape[-1], *NORMALISATION[dataset])
