@@ -132,8 +132,9 @@ DENSE_PROBES = ("seg", "monodepth")  # per-patch heads on cached features: tools
 REVIT_DEPTH = (closed(2, MAX_DEPTH)[0], f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps)")
 
 
-def check_config(cfg) -> None:
-    """train.py's config before anything is read or written: numbers, choices, flags that need one another."""
+def check_config(cfg, typed) -> None:
+    """train.py's config before anything is read or written: numbers, choices, flags that need one another,
+    and the flags `typed` on the command line that the model never reads (a saved config's are not judged)."""
     given_args = parse_model_args(cfg.model_args)
     module = preset_module(cfg.arch, given_args)  # revit, lib.moe or alternet
     vision, (model, preset) = is_vision(module), model_preset(cfg.arch, module, given_args)
@@ -167,7 +168,7 @@ def check_config(cfg) -> None:
             fail(message)
     parse_depths(cfg.eval_depths)
     model_args = parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
-    unread = unread_problem(cfg, model, preset, model_args if vision else {})
+    unread = unread_problem(cfg, typed, model, preset, model_args if vision else {})
     if unread:
         fail(unread)
 
@@ -204,12 +205,12 @@ def model_preset(arch: str, module, model_args: dict) -> tuple[str, dict]:
     return {**preset, **model_args}.get("arch"), preset
 
 
-def unread_problem(cfg, model: str, preset: dict, model_args: dict) -> str | None:
-    """The first flag given (unlike its default), or --model-args field unlike the preset's (a saved config
+def unread_problem(cfg, typed, model: str, preset: dict, model_args: dict) -> str | None:
+    """The first flag `typed` (unlike its default), or --model-args field unlike the preset's (a saved config
     carries every field), that cfg's `model` never reads, in words; None when all are read."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     given = [(name, "--" + name.replace("_", "-")) for name in READ_FLAGS
-             if getattr(cfg, name) != defaults[name]]
+             if name in typed and getattr(cfg, name) != defaults[name]]
     given += [(name, f"--model-args {name}={value}") for name, value in model_args.items()
               if value != preset[name]]
     for name, flag in given:

@@ -60,6 +60,8 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
     one line naming the flag, the file and what is wrong."""
     ckpt, problem = None, path_problem(path, "file")
+    if problem and (Path(path) / "ckpt.pt").is_file():  # a run folder
+        problem += f"; give its checkpoint, {Path(path) / 'ckpt.pt'}"
     packed = not problem and is_safetensors(path)  # weights/'s files and tools.export's: no training state
     if not problem:
         try:

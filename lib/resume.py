@@ -58,11 +58,11 @@ def saved_run(path, flag: str, keys, flags: dict, config_class, resolve_config, 
     saved = command_line_only(saved, flags, source, needed)
     merged = {**{k: v for k, v in saved.items() if k in known}, **flags}
     try:
-        return ckpt, resolve_config(merged, announce=False)
+        return ckpt, resolve_config(merged, announce=False, typed=flags)
     except SystemExit:
         saved = {name: value for name, value in merged.items() if name not in flags}
         try:
-            resolve_config(saved, announce=False)
+            resolve_config(saved, announce=False, typed=())
         except SystemExit as refused:
             reason = str(refused.code).partition(": error: ")[2]
             fail(f"{source}: its saved train_config is refused: {reason}")

@@ -849,6 +849,15 @@ MUTANTS = [
     mutant("tasks: a language model taken as --teacher", "lib/checkpoint.py",
            'if vision and module.__name__ == "alternet"', 'if False',
            "tests/test_hostile.py::test_a_language_model_given_as_teacher_is_named_as_such"),
+    # --- session 17: saved configs judged by today's range rules only; run folders; text subsets ---
+    mutant("boundary: a saved flag the family never reads refused", "lib/boundary.py",
+           "if name in typed and getattr(cfg, name)", "if getattr(cfg, name)",
+           "tests/test_faults.py::test_a_saved_flag_the_family_never_reads_is_not_refused_but_its_range_is"),
+    mutant("checkpoint: a run folder given for its ckpt.pt not pointed to it", "lib/checkpoint.py",
+           'if problem and (Path(path) / "ckpt.pt").is_file():', "if False:",
+           "tests/test_faults.py::test_resume_of_a_run_folder_names_its_checkpoint"),
+    mutant("train: --test-subset of a text run dropped", T, 'if explicit.get("test_subset") and cfg.dataset in',
+           'if False and cfg.dataset in', "tests/test_faults.py::test_test_subset_of_a_language_run_is_refused"),
 ]
 
 
