@@ -137,7 +137,10 @@ def check_config(cfg, typed) -> None:
     and the flags `typed` on the command line that the model never reads (a saved config's are not judged)."""
     given_args = parse_model_args(cfg.model_args)
     module = preset_module(cfg.arch, given_args)  # revit, lib.moe or alternet
-    vision, (model, preset) = is_vision(module), model_preset(cfg.arch, module, given_args)
+    vision = is_vision(module)
+    fields = {f.name: f.default for f in dataclasses.fields(module.ViTConfig)} if vision else {}
+    preset = {**fields, **module.PRESETS[cfg.arch]} if vision else {}  # a vision preset's config fields
+    model = {**preset, **given_args}.get("arch") if vision else "alternet"  # --model-args may set arch=
     check_numbers(vars(cfg), **({"depth": REVIT_DEPTH} if model == "revit" else {}))
     data_dir = cfg.data_dir and path_problem(cfg.data_dir, "folder")
     what = " does not exist" if data_dir == "no such folder" else f": {data_dir}"
@@ -196,15 +199,6 @@ READ_BY.update({name: READ_BY.get(name, VISION_MODELS) + ("alternet",) for name 
 READ_FLAGS = (*VISION_FLAGS, "eval_depths", *IMAGE_ONLY, *TEXT_ONLY)  # the flags of train.py READ_BY checks
 
 
-def model_preset(arch: str, module, model_args: dict) -> tuple[str, dict]:
-    """The model of preset `arch` under `model_args` (vit, raptor, revit: the preset's arch or --model-args
-    arch=; or alternet) and the vision preset's config fields ({} for AlterNet)."""
-    if not is_vision(module):
-        return "alternet", {}
-    preset = {**{f.name: f.default for f in dataclasses.fields(module.ViTConfig)}, **module.PRESETS[arch]}
-    return {**preset, **model_args}.get("arch"), preset
-
-
 def unread_problem(cfg, typed, model: str, preset: dict, model_args: dict) -> str | None:
     """The first flag `typed` (unlike its default), or --model-args field unlike the preset's (a saved config
     carries every field), that cfg's `model` never reads, in words; None when all are read."""
@@ -221,10 +215,8 @@ def unread_problem(cfg, typed, model: str, preset: dict, model_args: dict) -> st
 
 
 def model_overrides(cfg, data: dict | None = None) -> dict:
-    """A model's config overrides: the data's properties (an image model's, set by cfg.dataset), the model
-    flags given, as the fields they set, then --model-args (checked against the config class by
-    check_config), which may set none of them again: a data property would fail mid-run, a flag be
-    overridden silently."""
+    """A model's config overrides: the data's properties, the model flags given, then --model-args, which
+    may set none of them again: a data property would fail mid-run, a flag be overridden silently."""
     model_args = parse_model_args(cfg.model_args)
     flags = VISION_FLAGS if is_vision(preset_module(cfg.arch, model_args)) else ALTERNET_FLAGS
     overrides, set_by = dict(data or {}), dict.fromkeys(data or {}, cfg.dataset)
@@ -267,8 +259,8 @@ def family_of(arch: str) -> str:
 
 
 def preset_names() -> list[str]:
-    import alternet  # for their names: a list or an unknown --arch
-    from lib import moe  # the comparison mechanisms' presets are names too
+    import alternet
+    from lib import moe  # the comparison mechanisms' presets (and revit's)
     return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
 
 
@@ -308,22 +300,15 @@ def parse_model_args(text: str, config_class=None) -> dict:
     return overrides
 
 
-def takes(hint, value) -> bool:
-    """Whether a field annotated `hint` takes `value` (a float field takes an int, an int never a bool)."""
-    kinds = tuple(k for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
-    if isinstance(value, bool):
-        return bool in kinds
-    return isinstance(value, kinds) or float in kinds and type(value) is int
-
-
 def wrong_type(values: dict, config_class) -> str | None:
-    """The first known field of a saved config whose value config_class does not take, in words, or None."""
+    """The first known field of a saved config whose value config_class does not take (a float field takes
+    an int, an int never a bool), in words, or None."""
     hints = typing.get_type_hints(config_class)
-    for name, value in values.items():
-        if name in hints and not takes(hints[name], value):
-            kinds = typing.get_args(hints[name]) or (hints[name],)
-            names = " or ".join(k.__name__ for k in kinds if isinstance(k, type))
-            return f"{name}={value!r}: {name} takes {names}"
+    for name, value in ((n, v) for n, v in values.items() if n in hints):
+        kinds = tuple(k for k in (typing.get_args(hints[name]) or (hints[name],)) if isinstance(k, type))
+        takes = isinstance(value, kinds) or float in kinds and type(value) is int
+        if not (bool in kinds if isinstance(value, bool) else takes):
+            return f"{name}={value!r}: {name} takes {' or '.join(k.__name__ for k in kinds)}"
     return None
 
 
@@ -388,8 +373,7 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
 
 
 def is_own_output(path: Path) -> bool:
-    """One of OUTPUT_STARTS, or tools.export's or tools.probes' safetensors (a checkpoint's packed weights
-    are not)."""
+    """One of OUTPUT_STARTS, or a safetensors file of OWN_FORMATS (a checkpoint's packed weights are not)."""
     with open(path, "rb") as f:
         if f.read(16).startswith(OUTPUT_STARTS):
             return True
@@ -415,8 +399,7 @@ def is_safetensors(path) -> bool:
 
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:
-    """output_problem of an output folder and of each file `names` a command writes into it, as the whole
-    one-line message; None when all can be written."""
+    """output_problem of an output folder and of each file `names` in it, as the whole one-line message."""
     problem = output_problem(folder, "folder", runs_ok)
     if problem:
         return f"{flag} {folder} {problem}"

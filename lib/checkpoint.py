@@ -27,7 +27,7 @@ except ImportError:
 import torch
 import torch.nn as nn
 
-from lib.boundary import fail, is_safetensors, or_fail, output_problem, path_problem, preset_module, too_deep
+from lib.boundary import fail, is_safetensors, output_problem, path_problem, preset_module, too_deep
 from lib.weights import read_weights  # the .safetensors files weights/ ships
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
@@ -265,11 +265,6 @@ def load_model(path, device="cpu", flag: str = "checkpoint", vision: bool = Fals
 
 def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
     return load_model(path, device, flag, vision=True)
-
-
-def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
-    """For a command line: the loaders' ValueError becomes the one-line exit."""
-    return or_fail(load_checkpoint, path, flag, keys)
 
 
 # --- what a checkpoint holds besides weights: plain values, the plain module, RNG states ---

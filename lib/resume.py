@@ -13,7 +13,7 @@ import torch
 from lib import tasks
 from lib.build import build
 from lib.boundary import fail, or_fail, wrong_type
-from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, count, diverged, fit_problem,
+from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, count, diverged, fit_problem, load_checkpoint,
                             set_rng_state)
 from lib.cli import non_finite_place, pick_device, say
 
@@ -48,7 +48,7 @@ def saved_run(path, flag: str, keys, flags: dict, config_class, resolve_config, 
     """-> (checkpoint, resolve_config of its saved values (but `unkept`) under the flags given now, which
     may not change the `fixed`). Where the saved values alone are refused, the line names the checkpoint,
     not a flag the user never typed."""
-    ckpt = checkpoint_or_fail(path, flag, keys)
+    ckpt = or_fail(load_checkpoint, path, flag, keys)
     saved, source = saved_config(ckpt, path, flag, config_class), f"{flag} {path}"
     changed = [name for name in fixed if name in flags and flags[name] != saved.get(name)]
     if changed:
