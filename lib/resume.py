@@ -155,20 +155,16 @@ def continue_schedule(path: str, ckpt: dict, sched: dict, lr_at) -> None:
 ADAM_STATE = {"step", "exp_avg", "exp_avg_sq"}  # what AdamW keeps per parameter (+ max_exp_avg_sq: amsgrad)
 
 
-# Parameters that no step may reach, by name: a routed expert no sequence of any batch picked yet
-# (AlterNet's experts.N.*), and a distilled student's class head (Eq. 5 reads the final tokens, not the head)
+# Parameters that no step may reach, so without AdamW state (made at a first gradient), by name: a routed
+# expert no sequence of any batch picked yet (AlterNet's experts.N.*), and a distilled student's class head
+# (Eq. 5 reads the final tokens, not the head)
 ROUTED_EXPERT, HEAD = re.compile(r"(^|\.)experts\.\d+\."), re.compile(r"(^|\.)head\.")
 
 
-def may_lack_state(name: str, distilled: bool) -> bool:
-    """Whether parameter `name` may have no AdamW state after a step (made at its first gradient)."""
-    return bool(ROUTED_EXPERT.search(name)) or distilled and bool(HEAD.search(name))
-
-
-def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) -> str | None:
+def optimizer_problem(saved: dict, optimizer, step: int, names: dict, distilled: bool) -> str | None:
     """A saved AdamW state against the run's optimizer: parameter ids in groups as state_dict numbers them,
     per parameter AdamW's state in its shape and a float dtype. After the first step a parameter without
-    state (`names`: id -> name) is refused unless `may_lack(name)`."""
+    state (`names`: id -> name) is refused unless no step may reach it."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = saved["param_groups"]
     if [g["params"] for g in groups] != [g["params"] for g in optimizer.state_dict()["param_groups"]]:
@@ -182,7 +178,8 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) 
         if not fits:
             return f"its optimizer state does not fit the model (entry {index!r})"
     stateless = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params) if i not in saved["state"]]
-    refused = [name for name in stateless if not may_lack(name)]
+    refused = [name for name in stateless
+               if not (ROUTED_EXPERT.search(name) or distilled and HEAD.search(name))]
     if refused and step > 0:
         return (f"its optimizer state covers {len(saved['state'])} of {len(params)} parameters, none for "
                 f"{refused[0]} (after a step only a routed expert no sequence picked, or a distilled "
@@ -211,8 +208,7 @@ def continue_run(run, ckpt: dict, fused_adamw: bool) -> None:
     past = step > total and (f"it is at step {step}, past this run's {total} steps; give a larger "
                              f"--max-steps or --epochs (the checkpoint is left as it is)")
     problem = (past or fit_problem(run.trainable.state_dict(), ckpt["model"], cfg.arch)
-               or optimizer_problem(ckpt["optimizer"], run.optimizer, stepped, names,
-                                    lambda name: may_lack_state(name, distilled=bool(cfg.teacher))))
+               or optimizer_problem(ckpt["optimizer"], run.optimizer, stepped, names, bool(cfg.teacher)))
     if problem:
         fail(f"--resume {cfg.resume}: {problem}")
     settings = [dict(group, fused=fused_adamw or None) for group in run.optimizer.param_groups]

@@ -521,10 +521,10 @@ MUTANTS = [
     mutant("boundary: an unwritable parent folder passes", "lib/boundary.py",
            "not path.exists() and not os.access(parent, os.W_OK | os.X_OK)", "False", "tests/test_bench.py::test_a_read_only_working_folder_is_one_line_before_anything_runs"),
     mutant("resume: any parameter may lack state", "lib/resume.py",
-           "return bool(ROUTED_EXPERT.search(name)) or distilled and bool(HEAD.search(name))", "return True",
+           "if not (ROUTED_EXPERT.search(name) or", "if False and (ROUTED_EXPERT.search(name) or",
            "tests/test_hostile.py::test_only_a_routed_expert_may_resume_without_optimizer_state"),
     mutant("resume: a distilled student's head must have state", "lib/resume.py",
-           "or distilled and bool(HEAD.search(name))", "or False",
+           "or distilled and HEAD.search(name))]", "or False)]",
            "tests/test_hostile.py::test_a_distilled_student_killed_mid_run_resumes"),
     # --- boundaries: each rule's comparison, swapped for its strict or non-strict twin ---
     mutant("boundary: Raptor's segment end", R, "return [sum(step > end for end in ends)",
