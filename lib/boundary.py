@@ -271,13 +271,15 @@ def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1,
                  prog: str | None = None) -> list[int]:
     """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH, and named once."""
     items = [d.strip() for d in text.split(",")] if text.strip() else []
-    if not all(d.lstrip("-").isdigit() for d in items):
-        fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}", prog)
-    if any(len(d) > 6 or not minimum <= int(d) <= MAX_DEPTH for d in items):  # never a 5,000-digit int
-        fail(f"{flag} must be in {minimum}..{MAX_DEPTH}; got {text[:80]!r}", prog)
-    depths = [int(d) for d in items]
-    if len(set(depths)) < len(depths):  # evaluated once, shown once: a second one would be dropped silently
-        fail(f"{flag} must name each depth once; got {text[:80]!r}", prog)
+    numbers = all(d.lstrip("-").isdigit() for d in items)  # then each short: never a 5,000-digit int
+    in_range = numbers and all(len(d) <= 6 and minimum <= int(d) <= MAX_DEPTH for d in items)
+    depths = [int(d) for d in items] if in_range else []
+    problem = ("be comma-separated integers, e.g. 4,8,12" if not numbers
+               else f"be in {minimum}..{MAX_DEPTH}" if not in_range
+               else "name each depth once" if len(set(depths)) < len(depths)  # a second would be dropped
+               else None)
+    if problem:
+        fail(f"{flag} must {problem}; got {text[:80]!r}", prog)
     return depths
 
 
