@@ -99,9 +99,10 @@ def evaluate_only(flags: dict, config_class, resolve_config, evaluate) -> dict:
     path = flags["eval_only"]
     cfg, model, task = evaluation_setup(path, flags, "--eval-only", config_class, resolve_config)
     results = evaluate(model, task, tasks.eval_depths(cfg, model))
-    if non_finite_place(results):
-        fail(f"--eval-only {path}: its evaluation gave a non-finite "
-             f"{non_finite_place(results).removeprefix('None.')} (finite but diverged weights)")
+    place = non_finite_place(results)
+    if place:
+        fail(f"--eval-only {path}: its evaluation gave a non-finite {place.removeprefix('None.')} "
+             f"(finite but diverged weights)")
     summary, line = tasks.summarise(cfg, model, results)
     say(f"{path}: {line}")
     return {"arch": cfg.arch, **summary}
@@ -166,8 +167,8 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, distilled:
     per parameter AdamW's state in its shape and a float dtype. After the first step a parameter without
     state (`names`: id -> name) is refused unless no step may reach it."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    groups = saved["param_groups"]
-    if [g["params"] for g in groups] != [g["params"] for g in optimizer.state_dict()["param_groups"]]:
+    ids = [g["params"] for g in optimizer.state_dict()["param_groups"]]
+    if [g["params"] for g in saved["param_groups"]] != ids:
         return (f"its optimizer state does not fit the model (parameter ids are not 0..{len(params) - 1} in "
                 f"{len(optimizer.param_groups)} groups)")
     for index, state in saved["state"].items():
