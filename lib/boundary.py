@@ -171,9 +171,7 @@ def check_config(cfg, typed) -> None:
             fail(message)
     parse_depths(cfg.eval_depths)
     model_args = parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
-    unread = unread_problem(cfg, typed, model, preset, model_args if vision else {})
-    if unread:
-        fail(unread)
+    check_read(cfg, typed, model, preset, model_args if vision else {})
 
 
 # Who reads a flag of train.py or a field of --model-args: a value given to a model that never reads it is
@@ -199,9 +197,9 @@ READ_BY.update({name: READ_BY.get(name, VISION_MODELS) + ("alternet",) for name 
 READ_FLAGS = (*VISION_FLAGS, "eval_depths", *IMAGE_ONLY, *TEXT_ONLY)  # the flags of train.py READ_BY checks
 
 
-def unread_problem(cfg, typed, model: str, preset: dict, model_args: dict) -> str | None:
-    """The first flag `typed` (unlike its default), or --model-args field unlike the preset's (a saved config
-    carries every field), that cfg's `model` never reads, in words; None when all are read."""
+def check_read(cfg, typed, model: str, preset: dict, model_args: dict) -> None:
+    """Refuses the first flag `typed` (unlike its default), or --model-args field unlike the preset's (a saved
+    config carries every field), that cfg's `model` never reads."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     given = [(name, "--" + name.replace("_", "-")) for name in READ_FLAGS
              if name in typed and getattr(cfg, name) != defaults[name]]
@@ -210,8 +208,7 @@ def unread_problem(cfg, typed, model: str, preset: dict, model_args: dict) -> st
     for name, flag in given:
         readers = READ_BY.get(name, VISION_MODELS)
         if model not in readers:
-            return f"{flag} applies to {', '.join(MODEL_NAMES[m] for m in readers)} only, not to {cfg.arch}"
-    return None
+            fail(f"{flag} applies to {', '.join(MODEL_NAMES[m] for m in readers)} only, not to {cfg.arch}")
 
 
 def model_overrides(cfg, data: dict | None = None) -> dict:
