@@ -476,7 +476,8 @@ def main(argv=None) -> dict:
             explicit.setdefault("arch", tasks.backbone_arch(explicit["backbone"]))
         resume_ckpt, cfg = None, resolve_config(explicit)
     if explicit.get("test_subset") and cfg.dataset in TEXT_DATASETS:  # read by tools.depths, not by training
-        fail(f"--test-subset applies to the image models only, not to {cfg.arch} (--eval-iters: its text)")
+        fail(f"--test-subset applies to the image models only, not to {cfg.arch} (it evaluates --eval-iters "
+             f"batches of text)")
     if cfg.out_dir:
         RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
     try:

@@ -268,7 +268,7 @@ def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1,
                  prog: str | None = None) -> list[int]:
     """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH, and named once."""
     items = [d.strip() for d in text.split(",")] if text.strip() else []
-    numbers = all(d.lstrip("-").isdigit() for d in items)  # then each short: never a 5,000-digit int
+    numbers = all(d.lstrip("-").isdigit() for d in items)  # then 6 digits at most: never a 5,000-digit int
     in_range = numbers and all(len(d) <= 6 and minimum <= int(d) <= MAX_DEPTH for d in items)
     depths = [int(d) for d in items] if in_range else []
     problem = ("be comma-separated integers, e.g. 4,8,12" if not numbers
@@ -303,7 +303,9 @@ def wrong_type(values: dict, config_class) -> str | None:
     """The first known field of a saved config whose value config_class does not take (a float field takes
     an int, an int never a bool), in words, or None."""
     hints = typing.get_type_hints(config_class)
-    for name, value in ((n, v) for n, v in values.items() if n in hints):
+    for name, value in values.items():
+        if name not in hints:
+            continue
         kinds = tuple(k for k in (typing.get_args(hints[name]) or (hints[name],)) if isinstance(k, type))
         takes = isinstance(value, kinds) or float in kinds and type(value) is int
         if not (bool in kinds if isinstance(value, bool) else takes):

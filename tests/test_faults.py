@@ -319,8 +319,8 @@ def test_a_saved_flag_the_family_never_reads_is_not_refused_but_its_range_is(lan
 def test_test_subset_of_a_language_run_is_refused(language_run, tmp_path):
     """AlterNet evaluates --eval-iters batches of text: --test-subset (an image count) would be dropped."""
     message = error(*TINY_LM, "--test-subset", "4", "--out-dir", str(tmp_path / "x"))
-    assert message.endswith("--test-subset applies to the image models only, not to alternet-tiny "
-                            "(--eval-iters: its text)")
+    assert message.endswith("--test-subset applies to the image models only, not to alternet-tiny (it "
+                            "evaluates --eval-iters batches of text)")
     resumed = error("--resume", str(language_run / "ckpt.pt"), "--test-subset", "4")
     assert "--test-subset applies to the image models only" in resumed
 
