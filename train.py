@@ -136,8 +136,9 @@ RECIPE_OF = {"cifar10": "cifar", "cifar100": "cifar", "imagenet": "imagenet",
              **dict.fromkeys(TEXT_DATASETS, "text")}
 
 
-def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
-    """Quick-start defaults <- the recipe(s) <- the flags given; prints what applies, then checks it all."""
+def resolve_config(explicit: dict, announce: bool = True, typed=None) -> TrainConfig:
+    """Quick-start defaults <- the recipe(s) <- the flags given; prints what applies, then checks it all.
+    `typed`: the flags of the command line (default: all of `explicit`), which the family rule judges."""
     show = say if announce else (lambda line: None)
     arch, data = explicit.get("arch", TrainConfig.arch), explicit.get("data")
     family = family_of(arch)
@@ -165,7 +166,7 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
         if values[name] != value if name in values else value != getattr(TrainConfig, name):
             show(f"override: {name}={value} (--{'no-' if value is False else ''}{name.replace('_', '-')})")
     cfg = TrainConfig(**{**values, **explicit})
-    check_config(cfg)
+    check_config(cfg, explicit if typed is None else typed)
     return cfg
 
 
@@ -474,6 +475,9 @@ def main(argv=None) -> dict:
         if explicit.get("backbone"):  # a probe is named after its backbone
             explicit.setdefault("arch", tasks.backbone_arch(explicit["backbone"]))
         resume_ckpt, cfg = None, resolve_config(explicit)
+    if explicit.get("test_subset") and cfg.dataset in TEXT_DATASETS:  # read by tools.depths, not by training
+        fail(f"--test-subset applies to the image models only, not to {cfg.arch} (it evaluates --eval-iters "
+             f"batches of text)")
     if cfg.out_dir:
         RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
     try:

@@ -83,11 +83,9 @@ def dataclass_parser(config_class, description: str, suppress_defaults: bool = F
         unset = "auto" if "auto:" in f.metadata["help"] else "none"  # chosen for you, or simply not used
         shown = unset if f.default is None or f.default == "" else f.default
         extra = {} if suppress_defaults else {"default": f.default}
-        help_text = f"{f.metadata['help']} [default: {shown}]"
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, **extra)
-        else:
-            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=help_text, **extra)
+        parse_as = ({"action": argparse.BooleanOptionalAction} if kind is bool
+                    else {"type": kind, "metavar": kind.__name__.upper()})
+        parser.add_argument(flag, help=f"{f.metadata['help']} [default: {shown}]", **parse_as, **extra)
     return parser
 
 

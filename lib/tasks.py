@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import revit
 from lib import data
 from lib.boundary import fail, is_vision, model_overrides, or_fail, parse_depths, preset_module
-from lib.checkpoint import checkpoint_or_fail, load_vision_model
+from lib.checkpoint import load_checkpoint, load_vision_model
 from lib.cli import device_options, say
 
 
@@ -218,7 +218,7 @@ def summarise(cfg, model: nn.Module, results: dict) -> tuple[dict, str]:
 
 def backbone_arch(path: str) -> str:
     """A linear probe is named after its --backbone, which must be a vision model of revit.py."""
-    arch = checkpoint_or_fail(path, "--backbone")["arch"]
+    arch = or_fail(load_checkpoint, path, "--backbone")["arch"]
     if not is_vision(preset_module(arch)):
         fail(f"--backbone {path} is a checkpoint of {arch}, not a vision model of revit.py")
     return arch

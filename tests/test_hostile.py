@@ -335,7 +335,7 @@ def test_train_flags_and_paths(tmp_path, argv, needle):
 ])
 def test_a_model_flag_the_model_never_reads_is_refused(tmp_path, fashion_mnist_dir, argv, needle):
     """Refused in one line naming the flag and the models that read it, not echoed as an override and dropped."""
-    small = ["--max-steps", "1", "--test-subset", "32", "--batch-size", "8", "--data-dir", fashion_mnist_dir,
+    small = ["--max-steps", "1", "--batch-size", "8", "--data-dir", fashion_mnist_dir,
              "--out-dir", tmp_path / "run"]  # flags every model reads
     message = one_line(train.main, argv + small, "train.py")
     assert needle in message, message
