@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from lib.boundary import fail, or_fail, script_name
+from lib.tables import markdown_table
 
 
 # --- one-line errors and rank-0 output ---
@@ -163,10 +164,7 @@ def broadcast(obj, world: int):
 
 def markdown(rows: list[dict], columns: list[tuple]) -> str:
     """columns: (header, function of a row -> str); a cell whose key is missing shows as "–"."""
-    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(_cell(fn, r) for _, fn in columns) + " |")
-    return "\n".join(lines)
+    return markdown_table([h for h, _ in columns], [[_cell(fn, r) for _, fn in columns] for r in rows])
 
 
 def _cell(fn, row):

@@ -383,8 +383,8 @@ def check_args(args) -> None:
     batches = (lambda v: v == 0 or 2 <= v <= n, f"0 (skip) or between 2 and --num-images ({n})")
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH),  # s_t = t/(L-1) needs two steps
                   intervention_images=subset, gradient_batches=batches)
-    if args.data_dir and path_problem(args.data_dir, "folder"):
-        raise ValueError(f"--data-dir {args.data_dir}: {path_problem(args.data_dir, 'folder')}")
+    if args.data_dir and (problem := path_problem(args.data_dir, "folder")):
+        raise ValueError(f"--data-dir {args.data_dir}: {problem}")
 
 
 def evaluation_images(args, ckpt: dict, image_size: int) -> tuple:
