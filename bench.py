@@ -973,6 +973,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # name -> its parser
 
     def command(name, text, out="also write the JSON results to this file", device=True):
         p = sub.add_parser(name, help=text)
@@ -1016,11 +1017,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "Table 6)")
     mem.add_argument("--batch-size", type=int, help="global batch per optimizer step (default: the recipe's)")
     mem.add_argument("--grad-accum", type=int, help="micro-steps per step (default: the fewest that fit)")
-    mem.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP)")
-    mem.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
+    mem.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP; default 1)")
+    mem.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
     mem.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's)")
     mem.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                     help="the run's autocast (train.py's auto: bf16 where the GPU has it, else fp16)")
+                     help="autocast (default bf16; train.py's auto: bf16 where the GPU has it, else fp16)")
     return parser
 
 
@@ -1043,7 +1044,12 @@ def check_flags(args, device) -> dict:
     vars(args).update(defaults)
     check_numbers(vars(args), PROG)
     if args.command == "train" and args.rows:
-        known, rows = train_models(args.size, args.compile), [t.strip() for t in args.rows.split(",")]
+        known, rows = train_models(args.size, args.compile), []
+        for name in (t.strip() for t in args.rows.split(",")):
+            if rows and f"{rows[-1]}, {name}" in known:  # a listed name holding ", ": "reViT fixed, eager"
+                rows[-1] += f", {name}"
+            else:
+                rows.append(name)
         if not set(rows) <= set(known):
             fail(f"--rows must name some of {', '.join(known)}; got {args.rows[:80]!r}", PROG)
         args.rows = rows
@@ -1087,6 +1093,10 @@ def run_train(args, device) -> dict:
 def run_memory(args, device) -> dict:
     """The estimate of lib/memory.py for a GPU run under bf16 (or --precision) autocast, as train.py's."""
     language = args.arch in alternet.PRESETS
+    if language and args.recipe not in (None, "text"):  # else train.py asks for --max-steps, not a flag here
+        fail(f"--recipe {args.recipe} does not suit {args.arch}, a language preset: use --recipe text", PROG)
+    if not language and args.seq_len is not None:
+        fail(f"--seq-len is for language presets; {args.arch} is a vision preset (tokens: its patches)", PROG)
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
     cfg = train.resolve_config(explicit, announce=False)  # an unknown --arch: one line, with suggestions
@@ -1111,7 +1121,7 @@ def run_memory(args, device) -> dict:
         how_to_fit = str(e)
     rows = [("weights", estimate.weights), ("gradients", estimate.grads), ("AdamW state", estimate.optimizer),
             ("activations", estimate.activations), ("loss", estimate.loss), ("total", estimate.total)]
-    print(f"{args.arch}: {estimate.line()}\n\n| per device | GB |\n|---|---|")
+    print(f"{args.arch}, recipe {recipe}: {estimate.line()}\n\n| per device | GB |\n|---|---|")
     print("\n".join(f"| {name} | {value / memory.GB:.2f} |" for name, value in rows))
     print(f"\nfits {memory.USABLE:.0%} of {args.gpu_memory:g} GB: "
           f"{'no -- ' + how_to_fit if how_to_fit else 'yes'}")
@@ -1127,7 +1137,10 @@ TARGETS = {"latency": latency_targets, "train": train_targets}  # ours, at S/16 
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # matched against the subcommand's flags (bench.py's own are -h alone)
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         device = pick_device(getattr(args, "device", "cpu"))
     except ValueError as e:  # --device: one line, as argparse reports its own errors
