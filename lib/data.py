@@ -76,7 +76,7 @@ def find_builtin(name: str, data_dir: str = "", download: bool = False) -> Path:
             if (folder / marker).exists():
                 return folder
     target, where = Path(data_dir or "data"), ", ".join(map(str, data_roots(data_dir)))
-    failed = " (or rerun with --download, or point --data-dir at a folder that has it)"
+    failed = " (or let train.py --download fetch it, or point --data-dir at a folder that has it)"
     if download:
         try:
             download_builtin(name, target)

@@ -368,7 +368,8 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir, capsys):
     if analyze.import_pyplot() is not None:
         assert report["plots"] == ["gates.png", "self_cka.png", "cross_cka.png"]
         assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
-    # the same seed gives the same numbers; a rerun rewrites its own files whole and names only those
+    # the same seed gives the same numbers; a rerun rewrites its own files whole and names only those, and
+    # leaves none of the first run's that it did not rewrite (no cross-CKA without --teacher)
     capsys.readouterr()
     again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(out),
                           "--data-dir", str(fashion_mnist_dir), "--num-images", "48", "--no-interventions",
@@ -377,7 +378,7 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir, capsys):
     assert "gate_gradients" not in again and "interventions" not in again
     wrote = capsys.readouterr().out.splitlines()[-1]
     assert wrote.startswith(f"wrote {out / 'analysis.json'}, gates.csv, self_cka.csv")
-    assert "cross" not in wrote
+    assert "cross" not in wrote and not [p.name for p in out.iterdir() if p.name.startswith("cross")]
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file is left
 
 
@@ -464,6 +465,7 @@ def bad_files(tmp_path):
     (["--dataset", "mnist"],
      "--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet, planted; got 'mnist'"),
     (["--data-dir", "{tmp}/nowhere"], "--data-dir {tmp}/nowhere: no such folder"),
+    (["--data", "{tmp}"], "--data is read by --dataset imagenet only, not fashion-mnist"),
     (["--device", "tpu:7"], "--device 'tpu:7': not a device"),
 ])
 def test_bad_input_gives_one_line_and_writes_nothing(tmp_path, fashion_mnist_dir, extra, needle):

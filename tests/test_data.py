@@ -99,7 +99,8 @@ def test_grammar_corpus_is_deterministic_english_with_agreement():
 
 def test_missing_data_explains_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "data_roots", lambda data_dir="": [tmp_path])
-    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist.*--download"):
+    # find_builtin serves commands without --download too (tools.analyze): the hint names one that has it
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist.*train.py --download"):
         data.find_builtin("fashion-mnist", str(tmp_path), download=False)
 
 

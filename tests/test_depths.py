@@ -90,9 +90,9 @@ def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
     distilled = torch.load(ckpt, weights_only=True)
     distilled["train_config"]["teacher"] = "teacher.pt"  # as train.py --teacher saves it
     torch.save(distilled, tmp_path / "distilled.pt")
-    cases = [([ckpt, "--depths", "1,2"], "--depths 1,2: a vision model runs at depths 2 and up"),
+    cases = [([ckpt, "--depths", "1,2"], "--depths must be in 2..256; got '1,2'"),  # a vision model's range
+             ([ckpt, "--depths", "2,300"], "--depths must be in 2..256; got '2,300'"),
              ([ckpt, "--depths", "two"], "--depths must be comma-separated integers"),
-             ([str(garbage), "--depths", str(10 ** 30)], "--depths must be in 1..256"),  # before the file
              ([ckpt, "--thresholds", "0.5"], "--thresholds: halting thresholds are AlterNet's; CKPT (revit-mini)"),
              ([str(tmp_path / "missing.pt")], "missing.pt: no such file"),  # checkpoint.load_model's messages
              ([str(probe)], "is a linear-probe head, not a model"),
@@ -136,6 +136,9 @@ def test_depths_alternet_caps_and_thresholds(tmp_path):
                                                                                             (3, 0.9, True)]
     with pytest.raises(SystemExit, match=r"--depths 2,4: AlterNet's caps D' run 1..3 \(CKPT's D\)"):
         run_cli([summary["checkpoint"], "--data", str(text), "--device", "cpu", "--depths", "2,4"])
+    with pytest.raises(SystemExit, match=r"--batch: a vision model's latency batch; CKPT \(alternet-tiny\) is "
+                                         "timed at batch 1"):  # its latency is greedy generation at batch 1
+        run_cli([summary["checkpoint"], "--data", str(text), "--device", "cpu", "--batch", "4"])
 
 
 @FAST

@@ -394,6 +394,8 @@ def evaluation_images(args, ckpt: dict, image_size: int) -> tuple:
     if dataset not in IMAGE_DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(IMAGE_DATASETS)}; got {dataset!r}"
                          + ("" if args.dataset else f" (checkpoint {args.checkpoint} was trained on it)"))
+    if args.data and dataset != "imagenet":
+        raise ValueError(f"--data is read by --dataset imagenet only, not {dataset}")
     if dataset == "imagenet":  # the val split only, resized and centre-cropped (as train.py evaluates)
         if not args.data or not (Path(args.data) / "val").is_dir():
             raise ValueError(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); "
@@ -574,6 +576,8 @@ def write_outputs(report: dict, out: Path) -> None:
         atomic_write(out / name, lambda tmp: write_csv(tmp, rows))
     report["plots"] = save_plots(report, out)
     atomic_write_text(out / "analysis.json", json.dumps(finite_or_null(report, "", []), indent=1))
+    for stale in set(OUTPUT_FILES) - {"analysis.json", *tables, *report["plots"]}:
+        (out / stale).unlink(missing_ok=True)  # an earlier run's, which would read as this one's
     print(f"\nwrote {out / 'analysis.json'}, " + ", ".join([*sorted(tables), *report["plots"]]))
 
 

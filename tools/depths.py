@@ -73,8 +73,6 @@ def depth_list(given: list[int], model) -> list[int]:
     c, kind, listed = model.config, single_depth(model.config), ",".join(map(str, given))
     if kind and given not in ([], [c.depth]):
         fail(f"--depths {listed}: {kind} runs only its own depth {c.depth}", PROG)
-    if min(given, default=2) < 2:
-        fail(f"--depths {listed}: a vision model runs at depths 2 and up (a step grid needs two steps)", PROG)
     return sorted(set(given or ([c.depth] if kind else range(2, 2 * c.depth + 1))) | {c.depth})
 
 
@@ -412,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "... 2L; a ViT: L); AlterNet: its iteration caps D', each in 1..D (default 1 ... D)")
     p.add_argument("--test-subset", type=int, default=0,
                    help="the first N test images / validation windows (default: the checkpoint's test set)")
-    p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always")
+    p.add_argument("--batch", type=int,
+                   help="vision: the larger latency batch (CPU 16, CUDA 64); batch 1 always")
     bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
     p.add_argument("--resolve", type=float, default=0.03, help="more paired rounds of the headline's row and "
                    "the reference until their latency ratio is known to +- this (default 0.03; 0: none)")
@@ -430,10 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    """Every flag checked (lib/boundary.py) before the checkpoint is read, then the table."""
+    """Every flag checked (lib/boundary.py), those of one family once CKPT is read, then the table."""
     args = build_parser().parse_args(argv)
     check_numbers(vars(args), PROG, batch=closed(2, 65536))  # the flags given (batch 1 is always measured)
-    args.depths = parse_depths(args.depths, "--depths", 1, PROG)  # caps from 1; vision: depth_list
     args.thresholds = None if args.thresholds is None else parse_thresholds(args.thresholds)
     args.out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     problem = outputs_problem("--out", args.out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
@@ -444,6 +442,11 @@ def main(argv=None) -> dict:
         model, ckpt = load_model(args.checkpoint, device, "CKPT")
     except ValueError as e:  # the one line of the device or the checkpoint's reader
         fail(str(e), PROG)
+    vision = ckpt["arch"] in moe.PRESETS
+    # vision depths from 2 (s_t = t/(L-1) needs two steps); AlterNet's iteration caps from 1
+    args.depths = parse_depths(args.depths, "--depths", 2 if vision else 1, PROG)
+    if args.batch and not vision:  # before the defaults fill it in
+        fail(f"--batch: a vision model's latency batch; CKPT ({ckpt['arch']}) is timed at batch 1", PROG)
     defaults = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.threads:
