@@ -56,6 +56,12 @@ def test_torch_hub_loads_them_from_the_clone(path, monkeypatch):
     assert type(fresh) is type(model) and fresh.config == model.config
 
 
+def test_torch_hub_lists_only_the_two_models():
+    import hubconf  # torch.hub.list's rule: every public callable of hubconf.py is an entry point
+    assert sorted(f for f in dir(hubconf) if callable(getattr(hubconf, f)) and not f.startswith("_")) == \
+        sorted(ENTRY.values())
+
+
 def test_a_weights_file_cannot_be_resumed_and_another_safetensors_file_is_named(tmp_path):
     weights = str(ROOT / "weights" / "revit-mini.safetensors")
     resumed = (r"not a training checkpoint of this project \(missing optimizer, step, rng\); "
