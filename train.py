@@ -386,7 +386,8 @@ def loop(run: Run, batches, eval_every: int) -> dict:
     `eval_every`, and at the end the final evaluation."""
     cfg, total = run.cfg, run.sched["total_steps"]
     unit = "tokens" if cfg.dataset in TEXT_DATASETS else "images"
-    bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not cfg.progress, dynamic_ncols=True)
+    screen = cfg.progress and sys.stdout.isatty()  # a bar on a terminal; piped or --no-progress: lines
+    bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not screen, dynamic_ncols=True)
     t_start = t0 = time.perf_counter()
     seen, start_step = 0, run.step
     for step, inputs, targets in (batches(run.step) if run.step < total else ()):
@@ -408,7 +409,7 @@ def loop(run: Run, batches, eval_every: int) -> dict:
                 record.update(zip(parts, torch.stack([record[k].float() for k in parts]).tolist()))
             rate = seen / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
-            if not (cfg.progress and sys.stdout.isatty()):  # no bar on screen: a line to watch instead
+            if not screen:  # no bar: a line to watch instead
                 say(f"step {run.step}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, {rate:.0f} {unit}/s")
             run.folder.log({**record, "per_s": rate}, run.rank == 0)
             t0, seen = time.perf_counter(), 0

@@ -998,10 +998,11 @@ def test_the_start_event_names_the_commit_torch_device_and_command(piped_run):
 
 
 def test_piped_output_shows_the_loss_on_lines_of_their_own(piped_run):
-    """What a terminal or `less` shows of each line is what follows its last carriage return: a log line
-    printed beside tqdm's bar (which ends in no newline) would show the bar glued in front of it."""
+    """A log (stdout and stderr piped into one file) holds lines only: tqdm's bar, redrawn with carriage
+    returns, is for a terminal."""
     _, output = piped_run
-    shown = [line.split("\r")[-1] for line in output.splitlines()]
+    assert "\r" not in output and "it/s" not in output
+    shown = output.splitlines()
     assert [line.split(":")[0] for line in shown if ": loss " in line] == [f"step {s}" for s in (2, 4, 6, 8)]
     assert sum(line.startswith("step 4: val_acc") for line in shown) == 1
     assert shown[-1].startswith("done: revit-mini")
