@@ -142,7 +142,8 @@ def resolve_config(explicit: dict, announce: bool = True, typed=None) -> TrainCo
     show = say if announce else (lambda line: None)
     arch, data = explicit.get("arch", TrainConfig.arch), explicit.get("data")
     family = family_of(arch)
-    images = "imagenet" if data else "fashion-mnist"
+    recipe_data = {"imagenet": "imagenet", "cifar": "cifar10"}.get(explicit.get("recipe"))  # its own data
+    images = "imagenet" if data else recipe_data or "fashion-mnist"
     dataset = explicit.get("dataset") or (("text" if data else "grammar") if family == "language" else images)
     if dataset not in IMAGE_DATASETS + TEXT_DATASETS:
         fail(f"unknown --dataset {dataset!r}; choose one of {', '.join(IMAGE_DATASETS + TEXT_DATASETS)}")
@@ -161,7 +162,7 @@ def resolve_config(explicit: dict, announce: bool = True, typed=None) -> TrainCo
     values = {**values, **paper, "dataset": dataset}
     if not explicit.get("dataset"):
         show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
-             f"{family} preset{', --data given' if data else ''})")
+             f"{family} preset{', --data given' if data else f', --recipe {recipe}' if recipe_data else ''})")
     for name, value in explicit.items():
         if values[name] != value if name in values else value != getattr(TrainConfig, name):
             show(f"override: {name}={value} (--{'no-' if value is False else ''}{name.replace('_', '-')})")

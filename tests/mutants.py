@@ -898,6 +898,9 @@ MUTANTS = [
     mutant("checkpoint: a run folder given for its ckpt.pt not pointed to it", "lib/checkpoint.py",
            'if problem and (Path(path) / "ckpt.pt").is_file():', "if False:",
            "tests/test_faults.py::test_resume_of_a_run_folder_names_its_checkpoint"),
+    mutant("train: --recipe imagenet without --data trains Fashion-MNIST", T,
+           'images = "imagenet" if data else recipe_data or "fashion-mnist"', 'images = "imagenet" if data else "fashion-mnist"',
+           "tests/test_train.py::test_cli_errors"),
     mutant("train: --test-subset of a text run dropped", T, 'if explicit.get("test_subset") and cfg.dataset in',
            'if False and cfg.dataset in', "tests/test_faults.py::test_test_subset_of_a_language_run_is_refused"),
 ]

@@ -428,6 +428,7 @@ def test_cli_errors(tmp_path, fashion_mnist_dir, capsys):
     assert "--data-dir /no/such/dir does not exist" in error("--data-dir", "/no/such/dir")
     assert "only its own depth" in error("--arch", "vit-mini", "--eval-depths", "4,8", "--max-steps", "1")
     assert "unknown --dataset" in error("--dataset", "mnist")
+    assert "imagenet needs the folder: --data" in error("--recipe", "imagenet")  # not Table 6 on Fashion-MNIST
     assert "invalid int value" in error("--epochs", "ten")  # argparse: exit code 2
     assert not (tmp_path / "x").exists()
 
@@ -453,7 +454,8 @@ def test_command_line_exit_code(tmp_path):
 
 
 def test_recipes_and_automatic_choices_are_printed(tmp_path, fashion_mnist_dir, capsys):
-    run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--recipe", "imagenet", "--batch-size", "32", name="a")
+    run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--recipe", "imagenet", "--dataset", "fashion-mnist",
+        "--batch-size", "32", name="a")  # the recipe on other data: by --dataset
     printed = capsys.readouterr().out
     assert "recipe: imagenet -- reViT paper (arXiv 2610.12448) Table 6" in printed and "epochs=300" in printed
     assert "override: batch_size=32 (--batch-size)" in printed
