@@ -81,7 +81,7 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
         fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
              f"got --{extra[0].replace('_', '-')}")
     ckpt, cfg = saved_run(path, flag, MODEL_KEYS + ("train_config",), flags, config_class, resolve_config,
-                          needed=("data",), unkept={"out_dir", "resume"})
+                          needed=("data", "teacher"), unkept={"out_dir", "resume"})
     device = or_fail(pick_device, cfg.device)
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     trained = model.head if cfg.probe else model

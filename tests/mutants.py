@@ -901,6 +901,9 @@ MUTANTS = [
     mutant("train: --recipe imagenet without --data trains Fashion-MNIST", T,
            'images = "imagenet" if data else recipe_data or "fashion-mnist"', 'images = "imagenet" if data else "fashion-mnist"',
            "tests/test_train.py::test_cli_errors"),
+    mutant("resume: --eval-only of a distilled run scored without its teacher", "lib/resume.py",
+           'needed=("data", "teacher"), unkept={"out_dir", "resume"})', 'needed=("data",), unkept={"out_dir", "resume"})',
+           "tests/test_train.py::test_distillation_loss_decreases"),
     mutant("train: --test-subset of a text run dropped", T, 'if explicit.get("test_subset") and cfg.dataset in',
            'if False and cfg.dataset in', "tests/test_faults.py::test_test_subset_of_a_language_run_is_refused"),
 ]

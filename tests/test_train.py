@@ -346,6 +346,8 @@ def test_distillation_loss_decreases(tmp_path, fashion_mnist_dir):
     for argv in (["--resume", student, "--max-steps", "14"], ["--eval-only", student]):  # other targets
         with pytest.raises(SystemExit, match="--teacher .* is not the file this run was trained on"):
             train.main([*argv, "--teacher", str(teacher / "ckpt.pt")])
+        with pytest.raises(SystemExit, match="the run used --teacher .*; give --teacher again"):
+            train.main(argv)  # not the accuracy of a head distillation never trained
     with pytest.raises(SystemExit, match="student tokens .* teacher tokens .* differ"):
         run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--teacher", str(teacher / "ckpt.pt"),
             "--patch-size", "4", name="bad")
