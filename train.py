@@ -368,7 +368,8 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
                         resume_step=resume_ckpt["step"] if resume_ckpt else None)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
     say(f"{cfg.arch}: {run.params() / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
-        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
+        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch)"
+        f"{f', resumed at step {run.step}' if resume_ckpt else ''} | "
         f"peak lr {sched['peak_lr']:.3g} after {sched['warmup_steps']} warmup steps | out {cfg.out_dir}")
     run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                     "params": run.params(), "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)

@@ -904,6 +904,9 @@ MUTANTS = [
     mutant("resume: --eval-only of a distilled run scored without its teacher", "lib/resume.py",
            'needed=("data", "teacher"), unkept={"out_dir", "resume"})', 'needed=("data",), unkept={"out_dir", "resume"})',
            "tests/test_train.py::test_distillation_loss_decreases"),
+    mutant("train: a resumed run does not say where it continues", T,
+           "f\"{f', resumed at step {run.step}' if resume_ckpt else ''} | \"", "\" | \"",
+           "tests/test_train.py::test_resume_matches_uninterrupted_run"),
     mutant("train: --test-subset of a text run dropped", T, 'if explicit.get("test_subset") and cfg.dataset in',
            'if False and cfg.dataset in', "tests/test_faults.py::test_test_subset_of_a_language_run_is_refused"),
 ]

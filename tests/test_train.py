@@ -161,14 +161,16 @@ def test_a_preset_patch_is_kept_down_to_four_patches_a_side(image_size, kept):
     assert ("patch_size" not in overrides) == kept, overrides
 
 
-def test_resume_matches_uninterrupted_run(tmp_path, fashion_mnist_dir):
+def test_resume_matches_uninterrupted_run(tmp_path, fashion_mnist_dir, capsys):
     """Every source of randomness on: elastic depth, drop-path, crop/flip, 3-Augment, mixup/cutmix."""
     recipe = ["--max-steps", "6", "--depth-drop", "0.3", "--drop-path", "0.1", "--mixup", "0.8",
               "--cutmix", "1.0", "--three-augment", "--color-jitter", "0.3", "--eval-interval", "2"]
     straight, out_a = run(tmp_path, fashion_mnist_dir, *recipe, name="straight")
     _, out_b = run(tmp_path, fashion_mnist_dir, *recipe, "--stop-at-step", "3", name="killed")
     assert torch.load(out_b / "ckpt.pt", weights_only=True)["step"] == 3
+    capsys.readouterr()
     resumed = train.main(["--resume", str(out_b / "ckpt.pt"), "--no-progress"])
+    assert "6 steps (16 per epoch), resumed at step 3 |" in capsys.readouterr().out  # where it continues
     a, b = step_losses(out_a), step_losses(out_b)
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bit-for-bit
     assert straight["test_acc"] == resumed["test_acc"]
