@@ -907,6 +907,9 @@ MUTANTS = [
     mutant("train: a resumed run does not say where it continues", T,
            "f\"{f', resumed at step {run.step}' if resume_ckpt else ''} | \"", "\" | \"",
            "tests/test_train.py::test_resume_matches_uninterrupted_run"),
+    mutant("hubconf: a helper listed as a torch.hub entry point", "hubconf.py", "import safetensors\n",
+           "import safetensors\nfrom safetensors import safe_open\n",
+           "tests/test_weights.py::test_torch_hub_lists_only_the_two_models"),
     mutant("train: --test-subset of a text run dropped", T, 'if explicit.get("test_subset") and cfg.dataset in',
            'if False and cfg.dataset in', "tests/test_faults.py::test_test_subset_of_a_language_run_is_refused"),
 ]
