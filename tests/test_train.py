@@ -432,7 +432,8 @@ def test_cli_errors(tmp_path, fashion_mnist_dir, capsys):
     assert "--data-dir /no/such/dir does not exist" in error("--data-dir", "/no/such/dir")
     assert "only its own depth" in error("--arch", "vit-mini", "--eval-depths", "4,8", "--max-steps", "1")
     assert "unknown --dataset" in error("--dataset", "mnist")
-    assert "imagenet needs the folder: --data" in error("--recipe", "imagenet")  # not Table 6 on Fashion-MNIST
+    assert "imagenet needs the folder: --data" in error("--recipe", "imagenet", "--max-steps", "1",  # not Table 6
+                                                        "--train-subset", "64", "--test-subset", "64")  # on F-MNIST
     assert "invalid int value" in error("--epochs", "ten")  # argparse: exit code 2
     assert not (tmp_path / "x").exists()
 
