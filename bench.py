@@ -494,8 +494,7 @@ def forward_flops(name: str, overrides: dict) -> float:
 def bench_train(size="s", batch=8, device="cpu", compiled=False, warmup=1, repeats=5, iters=1, peak=None,
                 labels=None, resolve=None, max_repeats=200, backend="inductor", reference="DeiT III",
                 on_row=None, model_args=None) -> dict:
-    """Training-step time of each row of train_models (labels: only these, with the reference), in
-    interleaved rounds (time_rows). model_args: config overrides of every model (the check's tiny sizes)."""
+    """Training-step time of the rows of train_models (labels: only these), timed together (time_rows)."""
     device = torch.device(device)
     specs = {k: (name, {**overrides, **({} if name in alternet.PRESETS else model_args or {})}, compile_row)
              for k, (name, overrides, compile_row) in train_models(size, compiled).items()
@@ -569,8 +568,7 @@ def optimizer_step(model, loss, device):
 def latency_targets(rows: list[dict]) -> list[dict]:
     """cached <= 1.03x at every batch; folded 1.00x within noise; dynamic <= 1.10x at the largest batch;
     dynamic memory at batch 1 <= 0.55x (the compact deployment the paper measured)."""
-    out = []
-    largest = max(r["batch"] for r in rows)
+    out, largest = [], max((r["batch"] for r in rows), default=0)
     for r in rows:
         name, tag = r["model"], f"{r['mode']}, batch {r['batch']}"
         noise = max(0.02, (r["ratio_q3"] - r["ratio_q1"]) / 2)
@@ -724,13 +722,13 @@ CHECK_SIZES = {
              "--depth", "2"]),
 }
 CHECK_FILES = ("check.json", "check.md", "check.log")  # all a check writes into --out
-ELASTIC_ROWS = ("reViT fixed, eager", "reViT elastic 0.3")
+STEP_ROWS = {"train-step": ["DeiT III", "reViT fixed"],  # the training-step parts' rows, the reference first
+             "elastic": ["reViT fixed, eager", "reViT elastic 0.3"]}
 DATA_TESTS = ["tests/test_train.py", "tests/test_analyze.py"]  # gpu-marked: training, resume, analysis
 
 
 def run_check(args, device) -> dict:
-    """The parts in turn (lib/budget.py: each its own process and timeout, the report rewritten after every
-    row); --part runs one part in this process (what the parts' processes run)."""
+    """The parts in turn (lib/budget.run_plan); --part runs one part in this process (as the parts do)."""
     sizes_name = "full" if device.type == "cuda" else "tiny"
     sizes = CHECK_SIZES[sizes_name]
     if args.part:
@@ -776,11 +774,11 @@ def check_parts(args, device, sizes: dict, run_dir: str) -> list:
     return [
         part(f"latency, batch {small}", "latency", 0.30, 0.12, here + ["latency-small"], LATENCY_MODELS),
         part(f"latency, batch {large}", "latency", 0.22, 0.08, here + ["latency-large"], LATENCY_MODELS),
-        part("training step", "train", 0.20, 0.10, here + ["train-step"], ["DeiT III", "reViT fixed"]),
+        part("training step", "train", 0.20, 0.10, here + ["train-step"], STEP_ROWS["train-step"]),
         part("correctness", "tests", 0.10, 0.05, tests_argv(device, ["tests/test_device.py::TestOnDevice"])),
         part("train.py run", "run", 0.07, 0.03, run, ["train.py run"], blocked=no_data,
              finish=train_run_rows(run_dir, sizes, device)),
-        part("training step, elastic depth", "train", 0.05, 0.03, here + ["elastic"], ELASTIC_ROWS),
+        part("training step, elastic depth", "train", 0.05, 0.03, here + ["elastic"], STEP_ROWS["elastic"]),
         part("GPU tests that need the data", "tests", 0.06, 0.04,
              tests_argv(device, DATA_TESTS, gpu_only=True), **gpu_tests)]
 
@@ -824,7 +822,7 @@ def check_part(key: str, device, sizes: dict) -> dict:
             bench_latency, batches=(sizes["batches"][PARTS.index(key)],), modes=("compiled",),
             memory=False, **sizes["latency"])
     else:
-        labels = ["DeiT III", "reViT fixed"] if key == "train-step" else list(ELASTIC_ROWS)
+        labels = STEP_ROWS[key]
         precision, run = step_precision(device), functools.partial(
             bench_train, compiled=True, labels=labels, reference=labels[0],
             peak=peak_of(torch.cuda.get_device_name(device)) if cuda else None, **sizes["train"])
@@ -851,8 +849,7 @@ TORCH_HINTS = ("TORCHDYNAMO_VERBOSE", "TORCH_LOGS", "TORCH_USE_CUDA_DSA", "CUDA_
 
 
 def first_informative_line(error: BaseException) -> str:
-    """'Type: line' with the first line of the message that is neither one of torch's hints (TORCH_HINTS)
-    nor a heading such as dynamo's "backend='inductor' raised:"."""
+    """'Type: line': the message's first line that is neither torch's advice nor a heading ("... raised:")."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     useful = [line for line in lines
               if not line.endswith("raised:") and not any(hint in line for hint in TORCH_HINTS)]
@@ -871,8 +868,8 @@ def tests_argv(device, files: list[str], gpu_only: bool = False) -> list[str]:
 
 
 def pytest_runtest_logreport(report) -> None:
-    """pytest's hook, in the check's test parts: a test's row when it ends (or is skipped, or fails to set
-    up or tear down), with its seconds and the first line of a failure or the reason of a skip."""
+    """pytest's hook in the check's test parts: a test's row as it ends (passed, failed, skipped, set-up or
+    tear-down error), with its seconds and the first line of a failure or the reason of a skip."""
     if report.when != "call" and report.passed:
         return
     status = "ok" if report.passed or hasattr(report, "wasxfail") else report.outcome  # xfail: as planned
@@ -922,7 +919,7 @@ def check_markdown(doc: dict) -> str:
     if doc["sizes"] == "full":  # ours, against the paper's Table 7, on the rows that finished
         done = {kind: [r for r in doc["rows"] if r["status"] == "ok" and kinds[r["part"]] == kind]
                 for kind in ("latency", "train")}
-        judged = (latency_targets(done["latency"]) if done["latency"] else []) + train_targets(done["train"])
+        judged = latency_targets(done["latency"]) + train_targets(done["train"])
         out.append(targets_markdown(judged).lstrip("\n") + "\n")
     out += ["## The plan (most important first; each part its own process and timeout)\n",
             markdown(doc["parts"], [("part", f("part", "{}")), ("timeout s", f("timeout_s", "{:.0f}")),
@@ -976,6 +973,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # name -> its parser
 
     def command(name, text, out="also write the JSON results to this file", device=True):
         p = sub.add_parser(name, help=text)
@@ -1019,11 +1017,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "Table 6)")
     mem.add_argument("--batch-size", type=int, help="global batch per optimizer step (default: the recipe's)")
     mem.add_argument("--grad-accum", type=int, help="micro-steps per step (default: the fewest that fit)")
-    mem.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP)")
-    mem.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
+    mem.add_argument("--gpus", type=int, default=1, help="GPUs under torchrun (DDP; default 1)")
+    mem.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
     mem.add_argument("--seq-len", type=int, help="language presets: the context (default: the recipe's)")
     mem.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                     help="the run's autocast (train.py's auto: bf16 where the GPU has it, else fp16)")
+                     help="autocast (default bf16; train.py's auto: bf16 where the GPU has it, else fp16)")
     return parser
 
 
@@ -1039,15 +1037,19 @@ def timing_flags(p, warmup: str, repeats: str, iters: str):
 
 
 def check_flags(args, device) -> dict:
-    """Every subcommand's flags, before any work: defaults for the unset ones (returned), then ranges
-    (lib/boundary.RANGES), --rows and the output path."""
+    """Every subcommand's flags before any work: DEFAULTS for unset ones (returned), RANGES, --rows, --out."""
     defaults = {**DEFAULTS.get((args.command, device.type == "cuda"), {}),
                 **(QUICK if args.command == "train" and args.quick else {})}
     defaults = {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
     vars(args).update(defaults)
     check_numbers(vars(args), PROG)
     if args.command == "train" and args.rows:
-        known, rows = train_models(args.size, args.compile), [t.strip() for t in args.rows.split(",")]
+        known, rows = train_models(args.size, args.compile), []
+        for name in (t.strip() for t in args.rows.split(",")):
+            if rows and f"{rows[-1]}, {name}" in known:  # a listed name holding ", ": "reViT fixed, eager"
+                rows[-1] += f", {name}"
+            else:
+                rows.append(name)
         if not set(rows) <= set(known):
             fail(f"--rows must name some of {', '.join(known)}; got {args.rows[:80]!r}", PROG)
         args.rows = rows
@@ -1065,19 +1067,14 @@ def check_flags(args, device) -> dict:
 
 
 def run_params(args, device) -> dict:
-    result = {"command": "params", **bench_params(with_counter=not args.no_counter),
-              "env": environment(torch.device("cpu"))}
-    print(params_markdown(result))
-    return result
+    return {"command": "params", **bench_params(with_counter=not args.no_counter)}
 
 
 def run_latency(args, device) -> dict:
     dtype = "bfloat16" if device.type == "cuda" else "float32"  # CUDA: cast once, no per-call autocast
     settings = {k: getattr(args, k) for k in ("size", "batches", "modes", "warmup", "repeats", "iters")}
-    result = {"command": "latency", "settings": {**settings, "precision": f"{dtype} weights"},
-              **bench_latency(**settings, device=device, dtype=dtype)}
-    result["targets"] = latency_targets(result["rows"]) if args.size == "s" else []
-    return result
+    return {"command": "latency", "settings": {**settings, "precision": f"{dtype} weights"},
+            **bench_latency(**settings, device=device, dtype=dtype)}
 
 
 def run_train(args, device) -> dict:
@@ -1087,17 +1084,19 @@ def run_train(args, device) -> dict:
     settings = {k: getattr(args, k) for k in ("size", "batch", "warmup", "repeats", "iters", "resolve",
                                               "max_repeats")}
     precision = "bf16 autocast" if device.type == "cuda" else "fp32"
-    result = {"command": "train", "settings": {
+    return {"command": "train", "settings": {
         **settings, "compiled": args.compile, "precision": precision, "optimizer": "AdamW",
         "threads": torch.get_num_threads(), "peak_flops": peak, "rows": labels},
         **bench_train(**settings, device=device, compiled=args.compile, peak=peak, labels=labels)}
-    result["targets"] = train_targets(result["rows"]) if args.size == "s" else []
-    return result
 
 
 def run_memory(args, device) -> dict:
     """The estimate of lib/memory.py for a GPU run under bf16 (or --precision) autocast, as train.py's."""
     language = args.arch in alternet.PRESETS
+    if language and args.recipe not in (None, "text"):  # else train.py asks for --max-steps, not a flag here
+        fail(f"--recipe {args.recipe} does not suit {args.arch}, a language preset: use --recipe text", PROG)
+    if not language and args.seq_len is not None:
+        fail(f"--seq-len is for language presets; {args.arch} is a vision preset (tokens: its patches)", PROG)
     explicit = {"arch": args.arch, **({"recipe": args.recipe} if args.recipe else {}),
                 **({} if language else {"dataset": "imagenet"})}
     cfg = train.resolve_config(explicit, announce=False)  # an unknown --arch: one line, with suggestions
@@ -1122,7 +1121,7 @@ def run_memory(args, device) -> dict:
         how_to_fit = str(e)
     rows = [("weights", estimate.weights), ("gradients", estimate.grads), ("AdamW state", estimate.optimizer),
             ("activations", estimate.activations), ("loss", estimate.loss), ("total", estimate.total)]
-    print(f"{args.arch}: {estimate.line()}\n\n| per device | GB |\n|---|---|")
+    print(f"{args.arch}, recipe {recipe}: {estimate.line()}\n\n| per device | GB |\n|---|---|")
     print("\n".join(f"| {name} | {value / memory.GB:.2f} |" for name, value in rows))
     print(f"\nfits {memory.USABLE:.0%} of {args.gpu_memory:g} GB: "
           f"{'no -- ' + how_to_fit if how_to_fit else 'yes'}")
@@ -1133,10 +1132,15 @@ def run_memory(args, device) -> dict:
 
 COMMANDS = {"params": run_params, "latency": run_latency, "train": run_train, "check": run_check,
             "memory": run_memory}
+REPORTS = {"params": params_markdown, "latency": result_markdown, "train": result_markdown}  # then --out
+TARGETS = {"latency": latency_targets, "train": train_targets}  # ours, at S/16 (Table 7's size) only
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # matched against the subcommand's flags (bench.py's own are -h alone)
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         device = pick_device(getattr(args, "device", "cpu"))
     except ValueError as e:  # --device: one line, as argparse reports its own errors
@@ -1147,13 +1151,17 @@ def main(argv=None) -> dict:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     result = COMMANDS[args.command](args, device)
-    if args.command in ("latency", "train"):
-        print(result_markdown(result))
-        result["env"], result["settings"]["defaults_used"] = environment(device), defaults
+    if args.command in TARGETS:
+        result["targets"] = TARGETS[args.command](result["rows"]) if args.size == "s" else []
+    if args.command in REPORTS:
+        print(REPORTS[args.command](result))
+        result["env"] = environment(device)
+    if args.command in TARGETS:
+        result["settings"]["defaults_used"] = defaults
         if device.type == "cpu":
             print(f"\nCPU-sized defaults used: {defaults}; GPU numbers: the same command on a CUDA machine.")
         print("\n" + environment_line(result["env"]))
-    if args.command in ("params", "latency", "train") and args.out:
+    if args.command in REPORTS and args.out:
         write_json(result, args.out)
     print(json_text(result))
     return result

@@ -9,19 +9,19 @@ the file's metadata; weights/NAME.json gives the training command, commit, hardw
 two model files, torch and safetensors only. The same files are checkpoints for every command.
 """
 import json
-from pathlib import Path
+import pathlib
 
-from safetensors import safe_open
+import safetensors
 
 import alternet
 import revit
 
 dependencies = ["torch", "einops", "safetensors"]  # what torch.hub checks before loading this file
-WEIGHTS = Path(__file__).resolve().parent / "weights"
+WEIGHTS = pathlib.Path(__file__).resolve().parent / "weights"
 
 
 def _load(name: str, module, pretrained: bool):
-    with safe_open(str(WEIGHTS / f"{name}.safetensors"), framework="pt") as f:
+    with safetensors.safe_open(str(WEIGHTS / f"{name}.safetensors"), framework="pt") as f:
         metadata = f.metadata()
         config = json.loads(metadata["model_config"])
         if module is revit:  # saved with lib/moe.py's fields too (ffn="merge": reViT's own FFN), unused here

@@ -63,10 +63,9 @@ class Mlp(nn.Module):
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(u)))
 
-    def ffn_at(self, s: torch.Tensor) -> Mlp:
+    def ffn_at(self, s: torch.Tensor) -> Mlp:  # the same FFN at every coordinate
         return self
-
-    per_image_ffn = ffn_at  # the same FFN at every coordinate
+    per_image_ffn = ffn_at
 
     def aux_losses(self, depth: int) -> dict:
         return {}
@@ -75,12 +74,11 @@ class Mlp(nn.Module):
         return [self.state_dict()] * depth  # the weights of each step (fold): its own at every step
 
 class Block(nn.Module):
-    """Pre-norm transformer block (Eq. 3): H = X + MHSA(LN(X)); X' = H + FFN(LN(H)), with optional
-    LayerScale (DeiT III, the baselines) and per-sample drop-path on both branches. forward(x, ffn) runs
-    `ffn`, tokens (b, T, d) -> tokens, default `mlp` (the FFN's parameters, timm's names: mlp.fc1.weight).
-    The FFN interface of reViT's block (MergedExpertFFN; E = 1: Mlp): ffn_at(s), FFN_t at a coordinate
-    s (1,) (Eqs. 1-2); per_image_ffn(coords), for images at coordinates (b,) (§3.2); aux_losses(depth),
-    a dict (App. A.2); dense_states(depth, gates), the Mlp weights of each step (fold)."""
+    """Pre-norm transformer block (Eq. 3), optional LayerScale (DeiT III, the baselines), per-sample drop-path
+    on both branches. forward(x, ffn): tokens (b, T, d) -> tokens through `ffn`, default `mlp` (timm's names:
+    mlp.fc1.weight). The FFN interface of reViT's block (MergedExpertFFN; E = 1: Mlp): ffn_at(s), FFN_t at a
+    coordinate s (1,) (Eqs. 1-2); per_image_ffn(coords), for images at coordinates (b,) (§3.2);
+    aux_losses(depth), a dict (App. A.2); dense_states(depth, gates), each step's Mlp weights (fold)."""
 
     def __init__(self, dim: int, heads: int, mlp: nn.Module, layer_scale_init: float | None = None,
                  drop_path: float = 0.0):
@@ -95,9 +93,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ffn: Callable | None = None) -> torch.Tensor:
         ffn = self.mlp if ffn is None else ffn
-        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
-        u = self.norm2(x)
-        return x + self.drop_path(self.ls2(ffn(u)))
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))  # H = X + MHSA(LN(X))
+        return x + self.drop_path(self.ls2(ffn(self.norm2(x))))     # X' = H + FFN(LN(H))
 
     def drop_path(self, x: torch.Tensor) -> torch.Tensor:
         """DeiT III's stochastic depth, per sample; not elastic depth (depth_drop: whole steps, §3.2)."""
@@ -142,8 +139,13 @@ class ViTBase(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) floating images (cast to the model's dtype) -> (B, 1+N, d) tokens."""
-        check_images(images, self.config)
+        """(B, C, H, W) floating images (cast to the model's dtype) -> (B, 1+N, d) tokens. Integer pixels are
+        refused, not guessed (uint8 images need .float() / 255 and the normalisation)."""
+        c = self.config
+        if images.shape[1:] != (c.in_channels, c.image_size, c.image_size) or not images.is_floating_point():
+            raise ValueError(f"images must be a floating-point tensor normalised as in training, of shape "
+                             f"(B, in_channels={c.in_channels}, image_size={c.image_size}, {c.image_size}); "
+                             f"got {images.dtype} {tuple(images.shape)}")
         images = images.to(self.patch_embed.proj.weight.dtype)
         x = rearrange(self.patch_embed.proj(images), "b d gh gw -> b (gh gw) d")  # (B, N, d)
         x = x + self.pos_embed  # DeiT III's layout: no position on the class token (our choice)
@@ -188,8 +190,8 @@ class ExpertBank(nn.Module):
         return self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
 
     def merge(self, gates: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple:
-        """Eq. 2 for n gate vectors at once: (n, E) -> four stacks of merged tensors (n, ...) in `dtype`,
-        fp32 by default whatever the bank's dtype or autocast; callers cast at use (MergedFFN)."""
+        """Eq. 2 for n gate vectors (n, E) -> four stacks (n, ...) in `dtype` (fp32 by default whatever the
+        bank's dtype or autocast; callers cast at use: MergedFFN)."""
         with full_precision(gates.device):
             return tuple((gates.to(dtype) @ p.to(dtype).flatten(1)).unflatten(1, p.shape[1:])  # (n, ...)
                          for p in self.bank())
@@ -209,8 +211,7 @@ def gate_penalties(z: torch.Tensor, temperature: float) -> tuple:
     return 1.0 - entropy / math.log(z.shape[-1]), torch.logsumexp(z, dim=-1).pow(2)
 
 class DepthRouter(nn.Sequential):
-    """psi of Eq. 1: Linear(1, 16) -> SiLU -> Linear(16, E), (n, 1) coordinates -> (n, E) logits in fp32
-    whatever the autocast or dtype (App. A.5). A module (router.0, router.2), so hooks and counters see it."""
+    """psi of Eq. 1, (n, 1) coordinates -> (n, E) logits in fp32 whatever the autocast or dtype (App. A.5)."""
 
     def forward(self, s: torch.Tensor) -> torch.Tensor:
         first, last = self[0], self[2]
@@ -405,8 +406,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     # reViT unrolls its shared block; Raptor (or a plain ViT) lists the block that serves each step
     steps = (model.block.unrolled_states(depth, gates) if isinstance(model, ReViT)
              else [model.blocks[j].state_dict() for j in model.schedule(depth)])
-    for t, step_state in enumerate(steps):
-        state.update({f"blocks.{t}.{k}": v for k, v in step_state.items()})
+    state.update({f"blocks.{t}.{k}": v for t, step in enumerate(steps) for k, v in step.items()})
     hidden = state["blocks.0.mlp.fc1.weight"].shape[0]  # the width of the FFN that actually runs
     plain = {f.name: getattr(c, f.name) for f in fields(ViTConfig)}  # a subclass's: dropped
     config = replace(ViTConfig(**plain), arch="vit", depth=depth, depth_drop=0.0, raptor_blocks=1,
@@ -415,7 +415,7 @@ def fold(model: nn.Module, depth: int | None = None, gates: torch.Tensor | None 
     vit.load_state_dict(state)
     return vit.train(model.training)
 
-# --- behind the story: the merge cache (§3.1), fp32 regions (App. A.5), the depth prior ---
+# --- behind the story: the merge cache (§3.1), fp32 regions (App. A.5), the depth prior, DeiT III's init ---
 
 @torch.compiler.disable  # a Python-side lookup, kept out of compiled graphs (no guards, no recompiles)
 def merge_cache(model: ReViT, depth: int) -> list[MergedFFN] | None:
@@ -449,13 +449,13 @@ def depth_prior(s: torch.Tensor, num_experts: int, beta: float) -> torch.Tensor:
     centres = torch.linspace(0.0, 1.0, num_experts, device=s.device)       # (E,)
     return -beta * (s.float() - centres).pow(2)
 
-# --- DeiT III's recipe pieces: the init and LayerScale (the baselines') ---
-
 def init_linear(module: nn.Module) -> None:  # LayerNorms keep their (1, 0) start
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
+
+# --- Table 1's baselines: DeiT III's LayerScale, the plain ViT (also what `fold` returns) and Raptor ---
 
 class LayerScale(nn.Module):
     """DeiT III's per-channel scale of a residual branch (the baselines; reViT's block has none, Eq. 3)."""
@@ -466,8 +466,6 @@ class LayerScale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma
-
-# --- Table 1's baselines: the plain ViT (DeiT III; also what `fold` returns) and Raptor ---
 
 class VisionTransformer(ViTBase):
     """Untied ViT: block t serves step t. `fold` returns this class, so a folded reViT runs through
@@ -594,8 +592,7 @@ def build_model(config: ViTConfig) -> nn.Module:
 TYPES = {  # a field's annotation -> (the types it accepts, what it allows)
     "int": (int, "an integer"), "float": ((int, float), "a finite number"), "bool": (bool, "True or False"),
     "str": (str, "a string"), "float | None": ((int, float, type(None)), "a finite number or None")}
-# Sizes a user would not reach by intent (our choice, far above the paper's ViT-L): a typo or an edited
-# checkpoint config is refused before anything is allocated.
+# Sizes nobody reaches by intent (our choice, far above ViT-L): a typo or an edited config is refused early.
 MAX_DEPTH = 256
 SIZE_LIMITS = dict(image_size=2 ** 14, patch_size=2 ** 10, in_channels=2 ** 10, dim=2 ** 15, heads=2 ** 10,
                    ffn_dim=2 ** 17, router_hidden=2 ** 12, num_experts=2 ** 10)
@@ -634,8 +631,7 @@ def make_config(cls: type, values: dict) -> ViTConfig:
     return cls(**values)
 
 def check_fields(c: ViTConfig, rules: list) -> None:
-    """Each field's type first (integers refuse floats, strings and bools; floats refuse NaN and inf), then
-    the rules in order: the first that fails raises, naming the field and what it allows."""
+    """Each field's type (ints refuse floats, strings, bools; floats NaN and inf), then the rules in order."""
     for f in fields(c):
         value, (types, allowed) = getattr(c, f.name), TYPES[f.type]
         finite = not isinstance(value, float) or math.isfinite(value)
@@ -647,13 +643,6 @@ def check_fields(c: ViTConfig, rules: list) -> None:
 
 def refusal(c: ViTConfig, name: str, allowed: str) -> ValueError:
     return ValueError(f"{name}={getattr(c, name)!r} is not allowed: {name} must be {allowed}")
-
-def check_images(images: torch.Tensor, c: ViTConfig) -> None:
-    """Integer pixels are refused, not guessed (uint8 images need .float() / 255 and the normalisation)."""
-    if images.shape[1:] != (c.in_channels, c.image_size, c.image_size) or not images.is_floating_point():
-        raise ValueError(f"images must be a floating-point tensor normalised as in training, of shape "
-                         f"(B, in_channels={c.in_channels}, image_size={c.image_size}, {c.image_size}); "
-                         f"got {images.dtype} {tuple(images.shape)}")
 
 if __name__ == "__main__":  # python revit.py [names...]: parameter counts (on the meta device)
     if {"-h", "--help"} & set(sys.argv):

@@ -136,12 +136,14 @@ RECIPE_OF = {"cifar10": "cifar", "cifar100": "cifar", "imagenet": "imagenet",
              **dict.fromkeys(TEXT_DATASETS, "text")}
 
 
-def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
-    """Quick-start defaults <- the recipe(s) <- the flags given; prints what applies, then checks it all."""
+def resolve_config(explicit: dict, announce: bool = True, typed=None) -> TrainConfig:
+    """Quick-start defaults <- the recipe(s) <- the flags given; prints what applies, then checks it all.
+    `typed`: the flags of the command line (default: all of `explicit`), which the family rule judges."""
     show = say if announce else (lambda line: None)
     arch, data = explicit.get("arch", TrainConfig.arch), explicit.get("data")
     family = family_of(arch)
-    images = "imagenet" if data else "fashion-mnist"
+    recipe_data = {"imagenet": "imagenet", "cifar": "cifar10"}.get(explicit.get("recipe"))  # its own data
+    images = "imagenet" if data else recipe_data or "fashion-mnist"
     dataset = explicit.get("dataset") or (("text" if data else "grammar") if family == "language" else images)
     if dataset not in IMAGE_DATASETS + TEXT_DATASETS:
         fail(f"unknown --dataset {dataset!r}; choose one of {', '.join(IMAGE_DATASETS + TEXT_DATASETS)}")
@@ -160,12 +162,12 @@ def resolve_config(explicit: dict, announce: bool = True) -> TrainConfig:
     values = {**values, **paper, "dataset": dataset}
     if not explicit.get("dataset"):
         show(f"override: dataset={dataset} (auto: {'the built-in corpus, ' if dataset == 'grammar' else ''}"
-             f"{family} preset{', --data given' if data else ''})")
+             f"{family} preset{', --data given' if data else f', --recipe {recipe}' if recipe_data else ''})")
     for name, value in explicit.items():
         if values[name] != value if name in values else value != getattr(TrainConfig, name):
             show(f"override: {name}={value} (--{'no-' if value is False else ''}{name.replace('_', '-')})")
     cfg = TrainConfig(**{**values, **explicit})
-    check_config(cfg)
+    check_config(cfg, explicit if typed is None else typed)
     return cfg
 
 
@@ -366,8 +368,9 @@ def train(cfg: TrainConfig, resume_ckpt: dict | None) -> dict:
                         resume_step=resume_ckpt["step"] if resume_ckpt else None)
     run.forward = wrap(model, cfg, device, world)  # after loading: DDP starts from rank 0's weights
     say(f"{cfg.arch}: {run.params() / 1e6:.3f}M trainable parameters | {world} rank(s) on {device} | "
-        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch) | "
-        f"peak lr {sched['peak_lr']:.3g} | out {cfg.out_dir}")
+        f"{sched['total_steps']} steps ({steps_per_epoch or '-'} per epoch)"
+        f"{f', resumed at step {run.step}' if resume_ckpt else ''} | "
+        f"peak lr {sched['peak_lr']:.3g} after {sched['warmup_steps']} warmup steps | out {cfg.out_dir}")
     run.folder.log({"event": "resume" if resume_ckpt else "start", "step": run.step, "config": asdict(cfg),
                     "params": run.params(), "peak_lr": sched["peak_lr"], **provenance(device)}, rank == 0)
     try:
@@ -385,7 +388,8 @@ def loop(run: Run, batches, eval_every: int) -> dict:
     `eval_every`, and at the end the final evaluation."""
     cfg, total = run.cfg, run.sched["total_steps"]
     unit = "tokens" if cfg.dataset in TEXT_DATASETS else "images"
-    bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not cfg.progress, dynamic_ncols=True)
+    screen = cfg.progress and sys.stdout.isatty()  # a bar on a terminal; piped or --no-progress: lines
+    bar = tqdm(total=total, initial=run.step, disable=run.rank > 0 or not screen, dynamic_ncols=True)
     t_start = t0 = time.perf_counter()
     seen, start_step = 0, run.step
     for step, inputs, targets in (batches(run.step) if run.step < total else ()):
@@ -407,7 +411,7 @@ def loop(run: Run, batches, eval_every: int) -> dict:
                 record.update(zip(parts, torch.stack([record[k].float() for k in parts]).tolist()))
             rate = seen / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", per_s=f"{rate:.0f}")
-            if not (cfg.progress and sys.stdout.isatty()):  # no bar on screen: a line to watch instead
+            if not screen:  # no bar: a line to watch instead
                 say(f"step {run.step}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, {rate:.0f} {unit}/s")
             run.folder.log({**record, "per_s": rate}, run.rank == 0)
             t0, seen = time.perf_counter(), 0
@@ -474,6 +478,9 @@ def main(argv=None) -> dict:
         if explicit.get("backbone"):  # a probe is named after its backbone
             explicit.setdefault("arch", tasks.backbone_arch(explicit["backbone"]))
         resume_ckpt, cfg = None, resolve_config(explicit)
+    if explicit.get("test_subset") and cfg.dataset in TEXT_DATASETS:  # read by tools.depths, not by training
+        fail(f"--test-subset applies to the image models only, not to {cfg.arch} (it evaluates --eval-iters "
+             f"batches of text)")
     if cfg.out_dir:
         RunFolder(cfg.out_dir, cfg.resume).check(fresh=resume_ckpt is None, overwrite=cfg.overwrite)
     try:

@@ -132,11 +132,15 @@ DENSE_PROBES = ("seg", "monodepth")  # per-patch heads on cached features: tools
 REVIT_DEPTH = (closed(2, MAX_DEPTH)[0], f"in 2..{MAX_DEPTH} for reViT (s_t = t/(L-1) needs two steps)")
 
 
-def check_config(cfg) -> None:
-    """train.py's config before anything is read or written: numbers, choices, flags that need one another."""
+def check_config(cfg, typed) -> None:
+    """train.py's config before anything is read or written: numbers, choices, flags that need one another,
+    and the flags `typed` on the command line that the model never reads (a saved config's are not judged)."""
     given_args = parse_model_args(cfg.model_args)
     module = preset_module(cfg.arch, given_args)  # revit, lib.moe or alternet
-    vision, (model, preset) = is_vision(module), model_preset(cfg.arch, module, given_args)
+    vision = is_vision(module)
+    fields = {f.name: f.default for f in dataclasses.fields(module.ViTConfig)} if vision else {}
+    preset = {**fields, **module.PRESETS[cfg.arch]} if vision else {}  # a vision preset's config fields
+    model = {**preset, **given_args}.get("arch") if vision else "alternet"  # --model-args may set arch=
     check_numbers(vars(cfg), **({"depth": REVIT_DEPTH} if model == "revit" else {}))
     data_dir = cfg.data_dir and path_problem(cfg.data_dir, "folder")
     what = " does not exist" if data_dir == "no such folder" else f": {data_dir}"
@@ -167,9 +171,7 @@ def check_config(cfg) -> None:
             fail(message)
     parse_depths(cfg.eval_depths)
     model_args = parse_model_args(cfg.model_args, module.ViTConfig if vision else module.AlterNetConfig)
-    unread = unread_problem(cfg, model, preset, model_args if vision else {})
-    if unread:
-        fail(unread)
+    check_read(cfg, typed, model, preset, model_args if vision else {})
 
 
 # Who reads a flag of train.py or a field of --model-args: a value given to a model that never reads it is
@@ -195,35 +197,23 @@ READ_BY.update({name: READ_BY.get(name, VISION_MODELS) + ("alternet",) for name 
 READ_FLAGS = (*VISION_FLAGS, "eval_depths", *IMAGE_ONLY, *TEXT_ONLY)  # the flags of train.py READ_BY checks
 
 
-def model_preset(arch: str, module, model_args: dict) -> tuple[str, dict]:
-    """The model of preset `arch` under `model_args` (vit, raptor, revit: the preset's arch or --model-args
-    arch=; or alternet) and the vision preset's config fields ({} for AlterNet)."""
-    if not is_vision(module):
-        return "alternet", {}
-    preset = {**{f.name: f.default for f in dataclasses.fields(module.ViTConfig)}, **module.PRESETS[arch]}
-    return {**preset, **model_args}.get("arch"), preset
-
-
-def unread_problem(cfg, model: str, preset: dict, model_args: dict) -> str | None:
-    """The first flag given (unlike its default), or --model-args field unlike the preset's (a saved config
-    carries every field), that cfg's `model` never reads, in words; None when all are read."""
+def check_read(cfg, typed, model: str, preset: dict, model_args: dict) -> None:
+    """Refuses the first flag `typed` (unlike its default), or --model-args field unlike the preset's (a saved
+    config carries every field), that cfg's `model` never reads."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     given = [(name, "--" + name.replace("_", "-")) for name in READ_FLAGS
-             if getattr(cfg, name) != defaults[name]]
+             if name in typed and getattr(cfg, name) != defaults[name]]
     given += [(name, f"--model-args {name}={value}") for name, value in model_args.items()
               if value != preset[name]]
     for name, flag in given:
         readers = READ_BY.get(name, VISION_MODELS)
         if model not in readers:
-            return f"{flag} applies to {', '.join(MODEL_NAMES[m] for m in readers)} only, not to {cfg.arch}"
-    return None
+            fail(f"{flag} applies to {', '.join(MODEL_NAMES[m] for m in readers)} only, not to {cfg.arch}")
 
 
 def model_overrides(cfg, data: dict | None = None) -> dict:
-    """A model's config overrides: the data's properties (an image model's, set by cfg.dataset), the model
-    flags given, as the fields they set, then --model-args (checked against the config class by
-    check_config), which may set none of them again: a data property would fail mid-run, a flag be
-    overridden silently."""
+    """A model's config overrides: the data's properties, the model flags given, then --model-args, which
+    may set none of them again: a data property would fail mid-run, a flag be overridden silently."""
     model_args = parse_model_args(cfg.model_args)
     flags = VISION_FLAGS if is_vision(preset_module(cfg.arch, model_args)) else ALTERNET_FLAGS
     overrides, set_by = dict(data or {}), dict.fromkeys(data or {}, cfg.dataset)
@@ -266,8 +256,8 @@ def family_of(arch: str) -> str:
 
 
 def preset_names() -> list[str]:
-    import alternet  # for their names: a list or an unknown --arch
-    from lib import moe  # the comparison mechanisms' presets are names too
+    import alternet
+    from lib import moe  # the comparison mechanisms' presets (and revit's)
     return sorted(moe.PRESETS) + sorted(alternet.PRESETS)
 
 
@@ -278,13 +268,15 @@ def parse_depths(text: str, flag: str = "--eval-depths", minimum: int = 1,
                  prog: str | None = None) -> list[int]:
     """'4,8,12' -> [4, 8, 12] (empty: []); each in minimum..MAX_DEPTH, and named once."""
     items = [d.strip() for d in text.split(",")] if text.strip() else []
-    if not all(d.lstrip("-").isdigit() for d in items):
-        fail(f"{flag} must be comma-separated integers, e.g. 4,8,12; got {text[:80]!r}", prog)
-    if any(len(d) > 6 or not minimum <= int(d) <= MAX_DEPTH for d in items):  # never a 5,000-digit int
-        fail(f"{flag} must be in {minimum}..{MAX_DEPTH}; got {text[:80]!r}", prog)
-    depths = [int(d) for d in items]
-    if len(set(depths)) < len(depths):  # evaluated once, shown once: a second one would be dropped silently
-        fail(f"{flag} must name each depth once; got {text[:80]!r}", prog)
+    numbers = all(d.lstrip("-").isdigit() for d in items)  # then 6 digits at most: never a 5,000-digit int
+    in_range = numbers and all(len(d) <= 6 and minimum <= int(d) <= MAX_DEPTH for d in items)
+    depths = [int(d) for d in items] if in_range else []
+    problem = ("be comma-separated integers, e.g. 4,8,12" if not numbers
+               else f"be in {minimum}..{MAX_DEPTH}" if not in_range
+               else "name each depth once" if len(set(depths)) < len(depths)  # a second would be dropped
+               else None)
+    if problem:
+        fail(f"{flag} must {problem}; got {text[:80]!r}", prog)
     return depths
 
 
@@ -307,22 +299,17 @@ def parse_model_args(text: str, config_class=None) -> dict:
     return overrides
 
 
-def takes(hint, value) -> bool:
-    """Whether a field annotated `hint` takes `value` (a float field takes an int, an int never a bool)."""
-    kinds = tuple(k for k in (typing.get_args(hint) or (hint,)) if isinstance(k, type))
-    if isinstance(value, bool):
-        return bool in kinds
-    return isinstance(value, kinds) or float in kinds and type(value) is int
-
-
 def wrong_type(values: dict, config_class) -> str | None:
-    """The first known field of a saved config whose value config_class does not take, in words, or None."""
+    """The first known field of a saved config whose value config_class does not take (a float field takes
+    an int, an int never a bool), in words, or None."""
     hints = typing.get_type_hints(config_class)
     for name, value in values.items():
-        if name in hints and not takes(hints[name], value):
-            kinds = typing.get_args(hints[name]) or (hints[name],)
-            names = " or ".join(k.__name__ for k in kinds if isinstance(k, type))
-            return f"{name}={value!r}: {name} takes {names}"
+        if name not in hints:
+            continue
+        kinds = tuple(k for k in (typing.get_args(hints[name]) or (hints[name],)) if isinstance(k, type))
+        takes = isinstance(value, kinds) or float in kinds and type(value) is int
+        if not (bool in kinds if isinstance(value, bool) else takes):
+            return f"{name}={value!r}: {name} takes {' or '.join(k.__name__ for k in kinds)}"
     return None
 
 
@@ -387,8 +374,7 @@ def output_problem(path, kind: str = "file", runs_ok: bool = False) -> str | Non
 
 
 def is_own_output(path: Path) -> bool:
-    """One of OUTPUT_STARTS, or tools.export's or tools.probes' safetensors (a checkpoint's packed weights
-    are not)."""
+    """One of OUTPUT_STARTS, or a safetensors file of OWN_FORMATS (a checkpoint's packed weights are not)."""
     with open(path, "rb") as f:
         if f.read(16).startswith(OUTPUT_STARTS):
             return True
@@ -414,8 +400,7 @@ def is_safetensors(path) -> bool:
 
 
 def outputs_problem(flag: str, folder, names, runs_ok: bool = False) -> str | None:
-    """output_problem of an output folder and of each file `names` a command writes into it, as the whole
-    one-line message; None when all can be written."""
+    """output_problem of an output folder and of each file `names` in it, as the whole one-line message."""
     problem = output_problem(folder, "folder", runs_ok)
     if problem:
         return f"{flag} {folder} {problem}"

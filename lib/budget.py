@@ -31,14 +31,6 @@ def emit(label: str, **fields) -> None:
     print(ROW + json_text({"row": label, **fields}), flush=True)
 
 
-def parse_rows(line: str) -> list[tuple[str, dict]]:
-    """The default `parse`: the rows `emit` printed."""
-    if not line.startswith(ROW):
-        return []
-    fields = json.loads(line[len(ROW):])
-    return [(fields.pop("row"), fields)]
-
-
 @dataclasses.dataclass
 class Part:
     name: str
@@ -50,7 +42,6 @@ class Part:
     blocked_status: str = "not run"  # or "skipped": a part that does not apply here (GPU tests on a CPU)
     kind: str = ""                  # how the report shows its rows (the caller's render knows)
     env: dict | None = None
-    parse: callable = parse_rows    # an output line -> [(row label, fields)]; other lines go to the log
     finish: callable = None         # (exit status, or None when stopped) -> [(row label, fields)], at its end
 
 
@@ -164,18 +155,20 @@ def run_part(part: Part, timeout: float, report: Report, entry: dict, log) -> No
 
 
 def take_line(part: Part, line: str, report: Report, tail: deque, log) -> None:
-    try:
-        updates = part.parse(line)
-    except (ValueError, KeyError) as e:  # a torn or foreign line: logged, never fatal
-        updates = []
-        log.write(f"[{part.name}] (unreadable row: {e})\n")
+    """A row `emit` printed updates the report; any other line goes to the log (the last ones: `tail`)."""
     if not line.startswith(ROW):
         log.write(f"[{part.name}] {line}")
         log.flush()
         if line.strip():
             tail.append(line.strip())
-    for label, fields in updates:
-        report.update(part.name, label, fields)
+        return
+    try:
+        fields = json.loads(line[len(ROW):])
+        label = fields.pop("row")
+    except (ValueError, KeyError) as e:  # a torn or foreign line: logged, never fatal
+        log.write(f"[{part.name}] (unreadable row: {e})\n")
+        return
+    report.update(part.name, label, fields)
 
 
 def close_rows(report: Report, part: Part, status: str, why: str) -> None:

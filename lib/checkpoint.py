@@ -27,7 +27,7 @@ except ImportError:
 import torch
 import torch.nn as nn
 
-from lib.boundary import fail, is_safetensors, or_fail, output_problem, path_problem, preset_module, too_deep
+from lib.boundary import fail, is_safetensors, output_problem, path_problem, preset_module, too_deep
 from lib.weights import read_weights  # the .safetensors files weights/ ships
 from lib.cli import atomic_write, atomic_write_text, broadcast, git_commit, non_finite_place
 
@@ -60,6 +60,8 @@ def load_checkpoint(path, flag: str = "checkpoint", keys=MODEL_KEYS) -> dict:
     plain finite tensors, a model config that builds its arch and fits the weights. ValueError otherwise,
     one line naming the flag, the file and what is wrong."""
     ckpt, problem = None, path_problem(path, "file")
+    if problem and (Path(path) / "ckpt.pt").is_file():  # a run folder
+        problem += f"; give its checkpoint, {Path(path) / 'ckpt.pt'}"
     packed = not problem and is_safetensors(path)  # weights/'s files and tools.export's: no training state
     if not problem:
         try:
@@ -263,11 +265,6 @@ def load_model(path, device="cpu", flag: str = "checkpoint", vision: bool = Fals
 
 def load_vision_model(path, flag: str, device="cpu") -> tuple[nn.Module, dict]:
     return load_model(path, device, flag, vision=True)
-
-
-def checkpoint_or_fail(path, flag, keys=MODEL_KEYS) -> dict:
-    """For a command line: the loaders' ValueError becomes the one-line exit."""
-    return or_fail(load_checkpoint, path, flag, keys)
 
 
 # --- what a checkpoint holds besides weights: plain values, the plain module, RNG states ---

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from lib.boundary import fail, or_fail, script_name
+from lib.tables import markdown_table
 
 
 # --- one-line errors and rank-0 output ---
@@ -83,11 +84,9 @@ def dataclass_parser(config_class, description: str, suppress_defaults: bool = F
         unset = "auto" if "auto:" in f.metadata["help"] else "none"  # chosen for you, or simply not used
         shown = unset if f.default is None or f.default == "" else f.default
         extra = {} if suppress_defaults else {"default": f.default}
-        help_text = f"{f.metadata['help']} [default: {shown}]"
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, **extra)
-        else:
-            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=help_text, **extra)
+        parse_as = ({"action": argparse.BooleanOptionalAction} if kind is bool
+                    else {"type": kind, "metavar": kind.__name__.upper()})
+        parser.add_argument(flag, help=f"{f.metadata['help']} [default: {shown}]", **parse_as, **extra)
     return parser
 
 
@@ -165,10 +164,7 @@ def broadcast(obj, world: int):
 
 def markdown(rows: list[dict], columns: list[tuple]) -> str:
     """columns: (header, function of a row -> str); a cell whose key is missing shows as "–"."""
-    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(_cell(fn, r) for _, fn in columns) + " |")
-    return "\n".join(lines)
+    return markdown_table([h for h, _ in columns], [[_cell(fn, r) for _, fn in columns] for r in rows])
 
 
 def _cell(fn, row):

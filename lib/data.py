@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import math
 import os
 import pickle
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from lib.boundary import fail
 
@@ -74,7 +76,7 @@ def find_builtin(name: str, data_dir: str = "", download: bool = False) -> Path:
             if (folder / marker).exists():
                 return folder
     target, where = Path(data_dir or "data"), ", ".join(map(str, data_roots(data_dir)))
-    failed = " (or rerun with --download, or point --data-dir at a folder that has it)"
+    failed = " (or let train.py --download fetch it, or point --data-dir at a folder that has it)"
     if download:
         try:
             download_builtin(name, target)
@@ -319,10 +321,8 @@ def load_images(dataset: str, data: str = "", data_dir: str = "", download: bool
     if dataset == "planted":
         return planted_images(train_subset or PLANTED["train"], test_subset or PLANTED["test"])
     folder = find_builtin(dataset, data_dir, download)
-    if dataset == "fashion-mnist":
-        (xtr, ytr), (xte, yte), classes = load_fashion_mnist(folder)
-    else:
-        (xtr, ytr), (xte, yte), classes = load_cifar(folder, 10 if dataset == "cifar10" else 100)
+    (xtr, ytr), (xte, yte), classes = (load_fashion_mnist(folder) if dataset == "fashion-mnist" else
+                                       load_cifar(folder, 10 if dataset == "cifar10" else 100))
     train, test = slice(train_subset or None), slice(test_subset or None)  # the first N; 0: all of it
     return ImageData(TensorImages(xtr[train], ytr[train]), TensorImages(xte[test], yte[test]), classes,
                      xtr.shape[1], xtr.shape[-1], *NORMALISATION[dataset])
@@ -342,9 +342,9 @@ def planted_images(train: int, test: int) -> ImageData:
     size, channels, patch, rank = (PLANTED[k] for k in ("image_size", "channels", "patch_size", "rank"))
     grid, n_train, n = size // patch, PLANTED["train"], PLANTED["train"] + PLANTED["test"]
     basis = torch.randn(channels * patch * patch, rank, generator=g) / math.sqrt(rank)  # A: unit-variance
-    tokens = torch.randn(n, grid * grid, rank, generator=g) @ basis.T  # (n, patches, C p²), (c, py, px) order
-    x = tokens.view(n, grid, grid, channels, patch, patch).permute(0, 3, 1, 4, 2, 5)
-    images = (128 + 48 * x.reshape(n, channels, size, size)).round().clamp(0, 255).to(torch.uint8)
+    tokens = torch.randn(n, grid * grid, rank, generator=g) @ basis.T  # (n, patches, C p²)
+    x = rearrange(tokens, "n (gy gx) (c py px) -> n c (gy py) (gx px)", gy=grid, c=channels, py=patch)
+    images = (128 + 48 * x).round().clamp(0, 255).to(torch.uint8)
     xtr, xte = images[:min(train, n_train)], images[n_train:n_train + min(test, PLANTED["test"])]
     train, test = (TensorImages(x, torch.zeros(len(x), dtype=torch.long)) for x in (xtr, xte))
     return ImageData(train, test, 0, channels, size, *NORMALISATION["planted"])
@@ -356,9 +356,7 @@ def epoch_order(n: int, seed: int, epoch: int, repeats: int) -> torch.Tensor:
     are adjacent and the rank split is strided, so they land on different ranks."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(n, generator=g)
-    if repeats > 1:
-        perm = perm[:math.ceil(n / repeats)].repeat_interleave(repeats)[:n]
-    return perm
+    return perm[:math.ceil(n / repeats)].repeat_interleave(repeats)[:n]  # repeats 1: perm itself
 
 
 def image_batches(images, batch_size: int, seed: int, repeats: int, rank: int, world: int, start_step: int):
@@ -453,22 +451,20 @@ def text_batches(tokens: torch.Tensor, batch_size: int, block_size: int, seed: i
                  start_step: int):
     """Random windows (B, T) and their next tokens; the windows of step s come from a generator
     seeded by (seed, s). Every start 0 .. len - T - 1 can be drawn (the last one included)."""
-    step = start_step
-    while True:
+    for step in itertools.count(start_step):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=g)[rank::world]
         windows = torch.stack([tokens[s:s + block_size + 1] for s in starts.tolist()])  # (b, T+1)
         yield step, windows[:, :-1], windows[:, 1:]
-        step += 1
 
 
 # --- batch augmentation on the device (DeiT III 3-Augment, mixup / cutmix) ---
 
 
 class Augment:
-    """uint8 images -> normalised float images and soft targets. Per-image randomness from a
-    torch.Generator on the device, per-batch (mixup/cutmix) from a python Random; train.py saves
-    both in checkpoints."""
+    """uint8 images (B, C, H, W), labels (B,) -> normalised float images, soft targets (B, classes).
+    Per-image randomness from a torch.Generator on the device, per-batch (mixup/cutmix) from a python
+    Random; train.py saves both in checkpoints."""
 
     def __init__(self, data: ImageData, device, seed: int, *, random_crop=False, three_augment=False,
                  color_jitter=0.0, mixup=0.0, cutmix=0.0, mix_prob=1.0, mix_switch_prob=0.5,
@@ -488,7 +484,6 @@ class Augment:
         return torch.rand(*shape, generator=self.generator, device=self.generator.device)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor):
-        """uint8 (B, C, H, W), labels (B,) -> normalised float images, soft targets (B, classes)."""
         x = images.float() / 255
         if self.random_crop:
             x = self.crop_and_flip(x)

@@ -33,28 +33,24 @@ def no_network(allowed: bool = False):
         yield
 
 
-def gpt2_encoding(download: bool = False):
-    """GPT-2's BPE through tiktoken (vocab 50257), which fetches its files once: only with download."""
-    try:
-        import tiktoken
-        with no_network(allowed=download):
-            return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # noqa: BLE001 -- not installed, or its files not cached or not fetched
-        raise ValueError(f"the gpt2 tokenizer needs tiktoken and its encoding files ({e}): pip install "
-                         "tiktoken, and it fetches its files once, with --download (or use byte)") from None
-
-
 BYTES = (lambda text: list(text.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", errors="replace"),
          256)  # the byte tokenizer: the UTF-8 bytes
 
 
 def text_codec(tokenizer: str, download: bool = False) -> tuple[Callable, Callable, int]:
-    """(encode: str -> list of ids, decode: list of ids -> str, vocabulary size) of a --tokenizer name."""
+    """(encode: str -> list of ids, decode: list of ids -> str, vocabulary size) of a --tokenizer name; gpt2:
+    GPT-2's BPE through tiktoken, which fetches its encoding files once, so only with download."""
     if tokenizer == "byte":
         return BYTES
     if tokenizer != "gpt2":  # train.py's flag is checked on entry (lib/boundary.CHOICES); a checkpoint's here
         raise ValueError(f"tokenizer must be byte or gpt2; got {tokenizer!r}")
-    encoding = gpt2_encoding(download)
+    try:
+        import tiktoken
+        with no_network(allowed=download):
+            encoding = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # noqa: BLE001 -- not installed, or its files not cached or not fetched
+        raise ValueError(f"the gpt2 tokenizer needs tiktoken and its encoding files ({e}): pip install "
+                         "tiktoken, and it fetches its files once, with --download (or use byte)") from None
     return encoding.encode_ordinary, encoding.decode, encoding.n_vocab
 
 
@@ -84,14 +80,15 @@ class LanguageTask:
     valid token, learn every position generation routes on. Evaluation reports the full-window
     numbers (halted, and every fixed depth) and next to them "causal": alternet.causal_loss, each
     position routed and halted on its own prefix as in generation, on the first causal_windows
-    validation windows of each rank (T forwards per window, so a subset); then prints a sample.
+    validation windows of each rank (T forwards per window, so a subset); then prints a sample, decoded by
+    the run's tokenizer (`decode`, built once by `build`).
     """
 
     causal_windows, sample_tokens = 4, 80
 
-    def __init__(self, cfg, val_tokens, tokens_per_byte, block_size, device, autocast):
+    def __init__(self, cfg, val_tokens, tokens_per_byte, block_size, device, autocast, decode=BYTES[1]):
         self.cfg, self.val, self.tokens_per_byte = cfg, val_tokens, tokens_per_byte
-        self.block_size, self.device, self.autocast = block_size, device, autocast
+        self.block_size, self.device, self.autocast, self.decode = block_size, device, autocast, decode
 
     def loss(self, model, tokens, targets):
         tokens, targets = tokens.to(self.device), targets.to(self.device)
@@ -174,7 +171,6 @@ class LanguageTask:
 
     def print_sample(self, lm, threshold):
         """A short continuation of the first validation tokens (fixed seed; the training RNG is untouched)."""
-        _, decode, _ = text_codec(self.cfg.tokenizer)
         prompt = self.val[:min(32, self.block_size)][None].to(self.device)  # (1, P)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(0)
@@ -186,10 +182,9 @@ class LanguageTask:
                 except ValueError as e:  # a diverged model: its non-finite loss is what the caller reports
                     print(f"sample: none ({e})")
                     return
-        text = decode(ids[0, prompt.shape[1]:].tolist())
-        print(f"sample: {decode(prompt[0].tolist())!r} -> {text!r} "
+        text = self.decode(ids[0, prompt.shape[1]:].tolist())
+        print(f"sample: {self.decode(prompt[0].tolist())!r} -> {text!r} "
               f"({used.float().mean().item():.2f} iterations per token)")
-
 
 
 def build(cfg, rank: int, world: int, device, ckpt: dict | None):
@@ -227,7 +222,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
     if cfg.batch_size > windows:  # as for images: a batch larger than the data
         fail(f"--batch-size {cfg.batch_size} is larger than the training text ({windows} windows of "
              f"--block-size {block_size})")
-    task = LanguageTask(cfg, val_tokens, tokens_per_byte, block_size, device, autocast)
+    task = LanguageTask(cfg, val_tokens, tokens_per_byte, block_size, device, autocast, codec[1])
     batches = lambda start: data.text_batches(  # noqa: E731
         train_tokens, cfg.batch_size, block_size, cfg.seed, rank, world, start)
     return model, task, batches, None, None

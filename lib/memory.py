@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -313,11 +312,11 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
     counted = sum(model_bytes(model, devices).values())
     if counted > usable:
         hints.append(f"a smaller model (weights, gradients and AdamW state alone take {counted / GB:.1f} GB)")
-    more = [estimate(model, profile, batch, seq_len, devices, a) for a in accumulations(batch, devices)
-            if a > (grad_accum or 1)]
-    fitting = [m for m in more if m.total <= usable]
+    more = (estimate(model, profile, batch, seq_len, devices, a) for a in accumulations(batch, devices)
+            if a > (grad_accum or 1))
+    fitting = next((m for m in more if m.total <= usable), None)
     if grad_accum and fitting:
-        hints.append(f"--grad-accum {fitting[0].grad_accum} ({fitting[0].total / GB:.1f} GB)")
+        hints.append(f"--grad-accum {fitting.grad_accum} ({fitting.total / GB:.1f} GB)")
     for gpus in (2, 4, 8, 16, 32, 64):
         if gpus > devices and batch % (gpus * (grad_accum or 1)) == 0:
             memory = estimate(model, profile, batch, seq_len, gpus, grad_accum or 1)
@@ -344,7 +343,7 @@ def how_to_fit(model: nn.Module, profile: Profile, batch: int, seq_len: int | No
 
 
 def cpu_memory_of(specs: list[dict], batch: int, calls: int = 2, processes: int = 2) -> list[dict]:
-    """Peak RSS of each model (spec: its config dict, fold, optional depth), in `processes` fresh processes
+    """Peak RSS of each model (spec: its config dict and fold), in `processes` fresh processes
     each: the smallest is reported (fragmentation only adds), all are kept."""
     if not os.path.exists("/proc/self/clear_refs"):  # what _memory_worker measures with
         return [{"memory_error": "peak RSS is measured on Linux only (/proc)"}] * len(specs)
@@ -382,7 +381,6 @@ def _memory_worker(spec: dict) -> float:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one heap arena: multi-threaded allocation made peaks vary by 30%
     c = revit.ViTConfig(**spec["config"])
-    depth = spec.get("depth") or c.depth
     images = torch.randn(spec["batch"], c.in_channels, c.image_size, c.image_size)
     # Prime the runtime (thread pool, kernel libraries, lazily loaded code) with a narrow, 2-step
     # model of the same family on the same input, so their one-off RSS is not charged to the row.
@@ -396,10 +394,9 @@ def _memory_worker(spec: dict) -> float:
     if spec["fold"]:
         # the plain ViT revit.fold builds (same shapes; values do not change memory): folding a real
         # reViT here would leave its freed heap in the RSS baseline
-        model = revit.VisionTransformer(folded_config(dataclasses.replace(c, depth=depth))).eval()
+        model = revit.VisionTransformer(folded_config(c)).eval()
     else:
         model = revit.build_model(c).eval()
-        model = functools.partial(model, depth=depth) if c.arch != "vit" else model
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     with torch.inference_mode():
@@ -422,8 +419,7 @@ def fit_run(cfg, model: nn.Module | None, device, world: int, ckpt: dict | None,
     auto, cfg.grad_accum = cfg.grad_accum is None, cfg.grad_accum or 1
     if model is None:
         vocab = {"vocab_size": GPT2_VOCAB} if cfg.tokenizer == "gpt2" else {}
-        overrides = ckpt["model_config"] if ckpt else {
-            **vocab, **model_overrides(cfg)}
+        overrides = ckpt["model_config"] if ckpt else {**vocab, **model_overrides(cfg)}
         try:
             with torch.device("meta"):
                 model = alternet.create_model(cfg.arch, **overrides)

@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from lib import data, tasks
 from lib.boundary import fail
@@ -41,9 +42,7 @@ PLANTED_MAPS = dict(depth=4, hidden=8, gain=3.0, seed=2035)
 
 def patch_tokens(x: torch.Tensor, patch: int) -> torch.Tensor:
     """(B, C, H, W) -> (B, patches, C * patch²) in row-major patch order: the input tokens of the task."""
-    b, c, h, w = x.shape
-    x = x.reshape(b, c, h // patch, patch, w // patch, patch)
-    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // patch) * (w // patch), c * patch * patch)
+    return rearrange(x, "b c (gy py) (gx px) -> b (gy gx) (c py px)", py=patch, px=patch)
 
 
 class PlantedTask(tasks.ClassificationTask):
@@ -74,7 +73,7 @@ class PlantedTask(tasks.ClassificationTask):
 
     def score(self, model, x, labels, depth):
         with self.autocast():
-            tokens = model(x, return_states=True, **({} if depth is None else {"depth": depth}))["tokens"]
+            tokens = model(x, depth=depth, return_states=True)["tokens"]
         error = F.mse_loss(tokens[:, 1:].float(), self.target(x), reduction="sum")
         return {"mse": error / tokens[0, 1:].numel()}  # summed per-image MSE: evaluate divides by images
 

@@ -13,7 +13,7 @@ import torch
 from lib import tasks
 from lib.build import build
 from lib.boundary import fail, or_fail, wrong_type
-from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, checkpoint_or_fail, count, diverged, fit_problem,
+from lib.checkpoint import (MODEL_KEYS, RESUME_KEYS, count, diverged, fit_problem, load_checkpoint,
                             set_rng_state)
 from lib.cli import non_finite_place, pick_device, say
 
@@ -48,7 +48,7 @@ def saved_run(path, flag: str, keys, flags: dict, config_class, resolve_config, 
     """-> (checkpoint, resolve_config of its saved values (but `unkept`) under the flags given now, which
     may not change the `fixed`). Where the saved values alone are refused, the line names the checkpoint,
     not a flag the user never typed."""
-    ckpt = checkpoint_or_fail(path, flag, keys)
+    ckpt = or_fail(load_checkpoint, path, flag, keys)
     saved, source = saved_config(ckpt, path, flag, config_class), f"{flag} {path}"
     changed = [name for name in fixed if name in flags and flags[name] != saved.get(name)]
     if changed:
@@ -58,11 +58,11 @@ def saved_run(path, flag: str, keys, flags: dict, config_class, resolve_config, 
     saved = command_line_only(saved, flags, source, needed)
     merged = {**{k: v for k, v in saved.items() if k in known}, **flags}
     try:
-        return ckpt, resolve_config(merged, announce=False)
+        return ckpt, resolve_config(merged, announce=False, typed=flags)
     except SystemExit:
         saved = {name: value for name, value in merged.items() if name not in flags}
         try:
-            resolve_config(saved, announce=False)
+            resolve_config(saved, announce=False, typed=())
         except SystemExit as refused:
             reason = str(refused.code).partition(": error: ")[2]
             fail(f"{source}: its saved train_config is refused: {reason}")
@@ -81,7 +81,7 @@ def evaluation_setup(path, flags: dict, flag: str, config_class, resolve_config)
         fail(f"{flag} evaluates a checkpoint as trained; it takes only {allowed}; "
              f"got --{extra[0].replace('_', '-')}")
     ckpt, cfg = saved_run(path, flag, MODEL_KEYS + ("train_config",), flags, config_class, resolve_config,
-                          needed=("data",), unkept={"out_dir", "resume"})
+                          needed=("data", "teacher"), unkept={"out_dir", "resume"})
     device = or_fail(pick_device, cfg.device)
     model, task, *_ = build(cfg, 0, 1, device, ckpt)
     trained = model.head if cfg.probe else model
@@ -99,9 +99,10 @@ def evaluate_only(flags: dict, config_class, resolve_config, evaluate) -> dict:
     path = flags["eval_only"]
     cfg, model, task = evaluation_setup(path, flags, "--eval-only", config_class, resolve_config)
     results = evaluate(model, task, tasks.eval_depths(cfg, model))
-    if non_finite_place(results):
-        fail(f"--eval-only {path}: its evaluation gave a non-finite "
-             f"{non_finite_place(results).removeprefix('None.')} (finite but diverged weights)")
+    place = non_finite_place(results)
+    if place:
+        fail(f"--eval-only {path}: its evaluation gave a non-finite {place.removeprefix('None.')} "
+             f"(finite but diverged weights)")
     summary, line = tasks.summarise(cfg, model, results)
     say(f"{path}: {line}")
     return {"arch": cfg.arch, **summary}
@@ -155,23 +156,19 @@ def continue_schedule(path: str, ckpt: dict, sched: dict, lr_at) -> None:
 ADAM_STATE = {"step", "exp_avg", "exp_avg_sq"}  # what AdamW keeps per parameter (+ max_exp_avg_sq: amsgrad)
 
 
-# Parameters that no step may reach, by name: a routed expert no sequence of any batch picked yet
-# (AlterNet's experts.N.*), and a distilled student's class head (Eq. 5 reads the final tokens, not the head)
+# Parameters that no step may reach, so without AdamW state (made at a first gradient), by name: a routed
+# expert no sequence of any batch picked yet (AlterNet's experts.N.*), and a distilled student's class head
+# (Eq. 5 reads the final tokens, not the head)
 ROUTED_EXPERT, HEAD = re.compile(r"(^|\.)experts\.\d+\."), re.compile(r"(^|\.)head\.")
 
 
-def may_lack_state(name: str, distilled: bool) -> bool:
-    """Whether parameter `name` may have no AdamW state after a step (made at its first gradient)."""
-    return bool(ROUTED_EXPERT.search(name)) or distilled and bool(HEAD.search(name))
-
-
-def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) -> str | None:
+def optimizer_problem(saved: dict, optimizer, step: int, names: dict, distilled: bool) -> str | None:
     """A saved AdamW state against the run's optimizer: parameter ids in groups as state_dict numbers them,
     per parameter AdamW's state in its shape and a float dtype. After the first step a parameter without
-    state (`names`: id -> name) is refused unless `may_lack(name)`."""
+    state (`names`: id -> name) is refused unless no step may reach it."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    groups = saved["param_groups"]
-    if [g["params"] for g in groups] != [g["params"] for g in optimizer.state_dict()["param_groups"]]:
+    ids = [g["params"] for g in optimizer.state_dict()["param_groups"]]
+    if [g["params"] for g in saved["param_groups"]] != ids:
         return (f"its optimizer state does not fit the model (parameter ids are not 0..{len(params) - 1} in "
                 f"{len(optimizer.param_groups)} groups)")
     for index, state in saved["state"].items():
@@ -182,7 +179,8 @@ def optimizer_problem(saved: dict, optimizer, step: int, names: dict, may_lack) 
         if not fits:
             return f"its optimizer state does not fit the model (entry {index!r})"
     stateless = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params) if i not in saved["state"]]
-    refused = [name for name in stateless if not may_lack(name)]
+    refused = [name for name in stateless
+               if not (ROUTED_EXPERT.search(name) or distilled and HEAD.search(name))]
     if refused and step > 0:
         return (f"its optimizer state covers {len(saved['state'])} of {len(params)} parameters, none for "
                 f"{refused[0]} (after a step only a routed expert no sequence picked, or a distilled "
@@ -211,8 +209,7 @@ def continue_run(run, ckpt: dict, fused_adamw: bool) -> None:
     past = step > total and (f"it is at step {step}, past this run's {total} steps; give a larger "
                              f"--max-steps or --epochs (the checkpoint is left as it is)")
     problem = (past or fit_problem(run.trainable.state_dict(), ckpt["model"], cfg.arch)
-               or optimizer_problem(ckpt["optimizer"], run.optimizer, stepped, names,
-                                    lambda name: may_lack_state(name, distilled=bool(cfg.teacher))))
+               or optimizer_problem(ckpt["optimizer"], run.optimizer, stepped, names, bool(cfg.teacher)))
     if problem:
         fail(f"--resume {cfg.resume}: {problem}")
     settings = [dict(group, fused=fused_adamw or None) for group in run.optimizer.param_groups]

@@ -32,10 +32,10 @@ def gap(a: dict, b: dict, scale: float = 100, places: int = 2) -> str:
     return f"{scale * (a['mean'] - b['mean']):+.{places}f} ± {se:.{places}f}"
 
 
-def programs(row: dict) -> str:
-    """Every seed's dominant expert per step ('0123 / 3321 / 0000'), or '–'."""
+def programs(row: dict, seeds: int | None = None) -> str:
+    """The first `seeds` (default: every) seed's dominant expert per step ('0123 / 3321 / 0000'), or '–'."""
     found = row.get("dominant_expert")
-    return " / ".join("".join(map(str, p)) for p in found) if found else "–"
+    return " / ".join("".join(map(str, p)) for p in found[:seeds]) if found else "–"
 
 
 def growth(row: dict) -> str:
@@ -62,8 +62,7 @@ def experts_grid(rows: list[dict], metric: str = "acc", each_seed: bool = False)
         cells.append([r["cell"], f"{r['params']:,}", score(r[metric]),
                       gap(r[metric], tied[metric], *scale) if versus else "–",
                       f"{spread['mean']:.2f} ± {spread['std']:.2f}" if spread else "–",
-                      *([growth(r), programs(r)] if each_seed else
-                        ["".join(map(str, r["dominant_expert"][0])) if spread else "–"])])
+                      *([growth(r), programs(r)] if each_seed else [programs(r, 1)])])
     return columns, cells
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import revit
 from lib import data
 from lib.boundary import fail, is_vision, model_overrides, or_fail, parse_depths, preset_module
-from lib.checkpoint import checkpoint_or_fail, load_vision_model
+from lib.checkpoint import load_checkpoint, load_vision_model
 from lib.cli import device_options, say
 
 
@@ -174,11 +174,19 @@ class ProbeModel(nn.Module):
 
 
 def eval_depths(cfg, model: nn.Module) -> list:
-    """The depths of the final evaluation (--eval-depths; None: the reference depth)."""
+    """The depths of the final evaluation (--eval-depths; None: the reference depth), each one the model can
+    run: a ViT only its own depth, recurrent models >= 2 (build asks first: a run stops before training)."""
     if cfg.dataset in data.TEXT_DATASETS:
         return [None]
-    reference = (model.backbone if cfg.probe else model).config.depth
-    return [None] + [d for d in parse_depths(cfg.eval_depths) if d != reference]
+    config = (model.backbone if cfg.probe else model).config
+    depths = parse_depths(cfg.eval_depths)
+    for d in depths:
+        if config.arch == "vit" and d != config.depth:
+            fail(f"--eval-depths {cfg.eval_depths}: an untied ViT runs only its own depth ({config.depth}); "
+                 f"other depths need a reViT or Raptor model")
+        if config.arch != "vit" and d < 2:
+            fail(f"--eval-depths {cfg.eval_depths}: recurrent models need depth >= 2; got {d}")
+    return [None] + [d for d in depths if d != config.depth]
 
 
 def summarise(cfg, model: nn.Module, results: dict) -> tuple[dict, str]:
@@ -210,7 +218,7 @@ def summarise(cfg, model: nn.Module, results: dict) -> tuple[dict, str]:
 
 def backbone_arch(path: str) -> str:
     """A linear probe is named after its --backbone, which must be a vision model of revit.py."""
-    arch = checkpoint_or_fail(path, "--backbone")["arch"]
+    arch = or_fail(load_checkpoint, path, "--backbone")["arch"]
     if not is_vision(preset_module(arch)):
         fail(f"--backbone {path} is a checkpoint of {arch}, not a vision model of revit.py")
     return arch
@@ -269,7 +277,7 @@ def build(cfg, rank: int, world: int, device, ckpt: dict | None):
             task.teacher_sha256 = same_file(cfg.teacher, "--teacher", saved)
     else:
         task = ClassificationTask(cfg, images, device, augment, autocast)
-    check_eval_depths(cfg, (model.backbone if cfg.probe else model).config)
+    eval_depths(cfg, model)  # a depth the model cannot run stops the run here, not after training
     batches = lambda start: data.image_batches(  # noqa: E731
         images.train, cfg.batch_size, cfg.seed, cfg.repeated_aug, rank, world, start)
     return model, task, batches, augment, steps_per_epoch
@@ -299,18 +307,7 @@ def autocast_of(device, options: dict):
 
 
 def make(create, arch, overrides):
-    """create(arch, **overrides), its ValueError / TypeError as the one-line exit."""
     try:
         return create(arch, **overrides)
     except (ValueError, TypeError) as e:
         fail(f"cannot build {arch} with {overrides}: {e}")
-
-
-def check_eval_depths(cfg, config) -> None:
-    """--eval-depths against what the model can run: a ViT only its own depth, recurrent models >= 2."""
-    for d in parse_depths(cfg.eval_depths):
-        if config.arch == "vit" and d != config.depth:
-            fail(f"--eval-depths {cfg.eval_depths}: an untied ViT runs only its own depth ({config.depth}); "
-                 f"other depths need a reViT or Raptor model")
-        if config.arch != "vit" and d < 2:
-            fail(f"--eval-depths {cfg.eval_depths}: recurrent models need depth >= 2; got {d}")

@@ -368,7 +368,8 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir, capsys):
     if analyze.import_pyplot() is not None:
         assert report["plots"] == ["gates.png", "self_cka.png", "cross_cka.png"]
         assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
-    # the same seed gives the same numbers; a rerun rewrites its own files whole and names only those
+    # the same seed gives the same numbers; a rerun rewrites its own files whole and names only those, and
+    # leaves none of the first run's that it did not rewrite (no cross-CKA without --teacher)
     capsys.readouterr()
     again = analyze.main([str(tmp_path / "student.pt"), "--depth", "5", "--out", str(out),
                           "--data-dir", str(fashion_mnist_dir), "--num-images", "48", "--no-interventions",
@@ -377,7 +378,7 @@ def test_command_end_to_end(tmp_path, fashion_mnist_dir, capsys):
     assert "gate_gradients" not in again and "interventions" not in again
     wrote = capsys.readouterr().out.splitlines()[-1]
     assert wrote.startswith(f"wrote {out / 'analysis.json'}, gates.csv, self_cka.csv")
-    assert "cross" not in wrote
+    assert "cross" not in wrote and not [p.name for p in out.iterdir() if p.name.startswith("cross")]
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file is left
 
 
@@ -464,6 +465,7 @@ def bad_files(tmp_path):
     (["--dataset", "mnist"],
      "--dataset must be one of fashion-mnist, cifar10, cifar100, imagenet, planted; got 'mnist'"),
     (["--data-dir", "{tmp}/nowhere"], "--data-dir {tmp}/nowhere: no such folder"),
+    (["--data", "{tmp}"], "--data is read by --dataset imagenet only, not fashion-mnist"),
     (["--device", "tpu:7"], "--device 'tpu:7': not a device"),
 ])
 def test_bad_input_gives_one_line_and_writes_nothing(tmp_path, fashion_mnist_dir, extra, needle):
@@ -486,6 +488,30 @@ def test_gradient_batches_default_to_8_or_to_a_smaller_num_images():
     refused = r"--gradient-batches must be 0 \(skip\) or between 2 and --num-images \(5\); got 8"
     with pytest.raises(SystemExit, match=refused):
         analyze.check_args(parse(["ckpt.pt", "--num-images", "5", "--gradient-batches", "8"]))
+
+
+def test_undefined_numbers_print_as_n_a_where_analysis_json_holds_null(tmp_path, fashion_mnist_dir, capsys):
+    """No matched random perturbation (their mean, std and share are undefined) and a zero expert bank
+    (the displacement relative to the merged weights' norm of 0 is undefined): n/a in the table, null in
+    the file; so is the interior MAD of a one-step student (no interior state)."""
+    model = tiny_revit()
+    with torch.no_grad():
+        for p in model.block.mlp.bank():
+            p.zero_()
+    save_checkpoint(model, "revit-mini", tmp_path / "student.pt")
+    analyze.main(analysis_args(tmp_path, fashion_mnist_dir, "--random-perturbations", "0",
+                               "--gradient-batches", "0"))
+    printed = capsys.readouterr().out
+    rows = printed.split("random worse\n")[1].splitlines()[:3]
+    assert [row.split()[3:] for row in rows] == [["n/a", "+0.0000", "n/a", "±", "n/a", "n/a"]] * 3, rows
+    report = json.loads((tmp_path / "analysis" / "analysis.json").read_text())
+    undefined = ("relative_displacement", "random_mean", "random_std", "fraction_random_worse")
+    assert all(row[key] is None for row in report["interventions"]["ablations"] for key in undefined)
+    cross = torch.tensor([[1.0, 0.5, 0.2], [0.2, 0.5, 1.0]])  # L = 1 against L_T = 2
+    analyze.print_report({"depth": 1, "self_cka": cross[:, :2].tolist(), "num_images": 4,
+                          "cross_cka": cross.tolist(), "depth_alignment": analyze.depth_alignment(cross),
+                          "teacher": {"arch": "vit", "depth": 2}})
+    assert "teacher layers (interior n/a)" in capsys.readouterr().out
 
 
 def test_bad_checkpoint_and_depth(tmp_path):

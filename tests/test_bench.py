@@ -3,6 +3,7 @@
 No timing assertions: the bench functions run on tiny configs and we check the shape of what
 they return, never how fast anything was.
 """
+import argparse
 import io
 import json
 import math
@@ -192,6 +193,28 @@ def test_train_quick_protocol_prints_the_ratio_with_its_spread():
         run_cli(["train", "--quick", "--device", "cpu", "--rows", "reViT huge"])
 
 
+def test_every_listed_row_can_be_chosen_by_its_name():
+    """--rows is split on commas, yet a listed name may hold one: "reViT fixed, eager" (compiled rows)."""
+    known = list(bench.train_models("mini", compiled=True))
+    for joined in (",".join(known), ", ".join(known), "reViT fixed, eager"):
+        args = bench.build_parser().parse_args(["train", "--quick", "--compile", "--rows", joined])
+        bench.check_flags(args, torch.device("cpu"))
+        assert args.rows == (known if joined != "reViT fixed, eager" else ["reViT fixed, eager"])
+
+
+MISTYPED = [(["memory", "--arch", "revit-mini", "--batchsize", "4"], "--batch-size"),
+            (["train", "--quik"], "--quick")]
+
+
+@pytest.mark.parametrize("argv, closest", MISTYPED)
+def test_a_mistyped_flag_gets_the_closest_flag_of_its_subcommand(argv, closest, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    error = capsys.readouterr().err
+    assert error.startswith(f"bench.py {argv[0]}: error: unrecognized arguments: --")
+    assert error.endswith(f"; did you mean {closest}?\n") and error.count("\n") == 1
+
+
 def test_paired_ratio_interval_and_rounds_needed():
     same = bench.paired_ratio([2.0] * 5, [1.0] * 5)
     assert same["ratio"] == 2.0 and same["ratio_ci95"] == [2.0, 2.0] and same["ratio_pm"] == 0
@@ -250,6 +273,8 @@ def test_every_flag_has_help():
     for sub in parser._subparsers._group_actions[0].choices.values():
         for action in sub._actions:
             assert action.help, (sub.prog, action.dest)
+            if action.default not in (None, False, "auto", argparse.SUPPRESS):  # a default is shown
+                assert "default" in action.help, (sub.prog, action.dest)
 
 
 # --- check (its plan: the end of this file): the first line of an error ---
@@ -316,6 +341,10 @@ HOSTILE = [  # (argv, the one line's message); {file}: an existing file, {dir}: 
     (["check", "--out", "{file}/report"], "--out {file}/report cannot be created: {file} is a file, not a folder"),
     (["check", "--budget", "5"], "--budget must be in 10..86,400; got 5.0"),
     (["check", "--budget", "nan"], "--budget must be a finite number; got nan"),
+    (["memory", "--arch", "alternet-tiny", "--recipe", "imagenet"],
+     "--recipe imagenet does not suit alternet-tiny, a language preset: use --recipe text"),
+    (["memory", "--arch", "revit-mini", "--seq-len", "64"],
+     "--seq-len is for language presets; revit-mini is a vision preset"),
 ]
 
 
@@ -467,7 +496,6 @@ def test_a_part_out_of_time_is_a_row_that_says_so_and_the_rest_is_intact(tmp_pat
                 hang = part.name == "latency, batch 4"
                 part.argv = stand_in(part.rows[:2] if hang else part.rows or ["stand-in"],
                                      "import time; time.sleep(600)" if hang else "")
-                part.parse = budget.parse_rows
         return parts
 
     def no_data(name, data_dir="", download=False):
@@ -508,7 +536,6 @@ def test_sigterm_stops_the_running_part_and_leaves_a_report_that_says_so(tmp_pat
         for part in (p for p in parts if p.argv):
             stop = part.name == "latency, batch 4"
             part.argv = stand_in(part.rows[:2] if stop else part.rows, wait_then_stop if stop else "")
-            part.parse = budget.parse_rows
         return parts
 
     monkeypatch.setattr(bench, "check_parts", stand_ins)

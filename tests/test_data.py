@@ -69,6 +69,21 @@ def test_the_gpt2_tokenizer_reaches_the_network_only_with_download(fetching_tikt
     assert fetching_tiktoken == ["no --download"]  # refused before any lookup or connection
 
 
+def test_an_evaluations_sample_is_decoded_by_the_tokenizer_the_run_built(tmp_path, monkeypatch, capsys):
+    """The tokenizer is built once, by language.build (gpt2's means tiktoken's files, offline): the sample
+    printed at every evaluation decodes with that one, never builds another."""
+    import train
+    (tmp_path / "a.txt").write_text("the cats that sleep run. " * 80)
+    cfg = train.TrainConfig(arch="alternet-tiny", dataset="text", data=str(tmp_path / "a.txt"), block_size=16,
+                            batch_size=4, max_steps=1)
+    model, task, *_ = language.build(cfg, 0, 1, torch.device("cpu"), None)
+    monkeypatch.setattr(language, "text_codec", lambda *args: pytest.fail("the tokenizer was built again"))
+    task.sample_tokens = 8
+    task.print_sample(model.eval(), None)
+    assert re.fullmatch(r"sample: 'the cats that sl.*' -> '.*' \(\d\.\d\d iterations per token\)\n",
+                        capsys.readouterr().out)
+
+
 def test_grammar_corpus_is_deterministic_english_with_agreement():
     a = data.grammar_corpus(20_000)
     assert a == data.grammar_corpus(20_000) and len(a) >= 20_000 and a != data.grammar_corpus(20_000, seed=1)
@@ -84,7 +99,8 @@ def test_grammar_corpus_is_deterministic_english_with_agreement():
 
 def test_missing_data_explains_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "data_roots", lambda data_dir="": [tmp_path])
-    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist.*--download"):
+    # find_builtin serves commands without --download too (tools.analyze): the hint names one that has it
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist.*train.py --download"):
         data.find_builtin("fashion-mnist", str(tmp_path), download=False)
 
 

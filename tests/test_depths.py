@@ -90,9 +90,9 @@ def test_depths_bad_arguments_are_one_line_errors(tiny_checkpoint, tmp_path):
     distilled = torch.load(ckpt, weights_only=True)
     distilled["train_config"]["teacher"] = "teacher.pt"  # as train.py --teacher saves it
     torch.save(distilled, tmp_path / "distilled.pt")
-    cases = [([ckpt, "--depths", "1,2"], "--depths 1,2: a vision model runs at depths 2 and up"),
+    cases = [([ckpt, "--depths", "1,2"], "--depths must be in 2..256; got '1,2'"),  # a vision model's range
+             ([ckpt, "--depths", "2,300"], "--depths must be in 2..256; got '2,300'"),
              ([ckpt, "--depths", "two"], "--depths must be comma-separated integers"),
-             ([str(garbage), "--depths", str(10 ** 30)], "--depths must be in 1..256"),  # before the file
              ([ckpt, "--thresholds", "0.5"], "--thresholds: halting thresholds are AlterNet's; CKPT (revit-mini)"),
              ([str(tmp_path / "missing.pt")], "missing.pt: no such file"),  # checkpoint.load_model's messages
              ([str(probe)], "is a linear-probe head, not a model"),
@@ -136,6 +136,9 @@ def test_depths_alternet_caps_and_thresholds(tmp_path):
                                                                                             (3, 0.9, True)]
     with pytest.raises(SystemExit, match=r"--depths 2,4: AlterNet's caps D' run 1..3 \(CKPT's D\)"):
         run_cli([summary["checkpoint"], "--data", str(text), "--device", "cpu", "--depths", "2,4"])
+    with pytest.raises(SystemExit, match=r"--batch: a vision model's latency batch; CKPT \(alternet-tiny\) is "
+                                         "timed at batch 1"):  # its latency is greedy generation at batch 1
+        run_cli([summary["checkpoint"], "--data", str(text), "--device", "cpu", "--batch", "4"])
 
 
 @FAST
@@ -179,12 +182,12 @@ def test_a_lower_is_better_headline_says_which_way_the_metric_moved():
     reference, and a + that reads as worse, a − as better."""
     rows = [{"depth": d, "mse": m, "reference": d == 6, "relative_latency": 0.5, "relative_latency_ci95": [0.4, 0.6]}
             for d, m in [(2, 0.400), (4, 0.303), (6, 0.300)]]
-    assert depths.smallest_within(rows, *depths.HEADLINE["planted"]) == \
+    assert depths.smallest_within(rows, *depths.HEADLINE["planted"][:7]) == \
         "depth 4: +0.003 MSE (worse), 2.00× faster than the reference (depth 6)"
     rows[1]["mse"] = 0.296
-    assert depths.smallest_within(rows, *depths.HEADLINE["planted"]).startswith("depth 4: −0.004 MSE (better), ")
+    assert depths.smallest_within(rows, *depths.HEADLINE["planted"][:7]).startswith("depth 4: −0.004 MSE (better), ")
     caps = [{"max_depth": r["depth"], "bpb": r["mse"] + 2, **{k: r[k] for k in list(r)[2:]}} for r in rows]
-    assert depths.smallest_within(caps, *depths.HEADLINE["language"]).startswith("cap D' 4: −0.004 bits/byte (better)")
+    assert depths.smallest_within(caps, *depths.HEADLINE["language"][:7]).startswith("cap D' 4: −0.004 bits/byte (better)")
 
 
 def test_depths_of_a_planted_checkpoint_is_its_test_mse_by_depth(tmp_path):
@@ -352,3 +355,38 @@ def test_pareto_rows_of_a_lower_is_better_metric_with_ties():
     depths.mark_tradeoffs(rows, "bpb", "ms", higher_is_better=False)
     # (1.0, 3.0): as good as (1.0, 2.0) and slower, as fast as (0.8, 3.0) and worse; (0.9, 5.0): (0.8, 3.0)
     assert [r["pareto"] for r in rows] == [True, False, True, True, True, False]
+
+
+def test_an_alternet_headline_names_the_halting_threshold_of_each_setting_it_compares():
+    """AlterNet's rows are a cap and a halting threshold: the last line names both, for the row it picked
+    and for the reference, not a bare cap that two rows share."""
+    rows = [{"max_depth": d, "halt_threshold": t, "bpb": bpb, "reference": (d, t) == (3, 0.5),
+             "relative_latency": r, "relative_latency_ci95": [r - 0.05, r + 0.05]}
+            for d, t, bpb, r in [(2, 0.5, 2.5, 0.6), (2, None, 2.305, 0.7), (3, 0.5, 2.3, 1.0), (3, None, 2.29, 1.2)]]
+    assert depths.smallest_within(rows, *depths.HEADLINE["language"][:7]) == \
+        "cap D' 2 at halt threshold none: +0.005 bits/byte (worse), 1.43× faster than the reference (cap D' 3 at " \
+        "halt threshold 0.5)"
+    rows[1]["bpb"] = 2.4
+    assert depths.smallest_within(rows, *depths.HEADLINE["language"][:7]) == \
+        "no smaller cap D' is within 0.01 bits/byte of the reference (cap D' 3 at halt threshold 0.5)"
+
+
+@pytest.mark.parametrize("family, quality", [("vision", "acc"), ("planted", "mse"), ("language", "bpb")])
+def test_the_plot_names_the_metric_as_the_table_does(monkeypatch, family, quality):
+    """depths.png's y axis and the table's column of the quality: one label per family (HEADLINE)."""
+    if pyplot() is None:
+        pytest.skip("matplotlib is not installed (an optional extra)")
+    row = {"depth": 2, "max_depth": 2, quality: 0.5, "reference": True, "pareto": True, "relative_latency": 1.0,
+           "relative_latency_ci95": [1.0, 1.0], "deployed_form": "folded", "gflops": 0.1, "mean_iterations": 1.5,
+           "ms_per_token": 1.0, "bpb_metric": "alternet.causal_loss",
+           **dict.fromkeys(("deployed_ms_b1", "dynamic_ms_b1", "deployed_ms_bn", "dynamic_ms_bn"), 1.0),
+           **({"halt_threshold": 0.5} if family == "language" else {})}
+    result = {"family": family, "rows": [row], "arch": "x", "checkpoint": "x.pt", "best": "",
+              "settings": dict(batch=2, new_tokens=2, test_images=8, repeats=1, iters=1)}
+    axes = []
+    monkeypatch.setattr(depths, "save_png", lambda fig, path: axes.append(fig.axes[0].get_ylabel()))
+    depths.plot_depths(result, "unused.png")
+    header = depths.depths_markdown(result).split("\n")[2]
+    column = [cell.strip() for cell in header.split("|")][3 if family == "language" else 2]
+    assert axes == [column] and column == {"vision": "top-1 %", "planted": "test MSE (lower is better)",
+                                           "language": "bits/byte"}[family]

@@ -287,14 +287,48 @@ def test_bad_resume_teacher_backbone_files_give_one_line(tmp_path, bad_files, fa
     assert not (tmp_path / "x").exists()
 
 
-def test_probe_of_a_language_model_is_refused_without_download(tmp_path, monkeypatch):
-    out = tmp_path / "lm"
-    train.main(["--arch", "alternet-tiny", "--out-dir", str(out), "--no-progress", "--max-steps", "1",
-                "--batch-size", "2", "--block-size", "16", "--eval-iters", "1", "--eval-batch-size", "2",
-                "--model-args", "dim=32,heads=2,ffn_dim=32,max_depth=2,min_depth_warmup=0"])
+TINY_LM = ["--arch", "alternet-tiny", "--no-progress", "--max-steps", "1", "--batch-size", "2",
+           "--block-size", "16", "--eval-iters", "1", "--eval-batch-size", "2", "--model-args",
+           "dim=32,heads=2,ffn_dim=32,max_depth=2,min_depth_warmup=0"]
+
+
+@pytest.fixture(scope="module")
+def language_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm")
+    train.main([*TINY_LM, "--out-dir", str(out)])
+    return out
+
+
+def test_probe_of_a_language_model_is_refused_without_download(language_run, monkeypatch):
     monkeypatch.setattr(data, "fetch", lambda *a: pytest.fail("tried to download"))
-    message = error("--probe", "cls", "--backbone", str(out / "ckpt.pt"))
+    message = error("--probe", "cls", "--backbone", str(language_run / "ckpt.pt"))
     assert "is a checkpoint of alternet-tiny, not a vision model" in message
+
+
+def test_a_saved_flag_the_family_never_reads_is_not_refused_but_its_range_is(language_run, tmp_path):
+    """The family rule judges what a user types: an AlterNet run saved with --workers 4 (never read, and
+    once allowed) still evaluates; a saved value out of its range is still refused."""
+    ckpt = torch.load(language_run / "ckpt.pt", weights_only=True)
+    old = tmp_path / "old.pt"
+    torch.save({**ckpt, "train_config": {**ckpt["train_config"], "workers": 4}}, old)
+    assert train.main(["--eval-only", str(old)])["arch"] == "alternet-tiny"
+    torch.save({**ckpt, "train_config": {**ckpt["train_config"], "workers": 1000}}, old)
+    assert "its saved train_config is refused: --workers must be in 1..256" in error("--eval-only", str(old))
+
+
+def test_test_subset_of_a_language_run_is_refused(language_run, tmp_path):
+    """AlterNet evaluates --eval-iters batches of text: --test-subset (an image count) would be dropped."""
+    message = error(*TINY_LM, "--test-subset", "4", "--out-dir", str(tmp_path / "x"))
+    assert message.endswith("--test-subset applies to the image models only, not to alternet-tiny (it "
+                            "evaluates --eval-iters batches of text)")
+    resumed = error("--resume", str(language_run / "ckpt.pt"), "--test-subset", "4")
+    assert "--test-subset applies to the image models only" in resumed
+
+
+def test_resume_of_a_run_folder_names_its_checkpoint(language_run):
+    message = error("--resume", str(language_run))
+    assert message.endswith(f"--resume {language_run}: a folder, not a file; give its checkpoint, "
+                            f"{language_run / 'ckpt.pt'}")
 
 
 # --- every numeric flag validated up front ---

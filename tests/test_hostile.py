@@ -335,7 +335,7 @@ def test_train_flags_and_paths(tmp_path, argv, needle):
 ])
 def test_a_model_flag_the_model_never_reads_is_refused(tmp_path, fashion_mnist_dir, argv, needle):
     """Refused in one line naming the flag and the models that read it, not echoed as an override and dropped."""
-    small = ["--max-steps", "1", "--test-subset", "32", "--batch-size", "8", "--data-dir", fashion_mnist_dir,
+    small = ["--max-steps", "1", "--batch-size", "8", "--data-dir", fashion_mnist_dir,
              "--out-dir", tmp_path / "run"]  # flags every model reads
     message = one_line(train.main, argv + small, "train.py")
     assert needle in message, message
@@ -496,20 +496,21 @@ def test_a_path_at_the_file_system_root_is_one_line():
 
 
 def test_a_checkpoint_never_fetches_downloads_or_names_a_path(runs, tmp_path, monkeypatch, capsys):
-    """A hub teacher, download=True and a data folder in train_config: --eval-only scores the weights with
-    the command line's data (override lines), never calls torch.hub or the network."""
+    """download=True and a data folder in train_config: --eval-only scores the weights with the command
+    line's data (override lines), never the network; a hub teacher is asked for again, never loaded."""
     monkeypatch.setattr(torch.hub, "load", lambda *a, **k: pytest.fail("torch.hub.load called"))
     from lib import data
     monkeypatch.setattr(data, "fetch", lambda *a: pytest.fail("tried to download"))
     path = edited(runs, tmp_path, "crafted.pt", lambda c: c["train_config"].update(
-        teacher="hub:dinov2_vitb14", download=True, data_dir=str(tmp_path / "elsewhere")))
+        download=True, data_dir=str(tmp_path / "elsewhere")))
     summary = train.main(["--eval-only", str(path), "--no-progress"])
     assert 0 <= summary["test_acc"] <= 1
     out = capsys.readouterr().out
-    assert "override: teacher='' (the checkpoint's 'hub:dinov2_vitb14' is not used" in out
     assert "override: download=False" in out and "override: data_dir=''" in out
-    message = one_line(train.main, ["--resume", path], "train.py")
-    assert "the run used --teacher hub:dinov2_vitb14; give --teacher again" in message
+    taught = edited(runs, tmp_path, "taught.pt", lambda c: c["train_config"].update(teacher="hub:dinov2_vitb14"))
+    for flag in ("--resume", "--eval-only"):
+        message = one_line(train.main, [flag, taught], "train.py")
+        assert "the run used --teacher hub:dinov2_vitb14; give --teacher again" in message
 
 
 @pytest.mark.parametrize("value", [None, [1, 2]])

@@ -211,6 +211,7 @@ def test_bench_memory_reports_every_part_and_the_fit(capsys):
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
     assert all(v >= 0 for v in parts.values()) and parts["loss"] > 0
     assert "| activations |" in printed and "fits 90% of 80 GB: yes" in printed
+    assert printed.startswith("alternet-tiny, recipe text: ~")  # the recipe it is for, named
     with pytest.raises(SystemExit, match=r"bench.py: error: --gpus must be in 1..65,536; got 0"):
         bench.main(["memory", "--arch", "alternet-tiny", "--gpus", "0"])
 

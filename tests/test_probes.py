@@ -362,6 +362,7 @@ def bad_files(tmp_path):
     (dict(backbone="{tmp}/pickled.pt"), "--backbone {tmp}/pickled.pt: it stores the Python object pathlib"),
     (dict(backbone="{tmp}/language.pt"), "--backbone {tmp}/language.pt: holds the language model alternet-tiny"),
     (dict(probe="depth"), "got 'depth' (monocular depth is monodepth; --depth sets the backbone's steps)"),
+    (dict(probe="mean"), "got 'mean' (mean pooling is train.py's --probe cls --probe-pool mean)"),
     (dict(lr=float("nan")), "--lr must be a finite number; got nan"),
     (dict(lr=-1.0), "--lr must be in (0, 10]; got -1.0"),
     (dict(weight_decay=-0.1), "--weight-decay must be in 0..10; got -0.1"),

@@ -47,9 +47,10 @@ def step_losses(out_dir):
 
 
 @pytest.mark.parametrize("arch", ["vit-mini", "raptor-mini", "revit-mini"])
-def test_loop_runs_end_to_end(tmp_path, fashion_mnist_dir, arch):
+def test_loop_runs_end_to_end(tmp_path, fashion_mnist_dir, arch, capsys):
     extra = [] if arch == "vit-mini" else ["--eval-depths", "2,6"]
     summary, out = run(tmp_path, fashion_mnist_dir, "--max-steps", "4", *extra, arch=arch)
+    assert "4 steps (" in (printed := capsys.readouterr().out) and "after 4 warmup steps" in printed  # cut short
     assert 0.0 <= summary["test_acc"] <= 1.0 and summary["params"] > 0 and summary["step"] == 4
     if arch != "vit-mini":
         assert set(summary["depths"]) == {"4", "2", "6"}
@@ -160,14 +161,16 @@ def test_a_preset_patch_is_kept_down_to_four_patches_a_side(image_size, kept):
     assert ("patch_size" not in overrides) == kept, overrides
 
 
-def test_resume_matches_uninterrupted_run(tmp_path, fashion_mnist_dir):
+def test_resume_matches_uninterrupted_run(tmp_path, fashion_mnist_dir, capsys):
     """Every source of randomness on: elastic depth, drop-path, crop/flip, 3-Augment, mixup/cutmix."""
     recipe = ["--max-steps", "6", "--depth-drop", "0.3", "--drop-path", "0.1", "--mixup", "0.8",
               "--cutmix", "1.0", "--three-augment", "--color-jitter", "0.3", "--eval-interval", "2"]
     straight, out_a = run(tmp_path, fashion_mnist_dir, *recipe, name="straight")
     _, out_b = run(tmp_path, fashion_mnist_dir, *recipe, "--stop-at-step", "3", name="killed")
     assert torch.load(out_b / "ckpt.pt", weights_only=True)["step"] == 3
+    capsys.readouterr()
     resumed = train.main(["--resume", str(out_b / "ckpt.pt"), "--no-progress"])
+    assert "6 steps (16 per epoch), resumed at step 3 |" in capsys.readouterr().out  # where it continues
     a, b = step_losses(out_a), step_losses(out_b)
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bit-for-bit
     assert straight["test_acc"] == resumed["test_acc"]
@@ -345,6 +348,8 @@ def test_distillation_loss_decreases(tmp_path, fashion_mnist_dir):
     for argv in (["--resume", student, "--max-steps", "14"], ["--eval-only", student]):  # other targets
         with pytest.raises(SystemExit, match="--teacher .* is not the file this run was trained on"):
             train.main([*argv, "--teacher", str(teacher / "ckpt.pt")])
+        with pytest.raises(SystemExit, match="the run used --teacher .*; give --teacher again"):
+            train.main(argv)  # not the accuracy of a head distillation never trained
     with pytest.raises(SystemExit, match="student tokens .* teacher tokens .* differ"):
         run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--teacher", str(teacher / "ckpt.pt"),
             "--patch-size", "4", name="bad")
@@ -427,6 +432,8 @@ def test_cli_errors(tmp_path, fashion_mnist_dir, capsys):
     assert "--data-dir /no/such/dir does not exist" in error("--data-dir", "/no/such/dir")
     assert "only its own depth" in error("--arch", "vit-mini", "--eval-depths", "4,8", "--max-steps", "1")
     assert "unknown --dataset" in error("--dataset", "mnist")
+    assert "imagenet needs the folder: --data" in error("--recipe", "imagenet", "--max-steps", "1",  # not Table 6
+                                                        "--train-subset", "64", "--test-subset", "64")  # on F-MNIST
     assert "invalid int value" in error("--epochs", "ten")  # argparse: exit code 2
     assert not (tmp_path / "x").exists()
 
@@ -452,7 +459,8 @@ def test_command_line_exit_code(tmp_path):
 
 
 def test_recipes_and_automatic_choices_are_printed(tmp_path, fashion_mnist_dir, capsys):
-    run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--recipe", "imagenet", "--batch-size", "32", name="a")
+    run(tmp_path, fashion_mnist_dir, "--max-steps", "1", "--recipe", "imagenet", "--dataset", "fashion-mnist",
+        "--batch-size", "32", name="a")  # the recipe on other data: by --dataset
     printed = capsys.readouterr().out
     assert "recipe: imagenet -- reViT paper (arXiv 2610.12448) Table 6" in printed and "epochs=300" in printed
     assert "override: batch_size=32 (--batch-size)" in printed
@@ -997,10 +1005,11 @@ def test_the_start_event_names_the_commit_torch_device_and_command(piped_run):
 
 
 def test_piped_output_shows_the_loss_on_lines_of_their_own(piped_run):
-    """What a terminal or `less` shows of each line is what follows its last carriage return: a log line
-    printed beside tqdm's bar (which ends in no newline) would show the bar glued in front of it."""
+    """A log (stdout and stderr piped into one file) holds lines only: tqdm's bar, redrawn with carriage
+    returns, is for a terminal."""
     _, output = piped_run
-    shown = [line.split("\r")[-1] for line in output.splitlines()]
+    assert "\r" not in output and "it/s" not in output
+    shown = output.splitlines()
     assert [line.split(":")[0] for line in shown if ": loss " in line] == [f"step {s}" for s in (2, 4, 6, 8)]
     assert sum(line.startswith("step 4: val_acc") for line in shown) == 1
     assert shown[-1].startswith("done: revit-mini")

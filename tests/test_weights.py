@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train
-from lib.checkpoint import checkpoint_or_fail
+from lib.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CARDS = sorted((ROOT / "weights").glob("*.json"))
@@ -49,11 +49,17 @@ def test_torch_hub_loads_them_from_the_clone(path, monkeypatch):
         raise AssertionError("torch.hub reached for the network")
     monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
     model = torch.hub.load(str(ROOT), ENTRY[path.stem], source="local", trust_repo=True)
-    saved = checkpoint_or_fail(str(ROOT / "weights" / card(path)["file"]), "weights")["model"]
+    saved = load_checkpoint(str(ROOT / "weights" / card(path)["file"]), "weights")["model"]
     assert not model.training and model.state_dict().keys() == saved.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     fresh = torch.hub.load(str(ROOT), ENTRY[path.stem], source="local", pretrained=False, trust_repo=True)
     assert type(fresh) is type(model) and fresh.config == model.config
+
+
+def test_torch_hub_lists_only_the_two_models():
+    import hubconf  # torch.hub.list's rule: every public callable of hubconf.py is an entry point
+    assert sorted(f for f in dir(hubconf) if callable(getattr(hubconf, f)) and not f.startswith("_")) == \
+        sorted(ENTRY.values())
 
 
 def test_a_weights_file_cannot_be_resumed_and_another_safetensors_file_is_named(tmp_path):

@@ -230,10 +230,9 @@ def residual_features(model, images: torch.Tensor, depth: int | None = None,
     """Mean-pooled patch tokens of the L+1 residual states (after the embedding and after every step,
     before the final LayerNorm; class token removed): (L+1, n, d) float32 on the CPU."""
     device = next(model.parameters()).device
-    kwargs = {} if depth is None else {"depth": depth}
     chunks = []
     for x in images.split(batch_size):
-        states = model(x.to(device), return_states=True, **kwargs)["states"]  # L+1 x (b, 1+N, d)
+        states = model(x.to(device), depth=depth, return_states=True)["states"]  # L+1 x (b, 1+N, d)
         chunks.append(torch.stack([s[:, 1:].mean(1) for s in states]).float().cpu())  # (L+1, b, d)
     return torch.cat(chunks, dim=1)
 
@@ -253,7 +252,7 @@ def depth_alignment(cross: torch.Tensor) -> dict:
     std = (weights @ layers.square() - mean.square()).clamp_min(0).sqrt()
     return {"max_cka_path": path.long().tolist(), "proportional_depth": proportional.tolist(),
             "spearman_rho": spearman(steps, path), "mad": deviation.mean().item(),
-            "interior_mad": deviation[1:-1].mean().item() if student_steps > 1 else float("nan"),
+            "interior_mad": deviation[1:-1].mean().item() if student_steps > 1 else math.nan,
             "weighted_mean_depth": mean.tolist(), "weighted_std_depth": std.tolist()}
 
 
@@ -272,7 +271,6 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
     intact = cka_to_reference(gates)
     gram = bank_gram(model)
     merged_norm = merged_displacement(gates, gram)  # ||G Theta||_F: the size of the merged weights themselves
-    nan = float("nan")
     ablations = []
     for expert in range(gates.shape[1]):
         ablated = ablate_experts(gates, [expert])
@@ -283,9 +281,9 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
         delta = cka_to_reference(ablated) - intact
         ablations.append({
             "expert": expert, "delta_cka": delta, "displacement": displacement,
-            "relative_displacement": displacement / merged_norm if merged_norm else nan,
+            "relative_displacement": displacement / merged_norm if merged_norm else math.nan,
             "random_delta_cka": random_deltas, "random_mean": randoms.mean().item(),
-            "random_std": randoms.std().item() if len(randoms) > 1 else nan,
+            "random_std": randoms.std().item() if len(randoms) > 1 else math.nan,
             # share of matched random perturbations that hurt more than this ablation
             "fraction_random_worse": (randoms < delta).double().mean().item()})
     # expert e receives gate column p[e]: the bank stays, the assignment changes
@@ -295,7 +293,7 @@ def intervention_analysis(model, gates, images, reference, num_random, num_permu
     return {"intact_cka": intact, "num_images": len(images), "ablations": ablations,
             "permutations": permutations, "permutation_summary": {
                 "count": len(permutations), "mean_delta_cka": deltas.mean().item(),
-                "max_delta_cka": deltas.max().item() if len(deltas) else nan,
+                "max_delta_cka": deltas.max().item() if len(deltas) else math.nan,
                 "num_at_or_above_intact": int((deltas >= 0).sum())}}
 
 
@@ -351,9 +349,9 @@ def gradient_part(model, images, labels, depth: int, batches: int, seed: int) ->
     """The measures on the trained checkpoint and on a fresh model of the same config (seed `seed`): the
     zero-initialised router's start (App. A.1) against where training ended."""
     batch_size = len(images) // batches
-    images, labels = images[:batch_size * batches], labels[:batch_size * batches]
-    torch.manual_seed(seed)
     device = next(model.parameters()).device
+    images, labels = images[:batch_size * batches].to(device), labels[:batch_size * batches].to(device)
+    torch.manual_seed(seed)
     fresh = revit.build_model(model.config).to(device).eval()
     return {"trained": gradient_measures(model, images, labels, depth, batch_size),
             "init": gradient_measures(fresh, images, labels, depth, batch_size)}
@@ -385,8 +383,8 @@ def check_args(args) -> None:
     batches = (lambda v: v == 0 or 2 <= v <= n, f"0 (skip) or between 2 and --num-images ({n})")
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH),  # s_t = t/(L-1) needs two steps
                   intervention_images=subset, gradient_batches=batches)
-    if args.data_dir and path_problem(args.data_dir, "folder"):
-        raise ValueError(f"--data-dir {args.data_dir}: {path_problem(args.data_dir, 'folder')}")
+    if args.data_dir and (problem := path_problem(args.data_dir, "folder")):
+        raise ValueError(f"--data-dir {args.data_dir}: {problem}")
 
 
 def evaluation_images(args, ckpt: dict, image_size: int) -> tuple:
@@ -396,6 +394,8 @@ def evaluation_images(args, ckpt: dict, image_size: int) -> tuple:
     if dataset not in IMAGE_DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(IMAGE_DATASETS)}; got {dataset!r}"
                          + ("" if args.dataset else f" (checkpoint {args.checkpoint} was trained on it)"))
+    if args.data and dataset != "imagenet":
+        raise ValueError(f"--data is read by --dataset imagenet only, not {dataset}")
     if dataset == "imagenet":  # the val split only, resized and centre-cropped (as train.py evaluates)
         if not args.data or not (Path(args.data) / "val").is_dir():
             raise ValueError(f"--dataset imagenet needs --data ROOT with val/ (ImageFolder layout); "
@@ -462,13 +462,19 @@ def analyse(inputs: Inputs, args) -> dict:
         report["interventions"]["reference"] = "teacher final state" if args.teacher else \
             "intact student final state (no --teacher)"
     if is_merged(model) and args.gradient_batches:
-        device = next(model.parameters()).device
-        report["gate_gradients"] = gradient_part(model, images.to(device), inputs.labels.to(device), depth,
-                                                 args.gradient_batches, args.seed)
+        report["gate_gradients"] = gradient_part(model, images, inputs.labels, depth, args.gradient_batches,
+                                                 args.seed)
     return report
 
 
 # --- output: tables on stdout, JSON / CSV, optional heat maps ---
+
+
+def cell(value: float, spec: str) -> str:
+    """A number of a table, or n/a in its column's width where undefined (nan; null in analysis.json)."""
+    if math.isnan(value):
+        return format("n/a", spec.replace("+", "").split(".")[0])  # the alignment and width of `spec`
+    return format(value, spec)
 
 
 def print_matrix(title: str, matrix, row_name: str, col_name: str, digits: int = 2) -> None:
@@ -476,7 +482,7 @@ def print_matrix(title: str, matrix, row_name: str, col_name: str, digits: int =
     print(f"\n{title}  (rows: {row_name}, columns: {col_name})")
     print(" " * 4 + "".join(f"{j:>{width}}" for j in range(len(matrix[0]))))
     for i, row in enumerate(matrix):
-        print(f"{i:>4}" + "".join(f"{v:>{width}.{digits}f}" for v in row))
+        print(f"{i:>4}" + "".join(cell(v, f">{width}.{digits}f") for v in row))
 
 
 def print_report(report: dict) -> None:
@@ -500,7 +506,7 @@ def print_report(report: dict) -> None:
                      "student state", "teacher state")
         print(f"max-CKA teacher state per student state: {a['max_cka_path']}")
         print(f"Spearman rho {rho_text(a)} | MAD from proportional depth {a['mad']:.2f} teacher "
-              f"layers (interior {a['interior_mad']:.2f})")
+              f"layers (interior {cell(a['interior_mad'], '.2f')})")
     if "interventions" in report:
         print_interventions(report["interventions"], report["gates"])
     if "gate_gradients" in report:
@@ -526,7 +532,7 @@ def print_gradients(result: dict) -> None:
             ("mean pairwise cosine of the experts", "expert_cosine", ".3f"),
             ("task / auxiliary gradient norm on psi", "task_vs_aux_on_psi", ".1f")]
     for label, key, spec in rows:
-        print(f"{label:<52} {i[key]:>8{spec}} {t[key]:>8{spec}}")
+        print(f"{label:<52} {cell(i[key], '>8' + spec)} {cell(t[key], '>8' + spec)}")
 
 
 def print_interventions(result: dict, g: dict) -> None:
@@ -537,11 +543,12 @@ def print_interventions(result: dict, g: dict) -> None:
     for row in result["ablations"]:
         e = row["expert"]
         print(f"{e:>6} {g['mean_gate'][e]:>9.3f} {g['centroid_coordinate'][e]:>10.3f} "
-              f"{row['relative_displacement']:>10.3f} {row['delta_cka']:>+8.4f} {row['random_mean']:>+17.4f} "
-              f"± {row['random_std']:<6.4f} {row['fraction_random_worse']:>12.2f}")
+              f"{cell(row['relative_displacement'], '>10.3f')} {cell(row['delta_cka'], '>+8.4f')} "
+              f"{cell(row['random_mean'], '>+17.4f')} ± {cell(row['random_std'], '<6.4f')} "
+              f"{cell(row['fraction_random_worse'], '>12.2f')}")
     ps = result["permutation_summary"]
     print(f"gate-column permutations: {ps['count']} non-identity, mean Delta CKA "
-          f"{ps['mean_delta_cka']:+.4f}, best {ps['max_delta_cka']:+.4f}, "
+          f"{cell(ps['mean_delta_cka'], '+.4f')}, best {cell(ps['max_delta_cka'], '+.4f')}, "
           f"{ps['num_at_or_above_intact']} at or above the learned assignment")
 
 
@@ -556,8 +563,7 @@ def write_csv(path, rows) -> None:
 
 
 def write_outputs(report: dict, out: Path) -> None:
-    """--out: gates.csv (one row per step), self_cka.csv, cross_cka.csv, the figures and analysis.json
-    (every number, nothing non-finite), each written whole or not at all."""
+    """--out's tables, figures and analysis.json (nothing non-finite), each written whole or not at all."""
     tables = {"self_cka.csv": matrix_rows("state", report["self_cka"])}
     if "gates" in report:
         g = report["gates"]
@@ -570,6 +576,8 @@ def write_outputs(report: dict, out: Path) -> None:
         atomic_write(out / name, lambda tmp: write_csv(tmp, rows))
     report["plots"] = save_plots(report, out)
     atomic_write_text(out / "analysis.json", json.dumps(finite_or_null(report, "", []), indent=1))
+    for stale in set(OUTPUT_FILES) - {"analysis.json", *tables, *report["plots"]}:
+        (out / stale).unlink(missing_ok=True)  # an earlier run's, which would read as this one's
     print(f"\nwrote {out / 'analysis.json'}, " + ", ".join([*sorted(tables), *report["plots"]]))
 
 

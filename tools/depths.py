@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 import sys
+from collections import namedtuple
 
 import torch
 from tqdm import tqdm
@@ -72,8 +73,6 @@ def depth_list(given: list[int], model) -> list[int]:
     c, kind, listed = model.config, single_depth(model.config), ",".join(map(str, given))
     if kind and given not in ([], [c.depth]):
         fail(f"--depths {listed}: {kind} runs only its own depth {c.depth}", PROG)
-    if min(given, default=2) < 2:
-        fail(f"--depths {listed}: a vision model runs at depths 2 and up (a step grid needs two steps)", PROG)
     return sorted(set(given or ([c.depth] if kind else range(2, 2 * c.depth + 1))) | {c.depth})
 
 
@@ -103,14 +102,13 @@ def vision_depth_rows(model, task, depths, args, device, family: str) -> list[di
     and of the dynamic one (the compact checkpoint at that depth: reViT merges its experts on every call,
     as the paper's Table 7 measured)."""
     c = model.config
-    dynamic = model
-    if c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1:
-        dynamic = copy_module(model, merge_cache=False).eval()
+    merges = c.arch == "revit" and getattr(c, "ffn", "merge") == "merge" and c.num_experts > 1
+    dynamic = copy_module(model, merge_cache=False) if merges else model
     shape = (c.in_channels, c.image_size, c.image_size)
     inputs = {batch: torch.randn(batch, *shape, device=device) for batch in (1, args.batch)}
     module, depth_arg = deployed_model(model, c.depth)
     if module is model and c.arch != "vit":  # the reference's own merge cache: no row's depth evicts it
-        module = copy_module(model).eval()
+        module = copy_module(model)
     reference, rows = bench.inference_call(runner(module, depth_arg), inputs[1], device), []
     for depth in progress(depths, args, "depths"):
         key = None if depth == c.depth else depth  # None: the reference depth
@@ -171,10 +169,10 @@ def refuse_non_finite(row: dict, where: str, hint: str = "") -> None:
 
 
 def copy_module(model, **changes):
-    """A second module with the same weights (config `changes` leave the parameters as they are)."""
+    """A second module in eval mode, same weights (config `changes` leave the parameters as they are)."""
     copy = type(model)(dataclasses.replace(model.config, **changes)).to(next(model.parameters()).device)
     copy.load_state_dict(model.state_dict())
-    return copy
+    return copy.eval()
 
 
 # --- the pick: the Pareto rows and the smallest depth that is as good ---
@@ -205,11 +203,13 @@ def resolve_headline(rows, family: str, call_of, reference, args, device) -> Non
         timed_against_reference({"row": call_of(good)}, reference, "row", good, args, device, args.resolve)
 
 
-# the headline of each family: (size, quality, tolerance, higher is better, unit, scale, name)
+# the headline of each family, smallest_within's arguments; label: the quality's table column and plot axis
+Headline = namedtuple("Headline", "size quality tolerance higher_is_better unit scale name label")
 # planted: its target is layer-normed (unit variance per token), so 0.005 MSE is half a percent of it
-HEADLINE = {"vision": ("depth", "acc", 0.005, True, "points", 100, "depth"),
-            "planted": ("depth", "mse", 0.005, False, "MSE", 1, "depth"),
-            "language": ("max_depth", "bpb", 0.01, False, "bits/byte", 1, "cap D'")}
+HEADLINE = {"vision": Headline("depth", "acc", 0.005, True, "points", 100, "depth", "top-1 %"),
+            "planted": Headline("depth", "mse", 0.005, False, "MSE", 1, "depth",
+                                "test MSE (lower is better)"),
+            "language": Headline("max_depth", "bpb", 0.01, False, "bits/byte", 1, "cap D'", "bits/byte")}
 SAME_SPEED = 0.05  # a latency ratio this close to 1 is "as fast": smaller gaps flip with the load of a CPU
 
 
@@ -218,20 +218,23 @@ def smallest_within(rows, size_key: str, quality: str, tolerance: float, higher_
     """"depth 4: −0.3 points, 1.90× faster than the reference (depth 6)": faster or slower only where the
     95% interval of the paired latency ratio lies beyond 1 ± SAME_SPEED."""
     ref, good = smallest_good(rows, size_key, quality, tolerance, higher_is_better)
+
+    def setting(row):  # AlterNet's rows: a cap and a halting threshold
+        threshold = f" at halt threshold {row['halt_threshold'] or 'none'}" if "halt_threshold" in row else ""
+        return f"{name} {row[size_key]}{threshold}"
     if good is ref:
-        return (f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference "
-                f"({name} {ref[size_key]})")
+        return f"no smaller {name} is within {scale * tolerance:g} {unit} of the reference ({setting(ref)})"
     change = scale * (good[quality] - ref[quality])
     delta = f"{change:+.{1 if scale > 1 else 3}f}".replace("-", "−")
     # lower is better (bits/byte, MSE): a bare + reads as a gain, so say which way it moved
     moved = "" if higher_is_better or not change else " (worse)" if change > 0 else " (better)"
     ratio, (low, high) = good["relative_latency"], good["relative_latency_ci95"]
-    than = f"the reference ({name} {ref[size_key]})"
+    than = f"the reference ({setting(ref)})"
     timing = (f"{1 / ratio:.2f}× faster than {than}" if high < 1 - SAME_SPEED else
               f"{ratio:.2f}× slower than {than}" if low > 1 + SAME_SPEED else
               f"as fast as {than} within {SAME_SPEED:.0%} and the timing spread (95% interval of the latency "
               f"ratio: {low:.2f}–{high:.2f})")
-    return f"{name} {good[size_key]}: {delta} {unit}{moved}, {timing}"
+    return f"{setting(good)}: {delta} {unit}{moved}, {timing}"
 
 
 # --- language: every iteration cap D' <= D and halting threshold ---
@@ -305,7 +308,7 @@ PAIRED = ("latency ÷ ref: each row timed in the same rounds as the reference, t
 
 
 def depths_markdown(result: dict) -> str:
-    rows, s = result["rows"], result["settings"]
+    rows, s, label = result["rows"], result["settings"], HEADLINE[result["family"]].label
     mark = lambda r: ("**ref** " if r["reference"] else "") + ("pareto" if r["pareto"] else "")  # noqa: E731
     relative = ("latency ÷ ref (95%)", lambda r: "{:.2f} ({:.2f}–{:.2f})".format(r["relative_latency"],
                                                                                 *r["relative_latency_ci95"]))
@@ -313,16 +316,15 @@ def depths_markdown(result: dict) -> str:
         table = markdown(rows, [
             ("cap D'", f("max_depth", "{}")),
             ("halt threshold", lambda r: f"{r['halt_threshold'] or 'none'}"),
-            ("bits/byte", f("bpb", "{:.4f}")), ("mean iterations", f("mean_iterations")),
+            (label, f("bpb", "{:.4f}")), ("mean iterations", f("mean_iterations")),
             ("ms/token", f("ms_per_token", "{:.3f}")), relative, ("", mark)])
         note = (f"bits/byte: {rows[0]['bpb_metric']}; latency: greedy generation of {s['new_tokens']} "
                 f"tokens, batch 1; {PAIRED}")
     else:
         form = rows[0]["deployed_form"]
-        quality = (("test MSE (lower is better)", f("mse", "{:.5f}")) if result["family"] == "planted" else
-                   ("top-1 %", lambda r: f"{100 * r['acc']:.2f}"))
+        quality = f("mse", "{:.5f}") if result["family"] == "planted" else lambda r: f"{100 * r['acc']:.2f}"
         table = markdown(rows, [
-            ("depth", f("depth", "{}")), quality,
+            ("depth", f("depth", "{}")), (label, quality),
             ("GFLOPs/img", f("gflops", "{:.4f}")), (f"ms/img b1 ({form})", f("deployed_ms_b1", "{:.3f}")),
             ("ms/img b1 dynamic", f("dynamic_ms_b1", "{:.3f}")),
             (f"ms/img b{s['batch']}", f("deployed_ms_bn", "{:.3f}")),
@@ -342,21 +344,20 @@ def plot_depths(result: dict, path: str) -> str | None:
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
     language = result["family"] == "language"
     x_key = "ms_per_token" if language else "deployed_ms_b1"
-    size_key, y_key, *_, scale, _ = HEADLINE[result["family"]]
+    headline = HEADLINE[result["family"]]
     groups = {}
     for r in result["rows"]:
         groups.setdefault(r.get("halt_threshold", "deployed"), []).append(r)
     for name, rows in groups.items():
-        ys = [r[y_key] * scale for r in rows]
+        ys = [r[headline.quality] * headline.scale for r in rows]
         ax.plot([r[x_key] for r in rows], ys, "o-", label=f"threshold {name}" if language else None)
         for r, y in zip(rows, ys):
-            ax.annotate(str(r[size_key]), (r[x_key], y), textcoords="offset points", xytext=(4, 4),
+            ax.annotate(str(r[headline.size]), (r[x_key], y), textcoords="offset points", xytext=(4, 4),
                         fontsize=7)
             if r["reference"]:
                 ax.plot([r[x_key]], [y], "o", ms=11, mfc="none", mec="k")
     ax.set_xlabel("ms per generated token" if language else "ms per image (deployed, batch 1)")
-    ax.set_ylabel({"language": "bits per byte", "planted": "test MSE (lower is better)"}.get(
-        result["family"], "top-1 accuracy (%)"))
+    ax.set_ylabel(headline.label)
     ax.set_title(f"{result['arch']}: {'iteration cap' if language else 'depth'} vs cost", fontsize=9)
     if language:
         ax.legend(fontsize=7)
@@ -379,10 +380,10 @@ def run_depths(args, model, ckpt: dict, device) -> dict:
     else:
         rows = vision_depth_rows(model, task, depth_list(args.depths, model), args, device, family)
         settings["test_images"] = len(task.data.test)
-    mark_tradeoffs(rows, HEADLINE[family][1], "relative_latency", HEADLINE[family][3])
+    mark_tradeoffs(rows, HEADLINE[family].quality, "relative_latency", HEADLINE[family].higher_is_better)
     kind = family != "language" and single_depth(model.config)
     best = f"{kind} runs only its own depth {model.config.depth}" if kind else \
-        smallest_within(rows, *HEADLINE[family])
+        smallest_within(rows, *HEADLINE[family][:7])  # all but the label
     result = {"command": "depths", "checkpoint": args.checkpoint, "arch": ckpt["arch"], "family": family,
               "settings": settings, "rows": rows, "best": best, "env": bench.environment(device)}
     result["plot"] = plot_depths(result, os.path.join(args.out, "depths.png"))  # atomic_write makes --out
@@ -409,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "... 2L; a ViT: L); AlterNet: its iteration caps D', each in 1..D (default 1 ... D)")
     p.add_argument("--test-subset", type=int, default=0,
                    help="the first N test images / validation windows (default: the checkpoint's test set)")
-    p.add_argument("--batch", type=int, help="the larger latency batch (CPU 16, CUDA 64); batch 1 always")
+    p.add_argument("--batch", type=int,
+                   help="vision: the larger latency batch (CPU 16, CUDA 64); batch 1 always")
     bench.timing_flags(p, "CPU 1, CUDA 10", "CPU 5, CUDA 20", "CPU 1, CUDA 10")
     p.add_argument("--resolve", type=float, default=0.03, help="more paired rounds of the headline's row and "
                    "the reference until their latency ratio is known to +- this (default 0.03; 0: none)")
@@ -427,10 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    """Every flag checked (lib/boundary.py) before the checkpoint is read, then the table."""
+    """Every flag checked (lib/boundary.py), those of one family once CKPT is read, then the table."""
     args = build_parser().parse_args(argv)
     check_numbers(vars(args), PROG, batch=closed(2, 65536))  # the flags given (batch 1 is always measured)
-    args.depths = parse_depths(args.depths, "--depths", 1, PROG)  # caps from 1; vision: depth_list
     args.thresholds = None if args.thresholds is None else parse_thresholds(args.thresholds)
     args.out = args.out or os.path.dirname(os.path.abspath(args.checkpoint))
     problem = outputs_problem("--out", args.out, ("depths.json", "depths.png"), runs_ok=True)  # beside a run
@@ -441,6 +442,11 @@ def main(argv=None) -> dict:
         model, ckpt = load_model(args.checkpoint, device, "CKPT")
     except ValueError as e:  # the one line of the device or the checkpoint's reader
         fail(str(e), PROG)
+    vision = ckpt["arch"] in moe.PRESETS
+    # vision depths from 2 (s_t = t/(L-1) needs two steps); AlterNet's iteration caps from 1
+    args.depths = parse_depths(args.depths, "--depths", 2 if vision else 1, PROG)
+    if args.batch and not vision:  # before the defaults fill it in
+        fail(f"--batch: a vision model's latency batch; CKPT ({ckpt['arch']}) is timed at batch 1", PROG)
     defaults = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if args.threads:

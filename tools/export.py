@@ -253,18 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
 def export(args: argparse.Namespace) -> dict:
     """Check the flags, the source and its weights and the fold at --depth first; then write --out."""
     check_numbers(vars(args), PROG, depth=closed(2, MAX_DEPTH))  # s_t = t/(L-1) needs two steps
-    if args.format == "compact" and args.depth is not None:  # compact: L is chosen when it is folded
-        raise ValueError("--depth is not allowed with --format compact, which keeps every depth "
-                         "(give --depth when exporting the compact file to another format)")
     out, expected = Path(args.out), ".onnx" if args.format == "onnx" else ".safetensors"
-    if out.suffix in (".onnx", ".safetensors") and out.suffix != expected:  # timm: torch.save's for others
-        raise ValueError(f"--out {args.out}: --format {args.format} writes no {out.suffix} file; "
-                         f"give a name ending {expected}")
     source = Path(args.checkpoint).exists() and out.resolve() == Path(args.checkpoint).resolve()
     # output_problem: also a run's files, its lock and any saved model
     problem = "is the checkpoint being exported; give another file" if source else output_problem(args.out)
-    if problem:
-        raise ValueError(f"--out {args.out} {problem}")
+    for broken, message in [
+        (args.format == "compact" and args.depth is not None,  # compact: L is chosen when it is folded
+         "--depth is not allowed with --format compact, which keeps every depth (give --depth when exporting "
+         "the compact file to another format)"),
+        (out.suffix in (".onnx", ".safetensors") and out.suffix != expected,  # timm: torch.save's for others
+         f"--out {args.out}: --format {args.format} writes no {out.suffix} file; "
+         f"give a name ending {expected}"),
+        (problem, f"--out {args.out} {problem}")]:
+        if broken:
+            raise ValueError(message)
     model, carried = load_source(args.checkpoint)
     summary = {"format": args.format, "out": str(out), "source_arch": model.config.arch}
     if args.format == "compact":

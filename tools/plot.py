@@ -95,12 +95,11 @@ def main(argv=None) -> Path:
     parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder of train.py (or metrics.jsonl)")
     parser.add_argument("--out", default="", help="the PNG [default: curves.png beside the first RUN]")
     args = parser.parse_args(argv)
+    folders = [Path(run) if Path(run).is_dir() else Path(run).parent for run in args.runs]
     runs = {}
-    for run in args.runs:
-        name = Path(run).name if Path(run).is_dir() else Path(run).parent.name
-        runs[name if name not in runs else run] = read_curves(run)
-    first = Path(args.runs[0])
-    out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / "curves.png"
+    for run, folder in zip(args.runs, folders):
+        runs[folder.name if folder.name not in runs else run] = read_curves(run)
+    out = Path(args.out) if args.out else folders[0] / "curves.png"
     problem = output_problem(out, "file")
     if problem:
         fail(f"--out {out} {problem}", PROG)

@@ -42,7 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from safetensors.torch import save
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 if not __package__:  # run as a file (python tools/probes.py): the project's modules are not on the path
     sys.exit("tools/probes.py: error: run it from the repository root as python -m tools.probes")
@@ -111,12 +112,17 @@ def mean_iou(confusion: torch.Tensor) -> float:
     return (intersection[present] / union[present]).mean().item() if present.any() else float("nan")
 
 
+def valid_depth(target: torch.Tensor) -> torch.Tensor:
+    """The pixels with a measurement: NYUv2 marks a missing one with 0; we also accept NaN."""
+    return torch.isfinite(target) & (target > 0)
+
+
 def depth_map_sums(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[sum of squared errors, pixels with delta < 1.25, valid pixels] over pixels with a finite
-    target > 0 (NYUv2 marks missing measurements with 0; we also accept NaN)."""
-    valid = torch.isfinite(target) & (target > 0)
+    """[sum of squared errors, pixels with delta < 1.25, valid pixels] over the valid_depth pixels."""
+    valid = valid_depth(target)
     pred, target = pred[valid].double(), target[valid].double()
-    ratio = torch.maximum(pred.clamp(min=DELTA_MIN_DEPTH) / target, target / pred.clamp(min=DELTA_MIN_DEPTH))
+    clamped = pred.clamp(min=DELTA_MIN_DEPTH)
+    ratio = torch.maximum(clamped / target, target / clamped)
     return torch.stack([((pred - target) ** 2).sum(), (ratio < 1.25).sum().double(),
                         torch.tensor(float(valid.sum()), dtype=torch.float64)])
 
@@ -159,7 +165,7 @@ class DenseHead(nn.Module):
 
 def depth_map_loss(pred, target):
     """Mean squared error over valid pixels (the reported metric is its square root); pred (B, 1, H, W)."""
-    valid = torch.isfinite(target) & (target > 0)
+    valid = valid_depth(target)
     return ((pred[:, 0] - target.nan_to_num()) ** 2 * valid).sum() / valid.sum().clamp(min=1)
 
 
@@ -240,8 +246,8 @@ def read_tensor_files(root: Path, cfg: ProbeConfig) -> DenseData:
                 and (not seg or isinstance(num_classes, int) and num_classes > 0)):
             fail(f"--data {path}: needs a dict with the tensors 'images' (uint8, N x C x H x W) and '{key}' "
                  f"(N x H x W) for --probe {cfg.probe}" + (", and 'num_classes' (an int > 0)" if seg else ""))
-        splits.append(DenseSplit(images[:n or None], targets[:n or None].long() if seg else
-                                 targets[:n or None].float()))
+        n = n or None  # 0: all
+        splits.append(DenseSplit(images[:n], targets[:n].to(torch.long if seg else torch.float)))
     return DenseData(f"{root.name} (tensor files)", cfg.probe, *splits, num_classes=num_classes if seg else 0)
 
 
@@ -298,9 +304,8 @@ class FrozenBackbone:
 
     def __init__(self, cfg: ProbeConfig):
         self.device, self.batch_size = pick_device(cfg.device), cfg.eval_batch_size
-        model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", self.device)
-        model.eval().requires_grad_(False)  # frozen: no dropout, drop-path or elastic depth
-        self.model, self.ckpt, config = model, ckpt, model.config
+        model, ckpt = checkpoint.load_vision_model(cfg.backbone, "--backbone", self.device)  # in eval mode
+        self.model, self.ckpt, config = model.requires_grad_(False), ckpt, model.config  # frozen
         self.depths = [cfg.depth or config.depth]
         self.depths += [d for d in parse_depths(cfg.eval_depths) if d != self.depths[0]]
         x = torch.zeros(1, config.in_channels, config.image_size, config.image_size, device=self.device)
@@ -327,8 +332,6 @@ class FrozenBackbone:
                           self.device)
         if not self.cache:
             return extract()
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file, save_file
         data = hashlib.sha256(images.contiguous().numpy().tobytes())
         data.update(repr((tuple(images.shape), list(self.mean), list(self.std))).encode())
         name = f"{self.ckpt_hash[:16]}-depth{depth}-data{data.hexdigest()[:16]}.safetensors"
@@ -384,7 +387,7 @@ def constant_baseline(data: DenseData) -> tuple[dict, float]:
     if data.task == "seg":
         constant = float(torch.bincount(t[t != IGNORE_INDEX].flatten(), minlength=data.num_classes).argmax())
     else:
-        constant = t[torch.isfinite(t) & (t > 0)].mean().item()
+        constant = t[valid_depth(t)].mean().item()
     prediction = torch.full_like(data.test.targets, constant)
     return metrics_of(batch_sums(prediction, data.test.targets, data), data), constant
 
@@ -428,7 +431,8 @@ def check_config(cfg: ProbeConfig) -> None:
     """The flags, before any file is read (ranges: lib/boundary.py's table): one line naming the flag."""
     check_numbers(asdict(cfg))
     parse_depths(cfg.eval_depths)
-    hint = " (monocular depth is monodepth; --depth sets the backbone's steps)" * (cfg.probe == "depth")
+    hint = {"depth": " (monocular depth is monodepth; --depth sets the backbone's steps)",
+            "mean": " (mean pooling is train.py's --probe cls --probe-pool mean)"}.get(cfg.probe, "")
     data = cfg.data and path_problem(cfg.data, "folder")
     cache = cfg.probe_cache and outputs_problem("--probe-cache", cfg.probe_cache, ())
     out = cfg.out_dir and outputs_problem("--out-dir", cfg.out_dir, OUT_FILES)
@@ -490,7 +494,7 @@ def run(cfg: ProbeConfig) -> dict:
         tensors = {f"{name}.{key}": value.detach().cpu().contiguous() for name, head in heads.items()
                    for key, value in head.state_dict().items()}
         atomic_write(Path(cfg.out_dir) / OUT_FILES[1],  # tagged: a re-run into --out-dir may replace it
-                     lambda tmp: tmp.write_bytes(save(tensors, metadata={"format": "revit.probe_heads"})))
+                     lambda tmp: save_file(tensors, tmp, metadata={"format": "revit.probe_heads"}))
     return summary
 
 

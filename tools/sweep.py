@@ -168,10 +168,7 @@ def cell_argv(regime: dict, cell: dict, seed: int, runs: str = "runs") -> list[s
         value = value.format(**fill) if isinstance(value, str) else value
         values[key] = merge_model_args(values.get(key, ""), value) if key == "model_args" else value
     values["seed"] = seed
-    argv = []
-    for key, value in values.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv
+    return [word for key, value in values.items() for word in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def flag_pairs(argv: list[str]) -> list[tuple]:
@@ -267,9 +264,8 @@ def cached_cell(key: str, argv: list[str], out_dir: str) -> dict | None:
 
 
 def run_cell(key: str, argv: list[str], out_dir: str, threads: int = 1) -> dict:
-    """`python train.py ARGV` in its own process, its output in runs/KEY/train.log, unless a finished run of
-    the same command line is cached (cached_cell); -> its record, written to cells/KEY.json with the commit
-    (`-dirty`: tracked files outside results/ differ; None outside git) and torch it was trained at."""
+    """`python train.py ARGV` in its own process (output: runs/KEY/train.log) unless cached_cell has it;
+    -> its record, written to cells/KEY.json with the commit and torch it was trained at."""
     cached = cached_cell(key, argv, out_dir)
     if cached:
         return cached
@@ -381,19 +377,24 @@ def quality_markdown(result: dict) -> str:
     return "\n".join(out)
 
 
+def figures(rows: list[dict]) -> dict:
+    """quality_KIND.png's KIND -> (how to draw it, the rows it shows; none: no figure): accuracy vs E with
+    error bars (Table 5's shape), the score vs inference depth with bands after elastic training (Fig. 2's),
+    and the gate spread during training."""
+    grid = lambda name: [r for r in rows if r["grid"] == name]  # noqa: E731
+    untied = next((r for r in grid("planted") if r["cell"] == "ViT (untied)"), None)
+    return {"experts": (draw_experts, grid("experts")), "depths": (draw_elastic, grid("elastic")),
+            "planted-depths": (lambda ax, rows: draw_elastic(ax, rows, untied), grid("planted-elastic")),
+            "gates": (draw_gate_traces, [r for r in rows if r["gate_traces"]])}
+
+
 def plot_quality(result: dict, folders: list[tuple]) -> list[str]:
-    """Accuracy vs E with error bars (Table 5's shape), the score vs inference depth with bands after elastic
-    training (Fig. 2's), and the gate spread during training, each written to every (folder, pattern)."""
+    """Each of figures() written to every (folder, pattern)."""
     plt = pyplot()
     if plt is None:
         return []
-    rows, paths = result["rows"], []
-    grid = lambda name: [r for r in rows if r["grid"] == name]  # noqa: E731
-    untied = next((r for r in grid("planted") if r["cell"] == "ViT (untied)"), None)
-    figures = {"experts": (draw_experts, grid("experts")), "depths": (draw_elastic, grid("elastic")),
-               "planted-depths": (lambda ax, rows: draw_elastic(ax, rows, untied), grid("planted-elastic")),
-               "gates": (draw_gate_traces, [r for r in rows if r["gate_traces"]])}
-    for kind, (draw, chosen) in figures.items():
+    paths = []
+    for kind, (draw, chosen) in figures(result["rows"]).items():
         if chosen:
             fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
             draw(ax, chosen)
@@ -463,14 +464,12 @@ def run_sweep(args) -> dict:
     grids = [g.strip() for g in args.grids.split(",") if g.strip()]
     shard = re.fullmatch(r"(\d+)/(\d+)", args.shard.strip())
     out_dir = args.out or ("out/quality-quick" if args.quick else f"out/quality/{args.regime}")
-    kinds = ("experts", "depths", "planted-depths", "gates")  # plot_quality's figures
-    out_problem = outputs_problem("--out", out_dir, ["quality.json", *(f"quality_{k}.png" for k in kinds)])
-    rules = [(f"--grids must name some of {', '.join(GRIDS)}; got {args.grids!r}",
-              grids and set(grids) <= set(GRIDS)),
-             (f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {args.shard!r}",
-              shard and 1 <= int(shard[1]) <= int(shard[2])),
-             (out_problem, not out_problem)]
-    problem = next((rule for rule, kept in rules if not kept), None)
+    outputs = ["quality.json", *(f"quality_{kind}.png" for kind in figures([]))]
+    problem = (f"--grids must name some of {', '.join(GRIDS)}; got {args.grids!r}"
+               if not grids or not set(grids) <= set(GRIDS)
+               else f"--shard takes K/N with 1 <= K <= N (e.g. 1/2); got {args.shard!r}"
+               if not (shard and 1 <= int(shard[1]) <= int(shard[2]))
+               else outputs_problem("--out", out_dir, outputs))
     if problem:
         fail(problem, PROG)
     regime = dict(QUICK_REGIME if args.quick else REGIMES[args.regime], device=device)
